@@ -1,0 +1,127 @@
+"""Recipe + command-line overrides -> a typed RunConfig, through Hydra's compose API.
+
+Overrides use Hydra's syntax: ``recipe=NAME`` picks a recipe, ``GROUP=OPTION`` a
+group option, ``a.b=value`` a single key. Users add their own config folders
+(with ``model/``, ``parallel/``, ``recipe/``, ... inside) through ``--config-dir``
+or the ``LLMFORGE_CONFIG_PATH`` environment variable (``os.pathsep``-separated);
+their options shadow the built-in ones of the same name.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
+
+from llmforge.config.schema import GROUPS, RunConfig, iter_keys
+from llmforge.errors import Problem, UserError, nearest
+
+BUILTIN_CONFIG_DIR = Path(__file__).resolve().parents[1] / "conf"
+SELECTABLE_GROUPS = ("recipe",) + GROUPS
+KEY_ALIASES = {"checkpoint.async": "checkpoint.async_save"}
+_SCHEMA_NAME = "llmforge_schema"
+
+
+@dataclass(frozen=True)
+class OptionInfo:
+    group: str
+    name: str
+    description: str
+    path: Path
+
+
+def config_dirs(extra: Sequence[str | Path] = ()) -> List[Path]:
+    """Config folders searched, highest priority first: explicit, environment, built-in."""
+    env = [p for p in os.environ.get("LLMFORGE_CONFIG_PATH", "").split(os.pathsep) if p]
+    dirs = [Path(p).expanduser().resolve() for p in [*extra, *env]]
+    for d in dirs:
+        if not d.is_dir():
+            raise UserError([Problem("--config-dir", str(d), "is not a folder", "pass an existing folder")])
+    return [*dirs, BUILTIN_CONFIG_DIR]
+
+
+def available_options(dirs: Sequence[Path]) -> Dict[str, Dict[str, OptionInfo]]:
+    """Every selectable option per group, with the first comment line as its description."""
+    found: Dict[str, Dict[str, OptionInfo]] = {g: {} for g in SELECTABLE_GROUPS}
+    for d in reversed(list(dirs)):  # later (higher-priority) folders overwrite
+        for group in SELECTABLE_GROUPS:
+            for path in sorted((d / group).glob("*.yaml")):
+                found[group][path.stem] = OptionInfo(group, path.stem, _description(path), path)
+    return found
+
+
+def _description(path: Path) -> str:
+    for line in path.read_text().splitlines():
+        text = line.strip()
+        if text.startswith("#") and not text.startswith("# @package"):
+            return text.lstrip("# ").strip()
+    return ""
+
+
+def _check_overrides(overrides: Sequence[str], options: Dict[str, Dict[str, OptionInfo]]) -> List[str]:
+    """Translate aliases and report malformed overrides, unknown keys and unknown options at once."""
+    known_keys = {k for k, *_ in iter_keys()}
+    problems: List[Problem] = []
+    translated: List[str] = []
+    for raw in overrides:
+        if "=" not in raw:
+            problems.append(Problem(raw, raw, "an override must look like key=value", "write e.g. train.steps=10 or parallel=tp2"))
+            continue
+        key, value = raw.split("=", 1)
+        prefix = "".join(c for c in key if c in "+~")
+        bare = KEY_ALIASES.get(key.lstrip("+~"), key.lstrip("+~"))
+        if bare in options:
+            if value not in options[bare]:
+                valid = ", ".join(sorted(options[bare]))
+                problems.append(
+                    Problem(bare, value, f"no such {bare} option{nearest(value, options[bare])}", f"choose one of: {valid}")
+                )
+        elif bare not in known_keys and not any(k.startswith(bare + ".") for k in known_keys):
+            problems.append(
+                Problem(bare, value, f"unknown key{nearest(bare, known_keys | set(options))}", "see `llmforge keys` for every key")
+            )
+        translated.append(f"{prefix}{bare}={value}")
+    if problems:
+        raise UserError(problems, title="bad overrides")
+    return translated
+
+
+def _register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name=_SCHEMA_NAME, node=RunConfig)
+
+
+def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] = ()) -> RunConfig:
+    """Compose the recipe and overrides into a validated, typed RunConfig."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    dirs = config_dirs(extra_dirs)
+    options = available_options(dirs)
+    checked = _check_overrides(overrides, options)
+    searchpath = ",".join(f"file://{d}" for d in dirs[:-1])
+    if searchpath:
+        checked.append(f"hydra.searchpath=[{searchpath}]")
+    _register_schema()
+    try:
+        with initialize_config_dir(version_base=None, config_dir=str(BUILTIN_CONFIG_DIR), job_name="llmforge"):
+            cfg = hydra_compose(config_name="config", overrides=checked)
+        cfg = OmegaConf.masked_copy(cfg, [f for f in cfg if f != "hydra"]) if "hydra" in cfg else cfg
+        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+        raise UserError([_explain(exc)], title="the configuration does not compose") from None
+
+
+def _explain(exc: Exception) -> Problem:
+    cause = exc
+    while cause.__cause__ is not None and not isinstance(cause, KeyError):
+        cause = cause.__cause__
+    key = getattr(cause, "full_key", "") or getattr(exc, "full_key", "") or ""
+    text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+    fix = "check the key names and value types in your YAML and overrides (`llmforge keys` lists them)"
+    return Problem(str(key) or "config", "", text, fix)

@@ -1,0 +1,203 @@
+"""Typed configuration schema: one dataclass per config group.
+
+Every YAML file under ``conf/`` and every command-line override is merged into
+these dataclasses by Hydra/OmegaConf, so a misspelt key or a wrong type is
+caught at compose time. Each field carries a one-line help text (``llmforge keys``
+prints them). Cross-field rules (divisibility, world size, ...) live in
+``llmforge.plan``.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+
+def knob(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None) -> Any:
+    """A dataclass field with a help text."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class MoEConfig:
+    num_experts: int = knob(0, help="Routed experts per MoE layer; 0 makes the model dense.")
+    top_k: int = knob(2, help="Experts each token is routed to.")
+    ffn_hidden_size: Optional[int] = knob(None, help="Hidden size of one expert's MLP (default: model.ffn_hidden_size).")
+    num_shared_experts: int = knob(0, help="Experts every token passes through besides the routed ones.")
+    capacity_factor: Optional[float] = knob(
+        None, help="Expert capacity as a multiple of the even share of tokens; tokens past it are dropped. null = dropless."
+    )
+    aux_loss_coef: float = knob(0.01, help="Weight of the Switch/GShard load-balancing loss.")
+    z_loss_coef: float = knob(0.0, help="Weight of the router z-loss (ST-MoE).")
+    normalize_top_k: bool = knob(True, help="Renormalise the top-k routing weights to sum to one.")
+    every: int = knob(1, help="Make every N-th transformer block an MoE block (1 = all).")
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = knob(2, help="Transformer blocks.")
+    hidden_size: int = knob(64, help="Width of the residual stream.")
+    num_heads: int = knob(4, help="Attention (query) heads.")
+    num_kv_heads: Optional[int] = knob(None, help="Key/value heads; fewer than num_heads is GQA. null = num_heads.")
+    ffn_hidden_size: int = knob(256, help="Hidden size of the MLP.")
+    vocab_size: int = knob(4096, help="Vocabulary size of embedding and output layer.")
+    seq_len: int = knob(128, help="Training sequence length in tokens.")
+    norm: str = knob("layernorm", help="Normalisation: layernorm or rmsnorm.")
+    norm_eps: float = knob(1e-5, help="Epsilon of the normalisation layers.")
+    activation: str = knob("gelu", help="MLP activation: gelu (2-matrix MLP) or swiglu (gated, 3 matrices).")
+    position: str = knob("learned", help="Position encoding: learned (absolute embedding) or rope.")
+    rope_theta: float = knob(10000.0, help="RoPE base frequency.")
+    tie_embeddings: bool = knob(True, help="Share the input embedding with the output projection.")
+    bias: bool = knob(True, help="Biases in the linear layers and norms.")
+    dropout: float = knob(0.0, help="Dropout probability on attention and residual branches.")
+    init_std: float = knob(0.02, help="Standard deviation of the normal weight initialisation.")
+    moe: MoEConfig = knob(help="Mixture-of-experts settings.", factory=MoEConfig)
+
+
+@dataclass
+class ParallelConfig:
+    dp: Any = knob("auto", help="Data-parallel degree, or auto = world size / (tp*pp*cp).")
+    tp: int = knob(1, help="Tensor-parallel degree (inside a node).")
+    pp: int = knob(1, help="Pipeline-parallel degree (stages).")
+    cp: int = knob(1, help="Context-parallel degree (sequence split across ranks).")
+    ep: int = knob(1, help="Expert-parallel degree (experts split across data-parallel ranks).")
+    zero: int = knob(0, help="ZeRO stage: 0 replicated, 1 optimizer states, 2 +gradients, 3 +parameters (FSDP).")
+    sequence_parallel: bool = knob(False, help="Shard norm and dropout activations along the sequence over tp ranks.")
+    pp_schedule: str = knob("1f1b", help="Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_interleaved, zbv.")
+    pp_virtual_stages: int = knob(1, help="Model chunks per pipeline rank (interleaved schedules).")
+    pp_layers: Optional[List[int]] = knob(None, help="Layers per pipeline stage for an uneven split (length pp*virtual stages).")
+    recompute: str = knob("none", help="Activation recomputation: none, selective or full.")
+    recompute_every: int = knob(1, help="With full recompute, checkpoint every N-th block only.")
+
+
+@dataclass
+class PrecisionConfig:
+    param_dtype: str = knob("fp32", help="Compute dtype of parameters and activations: fp32, bf16 or fp16.")
+    reduce_dtype: str = knob("fp32", help="Dtype of gradient reduction across data-parallel ranks.")
+    initial_loss_scale: float = knob(65536.0, help="fp16 only: starting dynamic loss scale.")
+    loss_scale_growth_interval: int = knob(2000, help="fp16 only: steps without overflow before the scale doubles.")
+
+
+@dataclass
+class DataConfig:
+    source: str = knob("builtin", help="builtin (Python standard library text, no download) or files (data.path).")
+    path: Optional[str] = knob(None, help="A .txt/.jsonl/.parquet file or folder of them (sets source=files).")
+    text_key: str = knob("text", help="Column holding the text in .jsonl/.parquet files.")
+    tokenizer: Optional[str] = knob(None, help="A tokenizer.json to use instead of training a byte-level BPE.")
+    vocab_size: Optional[int] = knob(None, help="Size of the trained tokenizer (default: model.vocab_size).")
+    cache_dir: str = knob("~/.cache/llmforge", help="Where prepared tokenizers and token shards are kept.")
+    builtin_max_mb: float = knob(8.0, help="Megabytes of standard-library text in the built-in corpus.")
+    num_proc: int = knob(1, help="Processes used to tokenize.")
+    mixture: List[str] = knob(help="Several datasets as PATH:WEIGHT entries (overrides data.path).", factory=list)
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = knob(0, help="Save every N steps (0 = only at the end).")
+    keep: int = knob(3, help="Complete checkpoints to keep; older ones are removed.")
+    async_save: bool = knob(False, help="Save in the background (alias: checkpoint.async).")
+    save_final: bool = knob(True, help="Save after the last step.")
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = knob(8, help="Sequences per microbatch per data-parallel rank.")
+    global_batch_size: int = knob(8, help="Sequences per optimizer step across all ranks.")
+    steps: int = knob(100, help="Optimizer steps.")
+    lr: float = knob(3e-4, help="Peak learning rate.")
+    seed: int = knob(1234, help="Seed for initialisation, data order and dropout.")
+    log_interval: int = knob(1, help="Log metrics every N steps.")
+
+
+@dataclass
+class OptimConfig:
+    name: str = knob("adamw", help="Optimizer (adamw).")
+    weight_decay: float = knob(0.1, help="Decoupled weight decay (not applied to biases, norms, embeddings).")
+    beta1: float = knob(0.9, help="AdamW beta1.")
+    beta2: float = knob(0.95, help="AdamW beta2.")
+    eps: float = knob(1e-8, help="AdamW epsilon.")
+    grad_clip: float = knob(1.0, help="Clip the global gradient norm to this (0 = off).")
+    warmup_steps: int = knob(10, help="Linear warm-up steps.")
+    schedule: str = knob("cosine", help="Decay after warm-up: cosine, linear or constant.")
+    min_lr_ratio: float = knob(0.1, help="Final learning rate as a fraction of train.lr.")
+
+
+@dataclass
+class ClusterConfig:
+    accelerator: str = knob("cpu", help="Hardware profile name (llmforge estimate lists them) or a profile YAML path.")
+    nodes: int = knob(1, help="Nodes.")
+    devices_per_node: Optional[int] = knob(
+        None, help="Processes (GPUs) per node; world size = nodes * devices_per_node. null = as many as the layout needs."
+    )
+    launcher: str = knob("local", help="local (torchrun here) or slurm (write an sbatch script).")
+    rdzv_endpoint: Optional[str] = knob(None, help="host:port of the rendezvous for multi-node runs.")
+    efficiency: float = knob(0.5, help="Fraction of peak FLOP/s the estimator assumes for compute.")
+    timeout_s: int = knob(300, help="Collective timeout in seconds: a stuck rank ends the job after this.")
+
+
+@dataclass
+class WandbConfig:
+    mode: str = knob("offline", help="online, offline or disabled (online needs WANDB_API_KEY or a login).")
+    project: str = knob("llmforge", help="W&B project.")
+    entity: Optional[str] = knob(None, help="W&B entity (team or user).")
+
+
+@dataclass
+class LoggingConfig:
+    console: bool = knob(True, help="Show the Rich progress bar.")
+    wandb: WandbConfig = knob(help="Weights & Biases.", factory=WandbConfig)
+
+
+@dataclass
+class RunConfigSection:
+    dir: str = knob("runs/${run.name}", help="Run directory: plan.json, metrics.jsonl, checkpoints/.")
+    name: str = knob("tiny", help="Run name (W&B run name, default run folder).")
+
+
+@dataclass
+class RunConfig:
+    """The whole composed configuration of one run."""
+
+    recipe: str = knob("tiny", help="The recipe this configuration came from.")
+    model: ModelConfig = knob(help="Transformer shape and flavour.", factory=ModelConfig)
+    parallel: ParallelConfig = knob(help="Parallel layout and strategy.", factory=ParallelConfig)
+    precision: PrecisionConfig = knob(help="Numeric precision.", factory=PrecisionConfig)
+    data: DataConfig = knob(help="Training data.", factory=DataConfig)
+    checkpoint: CheckpointConfig = knob(help="Checkpointing.", factory=CheckpointConfig)
+    train: TrainConfig = knob(help="Batch sizes, steps, learning rate, seed.", factory=TrainConfig)
+    optim: OptimConfig = knob(help="Optimizer and learning-rate schedule.", factory=OptimConfig)
+    cluster: ClusterConfig = knob(help="Where the run executes.", factory=ClusterConfig)
+    logging: LoggingConfig = knob(help="Console and Weights & Biases logging.", factory=LoggingConfig)
+    run: RunConfigSection = knob(help="Run directory and name.", factory=RunConfigSection)
+
+
+GROUPS = ("model", "parallel", "precision", "data", "checkpoint", "optim", "cluster", "logging")
+
+
+def iter_keys(cls: type = RunConfig, prefix: str = ""):
+    """Yield (dotted key, type name, default, help) for every leaf field."""
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
+            yield from iter_keys(f.type, key + ".")
+            continue
+        sub = _nested_dataclass(cls, f.name)
+        if sub is not None:
+            yield from iter_keys(sub, key + ".")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else None
+        yield key, str(f.type), default, f.metadata.get("help", "")
+
+
+def _nested_dataclass(cls: type, name: str) -> Optional[type]:
+    f = {x.name: x for x in dataclasses.fields(cls)}[name]
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        value = f.default_factory()  # type: ignore[misc]
+        if dataclasses.is_dataclass(value):
+            return type(value)
+    return None
