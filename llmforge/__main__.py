@@ -1,0 +1,3 @@
+from llmforge.cli import main
+
+main()

@@ -1,0 +1,239 @@
+"""The llmforge command line. Commands parse their arguments and hand over; no
+training or estimation logic lives here, and nothing heavy is imported at start-up."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+from typing import Callable, List, Optional
+
+import typer
+from rich.console import Console
+
+from llmforge.errors import UserError
+
+app = typer.Typer(
+    name="llmforge",
+    help="Compose, validate, estimate and launch LLM pretraining runs.\n\n"
+    "Every command takes Hydra-style overrides: recipe=NAME picks a recipe, GROUP=OPTION a config "
+    "option (parallel=tp2pp2), a.b=value a single key (train.steps=100).",
+    epilog="Examples:\n\n  llmforge pretrain\n\n  llmforge pretrain recipe=gpt-1b parallel=tp4pp2 train.steps=10\n\n"
+    "  llmforge estimate recipe=gpt-7b parallel=tp4pp2\n\n  llmforge resume ckpt=runs/tiny/checkpoints/latest",
+    rich_markup_mode="rich",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+data_app = typer.Typer(help="Prepare training data (tokenizer + token shards).", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+err = Console(stderr=True)
+out = Console()
+
+OVERRIDES = typer.Argument(None, help="Overrides: recipe=NAME, GROUP=OPTION, key.path=value.", show_default=False)
+CONFIG_DIR = typer.Option(None, "--config-dir", "-C", help="Extra folder of configs (model/, parallel/, recipe/, ...); repeatable.")
+
+
+def user_errors(fn: Callable) -> Callable:
+    """Turn a UserError into one red message and exit code 2, never a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as exc:
+            err.print(f"[bold red]error:[/] {exc.message()}", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=2) from None
+        except KeyboardInterrupt:
+            err.print("[yellow]interrupted[/]")
+            raise typer.Exit(code=130) from None
+
+    return wrapper
+
+
+def _build_plan(overrides: Optional[List[str]], config_dir: Optional[List[Path]]):
+    from llmforge.config.compose import compose
+    from llmforge.plan import RunPlan
+
+    return RunPlan.build(compose(overrides or [], extra_dirs=config_dir or []))
+
+
+@app.command()
+@user_errors
+def plan(
+    overrides: Optional[List[str]] = OVERRIDES,
+    as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    config_dir: Optional[List[Path]] = CONFIG_DIR,
+) -> None:
+    """Compose and validate a run plan, and show it. Nothing is started.
+
+    [bold]Examples[/]
+
+      llmforge plan recipe=gpt-1b parallel=tp4pp2
+
+      llmforge plan recipe=gpt-7b train.global_batch_size=2048 --json
+    """
+    run_plan = _build_plan(overrides, config_dir)
+    if as_json:
+        print(run_plan.to_json())
+        return
+    from llmforge.report import show_plan
+
+    show_plan(run_plan, console=out)
+
+
+@app.command()
+@user_errors
+def recipes(config_dir: Optional[List[Path]] = CONFIG_DIR) -> None:
+    """List recipes and the options of every config group, with one-line descriptions.
+
+    [bold]Example[/]
+
+      llmforge recipes
+    """
+    from llmforge.config.compose import available_options, config_dirs
+    from llmforge.report import show_options
+
+    show_options(available_options(config_dirs(config_dir or [])), console=out)
+
+
+@app.command()
+@user_errors
+def keys(prefix: str = typer.Argument("", help="Show only keys starting with this, e.g. parallel.")) -> None:
+    """List every configuration key with its type, default and meaning.
+
+    [bold]Example[/]
+
+      llmforge keys parallel.
+    """
+    from llmforge.report import show_keys
+
+    show_keys(prefix, console=out)
+
+
+@app.command()
+@user_errors
+def estimate(
+    overrides: Optional[List[str]] = OVERRIDES,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in docs/estimator.md)."),
+    timeline: bool = typer.Option(False, "--timeline", help="Draw the pipeline schedule, slot by slot."),
+    measure: bool = typer.Option(False, "--measure", help="Also build the real model on CPU and print measured numbers."),
+    search: bool = typer.Option(False, "--search", help="Search every valid layout and rank those that fit by speed."),
+    top: int = typer.Option(5, "--top", help="With --search, how many layouts to show."),
+    config_dir: Optional[List[Path]] = CONFIG_DIR,
+) -> None:
+    """Estimate memory per device, pipeline bubble, FLOPs, communication and step time.
+
+    Pure arithmetic on the plan: no GPU, no torch, well under a second.
+
+    [bold]Examples[/]
+
+      llmforge estimate recipe=gpt-7b parallel=tp4pp2
+
+      llmforge estimate recipe=gpt-1b parallel=tp2pp2 parallel.pp_schedule=interleaved_1f1b parallel.pp_virtual_stages=2 --timeline
+
+      llmforge estimate recipe=llama-70b cluster.nodes=8 --search --top 5
+    """
+    from llmforge.estimate.report import run_estimate
+
+    run_plan = _build_plan(overrides, config_dir)
+    run_estimate(run_plan, as_json=as_json, timeline=timeline, measure=measure, search=search, top=top, console=out)
+
+
+@app.command()
+@user_errors
+def pretrain(
+    overrides: Optional[List[str]] = OVERRIDES,
+    force: bool = typer.Option(False, "--force", help="Launch even if the estimate says the plan does not fit."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch command (or SLURM script) and stop."),
+    config_dir: Optional[List[Path]] = CONFIG_DIR,
+) -> None:
+    """Validate, estimate and launch a pretraining run.
+
+    With no arguments, trains the [bold]tiny[/] recipe on this machine's CPU on the built-in
+    corpus (no download) in about a minute. A layout with several ranks starts one process per
+    rank through torchrun.
+
+    [bold]Examples[/]
+
+      llmforge pretrain
+
+      llmforge pretrain parallel=tp2 train.steps=50
+
+      llmforge pretrain recipe=gpt-1b parallel=tp4pp2 cluster.nodes=2 --dry-run
+    """
+    from llmforge.launch import launch
+
+    run_plan = _build_plan(overrides, config_dir)
+    launch(run_plan, resume_from=None, force=force, dry_run=dry_run, console=err)
+
+
+@app.command()
+@user_errors
+def resume(
+    overrides: Optional[List[str]] = OVERRIDES,
+    force: bool = typer.Option(False, "--force", help="Launch even if the estimate says the plan does not fit."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch command and stop."),
+) -> None:
+    """Continue a run from a checkpoint: ckpt=PATH, where PATH is a step folder, a run
+    folder or a run's checkpoints/latest. Other overrides (train.steps, train.lr, a new
+    parallel layout, ...) apply on top of the saved plan.
+
+    [bold]Examples[/]
+
+      llmforge resume ckpt=runs/tiny/checkpoints/latest
+
+      llmforge resume ckpt=runs/tiny train.steps=400 parallel=dp2
+    """
+    from llmforge.checkpoint.resume import plan_for_resume
+    from llmforge.launch import launch
+
+    run_plan, checkpoint = plan_for_resume(overrides or [])
+    launch(run_plan, resume_from=checkpoint, force=force, dry_run=dry_run, console=err)
+
+
+@app.command()
+@user_errors
+def export(
+    overrides: Optional[List[str]] = OVERRIDES,
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Folder to write model.safetensors and config.json into."),
+) -> None:
+    """Export a checkpoint's model to Hugging Face format (safetensors + config.json).
+
+    [bold]Example[/]
+
+      llmforge export ckpt=runs/tiny/checkpoints/latest --out exported/tiny
+    """
+    from llmforge.checkpoint.export import export_command
+
+    export_command(overrides or [], out_dir=out_dir, console=err)
+
+
+@data_app.command("prepare")
+@user_errors
+def data_prepare(
+    overrides: Optional[List[str]] = OVERRIDES,
+    force: bool = typer.Option(False, "--force", help="Rebuild even if a valid cache exists."),
+    config_dir: Optional[List[Path]] = CONFIG_DIR,
+) -> None:
+    """Train (or load) the tokenizer and write token shards for data.* settings.
+
+    [bold]Examples[/]
+
+      llmforge data prepare
+
+      llmforge data prepare data=files data.path=corpus/ data.vocab_size=32000
+    """
+    from llmforge.config.compose import compose
+    from llmforge.data import prepare_command
+
+    prepare_command(compose(overrides or [], extra_dirs=config_dir or []), force=force, console=err)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""A decoder-only transformer that follows every ``model.*`` key.
+
+GPT-2/3 style (LayerNorm, GELU, learned positions, biases, tied embeddings) and
+Llama style (RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases) are the
+same code with different settings. The model is a plain ``nn.Module``:
+parallelism is applied from outside (``llmforge.parallel``), which is why
+
+- attention reshapes with ``-1`` heads, so tensor parallelism can shard the
+  projections and each rank sees only its own heads;
+- blocks live in an ``nn.ModuleDict`` keyed by layer index, so a pipeline stage
+  can drop the blocks it does not own and parameter names stay the same in every
+  layout (checkpoints reshard by name);
+- ``embed``, ``norm`` and ``head`` may be ``None`` on pipeline stages that do not
+  hold them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmforge.config.schema import ModelConfig
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+    return nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.bias)
+
+
+def rope_tables(*, head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of shape [seq_len, head_dim/2] (rotation of consecutive halves)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [b, heads, s, d] by position (the 'rotate half' convention of Llama/GPT-NeoX)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = config.hidden_size // config.num_heads
+        kv_heads = config.num_kv_heads or config.num_heads
+        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * self.head_dim, bias=config.bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=config.bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=config.bias)
+        self.o_proj = nn.Linear(config.num_heads * self.head_dim, config.hidden_size, bias=config.bias)
+        self.dropout = config.dropout
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = self.core_attention(q, k, v)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal softmax attention; grouped-query heads share keys and values."""
+        if k.shape[1] != q.shape[1]:
+            groups = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        dropout = self.dropout if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+
+
+class MLP(nn.Module):
+    """GELU: down(gelu(up x)). SwiGLU: down(silu(gate x) * up x)."""
+
+    def __init__(self, *, hidden_size: int, ffn_hidden_size: int, activation: str, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=bias) if activation == "swiglu" else None
+        self.up_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=bias)
+        self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_proj is not None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+def make_mlp(config: ModelConfig, *, layer_id: int) -> nn.Module:
+    moe = config.moe
+    if moe.num_experts > 0 and (layer_id + 1) % moe.every == 0:
+        from llmforge.models.moe import MoE
+
+        return MoE(config)
+    return MLP(hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size, activation=config.activation, bias=config.bias)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, *, layer_id: int) -> None:
+        super().__init__()
+        self.attn_norm = make_norm(config)
+        self.attn = Attention(config)
+        self.mlp_norm = make_norm(config)
+        self.mlp = make_mlp(config, layer_id=layer_id)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope))
+        return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed: Optional[nn.Embedding] = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.pos_embed: Optional[nn.Embedding] = (
+            nn.Embedding(config.seq_len, config.hidden_size) if config.position == "learned" else None
+        )
+        self.embed_dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleDict({str(i): Block(config, layer_id=i) for i in range(config.num_layers)})
+        self.norm: Optional[nn.Module] = make_norm(config)
+        self.head: Optional[nn.Linear] = (
+            None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        if config.position == "rope":
+            cos, sin = rope_tables(head_dim=config.hidden_size // config.num_heads, seq_len=config.seq_len, theta=config.rope_theta)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [b, s] -> logits [b, s, vocab]. On a pipeline stage without the
+        embedding the input is the previous stage's hidden states [b, s, h]; on one
+        without the output layer the result is hidden states."""
+        h = tokens
+        if self.embed is not None:
+            h = self.embed(tokens)
+            if self.pos_embed is not None:
+                h = h + self.pos_embed(torch.arange(tokens.shape[1], device=tokens.device))
+            h = self.embed_dropout(h)
+        rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.has_output else h
+
+    @property
+    def has_output(self) -> bool:
+        return self.head is not None or (self.config.tie_embeddings and self.embed is not None and self.norm is not None)
+
+    def output(self, h: torch.Tensor) -> torch.Tensor:
+        weight = self.head.weight if self.head is not None else self.embed.weight  # type: ignore[union-attr]
+        return F.linear(h, weight)
+
+    @torch.no_grad()
+    def init_weights(self, *, seed: int) -> None:
+        """Initialise every parameter from a generator seeded by (seed, parameter name),
+        so the values do not depend on construction order or on which stage holds them."""
+        residual_std = self.config.init_std / math.sqrt(2 * self.config.num_layers)
+        for name, param in self.named_parameters():
+            gen = torch.Generator().manual_seed(_name_seed(seed, name))
+            if name.endswith("bias"):
+                param.zero_()
+            elif "norm" in name:
+                param.fill_(1.0)
+            else:
+                std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else self.config.init_std
+                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+
+
+def _name_seed(seed: int, name: str) -> int:
+    import zlib
+
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

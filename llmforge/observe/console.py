@@ -1,0 +1,47 @@
+"""Rich progress bar with loss and throughput."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class TrainingProgress:
+    def __init__(self, *, total_steps: int, start_step: int, enabled: bool, console: Optional[Console] = None) -> None:
+        self.console = console or Console(stderr=True)
+        self._progress: Optional[Progress] = None
+        if not enabled:
+            return
+        self._progress = Progress(
+            TextColumn("[bold]step"),
+            MofNCompleteColumn(),
+            BarColumn(),
+            TextColumn("loss [cyan]{task.fields[loss]}"),
+            TextColumn("[green]{task.fields[tps]}[/] tok/s"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=self.console,
+            transient=False,
+        )
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-")
+        self._progress.start()
+
+    def update(self, *, step: int, loss: Optional[float] = None, tokens_per_s: Optional[float] = None) -> None:
+        if self._progress is None:
+            return
+        fields = {}
+        if loss is not None:
+            fields["loss"] = f"{loss:.4f}"
+        if tokens_per_s is not None:
+            fields["tps"] = f"{tokens_per_s:,.0f}"
+        self._progress.update(self._task, completed=step, **fields)
+
+    def print(self, message: str) -> None:
+        self.console.print(message)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None

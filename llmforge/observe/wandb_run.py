@@ -1,0 +1,59 @@
+"""Weights & Biases: offline unless the user has a key, never a prompt."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from llmforge.config.schema import WandbConfig
+
+
+def resolve_mode(mode: str) -> str:
+    """``online`` without credentials degrades to ``offline`` instead of prompting."""
+    if mode == "online" and not (os.environ.get("WANDB_API_KEY") or _netrc_has_wandb()):
+        return "offline"
+    return mode
+
+
+def _netrc_has_wandb() -> bool:
+    netrc = Path.home() / ".netrc"
+    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+class WandbRun:
+    """A thin wrapper so the trainer calls log()/finish() whatever the mode."""
+
+    def __init__(self, *, settings: WandbConfig, run_dir: Path, name: str, config: Dict[str, Any], resume_id: Optional[str]) -> None:
+        self._run = None
+        mode = resolve_mode(settings.mode)
+        if mode == "disabled":
+            return
+        import wandb
+
+        os.environ.setdefault("WANDB_SILENT", "true")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(
+            project=settings.project,
+            entity=settings.entity,
+            name=name,
+            dir=str(run_dir),
+            mode=mode,
+            config=config,
+            id=resume_id,
+            resume="allow" if resume_id else None,
+            settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
+        )
+
+    @property
+    def run_id(self) -> Optional[str]:
+        return self._run.id if self._run is not None else None
+
+    def log(self, metrics: Dict[str, Any], *, step: int) -> None:
+        if self._run is not None:
+            self._run.log(metrics, step=step)
+
+    def finish(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None

@@ -1,0 +1,54 @@
+"""Build a rank's components from a plan: data, model, parallelism, optimizer."""
+
+from __future__ import annotations
+
+import torch
+
+from llmforge.models.gpt import GPT
+from llmforge.plan import RunPlan
+from llmforge.train.components import Components, RankInfo, clip_local
+from llmforge.train.optim import build_optimizer, build_scheduler
+from llmforge.train.precision import LossScaler
+from llmforge.train.step import GradAccumulationStep
+
+
+def build_model(plan: RunPlan, *, device: torch.device) -> GPT:
+    """The full model with its seeded initial weights (identical for every layout)."""
+    model = GPT(plan.config.model)
+    model.init_weights(seed=plan.config.train.seed)
+    return model.to(device)
+
+
+def build_scaler(plan: RunPlan) -> LossScaler:
+    precision = plan.config.precision
+    return LossScaler(
+        scale=precision.initial_loss_scale,
+        growth_interval=precision.loss_scale_growth_interval,
+        enabled=precision.param_dtype == "fp16",
+    )
+
+
+def build_single_process(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Components:
+    cfg = plan.config
+    model = build_model(plan, device=rank.device)
+    optimizer = build_optimizer(model, optim=cfg.optim, lr=cfg.train.lr)
+    scaler = build_scaler(plan)
+    step = GradAccumulationStep(
+        model=model,
+        micro_batch_size=cfg.train.micro_batch_size,
+        param_dtype=cfg.precision.param_dtype,
+        scaler=scaler,
+        device=rank.device,
+    )
+    params = [p for p in model.parameters() if p.requires_grad]
+    return Components(
+        model_parts=[model],
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps),
+        sampler=sampler,
+        step=step,
+        scaler=scaler,
+        clip_grads=lambda max_norm: clip_local(params, max_norm),
+        rank=rank,
+        tokens_per_step=plan.tokens_per_step,
+    )

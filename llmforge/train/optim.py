@@ -1,0 +1,55 @@
+"""AdamW with decoupled weight decay and a warm-up + decay learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, List
+
+import torch
+from torch import nn
+
+from llmforge.config.schema import OptimConfig
+
+
+def parameter_groups(model: nn.Module, *, weight_decay: float) -> List[dict]:
+    """Decay matrices; leave biases, norm weights and embeddings undecayed."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if param.ndim < 2 or "norm" in name or "embed" in name:
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, *, optim: OptimConfig, lr: float) -> torch.optim.Optimizer:
+    groups = [g for g in parameter_groups(model, weight_decay=optim.weight_decay) if g["params"]]
+    # foreach=False keeps the update elementwise-identical however parameters are sharded.
+    return torch.optim.AdamW(groups, lr=lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=False)
+
+
+def lr_factor(step: int, *, optim: OptimConfig, total_steps: int) -> float:
+    """Multiplier of the peak learning rate before optimizer step ``step`` (0-based)."""
+    if optim.warmup_steps > 0 and step < optim.warmup_steps:
+        return (step + 1) / optim.warmup_steps
+    if optim.schedule == "constant":
+        return 1.0
+    decay_steps = max(1, total_steps - optim.warmup_steps)
+    progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
+    if optim.schedule == "linear":
+        shape = 1.0 - progress
+    else:
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, *, optim: OptimConfig, total_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, optim=optim, total_steps=total_steps)
+    )
+
+
+def trainable(params: Iterable[nn.Parameter]) -> List[nn.Parameter]:
+    return [p for p in params if p.requires_grad]

@@ -1,0 +1,54 @@
+"""Mixed precision: autocast for bf16/fp16 compute, dynamic loss scaling for fp16."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(*, param_dtype: str, device: torch.device):
+    """Autocast context for the forward pass; a no-op in fp32. Master weights stay fp32."""
+    if param_dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[param_dtype])
+
+
+@dataclass
+class LossScaler:
+    """Dynamic loss scaling for fp16: scale the loss, skip steps whose gradients
+    overflow and halve the scale; double it after ``growth_interval`` clean steps."""
+
+    scale: float
+    growth_interval: int
+    enabled: bool
+    clean_steps: int = 0
+
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
+
+    def unscale_factor(self) -> float:
+        return 1.0 / self.scale if self.enabled else 1.0
+
+    def update(self, *, found_inf: bool) -> bool:
+        """Record one step; returns True if the optimizer step should run."""
+        if not self.enabled:
+            return True
+        if found_inf:
+            self.scale = max(self.scale / 2.0, 1.0)
+            self.clean_steps = 0
+            return False
+        self.clean_steps += 1
+        if self.clean_steps >= self.growth_interval:
+            self.scale *= 2.0
+            self.clean_steps = 0
+        return True
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])

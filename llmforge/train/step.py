@@ -1,0 +1,71 @@
+"""The training-step seam: forward and backward over one step's microbatches.
+
+A step runner takes this data-parallel rank's share of the global batch
+(``[rows, seq_len + 1]`` token ids) and leaves gradients of the mean loss over the
+global batch in the parameters. It returns the mean loss as a float. In one
+process (and under data/tensor parallelism) it is a gradient-accumulation loop;
+under pipeline parallelism a ``torch.distributed.pipelining`` schedule replaces
+it. Clipping, the optimizer step, logging and checkpoints do not care which ran.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmforge.train.precision import LossScaler, autocast
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+@dataclass
+class StepOutput:
+    loss: float
+    metrics: Dict[str, float] = field(default_factory=dict)
+
+
+class StepRunner(Protocol):
+    def __call__(self, batch: torch.Tensor) -> StepOutput: ...
+
+
+@dataclass
+class GradAccumulationStep:
+    """Split the rank's rows into microbatches, accumulate gradients, average the loss.
+
+    ``no_sync`` (optional) returns a context that suspends gradient reduction for
+    all but the last microbatch; ``reduce_loss`` averages the logged loss across
+    ranks that saw different data."""
+
+    model: nn.Module
+    micro_batch_size: int
+    param_dtype: str
+    scaler: LossScaler
+    device: torch.device
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
+    no_sync: Optional[Callable[[bool], contextlib.AbstractContextManager]] = None
+    reduce_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+
+    def __call__(self, batch: torch.Tensor) -> StepOutput:
+        micro = batch.to(self.device, non_blocking=True).split(self.micro_batch_size)
+        total = torch.zeros((), device=self.device)
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            sync = self.no_sync(last) if self.no_sync is not None else contextlib.nullcontext()
+            with sync:
+                with autocast(param_dtype=self.param_dtype, device=self.device):
+                    logits = self.model(mb[:, :-1])
+                loss = self.loss_fn(logits, mb[:, 1:])
+                self.scaler.scaled(loss / len(micro)).backward()
+            total += loss.detach()
+        mean = total / len(micro)
+        if self.reduce_loss is not None:
+            mean = self.reduce_loss(mean)
+        return StepOutput(loss=mean.item())
