@@ -16,7 +16,8 @@ class Problem:
     fix: str
 
     def render(self) -> str:
-        return f"{self.key} = {self.value!r}: {self.rule}. Fix: {self.fix}"
+        head = f"{self.key} = {self.value!r}" if self.value != "" else self.key
+        return f"{head}: {self.rule}. Fix: {self.fix}"
 
 
 class UserError(Exception):

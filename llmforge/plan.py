@@ -30,7 +30,7 @@ CHOICES: Dict[str, tuple] = {
     "optim.name": ("adamw",),
     "optim.schedule": ("cosine", "linear", "constant"),
     "cluster.launcher": ("local", "slurm"),
-    "logging.wandb.mode": ("online", "offline", "disabled"),
+    "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
 }
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "zb_interleaved", "zbv")
 #: Schedules that deadlock or refuse to run with fewer microbatches than pipeline ranks.

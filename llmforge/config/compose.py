@@ -100,6 +100,7 @@ def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] =
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
+    import yaml
 
     dirs = config_dirs(extra_dirs)
     options = available_options(dirs)
@@ -113,15 +114,26 @@ def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] =
             cfg = hydra_compose(config_name="config", overrides=checked)
         cfg = OmegaConf.masked_copy(cfg, [f for f in cfg if f != "hydra"]) if "hydra" in cfg else cfg
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]
-    except (HydraException, OmegaConfBaseException, ValueError) as exc:
+    except (HydraException, OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:
         raise UserError([_explain(exc)], title="the configuration does not compose") from None
 
 
-def _explain(exc: Exception) -> Problem:
-    cause = exc
-    while cause.__cause__ is not None and not isinstance(cause, KeyError):
-        cause = cause.__cause__
-    key = getattr(cause, "full_key", "") or getattr(exc, "full_key", "") or ""
-    text = str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+def _explain(exc: BaseException) -> Problem:
+    """The most specific message in the exception chain, with the key and file it names."""
+    chain = []
+    node: Optional[BaseException] = exc
+    while node is not None and len(chain) < 10:
+        chain.append(node)
+        node = node.__cause__ or node.__context__
+    where = next((str(e).split(":")[0] for e in chain if str(e).startswith("In '")), "")
+    keyed = next((e for e in chain if getattr(e, "full_key", None)), None)
+    root = keyed or chain[-1]
+    text = str(root).split("\n    full_key")[0].replace("\n", " ").strip() or type(root).__name__
+    key = str(getattr(root, "full_key", "") or "")
+    source = f" ({where.removeprefix('In ').strip()})" if where else ""
     fix = "check the key names and value types in your YAML and overrides (`llmforge keys` lists them)"
-    return Problem(str(key) or "config", "", text, fix)
+    if key and "not in" in text:
+        from llmforge.config.schema import iter_keys
+
+        fix = f"remove or rename it{nearest(key, [k for k, *_ in iter_keys()])}; `llmforge keys` lists every key"
+    return Problem(key or "config", "", text + source, fix)

@@ -142,7 +142,7 @@ class ClusterConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = knob("offline", help="online, offline or disabled (online needs WANDB_API_KEY or a login).")
+    mode: str = knob("auto", help="auto (online with WANDB_API_KEY or a login, else offline), online, offline or disabled.")
     project: str = knob("llmforge", help="W&B project.")
     entity: Optional[str] = knob(None, help="W&B entity (team or user).")
 

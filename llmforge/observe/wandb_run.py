@@ -10,9 +10,11 @@ from llmforge.config.schema import WandbConfig
 
 
 def resolve_mode(mode: str) -> str:
-    """``online`` without credentials degrades to ``offline`` instead of prompting."""
-    if mode == "online" and not (os.environ.get("WANDB_API_KEY") or _netrc_has_wandb()):
-        return "offline"
+    """``auto`` is online with credentials, offline without; ``online`` without
+    credentials also degrades to ``offline`` instead of prompting."""
+    has_key = bool(os.environ.get("WANDB_API_KEY")) or _netrc_has_wandb()
+    if mode in ("auto", "online"):
+        return "online" if has_key else "offline"
     return mode
 
 

@@ -1,0 +1,29 @@
+"""Shared fixtures: run every test away from the user's home and W&B account."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _isolated_env(monkeypatch, tmp_path_factory):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("LLMFORGE_CONFIG_PATH", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    yield
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory):
+    """One prepared built-in corpus (small) shared by the tests that train."""
+    return tmp_path_factory.mktemp("data-cache")
+
+
+def small_data_overrides(cache) -> list[str]:
+    return [f"data.cache_dir={cache}", "data.builtin_max_mb=0.5"]
+
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")

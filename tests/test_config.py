@@ -1,0 +1,155 @@
+"""Composition and validation: every recipe composes, every rule reports key, value and fix."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmforge.config.compose import available_options, compose, config_dirs
+from llmforge.errors import UserError
+from llmforge.plan import RunPlan
+
+RECIPES = sorted(available_options(config_dirs())["recipe"])
+
+
+def build(*overrides: str) -> RunPlan:
+    return RunPlan.build(compose(list(overrides)))
+
+
+def problems_of(*overrides: str) -> str:
+    with pytest.raises(UserError) as info:
+        build(*overrides)
+    return info.value.message()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_composes_and_validates(recipe):
+    plan = build(f"recipe={recipe}")
+    assert plan.config.recipe == recipe
+    assert plan.world_size == plan.dp * plan.tp * plan.pp * plan.cp
+
+
+@pytest.mark.parametrize(
+    "recipe,parallel",
+    [(r, p) for r in ("gpt-1b", "gpt-7b", "llama-8b") for p in ("dp", "tp4pp2", "tp2pp2", "fsdp", "zero1", "fsdp-tp2")]
+    + [("gpt-7b", "tp8pp4"), ("llama-8b", "tp8pp4")],
+)
+def test_large_recipes_with_several_layouts(recipe, parallel):
+    plan = build(f"recipe={recipe}", f"parallel={parallel}")
+    assert plan.world_size == plan.config.cluster.nodes * plan.config.cluster.devices_per_node
+    assert sum(plan.layers_per_stage) == plan.config.model.num_layers
+
+
+@pytest.mark.parametrize("parallel", ["single", "dp2", "tp2", "tp2sp", "pp2", "tp2pp2", "dp2tp2", "zero2"])
+def test_tiny_recipe_sizes_the_world_to_the_layout(parallel):
+    plan = build(f"parallel={parallel}", "train.global_batch_size=64", "train.micro_batch_size=8")
+    assert plan.world_size == plan.dp * plan.tp * plan.pp
+
+
+def test_derived_values_gpt1b_tp4pp2():
+    plan = build("recipe=gpt-1b", "parallel=tp4pp2")
+    assert (plan.world_size, plan.dp, plan.tp, plan.pp) == (8, 1, 4, 2)
+    assert plan.layers_per_stage == [12, 12]
+    assert plan.microbatches == 512 // 4
+    assert plan.tokens_per_step == 512 * 2048
+
+
+def test_dp_auto_uses_the_rest_of_the_world():
+    plan = build("recipe=gpt-7b")  # 4 nodes x 8, tp4 pp2
+    assert plan.dp == 4 and plan.microbatches == 1024 // 4
+
+
+def test_overrides_win_over_recipe_and_group():
+    plan = build("recipe=gpt-1b", "parallel=tp2pp2", "parallel.tp=4", "train.steps=7")
+    assert plan.tp == 4 and plan.config.train.steps == 7
+
+
+def test_checkpoint_async_alias():
+    assert build("checkpoint.async=true").config.checkpoint.async_save is True
+
+
+def test_plan_json_round_trip(tmp_path):
+    plan = build("recipe=gpt-1b", "parallel=tp4pp2")
+    plan.save(tmp_path / "plan.json")
+    again = RunPlan.load(tmp_path / "plan.json")
+    assert again == plan
+    assert json.loads(plan.to_json())["derived"]["layers_per_stage"] == [12, 12]
+
+
+RULES = [
+    (("recipe=gpt-1b", "cluster.devices_per_node=8", "parallel.dp=3", "parallel.tp=2"), "parallel.dp = 3", "world size is 8"),
+    (("parallel.tp=3",), "parallel.tp = 3", "does not divide model.num_heads=4"),
+    (("model.num_kv_heads=2", "model.num_heads=4", "parallel.tp=4", "train.global_batch_size=16"), "parallel.tp = 4", "num_kv_heads=2"),
+    (("parallel.pp=3",), "model.num_layers = 4", "not divisible by pp x virtual stages = 3"),
+    (("train.global_batch_size=20",), "train.global_batch_size = 20", "not divisible by micro_batch_size x dp"),
+    (("parallel=pp2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=16", "train.global_batch_size=16"), "train.global_batch_size = 16", "fewer than parallel.pp=2"),
+    (("parallel.sequence_parallel=true",), "parallel.sequence_parallel = True", "tp=1"),
+    (("parallel.cp=3",), "model.seq_len = 128", "not divisible by parallel.cp=3"),
+    (("model=moe-tiny", "parallel.ep=3", "parallel.dp=3", "train.global_batch_size=48"), "parallel.ep = 3", "does not divide model.moe.num_experts=4"),
+    (("model=moe-tiny", "parallel.ep=2", "parallel.dp=1"), "parallel.ep = 2", "dp x cp = 1"),
+    (("parallel.ep=2", "parallel.dp=2", "train.global_batch_size=32"), "parallel.ep = 2", "needs an MoE model"),
+    (("parallel.pp_virtual_stages=2", "parallel.pp=2", "train.global_batch_size=64", "train.micro_batch_size=8"), "parallel.pp_virtual_stages = 2", "one stage per rank"),
+    (("model.hidden_size=130",), "model.hidden_size = 130", "not divisible by model.num_heads=4"),
+    (("parallel.zero=5",), "parallel.zero = 5", "0, 1, 2 or 3"),
+    (("model.norm=batchnorm",), "model.norm = 'batchnorm'", "use one of: layernorm, rmsnorm"),
+    (("train.steps=0",), "train.steps = 0", "positive integer"),
+    (("data=files",), "data.path = None", "data.path=FILE_OR_FOLDER"),
+    (("recipe=gpt-1b", "parallel.tp=16"), "parallel.tp = 16", "inside a node"),
+    (("recipe=gpt-1b", "parallel=tp8pp4"), "parallel", "does not divide the world size 8"),
+]
+
+
+@pytest.mark.parametrize("overrides,head,detail", RULES, ids=[r[1] for r in RULES])
+def test_each_rule_names_key_value_and_fix(overrides, head, detail):
+    message = problems_of(*overrides)
+    assert head in message and detail in message and "Fix:" in message
+
+
+def test_all_problems_reported_at_once():
+    message = problems_of("parallel.tp=3", "parallel.pp=3", "train.global_batch_size=10")
+    assert "parallel.tp = 3" in message and "model.num_layers = 4" in message and "train.global_batch_size = 10" in message
+
+
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["recipe=gpt1b"], "did you mean 'gpt-1b'"),
+        (["parallel=tp3"], "choose one of:"),
+        (["model.hidden=3"], "did you mean 'model.hidden_size'"),
+        (["train.steps=many"], "train.steps"),
+        (["trainsteps"], "key=value"),
+    ],
+)
+def test_bad_overrides(overrides, expected):
+    with pytest.raises(UserError) as info:
+        compose(overrides)
+    assert expected in info.value.message()
+
+
+def test_user_config_folder_adds_and_shadows_options(tmp_path, monkeypatch):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "recipe").mkdir()
+    (tmp_path / "model" / "my-model.yaml").write_text("# mine\nnum_layers: 6\nhidden_size: 96\nnum_heads: 4\nffn_hidden_size: 384\n")
+    (tmp_path / "recipe" / "mine.yaml").write_text(
+        "# @package _global_\n# my recipe\ndefaults:\n  - override /model: my-model\nrecipe: mine\ntrain:\n  steps: 3\n"
+    )
+    plan = RunPlan.build(compose(["recipe=mine"], extra_dirs=[tmp_path]))
+    assert plan.config.model.num_layers == 6 and plan.config.train.steps == 3
+    monkeypatch.setenv("LLMFORGE_CONFIG_PATH", str(tmp_path))
+    assert RunPlan.build(compose(["model=my-model"])).config.model.hidden_size == 96
+
+
+def test_bad_yaml_in_user_folder_is_a_user_error(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "broken.yaml").write_text("num_layers: [unclosed\n")
+    with pytest.raises(UserError):
+        compose(["model=broken"], extra_dirs=[tmp_path])
+
+
+def test_unknown_key_in_user_yaml_is_a_user_error(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "typo.yaml").write_text("num_layer: 3\n")
+    with pytest.raises(UserError) as info:
+        compose(["model=typo"], extra_dirs=[tmp_path])
+    assert "num_layer" in info.value.message()
