@@ -1,0 +1,40 @@
+"""`llmforge data prepare`: prepare the configured data and print a short summary."""
+
+from __future__ import annotations
+
+from llmforge.config.schema import RunConfig
+from llmforge.data.prepare import PreparedData, prepare
+from llmforge.errors import Problem, UserError
+
+
+def resolve_vocab_size(config: RunConfig) -> int:
+    """data.vocab_size, or model.vocab_size when unset; never larger than the model's embedding."""
+    vocab_size = config.data.vocab_size or config.model.vocab_size
+    if vocab_size > config.model.vocab_size:
+        raise UserError([Problem("data.vocab_size", vocab_size, f"larger than model.vocab_size "
+                                 f"({config.model.vocab_size}): token ids would overflow the embedding",
+                                 f"set model.vocab_size={vocab_size} or lower data.vocab_size")],
+                        title="invalid vocabulary size")
+    return vocab_size
+
+
+def prepare_command(config: RunConfig, *, force: bool, console) -> PreparedData:
+    """Prepare (or reuse) the data of a run configuration and print what is on disk."""
+    prepared = prepare(data=config.data, vocab_size=resolve_vocab_size(config), seed=config.train.seed,
+                       console=console, force=force)
+    if console is not None:
+        console.print(summary(prepared))
+    return prepared
+
+
+def summary(prepared: PreparedData) -> str:
+    """A few lines describing prepared data."""
+    state = "reused cache" if prepared.reused else "prepared"
+    lines = [f"[bold]{state}[/]: {prepared.root}",
+             f"  tokenizer: {prepared.tokenizer_path} ({prepared.vocab_size} tokens, eos id {prepared.eos_id}, "
+             f"{prepared.dtype} shards)"]
+    for info in prepared.streams:
+        size_mb = info.num_tokens * (2 if prepared.dtype == "uint16" else 4) / 1e6
+        lines.append(f"  {info.name}: {info.num_documents:,} documents, {info.num_tokens:,} tokens "
+                     f"({size_mb:.1f} MB), weight {info.weight:g}")
+    return "\n".join(lines)

@@ -1,0 +1,171 @@
+"""Turn the data config into tokenized, memory-mapped shards, reusing a valid cache.
+
+``prepare`` resolves the input (built-in corpus, files, or a mixture of several), trains
+a byte-level BPE (or loads ``data.tokenizer``), tokenizes every document into token shards,
+and writes a manifest. The cache entry is keyed by the request; its manifest records the
+input files' hashes, so a changed file rebuilds the entry and an unchanged one reuses it.
+Concurrent calls on the same entry wait on a file lock; a new entry appears by atomic rename.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import List, Optional, Sequence, Tuple
+
+from llmforge.config.schema import DataConfig
+from llmforge.data import cache
+from llmforge.data.reader import TokenStream
+from llmforge.data.sources import FileInfo, Source, builtin_source, file_source, fingerprint_file, parse_mixture
+from llmforge.data.tokenizer import check_vocab_size
+from llmforge.errors import Problem, UserError
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """One dataset of the prepared data (several for a mixture)."""
+
+    name: str
+    folder: Path
+    weight: float
+    num_tokens: int
+    num_documents: int
+    shards: Tuple[Tuple[str, int], ...]  # (file name, tokens)
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Tokenized data on disk, ready for the sampler."""
+
+    root: Path  # folder with manifest.json, tokenizer.json and streams/<i>/ token shards + doc_ends.npy
+    tokenizer_path: Path
+    vocab_size: int  # actual tokenizer vocabulary size
+    eos_id: int
+    num_tokens: int
+    dtype: str = "uint16"
+    streams: Tuple[StreamInfo, ...] = ()
+    fingerprint: str = ""  # identity of the token content (tokenizer + shards)
+    reused: bool = False  # True when an existing cache entry was used
+
+    def decode(self, ids) -> str:
+        """Text of a sequence of token ids (the end-of-document token decodes to nothing)."""
+        values = ids.tolist() if hasattr(ids, "tolist") else list(ids)
+        return _load_tokenizer(str(self.tokenizer_path)).decode([int(i) for i in values], skip_special_tokens=True)
+
+    def open_stream(self, index: int = 0) -> TokenStream:
+        """Memory-mapped tokens of one stream."""
+        info = self.streams[index]
+        shards = [{"file": f, "tokens": n} for f, n in info.shards]
+        return TokenStream(info.folder, shards=shards, dtype=self.dtype)
+
+
+@lru_cache(maxsize=8)
+def _load_tokenizer(path: str):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
+def prepare(*, data: DataConfig, vocab_size: int, seed: int, console=None, force: bool = False) -> PreparedData:
+    """Prepare (or reuse) the token shards for ``data``.
+
+    vocab_size is data.vocab_size or model.vocab_size (resolved by the caller). Preparation
+    is deterministic and does not depend on seed (the sampler's order does), so runs with
+    different seeds share one cache entry. force=True rebuilds even a valid entry.
+    Raises UserError for every mistake in the input.
+    """
+    del seed  # accepted so every data entry point takes the run seed; the shards do not depend on it
+    inputs = resolve_inputs(data)
+    if data.tokenizer is None:
+        check_vocab_size(vocab_size)
+    spec = request_spec(data, inputs=inputs, vocab_size=vocab_size)
+    name = inputs[0][0].name if len(inputs) == 1 else "mixture"
+    root = cache.entry_folder(data.cache_dir, name=name, spec=spec)
+    with cache.locked(root):
+        fingerprints = _fingerprint_inputs(root, inputs, tokenizer=data.tokenizer)
+        manifest = None if force else cache.read_manifest(root)
+        reason = "forced rebuild" if force else "not prepared yet"
+        if manifest is not None:
+            reason = cache.stale_reason(root, manifest, spec=spec, inputs=fingerprints) or ""
+        if manifest is not None and not reason:
+            return from_manifest(root, manifest, weights=[w for _, w in inputs], reused=True)
+        if console is not None:
+            console.print(f"[bold]Preparing data[/] in {root} ({reason})")
+        from llmforge.data.build import build
+
+        with cache.staging(root) as tmp:
+            manifest = build(tmp, inputs=[s for s, _ in inputs], data=data, vocab_size=vocab_size,
+                             console=console)
+            manifest.update(spec=spec, inputs=fingerprints, created=time.time())
+            cache.write_manifest(tmp, manifest)
+    return from_manifest(root, manifest, weights=[w for _, w in inputs], reused=False)
+
+
+def resolve_inputs(data: DataConfig) -> List[Tuple[Source, float]]:
+    """The sources to prepare with their mixture weights (one source with weight 1 unless mixed)."""
+    if data.mixture:
+        return [(_one_source(path, data=data, key=f"data.mixture[{i}]"), w)
+                for i, (path, w) in enumerate(parse_mixture(list(data.mixture)))]
+    if data.path:
+        return [(file_source(data.path, text_key=data.text_key), 1.0)]
+    if data.source == "files":
+        raise UserError([Problem("data.path", None, "data.source=files needs data.path",
+                                 "set data.path=FILE_OR_FOLDER, or data=builtin for the built-in corpus")])
+    if data.source != "builtin":
+        raise UserError([Problem("data.source", data.source, "unknown data source", "use builtin or files")])
+    return [(builtin_source(max_mb=data.builtin_max_mb), 1.0)]
+
+
+def _one_source(path: str, *, data: DataConfig, key: str) -> Source:
+    if path == "builtin":
+        return builtin_source(max_mb=data.builtin_max_mb)
+    return file_source(path, text_key=data.text_key, key=key)
+
+
+def request_spec(data: DataConfig, *, inputs: Sequence[Tuple[Source, float]], vocab_size: int) -> dict:
+    """What identifies a preparation (the cache key); mixture weights are not part of it."""
+    tokenizer = str(Path(data.tokenizer).expanduser().resolve()) if data.tokenizer else f"bpe:{vocab_size}"
+    return {"format": cache.FORMAT_VERSION, "sources": [s.spec for s, _ in inputs], "tokenizer": tokenizer,
+            "vocab_size": vocab_size}
+
+
+def _fingerprint_inputs(root: Path, inputs: Sequence[Tuple[Source, float]], *,
+                        tokenizer: Optional[str]) -> List[dict]:
+    old = cache.read_manifest(root) or {}
+    previous = {f["path"]: f for f in old.get("inputs", [])}
+    infos: List[FileInfo] = []
+    for source, _ in inputs:
+        infos.extend(source.fingerprint(previous=previous))
+        if source.kind == "hub":
+            infos.append(_hub_fingerprint(source, root=root))
+    if tokenizer:
+        path = Path(tokenizer).expanduser()
+        if path.is_file():
+            infos.append(fingerprint_file(path.resolve(), previous=previous.get(str(path.resolve()))))
+    return [i.to_json() for i in infos]
+
+
+def _hub_fingerprint(source: Source, *, root: Path) -> FileInfo:
+    from llmforge.data.documents import open_documents
+
+    text_key = source.spec.split("|")[2]
+    docs = open_documents(source, text_key=text_key, cache_dir=root.parent.parent)
+    return FileInfo(path=f"hub:{source.spec}", size=docs.num_rows, mtime_ns=0, sha256=docs.fingerprint())
+
+
+def from_manifest(root: Path, manifest: dict, *, weights: Sequence[float], reused: bool) -> PreparedData:
+    """A PreparedData view of a cache entry."""
+    streams = tuple(
+        StreamInfo(name=s["name"], folder=root / s["folder"], weight=float(w), num_tokens=s["num_tokens"],
+                   num_documents=s["num_documents"], shards=tuple((x["file"], x["tokens"]) for x in s["shards"]))
+        for s, w in zip(manifest["streams"], weights)
+    )
+    tok = manifest["tokenizer"]
+    content = cache.digest([tok["sha256"], [[s.num_tokens, s.num_documents] for s in streams]])
+    return PreparedData(root=root, tokenizer_path=root / cache.TOKENIZER, vocab_size=tok["vocab_size"],
+                        eos_id=tok["eos_id"], num_tokens=sum(s.num_tokens for s in streams),
+                        dtype=manifest["dtype"], streams=streams, fingerprint=content[:16], reused=reused)

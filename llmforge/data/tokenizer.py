@@ -1,0 +1,92 @@
+"""Byte-level BPE tokenizers: train one with `tokenizers`, or load the user's tokenizer.json.
+
+Every prepared dataset ends each document with an end-of-document token, so the
+tokenizer must have one: a trained tokenizer gets ``<|endoftext|>`` as token 0; a loaded
+one uses the first of the usual end-of-text tokens it knows, or gets ``<|endoftext|>`` added.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, List, Optional
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from llmforge.errors import Problem, UserError
+
+EOS_TOKEN = "<|endoftext|>"
+KNOWN_EOS = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
+MIN_VOCAB = 257  # 256 byte tokens plus the end-of-document token
+MAX_VOCAB = 2**32
+
+
+def check_vocab_size(vocab_size: int, *, key: str = "data.vocab_size") -> None:
+    """Reject vocabularies a byte-level BPE cannot have or a token shard cannot store."""
+    if vocab_size < MIN_VOCAB:
+        raise UserError([Problem(key, vocab_size, f"a byte-level BPE needs at least {MIN_VOCAB} tokens "
+                                 "(256 bytes and the end-of-document token)", f"set {key} to 4096 or more")],
+                        title="invalid vocabulary size")
+    if vocab_size > MAX_VOCAB:
+        raise UserError([Problem(key, vocab_size, "token ids must fit the uint32 token shards (at most 2**32)",
+                                 f"set {key} to at most {MAX_VOCAB}")], title="vocabulary too large")
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """uint16 when every id fits, else uint32."""
+    check_vocab_size(vocab_size)
+    return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def train_bpe(texts: Iterable[List[str]], *, vocab_size: int) -> Tokenizer:
+    """Train a byte-level BPE of at most vocab_size tokens on batches of documents."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        min_frequency=2,
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    return tokenizer
+
+
+def load_tokenizer(path_text: str, *, vocab_size: int) -> Tokenizer:
+    """Load data.tokenizer, checking it exists, parses, and fits the model's vocabulary."""
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise UserError([Problem("data.tokenizer", path_text, "no such file",
+                                 "point data.tokenizer at a tokenizer.json, or leave it unset to train one")],
+                        title="missing tokenizer")
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
+        raise UserError([Problem("data.tokenizer", str(path), f"not a tokenizers tokenizer.json ({exc})",
+                                 "save the tokenizer with tokenizer.save('tokenizer.json')")],
+                        title="unreadable tokenizer") from None
+    if find_eos(tokenizer) is None:
+        tokenizer.add_special_tokens([EOS_TOKEN])
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > vocab_size:
+        raise UserError([Problem("data.tokenizer", str(path), f"it has {size} tokens but the vocabulary size is "
+                                 f"{vocab_size}", f"set model.vocab_size={size} (or larger)")],
+                        title="tokenizer too large for the model")
+    check_vocab_size(size, key="data.tokenizer vocabulary")
+    return tokenizer
+
+
+def find_eos(tokenizer: Tokenizer) -> Optional[int]:
+    """Id of the end-of-document token, or None."""
+    for token in KNOWN_EOS:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    return None
+
+
+def vocab_size_of(tokenizer: Tokenizer) -> int:
+    """Number of ids the tokenizer can produce, special tokens included."""
+    return tokenizer.get_vocab_size(with_added_tokens=True)
