@@ -1,31 +1,72 @@
 """Save and load training state with torch.distributed.checkpoint (DCP).
 
-A checkpoint is a folder ``checkpoints/step_N/`` holding the sharded model and
-optimizer state (DCP's own format: every layout can read it back and reshard it
-by parameter name) and ``train_state.json`` (step, scheduler, sampler, loss
-scaler). It is written into ``.tmp-step_N`` and renamed when complete.
+A checkpoint is a folder ``checkpoints/step_N/`` holding
+
+- DCP's shards and ``.metadata``: model and optimizer tensors by parameter name,
+- ``train_state.json``: step, LR scheduler, data sampler, loss scaler,
+- ``rng/rank_*.json``: every rank's RNG states,
+- ``plan.json``: the plan the run was saved with,
+- ``manifest.json``: every file's size and SHA-256, written last.
+
+It is written into ``.tmp-step_N`` and renamed to ``step_N`` by rank 0 once every
+rank's shards are on disk, so a killed save never leaves a folder that looks
+complete. With ``async_save`` the tensors are copied off the device (the only
+stall) and written, checksummed and renamed in the background.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from llmforge.checkpoint.manifest import MANIFEST, fsync_dir, verify, write_json, write_manifest
+from llmforge.checkpoint.safe_reader import SafeReader
+from llmforge.checkpoint.state import apply_model_state, save_rng, tensor_state
 from llmforge.errors import fail
 
 TRAIN_STATE = "train_state.json"
+PLAN = "plan.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def _is_main() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+def step_dirs(root: Path) -> List[Path]:
+    """``step_N`` folders under a checkpoints folder, newest first (complete or not)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
+    return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), reverse=True)  # type: ignore[union-attr]
+
+
+def complete(root: Path) -> List[Path]:
+    """Step folders that carry a manifest, newest first."""
+    return [p for p in step_dirs(root) if (p / MANIFEST).is_file()]
+
+
+def rotate(root: Path, *, keep: int) -> List[Path]:
+    """Remove complete checkpoints beyond the ``keep`` newest (``keep`` < 1 keeps all).
+
+    The newest complete checkpoint is never removed. A folder is renamed away
+    before it is deleted, so an interrupted removal leaves no damaged step folder."""
+    removed = []
+    for old in complete(root)[max(keep, 1):] if keep > 0 else []:
+        doomed = old.with_name(f".del-{old.name}")
+        old.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(old)
+    return removed
 
 
 def _barrier() -> None:
@@ -33,53 +74,110 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def tensor_state(model_parts: List[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    """Model and optimizer state keyed by fully qualified parameter names."""
-    model_state: Dict[str, Any] = {}
-    optim_state: Dict[str, Any] = {}
-    for part in model_parts:
-        m, o = get_state_dict(part, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True))
-        model_state.update(m)
-        optim_state.update({k: v for k, v in o.items() if k.split(".", 1)[0] in ("state", "param_groups") and _owned(k, m)})
-    return {"model": model_state, "optim": optim_state}
+@dataclass
+class SaveRecord:
+    """What one save did; ``stall_s`` is how long training waited for it."""
+
+    step: int
+    path: Path
+    stall_s: float
+    mode: str
 
 
-def _owned(key: str, model_state: Dict[str, Any]) -> bool:
-    # flattened keys look like "state.<fqn>.exp_avg" or "param_groups.<fqn>.lr"
-    fqn = key.split(".", 1)[1].rsplit(".", 1)[0]
-    return fqn in model_state
+class CheckpointSaver:
+    """Writes checkpoints of one rank; rank 0 finalises (manifest, rename, rotation).
 
+    ``log`` receives one line per save (rank 0 only)."""
 
-def save(*, root: Path, step: int, model_parts: List[nn.Module], optimizer: torch.optim.Optimizer, train_state: Dict[str, Any]) -> Path:
-    final = root / f"step_{step}"
-    tmp = root / f".tmp-step_{step}"
-    if _is_main():
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    dcp.save(tensor_state(model_parts, optimizer), checkpoint_id=str(tmp))
-    _barrier()
-    if _is_main():
-        (tmp / TRAIN_STATE).write_text(json.dumps({"step": step, **train_state}))
-        shutil.rmtree(final, ignore_errors=True)
+    def __init__(self, *, root: Path, keep: int, async_save: bool, rank: int, log: Callable[[str], None]) -> None:
+        self.root, self.keep, self.async_save, self.rank, self.log = Path(root), keep, async_save, rank, log
+        self.records: List[SaveRecord] = []
+        self._pending: Optional[Future] = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmforge-ckpt") if async_save else None
+        self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
+
+    def save(self, *, step: int, model_parts: List[nn.Module], optimizer: torch.optim.Optimizer, train_state: Dict[str, Any], plan: Dict[str, Any]) -> Path:
+        """Save step ``step``; return the folder it has (or, if async, will have)."""
+        started = time.perf_counter()
+        self.wait()
+        final, tmp = self.root / f"step_{step}", self.root / f".tmp-step_{step}"
+        if self.rank == 0:
+            self._clear_stale()
+            tmp.mkdir(parents=True)
+            write_json(tmp / TRAIN_STATE, {"step": step, **train_state})
+            write_json(tmp / PLAN, plan)
+        _barrier()
+        save_rng(tmp, rank=self.rank)
+        state = tensor_state(model_parts, optimizer)
+        if self.async_save:
+            future = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self._group)
+            self._pending = self._pool.submit(self._finish_async, future, tmp, final, step)  # type: ignore[union-attr]
+        else:
+            dcp.save(state, storage_writer=FileSystemWriter(tmp))
+            if self.rank == 0:
+                self._finalize(tmp, final, step)
+            _barrier()
+        stall = time.perf_counter() - started
+        self.records.append(SaveRecord(step=step, path=final, stall_s=stall, mode="async" if self.async_save else "sync"))
+        if self.rank == 0:
+            self.log(f"checkpoint step {step} -> {final} ({self.records[-1].mode}): training stalled {stall:.3f}s")
+        return final
+
+    def _finish_async(self, future: Future, tmp: Path, final: Path, step: int) -> None:
+        future.result()
+        if self.rank == 0:
+            self._finalize(tmp, final, step)
+
+    def _finalize(self, tmp: Path, final: Path, step: int) -> None:
+        write_manifest(tmp, step=step)
+        if final.exists():
+            old = final.with_name(f".del-{final.name}")
+            final.rename(old)
+            shutil.rmtree(old, ignore_errors=True)
         tmp.rename(final)
-    _barrier()
-    return final
+        fsync_dir(self.root)
+        for removed in rotate(self.root, keep=self.keep):
+            self.log(f"removed old checkpoint {removed.name} (checkpoint.keep={self.keep})")
+
+    def _clear_stale(self) -> None:
+        """Remove leftovers of interrupted saves and removals."""
+        for junk in list(self.root.glob(".tmp-step_*")) + list(self.root.glob(".del-step_*")):
+            shutil.rmtree(junk, ignore_errors=True)
+
+    def wait(self) -> None:
+        """Block until a background save is written (a no-op when none is pending)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+            _barrier()
+
+    def close(self) -> None:
+        """Finish any background save and release the worker thread."""
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
 
 
 def load(*, path: Path, model_parts: List[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
-    """Restore model and optimizer in place (resharding as needed); return the train state."""
-    state_file = path / TRAIN_STATE
-    if not state_file.is_file():
-        raise fail(f"{path}: not a complete checkpoint ({TRAIN_STATE} is missing)")
-    state = tensor_state(model_parts, optimizer)
-    dcp.load(state, checkpoint_id=str(path))
-    for part in model_parts:
-        set_state_dict(
-            part,
-            optimizer,
-            model_state_dict={k: v for k, v in state["model"].items()},
-            optim_state_dict=state["optim"],
-            options=StateDictOptions(flatten_optimizer_state_dict=True, strict=False),
-        )
-    return json.loads(state_file.read_text())
+    """Restore model and optimizer in place, resharding to this layout; return the train state.
+
+    Checks presence and sizes of every file first (the checksums are checked
+    before launch); a missing or mismatched tensor is a UserError."""
+    path = Path(path)
+    verify(path, checksums=False)
+    state = tensor_state(model_parts, optimizer, for_load=True)
+    try:
+        dcp.load(state, storage_reader=SafeReader(path), planner=DefaultLoadPlanner(allow_partial_load=False))
+    except Exception as exc:  # DCP wraps every failure (missing key, shape) in its own exception types
+        if type(exc).__name__ == "UserError":
+            raise
+        raise fail(f"{path}: the saved model/optimizer do not fit this model ({_first_line(exc)})", title="cannot load checkpoint") from None
+    apply_model_state(model_parts, state["model"])
+    return json.loads((path / TRAIN_STATE).read_text())
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__

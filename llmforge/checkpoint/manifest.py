@@ -1,0 +1,116 @@
+"""The manifest of a checkpoint: every file with its size and SHA-256.
+
+A checkpoint folder counts as complete only when ``manifest.json`` is present and
+every file it lists exists with the recorded size (and, when asked, checksum).
+The manifest is written last, inside the temporary folder, before the folder is
+renamed into place; a folder without one is an interrupted save.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Dict
+
+from llmforge.errors import UserError, fail
+
+MANIFEST = "manifest.json"
+FORMAT = "llmforge-checkpoint/1"
+_CHUNK = 8 * 1024 * 1024
+
+
+def sha256(path: Path) -> str:
+    """Hex SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(_CHUNK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a folder's entries (a rename) to disk where the OS allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_json(path: Path, data: object) -> None:
+    """Write JSON durably: temporary file, fsync, rename."""
+    tmp = path.with_name(path.name + ".part")
+    with tmp.open("w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    tmp.replace(path)
+
+
+def write_manifest(folder: Path, *, step: int) -> Dict[str, dict]:
+    """Checksum every file under ``folder`` and write the manifest (last)."""
+    files: Dict[str, dict] = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = path.relative_to(folder).as_posix()
+        if rel == MANIFEST:
+            continue
+        with path.open("rb") as fh:
+            os.fsync(fh.fileno())
+        files[rel] = {"size": path.stat().st_size, "sha256": sha256(path)}
+    write_json(folder / MANIFEST, {"format": FORMAT, "step": step, "files": files})
+    return files
+
+
+def read_manifest(folder: Path) -> dict:
+    """The parsed manifest, or a UserError naming what is wrong with it."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise fail(f"{path}: the manifest is missing, so {folder} is not a complete checkpoint (the save was interrupted or files were removed)", title="damaged checkpoint")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        files = data["files"]
+        int(data["step"])
+        if data.get("format") != FORMAT or not isinstance(files, dict):
+            raise ValueError(f"unknown format {data.get('format')!r}")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise fail(f"{path}: the manifest is unreadable ({exc})", title="damaged checkpoint") from None
+    return data
+
+
+def verify(folder: Path, *, checksums: bool) -> dict:
+    """Check a checkpoint against its manifest; raise one UserError naming each bad file.
+
+    With ``checksums=False`` only presence and sizes are checked (cheap enough for
+    every rank at start-up); the full check runs before launch."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise fail(f"{folder}: no such checkpoint folder", title="missing checkpoint")
+    data = read_manifest(folder)
+    problems = []
+    for rel, entry in sorted(data["files"].items()):
+        path = folder / rel
+        if not path.is_file():
+            problems.append(f"{path}: missing (listed in the manifest)")
+            continue
+        size = path.stat().st_size
+        if size != entry["size"]:
+            kind = "truncated" if size < entry["size"] else "larger than recorded"
+            problems.append(f"{path}: {kind} ({size} bytes, the manifest records {entry['size']})")
+        elif checksums and sha256(path) != entry["sha256"]:
+            problems.append(f"{path}: checksum mismatch (the file was modified or corrupted)")
+    if problems:
+        raise UserError([_problem(p) for p in problems], title=f"damaged checkpoint {folder}")
+    return data
+
+
+def _problem(text: str):
+    from llmforge.errors import Problem
+
+    return Problem(key="", value="", rule=text, fix="")

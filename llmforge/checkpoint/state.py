@@ -1,0 +1,98 @@
+"""What goes into a checkpoint: tensors keyed by parameter name, RNG states, JSON.
+
+Model and optimizer tensors are keyed by fully qualified parameter name
+(``model.layers.3.attn.q_proj.weight``, ``optim.layers.3.attn.q_proj.weight.exp_avg``),
+whatever the layout: DTensor shards of tensor parallelism and FSDP, pipeline
+chunks holding a subset of the layers, or one plain module. DCP stores each
+tensor once with its global shape, so any other layout can read it back.
+Optimizer hyper-parameters (lr, betas, weight decay) are not stored: they come
+from the (possibly overridden) plan, and the learning rate from the scheduler.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from llmforge.checkpoint.manifest import write_json
+
+RNG_DIR = "rng"
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def clean_fqn(name: str) -> str:
+    """A parameter's name without the prefixes wrappers (recompute, compile) insert."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (a zero-gradient, zero-lr step) so DCP can load into them."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    _init_optim_state(optimizer)
+
+
+def tensor_state(model_parts: List[nn.Module], optimizer: torch.optim.Optimizer, *, for_load: bool = False) -> Dict[str, Any]:
+    """``{"model": {fqn: tensor}, "optim": {fqn.state_name: tensor}}`` for this rank.
+
+    The optimizer entries are the optimizer's own state tensors, so a DCP load
+    writes into them in place."""
+    if for_load:
+        _init_optimizer_state(optimizer)
+    model_state: Dict[str, Any] = {}
+    optim_state: Dict[str, Any] = {}
+    for part in model_parts:
+        model_state.update(get_model_state_dict(part))
+        for name, param in part.named_parameters():
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    optim_state[f"{clean_fqn(name)}.{key}"] = value
+    return {"model": model_state, "optim": optim_state}
+
+
+def apply_model_state(model_parts: List[nn.Module], model_state: Dict[str, Any]) -> None:
+    """Copy loaded model tensors into each part (each takes the names it holds)."""
+    for part in model_parts:
+        own = get_model_state_dict(part)
+        set_model_state_dict(part, {k: model_state[k] for k in own}, options=StateDictOptions(strict=True))
+
+
+def save_rng(folder: Path, *, rank: int) -> None:
+    """Write this rank's RNG states (CPU, and CUDA when present) as JSON."""
+    state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if torch.cuda.is_available():
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    out = folder / RNG_DIR
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / f"rank_{rank:05d}.json", state)
+
+
+def saved_world_size(folder: Path) -> int:
+    """How many ranks wrote RNG states into a checkpoint."""
+    return len(list((folder / RNG_DIR).glob("rank_*.json")))
+
+
+def load_rng(folder: Path, *, rank: int, world_size: int) -> bool:
+    """Restore this rank's RNG states if the checkpoint was written by as many ranks.
+
+    Returns False (states untouched) when the layout changed: the streams of
+    another world size have no meaningful per-rank mapping."""
+    if saved_world_size(folder) != world_size:
+        return False
+    data = json.loads((folder / RNG_DIR / f"rank_{rank:05d}.json").read_text())
+    torch.set_rng_state(_bytes_tensor(data["torch"]))
+    if "cuda" in data and torch.cuda.is_available():
+        torch.cuda.set_rng_state(_bytes_tensor(data["cuda"]))
+    return True
+
+
+def _bytes_tensor(text: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8).clone()
