@@ -175,7 +175,7 @@ class GPT(nn.Module):
             elif "norm" in name:
                 param.fill_(1.0)
             else:
-                std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight")) else self.config.init_std
+                std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w_down")) else self.config.init_std
                 param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
 
 

@@ -1,0 +1,287 @@
+"""Mixture-of-experts feed-forward layer (``model.moe.*``).
+
+``MoE`` replaces a block's MLP. Each token is routed by a softmax router to its
+``top_k`` experts; the experts' outputs are summed with the routing weights
+(renormalised over the chosen k when ``normalize_top_k``). Shared experts (one
+MLP of ``num_shared_experts x ffn_hidden_size``) see every token.
+
+Experts run as batches: their weights are stacked (``experts.w_up`` /
+``w_gate`` ``[E, hidden, ffn]``, ``w_down`` ``[E, ffn, hidden]``), tokens are
+sorted by expert and packed into an ``[E, capacity, hidden]`` buffer, and one
+batched matmul computes all experts at once.
+
+Two auxiliary losses train the router:
+
+- the Switch/GShard load-balancing loss ``E * sum_e f_e * P_e`` (``f_e`` share
+  of routed assignments that picked expert e, ``P_e`` mean router probability
+  of e; 1.0 when perfectly balanced), times ``aux_loss_coef``;
+- the ST-MoE router z-loss ``mean(logsumexp(logits)^2)``, times ``z_loss_coef``.
+
+They never appear in the returned loss. ``AuxLossInjector`` passes the layer's
+output through unchanged and, in backward, adds ``scale`` times the gradient of
+the weighted aux losses (Megatron's MoEAuxLossAutoScaler). This works on any
+pipeline stage, where only the last stage computes the loss. The step runner
+sets ``scale`` with :func:`set_aux_loss_scale` to what it multiplies the main
+loss by before backward (``1 / microbatches``, times the fp16 loss scale).
+
+With ``capacity_factor`` set, expert capacity is
+``ceil(capacity_factor * tokens * top_k / num_experts)`` per forward; the
+assignments past it are dropped in GShard order (every token's first choice
+before any token's second choice, then token order). A dropped assignment
+contributes nothing (the token keeps its residual and the shared experts).
+
+Each MoE layer keeps per-step statistics; :func:`moe_metrics` reads and resets
+them. The module holds no ``torch.distributed``: expert parallelism swaps the
+experts' forward from outside (``llmforge.parallel.expert``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmforge.config.schema import ModelConfig
+from llmforge.models.gpt import MLP
+
+
+class AuxLossInjector(torch.autograd.Function):
+    """Identity on ``output``; backward also sends ``scale`` as the gradient of ``aux_loss``."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        ctx.aux_meta = (aux_loss.shape, aux_loss.dtype, aux_loss.device)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
+        shape, dtype, device = ctx.aux_meta
+        return grad_output, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
+
+
+def expert_mlp(x: torch.Tensor, counts: torch.Tensor, *, w_up: torch.Tensor, w_gate: Optional[torch.Tensor], w_down: torch.Tensor) -> torch.Tensor:
+    """Run every expert on its tokens with batched matmuls.
+
+    ``x`` [N, h] holds tokens sorted by expert, ``counts`` [E] how many each expert
+    has (summing to N). Returns [N, h] in the same order."""
+    num_experts, hidden = w_up.shape[0], x.shape[-1]
+    if x.shape[0] == 0:
+        return x.new_zeros(0, hidden) + 0.0 * (w_up.sum() + w_down.sum() + (w_gate.sum() if w_gate is not None else 0.0))
+    expert_ids = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts)
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(x.shape[0], device=x.device) - starts[expert_ids]
+    capacity = int(counts.max())
+    buf = x.new_zeros(num_experts, capacity, hidden).index_put((expert_ids, slot), x)
+    up = torch.bmm(buf, w_up.to(x.dtype))
+    if w_gate is not None:
+        act = F.silu(torch.bmm(buf, w_gate.to(x.dtype))) * up
+    else:
+        act = F.gelu(up, approximate="tanh")
+    return torch.bmm(act, w_down.to(x.dtype))[expert_ids, slot]
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` MLPs with stacked weights; forward(x sorted by expert, counts [E])."""
+
+    def __init__(self, *, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size)) if activation == "swiglu" else None
+        self.w_up = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
+        self.w_down = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return expert_mlp(x, counts, w_up=self.w_up, w_gate=self.w_gate, w_down=self.w_down)
+
+
+@dataclass
+class Routing:
+    """One forward's routing decision over T tokens."""
+
+    weights: torch.Tensor  # [T, k] combine weights
+    experts: torch.Tensor  # [T, k] expert ids
+    keep: torch.Tensor  # [T, k] bool, False where capacity dropped the assignment
+    probs: torch.Tensor  # [T, E] router softmax (fp32)
+    logits: torch.Tensor  # [T, E] router logits (fp32)
+
+
+def capacity_of(*, tokens: int, top_k: int, num_experts: int, capacity_factor: Optional[float]) -> Optional[int]:
+    """Assignments one expert accepts per forward, or None (dropless)."""
+    if capacity_factor is None:
+        return None
+    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
+
+
+def capacity_keep(experts: torch.Tensor, *, num_experts: int, capacity: Optional[int]) -> torch.Tensor:
+    """[T, k] mask of kept assignments: each expert takes the first ``capacity`` in
+    choice-major order (all first choices, then all second choices, ...)."""
+    if capacity is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    choice_major = experts.t().reshape(-1)
+    onehot = F.one_hot(choice_major, num_experts)
+    position = (torch.cumsum(onehot, 0) - 1).gather(1, choice_major[:, None]).squeeze(1)
+    return (position < capacity).view(experts.shape[1], experts.shape[0]).t()
+
+
+def route(logits: torch.Tensor, *, top_k: int, normalize: bool, capacity: Optional[int]) -> Routing:
+    """Top-k softmax routing of [T, E] logits, with capacity dropping."""
+    logits = logits.float()
+    probs = logits.softmax(dim=-1)
+    weights, experts = probs.topk(top_k, dim=-1)
+    if normalize and top_k > 1:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    keep = capacity_keep(experts, num_experts=logits.shape[-1], capacity=capacity)
+    return Routing(weights=weights, experts=experts, keep=keep, probs=probs, logits=logits)
+
+
+def load_balancing_loss(routing: Routing) -> torch.Tensor:
+    """Switch/GShard loss ``E * sum_e f_e * P_e`` (1.0 when perfectly balanced).
+
+    ``f_e`` counts routed assignments before capacity dropping, as Switch does."""
+    num_experts = routing.probs.shape[-1]
+    counts = torch.bincount(routing.experts.flatten(), minlength=num_experts).to(routing.probs.dtype)
+    share = counts / routing.experts.numel()
+    return num_experts * torch.sum(share * routing.probs.mean(dim=0))
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE router z-loss: mean squared log-partition of the router logits."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+class MoEStats:
+    """Per-step sums over this layer's training forwards (detached, on the layer's device)."""
+
+    def __init__(self, num_experts: int) -> None:
+        self.num_experts = num_experts
+        self.reset()
+
+    def reset(self) -> None:
+        self.forwards = 0
+        self.aux = self.z = self.dropped = self.assigned = None
+        self.counts: Optional[torch.Tensor] = None
+
+    def add(self, *, routing: Routing, aux: torch.Tensor, z: torch.Tensor) -> None:
+        counts = torch.bincount(routing.experts.flatten(), minlength=self.num_experts).detach()
+        dropped = (~routing.keep).sum().detach()
+        first = self.forwards == 0
+        self.aux = aux.detach() if first else self.aux + aux.detach()
+        self.z = z.detach() if first else self.z + z.detach()
+        self.counts = counts if first else self.counts + counts
+        self.dropped = dropped if first else self.dropped + dropped
+        self.assigned = routing.experts.numel() + (0 if first else self.assigned)
+        self.forwards += 1
+
+    def summary(self) -> Optional[Dict[str, float]]:
+        """Mean aux and z loss per forward, load imbalance (max / mean tokens per
+        expert), coefficient of variation of the load, dropped share."""
+        if self.forwards == 0:
+            return None
+        counts = self.counts.double()
+        mean = counts.mean()
+        return {
+            "aux_loss": float(self.aux) / self.forwards,
+            "z_loss": float(self.z) / self.forwards,
+            "load_imbalance": float(counts.max() / mean),
+            "load_cv": float(counts.std(unbiased=False) / mean),
+            "dropped_frac": float(self.dropped) / self.assigned,
+        }
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass (e.g. activation recomputation)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class MoE(nn.Module):
+    """Routed experts plus optional shared experts; a drop-in for a block's MLP."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        moe = config.moe
+        ffn = moe.ffn_hidden_size or config.ffn_hidden_size
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.normalize_top_k, self.capacity_factor = moe.normalize_top_k, moe.capacity_factor
+        self.aux_loss_coef, self.z_loss_coef = moe.aux_loss_coef, moe.z_loss_coef
+        self.router = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.experts = GroupedExperts(num_experts=moe.num_experts, hidden_size=config.hidden_size, ffn_hidden_size=ffn, activation=config.activation)
+        self.shared: Optional[MLP] = None
+        if moe.num_shared_experts > 0:
+            self.shared = MLP(hidden_size=config.hidden_size, ffn_hidden_size=ffn * moe.num_shared_experts, activation=config.activation, bias=config.bias)
+        self.aux_loss_scale: Callable[[], float] = _one
+        self.stats = MoEStats(moe.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        capacity = capacity_of(tokens=tokens.shape[0], top_k=self.top_k, num_experts=self.num_experts, capacity_factor=self.capacity_factor)
+        routing = route(self.router(tokens), top_k=self.top_k, normalize=self.normalize_top_k, capacity=capacity)
+        out = self._dispatch_combine(tokens, routing)
+        if self.shared is not None:
+            out = out + self.shared(tokens)
+        out = out.view(shape)
+        if not self.training:
+            return out
+        aux, z = load_balancing_loss(routing), z_loss(routing.logits)
+        if not _in_backward():
+            self.stats.add(routing=routing, aux=aux, z=z)
+        total = self.aux_loss_coef * aux + self.z_loss_coef * z
+        if total.requires_grad:
+            out = AuxLossInjector.apply(out, total, float(self.aux_loss_scale()))
+        return out
+
+    def _dispatch_combine(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Sort kept assignments by expert, run the experts, sum back with the routing weights."""
+        keep = routing.keep.flatten()
+        expert_of = routing.experts.flatten()[keep]
+        token_of = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(self.top_k)[keep]
+        order = torch.argsort(expert_of, stable=True)
+        token_of = token_of[order]
+        weight = routing.weights.flatten()[keep][order]
+        counts = torch.bincount(expert_of, minlength=self.num_experts)
+        y = self.experts(tokens[token_of], counts)
+        y = y * weight[:, None].to(y.dtype)
+        return tokens.new_zeros(tokens.shape).index_add(0, token_of, y.to(tokens.dtype))
+
+
+def _one() -> float:
+    return 1.0
+
+
+def moe_layers(model_parts: Iterable[nn.Module]) -> Iterable[Tuple[str, MoE]]:
+    """(name, layer) for every MoE layer in the model parts."""
+    for part in model_parts:
+        for name, module in part.named_modules():
+            if isinstance(module, MoE):
+                yield name, module
+
+
+def set_aux_loss_scale(model_parts: Iterable[nn.Module], *, scale: Callable[[], float]) -> None:
+    """Set what the aux losses' gradient is multiplied by: the factor the step runner
+    applies to the main loss before backward (read at each forward)."""
+    for _, layer in moe_layers(model_parts):
+        layer.aux_loss_scale = scale
+
+
+def moe_metrics(model_parts: Iterable[nn.Module]) -> Dict[str, float]:
+    """Per-step MoE statistics averaged over this rank's MoE layers, then reset.
+
+    Keys: ``moe/aux_loss``, ``moe/z_loss``, ``moe/load_imbalance`` (max over mean
+    tokens per expert, 1.0 is balanced), ``moe/max_load_imbalance`` (worst layer),
+    ``moe/load_cv``, ``moe/dropped_frac``. Empty for a dense model."""
+    summaries = []
+    for _, layer in moe_layers(model_parts):
+        summary = layer.stats.summary()
+        layer.stats.reset()
+        if summary is not None:
+            summaries.append(summary)
+    if not summaries:
+        return {}
+    out = {f"moe/{key}": sum(s[key] for s in summaries) / len(summaries) for key in summaries[0]}
+    out["moe/max_load_imbalance"] = max(s["load_imbalance"] for s in summaries)
+    return out

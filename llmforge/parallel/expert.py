@@ -1,0 +1,133 @@
+"""Expert parallelism: each rank of the ``ep`` mesh dimension holds E/ep experts.
+
+``apply_ep(model, *, ep_mesh)`` turns every MoE layer's stacked expert weights
+(``mlp.experts.w_up`` / ``w_gate`` / ``w_down``, ``[E, ...]``) into DTensors
+sharded on dim 0 over ``ep_mesh`` (names unchanged, so distributed checkpoints
+reshard between ep degrees) and swaps the experts' forward for one that
+
+1. exchanges per-expert token counts with an all-to-all,
+2. sends each token to the rank holding its expert (autograd-aware all-to-all),
+3. runs the local experts as one batched computation,
+4. sends the results back with the reverse all-to-all.
+
+Routing, capacity dropping, the aux losses and the weighted combine stay on the
+token's own rank, so an ep run computes what ep=1 computes on the same tokens.
+
+The ep ranks are data-parallel ranks that see different tokens. Gradients of
+non-expert weights are averaged over all data-parallel ranks as usual. An expert
+weight already receives the gradient from the tokens of every rank of its ep
+group; it must be reduced only over the ranks holding a replica of the same
+experts (``replica`` = dp·cp / ep ranks: same ep coordinate, different groups),
+summed and divided by the full data-parallel size. :func:`reduce_expert_grads`
+does that for a replicated (ZeRO-0) layout; with FSDP2, shard ``mlp.experts`` on
+the replica mesh and ``set_gradient_divide_factor(dp_size)`` on it.
+
+With tensor parallelism the MoE layer is left unsharded: tp ranks hold the same
+tokens (or, with sequence parallelism, their own slice of them) and route them
+independently. The ep mesh must not include tp or pp ranks.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from llmforge.models.moe import GroupedExperts, expert_mlp
+
+EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
+class ExpertParallelExperts(GroupedExperts):
+    """GroupedExperts whose weights are sharded over ``ep_mesh`` (set by apply_ep)."""
+
+    ep_mesh: DeviceMesh
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ep = self.ep_mesh.size()
+        local = self.num_experts // ep
+        group = self.ep_mesh.get_group()
+        received = _exchange_counts(counts.view(ep, local), group=group)  # [src, local expert]
+        send_splits = counts.view(ep, local).sum(1).tolist()
+        recv_splits = received.sum(1).tolist()
+        x_recv = _wait(all_to_all_single_autograd(x.contiguous(), recv_splits, send_splits, group))
+        order = _source_to_expert_order(received)
+        weights = {name: _local(getattr(self, name)) for name in EXPERT_WEIGHTS}
+        y_sorted = expert_mlp(x_recv[order], received.sum(0), **weights)
+        y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
+        return _wait(all_to_all_single_autograd(y.contiguous(), send_splits, recv_splits, group))
+
+
+def _wait(t: torch.Tensor) -> torch.Tensor:
+    """Materialise a functional collective's result."""
+    wait = getattr(t, "wait", None)
+    return wait() if callable(wait) else t
+
+
+def _local(param: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if param is None:
+        return None
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _exchange_counts(counts: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    """counts[r, j]: tokens this rank sends to local expert j of rank r ->
+    received[s, j]: tokens rank s sends to this rank's local expert j."""
+    send = counts.to(torch.int64).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    return received
+
+
+def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
+    """Indices that regroup tokens laid out by (source rank, local expert) into
+    (local expert, source rank) order."""
+    ep, local = received.shape
+    flat = received.flatten()
+    starts = torch.cumsum(flat, 0) - flat
+    chunks = [torch.arange(int(starts[s * local + j]), int(starts[s * local + j] + flat[s * local + j])) for j in range(local) for s in range(ep)]
+    return torch.cat(chunks).to(received.device) if chunks else torch.zeros(0, dtype=torch.int64, device=received.device)
+
+
+def apply_ep(model: nn.Module, *, ep_mesh: DeviceMesh) -> nn.Module:
+    """Shard every MoE layer's experts over the one-dimensional ``ep_mesh``, in place."""
+    if ep_mesh.ndim != 1:
+        raise ValueError(f"apply_ep needs a one-dimensional ep mesh, got {ep_mesh.ndim} dimensions")
+    ep = ep_mesh.size()
+    for module in list(model.modules()):
+        if not isinstance(module, GroupedExperts) or isinstance(module, ExpertParallelExperts):
+            continue
+        if module.num_experts % ep:
+            raise ValueError(f"{module.num_experts} experts cannot be split over ep={ep} ranks")
+        for name in EXPERT_WEIGHTS:
+            param = getattr(module, name)
+            if param is not None:
+                sharded = distribute_tensor(param.detach(), ep_mesh, [Shard(0)])
+                setattr(module, name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+        module.__class__ = ExpertParallelExperts
+        module.ep_mesh = ep_mesh
+    return model
+
+
+def expert_parameters(model: nn.Module) -> List[nn.Parameter]:
+    """The sharded expert weights apply_ep created (reduced over expert replicas only)."""
+    return [p for m in model.modules() if isinstance(m, ExpertParallelExperts) for n in EXPERT_WEIGHTS if (p := getattr(m, n)) is not None]
+
+
+@torch.no_grad()
+def reduce_expert_grads(model: nn.Module, *, replica_group: Optional[dist.ProcessGroup], dp_size: int) -> None:
+    """Sum expert gradients over the ranks holding the same experts and divide by the
+    whole data-parallel size, so they equal the gradient of the dp-averaged loss.
+    ``replica_group`` None means there is one replica (dp·cp == ep)."""
+    for param in expert_parameters(model):
+        if param.grad is None:
+            continue
+        grad = _local(param.grad)
+        if replica_group is not None and dist.get_world_size(replica_group) > 1:
+            dist.all_reduce(grad, group=replica_group)
+        grad.div_(dp_size)
