@@ -16,14 +16,16 @@ stall) and written, checksummed and renamed in the background.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,7 +37,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from llmforge.checkpoint.manifest import MANIFEST, fsync_dir, verify, write_json, write_manifest
 from llmforge.checkpoint.safe_reader import SafeReader
 from llmforge.checkpoint.state import apply_model_state, save_rng, tensor_state
-from llmforge.errors import fail
+from llmforge.errors import UserError, fail
 
 TRAIN_STATE = "train_state.json"
 PLAN = "plan.json"
@@ -67,6 +69,14 @@ def rotate(root: Path, *, keep: int) -> List[Path]:
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(old)
     return removed
+
+
+@contextlib.contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """Silence DCP's warning that it runs without a process group (intended here)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def _barrier() -> None:
@@ -109,19 +119,23 @@ class CheckpointSaver:
         _barrier()
         save_rng(tmp, rank=self.rank)
         state = tensor_state(model_parts, optimizer)
-        if self.async_save:
-            future = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self._group)
-            self._pending = self._pool.submit(self._finish_async, future, tmp, final, step)  # type: ignore[union-attr]
-        else:
-            dcp.save(state, storage_writer=FileSystemWriter(tmp))
-            if self.rank == 0:
-                self._finalize(tmp, final, step)
-            _barrier()
+        with quiet_single_process():
+            self._write(state, tmp=tmp, final=final, step=step)
         stall = time.perf_counter() - started
         self.records.append(SaveRecord(step=step, path=final, stall_s=stall, mode="async" if self.async_save else "sync"))
         if self.rank == 0:
             self.log(f"checkpoint step {step} -> {final} ({self.records[-1].mode}): training stalled {stall:.3f}s")
         return final
+
+    def _write(self, state: Dict[str, Any], *, tmp: Path, final: Path, step: int) -> None:
+        if self.async_save:
+            future = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self._group, no_dist=not dist.is_initialized())
+            self._pending = self._pool.submit(self._finish_async, future, tmp, final, step)  # type: ignore[union-attr]
+        else:
+            dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+            if self.rank == 0:
+                self._finalize(tmp, final, step)
+            _barrier()
 
     def _finish_async(self, future: Future, tmp: Path, final: Path, step: int) -> None:
         future.result()
@@ -169,10 +183,11 @@ def load(*, path: Path, model_parts: List[nn.Module], optimizer: torch.optim.Opt
     verify(path, checksums=False)
     state = tensor_state(model_parts, optimizer, for_load=True)
     try:
-        dcp.load(state, storage_reader=SafeReader(path), planner=DefaultLoadPlanner(allow_partial_load=False))
+        with quiet_single_process():
+            dcp.load(state, storage_reader=SafeReader(path), planner=DefaultLoadPlanner(allow_partial_load=False), no_dist=not dist.is_initialized())
+    except UserError:
+        raise
     except Exception as exc:  # DCP wraps every failure (missing key, shape) in its own exception types
-        if type(exc).__name__ == "UserError":
-            raise
         raise fail(f"{path}: the saved model/optimizer do not fit this model ({_first_line(exc)})", title="cannot load checkpoint") from None
     apply_model_state(model_parts, state["model"])
     return json.loads((path / TRAIN_STATE).read_text())

@@ -1,16 +1,26 @@
-"""One rank's whole run: data, components, resume, loop, logging, checkpoints."""
+"""One rank's whole run: data, components, resume, loop, logging, checkpoints.
+
+On SIGTERM or SIGINT (preemption, Ctrl-C) the current step finishes, a
+checkpoint is saved, the resume command is printed, and the run returns
+normally (exit code 0). A second signal of the same kind stops at once.
+"""
 
 from __future__ import annotations
 
+import json
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, List, Optional
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 
 from llmforge.checkpoint import store
+from llmforge.checkpoint.state import load_rng
 from llmforge.plan import RunPlan
 from llmforge.train.components import Components, RankInfo
 from llmforge.train.loop import LoopHooks, LoopResult, train_loop
@@ -23,6 +33,7 @@ class RunSummary:
     last_step: int
     wall_s: float
     checkpoint: Optional[Path]
+    stopped_early: bool = False
 
 
 def prepare_data(plan: RunPlan, *, console: Console):
@@ -55,12 +66,50 @@ def train_state(c: Components) -> dict:
     return {"scheduler": c.scheduler.state_dict(), "sampler": c.sampler.state_dict(), "scaler": c.scaler.state_dict()}
 
 
-def restore(c: Components, *, path: Path) -> int:
+def restore(c: Components, *, path: Path, console: Console) -> int:
+    """Load a checkpoint into built components (resharding as needed); return its step.
+
+    The learning-rate schedule continues at the saved step but follows this
+    plan's lr and length, so ``train.lr``/``train.steps`` overrides apply."""
     state = store.load(path=path, model_parts=c.model_parts, optimizer=c.optimizer)
-    c.scheduler.load_state_dict(state["scheduler"])
+    scheduler = c.scheduler
+    base_lrs = [group["initial_lr"] for group in c.optimizer.param_groups]
+    scheduler.load_state_dict(state["scheduler"])
+    scheduler.base_lrs = base_lrs
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(c.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # type: ignore[attr-defined]
     c.sampler.load_state_dict(state["sampler"])
     c.scaler.load_state_dict(state["scaler"])
+    if not load_rng(path, rank=c.rank.rank, world_size=c.rank.world_size):
+        torch.manual_seed(_reseed(seed=state["sampler"].get("seed", 0), step=int(state["step"]), rank=c.rank.rank))
+        if c.rank.is_main:
+            console.print("[yellow]the layout changed: random streams (dropout) restart from a seed derived from the step[/]")
     return int(state["step"])
+
+
+def _reseed(*, seed: int, step: int, rank: int) -> int:
+    return (seed * 1_000_003 + step * 7919 + rank) % (2**63)
+
+
+def trim_metrics(path: Path, *, after_step: int) -> None:
+    """Drop metrics logged past the checkpoint (steps that will be trained again)."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = [line for line in lines if line.strip() and _step_of(line) <= after_step]
+    if len(kept) != len([line for line in lines if line.strip()]):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        tmp.replace(path)
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError, TypeError):
+        return 0
 
 
 def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, console: Optional[Console] = None) -> RunSummary:
@@ -69,52 +118,100 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
     started = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
     c = build(plan, rank=rank, console=console)
-    start_step = restore(c, path=resume_from) if resume_from is not None else 0
+    start_step = restore(c, path=resume_from, console=console) if resume_from is not None else 0
     run_dir = plan.run_dir
     if rank.is_main:
         plan.save(run_dir / "plan.json")
-    saved: list[Path] = []
-    hooks, closers = _hooks(plan, c, rank=rank, start_step=start_step, console=console, saved=saved)
+        if resume_from is not None:
+            trim_metrics(run_dir / "metrics.jsonl", after_step=start_step)
+    stop = StopSignal()
+    hooks, closers, saver = _hooks(plan, c, rank=rank, start_step=start_step, console=console, stop=stop)
     try:
-        result: LoopResult = train_loop(
-            c,
-            start_step=start_step,
-            total_steps=cfg.train.steps,
-            grad_clip=cfg.optim.grad_clip,
-            log_interval=cfg.train.log_interval,
-            checkpoint_interval=cfg.checkpoint.interval,
-            hooks=hooks,
-        )
+        with stop.installed():
+            result: LoopResult = train_loop(
+                c,
+                start_step=start_step,
+                total_steps=cfg.train.steps,
+                grad_clip=cfg.optim.grad_clip,
+                log_interval=cfg.train.log_interval,
+                checkpoint_interval=cfg.checkpoint.interval,
+                hooks=hooks,
+            )
+            saver.close()
     finally:
         for close in closers:
             close()
+    if result.stopped_early and rank.is_main:
+        console.print(f"[bold yellow]stopped by {stop.name} after step {result.last_step}[/]; continue with:\n  llmforge resume ckpt={run_dir}")
     return RunSummary(
         first_loss=result.losses[0] if result.losses else None,
         last_loss=result.losses[-1] if result.losses else None,
         last_step=result.last_step,
         wall_s=time.perf_counter() - started,
-        checkpoint=saved[-1] if saved else None,
+        checkpoint=saver.records[-1].path if saver.records else None,
+        stopped_early=result.stopped_early,
     )
 
 
-def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, console: Console, saved: list):
+class StopSignal:
+    """Turns SIGTERM/SIGINT into a request to stop after the current step."""
+
+    def __init__(self) -> None:
+        self.name: Optional[str] = None
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.name == signal.Signals(signum).name:
+            raise KeyboardInterrupt
+        self.name = signal.Signals(signum).name
+
+    def requested(self) -> bool:
+        """True on every rank once any rank received a signal."""
+        flag = self.name is not None
+        if dist.is_initialized():
+            t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = bool(t.item())
+            self.name = self.name or ("SIGTERM" if flag else None)
+        return flag
+
+    def installed(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def scope():
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+            try:
+                yield
+            finally:
+                for s, handler in previous.items():
+                    signal.signal(s, handler)
+
+        return scope()
+
+
+def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, console: Console, stop: StopSignal):
     from llmforge.observe.console import TrainingProgress
     from llmforge.observe.metrics import MetricsFile
     from llmforge.observe.wandb_run import WandbRun
 
     cfg = plan.config
-    closers = []
-    hooks = LoopHooks()
-    root = plan.run_dir / "checkpoints"
+    closers: List[Callable[[], None]] = []
+    saver = store.CheckpointSaver(root=plan.run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, rank=rank.rank, log=lambda text: console.print(text, highlight=False))
+    closers.append(saver.close)
+    hooks = LoopHooks(should_stop=stop.requested)
 
     def checkpoint(step: int) -> None:
-        if step == cfg.train.steps and not cfg.checkpoint.save_final and not (cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0):
+        interval_hit = cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0
+        if step == cfg.train.steps and not cfg.checkpoint.save_final and not interval_hit and stop.name is None:
             return
-        saved.append(store.save(root=root, step=step, model_parts=c.model_parts, optimizer=c.optimizer, train_state=train_state(c)))
+        saver.save(step=step, model_parts=c.model_parts, optimizer=c.optimizer, train_state=train_state(c), plan=plan.to_dict())
 
     hooks.checkpoint = checkpoint
     if not rank.is_main:
-        return hooks, closers
+        return hooks, closers, saver
     metrics = MetricsFile(plan.run_dir / "metrics.jsonl")
     wandb_run = WandbRun(settings=cfg.logging.wandb, run_dir=plan.run_dir, name=cfg.run.name, config=plan.to_dict(), resume_id=None)
     progress = TrainingProgress(total_steps=cfg.train.steps, start_step=start_step, enabled=cfg.logging.console, console=console)
@@ -125,5 +222,5 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
 
     hooks.log = log
     hooks.progress = lambda step, loss, tps: progress.update(step=step, loss=loss, tokens_per_s=tps)
-    closers += [progress.close, metrics.close, wandb_run.finish]
-    return hooks, closers
+    closers[:0] = [progress.close, metrics.close, wandb_run.finish]
+    return hooks, closers, saver

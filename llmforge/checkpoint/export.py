@@ -1,0 +1,158 @@
+"""``llmforge export``: a checkpoint's model in Hugging Face format.
+
+Writes ``model.safetensors`` and ``config.json`` that ``transformers`` loads as
+
+- ``LlamaForCausalLM`` for Llama-style models (rmsnorm, swiglu, rope; GQA and
+  biases allowed), with Llama's parameter names;
+- ``GPT2LMHeadModel`` for GPT-style models (layernorm, gelu, learned positions,
+  biases, no GQA), with GPT-2's names: q/k/v fuse into ``c_attn`` and every linear
+  weight is transposed, because GPT-2 uses ``Conv1D`` (``y = x @ W + b``).
+
+Weights are read straight from the DCP shards (no model is built, nothing is
+unpickled) in the dtype they were saved in (fp32 master weights).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Dict, List
+
+import torch
+from rich.console import Console
+
+from llmforge.checkpoint.locate import locate
+from llmforge.checkpoint.manifest import write_json
+from llmforge.config.schema import ModelConfig
+from llmforge.errors import Problem, UserError
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def read_model_weights(path: Path) -> Dict[str, torch.Tensor]:
+    """Every ``model.*`` tensor of a checkpoint, unsharded, keyed by parameter name."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from llmforge.checkpoint.safe_reader import SafeReader, load_metadata
+    from llmforge.checkpoint.store import quiet_single_process
+
+    metadata = load_metadata(path)
+    weights = {
+        key[len("model."):]: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
+    }
+    with quiet_single_process():
+        dcp.load({"model": weights}, storage_reader=SafeReader(path), no_dist=True)
+    return weights
+
+
+def style_of(m: ModelConfig) -> str:
+    """``llama`` or ``gpt2``; a UserError listing what matches neither."""
+    if m.moe.num_experts > 0:
+        raise UserError([Problem("model.moe.num_experts", m.moe.num_experts, "MoE models have no Llama/GPT-2 export", "export a dense model")], title="cannot export")
+    llama = {"model.norm": (m.norm, "rmsnorm"), "model.activation": (m.activation, "swiglu"), "model.position": (m.position, "rope")}
+    gpt2 = {"model.norm": (m.norm, "layernorm"), "model.activation": (m.activation, "gelu"), "model.position": (m.position, "learned"), "model.bias": (m.bias, True), "model.num_kv_heads": (m.num_kv_heads or m.num_heads, m.num_heads)}
+    for name, wanted in (("llama", llama), ("gpt2", gpt2)):
+        if all(value == need for value, need in wanted.values()):
+            return name
+    problems = [Problem(key, value, f"GPT-2 export needs {need!r}", "pick a GPT-style or Llama-style model") for key, (value, need) in gpt2.items() if value != need]
+    problems += [Problem(key, value, f"Llama export needs {need!r}", "pick a GPT-style or Llama-style model") for key, (value, need) in llama.items() if value != need]
+    raise UserError(problems, title="this model flavour matches neither Llama nor GPT-2")
+
+
+def to_llama(w: Dict[str, torch.Tensor], m: ModelConfig) -> Dict[str, torch.Tensor]:
+    """llmforge names -> LlamaForCausalLM names (no reshaping needed)."""
+    out = {"model.embed_tokens.weight": w["embed.weight"], "model.norm.weight": w["norm.weight"]}
+    if not m.tie_embeddings:
+        out["lm_head.weight"] = w["head.weight"]
+    renames = {"attn_norm.": "input_layernorm.", "mlp_norm.": "post_attention_layernorm.", "attn.": "self_attn.", "mlp.": "mlp."}
+    for key, value in w.items():
+        if key.startswith("layers."):
+            _, layer, rest = key.split(".", 2)
+            prefix = next(p for p in renames if rest.startswith(p))
+            out[f"model.layers.{layer}.{renames[prefix]}{rest[len(prefix):]}"] = value
+    return out
+
+
+def to_gpt2(w: Dict[str, torch.Tensor], m: ModelConfig) -> Dict[str, torch.Tensor]:
+    """llmforge names -> GPT2LMHeadModel names; Conv1D weights are [in, out]."""
+    out = {"transformer.wte.weight": w["embed.weight"], "transformer.wpe.weight": w["pos_embed.weight"],
+           "transformer.ln_f.weight": w["norm.weight"], "transformer.ln_f.bias": w["norm.bias"]}
+    if not m.tie_embeddings:
+        out["lm_head.weight"] = w["head.weight"]
+    for i in range(m.num_layers):
+        src, dst = f"layers.{i}.", f"transformer.h.{i}."
+        qkv = [f"{src}attn.{p}_proj" for p in "qkv"]
+        out[dst + "attn.c_attn.weight"] = torch.cat([w[k + ".weight"] for k in qkv], dim=0).t()
+        out[dst + "attn.c_attn.bias"] = torch.cat([w[k + ".bias"] for k in qkv], dim=0)
+        for ours, theirs in (("attn.o_proj", "attn.c_proj"), ("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj")):
+            out[f"{dst}{theirs}.weight"] = w[f"{src}{ours}.weight"].t()
+            out[f"{dst}{theirs}.bias"] = w[f"{src}{ours}.bias"]
+        for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+            out[f"{dst}{theirs}.weight"] = w[f"{src}{ours}.weight"]
+            out[f"{dst}{theirs}.bias"] = w[f"{src}{ours}.bias"]
+    return out
+
+
+def hf_config(m: ModelConfig, *, style: str, dtype: torch.dtype) -> dict:
+    """config.json for the exported model."""
+    common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"), "bos_token_id": None, "eos_token_id": None}
+    if style == "llama":
+        return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden_size,
+                "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
+                "num_key_value_heads": m.num_kv_heads or m.num_heads, "head_dim": m.hidden_size // m.num_heads,
+                "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "hidden_act": "silu",
+                "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+                "attention_bias": m.bias, "mlp_bias": m.bias, "attention_dropout": m.dropout}
+    return {**common, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": m.hidden_size, "n_layer": m.num_layers,
+            "n_head": m.num_heads, "n_inner": m.ffn_hidden_size, "n_positions": m.seq_len, "n_ctx": m.seq_len,
+            "activation_function": "gelu_new", "layer_norm_epsilon": m.norm_eps, "resid_pdrop": m.dropout,
+            "embd_pdrop": m.dropout, "attn_pdrop": m.dropout, "scale_attn_weights": True}
+
+
+def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path) -> List[Path]:
+    """Write model.safetensors and config.json for the checkpoint at ``path`` into ``out_dir``.
+
+    Files are written into a temporary folder next to ``out_dir`` and moved in
+    only when complete."""
+    from safetensors.torch import save_file
+
+    style = style_of(model)
+    weights = read_model_weights(path)
+    tensors = (to_llama if style == "llama" else to_gpt2)(weights, model)
+    dtype = next(iter(weights.values())).dtype
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(f".{out_dir.name}.export-tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        write_json(tmp / "config.json", hf_config(model, style=style, dtype=dtype))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        written = []
+        for name in ("model.safetensors", "config.json"):
+            os.replace(tmp / name, out_dir / name)
+            written.append(out_dir / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return written
+
+
+def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> None:
+    """``llmforge export ckpt=PATH --out DIR``."""
+    from llmforge.checkpoint.resume import saved_plan, split_ckpt
+    from llmforge.plan import config_from_dict
+
+    ckpt, rest = split_ckpt(overrides)
+    if rest:
+        raise UserError([Problem(o.split("=", 1)[0], o, "export takes no overrides besides ckpt=", "remove it") for o in rest], title="bad overrides")
+    found = locate(ckpt)
+    for note in found.notes:
+        console.print(f"[yellow]{note}[/]")
+    config = config_from_dict(saved_plan(found.path)["config"])
+    written = export_checkpoint(found.path, model=config.model, out_dir=out_dir)
+    style = "LlamaForCausalLM" if style_of(config.model) == "llama" else "GPT2LMHeadModel"
+    console.print(f"exported {found.path} as {style}: " + ", ".join(str(p) for p in written))

@@ -1,0 +1,130 @@
+"""``llmforge resume``: the saved plan, the user's overrides, and what may not change.
+
+The plan is the one stored in the checkpoint. Overrides apply on top of it:
+``GROUP=OPTION`` replaces a whole group (``parallel=dp2``), ``a.b=value`` one key.
+Settings that training state depends on (model shape, data and tokenizer, seed)
+cannot change; every such difference is listed in one error before launch.
+The run continues in the checkpoint's run folder unless ``run.dir`` is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+from rich.console import Console
+
+from llmforge.checkpoint.locate import locate
+from llmforge.errors import Problem, UserError, fail
+from llmforge.plan import RunPlan
+
+#: Keys (or key prefixes ending in ".") whose change invalidates the saved state.
+FIXED = ("model.", "data.", "train.seed", "optim.name")
+#: Keys under FIXED that may still change.
+MAY_CHANGE = ("model.dropout", "data.cache_dir", "data.num_proc")
+_WHY = {
+    "model.": "the saved weights have this model's shape and flavour",
+    "data.": "the data position is a position in this data and tokenizer",
+    "train.seed": "the data order and random streams follow this seed",
+    "optim.name": "the saved optimizer state belongs to this optimizer",
+}
+
+
+def split_ckpt(overrides: List[str]) -> Tuple[str, List[str]]:
+    """Take ``ckpt=PATH`` out of the overrides."""
+    ckpts = [o.split("=", 1)[1] for o in overrides if o.startswith("ckpt=")]
+    rest = [o for o in overrides if not o.startswith("ckpt=")]
+    if len(ckpts) != 1 or not ckpts[0]:
+        raise UserError([Problem("ckpt", ckpts or None, "resume needs exactly one ckpt=PATH", "pass ckpt=runs/NAME/checkpoints/latest, a run folder, or a step_N folder")], title="bad overrides")
+    return ckpts[0], rest
+
+
+def flatten(data: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
+    """Dotted keys -> leaf values of a nested dict."""
+    out: Dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def apply_overrides(saved: Dict[str, Any], overrides: List[str]) -> Any:
+    """The saved config dict with group options and dotted overrides applied, as a RunConfig."""
+    from omegaconf import OmegaConf
+
+    from llmforge.config.compose import _check_overrides, available_options, config_dirs
+    from llmforge.config.schema import RunConfig
+
+    options = available_options(config_dirs())
+    checked = _check_overrides(overrides, options)
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), saved)
+    dotted = []
+    for item in checked:
+        key, value = item.lstrip("+~").split("=", 1)
+        if key == "recipe":
+            raise UserError([Problem("recipe", value, "a resumed run keeps its recipe", "override single keys or groups instead (parallel=dp2, train.steps=400)")], title="bad overrides")
+        if key in options:
+            group = OmegaConf.merge(OmegaConf.structured(type(getattr(RunConfig(), key))), OmegaConf.load(options[key][value].path))
+            cfg[key] = group
+        else:
+            dotted.append(f"{key}={value}")
+    try:
+        if dotted:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotted))
+        return OmegaConf.to_object(cfg)
+    except Exception as exc:  # OmegaConf validation errors (wrong type, ...)
+        raise fail(f"the overrides do not apply to the saved plan: {str(exc).splitlines()[0]}", title="bad overrides") from None
+
+
+def differences(old: Any, new: Any) -> List[Problem]:
+    """One problem per setting that changed but must not."""
+    before, after = flatten(dataclasses.asdict(old)), flatten(dataclasses.asdict(new))
+    problems = []
+    for key in sorted(before):
+        if before[key] == after.get(key) or key in MAY_CHANGE:
+            continue
+        fixed = next((f for f in FIXED if key == f or (f.endswith(".") and key.startswith(f))), None)
+        if fixed is not None:
+            problems.append(Problem(key, after.get(key), f"cannot change on resume (saved: {before[key]!r}); {_WHY[fixed]}", f"drop the override or set {key}={before[key]}"))
+    return problems
+
+
+def plan_for_resume(overrides: List[str]) -> Tuple[RunPlan, Path]:
+    """The plan to continue with and the verified checkpoint folder to restore."""
+    console = Console(stderr=True)
+    ckpt, rest = split_ckpt(overrides)
+    found = locate(ckpt)
+    for note in found.notes:
+        console.print(f"[yellow]{note}[/]")
+    saved = saved_plan(found.path)
+    from llmforge.config.schema import RunConfig
+    from llmforge.plan import config_from_dict
+
+    old = config_from_dict(saved["config"])
+    if not any(o.split("=", 1)[0] == "run.dir" for o in rest):
+        rest = [*rest, f"run.dir={found.run_dir}"]
+    new = apply_overrides(saved["config"], rest)
+    assert isinstance(new, RunConfig)
+    step = json.loads((found.path / "train_state.json").read_text())["step"]
+    problems = differences(old, new)
+    if new.train.steps <= step:
+        problems.append(Problem("train.steps", new.train.steps, f"the checkpoint is already at step {step}", f"set train.steps above {step}"))
+    if problems:
+        raise UserError(problems, title=f"cannot resume from {found.path}")
+    plan = RunPlan.build(new)
+    console.print(f"resuming from {found.path} (step {step}) into {plan.run_dir}, layout {plan.layout}")
+    return plan, found.path
+
+
+def saved_plan(path: Path) -> Dict[str, Any]:
+    try:
+        data = json.loads((path / "plan.json").read_text())
+        if not isinstance(data.get("config"), dict):
+            raise ValueError("no config section")
+        return data
+    except (OSError, ValueError) as exc:
+        raise fail(f"{path / 'plan.json'}: unreadable ({exc})", title="damaged checkpoint") from None
