@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from llmforge.config.schema import DataConfig
-from llmforge.data.prepare import prepare
+from llmforge.data.prepare import _load_tokenizer, prepare
 from llmforge.data.shards import PIECE_CHARS
 from llmforge.data.sources import builtin_source
 
@@ -46,12 +46,14 @@ def test_jsonl_round_trip_reproduces_every_document(tmp_path):
 def test_text_folder_round_trip_including_a_long_document(tmp_path):
     folder = tmp_path / "txt"
     folder.mkdir()
-    long_doc = "".join(f"def f{i}(x):\n    return x + {i}\n\n" for i in range(PIECE_CHARS // 10))
+    long_doc = "".join(f"def f{i}(x):  \n    return x + {i}\n\nclass C{i}:\n pass\n" for i in range(PIECE_CHARS // 20))
     assert len(long_doc) > 2 * PIECE_CHARS
     (folder / "a.txt").write_text("short one\n", encoding="utf-8")
     (folder / "b.txt").write_text(long_doc, encoding="utf-8")
     prepared = prepare(data=DataConfig(path=str(folder), cache_dir=str(tmp_path / "c")), vocab_size=VOCAB, seed=0)
     assert _decoded_documents(prepared) == ["short one\n", long_doc]
+    whole = _load_tokenizer(str(prepared.tokenizer_path)).encode(long_doc).ids
+    assert prepared.open_stream(0).documents()[1][:-1].tolist() == whole
 
 
 def test_builtin_corpus_is_standard_library_source_and_round_trips(tmp_path):

@@ -107,16 +107,16 @@ def _quiet_datasets():
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     return datasets
 
 
 def split_long(text: str, *, max_chars: int) -> List[str]:
-    """Cut a long document at line starts that begin with a non-space character.
+    """Cut a long document before line breaks that follow a non-space character.
 
-    The byte-level pre-tokenizer splits at such a point anyway (apart from trailing
-    blanks before the break), so the pieces tokenize like the whole document, decode to
-    it exactly, and spread over the tokenizer's worker threads.
+    No byte-level pre-token spans such a point and none depends on what lies beyond it,
+    so the pieces tokenize exactly like the whole document and spread over the
+    tokenizer's worker threads. Text without such a point is cut anyway (it still decodes exactly).
     """
     if len(text) <= max_chars:
         return [text]
@@ -133,9 +133,9 @@ def split_long(text: str, *, max_chars: int) -> List[str]:
 def _cut_point(text: str, *, start: int, max_chars: int) -> int:
     pos = start + max_chars
     while True:
-        nl = text.rfind("\n", start, pos)
+        nl = text.rfind("\n", start + 1, pos)
         if nl < 0:
-            return start + max_chars  # no line break: cut anyway (still decodes exactly)
-        if nl + 1 < len(text) and not text[nl + 1].isspace():
-            return nl + 1
+            return start + max_chars
+        if not text[nl - 1].isspace():
+            return nl
         pos = nl
