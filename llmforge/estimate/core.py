@@ -1,0 +1,152 @@
+"""One estimate: memory, pipeline, FLOPs, communication and step time of a layout.
+
+``estimate(shape, layout, job)`` is pure arithmetic (no torch, no Hydra), fast
+enough for the layout search; ``estimate_plan(plan)`` wraps it for a RunPlan.
+
+Step time, for the slowest pipeline stage:
+
+    t_mb   = stage hardware FLOPs per microbatch / (peak x efficiency)
+             + tensor-parallel and expert all-to-all time of that microbatch
+    step   = m x t_mb / (1 - bubble)
+             + exposed data-parallel, pipeline and context-parallel communication
+             + optimizer step (memory-bound: 32 bytes per local parameter)
+
+``efficiency`` is ``cluster.efficiency`` (default 0.5): the share of dense peak
+FLOP/s the matmuls reach. MFU = model FLOPs / (step x devices x peak).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List
+
+from llmforge.estimate import comm as cm
+from llmforge.estimate import flops as fl
+from llmforge.estimate.memory import StageMemory, all_stages, most_loaded
+from llmforge.estimate.params import active_params, layout_rank_params, stage_layers, total_params
+from llmforge.estimate.pipeline import bubble_fraction
+from llmforge.estimate.shape import Job, Layout, Shape, from_plan
+
+OPTIMIZER_BYTES_PER_PARAM = 32  # AdamW reads param, grad, two moments, writes three; clip reads grads
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Every figure ``llmforge estimate`` reports, for the most-loaded device."""
+
+    shape: Shape
+    layout: Layout
+    job: Job
+    microbatches: int
+    params_total: int
+    params_active: int
+    stages: List[StageMemory]
+    worst: StageMemory
+    bubble: float
+    model_flops: float
+    hardware_flops: float
+    comm: cm.Comm
+    parts: Dict[str, float]
+
+    @property
+    def step_s(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.worst.total <= self.job.profile.memory_bytes
+
+    @property
+    def headroom(self) -> float:
+        """Device memory left (negative: missing) on the most-loaded device, bytes."""
+        return self.job.profile.memory_bytes - self.worst.total
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.job.global_batch * self.shape.seq
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def mfu(self) -> float:
+        peak = self.job.profile.peak(self.job.param_dtype)
+        return self.model_flops / (self.step_s * self.layout.world * peak)
+
+
+def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int) -> tuple[float, float]:
+    """(compute seconds, TP/EP collective seconds) of one microbatch on ``stage``."""
+    layers = stage_layers(shape, layout.pp, layout.virtual_stages, layout.pp_layers)[stage]
+    last = (shape.num_layers - 1) in layers
+    tokens = layout.micro_batch * shape.seq / layout.cp
+    flops = fl.stage_hardware_flops_per_token(shape, layout, layers, last=last) * tokens / layout.tp
+    compute = flops / (job.profile.peak(job.param_dtype) * job.efficiency)
+    span = cm.spans(layout)
+    collective = cm.seconds(job, cm.tp_bytes(shape, layout, job, layers=len(layers), microbatches=1), span["tp"])
+    moe = sum(shape.is_moe_layer(i) for i in layers)
+    collective += cm.seconds(job, cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=1), span["ep"])
+    return compute, collective
+
+
+def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t_mb: float) -> cm.Comm:
+    span = cm.spans(layout)
+    layers = stage_layers(shape, layout.pp, layout.virtual_stages, layout.pp_layers)[stage]
+    params = layout_rank_params(shape, layout, stage)
+    grads, gathers = cm.dp_bytes(layout, job, dense=params.dense_numel, expert=params.expert_numel, microbatches=m)
+    pp_total, pp_one = cm.pp_bytes(shape, layout, job, microbatches=m)
+    tp_b = cm.tp_bytes(shape, layout, job, layers=len(layers), microbatches=m)
+    cp_b = cm.cp_bytes(shape, layout, job, layers=len(layers), microbatches=m)
+    moe = sum(shape.is_moe_layer(i) for i in layers)
+    ep_b = cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=m)
+    t_grads, t_gathers = cm.seconds(job, grads, span["dp"]), cm.seconds(job, gathers, span["dp"])
+    backward_last = t_mb * 2 / 3
+    if layout.zero == 3:
+        dp_exposed = max(0.0, t_grads - backward_last) + max(0.0, t_gathers - m * t_mb)
+    else:
+        dp_exposed = max(0.0, t_grads - backward_last) + t_gathers
+    t_cp = cm.seconds(job, cp_b, span["cp"])
+    attention_share = _attention_share(shape)
+    return cm.Comm(
+        dp_bytes=grads + gathers, tp_bytes=tp_b, pp_bytes=pp_total, cp_bytes=cp_b, ep_bytes=ep_b,
+        dp_s=t_grads + t_gathers, tp_s=cm.seconds(job, tp_b, span["tp"]), pp_s=cm.seconds(job, pp_total, span["pp"]),
+        cp_s=t_cp, ep_s=cm.seconds(job, ep_b, span["ep"]), dp_exposed_s=dp_exposed,
+        pp_exposed_s=2 * (layout.pp - 1) * layout.virtual_stages * cm.seconds(job, pp_one, span["pp"]),
+        cp_exposed_s=max(0.0, t_cp - m * t_mb * attention_share),
+    )
+
+
+def _attention_share(shape: Shape) -> float:
+    f = fl.block_flops(shape, moe=False)
+    return f.attention / f.forward
+
+
+def estimate(shape: Shape, layout: Layout, job: Job) -> Estimate:
+    """The full estimate of ``layout`` (assumed valid) for ``shape`` on ``job``."""
+    m = job.global_batch // (layout.micro_batch * layout.dp)
+    stages = all_stages(shape, layout, job, m)
+    times = [_stage_time(shape, layout, job, s) for s in range(layout.pp)]
+    slowest = max(range(layout.pp), key=lambda s: sum(times[s]))
+    t_compute, t_collective = times[slowest]
+    t_mb = t_compute + t_collective
+    bubble = bubble_fraction(layout, m, w=fl.weight_grad_share(shape))
+    comm = _communication(shape, layout, job, m, slowest, t_mb)
+    worst = most_loaded(stages)
+    optimizer_params = worst.optimizer / 8
+    optimizer_s = OPTIMIZER_BYTES_PER_PARAM * optimizer_params / job.profile.memory_bandwidth
+    parts = {
+        "compute": m * t_compute, "tp_ep_comm": m * t_collective, "bubble": m * t_mb * bubble / (1 - bubble),
+        "dp_comm": comm.dp_exposed_s, "pp_comm": comm.pp_exposed_s, "cp_comm": comm.cp_exposed_s, "optimizer": optimizer_s,
+    }
+    tokens = job.global_batch * shape.seq
+    return Estimate(
+        shape=shape, layout=layout, job=job, microbatches=m, params_total=total_params(shape),
+        params_active=active_params(shape), stages=stages, worst=worst, bubble=bubble,
+        model_flops=fl.model_flops(shape, tokens), hardware_flops=fl.hardware_flops(shape, layout, tokens),
+        comm=comm, parts=parts,
+    )
+
+
+def estimate_plan(plan) -> Estimate:
+    """The estimate of a built RunPlan."""
+    return estimate(*from_plan(plan))

@@ -1,0 +1,115 @@
+"""FLOPs of llmforge's GPT: matmuls only (2 FLOPs per multiply-add), as
+``torch.utils.flop_counter.FlopCounterMode`` counts them.
+
+Conventions:
+
+- attention scores are counted in full (s x s), not halved for the causal mask,
+  as Narayanan et al. 2021 and the flop counter do;
+- *model* FLOPs are forward + backward = 3x forward (the MFU convention of
+  PaLM / Megatron); embeddings, norms, softmax and elementwise ops are not counted;
+- *hardware* FLOPs are what the kernels execute: the fused attention backward
+  recomputes the score matrix (5 batched matmuls against the forward's 2), and
+  activation recomputation adds forward work (full: the blocks; selective: the
+  attention core).
+- MoE: a token runs through top_k routed experts plus the shared ones; with a
+  capacity factor the estimate assumes balanced routing (no padding computed).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmforge.estimate.shape import Layout, Shape
+
+
+@dataclass(frozen=True)
+class TokenFlops:
+    """Forward FLOPs per token of one block, split by where they go."""
+
+    weights: float
+    attention: float
+
+    @property
+    def forward(self) -> float:
+        return self.weights + self.attention
+
+
+def _mlp(shape: Shape, ffn: int) -> float:
+    return (3 if shape.activation == "swiglu" else 2) * 2 * shape.hidden * ffn
+
+
+def block_flops(shape: Shape, *, moe: bool) -> TokenFlops:
+    """Forward FLOPs per token of block: projections, attention core, MLP or experts."""
+    h = shape.hidden
+    proj = 2 * h * (2 * h + 2 * shape.kv_dim)
+    if moe:
+        ffn = 2 * h * shape.num_experts + (shape.top_k + shape.shared_experts) * _mlp(shape, shape.moe_ffn)
+    else:
+        ffn = _mlp(shape, shape.ffn)
+    return TokenFlops(weights=proj + ffn, attention=4 * shape.seq * h)
+
+
+def head_flops(shape: Shape) -> float:
+    """Forward FLOPs per token of the output projection (logits)."""
+    return 2 * shape.hidden * shape.vocab
+
+
+def forward_flops(shape: Shape, tokens: float) -> float:
+    """Forward FLOPs of the whole model for ``tokens`` tokens."""
+    per_token = sum(block_flops(shape, moe=shape.is_moe_layer(i)).forward for i in range(shape.num_layers))
+    return tokens * (per_token + head_flops(shape))
+
+
+def backward_flops(shape: Shape, tokens: float) -> float:
+    """Backward FLOPs as executed: 2x for weight matmuls, 2.5x for the fused attention core."""
+    total = 0.0
+    for i in range(shape.num_layers):
+        f = block_flops(shape, moe=shape.is_moe_layer(i))
+        total += 2 * f.weights + 2.5 * f.attention
+    return tokens * (total + 2 * head_flops(shape))
+
+
+def model_flops(shape: Shape, tokens: float) -> float:
+    """Model FLOPs (3x forward), the numerator of MFU."""
+    return 3 * forward_flops(shape, tokens)
+
+
+def recompute_flops_per_token(shape: Shape, layout: Layout, index: int) -> float:
+    """Extra forward FLOPs per token of block ``index`` caused by activation recomputation."""
+    f = block_flops(shape, moe=shape.is_moe_layer(index))
+    if layout.recompute == "full" and index % layout.recompute_every == 0:
+        return f.forward
+    if layout.recompute == "selective":
+        return f.attention
+    return 0.0
+
+
+def hardware_flops(shape: Shape, layout: Layout, tokens: float) -> float:
+    """Forward + backward + recomputation FLOPs, as executed."""
+    extra = sum(recompute_flops_per_token(shape, layout, i) for i in range(shape.num_layers))
+    return forward_flops(shape, tokens) + backward_flops(shape, tokens) + tokens * extra
+
+
+def stage_hardware_flops_per_token(shape: Shape, layout: Layout, layers: tuple, *, last: bool) -> float:
+    """Hardware FLOPs per token of one pipeline stage (before tensor/context splitting)."""
+    total = 0.0
+    for i in layers:
+        f = block_flops(shape, moe=shape.is_moe_layer(i))
+        total += 3 * f.weights + 3.5 * f.attention + recompute_flops_per_token(shape, layout, i)
+    if last:
+        total += 3 * head_flops(shape)
+    return total
+
+
+def weight_grad_share(shape: Shape) -> float:
+    """Share of a block's forward FLOPs in weight matmuls (the zero-bubble W/F ratio)."""
+    f = block_flops(shape, moe=shape.num_experts > 0)
+    return f.weights / f.forward
+
+
+def narayanan_flops(*, batch: int, seq: int, layers: int, hidden: int, vocab: int, full_recompute: bool = False) -> float:
+    """Narayanan et al. 2021, FLOPs per iteration (f = 4h, MHA, GELU MLP)."""
+    b, s, L, h, V = batch, seq, layers, hidden, vocab
+    if full_recompute:
+        return 96 * b * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+    return 72 * b * s * L * h * h * (1 + s / (6 * h) + V / (12 * L * h))

@@ -1,0 +1,221 @@
+"""``llmforge estimate --measure``: run the real model on CPU and measure what the estimate predicts.
+
+This is the only estimate module that imports torch. It measures, for one
+process and one microbatch of the plan's model:
+
+- parameters (every tensor of ``GPT``, built on the meta device);
+- bytes saved for backward, through ``torch.autograd.graph.saved_tensors_hooks``
+  (parameters and buffers excluded, each storage counted once);
+- forward and backward FLOPs with ``FlopCounterMode`` (with the CPU fused
+  attention kernels mapped to the formulas torch uses for the CUDA ones).
+
+Small models run for real. Larger ones run on fake CPU tensors (shapes, dtypes
+and kernel choice as on CPU, no arithmetic) and, past a few blocks, on copies
+with fewer layers whose per-block figures are scaled to the full depth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+
+from llmforge.estimate import activations as act
+from llmforge.estimate import flops as fl
+from llmforge.estimate.params import total_params
+from llmforge.estimate.shape import Job, Layout, shape_from_config
+
+REAL_LIMIT = 3e10  # parameters x tokens per microbatch beyond which fake tensors are used
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cpu_flop_mapping() -> dict:
+    """FLOP formulas for the CPU fused-attention kernels, which FlopCounterMode does not list."""
+    aten = torch.ops.aten
+    return {
+        aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward,
+    }
+
+
+def _sdpa_forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _sdpa_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+@dataclass
+class Measurement:
+    """What one forward and backward of one microbatch did."""
+
+    saved_bytes: int
+    forward_flops: int
+    backward_flops: int
+
+
+def _recompute_wrap(model, *, mode: str, every: int) -> None:
+    """Checkpoint blocks (full) or keep only matmul outputs (selective), non-reentrant."""
+    if mode == "none":
+        return
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    save = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+
+    for key, block in model.layers.items():
+        if mode == "full" and int(key) % every:
+            continue
+        inner = block.forward
+        context_fn = (lambda: create_selective_checkpoint_contexts(policy)) if mode == "selective" else _noop_contexts
+
+        def wrapped(x, rope=None, _inner=inner, _ctx=context_fn):
+            return checkpoint(_inner, x, rope, use_reentrant=False, context_fn=_ctx)
+
+        block.forward = wrapped
+
+
+def _noop_contexts():
+    return contextlib.nullcontext(), contextlib.nullcontext()
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+def run_once(model, *, micro_batch: int, param_dtype: str, vocab: int, seq: int) -> Measurement:
+    """Forward + loss + backward of one microbatch, counting saved bytes and FLOPs."""
+    excluded = {_storage_key(p) for p in model.parameters()} | {_storage_key(b) for b in model.buffers()}
+    saved: Dict[int, int] = {}
+
+    def pack(t):
+        key = _storage_key(t)
+        if key not in excluded:
+            saved[key] = max(saved.get(key, 0), t.untyped_storage().nbytes())
+        return t
+
+    tokens = torch.randint(0, vocab, (micro_batch, seq + 1))
+    cast = torch.autocast("cpu", dtype=_DTYPES[param_dtype]) if param_dtype != "fp32" else contextlib.nullcontext()
+    counter = FlopCounterMode(display=False, custom_mapping=cpu_flop_mapping())
+    with counter:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with cast:
+                logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(0, 1))
+        forward = counter.get_total_flops()
+        loss.backward()
+    return Measurement(saved_bytes=sum(saved.values()), forward_flops=forward, backward_flops=counter.get_total_flops() - forward)
+
+
+def measure_config(model_cfg, *, micro_batch: int, param_dtype: str, recompute: str = "none", every: int = 1, fake: Optional[bool] = None) -> Measurement:
+    """Build ``GPT(model_cfg)`` and measure one microbatch (real or fake CPU tensors)."""
+    from llmforge.models.gpt import GPT
+
+    if fake is None:
+        fake = total_params(shape_from_config(model_cfg)) * micro_batch * model_cfg.seq_len > REAL_LIMIT
+    mode = contextlib.nullcontext()
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        mode = FakeTensorMode()
+    with mode:
+        torch.manual_seed(0)
+        model = GPT(model_cfg)
+        model.train()
+        _recompute_wrap(model, mode=recompute, every=every)
+        return run_once(model, micro_batch=micro_batch, param_dtype=param_dtype, vocab=model_cfg.vocab_size, seq=model_cfg.seq_len)
+
+
+def count_parameters(model_cfg) -> Dict[str, tuple]:
+    """``{name: shape}`` of the real model, built on the meta device."""
+    from llmforge.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+@dataclass
+class Row:
+    name: str
+    estimate: float
+    measured: Optional[float]
+
+
+@dataclass
+class MeasuredReport:
+    rows: List[Row] = field(default_factory=list)
+    notes: List[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"rows": [dataclasses.asdict(r) for r in self.rows], "notes": list(self.notes)}
+
+
+def _scaled(model_cfg, *, micro_batch: int, param_dtype: str, recompute: str, every: int) -> tuple[Measurement, str]:
+    """Measure the full depth directly, or two shallow copies and extrapolate per block group."""
+    group = max(model_cfg.moe.every, every)
+    small = total_params(shape_from_config(model_cfg)) * micro_batch * model_cfg.seq_len <= REAL_LIMIT
+    if small or model_cfg.num_layers <= 2 * group:
+        m = measure_config(model_cfg, micro_batch=micro_batch, param_dtype=param_dtype, recompute=recompute, every=every)
+        return m, f"all {model_cfg.num_layers} blocks measured"
+    kw = dict(micro_batch=micro_batch, param_dtype=param_dtype, recompute=recompute, every=every)
+    one = measure_config(dataclasses.replace(model_cfg, num_layers=group), **kw)
+    two = measure_config(dataclasses.replace(model_cfg, num_layers=2 * group), **kw)
+    reps = model_cfg.num_layers // group - 1
+
+    def scale(a: int, b: int) -> int:
+        return a + reps * (b - a)
+
+    m = Measurement(scale(one.saved_bytes, two.saved_bytes), scale(one.forward_flops, two.forward_flops),
+                    scale(one.backward_flops, two.backward_flops))
+    return m, f"measured on copies with {group} and {2 * group} blocks, scaled to {model_cfg.num_layers}"
+
+
+def single_process_estimate(shape, job: Job, *, micro_batch: int, recompute: str, every: int) -> dict:
+    """The estimator's figures for one process running one microbatch (what ``measure`` sees)."""
+    layout = Layout(micro_batch=micro_batch, recompute=recompute, recompute_every=every)
+    tokens = micro_batch * shape.seq
+    saved = sum(act.layer_bytes(shape, layout, job, i) for i in range(shape.num_layers))
+    saved += act.embedding_bytes(shape, layout) + act.output_bytes(shape, layout, job)
+    extra = sum(fl.recompute_flops_per_token(shape, layout, i) for i in range(shape.num_layers)) * tokens
+    return {
+        "params": total_params(shape), "saved_bytes": saved, "forward_flops": fl.forward_flops(shape, tokens),
+        "backward_flops": fl.backward_flops(shape, tokens) + extra,
+    }
+
+
+def measure_plan(plan, est) -> MeasuredReport:
+    """Estimate and measurement side by side for the plan's model, one process, one microbatch."""
+    cfg = plan.config
+    p = cfg.parallel
+    mb = cfg.train.micro_batch_size
+    names = count_parameters(cfg.model)
+    measured_params = sum(_numel(s) for s in names.values())
+    m, how = _scaled(cfg.model, micro_batch=mb, param_dtype=cfg.precision.param_dtype, recompute=p.recompute, every=p.recompute_every)
+    ref = single_process_estimate(est.shape, est.job, micro_batch=mb, recompute=p.recompute, every=p.recompute_every)
+    report = MeasuredReport(rows=[
+        Row("parameters", ref["params"], measured_params),
+        Row(f"bytes saved for backward (1 microbatch of {mb}, recompute={p.recompute})", ref["saved_bytes"], m.saved_bytes),
+        Row("forward FLOPs (1 microbatch)", ref["forward_flops"], m.forward_flops),
+        Row("backward FLOPs (1 microbatch, with recompute)", ref["backward_flops"], m.backward_flops),
+    ])
+    fake = total_params(est.shape) * mb * cfg.model.seq_len > REAL_LIMIT
+    report.notes.append("parameters counted on the full model built on the meta device")
+    report.notes.append(("fake CPU tensors (no arithmetic; shapes, dtypes and kernels as on CPU); " if fake else "real CPU tensors; ") + how)
+    report.notes.append("one process, one microbatch: the per-rank figures above split these same tensors by the layout")
+    return report
+
+
+def _numel(shape: tuple) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

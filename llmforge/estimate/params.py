@@ -1,0 +1,207 @@
+"""Parameter inventory of llmforge's GPT, and how it splits over ranks.
+
+Every parameter tensor of the model is listed with its shape and how tensor
+parallelism cuts it (``col``: output rows split, ``row``: input columns split,
+``vocab``: vocabulary rows split, ``rep``: replicated). Counts per rank follow
+from the shapes, so the per-rank figures are exact, not ratios.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import List, Tuple
+
+from llmforge.estimate.shape import Layout, Shape
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """One parameter tensor: its shape, its TP split, and whether it is an expert weight."""
+
+    name: str
+    shape: Tuple[int, ...]
+    split: str = "rep"
+    expert: bool = False
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def local_shape(self, tp: int) -> Tuple[int, ...]:
+        """Shape of this tensor on one tensor-parallel rank."""
+        if tp == 1 or self.split == "rep":
+            return self.shape
+        if self.split in ("col", "vocab"):
+            return (self.shape[0] // tp,) + self.shape[1:]
+        return self.shape[:-1] + (self.shape[-1] // tp,)  # row: input dim split
+
+
+def _norm(shape: Shape, name: str) -> List[Tensor]:
+    out = [Tensor(f"{name}.weight", (shape.hidden,))]
+    if shape.norm == "layernorm" and shape.bias:
+        out.append(Tensor(f"{name}.bias", (shape.hidden,)))
+    return out
+
+
+def _linear(name: str, out_f: int, in_f: int, split: str, bias: bool, expert: bool = False) -> List[Tensor]:
+    out = [Tensor(f"{name}.weight", (out_f, in_f), split, expert)]
+    if bias:
+        # a row-parallel layer adds its bias once, after the reduction
+        out.append(Tensor(f"{name}.bias", (out_f,), "col" if split == "col" else "rep", expert))
+    return out
+
+
+def mlp_tensors(shape: Shape, name: str, ffn: int, *, expert: bool = False) -> List[Tensor]:
+    """The MLP: gelu (fc1, fc2) or swiglu (gate, up, down)."""
+    h, b = shape.hidden, shape.bias
+    if shape.activation == "swiglu":
+        return (_linear(f"{name}.gate_proj", ffn, h, "col", b, expert) + _linear(f"{name}.up_proj", ffn, h, "col", b, expert)
+                + _linear(f"{name}.down_proj", h, ffn, "row", b, expert))
+    return _linear(f"{name}.up_proj", ffn, h, "col", b, expert) + _linear(f"{name}.down_proj", h, ffn, "row", b, expert)
+
+
+def attention_tensors(shape: Shape, name: str) -> List[Tensor]:
+    h, kv, b = shape.hidden, shape.kv_dim, shape.bias
+    return (_linear(f"{name}.q_proj", h, h, "col", b) + _linear(f"{name}.k_proj", kv, h, "col", b)
+            + _linear(f"{name}.v_proj", kv, h, "col", b) + _linear(f"{name}.o_proj", h, h, "row", b))
+
+
+@lru_cache(maxsize=64)
+def block_tensors(shape: Shape, moe: bool) -> Tuple[Tensor, ...]:
+    """Parameters of one transformer block (dense or MoE)."""
+    out = _norm(shape, "attn_norm") + attention_tensors(shape, "attn") + _norm(shape, "mlp_norm")
+    if not moe:
+        return tuple(out + mlp_tensors(shape, "mlp", shape.ffn))
+    out.append(Tensor("moe.router.weight", (shape.num_experts, shape.hidden)))
+    for e in range(shape.num_experts):
+        out += mlp_tensors(shape, f"moe.experts.{e}", shape.moe_ffn, expert=True)
+    for e in range(shape.shared_experts):
+        out += mlp_tensors(shape, f"moe.shared.{e}", shape.moe_ffn)
+    return tuple(out)
+
+
+def embedding_tensors(shape: Shape) -> List[Tensor]:
+    out = [Tensor("embed.weight", (shape.vocab, shape.hidden), "vocab")]
+    if shape.position == "learned":
+        out.append(Tensor("pos_embed.weight", (shape.seq, shape.hidden)))
+    return out
+
+
+def head_tensors(shape: Shape, *, separate_copy: bool) -> List[Tensor]:
+    """Final norm and output projection; a tied head owns no weight unless on another stage."""
+    out = _norm(shape, "norm")
+    if not shape.tie_embeddings or separate_copy:
+        out.append(Tensor("head.weight", (shape.vocab, shape.hidden), "vocab"))
+    return out
+
+
+@lru_cache(maxsize=256)
+def stage_layers(shape: Shape, pp: int, v: int, pp_layers: Tuple[int, ...] | None) -> Tuple[Tuple[int, ...], ...]:
+    """Block indices held by each pipeline rank (rank r holds chunks r, r+pp, ...)."""
+    chunks = list(pp_layers) if pp_layers else [shape.num_layers // (pp * v)] * (pp * v)
+    starts = [sum(chunks[:i]) for i in range(len(chunks))]
+    ranks: List[List[int]] = [[] for _ in range(pp)]
+    for c, (start, n) in enumerate(zip(starts, chunks)):
+        ranks[_chunk_rank(c, pp, v)].extend(range(start, start + n))
+    return tuple(tuple(r) for r in ranks)
+
+
+def _chunk_rank(chunk: int, pp: int, v: int) -> int:
+    return chunk % pp
+
+
+@lru_cache(maxsize=4096)
+def stage_tensors(shape: Shape, layout_key: Tuple) -> Tuple[Tensor, ...]:
+    """Every parameter tensor held by pipeline rank ``stage`` (before TP/EP/ZeRO splits)."""
+    pp, v, pp_layers, stage = layout_key
+    layers = stage_layers(shape, pp, v, pp_layers)[stage]
+    out: List[Tensor] = embedding_tensors(shape) if stage == 0 else []
+    for i in layers:
+        out += block_tensors(shape, shape.is_moe_layer(i))
+    last = (shape.num_layers - 1) in layers
+    if last:
+        out += head_tensors(shape, separate_copy=stage != 0)
+    return tuple(out)
+
+
+def total_params(shape: Shape) -> int:
+    """Parameters of the whole model (tied embedding counted once)."""
+    n = sum(t.numel for t in embedding_tensors(shape)) + sum(t.numel for t in head_tensors(shape, separate_copy=False))
+    return n + sum(sum(t.numel for t in block_tensors(shape, shape.is_moe_layer(i))) for i in range(shape.num_layers))
+
+
+def active_params(shape: Shape) -> int:
+    """Parameters a token passes through: routed experts count top_k of num_experts."""
+    if shape.num_experts == 0:
+        return total_params(shape)
+    one_expert = sum(t.numel for t in mlp_tensors(shape, "e", shape.moe_ffn, expert=True))
+    idle = (shape.num_experts - shape.top_k) * one_expert * shape.num_moe_layers
+    return total_params(shape) - idle
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters on one rank, before ZeRO: dense (DP over dp*cp) and expert (DP over dp*cp/ep)."""
+
+    dense: Tuple[Tuple[int, ...], ...]
+    expert: Tuple[Tuple[int, ...], ...]
+
+    @property
+    def dense_numel(self) -> int:
+        return sum(_prod(s) for s in self.dense)
+
+    @property
+    def expert_numel(self) -> int:
+        return sum(_prod(s) for s in self.expert)
+
+    @property
+    def numel(self) -> int:
+        return self.dense_numel + self.expert_numel
+
+
+def _prod(shape: Tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@lru_cache(maxsize=4096)
+def rank_params(shape: Shape, *, pp: int, v: int, pp_layers, stage: int, tp: int, ep: int) -> RankParams:
+    """Local parameter shapes on (pipeline ``stage``, tp rank 0, ep rank 0)."""
+    dense: List[Tuple[int, ...]] = []
+    expert: List[Tuple[int, ...]] = []
+    per_expert = len(mlp_tensors(shape, "e", shape.moe_ffn, expert=True))
+    seen_experts = 0
+    for t in stage_tensors(shape, (pp, v, pp_layers, stage)):
+        if t.expert:
+            index = (seen_experts // per_expert) % shape.num_experts
+            seen_experts += 1
+            if index < shape.num_experts // ep:  # ep rank 0 holds the first E/ep experts
+                expert.append(t.local_shape(tp))
+        else:
+            dense.append(t.local_shape(tp))
+    return RankParams(tuple(dense), tuple(expert))
+
+
+def layout_rank_params(shape: Shape, layout: Layout, stage: int) -> RankParams:
+    return rank_params(shape, pp=layout.pp, v=layout.virtual_stages, pp_layers=layout.pp_layers,
+                       stage=stage, tp=layout.tp, ep=layout.ep)
+
+
+def named_shapes(shape: Shape) -> dict:
+    """``{parameter name: shape}`` of the whole one-process model, named as ``GPT`` names them."""
+    out = {t.name: t.shape for t in embedding_tensors(shape)}
+    for i in range(shape.num_layers):
+        out.update({f"layers.{i}.{t.name}": t.shape for t in block_tensors(shape, shape.is_moe_layer(i))})
+    out.update({t.name: t.shape for t in head_tensors(shape, separate_copy=False)})
+    return out
+
+
+def matmul_weight_numel(shape: Shape, moe: bool) -> int:
+    """Elements of the matrix weights of one block (what autocast casts to 16 bits)."""
+    return sum(t.numel for t in block_tensors(shape, moe) if len(t.shape) == 2)

@@ -1,0 +1,114 @@
+"""Rich tables for ``llmforge estimate``: breakdown, timeline, measured comparison."""
+
+from __future__ import annotations
+
+from rich.table import Table
+from rich.text import Text
+
+from llmforge.estimate.core import Estimate
+from llmforge.estimate.pipeline import simulate, simulated_bubble
+from llmforge.estimate.report import gib, verdict, where
+
+_PART_NAMES = {
+    "compute": "compute (at efficiency x peak)", "tp_ep_comm": "tensor-parallel + expert all-to-all",
+    "bubble": "pipeline bubble", "dp_comm": "data-parallel comm. (exposed)", "pp_comm": "pipeline p2p (exposed)",
+    "cp_comm": "context-parallel comm. (exposed)", "optimizer": "optimizer step",
+}
+
+
+def _memory_table(est: Estimate) -> Table:
+    w, lay = est.worst, est.layout
+    table = Table(title=f"Memory of the most-loaded device: {where(est)}", title_justify="left")
+    table.add_column("item")
+    table.add_column("bytes", justify="right")
+    table.add_column("how it is counted")
+    zero = {0: "replicated", 1: "optimizer sharded", 2: "grads + optimizer sharded", 3: "all sharded (FSDP)"}[lay.zero]
+    table.add_row("weights (fp32)", gib(w.weights), f"{w.params / 1e6:,.1f}M params on this rank; ZeRO-{lay.zero}: {zero}")
+    table.add_row("gradients (fp32)", gib(w.grads), "one per parameter, in the parameters' dtype")
+    table.add_row("optimizer (AdamW)", gib(w.optimizer), "two fp32 moments per parameter")
+    table.add_row("activations", gib(w.activations), f"recompute={lay.recompute}; microbatches in flight per the {lay.schedule if lay.pp > 1 else 'accumulation'} schedule")
+    table.add_row("transient buffers", gib(w.transient), "logits at the loss, recompute working set, gathers, buckets")
+    table.add_row("allowance", gib(w.reserved), f"runtime {gib(est.job.profile.runtime_reserved_bytes)} + 10% fragmentation")
+    table.add_row(Text("total", style="bold"), Text(gib(w.total), style="bold"), f"of {gib(est.job.profile.memory_bytes)} ({est.job.profile.name})")
+    return table
+
+
+def _time_table(est: Estimate) -> Table:
+    table = Table(title="Step time", title_justify="left")
+    table.add_column("part")
+    table.add_column("seconds", justify="right")
+    table.add_column("share", justify="right")
+    for key, value in est.parts.items():
+        if value > 0:
+            table.add_row(_PART_NAMES[key], f"{value:.4g}", f"{value / est.step_s:.1%}")
+    table.add_row(Text("step", style="bold"), Text(f"{est.step_s:.4g}", style="bold"), "")
+    return table
+
+
+def _summary_table(est: Estimate, recipe: str) -> Table:
+    lay, c = est.layout, est.comm
+    table = Table(show_header=False, title=f"llmforge estimate: {recipe} on {lay.world} x {est.job.profile.name}", title_justify="left")
+    table.add_column("key", style="cyan")
+    table.add_column("value")
+    table.add_row("layout", lay.overrides())
+    table.add_row("parameters", f"{est.params_total:,} total, {est.params_active:,} active per token")
+    pipe = f"{lay.schedule}, {lay.pp} stages x {lay.virtual_stages} chunks, " if lay.pp > 1 else "no pipeline, "
+    table.add_row("pipeline", f"{pipe}{est.microbatches} microbatches, bubble {est.bubble:.2%}")
+    table.add_row("FLOPs / step", f"model {est.model_flops:.4g}, hardware {est.hardware_flops:.4g} (causal not halved)")
+    vols = ", ".join(f"{k} {gib(v)}" for k, v in (("dp", c.dp_bytes), ("tp", c.tp_bytes), ("pp", c.pp_bytes), ("cp", c.cp_bytes), ("ep", c.ep_bytes)) if v)
+    table.add_row("comm. / device / step", vols or "none")
+    table.add_row("throughput", f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%} (efficiency {est.job.efficiency:g} of peak)")
+    return table
+
+
+def render_estimate(est: Estimate, *, recipe: str, console) -> None:
+    console.print(_summary_table(est, recipe))
+    console.print(_memory_table(est))
+    console.print(_time_table(est))
+    style = "bold green" if est.fits else "bold red"
+    console.print(Text(f"Verdict: {verdict(est)}", style=style))
+
+
+def _shown_microbatches(est: Estimate) -> int:
+    lay, m = est.layout, est.microbatches
+    shown = min(m, max(2 * lay.pp, 4))
+    if lay.virtual_stages > 1:
+        shown = max(lay.pp, shown // lay.pp * lay.pp)
+    return shown
+
+
+def render_timeline(est: Estimate, *, console) -> None:
+    """Each pipeline rank's slots: F/B/W with microbatch number, chunk colour, idle dots."""
+    lay = est.layout
+    if lay.pp == 1:
+        console.print("Timeline: no pipeline (pp=1); every device runs each microbatch forward then backward.")
+        return
+    m = _shown_microbatches(est)
+    slots = simulate(lay, m)
+    colours = ["cyan", "magenta", "yellow", "green", "blue", "red"]
+    console.print(f"Timeline ({lay.schedule}, {m} of {est.microbatches} microbatches; one column = one forward of one chunk; "
+                  f"F forward, B backward{', W weight gradient' if lay.schedule in ('zb_interleaved', 'zbv') else ''}, . idle; colour = model chunk)")
+    end = max(s.start + s.length for row in slots.values() for s in row)
+    for rank, row in slots.items():
+        line = Text(f"rank {rank:<2} ")
+        cursor = 0
+        for s in sorted(row, key=lambda x: x.start):
+            line.append(" . " * (s.start - cursor), style="dim")
+            label = f"{s.kind}{s.microbatch}"
+            line.append(f"{label:<3}" * s.length, style=colours[(s.chunk // lay.pp) % len(colours)])
+            cursor = s.start + s.length
+        line.append(" . " * (end - cursor), style="dim")
+        console.print(line, overflow="fold")
+    console.print(f"idle share in this picture: {simulated_bubble(slots):.1%} (formula at m={est.microbatches}: {est.bubble:.2%})")
+
+
+def render_measured(measured, *, console) -> None:
+    table = Table(title="Estimate vs measurement (real model on CPU)", title_justify="left")
+    for col in ("quantity", "estimate", "measured", "difference"):
+        table.add_column(col, justify="right" if col != "quantity" else "left")
+    for row in measured.rows:
+        diff = "" if row.measured in (None, 0) else f"{(row.estimate - row.measured) / row.measured:+.2%}"
+        table.add_row(row.name, f"{row.estimate:,.0f}", "n/a" if row.measured is None else f"{row.measured:,.0f}", diff)
+    console.print(table)
+    for note in measured.notes:
+        console.print(f"note: {note}")
