@@ -1,0 +1,99 @@
+"""Activation recomputation (``parallel.recompute``, ``parallel.recompute_every``).
+
+``apply_recompute(model, *, mode, every)`` wraps transformer blocks in torch's
+non-reentrant activation checkpointing, in place:
+
+- ``none``: nothing changes; every block keeps what autograd saves.
+- ``selective``: every block keeps the outputs of its matrix multiplications
+  (q/k/v, output projection, MLP or expert up/gate/down, router) and of the
+  expert-parallel all-to-alls, and recomputes in backward everything else:
+  the attention core (scaled-dot-product attention), norms, activation
+  functions, RoPE, dropout, routing and dispatch bookkeeping. These are large
+  per token but cheap to rebuild, which is Megatron's sense of selective
+  recompute; no matmul and no communication is repeated. Uses
+  ``create_selective_checkpoint_contexts`` with a ``CheckpointPolicy`` per op.
+- ``full``: a block keeps only its input and reruns its whole forward in
+  backward; with ``every = N`` only blocks whose layer index is a multiple of N
+  (0, N, 2N, ...) are checkpointed and the others keep everything.
+
+Blocks are found in ``model.layers`` (an ``nn.ModuleDict`` keyed by the global
+layer index), so a pipeline stage checkpoints the same layers it would in one
+process, and MoE blocks are handled like dense ones. Wrapping swaps each block's
+class for a checkpointing subclass, so parameter names do not change.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Dict, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+MODES = ("none", "selective", "full")
+
+aten = torch.ops.aten
+
+
+def _save_ops() -> frozenset:
+    """Ops whose outputs selective recompute keeps: matmuls and communication."""
+    ops = [aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default]
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    for name in ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "wait_tensor"):
+        if functional is not None and hasattr(functional, name):
+            ops.append(getattr(functional, name).default)
+    return frozenset(ops)
+
+
+SAVE_OPS = _save_ops()
+
+
+def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Keep matmul and collective outputs; recompute the rest."""
+    return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context() -> tuple:
+    """A fresh pair of forward/recompute contexts for one checkpointed call."""
+    return create_selective_checkpoint_contexts(selective_policy)
+
+
+class CheckpointedModule:
+    """Mixin placed in front of a block's class: its forward runs under checkpoint."""
+
+    recompute_context: Optional[Callable[[], tuple]] = None
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        options: Dict[str, Any] = {"use_reentrant": False}
+        if self.recompute_context is not None:
+            options["context_fn"] = self.recompute_context
+        return checkpoint(super().forward, *args, **options, **kwargs)  # type: ignore[misc]
+
+
+@functools.lru_cache(maxsize=None)
+def _checkpointed_class(cls: type) -> type:
+    return type(f"Checkpointed{cls.__name__}", (CheckpointedModule, cls), {})
+
+
+def checkpoint_module(module: nn.Module, *, context: Optional[Callable[[], tuple]]) -> None:
+    """Make ``module``'s forward checkpointed (selective when ``context`` is given)."""
+    if isinstance(module, CheckpointedModule):
+        raise ValueError(f"{type(module).__name__} is already checkpointed")
+    module.__class__ = _checkpointed_class(type(module))
+    module.recompute_context = context
+
+
+def apply_recompute(model: nn.Module, *, mode: str, every: int = 1) -> nn.Module:
+    """Checkpoint the transformer blocks of ``model`` (or of a pipeline stage) in place."""
+    if mode not in MODES:
+        raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(MODES)}")
+    if every < 1:
+        raise ValueError(f"recompute every must be at least 1, got {every}")
+    if mode == "none":
+        return model
+    for name, block in model.layers.items():
+        if mode == "full" and int(name) % every:
+            continue
+        checkpoint_module(block, context=selective_context if mode == "selective" else None)
+    return model
