@@ -41,7 +41,7 @@ def build_single_process(plan: RunPlan, *, rank: RankInfo, sampler: object) -> C
         device=rank.device,
     )
     params = [p for p in model.parameters() if p.requires_grad]
-    return Components(
+    return wire_moe(plan, Components(
         model_parts=[model],
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps),
@@ -51,4 +51,28 @@ def build_single_process(plan: RunPlan, *, rank: RankInfo, sampler: object) -> C
         clip_grads=lambda max_norm: clip_local(params, max_norm),
         rank=rank,
         tokens_per_step=plan.tokens_per_step,
-    )
+    ))
+
+
+def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Components:
+    """A single process's components, or a distributed rank's (``rank.mesh`` set)."""
+    if rank.mesh is None:
+        return build_single_process(plan, rank=rank, sampler=sampler)
+    from llmforge.parallel.parallelize import build_parallel
+
+    return wire_moe(plan, build_parallel(plan, rank=rank, sampler=sampler))
+
+
+def wire_moe(plan: RunPlan, c: Components) -> Components:
+    """MoE models: scale the router losses' gradient like the main loss and log the
+    per-step MoE statistics. A pipeline schedule divides gradients by the
+    microbatch count itself; the accumulation loop divides each loss by it."""
+    if not plan.moe_layers:
+        return c
+    from llmforge.models.moe import moe_metrics, set_aux_loss_scale
+
+    per_loss = 1.0 if plan.pp > 1 else 1.0 / plan.microbatches
+    scaler = c.scaler
+    set_aux_loss_scale(c.model_parts, scale=lambda: (scaler.scale if scaler.enabled else 1.0) * per_loss)
+    c.extra_metrics = lambda: moe_metrics(c.model_parts)
+    return c

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch
 from torch import nn
@@ -21,6 +21,8 @@ class RankInfo:
     dp_rank: int = 0
     dp_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    #: The run's ``llmforge.parallel.mesh.ParallelMesh`` (None in a single process).
+    mesh: Optional[Any] = None
 
     @property
     def is_main(self) -> bool:

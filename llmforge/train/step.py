@@ -42,7 +42,9 @@ class GradAccumulationStep:
 
     ``no_sync`` (optional) returns a context that suspends gradient reduction for
     all but the last microbatch; ``reduce_loss`` averages the logged loss across
-    ranks that saw different data."""
+    ranks that saw different data; ``loss_context`` wraps each microbatch's forward,
+    loss and backward (tensor parallelism computes the loss on sharded logits in
+    it); ``finish`` runs once after the last backward (gradient reductions)."""
 
     model: nn.Module
     micro_batch_size: int
@@ -52,6 +54,8 @@ class GradAccumulationStep:
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
     no_sync: Optional[Callable[[bool], contextlib.AbstractContextManager]] = None
     reduce_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    finish: Optional[Callable[[], None]] = None
 
     def __call__(self, batch: torch.Tensor) -> StepOutput:
         micro = batch.to(self.device, non_blocking=True).split(self.micro_batch_size)
@@ -59,12 +63,14 @@ class GradAccumulationStep:
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
             sync = self.no_sync(last) if self.no_sync is not None else contextlib.nullcontext()
-            with sync:
+            with sync, self.loss_context():
                 with autocast(param_dtype=self.param_dtype, device=self.device):
                     logits = self.model(mb[:, :-1])
                 loss = self.loss_fn(logits, mb[:, 1:])
                 self.scaler.scaled(loss / len(micro)).backward()
             total += loss.detach()
+        if self.finish is not None:
+            self.finish()
         mean = total / len(micro)
         if self.reduce_loss is not None:
             mean = self.reduce_loss(mean)

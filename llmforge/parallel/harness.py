@@ -1,0 +1,150 @@
+"""Run several layouts of the same tiny model in one started process group and
+collect what they computed: the equivalence tests and tools/bench_parallel.py use it.
+
+    python -m torch.distributed.run --standalone --nproc-per-node=4 \\
+        -m llmforge.parallel.harness SPEC.json OUT.pt
+
+SPEC.json: ``{"base": [overrides...], "layouts": {"name": [overrides...]}, "fail_rank": null}``.
+OUT.pt (written by rank 0): per layout the losses, grad norms, step times and the
+full (gathered) parameters after the last step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from llmforge.plan import RunPlan, config_from_dict
+from llmforge.train.components import Components, RankInfo
+
+TINY = [
+    "model.num_layers=4", "model.hidden_size=32", "model.num_heads=4", "model.ffn_hidden_size=64",
+    "model.vocab_size=256", "model.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=8",
+    "train.steps=5", "train.lr=3e-3", "optim.warmup_steps=0", "optim.grad_clip=0.5", "optim.schedule=constant",
+]
+
+
+@dataclass
+class SyntheticSampler:
+    """The global batch of step k depends only on (seed, k); each data-parallel rank
+    takes its contiguous share of rows, as the real sampler does."""
+
+    vocab_size: int
+    seq_len: int
+    global_batch_size: int
+    seed: int
+    step: int = 0
+
+    def next_batch(self, *, dp_rank: int, dp_size: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 7919 + self.step)
+        rows = torch.randint(0, self.vocab_size, (self.global_batch_size, self.seq_len + 1), generator=gen)
+        self.step += 1
+        share = self.global_batch_size // dp_size
+        return rows[dp_rank * share : (dp_rank + 1) * share]
+
+    def state_dict(self) -> dict:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+def tiny_plan(overrides: List[str]) -> RunPlan:
+    """A validated plan of the tiny test model with ``overrides`` applied."""
+    return RunPlan.build(config_from_dict({}, TINY + list(overrides)))
+
+
+@dataclass
+class LayoutResult:
+    losses: List[float] = field(default_factory=list)
+    grad_norms: List[float] = field(default_factory=list)
+    step_times: List[float] = field(default_factory=list)
+    params: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def rank_info(plan: RunPlan, *, device: torch.device) -> RankInfo:
+    """This rank's place in a fresh mesh for ``plan`` (one process: no mesh)."""
+    if plan.world_size == 1:
+        return RankInfo(device=device)
+    from llmforge.parallel.mesh import build_mesh
+
+    mesh = build_mesh(plan, device_type=device.type)
+    return RankInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), dp_rank=mesh.local_rank("dp"), dp_size=plan.dp, device=device, mesh=mesh)
+
+
+def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu")) -> LayoutResult:
+    """Train ``plan`` on synthetic data; return what it computed (params on rank 0)."""
+    from llmforge.train.build import build_components
+    from llmforge.train.loop import LoopHooks, train_loop
+
+    cfg = plan.config
+    torch.manual_seed(cfg.train.seed)
+    sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed)
+    rank = rank_info(plan, device=device)
+    c = build_components(plan, rank=rank, sampler=sampler)
+    records: List[dict] = []
+    hooks = LoopHooks(log=records.append)
+    train_loop(c, start_step=0, total_steps=cfg.train.steps, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=0, hooks=hooks)
+    out = LayoutResult(
+        losses=[r["loss"] for r in records],
+        grad_norms=[r["grad_norm"] for r in records],
+        step_times=[r["step_time_s"] for r in records],
+    )
+    out.params = full_parameters(c)
+    return out
+
+
+def full_parameters(c: Components) -> Dict[str, torch.Tensor]:
+    """Every parameter gathered whole, by its name in the full model (on rank 0;
+    other ranks return an empty dict). Collective over all ranks."""
+    local: Dict[str, torch.Tensor] = {}
+    for part in c.model_parts:
+        for name, p in part.named_parameters():
+            local[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
+    if not dist.is_initialized():
+        return local
+    gathered: List[Optional[Dict[str, torch.Tensor]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    merged: Dict[str, torch.Tensor] = {}
+    for part in gathered:
+        for name, value in (part or {}).items():
+            merged.setdefault(name, value)
+    return merged if dist.get_rank() == 0 else {}
+
+
+def main(argv: List[str]) -> None:
+    spec = json.loads(Path(argv[0]).read_text())
+    from llmforge.parallel.worker import report_errors
+
+    with report_errors():
+        dist.init_process_group("gloo")
+        results = {}
+        for name, overrides in spec["layouts"].items():
+            plan = tiny_plan(spec.get("base", []) + overrides)
+            if spec.get("fail_rank") == dist.get_rank():
+                _fail(spec.get("fail_kind", "error"))
+            results[name] = train_layout(plan).__dict__
+        if dist.get_rank() == 0:
+            torch.save(results, argv[1])
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _fail(kind: str) -> None:
+    from llmforge.errors import fail
+
+    if kind == "user":
+        raise fail("data.path = 'missing.txt': no such file")
+    raise RuntimeError("injected failure on this rank")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

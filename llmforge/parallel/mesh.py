@@ -1,0 +1,67 @@
+"""The device mesh of a run: named dimensions built from the plan.
+
+Ranks are laid out ``pp x dp x cp x tp`` with tp innermost, so tensor-parallel
+groups sit on consecutive ranks (one node) and pipeline stages are furthest
+apart. The data-parallel dimension is itself ``dp_rest x ep``: the experts of an
+MoE layer are split over the innermost ``ep`` data-parallel ranks, and the
+flattened ``dp`` dimension is what gradients are reduced over.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from llmforge.plan import RunPlan
+
+DIMS = ("pp", "dp_rest", "ep", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """The world mesh and the sub-meshes each parallelism works over."""
+
+    world: DeviceMesh
+    dp: DeviceMesh
+    tp: DeviceMesh
+    pp: DeviceMesh
+    ep: DeviceMesh
+    cp: DeviceMesh
+
+    def size(self, name: str) -> int:
+        return getattr(self, name).size()
+
+    def local_rank(self, name: str) -> int:
+        return getattr(self, name).get_local_rank()
+
+
+def build_mesh(plan: RunPlan, *, device_type: str) -> ParallelMesh:
+    """A mesh over every rank of the current process group, shaped by the plan."""
+    shape = (plan.pp, plan.dp // plan.ep, plan.ep, plan.cp, plan.tp)
+    world = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
+    dp = world["dp_rest", "ep"]._flatten("dp")
+    return ParallelMesh(world=world, dp=dp, tp=world["tp"], pp=world["pp"], ep=world["ep"], cp=world["cp"])
+
+
+def device_for_rank(plan: RunPlan) -> torch.device:
+    """cpu for cluster.accelerator=cpu, else the GPU of this local rank."""
+    if plan.config.cluster.accelerator == "cpu":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
+def init_distributed(plan: RunPlan) -> torch.device:
+    """Join the process group torchrun set up: gloo on CPUs, NCCL on GPUs, with the
+    plan's collective timeout so a stuck rank ends the job instead of hanging it."""
+    device = device_for_rank(plan)
+    if not dist.is_initialized():
+        backend = "gloo" if device.type == "cpu" else "nccl"
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=plan.config.cluster.timeout_s))
+    return device

@@ -1,0 +1,200 @@
+"""Apply every parallelism to a model in the documented order, and build a rank's
+components for a distributed run.
+
+Order (as in torchtitan): tensor parallel -> expert parallel -> activation
+recompute -> (compile) -> FSDP. The model is built whole (or as its pipeline
+chunks) with the seeded initial weights first and sharded afterwards, so every
+layout starts from the same numbers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import List
+
+import torch
+from torch import nn
+
+from llmforge.parallel.clip import GlobalClip
+from llmforge.parallel.data import GradAllReduce, apply_fsdp, fsdp_sync
+from llmforge.parallel.mesh import ParallelMesh
+from llmforge.parallel.pipeline import PipelineStep, autocast_forward, build_schedule, build_stage_model, stage_ids
+from llmforge.parallel.tensor import apply_tp, loss_context, align_grads, sharded_cross_entropy
+from llmforge.parallel.tied import TiedEmbeddingSync, tied_group, tied_params
+from llmforge.plan import RunPlan
+from llmforge.train.components import Components, RankInfo
+from llmforge.train.optim import build_optimizer, build_scheduler
+from llmforge.train.precision import DTYPES
+from llmforge.train.step import GradAccumulationStep, cross_entropy
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh) -> None:
+    """Shard one model (or pipeline chunk) in place: TP -> EP -> recompute -> FSDP."""
+    p = plan.config.parallel
+    if plan.tp > 1:
+        apply_tp(model, tp_mesh=mesh.tp, sequence_parallel=p.sequence_parallel)
+    if plan.ep > 1:
+        from llmforge.parallel.expert import apply_ep
+
+        apply_ep(model, ep_mesh=mesh.ep)
+    if p.recompute != "none" and _has("llmforge.parallel.recompute"):
+        from llmforge.parallel.recompute import apply_recompute
+
+        apply_recompute(model, mode=p.recompute, every=p.recompute_every)
+    if p.zero > 0 and plan.dp > 1:
+        apply_fsdp(model, dp_mesh=mesh.dp, zero=p.zero, reduce_dtype=plan.config.precision.reduce_dtype)
+
+
+def build_parts(plan: RunPlan, *, mesh: ParallelMesh, device: torch.device) -> tuple[List[nn.Module], List[int]]:
+    """This rank's model parts (the whole model, or its pipeline chunks), parallelized."""
+    cfg = plan.config
+    if plan.pp == 1:
+        from llmforge.train.build import build_model
+
+        ids, parts = [0], [build_model(plan, device=device)]
+    else:
+        ids = stage_ids(pp_rank=mesh.local_rank("pp"), pp=plan.pp, virtual=plan.virtual_stages, schedule=cfg.parallel.pp_schedule)
+        parts = [
+            build_stage_model(cfg.model, stage=s, layers_per_stage=plan.layers_per_stage, seed=cfg.train.seed, device=device)
+            for s in ids
+        ]
+    for part in parts:
+        parallelize(part, plan=plan, mesh=mesh)
+    return parts, ids
+
+
+def build_parallel(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Components:
+    """A rank's components for any layout; the loop runs them like a single process."""
+    from llmforge.train.build import build_scaler
+
+    cfg, mesh, device = plan.config, rank.mesh, rank.device
+    parts, ids = build_parts(plan, mesh=mesh, device=device)
+    num_stages = len(plan.layers_per_stage)
+    copies = _tied_copies(plan, parts=parts, ids=ids, num_stages=num_stages)
+    optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr)
+    _no_decay(optimizer, copies)
+    scaler = build_scaler(plan)
+    finish = _finish_hooks(plan, mesh=mesh, parts=parts, ids=ids, num_stages=num_stages)
+    if plan.pp == 1:
+        step = _accumulation_step(plan, mesh=mesh, model=parts[0], scaler=scaler, device=device, finish=finish)
+    else:
+        step = _pipeline_step(plan, mesh=mesh, parts=parts, ids=ids, scaler=scaler, device=device, finish=finish)
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]
+    skip = {id(p) for p in copies if any(getattr(part, "head", None) is not None and p is part.head.weight for part in parts)}
+    return Components(
+        model_parts=parts,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps),
+        sampler=sampler,
+        step=step,
+        scaler=scaler,
+        clip_grads=GlobalClip(params=params, ranks_per_stage=plan.world_size // plan.pp, skip=skip),
+        rank=rank,
+        tokens_per_step=plan.tokens_per_step,
+    )
+
+
+def _tied_copies(plan: RunPlan, *, parts: List[nn.Module], ids: List[int], num_stages: int) -> List[nn.Parameter]:
+    if plan.pp == 1 or not plan.config.model.tie_embeddings:
+        return []
+    return tied_params(parts, first=0 in ids, last=num_stages - 1 in ids)
+
+
+def _no_decay(optimizer: torch.optim.Optimizer, copies: List[nn.Parameter]) -> None:
+    """The last stage's copy of a tied embedding is updated as the embedding is: no decay."""
+    target = next((g for g in optimizer.param_groups if g["weight_decay"] == 0), None)
+    for group in optimizer.param_groups:
+        moved = [p for p in group["params"] if any(p is c for c in copies)]
+        if group["weight_decay"] > 0 and moved:
+            if target is None:
+                target = {**group, "params": [], "weight_decay": 0.0}
+                optimizer.add_param_group(target)
+            group["params"] = [p for p in group["params"] if all(p is not c for c in copies)]
+            target["params"].extend(moved)
+
+
+def _finish_hooks(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module], ids: List[int], num_stages: int):
+    """What runs after a step's backward: ZeRO-0 gradient all-reduce, tied-embedding sync."""
+    hooks = []
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]
+    if plan.tp > 1:
+        hooks.append(lambda: align_grads(params))
+    if plan.dp > 1 and plan.config.parallel.zero == 0:
+        dtype = DTYPES[plan.config.precision.reduce_dtype]
+        hooks.append(GradAllReduce(params=params, group=mesh.dp.get_group(), size=plan.dp, dtype=dtype))
+    if plan.pp > 1 and plan.config.model.tie_embeddings:
+        schedule = plan.config.parallel.pp_schedule
+        last_pp = stage_ids(pp_rank=0, pp=plan.pp, virtual=plan.virtual_stages, schedule=schedule)
+        last_rank = 0 if num_stages - 1 in last_pp else (num_stages - 1) % plan.pp
+        group = tied_group(mesh, first_pp=0, last_pp=last_rank)
+        copies = tied_params(parts, first=0 in ids, last=num_stages - 1 in ids)
+        hooks.append(TiedEmbeddingSync(params=copies, group=group))
+
+    def finish() -> None:
+        for hook in hooks:
+            hook()
+
+    return finish if hooks else None
+
+
+def _dp_mean(mesh: ParallelMesh, size: int):
+    def reduce(loss: torch.Tensor) -> torch.Tensor:
+        loss = loss.detach().float().clone()
+        torch.distributed.all_reduce(loss, group=mesh.dp.get_group())
+        return loss / size
+
+    return reduce
+
+
+def _accumulation_step(plan: RunPlan, *, mesh: ParallelMesh, model: nn.Module, scaler, device: torch.device, finish) -> GradAccumulationStep:
+    cfg = plan.config
+    no_sync = None
+    if plan.dp > 1 and cfg.parallel.zero == 1:
+        no_sync = lambda last: fsdp_sync(model, sync=last)  # noqa: E731
+    return GradAccumulationStep(
+        model=model,
+        micro_batch_size=cfg.train.micro_batch_size,
+        param_dtype=cfg.precision.param_dtype,
+        scaler=scaler,
+        device=device,
+        loss_fn=sharded_cross_entropy if plan.tp > 1 else cross_entropy,
+        no_sync=no_sync,
+        reduce_loss=_dp_mean(mesh, plan.dp) if plan.dp > 1 else None,
+        loss_context=lambda: loss_context(plan.tp),
+        finish=finish,
+    )
+
+
+def _pipeline_step(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module], ids: List[int], scaler, device: torch.device, finish) -> PipelineStep:
+    cfg = plan.config
+    num_stages = len(plan.layers_per_stage)
+    for part in parts:
+        autocast_forward(part, param_dtype=cfg.precision.param_dtype, device=device)
+    step = PipelineStep(
+        schedule=None,
+        has_first=0 in ids,
+        has_last=num_stages - 1 in ids,
+        loss_fn=sharded_cross_entropy if plan.tp > 1 else cross_entropy,
+        scaler=scaler,
+        device=device,
+        pp_group=mesh.pp.get_group(),
+        dp_group=mesh.dp.get_group(),
+        dp_size=plan.dp,
+        context=lambda: loss_context(plan.tp),
+        finish=finish,
+    )
+    step.schedule = build_schedule(
+        name=cfg.parallel.pp_schedule,
+        modules=parts,
+        ids=ids,
+        num_stages=num_stages,
+        group=mesh.pp.get_group(),
+        device=device,
+        microbatches=plan.microbatches,
+        loss_fn=step.scaled_loss,
+    )
+    return step

@@ -1,0 +1,102 @@
+"""Tensor parallelism with DTensor (Megatron-style), applied to a GPT from outside.
+
+- attention: q/k/v column-parallel (each rank owns ``heads / tp`` heads), o row-parallel;
+- MLP: up/gate column-parallel, down row-parallel;
+- embedding vocab-parallel (rows of the table split over tp, partial lookups summed);
+- output layer: the (tied or separate) weight split over the vocabulary, so the
+  logits stay sharded and the loss is computed on them with ``loss_parallel``;
+- sequence parallel (``parallel.sequence_parallel``): norms, residual adds and
+  dropout run on a sequence shard; attention and MLP gather the sequence on entry
+  and reduce-scatter it on exit.
+
+Between blocks (and between pipeline stages) the residual stream is a plain local
+tensor: the full sequence without sequence parallel, this rank's sequence shard with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from llmforge.models.gpt import GPT, MLP
+
+
+def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Shard ``model`` (a whole GPT or one pipeline chunk of it) over ``tp_mesh`` in place."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    if model.embed is not None:
+        parallelize_module(model.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
+        if sequence_parallel:
+            # Positions are added to the full sequence; each rank then keeps its shard.
+            to_shard = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+            parallelize_module(model.embed_dropout, tp_mesh, to_shard)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, _block_plan(block, seq=seq, sequence_parallel=sequence_parallel))
+    if model.head is not None:
+        parallelize_module(model.head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
+    if model.norm is not None:
+        if sequence_parallel:
+            parallelize_module(model.norm, tp_mesh, SequenceParallel(use_local_output=False))
+        # The output layer multiplies a replicated DTensor by the vocab-sharded weight.
+        gather = PrepareModuleOutput(output_layouts=seq, desired_output_layouts=Replicate(), use_local_output=False)
+        parallelize_module(model.norm, tp_mesh, gather)
+
+
+def _block_plan(block: nn.Module, *, seq, sequence_parallel: bool) -> Dict[str, ParallelStyle]:
+    plan: Dict[str, ParallelStyle] = {
+        "attn.q_proj": ColwiseParallel(),
+        "attn.k_proj": ColwiseParallel(),
+        "attn.v_proj": ColwiseParallel(),
+        "attn.o_proj": RowwiseParallel(output_layouts=seq),
+    }
+    if isinstance(block.mlp, MLP):
+        plan["mlp.up_proj"] = ColwiseParallel()
+        plan["mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
+        if block.mlp.gate_proj is not None:
+            plan["mlp.gate_proj"] = ColwiseParallel()
+    if sequence_parallel:
+        plan["attn_norm"] = SequenceParallel()
+        plan["mlp_norm"] = SequenceParallel()
+        plan["attn"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True)
+        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+    return plan
+
+
+def sharded_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss on vocab-sharded logits (call inside ``loss_context``).
+    Returns a plain scalar tensor whose backward goes through the sharded logits."""
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+def loss_context(tp: int):
+    """The context forward-loss and backward must run in when logits are vocab-sharded."""
+    return loss_parallel() if tp > 1 else contextlib.nullcontext()
+
+
+def align_grads(params: List[nn.Parameter]) -> None:
+    """Give each DTensor gradient its parameter's placements. Autograd may leave a
+    gradient partial over tensor-parallel ranks (a replicated norm applied to a
+    sequence shard) or replicated where the parameter is sharded (the vocab-parallel
+    embedding); reductions, clipping and the tied-embedding sync expect the layout
+    of the parameter."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(device_mesh=p.device_mesh, placements=p.placements)

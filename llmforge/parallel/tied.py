@@ -1,0 +1,75 @@
+"""Tied input/output embeddings across pipeline stages (as Megatron-LM does).
+
+With ``model.tie_embeddings`` and pp > 1 the first stage holds ``embed.weight``
+and the last stage a copy of it as ``head.weight``, initialised to the same
+values. After backward both gradients are replaced by their sum (the gradient
+of the one shared matrix), so identical optimizer updates keep the two equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from llmforge.parallel.mesh import ParallelMesh
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+@dataclass
+class TiedEmbeddingSync:
+    """Sum the gradients of the tied copies held on this rank and its partner rank.
+
+    ``group`` is None when both copies live on this rank (the V-shaped schedule
+    puts the first and last chunk on pipeline rank 0)."""
+
+    params: List[nn.Parameter]
+    group: Optional[dist.ProcessGroup]
+
+    def __call__(self) -> None:
+        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        if not grads:
+            return
+        total = grads[0].clone()
+        for g in grads[1:]:
+            total += g
+        if self.group is not None:
+            dist.all_reduce(total, group=self.group)
+        for g in grads:
+            g.copy_(total)
+
+
+def tied_group(mesh: ParallelMesh, *, first_pp: int, last_pp: int) -> Optional[dist.ProcessGroup]:
+    """The group of the two pipeline ranks holding the tied copies, for this rank's
+    data/tensor coordinates. Every rank takes part in creating every group."""
+    if first_pp == last_pp:
+        return None
+    ranks = mesh.world.mesh  # [pp, dp_rest, ep, cp, tp]
+    mine = None
+    flat_first = ranks[first_pp].reshape(-1).tolist()
+    flat_last = ranks[last_pp].reshape(-1).tolist()
+    me = dist.get_rank()
+    for a, b in zip(flat_first, flat_last):
+        group = dist.new_group([a, b])
+        if me in (a, b):
+            mine = group
+    return mine
+
+
+def tied_params(parts: List[nn.Module], *, first: bool, last: bool) -> List[nn.Parameter]:
+    """This rank's copies of the tied matrix: ``embed.weight`` on the first chunk,
+    ``head.weight`` on the last."""
+    out = []
+    for part in parts:
+        if first and getattr(part, "embed", None) is not None:
+            out.append(part.embed.weight)
+        if last and getattr(part, "head", None) is not None:
+            out.append(part.head.weight)
+    return out
