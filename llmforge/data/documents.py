@@ -106,6 +106,7 @@ def _text_column(table, source: Source, *, text_key: str):
 def _quiet_datasets():
     import datasets
 
+    datasets.config.HF_HUB_OFFLINE = True  # in case datasets was imported before the environment was set
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)
     return datasets
