@@ -35,13 +35,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from llmforge.checkpoint.manifest import MANIFEST, fsync_dir, verify, write_json, write_manifest
-from llmforge.checkpoint.safe_reader import SafeReader
+from llmforge.checkpoint.safe_reader import SafeReader, load_metadata
 from llmforge.checkpoint.state import apply_model_state, save_rng, tensor_state
 from llmforge.errors import UserError, fail
 
 TRAIN_STATE = "train_state.json"
 PLAN = "plan.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+TIED_HEAD = "model.head.weight"
 
 
 def step_dirs(root: Path) -> List[Path]:
@@ -181,16 +182,39 @@ def load(*, path: Path, model_parts: List[nn.Module], optimizer: torch.optim.Opt
     before launch); a missing or mismatched tensor is a UserError."""
     path = Path(path)
     verify(path, checksums=False)
+    saved_keys = set(load_metadata(path).state_dict_metadata)
     state = tensor_state(model_parts, optimizer, for_load=True)
+    primary, aliased = split_tied(state, saved_keys)
     try:
         with quiet_single_process():
-            dcp.load(state, storage_reader=SafeReader(path), planner=DefaultLoadPlanner(allow_partial_load=False), no_dist=not dist.is_initialized())
+            _dcp_load(primary, path)
+            if TIED_HEAD not in saved_keys:  # the same on every rank: all take part in this load
+                _dcp_load(aliased, path)
     except UserError:
         raise
     except Exception as exc:  # DCP wraps every failure (missing key, shape) in its own exception types
         raise fail(f"{path}: the saved model/optimizer do not fit this model ({_first_line(exc)})", title="cannot load checkpoint") from None
     apply_model_state(model_parts, state["model"])
     return json.loads((path / TRAIN_STATE).read_text())
+
+
+def _dcp_load(state: Dict[str, Any], path: Path) -> None:
+    dcp.load(state, storage_reader=SafeReader(path), planner=DefaultLoadPlanner(allow_partial_load=False), no_dist=not dist.is_initialized())
+
+
+def split_tied(state: Dict[str, Any], saved_keys: set) -> tuple[Dict[str, Any], Dict[str, Any]]:
+    """Separate the last pipeline stage's copy of a tied embedding (``head.weight``)
+    when the checkpoint has none (it was saved without pipeline parallelism): the
+    copy, and its optimizer state, load from ``embed.weight``'s."""
+    primary: Dict[str, Any] = {"model": dict(state["model"]), "optim": dict(state["optim"])}
+    aliased: Dict[str, Any] = {"model": {}, "optim": {}}
+    if TIED_HEAD in saved_keys or "model.embed.weight" not in saved_keys:
+        return primary, aliased
+    if "head.weight" in primary["model"]:
+        aliased["model"]["embed.weight"] = primary["model"].pop("head.weight")
+    for key in [k for k in primary["optim"] if k.startswith("head.weight.")]:
+        aliased["optim"]["embed.weight." + key[len("head.weight."):]] = primary["optim"].pop(key)
+    return primary, aliased
 
 
 def _first_line(exc: Exception) -> str:

@@ -57,9 +57,9 @@ def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
 
         raise fail(f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={plan.config.model.vocab_size}; raise model.vocab_size or set data.vocab_size lower")
     sampler = make_sampler(plan, prepared)
-    from llmforge.train.build import build_single_process
+    from llmforge.train.build import build_components
 
-    return build_single_process(plan, rank=rank, sampler=sampler)
+    return build_components(plan, rank=rank, sampler=sampler)
 
 
 def train_state(c: Components) -> dict:
