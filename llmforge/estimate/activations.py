@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmforge.estimate.params import matmul_weight_numel
+from llmforge.estimate.params import block_tensors
 from llmforge.estimate.shape import Job, Layout, Shape
 
 FP32 = 4
@@ -63,16 +63,17 @@ def _mlp_bytes(shape: Shape, ffn: int, *, c: int, tp: int) -> float:
     return (4 if shape.activation == "swiglu" else 2) * ffn * c / tp
 
 
-def _selective_bytes(shape: Shape, ffn: int, *, c: int, tp: int, sp: int, moe: bool) -> float:
+def _selective_bytes(shape: Shape, *, c: int, tp: int, sp: int, moe: bool) -> float:
     """Selective recompute keeps the block input and every matmul output; the rest is rebuilt.
 
     Column-parallel outputs (q, k, v, gate, up) are split over tp; row-parallel
     outputs (o, down) are partial sums of full width before their reduction.
     """
     h, kv = shape.hidden, shape.kv_dim
-    col = (h + 2 * kv + (2 if shape.activation == "swiglu" else 1) * ffn * (shape.top_k + shape.shared_experts if moe else 1)) / tp
-    row = 2 * h
-    return h * FP32 / sp + (col + row) * c
+    attn = h * FP32 / sp + ((h + 2 * kv) / tp + h) * c
+    if moe:
+        return attn + _moe_selective_bytes(shape, c=c) / sp
+    return attn + ((2 if shape.activation == "swiglu" else 1) * shape.ffn / tp + h) * c
 
 
 def block_activations(shape: Shape, layout: Layout, job: Job, *, moe: bool, recompute: str) -> BlockActivations:
@@ -82,9 +83,10 @@ def block_activations(shape: Shape, layout: Layout, job: Job, *, moe: bool, reco
     if recompute == "full":
         return BlockActivations(per_token=shape.hidden * FP32 / sp, fixed=0.0)
     if recompute == "selective":
-        ffn = shape.moe_ffn if moe else shape.ffn
-        return BlockActivations(per_token=_selective_bytes(shape, ffn, c=c, tp=tp, sp=sp, moe=moe), fixed=0.0)
+        return BlockActivations(per_token=_selective_bytes(shape, c=c, tp=tp, sp=sp, moe=moe), fixed=4 * shape.num_experts if moe else 0.0)
     attn_consumers, mlp_consumers = 3, 2 if shape.activation == "swiglu" else 1
+    if moe:
+        mlp_consumers = 1 + (mlp_consumers if shape.shared_experts else 0)  # router, shared MLP
     kept1, out1 = _norm_bytes(shape, consumers=attn_consumers, c=c, mixed=mixed, sp=sp)
     kept2, out2 = _norm_bytes(shape, consumers=mlp_consumers, c=c, mixed=mixed, sp=sp)
     per_token = kept1 + out1 + kept2 + out2 + _attention_bytes(shape, c=c, tp=tp)
@@ -96,28 +98,56 @@ def _ffn_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) -> float:
     c, tp = job.compute_bytes, layout.tp
     if not moe:
         return _mlp_bytes(shape, shape.ffn, c=c, tp=tp)
-    routed = shape.top_k * (shape.capacity_factor or 1.0)
-    experts = routed + shape.shared_experts
-    router = shape.num_experts * FP32 * 2  # router logits and probabilities
-    # dispatch copies of the hidden states routed to experts (and their combine weights)
-    dispatch = routed * (shape.hidden * c + FP32)
-    return experts * _mlp_bytes(shape, shape.moe_ffn, c=c, tp=tp) + router + dispatch
+    sp = tp if layout.sequence_parallel else 1
+    return moe_bytes(shape, c=c, mixed=job.mixed) / sp
+
+
+def _routed(shape: Shape) -> float:
+    """Expert assignments per token under balanced routing (capacity can drop some)."""
+    return shape.top_k * min(1.0, shape.capacity_factor or 1.0)
+
+
+def moe_bytes(shape: Shape, *, c: int, mixed: bool) -> float:
+    """Per token of an MoE layer (replicated over tp): routing, dispatch buffer, experts, combine, shared MLP.
+
+    Balanced routing: each expert's padded batch holds tokens x top_k / E rows."""
+    h, e, k, f = shape.hidden, shape.num_experts, _routed(shape), shape.moe_ffn
+    swiglu = shape.activation == "swiglu"
+    routing = 8 * e + 4 + 4 + (8 + 4 + 1 + 4 * INT64) * shape.top_k  # probs, logits, lse, norm sum, ids, weights, masks, indices
+    if mixed:
+        dispatch = (2 if swiglu else 1) * k * h * c  # the fp32 buffer cast once per bmm
+        combine = k * (h * c + h * FP32 + c)
+    else:
+        dispatch = k * h * FP32
+        combine = k * (2 * h * FP32 + FP32)
+    experts = (4 if swiglu else 2) * k * f * c
+    shared = (4 if swiglu else 2) * f * shape.shared_experts * c
+    return routing + dispatch + combine + experts + shared
+
+
+def _moe_selective_bytes(shape: Shape, *, c: int) -> float:
+    """Selective recompute of an MoE layer keeps router logits and every (b)mm output."""
+    k, f = _routed(shape), shape.moe_ffn
+    mats = 2 if shape.activation == "swiglu" else 1
+    shared = (mats * f * shape.shared_experts + shape.hidden) * c if shape.shared_experts else 0
+    return shape.num_experts * c + k * (mats * f + shape.hidden) * c + shared
 
 
 def _fixed_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) -> float:
     """Per-microbatch bytes independent of the micro batch: autocast weight copies, RoPE tables."""
+    rope = 4 * shape.seq * (shape.head_dim // 2) * job.compute_bytes if shape.position == "rope" and job.mixed else 0
+    share = 4 * shape.num_experts if moe else 0  # the aux loss's per-expert load
     if not job.mixed:
-        return 0.0
-    weights = matmul_weight_numel(shape, moe) * job.compute_bytes / layout.tp
-    if moe and layout.ep > 1:
-        weights -= _expert_weight_numel(shape) * (1 - 1 / layout.ep) * job.compute_bytes / layout.tp
-    rope = 4 * shape.seq * (shape.head_dim // 2) * job.compute_bytes if shape.position == "rope" else 0
-    return weights + rope
-
-
-def _expert_weight_numel(shape: Shape) -> int:
-    per_expert = (3 if shape.activation == "swiglu" else 2) * shape.hidden * shape.moe_ffn
-    return shape.num_experts * per_expert
+        return share
+    weights = 0.0
+    for t in block_tensors(shape, moe):
+        if len(t.shape) < 2:
+            continue
+        if t.expert:
+            weights += t.numel / layout.ep
+        else:
+            weights += t.numel / (layout.tp if t.split != "rep" else 1)
+    return weights * job.compute_bytes + rope + share
 
 
 def embedding_bytes(shape: Shape, layout: Layout) -> float:

@@ -23,7 +23,7 @@ from typing import Dict, List
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate.memory import StageMemory, all_stages, most_loaded
-from llmforge.estimate.params import active_params, layout_rank_params, stage_layers, total_params
+from llmforge.estimate.params import active_params, layout_rank_params, layout_stage_layers, total_params
 from llmforge.estimate.pipeline import bubble_fraction
 from llmforge.estimate.shape import Job, Layout, Shape, from_plan
 
@@ -77,7 +77,7 @@ class Estimate:
 
 def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int) -> tuple[float, float]:
     """(compute seconds, TP/EP collective seconds) of one microbatch on ``stage``."""
-    layers = stage_layers(shape, layout.pp, layout.virtual_stages, layout.pp_layers)[stage]
+    layers = layout_stage_layers(shape, layout)[stage]
     last = (shape.num_layers - 1) in layers
     tokens = layout.micro_batch * shape.seq / layout.cp
     flops = fl.stage_hardware_flops_per_token(shape, layout, layers, last=last) * tokens / layout.tp
@@ -91,7 +91,7 @@ def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int) -> tuple[flo
 
 def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t_mb: float) -> cm.Comm:
     span = cm.spans(layout)
-    layers = stage_layers(shape, layout.pp, layout.virtual_stages, layout.pp_layers)[stage]
+    layers = layout_stage_layers(shape, layout)[stage]
     params = layout_rank_params(shape, layout, stage)
     grads, gathers = cm.dp_bytes(layout, job, dense=params.dense_numel, expert=params.expert_numel, microbatches=m)
     pp_total, pp_one = cm.pp_bytes(shape, layout, job, microbatches=m)

@@ -43,7 +43,8 @@ def block_flops(shape: Shape, *, moe: bool) -> TokenFlops:
     h = shape.hidden
     proj = 2 * h * (2 * h + 2 * shape.kv_dim)
     if moe:
-        ffn = 2 * h * shape.num_experts + (shape.top_k + shape.shared_experts) * _mlp(shape, shape.moe_ffn)
+        routed = shape.top_k * min(1.0, shape.capacity_factor or 1.0)
+        ffn = 2 * h * shape.num_experts + (routed + shape.shared_experts) * _mlp(shape, shape.moe_ffn)
     else:
         ffn = _mlp(shape, shape.ffn)
     return TokenFlops(weights=proj + ffn, attention=4 * shape.seq * h)
@@ -76,12 +77,23 @@ def model_flops(shape: Shape, tokens: float) -> float:
 
 def recompute_flops_per_token(shape: Shape, layout: Layout, index: int) -> float:
     """Extra forward FLOPs per token of block ``index`` caused by activation recomputation."""
-    f = block_flops(shape, moe=shape.is_moe_layer(index))
+    moe = shape.is_moe_layer(index)
+    f = block_flops(shape, moe=moe)
     if layout.recompute == "full" and index % layout.recompute_every == 0:
-        return f.forward
+        return f.forward - _unrecomputed_tail(shape, moe=moe)
     if layout.recompute == "selective":
         return f.attention
     return 0.0
+
+
+def _unrecomputed_tail(shape: Shape, *, moe: bool) -> float:
+    """The block's last matmul: its output is not needed by backward, so torch's
+    non-reentrant checkpoint stops recomputing before it."""
+    if not moe:
+        return 2 * shape.hidden * shape.ffn
+    if shape.shared_experts:
+        return 2 * shape.hidden * shape.moe_ffn * shape.shared_experts
+    return 2 * shape.hidden * shape.moe_ffn * shape.top_k * min(1.0, shape.capacity_factor or 1.0)
 
 
 def hardware_flops(shape: Shape, layout: Layout, tokens: float) -> float:

@@ -60,38 +60,42 @@ class Measurement:
     backward_flops: int
 
 
-def _recompute_wrap(model, *, mode: str, every: int) -> None:
-    """Checkpoint blocks (full) or keep only matmul outputs (selective), non-reentrant."""
-    if mode == "none":
-        return
-    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+def _recompute_wrap(model, *, mode: str, every: int) -> list:
+    """Apply llmforge's recompute to the blocks; returns the list that will collect the
+    selective-checkpoint caches (matmul outputs kept outside autograd's saved tensors)."""
+    from llmforge.parallel.recompute import apply_recompute, checkpoint_module, selective_policy
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-    save = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+    caches: list = []
+    if mode != "selective":
+        apply_recompute(model, mode=mode, every=every)
+        return caches
 
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
+    def context():
+        forward, recompute = create_selective_checkpoint_contexts(selective_policy)
+        caches.append(forward.storage)
+        return forward, recompute
 
-    for key, block in model.layers.items():
-        if mode == "full" and int(key) % every:
-            continue
-        inner = block.forward
-        context_fn = (lambda: create_selective_checkpoint_contexts(policy)) if mode == "selective" else _noop_contexts
-
-        def wrapped(x, rope=None, _inner=inner, _ctx=context_fn):
-            return checkpoint(_inner, x, rope, use_reentrant=False, context_fn=_ctx)
-
-        block.forward = wrapped
+    for block in model.layers.values():
+        checkpoint_module(block, context=context)
+    return caches
 
 
-def _noop_contexts():
-    return contextlib.nullcontext(), contextlib.nullcontext()
+def _cached_tensors(caches: list):
+    for storage in caches:
+        for outputs in storage.values():
+            for item in (outputs.values() if isinstance(outputs, dict) else outputs):
+                for wrapped in item if isinstance(item, (tuple, list)) else (item,):
+                    value = getattr(wrapped, "val", None)
+                    if isinstance(value, torch.Tensor):
+                        yield value
 
 
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def run_once(model, *, micro_batch: int, param_dtype: str, vocab: int, seq: int) -> Measurement:
+def run_once(model, *, micro_batch: int, param_dtype: str, vocab: int, seq: int, caches: list = ()) -> Measurement:
     """Forward + loss + backward of one microbatch, counting saved bytes and FLOPs."""
     excluded = {_storage_key(p) for p in model.parameters()} | {_storage_key(b) for b in model.buffers()}
     saved: Dict[int, int] = {}
@@ -110,6 +114,8 @@ def run_once(model, *, micro_batch: int, param_dtype: str, vocab: int, seq: int)
             with cast:
                 logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(0, 1))
+        for t in _cached_tensors(caches):
+            pack(t)
         forward = counter.get_total_flops()
         loss.backward()
     return Measurement(saved_bytes=sum(saved.values()), forward_flops=forward, backward_flops=counter.get_total_flops() - forward)
@@ -130,8 +136,8 @@ def measure_config(model_cfg, *, micro_batch: int, param_dtype: str, recompute: 
         torch.manual_seed(0)
         model = GPT(model_cfg)
         model.train()
-        _recompute_wrap(model, mode=recompute, every=every)
-        return run_once(model, micro_batch=micro_batch, param_dtype=param_dtype, vocab=model_cfg.vocab_size, seq=model_cfg.seq_len)
+        caches = _recompute_wrap(model, mode=recompute, every=every)
+        return run_once(model, micro_batch=micro_batch, param_dtype=param_dtype, vocab=model_cfg.vocab_size, seq=model_cfg.seq_len, caches=caches)
 
 
 def count_parameters(model_cfg) -> Dict[str, tuple]:

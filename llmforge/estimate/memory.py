@@ -3,13 +3,10 @@
 Model states follow llmforge's precision: parameters are always fp32 (bf16/fp16
 compute through autocast, so the parameters are the master weights), gradients
 are fp32 (the parameters' dtype), and AdamW keeps two fp32 moments: 16 bytes per
-parameter before ZeRO. ZeRO splits over the parameter's data-parallel group
-(dp x cp for dense weights, dp x cp / ep for experts):
-
-- ZeRO-1 shards the optimizer states, ZeRO-2 also the gradients, evenly over the
-  flat parameter list (the most-loaded rank holds the rounded-up share);
-- ZeRO-3 (FSDP2 ``fully_shard``) shards each parameter along dim 0, padded to a
-  multiple of the group size, and all-gathers a block at a time for compute.
+parameter before ZeRO. ZeRO 1-3 run on FSDP2 (see ``model_states``), which
+shards each parameter along dim 0, padded to a multiple of the group size, over
+the parameter's data-parallel group (dp x cp for dense weights, dp x cp / ep for
+experts); the most-loaded rank holds the rounded-up shards.
 """
 
 from __future__ import annotations
@@ -19,14 +16,13 @@ from dataclasses import dataclass
 from typing import List, Tuple
 
 from llmforge.estimate import activations as act
-from llmforge.estimate.params import RankParams, block_tensors, layout_rank_params, stage_layers
+from llmforge.estimate.params import RankParams, block_tensors, layout_rank_params, layout_stage_layers
 from llmforge.estimate.pipeline import inflight_microbatches
 from llmforge.estimate.shape import DTYPE_BYTES, Job, Layout, Shape
 
 FP32 = 4
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 FRAGMENTATION = 0.10  # of activations and transient buffers: caching-allocator slack
-DDP_BUCKET_BYTES = 2 * 25 * 1024**2  # two 25 MiB gradient buckets in flight
 
 
 @dataclass(frozen=True)
@@ -73,20 +69,29 @@ def groups(layout: Layout) -> Tuple[int, int]:
 
 
 def model_states(shape: Shape, layout: Layout, stage: int) -> Tuple[int, float, float, float]:
-    """(parameters on this rank, weight bytes, gradient bytes, optimizer bytes) under ZeRO."""
+    """(parameters on this rank, weight bytes, gradient bytes, optimizer bytes) at the step's peak.
+
+    ZeRO 1-3 are FSDP2 ``fully_shard`` (llmforge.parallel.data): between steps the
+    parameters and AdamW moments are sharded; ZeRO 1 and 2 keep the gathered fp32
+    parameters from forward to backward as well; ZeRO 1 (and any stage under a
+    pipeline, which reduces once after the last microbatch) accumulates whole
+    gradients, ZeRO 2 and 3 keep only a gradient shard.
+    """
     params = layout_rank_params(shape, layout, stage)
     group, expert_group = groups(layout)
     full = params.numel
-    shard = _sharded(params, group=group, expert_group=expert_group, zero3=layout.zero == 3)
-    weights = FP32 * (shard if layout.zero == 3 else full)
-    grads = FP32 * (shard if layout.zero >= 2 else full)
-    optimizer = ADAM_STATE_BYTES * (shard if layout.zero >= 1 else full)
-    return full, weights, grads, optimizer
+    if layout.zero == 0 or (group == 1 and expert_group == 1):
+        return full, FP32 * full, FP32 * full, ADAM_STATE_BYTES * full
+    shard = _sharded(params, group=group, expert_group=expert_group, zero3=True)
+    weights = FP32 * (shard if layout.zero == 3 else full + shard)
+    whole_grads = layout.zero == 1 or layout.pp > 1
+    grads = FP32 * (full if whole_grads else shard)
+    return full, weights, grads, ADAM_STATE_BYTES * shard
 
 
 def stage_activations(shape: Shape, layout: Layout, job: Job, stage: int, microbatches: int) -> float:
     """Saved activations on this stage's rank at the schedule's peak."""
-    layers = stage_layers(shape, layout.pp, layout.virtual_stages, layout.pp_layers)[stage]
+    layers = layout_stage_layers(shape, layout)[stage]
     per_mb = sum(act.layer_bytes(shape, layout, job, i) for i in layers)
     if stage == 0:
         per_mb += act.embedding_bytes(shape, layout)
@@ -95,28 +100,29 @@ def stage_activations(shape: Shape, layout: Layout, job: Job, stage: int, microb
     return per_mb * inflight_microbatches(layout, stage=stage, microbatches=microbatches)
 
 
-def _transient(shape: Shape, layout: Layout, job: Job, stage: int) -> float:
-    """Short-lived buffers: logits at the loss, recompute working set, FSDP gathers, DDP buckets."""
-    layers = stage_layers(shape, layout.pp, layout.virtual_stages, layout.pp_layers)[stage]
+def _transient(shape: Shape, layout: Layout, job: Job, stage: int, params: int) -> float:
+    """Short-lived buffers: logits at the loss, recompute working set, gradient reduction buffers."""
+    layers = layout_stage_layers(shape, layout)[stage]
     out = act.recompute_working_bytes(shape, layout, job)
     if (shape.num_layers - 1) in layers:
         out += act.logits_peak_bytes(shape, layout, job)
-    if layout.zero == 3 and layers:
-        block = sum(t.numel for t in block_tensors(shape, shape.is_moe_layer(layers[0]))) / layout.tp
-        # two blocks gathered at once (current + prefetched) in compute dtype, one block's fp32 grads
-        out += block * (2 * job.compute_bytes + FP32)
-    elif layout.dp * layout.cp > 1:
-        out += DDP_BUCKET_BYTES
-    return out
+    if layout.dp * layout.cp == 1 or not layers:
+        return out
+    rb = DTYPE_BYTES[job.reduce_dtype]
+    if layout.zero == 0:
+        # one flat fp32 copy of every gradient (and its cast to reduce_dtype) for the all-reduce
+        return out + params * (FP32 + (rb if rb != FP32 else 0))
+    block = max(sum(t.numel for t in block_tensors(shape, shape.is_moe_layer(i))) for i in layers) / layout.tp
+    if layout.zero == 3:
+        out += 2 * block * FP32  # the gathered block and the prefetched next one (fp32, autocast casts)
+    return out + block * (FP32 + rb)  # one block's whole gradient and its reduce_dtype copy
 
 
 def stage_memory(shape: Shape, layout: Layout, job: Job, stage: int, microbatches: int) -> StageMemory:
     """Full breakdown for pipeline ``stage`` (tp rank 0, ep rank 0, dp rank 0: the fullest shards)."""
     params, weights, grads, optimizer = model_states(shape, layout, stage)
     activations = stage_activations(shape, layout, job, stage, microbatches)
-    transient = _transient(shape, layout, job, stage)
-    if layout.zero in (1, 2) and job.reduce_dtype != "fp32":
-        transient += params * DTYPE_BYTES[job.reduce_dtype] / max(1, layout.dp * layout.cp)
+    transient = _transient(shape, layout, job, stage, params)
     reserved = job.profile.runtime_reserved_bytes + FRAGMENTATION * (activations + transient)
     return StageMemory(stage, params, weights, grads, optimizer, activations, transient, reserved)
 

@@ -70,17 +70,28 @@ def attention_tensors(shape: Shape, name: str) -> List[Tensor]:
             + _linear(f"{name}.v_proj", kv, h, "col", b) + _linear(f"{name}.o_proj", h, h, "row", b))
 
 
+def moe_tensors(shape: Shape) -> List[Tensor]:
+    """The MoE layer: router, stacked experts ``[E, ...]`` (split over ep on dim 0), shared MLP.
+
+    Tensor parallelism leaves MoE layers whole (replicated over tp ranks)."""
+    h, f, e = shape.hidden, shape.moe_ffn, shape.num_experts
+    out = [Tensor("mlp.router.weight", (e, h))]
+    if shape.activation == "swiglu":
+        out.append(Tensor("mlp.experts.w_gate", (e, h, f), expert=True))
+    out += [Tensor("mlp.experts.w_up", (e, h, f), expert=True), Tensor("mlp.experts.w_down", (e, f, h), expert=True)]
+    if shape.shared_experts:
+        shared = mlp_tensors(shape, "mlp.shared", f * shape.shared_experts)
+        out += [Tensor(t.name, t.shape, "rep") for t in shared]
+    return out
+
+
 @lru_cache(maxsize=64)
 def block_tensors(shape: Shape, moe: bool) -> Tuple[Tensor, ...]:
     """Parameters of one transformer block (dense or MoE)."""
     out = _norm(shape, "attn_norm") + attention_tensors(shape, "attn") + _norm(shape, "mlp_norm")
     if not moe:
         return tuple(out + mlp_tensors(shape, "mlp", shape.ffn))
-    out.append(Tensor("moe.router.weight", (shape.num_experts, shape.hidden)))
-    for e in range(shape.num_experts):
-        out += mlp_tensors(shape, f"moe.experts.{e}", shape.moe_ffn, expert=True)
-    for e in range(shape.shared_experts):
-        out += mlp_tensors(shape, f"moe.shared.{e}", shape.moe_ffn)
+    out += moe_tensors(shape)
     return tuple(out)
 
 
@@ -100,31 +111,33 @@ def head_tensors(shape: Shape, *, separate_copy: bool) -> List[Tensor]:
 
 
 @lru_cache(maxsize=256)
-def stage_layers(shape: Shape, pp: int, v: int, pp_layers: Tuple[int, ...] | None) -> Tuple[Tuple[int, ...], ...]:
+def stage_layers(shape: Shape, pp: int, v: int, pp_layers: Tuple[int, ...] | None, v_shape: bool = False) -> Tuple[Tuple[int, ...], ...]:
     """Block indices held by each pipeline rank (rank r holds chunks r, r+pp, ...)."""
     chunks = list(pp_layers) if pp_layers else [shape.num_layers // (pp * v)] * (pp * v)
     starts = [sum(chunks[:i]) for i in range(len(chunks))]
     ranks: List[List[int]] = [[] for _ in range(pp)]
     for c, (start, n) in enumerate(zip(starts, chunks)):
-        ranks[_chunk_rank(c, pp, v)].extend(range(start, start + n))
-    return tuple(tuple(r) for r in ranks)
+        ranks[_chunk_rank(c, pp, v, v_shape)].extend(range(start, start + n))
+    return tuple(tuple(sorted(r)) for r in ranks)
 
 
-def _chunk_rank(chunk: int, pp: int, v: int) -> int:
+def _chunk_rank(chunk: int, pp: int, v: int, v_shape: bool = False) -> int:
+    if v_shape:  # ZB-V: rank r holds chunks r and 2p-1-r
+        return chunk if chunk < pp else 2 * pp - 1 - chunk
     return chunk % pp
 
 
 @lru_cache(maxsize=4096)
 def stage_tensors(shape: Shape, layout_key: Tuple) -> Tuple[Tensor, ...]:
     """Every parameter tensor held by pipeline rank ``stage`` (before TP/EP/ZeRO splits)."""
-    pp, v, pp_layers, stage = layout_key
-    layers = stage_layers(shape, pp, v, pp_layers)[stage]
+    pp, v, pp_layers, stage, v_shape = layout_key
+    layers = stage_layers(shape, pp, v, pp_layers, v_shape)[stage]
     out: List[Tensor] = embedding_tensors(shape) if stage == 0 else []
     for i in layers:
         out += block_tensors(shape, shape.is_moe_layer(i))
     last = (shape.num_layers - 1) in layers
     if last:
-        out += head_tensors(shape, separate_copy=stage != 0)
+        out += head_tensors(shape, separate_copy=pp > 1)  # a tied head is a copy on its own chunk
     return tuple(out)
 
 
@@ -138,7 +151,7 @@ def active_params(shape: Shape) -> int:
     """Parameters a token passes through: routed experts count top_k of num_experts."""
     if shape.num_experts == 0:
         return total_params(shape)
-    one_expert = sum(t.numel for t in mlp_tensors(shape, "e", shape.moe_ffn, expert=True))
+    one_expert = sum(t.numel for t in moe_tensors(shape) if t.expert) // shape.num_experts
     idle = (shape.num_experts - shape.top_k) * one_expert * shape.num_moe_layers
     return total_params(shape) - idle
 
@@ -171,18 +184,13 @@ def _prod(shape: Tuple[int, ...]) -> int:
 
 
 @lru_cache(maxsize=4096)
-def rank_params(shape: Shape, *, pp: int, v: int, pp_layers, stage: int, tp: int, ep: int) -> RankParams:
+def rank_params(shape: Shape, *, pp: int, v: int, pp_layers, stage: int, tp: int, ep: int, v_shape: bool = False) -> RankParams:
     """Local parameter shapes on (pipeline ``stage``, tp rank 0, ep rank 0)."""
     dense: List[Tuple[int, ...]] = []
     expert: List[Tuple[int, ...]] = []
-    per_expert = len(mlp_tensors(shape, "e", shape.moe_ffn, expert=True))
-    seen_experts = 0
-    for t in stage_tensors(shape, (pp, v, pp_layers, stage)):
+    for t in stage_tensors(shape, (pp, v, pp_layers, stage, v_shape)):
         if t.expert:
-            index = (seen_experts // per_expert) % shape.num_experts
-            seen_experts += 1
-            if index < shape.num_experts // ep:  # ep rank 0 holds the first E/ep experts
-                expert.append(t.local_shape(tp))
+            expert.append((t.shape[0] // ep,) + t.shape[1:])
         else:
             dense.append(t.local_shape(tp))
     return RankParams(tuple(dense), tuple(expert))
@@ -190,7 +198,12 @@ def rank_params(shape: Shape, *, pp: int, v: int, pp_layers, stage: int, tp: int
 
 def layout_rank_params(shape: Shape, layout: Layout, stage: int) -> RankParams:
     return rank_params(shape, pp=layout.pp, v=layout.virtual_stages, pp_layers=layout.pp_layers,
-                       stage=stage, tp=layout.tp, ep=layout.ep)
+                       stage=stage, tp=layout.tp, ep=layout.ep, v_shape=layout.schedule == "zbv")
+
+
+def layout_stage_layers(shape: Shape, layout: Layout) -> Tuple[Tuple[int, ...], ...]:
+    """Block indices held by each pipeline rank under the layout's schedule."""
+    return stage_layers(shape, layout.pp, layout.virtual_stages, layout.pp_layers, layout.schedule == "zbv")
 
 
 def named_shapes(shape: Shape) -> dict:
