@@ -68,9 +68,10 @@ def _compare(rank: int, world: int, cfg_kwargs: dict, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from llmforge.parallel.expert import apply_ep, expert_parameters, reduce_expert_grads
+    from llmforge.parallel.recompute import apply_recompute
 
     torch.manual_seed(0)
-    config, data = tiny_config(**cfg_kwargs), batches(seed=7)
+    config, data = tiny_config(activation=cfg_kwargs["activation"], capacity_factor=cfg_kwargs["capacity_factor"]), batches(seed=7)
     reference = GPT(config)
     reference.init_weights(seed=11)
     ref_losses = train(reference, data, reduce=lambda m: None)
@@ -79,6 +80,7 @@ def _compare(rank: int, world: int, cfg_kwargs: dict, out: str) -> None:
     model = GPT(config)
     model.init_weights(seed=11)
     apply_ep(model, ep_mesh=mesh["ep"])
+    apply_recompute(model, mode=cfg_kwargs.pop("recompute"), every=1)  # EP inside checkpointed blocks
     replica = mesh["replica"].get_group() if world > 2 else None
     experts = {id(p) for p in expert_parameters(model)}
 
@@ -115,10 +117,10 @@ def _free_port() -> int:
 @pytest.mark.parametrize(
     "world,cfg_kwargs",
     [
-        (2, {"activation": "swiglu", "capacity_factor": None}),  # ep2: dp2 with both ranks in one ep group
-        (4, {"activation": "gelu", "capacity_factor": 1.0}),  # dp2 x ep2: two replicas of each expert shard
+        (2, {"activation": "swiglu", "capacity_factor": None, "recompute": "selective"}),  # ep2: dp2 with both ranks in one ep group
+        (4, {"activation": "gelu", "capacity_factor": 1.0, "recompute": "full"}),  # dp2 x ep2: two replicas of each expert shard
     ],
-    ids=["ep2-dropless-swiglu", "dp2xep2-capacity-gelu"],
+    ids=["ep2-dropless-swiglu-selective", "dp2xep2-capacity-gelu-full"],
 )
 def test_expert_parallel_matches_single_process(tmp_path, world: int, cfg_kwargs: dict) -> None:
     out = tmp_path / "result.json"
