@@ -164,7 +164,7 @@ def _world_and_dp(config: RunConfig) -> tuple[int, int]:
 
 def _validate(config: RunConfig) -> List[Problem]:
     problems: List[Problem] = []
-    for check in (_check_choices, _check_ranges, _check_model, _check_world, _check_tp, _check_pipeline, _check_batch, _check_moe, _check_data):
+    for check in (_check_choices, _check_ranges, _check_model, _check_world, _check_tp, _check_pipeline, _check_batch, _check_moe, _check_data, _check_accelerator):
         problems.extend(check(config))
     return problems
 
@@ -337,6 +337,18 @@ def _check_data(config: RunConfig) -> List[Problem]:
     if d.vocab_size is not None and d.vocab_size > config.model.vocab_size:
         out.append(Problem("data.vocab_size", d.vocab_size, f"larger than model.vocab_size={config.model.vocab_size}", "lower data.vocab_size or raise model.vocab_size"))
     return out
+
+
+def _check_accelerator(config: RunConfig) -> List[Problem]:
+    """cluster.accelerator must name a hardware profile (llmforge.estimate.hardware) or a profile file."""
+    from llmforge.estimate.hardware import is_known, unknown_problem
+
+    name = config.cluster.accelerator
+    if is_known(name):
+        return []
+    if name.endswith((".yaml", ".yml")):
+        return [Problem("cluster.accelerator", name, "profile file not found", "pass an existing .yaml path or a profile name")]
+    return [unknown_problem(name)]
 
 
 def _ints(*values: Any) -> bool:

@@ -1,0 +1,279 @@
+"""The estimator without torch: profiles, published formulas, pipeline, memory, output."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from llmforge.errors import UserError
+from llmforge.estimate import activations as act
+from llmforge.estimate import flops as fl
+from llmforge.estimate.core import estimate
+from llmforge.estimate.hardware import GIB, get_profile, known_profiles
+from llmforge.estimate.memory import model_states
+from llmforge.estimate.params import total_params
+from llmforge.estimate.pipeline import bubble_fraction, inflight_microbatches, simulate, simulated_bubble
+from llmforge.estimate.shape import Job, Layout, Shape
+
+BUILTIN = ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "b200", "cpu")
+
+
+def gpt(*, layers=24, hidden=2048, heads=16, vocab=51200, seq=2048, **kw) -> Shape:
+    """A GPT-3 style shape: 4h MLP, GELU, LayerNorm with biases, learned positions, tied."""
+    return Shape(num_layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=vocab, seq=seq, **kw)
+
+
+def job(*, dtype="bf16", accel="h100-80gb", batch=64, **kw) -> Job:
+    return Job(global_batch=batch, param_dtype=dtype, reduce_dtype="fp32", profile=get_profile(accel), **kw)
+
+
+# ---------------------------------------------------------------- profiles
+
+
+def test_builtin_profiles_are_complete():
+    profiles = known_profiles()
+    for name in BUILTIN:
+        p = profiles[name]
+        assert p.memory_bytes > 0 and p.devices_per_node >= 1
+        assert min(p.peak(d) for d in ("fp32", "bf16", "fp16")) > 0
+        assert name == "cpu" or p.peak("bf16") > p.peak("fp32")
+        assert p.intra_node_bandwidth >= p.inter_node_bandwidth > 0
+    assert profiles["h100-80gb"].memory_bytes == 80 * GIB
+    assert profiles["h100-80gb"].peak("bf16") == pytest.approx(989.4e12)
+
+
+def test_user_profile_from_config_path_and_file(tmp_path, monkeypatch):
+    folder = tmp_path / "profiles"
+    folder.mkdir()
+    text = (
+        "# my lab's card\nname: lab-24gb\nmemory_gib: 24\npeak_tflops: {fp32: 80, bf16: 160, fp16: 160}\n"
+        "memory_bandwidth_gbs: 1000\nintra_node_gbs: 32\ninter_node_gbs: 12.5\ndevices_per_node: 4\n"
+    )
+    (folder / "lab-24gb.yaml").write_text(text)
+    monkeypatch.setenv("LLMFORGE_CONFIG_PATH", str(tmp_path))
+    prof = get_profile("lab-24gb")
+    assert prof.memory_bytes == 24 * GIB and prof.devices_per_node == 4 and prof.description == "my lab's card"
+    assert get_profile(str(folder / "lab-24gb.yaml")).peak("bf16") == 160e12
+
+
+def test_unknown_or_broken_profile_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="did you mean 'h100-80gb'"):
+        get_profile("h100-80g")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: bad\nmemory_gib: 8\nspeed: fast\n")
+    with pytest.raises(UserError) as err:
+        get_profile(str(bad))
+    text = str(err.value)
+    assert "peak_tflops" in text and "unknown profile key" in text and "devices_per_node" in text
+
+
+# ---------------------------------------------------------------- published formulas
+
+# Narayanan et al. 2021, Table 1: (parameters in billions, heads, hidden, layers); V=51200, s=2048
+NARAYANAN_TABLE1 = [
+    (1.7, 24, 2304, 24), (3.6, 32, 3072, 30), (7.5, 32, 4096, 36), (18.4, 48, 6144, 40), (39.1, 64, 8192, 48),
+    (76.1, 80, 10240, 60), (145.6, 96, 12288, 80), (310.1, 128, 16384, 96), (529.6, 128, 20480, 105), (1008.0, 160, 25600, 128),
+]
+
+
+@pytest.mark.parametrize("billions,heads,hidden,layers", NARAYANAN_TABLE1)
+def test_parameter_counts_of_narayanan_table1(billions, heads, hidden, layers):
+    shape = gpt(layers=layers, hidden=hidden, heads=heads)
+    n = total_params(shape)
+    # the published closed form, plus the final LayerNorm (2h) it leaves out
+    closed = 12 * layers * hidden**2 + 13 * layers * hidden + (51200 + 2048) * hidden + 2 * hidden
+    assert n == closed
+    assert round(n / 1e9, 1) == pytest.approx(billions, abs=0.1)
+
+
+@pytest.mark.parametrize("billions,heads,hidden,layers", NARAYANAN_TABLE1[:6])
+def test_flops_per_iteration_match_narayanan(billions, heads, hidden, layers):
+    shape, batch = gpt(layers=layers, hidden=hidden, heads=heads), 512
+    tokens = batch * 2048
+    expected = fl.narayanan_flops(batch=batch, seq=2048, layers=layers, hidden=hidden, vocab=51200)
+    assert fl.model_flops(shape, tokens) == pytest.approx(expected, rel=1e-12)
+    # hardware FLOPs with full recompute: Narayanan's 96 B s L h^2 (...) minus the last matmul of each
+    # block (torch's checkpoint stops before it) plus the fused attention backward's score recompute
+    full = fl.hardware_flops(shape, Layout(recompute="full"), tokens)
+    published = fl.narayanan_flops(batch=batch, seq=2048, layers=layers, hidden=hidden, vocab=51200, full_recompute=True)
+    tail = layers * tokens * 2 * hidden * 4 * hidden
+    score_recompute = layers * tokens * 0.5 * 4 * 2048 * hidden
+    assert full == pytest.approx(published - tail + score_recompute, rel=1e-12)
+
+
+def _per_token(shape: Shape, layout: Layout, jb: Job, recompute: str) -> float:
+    return act.block_activations(shape, layout, jb, moe=False, recompute=recompute).per_token
+
+
+def test_activations_against_korthikanti_table2():
+    """Korthikanti et al. 2022: s b h (10 + 24/t + 5 a s/(h t)) bytes per layer with TP (16-bit).
+
+    llmforge keeps exactly the 24/t part (with the fused kernel's 4a-byte log-sum-exp in
+    place of the 5as/h score matrices); its replicated part is 16h + 16 instead of 10h:
+    fp32 norm inputs (+4h), autocast's three casts of the first norm's output (+4h),
+    no dropout masks at dropout 0 (-2h), fp32 norm statistics (+16 bytes)."""
+    h, a = 12288, 96
+    shape = gpt(layers=96, hidden=h, heads=a)
+    jb = job(dtype="bf16")
+    for t in (1, 2, 4, 8):
+        got = _per_token(shape, Layout(tp=t), jb, "none")
+        assert got == pytest.approx(16 * h + 16 + (24 * h + 4 * a) / t, rel=1e-12)
+        korthikanti = 10 * h + 24 * h / t + 5 * a * shape.seq / t
+        assert got < korthikanti  # no s x s term
+    # sequence parallel: Megatron divides everything by t (34/t); torch's SequenceParallel keeps
+    # the gathered input of the attention and MLP linears whole (8h bytes), the rest is split
+    for t in (2, 4, 8):
+        got = _per_token(shape, Layout(tp=t, sequence_parallel=True), jb, "none")
+        assert got == pytest.approx((8 * h + 16) / t + 8 * h + (24 * h + 4 * a) / t, rel=1e-12)
+    # full recompute: the block input only; 2 s b h in 16 bits, 4 s b h here (fp32 residual stream)
+    assert _per_token(shape, Layout(), jb, "full") == 4 * h
+    assert _per_token(shape, Layout(tp=8, sequence_parallel=True), jb, "full") == 4 * h / 8
+
+
+ZERO_PAPER = {0: lambda n, d: 16 * n, 1: lambda n, d: 4 * n + 12 * n / d, 2: lambda n, d: 2 * n + 14 * n / d, 3: lambda n, d: 16 * n / d}
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_model_states_against_the_zero_paper(zero):
+    """ZeRO's (2 + 2 + K) bytes with K = 12. llmforge computes in autocast from fp32
+    parameters, so the whole compute copy and whole gradients are 4 bytes, not 2:
+    stage 1 and 2 hold 4 more (2 more + 2/d) bytes per parameter; stage 0 and 3 are equal."""
+    shape, d = gpt(layers=8, hidden=1024, heads=16, vocab=51200, seq=1024), 8
+    n, weights, grads, optimizer = model_states(shape, Layout(dp=d, zero=zero), 0)
+    ours = weights + grads + optimizer
+    paper = ZERO_PAPER[zero](n, d)
+    extra = {0: 0, 1: 4 * n, 2: 2 * n + 2 * n / d, 3: 0}[zero]
+    assert ours == pytest.approx(paper + extra, rel=1e-4)  # FSDP pads dim 0 to a multiple of d
+
+
+# ---------------------------------------------------------------- pipeline
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2), ("zb_interleaved", 2)])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 12)])
+def test_simulated_schedule_matches_the_bubble_formula(schedule, v, p, m):
+    layout = Layout(pp=p, schedule=schedule, virtual_stages=v)
+    slots = simulate(layout, m)
+    units = 3 if schedule == "zb_interleaved" else 2
+    assert sum(len(r) for r in slots.values()) == p * v * m * (units if units == 3 else 2)
+    assert simulated_bubble(slots) == pytest.approx(bubble_fraction(layout, m, w=1.0), abs=1e-9)
+
+
+def test_zbv_timeline_runs_every_action_and_bubble_is_below_1f1b():
+    layout = Layout(pp=4, schedule="zbv", virtual_stages=2)
+    slots = simulate(layout, 8)
+    assert sum(len(r) for r in slots.values()) == 4 * 2 * 8 * 3
+    assert simulated_bubble(slots) < bubble_fraction(Layout(pp=4, schedule="1f1b"), 8)
+    assert bubble_fraction(layout, 8, w=1.0) == 0.0 < bubble_fraction(layout, 8, w=0.8)
+
+
+def test_bubble_formulas_and_inflight_microbatches():
+    assert bubble_fraction(Layout(pp=4, schedule="1f1b"), 12) == pytest.approx(3 / 15)
+    assert bubble_fraction(Layout(pp=4, schedule="interleaved_1f1b", virtual_stages=2), 12) == pytest.approx(3 / 27)
+    assert inflight_microbatches(Layout(pp=4, schedule="gpipe"), stage=3, microbatches=12) == 12
+    assert [inflight_microbatches(Layout(pp=4, schedule="1f1b"), stage=s, microbatches=12) for s in range(4)] == [4, 3, 2, 1]
+    # Korthikanti: interleaving multiplies the first stage's activations by 1 + (p-1)/(p v)
+    p, v = 4, 2
+    got = inflight_microbatches(Layout(pp=p, schedule="interleaved_1f1b", virtual_stages=v), stage=0, microbatches=64)
+    assert got == pytest.approx(p * (1 + (p - 1) / (p * v)))
+
+
+# ---------------------------------------------------------------- whole estimates
+
+
+def test_most_loaded_device_and_verdict():
+    shape = gpt(layers=32, hidden=4096, heads=32, vocab=50304)
+    est = estimate(shape, Layout(dp=4, tp=4, pp=2, sequence_parallel=True, zero=1), job(batch=1024, nodes=4))
+    assert est.fits and est.worst.stage == 0  # 1F1B: the first stage holds p microbatches
+    assert est.worst.total == max(s.total for s in est.stages)
+    assert 0 < est.mfu < 1 and est.tokens_per_s == pytest.approx(1024 * 2048 / est.step_s)
+    big = Shape(num_layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq=8192, norm="rmsnorm",
+                activation="swiglu", position="rope", tie_embeddings=False, bias=False)
+    tiny_card = replace(get_profile("h100-80gb"), memory_bytes=24 * GIB, name="24gb")
+    lone = estimate(big, Layout(), Job(global_batch=1, param_dtype="bf16", reduce_dtype="fp32", profile=tiny_card))
+    assert not lone.fits and lone.headroom < -1000 * GIB
+
+
+def test_recompute_and_zero_reduce_memory_as_expected():
+    shape, jb = gpt(layers=24, hidden=2048, heads=16), job(batch=64)
+    base = estimate(shape, Layout(dp=8, micro_batch=8), jb).worst
+    full = estimate(shape, Layout(dp=8, micro_batch=8, recompute="full"), jb).worst
+    sel = estimate(shape, Layout(dp=8, micro_batch=8, recompute="selective"), jb).worst
+    assert full.activations < sel.activations < base.activations
+    z3 = estimate(shape, Layout(dp=8, micro_batch=8, zero=3), jb).worst
+    assert z3.weights + z3.grads + z3.optimizer == pytest.approx((base.weights + base.grads + base.optimizer) / 8, rel=1e-3)
+
+
+def test_moe_counts_active_parameters_and_shards_experts():
+    shape = Shape(num_layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, seq=4096, norm="rmsnorm",
+                  activation="swiglu", position="rope", tie_embeddings=False, bias=False, num_experts=8, top_k=2, moe_ffn=14336)
+    est = estimate(shape, Layout(dp=8, ep=8, zero=1), job(batch=64))
+    assert round(est.params_total / 1e9, 1) == 46.7 and round(est.params_active / 1e9, 1) == 12.9
+    one = estimate(shape, Layout(dp=8, ep=1, zero=1), job(batch=64))
+    assert est.worst.params < one.worst.params / 4
+    assert est.comm.ep_bytes > 0 and one.comm.ep_bytes == 0
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _plan(*overrides):
+    from llmforge.config.compose import compose
+    from llmforge.plan import RunPlan
+
+    return RunPlan.build(compose(list(overrides)))
+
+
+def test_json_schema(capsys):
+    from rich.console import Console
+
+    from llmforge.estimate.report import run_estimate
+
+    run_estimate(_plan("recipe=gpt-7b", "parallel=tp4pp2"), as_json=True, timeline=False, measure=False, search=False, top=3, console=Console())
+    data = json.loads(capsys.readouterr().out)
+    assert set(data["params"]) >= {"total", "active", "per_device"}
+    assert set(data["memory_bytes"]) >= {"weights", "grads", "optimizer", "activations", "total"}
+    assert set(data["pipeline"]) >= {"schedule", "microbatches", "bubble_fraction"}
+    assert set(data["flops"]) >= {"model_per_step", "hardware_per_step"}
+    assert set(data["time"]) >= {"step_s", "tokens_per_s", "mfu"}
+    assert data["fits"] is True and data["device_memory_bytes"] == 80 * GIB
+    assert data["pipeline"]["schedule"] == "1f1b" and data["pipeline"]["microbatches"] == 256
+    assert data["memory_bytes"]["total"] == pytest.approx(sum(v for k, v in data["memory_bytes"].items() if k != "total"))
+
+
+def test_rich_output_with_timeline_and_short_summary():
+    from rich.console import Console
+
+    from llmforge.estimate.report import run_estimate, short_summary
+
+    console = Console(record=True, width=140)
+    plan = _plan("recipe=gpt-1b", "parallel=tp2pp2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2")
+    run_estimate(plan, as_json=False, timeline=True, measure=False, search=False, top=3, console=console)
+    text = console.export_text()
+    assert "Verdict: fits" in text and "rank 0" in text and "rank 1" in text and "F0" in text and "B0" in text
+    summary, fits = short_summary(_plan("recipe=gpt-7b", "parallel=single", "cluster.nodes=1", "cluster.devices_per_node=1", "train.global_batch_size=8"))
+    assert not fits and "does not fit" in summary
+
+
+def test_estimate_imports_no_torch():
+    code = (
+        "import sys\nfrom llmforge.config.compose import compose\nfrom llmforge.plan import RunPlan\n"
+        "from llmforge.estimate.report import short_summary, as_dict\nfrom llmforge.estimate.core import estimate_plan\n"
+        "plan = RunPlan.build(compose(['recipe=gpt-7b', 'parallel=tp4pp2']))\nas_dict(estimate_plan(plan)); short_summary(plan)\n"
+        "bad = [m for m in ('torch', 'datasets', 'wandb') if m in sys.modules]\nassert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_unknown_accelerator_fails_validation_with_exit_code_2():
+    from typer.testing import CliRunner
+
+    from llmforge.cli import app
+
+    result = CliRunner().invoke(app, ["estimate", "cluster.accelerator=h100-80g"])
+    assert result.exit_code == 2
+    assert "cluster.accelerator" in result.output and "h100-80gb" in result.output and "Traceback" not in result.output
