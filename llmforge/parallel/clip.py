@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 @dataclass
@@ -53,6 +54,6 @@ class GlobalClip:
         shards = 1
         if isinstance(grad, DTensor):
             for dim, placement in enumerate(grad.placements):
-                if placement.is_shard():
+                if placement.is_shard() or isinstance(placement, _StridedShard):
                     shards *= grad.device_mesh.size(dim)
         return self.ranks_per_stage // shards

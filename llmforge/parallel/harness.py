@@ -27,8 +27,8 @@ from llmforge.train.components import Components, RankInfo
 
 TINY = [
     "model.num_layers=4", "model.hidden_size=32", "model.num_heads=4", "model.ffn_hidden_size=64",
-    "model.vocab_size=256", "model.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=8",
-    "train.steps=5", "train.lr=3e-3", "optim.warmup_steps=0", "optim.grad_clip=0.5", "optim.schedule=constant",
+    "model.vocab_size=256", "model.seq_len=32", "model.bias=false", "model.init_std=0.1", "train.micro_batch_size=2", "train.global_batch_size=8",
+    "train.steps=5", "train.lr=1e-3", "optim.warmup_steps=0", "optim.grad_clip=0.5", "optim.schedule=constant",
 ]
 
 

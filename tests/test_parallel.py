@@ -1,0 +1,96 @@
+"""Every layout computes what one process computes (CPU, gloo, one process per rank).
+
+Each process group runs many layouts in turn (llmforge.parallel.harness), so the
+whole matrix costs two torchrun starts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmforge.parallel.harness import tiny_plan, train_layout
+
+PP = ["parallel.pp=2"]
+V2 = ["parallel.pp_virtual_stages=2"]
+WORLD2 = {
+    "dp2": ["parallel.dp=2"],
+    "dp2_zero1": ["parallel.dp=2", "parallel.zero=1"],
+    "dp2_zero2": ["parallel.dp=2", "parallel.zero=2"],
+    "dp2_zero3": ["parallel.dp=2", "parallel.zero=3"],
+    "tp2": ["parallel.tp=2"],
+    "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "pp2_gpipe": PP + ["parallel.pp_schedule=gpipe"],
+    "pp2_1f1b": PP + ["parallel.pp_schedule=1f1b"],
+    "pp2_interleaved_v2": PP + V2 + ["parallel.pp_schedule=interleaved_1f1b"],
+    "pp2_looped_bfs": PP + V2 + ["parallel.pp_schedule=looped_bfs"],
+    "pp2_zb_interleaved": PP + V2 + ["parallel.pp_schedule=zb_interleaved"],
+    "pp2_zbv": PP + V2 + ["parallel.pp_schedule=zbv"],
+    "pp2_uneven_untied": PP + ["parallel.pp_layers=[1,3]", "model.tie_embeddings=false"],
+}
+WORLD4 = {
+    "dp2_tp2": ["parallel.dp=2", "parallel.tp=2"],
+    "dp2_tp2_sp_zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=1"],
+    "dp2_tp2_zero3": ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"],
+    "tp2_pp2": ["parallel.tp=2"] + PP,
+    "dp2_pp2": ["parallel.dp=2"] + PP,
+    "dp2_pp2_zero2": ["parallel.dp=2", "parallel.zero=2"] + PP,
+    "dp2_pp2_zero3_interleaved": ["parallel.dp=2", "parallel.zero=3", "parallel.pp_schedule=interleaved_1f1b"] + PP + V2,
+}
+MIXED = {
+    "tp2_bf16": ["parallel.tp=2", "precision.param_dtype=bf16", "precision.reduce_dtype=bf16"],
+    "pp2_fp16": PP + ["precision.param_dtype=fp16"],
+    "dp2_zero3_fp16": ["parallel.dp=2", "parallel.zero=3", "precision.param_dtype=fp16"],
+}
+
+
+def run_group(tmp: Path, *, nproc: int, layouts: dict) -> dict:
+    spec, out = tmp / f"spec{nproc}.json", tmp / f"out{nproc}.pt"
+    spec.write_text(json.dumps({"layouts": layouts}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "llmforge.parallel.harness", str(spec), str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("parallel")
+    return {**run_group(tmp, nproc=2, layouts={**WORLD2, **MIXED}), **run_group(tmp, nproc=4, layouts=WORLD4)}
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {key: train_layout(tiny_plan(list(extra))) for key, extra in {(): [], ("untied",): ["model.tie_embeddings=false"]}.items()}
+
+
+def max_rel(a, b) -> float:
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("layout", list(WORLD2) + list(WORLD4))
+def test_layout_matches_single_process(layout, results, reference):
+    got = results[layout]
+    ref = reference[("untied",) if "untied" in layout else ()]
+    assert len(got["losses"]) == 5
+    assert max_rel(got["losses"], ref.losses) < 1e-5
+    assert max_rel(got["grad_norms"], ref.grad_norms) < 1e-5
+    assert set(ref.params) <= set(got["params"])
+    for name, value in ref.params.items():
+        rel = float((got["params"][name] - value).norm() / value.norm())
+        assert rel < 1e-5, f"{name}: relative difference {rel:.2e}"
+    if "head.weight" in got["params"] and "head.weight" not in ref.params:
+        torch.testing.assert_close(got["params"]["head.weight"], got["params"]["embed.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", list(MIXED))
+def test_low_precision_layouts_follow_single_process(layout, results):
+    overrides = [o for o in MIXED[layout] if o.startswith("precision.")]
+    ref = train_layout(tiny_plan(overrides))
+    got = results[layout]
+    assert all(torch.isfinite(torch.tensor(got["losses"])))
+    assert max_rel(got["losses"], ref.losses) < 2e-2
