@@ -91,9 +91,8 @@ def _unrecomputed_tail(shape: Shape, *, moe: bool) -> float:
     non-reentrant checkpoint stops recomputing before it."""
     if not moe:
         return 2 * shape.hidden * shape.ffn
-    if shape.shared_experts:
-        return 2 * shape.hidden * shape.moe_ffn * shape.shared_experts
-    return 2 * shape.hidden * shape.moe_ffn * shape.top_k * min(1.0, shape.capacity_factor or 1.0)
+    # the shared MLP's down projection, when present; the experts' output is needed by the combine
+    return 2 * shape.hidden * shape.moe_ffn * shape.shared_experts
 
 
 def hardware_flops(shape: Shape, layout: Layout, tokens: float) -> float:

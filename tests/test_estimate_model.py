@@ -1,0 +1,93 @@
+"""The estimate against the real model: parameters per rank, saved activations, FLOPs."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from llmforge.config.schema import ModelConfig, MoEConfig  # noqa: E402
+from llmforge.estimate import measure as ms  # noqa: E402
+from llmforge.estimate.hardware import get_profile  # noqa: E402
+from llmforge.estimate.params import named_shapes  # noqa: E402
+from llmforge.estimate.shape import Job, shape_from_config  # noqa: E402
+
+GPT_TINY = ModelConfig(num_layers=3, hidden_size=64, num_heads=4, ffn_hidden_size=256, vocab_size=512, seq_len=32)
+LLAMA_TINY = ModelConfig(
+    num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=160, vocab_size=512, seq_len=32,
+    norm="rmsnorm", activation="swiglu", position="rope", tie_embeddings=False, bias=False,
+)
+GELU_ROPE_NOBIAS = dataclasses.replace(GPT_TINY, position="rope", bias=False, num_kv_heads=2)
+MOE_TINY = dataclasses.replace(
+    LLAMA_TINY, num_layers=4, moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=48, num_shared_experts=1, every=2)
+)
+MOE_GELU = dataclasses.replace(GPT_TINY, moe=MoEConfig(num_experts=4, top_k=1, ffn_hidden_size=64, capacity_factor=2.0))
+CONFIGS = {"gpt": GPT_TINY, "llama": LLAMA_TINY, "gelu-rope-gqa": GELU_ROPE_NOBIAS, "moe": MOE_TINY, "moe-gelu": MOE_GELU}
+
+
+def _job(dtype: str) -> Job:
+    return Job(global_batch=2, param_dtype=dtype, reduce_dtype="fp32", profile=get_profile("cpu"))
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_parameter_names_and_shapes_equal_the_model(name):
+    cfg = CONFIGS[name]
+    assert named_shapes(shape_from_config(cfg)) == ms.count_parameters(cfg)
+
+
+@pytest.fixture
+def balanced_routing(monkeypatch):
+    """Route token i to experts (i*k .. i*k+k-1) mod E: every expert gets the same load,
+    the case the estimate describes (padded expert batches grow with imbalance)."""
+    from llmforge.models import moe
+
+    original = moe.route
+
+    def route(logits, *, top_k, normalize, capacity):
+        r = original(logits, top_k=top_k, normalize=normalize, capacity=capacity)
+        t, e = logits.shape
+        experts = (torch.arange(t)[:, None] * top_k + torch.arange(top_k)[None, :]) % e
+        keep = moe.capacity_keep(experts, num_experts=e, capacity=capacity)
+        return moe.Routing(weights=r.weights, experts=experts, keep=keep, probs=r.probs, logits=r.logits)
+
+    monkeypatch.setattr(moe, "route", route)
+
+
+CASES = [(n, d, r) for n in sorted(CONFIGS) for d in ("fp32", "bf16") for r in ("none", "selective", "full")]
+
+
+@pytest.mark.parametrize("name,dtype,recompute", CASES)
+def test_activations_and_flops_match_measurement(name, dtype, recompute, balanced_routing):
+    cfg = CONFIGS[name]
+    got = ms.measure_config(cfg, micro_batch=2, param_dtype=dtype, recompute=recompute, fake=False)
+    est = ms.single_process_estimate(shape_from_config(cfg), _job(dtype), micro_batch=2, recompute=recompute, every=1)
+    assert est["saved_bytes"] == pytest.approx(got.saved_bytes, rel=0.10)
+    assert est["forward_flops"] == pytest.approx(got.forward_flops, rel=0.02)
+    assert est["backward_flops"] == pytest.approx(got.backward_flops, rel=0.02)
+
+
+def test_recompute_every_second_block(balanced_routing):
+    cfg = dataclasses.replace(LLAMA_TINY, num_layers=4)
+    got = ms.measure_config(cfg, micro_batch=2, param_dtype="bf16", recompute="full", every=2, fake=False)
+    est = ms.single_process_estimate(shape_from_config(cfg), _job("bf16"), micro_batch=2, recompute="full", every=2)
+    none = ms.single_process_estimate(shape_from_config(cfg), _job("bf16"), micro_batch=2, recompute="none", every=1)
+    assert est["saved_bytes"] == pytest.approx(got.saved_bytes, rel=0.10)
+    assert est["backward_flops"] == pytest.approx(got.backward_flops, rel=0.02)
+    assert est["saved_bytes"] < none["saved_bytes"]
+
+
+def test_fake_tensors_and_layer_reduced_copies_measure_what_real_ones_do():
+    cfg = dataclasses.replace(LLAMA_TINY, num_layers=6)
+    real = ms.measure_config(cfg, micro_batch=2, param_dtype="bf16", fake=False)
+    fake = ms.measure_config(cfg, micro_batch=2, param_dtype="bf16", fake=True)
+    assert (fake.saved_bytes, fake.forward_flops, fake.backward_flops) == (real.saved_bytes, real.forward_flops, real.backward_flops)
+    original = ms.REAL_LIMIT
+    try:
+        ms.REAL_LIMIT = 0  # force the fake, layer-reduced path
+        scaled, how = ms._scaled(cfg, micro_batch=2, param_dtype="bf16", recompute="none", every=1)
+    finally:
+        ms.REAL_LIMIT = original
+    assert "scaled to 6" in how
+    assert (scaled.saved_bytes, scaled.forward_flops, scaled.backward_flops) == (real.saved_bytes, real.forward_flops, real.backward_flops)
