@@ -135,9 +135,9 @@ def estimate(
 
       llmforge estimate recipe=llama-70b cluster.nodes=8 --search --top 5
     """
+    run_plan = _build_plan(overrides, config_dir)
     from llmforge.estimate.report import run_estimate
 
-    run_plan = _build_plan(overrides, config_dir)
     run_estimate(run_plan, as_json=as_json, timeline=timeline, measure=measure, search=search, top=top, console=out)
 
 
@@ -163,9 +163,9 @@ def pretrain(
 
       llmforge pretrain recipe=gpt-1b parallel=tp4pp2 cluster.nodes=2 --dry-run
     """
+    run_plan = _build_plan(overrides, config_dir)
     from llmforge.launch import launch
 
-    run_plan = _build_plan(overrides, config_dir)
     launch(run_plan, resume_from=None, force=force, dry_run=dry_run, console=err)
 
 

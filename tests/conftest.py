@@ -22,8 +22,10 @@ def data_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("data-cache")
 
 
-def small_data_overrides(cache) -> list[str]:
-    return [f"data.cache_dir={cache}", "data.builtin_max_mb=0.5"]
+@pytest.fixture(scope="session")
+def small_data(data_cache) -> list[str]:
+    """Overrides that point a run at a small built-in corpus in a shared test cache."""
+    return [f"data.cache_dir={data_cache}", "data.builtin_max_mb=0.5"]
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

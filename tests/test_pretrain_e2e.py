@@ -1,0 +1,86 @@
+"""End to end: `llmforge pretrain` trains, logs, checkpoints and writes a W&B offline run."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from llmforge.cli import app
+from llmforge.observe.metrics import read_metrics
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, small_data):
+    run_dir = tmp_path_factory.mktemp("run")
+    args = [
+        "pretrain",
+        *small_data,
+        f"run.dir={run_dir}",
+        "train.steps=8",
+        "train.log_interval=1",
+        "train.global_batch_size=8",
+        "train.micro_batch_size=4",
+        "checkpoint.interval=4",
+        "logging.wandb.mode=offline",
+        "logging.console=false",
+    ]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return run_dir, result.output
+
+
+def test_metrics_jsonl_has_every_step_and_the_loss_falls(finished_run):
+    run_dir, _ = finished_run
+    records = read_metrics(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, 9))
+    for record in records:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= record.keys()
+        assert math.isfinite(record["loss"]) and record["tokens_per_s"] > 0
+    assert records[0]["loss"] == pytest.approx(math.log(4096), rel=0.05)  # untrained: uniform over the vocabulary
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert 0 < records[0]["lr"] < records[-1]["lr"]  # inside the warm-up
+
+
+def test_checkpoints_at_the_interval_and_the_end(finished_run):
+    run_dir, _ = finished_run
+    steps = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert steps == ["step_4", "step_8"]
+    assert not any(p.name.startswith(".tmp") for p in (run_dir / "checkpoints").iterdir())
+
+
+def test_plan_json_is_written(finished_run):
+    run_dir, _ = finished_run
+    plan = json.loads((run_dir / "plan.json").read_text())
+    assert plan["config"]["train"]["steps"] == 8 and plan["derived"]["world_size"] == 1
+
+
+def test_wandb_offline_run_holds_config_and_metrics(finished_run):
+    run_dir, _ = finished_run
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    files = {p.name for p in runs[0].rglob("*")}
+    assert any(name.endswith(".wandb") for name in files)
+    history = b"".join(p.read_bytes() for p in runs[0].rglob("*.wandb"))
+    assert b"grad_norm" in history and b"micro_batch_size" in history
+
+
+def test_summary_line_is_printed(finished_run):
+    _, output = finished_run
+    assert "done" in output and "step 8" in output
+
+
+def test_the_estimate_is_shown_before_launch(finished_run):
+    _, output = finished_run
+    assert "fits" in output.lower()
+
+
+def test_missing_data_file_is_a_user_error(tmp_path):
+    result = runner.invoke(app, ["pretrain", "data=files", f"data.path={tmp_path / 'nope.txt'}", f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'c'}"])
+    assert result.exit_code == 2
+    assert "nope.txt" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "run").exists()
