@@ -68,10 +68,10 @@ def slurm_script(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path])
     """An sbatch script running the same torchrun command on every node under srun."""
     c = plan.config.cluster
     endpoint = c.rdzv_endpoint or f"$head_node:{DEFAULT_PORT}"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(plan, endpoint="ENDPOINT", run_id="$SLURM_JOB_ID")]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(plan, endpoint="RDZV_ENDPOINT", run_id="RDZV_ID")]
     command = " ".join(shlex.quote(a) for a in torchrun + worker_args(plan_path=plan_path, resume_from=resume_from))
-    command = command.replace("ENDPOINT", endpoint).replace("'--rdzv-id=$SLURM_JOB_ID'", '"--rdzv-id=$SLURM_JOB_ID"')
-    command = command.replace(f"'--rdzv-endpoint={endpoint}'", f'"--rdzv-endpoint={endpoint}"')
+    # Substituted after quoting so that the shell expands them on each node.
+    command = command.replace("RDZV_ENDPOINT", endpoint).replace("RDZV_ID", "$SLURM_JOB_ID")
     gpus = [] if c.accelerator == "cpu" else [f"#SBATCH --gpus-per-node={procs_per_node(plan)}"]
     lines = [
         "#!/bin/bash",
