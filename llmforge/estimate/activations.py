@@ -22,8 +22,9 @@ size. Context parallel splits every per-token tensor over cp.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
-from llmforge.estimate.params import block_tensors
+from llmforge.estimate.params import StageCounts, block_tensors
 from llmforge.estimate.shape import Job, Layout, Shape
 
 FP32 = 4
@@ -187,7 +188,46 @@ def recompute_working_bytes(shape: Shape, layout: Layout, job: Job) -> float:
     if layout.recompute == "none":
         return 0.0
     moe = shape.num_experts > 0
-    full = block_activations(shape, layout, job, moe=moe, recompute="none")
-    kept = block_activations(shape, layout, job, moe=moe, recompute=layout.recompute)
-    tokens = layout.micro_batch * shape.seq / layout.cp
-    return full.total(tokens) - kept.per_token * tokens
+    key = (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch)
+    jkey = (job.compute_bytes, job.mixed)
+    return _kind_bytes(shape, key, jkey, moe, "none") - _kind_bytes(shape, key, jkey, moe, layout.recompute) + (
+        _kind_fixed(shape, key, jkey, moe, layout.recompute))
+
+
+@lru_cache(maxsize=4096)
+def _kind_fixed(shape: Shape, layout_key: tuple, job_key: tuple, moe: bool, mode: str) -> float:
+    tp, sp, ep, cp, mb = layout_key
+    layout = Layout(tp=tp, sequence_parallel=sp, ep=ep, cp=cp, micro_batch=mb)
+    return block_activations(shape, layout, _JobView(*job_key), moe=moe, recompute=mode).fixed
+
+
+@lru_cache(maxsize=65536)
+def _kind_bytes(shape: Shape, layout_key: tuple, job_key: tuple, moe: bool, mode: str) -> float:
+    tp, sp, ep, cp, mb = layout_key
+    layout = Layout(tp=tp, sequence_parallel=sp, ep=ep, cp=cp, micro_batch=mb)
+    job = _JobView(*job_key)
+    return block_activations(shape, layout, job, moe=moe, recompute=mode).total(mb * shape.seq / cp)
+
+
+@dataclass(frozen=True)
+class _JobView:
+    """The two Job fields activations depend on (a cheap cache key)."""
+
+    compute_bytes: int
+    mixed: bool
+
+
+def stage_bytes_per_microbatch(shape: Shape, layout: Layout, job: Job, counts: StageCounts) -> float:
+    """Saved bytes of one microbatch on a pipeline rank: its blocks, plus embedding ids or the output."""
+    key = (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch)
+    jkey = (job.compute_bytes, job.mixed)
+    mode = layout.recompute
+    total = 0.0
+    for n, moe, applies in ((counts.dense, False, False), (counts.moe, True, False), (counts.dense_ckpt, False, True), (counts.moe_ckpt, True, True)):
+        if n:
+            total += n * _kind_bytes(shape, key, jkey, moe, mode if applies else "none")
+    if counts.first:
+        total += embedding_bytes(shape, layout)
+    if counts.last:
+        total += output_bytes(shape, layout, job)
+    return total

@@ -18,12 +18,13 @@ FLOP/s the matmuls reach. MFU = model FLOPs / (step x devices x peak).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Dict, List
 
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate.memory import StageMemory, all_stages, most_loaded
-from llmforge.estimate.params import active_params, layout_rank_params, layout_stage_layers, total_params
+from llmforge.estimate.params import active_params, layout_rank_params, stage_counts, total_params
 from llmforge.estimate.pipeline import bubble_fraction
 from llmforge.estimate.shape import Job, Layout, Shape, from_plan
 
@@ -77,27 +78,27 @@ class Estimate:
 
 def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int) -> tuple[float, float]:
     """(compute seconds, TP/EP collective seconds) of one microbatch on ``stage``."""
-    layers = layout_stage_layers(shape, layout)[stage]
-    last = (shape.num_layers - 1) in layers
+    counts = stage_counts(shape, layout)[stage]
     tokens = layout.micro_batch * shape.seq / layout.cp
-    flops = fl.stage_hardware_flops_per_token(shape, layout, layers, last=last) * tokens / layout.tp
+    flops = fl.stage_hardware_flops_per_token(shape, layout, counts) * tokens / layout.tp
     compute = flops / (job.profile.peak(job.param_dtype) * job.efficiency)
     span = cm.spans(layout)
-    collective = cm.seconds(job, cm.tp_bytes(shape, layout, job, layers=len(layers), microbatches=1), span["tp"])
-    moe = sum(shape.is_moe_layer(i) for i in layers)
+    collective = cm.seconds(job, cm.tp_bytes(shape, layout, job, layers=counts.blocks, microbatches=1), span["tp"])
+    moe = counts.moe + counts.moe_ckpt
     collective += cm.seconds(job, cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=1), span["ep"])
     return compute, collective
 
 
 def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t_mb: float) -> cm.Comm:
     span = cm.spans(layout)
-    layers = layout_stage_layers(shape, layout)[stage]
+    counts = stage_counts(shape, layout)[stage]
+    nblocks = counts.blocks
     params = layout_rank_params(shape, layout, stage)
     grads, gathers = cm.dp_bytes(layout, job, dense=params.dense_numel, expert=params.expert_numel, microbatches=m)
     pp_total, pp_one = cm.pp_bytes(shape, layout, job, microbatches=m)
-    tp_b = cm.tp_bytes(shape, layout, job, layers=len(layers), microbatches=m)
-    cp_b = cm.cp_bytes(shape, layout, job, layers=len(layers), microbatches=m)
-    moe = sum(shape.is_moe_layer(i) for i in layers)
+    tp_b = cm.tp_bytes(shape, layout, job, layers=nblocks, microbatches=m)
+    cp_b = cm.cp_bytes(shape, layout, job, layers=nblocks, microbatches=m)
+    moe = counts.moe + counts.moe_ckpt
     ep_b = cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=m)
     t_grads, t_gathers = cm.seconds(job, grads, span["dp"]), cm.seconds(job, gathers, span["dp"])
     backward_last = t_mb * 2 / 3
@@ -116,6 +117,7 @@ def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t
     )
 
 
+@lru_cache(maxsize=256)
 def _attention_share(shape: Shape) -> float:
     f = fl.block_flops(shape, moe=False)
     return f.attention / f.forward

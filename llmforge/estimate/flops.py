@@ -18,7 +18,9 @@ Conventions:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
+from llmforge.estimate.params import StageCounts
 from llmforge.estimate.shape import Layout, Shape
 
 
@@ -38,6 +40,7 @@ def _mlp(shape: Shape, ffn: int) -> float:
     return (3 if shape.activation == "swiglu" else 2) * 2 * shape.hidden * ffn
 
 
+@lru_cache(maxsize=1024)
 def block_flops(shape: Shape, *, moe: bool) -> TokenFlops:
     """Forward FLOPs per token of block: projections, attention core, MLP or experts."""
     h = shape.hidden
@@ -55,19 +58,28 @@ def head_flops(shape: Shape) -> float:
     return 2 * shape.hidden * shape.vocab
 
 
+@lru_cache(maxsize=256)
+def _forward_per_token(shape: Shape) -> float:
+    return sum(block_flops(shape, moe=shape.is_moe_layer(i)).forward for i in range(shape.num_layers)) + head_flops(shape)
+
+
 def forward_flops(shape: Shape, tokens: float) -> float:
     """Forward FLOPs of the whole model for ``tokens`` tokens."""
-    per_token = sum(block_flops(shape, moe=shape.is_moe_layer(i)).forward for i in range(shape.num_layers))
-    return tokens * (per_token + head_flops(shape))
+    return tokens * _forward_per_token(shape)
 
 
 def backward_flops(shape: Shape, tokens: float) -> float:
     """Backward FLOPs as executed: 2x for weight matmuls, 2.5x for the fused attention core."""
+    return tokens * _backward_per_token(shape)
+
+
+@lru_cache(maxsize=256)
+def _backward_per_token(shape: Shape) -> float:
     total = 0.0
     for i in range(shape.num_layers):
         f = block_flops(shape, moe=shape.is_moe_layer(i))
         total += 2 * f.weights + 2.5 * f.attention
-    return tokens * (total + 2 * head_flops(shape))
+    return total + 2 * head_flops(shape)
 
 
 def model_flops(shape: Shape, tokens: float) -> float:
@@ -77,11 +89,18 @@ def model_flops(shape: Shape, tokens: float) -> float:
 
 def recompute_flops_per_token(shape: Shape, layout: Layout, index: int) -> float:
     """Extra forward FLOPs per token of block ``index`` caused by activation recomputation."""
-    moe = shape.is_moe_layer(index)
+    mode = layout.recompute
+    if mode == "full" and index % layout.recompute_every:
+        mode = "none"
+    return recompute_extra(shape, moe=shape.is_moe_layer(index), mode=mode)
+
+
+def recompute_extra(shape: Shape, *, moe: bool, mode: str) -> float:
+    """Extra forward FLOPs per token of one block recomputed under ``mode``."""
     f = block_flops(shape, moe=moe)
-    if layout.recompute == "full" and index % layout.recompute_every == 0:
+    if mode == "full":
         return f.forward - _unrecomputed_tail(shape, moe=moe)
-    if layout.recompute == "selective":
+    if mode == "selective":
         return f.attention
     return 0.0
 
@@ -97,17 +116,30 @@ def _unrecomputed_tail(shape: Shape, *, moe: bool) -> float:
 
 def hardware_flops(shape: Shape, layout: Layout, tokens: float) -> float:
     """Forward + backward + recomputation FLOPs, as executed."""
-    extra = sum(recompute_flops_per_token(shape, layout, i) for i in range(shape.num_layers))
+    extra = _recompute_per_token(shape, layout.recompute, layout.recompute_every)
     return forward_flops(shape, tokens) + backward_flops(shape, tokens) + tokens * extra
 
 
-def stage_hardware_flops_per_token(shape: Shape, layout: Layout, layers: tuple, *, last: bool) -> float:
-    """Hardware FLOPs per token of one pipeline stage (before tensor/context splitting)."""
-    total = 0.0
-    for i in layers:
-        f = block_flops(shape, moe=shape.is_moe_layer(i))
-        total += 3 * f.weights + 3.5 * f.attention + recompute_flops_per_token(shape, layout, i)
-    if last:
+@lru_cache(maxsize=1024)
+def _recompute_per_token(shape: Shape, recompute: str, every: int) -> float:
+    layout = Layout(recompute=recompute, recompute_every=every)
+    return sum(recompute_flops_per_token(shape, layout, i) for i in range(shape.num_layers))
+
+
+def stage_hardware_flops_per_token(shape: Shape, layout: Layout, counts: StageCounts) -> float:
+    """Hardware FLOPs per token of one pipeline rank (before tensor/context splitting)."""
+    return _stage_flops(shape, layout.recompute, counts)
+
+
+@lru_cache(maxsize=8192)
+def _stage_flops(shape: Shape, recompute: str, counts: StageCounts) -> float:
+    def block(moe: bool, mode: str) -> float:
+        f = block_flops(shape, moe=moe)
+        return 3 * f.weights + 3.5 * f.attention + recompute_extra(shape, moe=moe, mode=mode)
+
+    total = (counts.dense * block(False, "none") + counts.moe * block(True, "none")
+             + counts.dense_ckpt * block(False, recompute) + counts.moe_ckpt * block(True, recompute))
+    if counts.last:
         total += 3 * head_flops(shape)
     return total
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import List, Tuple
 
 from llmforge.estimate import activations as act
-from llmforge.estimate.params import RankParams, block_tensors, layout_rank_params, layout_stage_layers
+from llmforge.estimate.params import RankParams, block_tensors, layout_rank_params, stage_counts
 from llmforge.estimate.pipeline import inflight_microbatches
 from llmforge.estimate.shape import DTYPE_BYTES, Job, Layout, Shape
 
@@ -51,6 +52,18 @@ def _sharded(params: RankParams, *, group: int, expert_group: int, zero3: bool) 
     return dense + sum(_dim0_shard(s, expert_group) for s in params.expert)
 
 
+_SHARDS: dict = {}
+
+
+def _cached_shard(params: RankParams, group: int, expert_group: int) -> int:
+    """``_sharded`` memoised by object identity (RankParams come from an lru_cache)."""
+    key = (id(params), group, expert_group)
+    hit = _SHARDS.get(key)
+    if hit is None or hit[0] is not params:
+        hit = _SHARDS[key] = (params, _sharded(params, group=group, expert_group=expert_group, zero3=True))
+    return hit[1]
+
+
 def _even(n: int, group: int) -> int:
     return math.ceil(n / group) if n else 0
 
@@ -82,7 +95,7 @@ def model_states(shape: Shape, layout: Layout, stage: int) -> Tuple[int, float, 
     full = params.numel
     if layout.zero == 0 or (group == 1 and expert_group == 1):
         return full, FP32 * full, FP32 * full, ADAM_STATE_BYTES * full
-    shard = _sharded(params, group=group, expert_group=expert_group, zero3=True)
+    shard = _cached_shard(params, group, expert_group)
     weights = FP32 * (shard if layout.zero == 3 else full + shard)
     whole_grads = layout.zero == 1 or layout.pp > 1
     grads = FP32 * (full if whole_grads else shard)
@@ -91,28 +104,30 @@ def model_states(shape: Shape, layout: Layout, stage: int) -> Tuple[int, float, 
 
 def stage_activations(shape: Shape, layout: Layout, job: Job, stage: int, microbatches: int) -> float:
     """Saved activations on this stage's rank at the schedule's peak."""
-    layers = layout_stage_layers(shape, layout)[stage]
-    per_mb = sum(act.layer_bytes(shape, layout, job, i) for i in layers)
-    if stage == 0:
-        per_mb += act.embedding_bytes(shape, layout)
-    if (shape.num_layers - 1) in layers:
-        per_mb += act.output_bytes(shape, layout, job)
+    per_mb = act.stage_bytes_per_microbatch(shape, layout, job, stage_counts(shape, layout)[stage])
     return per_mb * inflight_microbatches(layout, stage=stage, microbatches=microbatches)
+
+
+@lru_cache(maxsize=256)
+def _block_numel(shape: Shape, moe: bool) -> int:
+    return sum(t.numel for t in block_tensors(shape, moe))
 
 
 def _transient(shape: Shape, layout: Layout, job: Job, stage: int, params: int) -> float:
     """Short-lived buffers: logits at the loss, recompute working set, gradient reduction buffers."""
-    layers = layout_stage_layers(shape, layout)[stage]
+    counts = stage_counts(shape, layout)[stage]
     out = act.recompute_working_bytes(shape, layout, job)
-    if (shape.num_layers - 1) in layers:
+    if counts.last:
         out += act.logits_peak_bytes(shape, layout, job)
-    if layout.dp * layout.cp == 1 or not layers:
+    if layout.dp * layout.cp == 1 or not counts.blocks:
         return out
     rb = DTYPE_BYTES[job.reduce_dtype]
     if layout.zero == 0:
         # one flat fp32 copy of every gradient (and its cast to reduce_dtype) for the all-reduce
         return out + params * (FP32 + (rb if rb != FP32 else 0))
-    block = max(sum(t.numel for t in block_tensors(shape, shape.is_moe_layer(i))) for i in layers) / layout.tp
+    has_moe = counts.moe + counts.moe_ckpt > 0
+    has_dense = counts.dense + counts.dense_ckpt > 0
+    block = max(_block_numel(shape, True) if has_moe else 0, _block_numel(shape, False) if has_dense else 0) / layout.tp
     if layout.zero == 3:
         out += 2 * block * FP32  # the gathered block and the prefetched next one (fp32, autocast casts)
     return out + block * (FP32 + rb)  # one block's whole gradient and its reduce_dtype copy

@@ -9,7 +9,7 @@ from the shapes, so the per-rank figures are exact, not ratios.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import List, Tuple
 
 from llmforge.estimate.shape import Layout, Shape
@@ -141,12 +141,14 @@ def stage_tensors(shape: Shape, layout_key: Tuple) -> Tuple[Tensor, ...]:
     return tuple(out)
 
 
+@lru_cache(maxsize=256)
 def total_params(shape: Shape) -> int:
     """Parameters of the whole model (tied embedding counted once)."""
     n = sum(t.numel for t in embedding_tensors(shape)) + sum(t.numel for t in head_tensors(shape, separate_copy=False))
     return n + sum(sum(t.numel for t in block_tensors(shape, shape.is_moe_layer(i))) for i in range(shape.num_layers))
 
 
+@lru_cache(maxsize=256)
 def active_params(shape: Shape) -> int:
     """Parameters a token passes through: routed experts count top_k of num_experts."""
     if shape.num_experts == 0:
@@ -163,15 +165,15 @@ class RankParams:
     dense: Tuple[Tuple[int, ...], ...]
     expert: Tuple[Tuple[int, ...], ...]
 
-    @property
+    @cached_property
     def dense_numel(self) -> int:
         return sum(_prod(s) for s in self.dense)
 
-    @property
+    @cached_property
     def expert_numel(self) -> int:
         return sum(_prod(s) for s in self.expert)
 
-    @property
+    @cached_property
     def numel(self) -> int:
         return self.dense_numel + self.expert_numel
 
@@ -218,3 +220,38 @@ def named_shapes(shape: Shape) -> dict:
 def matmul_weight_numel(shape: Shape, moe: bool) -> int:
     """Elements of the matrix weights of one block (what autocast casts to 16 bits)."""
     return sum(t.numel for t in block_tensors(shape, moe) if len(t.shape) == 2)
+
+
+@dataclass(frozen=True)
+class StageCounts:
+    """What one pipeline rank holds, by kind: blocks (dense/MoE x checkpointed or not), ends."""
+
+    dense: int
+    moe: int
+    dense_ckpt: int
+    moe_ckpt: int
+    first: bool
+    last: bool
+
+    @property
+    def blocks(self) -> int:
+        return self.dense + self.moe + self.dense_ckpt + self.moe_ckpt
+
+
+@lru_cache(maxsize=8192)
+def _stage_counts(shape: Shape, pp: int, v: int, pp_layers, v_shape: bool, every: int) -> Tuple[StageCounts, ...]:
+    out = []
+    for stage, layers in enumerate(stage_layers(shape, pp, v, pp_layers, v_shape)):
+        kinds = [(shape.is_moe_layer(i), i % every == 0) for i in layers]
+        out.append(StageCounts(
+            dense=kinds.count((False, False)), moe=kinds.count((True, False)),
+            dense_ckpt=kinds.count((False, True)), moe_ckpt=kinds.count((True, True)),
+            first=stage == 0, last=(shape.num_layers - 1) in layers,
+        ))
+    return tuple(out)
+
+
+def stage_counts(shape: Shape, layout: Layout) -> Tuple[StageCounts, ...]:
+    """Per pipeline rank: blocks by kind (checkpointed = recomputed in full under ``recompute_every``)."""
+    every = layout.recompute_every if layout.recompute == "full" else 1
+    return _stage_counts(shape, layout.pp, layout.virtual_stages, layout.pp_layers, layout.schedule == "zbv", every)

@@ -41,6 +41,14 @@ class Shape:
     capacity_factor: Optional[float] = None
     moe_every: int = 1
 
+    def __hash__(self) -> int:
+        # hashed on every cache lookup of the estimator: computed once
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f) for f in self.__dataclass_fields__))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
