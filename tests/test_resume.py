@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import small_data_overrides
+from llmforge.checkpoint import store
 from llmforge.checkpoint.resume import plan_for_resume
 from llmforge.config.compose import compose
 from llmforge.data.sampler import BatchSampler
@@ -55,12 +55,12 @@ def losses(run_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_cache):
+def reference(tmp_path_factory, small_data):
     """An uninterrupted 6-step run saving every 2 steps, with the samples it consumed."""
     mp = pytest.MonkeyPatch()
     recorder = Recorder(mp)
     run_dir = tmp_path_factory.mktemp("reference")
-    plan = RunPlan.build(compose([*TINY, *small_data_overrides(data_cache), f"run.dir={run_dir}"]))
+    plan = RunPlan.build(compose([*TINY, *small_data, f"run.dir={run_dir}"]))
     run(plan, rank=RankInfo())
     ids = recorder.take()
     mp.undo()
@@ -91,6 +91,8 @@ def test_resume_in_the_same_folder_appends_once(reference, tmp_path, monkeypatch
     run(plan, rank=RankInfo(), resume_from=path)
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert (run_dir / "checkpoints" / "superseded-step_6").is_dir()  # the history resumed past
+    assert [p.name for p in store.complete(run_dir / "checkpoints")][:1] == ["step_6"]
     assert [r["loss"] for r in records] == [expected[s] for s in range(1, 7)]
 
 
@@ -121,9 +123,9 @@ def test_allowed_overrides_apply_and_fixed_ones_are_refused(reference, tmp_path)
         plan_for_resume(["train.steps=9"])
 
 
-def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, data_cache):
+def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, small_data):
     run_dir = tmp_path / "run"
-    args = [*TINY, *small_data_overrides(data_cache), "train.steps=500", "checkpoint.interval=0", f"run.dir={run_dir}"]
+    args = [*TINY, *small_data, "train.steps=500", "checkpoint.interval=0", f"run.dir={run_dir}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300"}
     proc = subprocess.Popen([sys.executable, "-m", "llmforge", "pretrain", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     metrics = run_dir / "metrics.jsonl"

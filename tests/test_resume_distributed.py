@@ -102,9 +102,8 @@ def losses(run_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, data_cache):
+def single(tmp_path_factory, small_data):
     """The uninterrupted single-process run every layout is compared with."""
-    from conftest import small_data_overrides
     from llmforge.config.compose import compose
     from llmforge.plan import RunPlan
     from llmforge.train.components import RankInfo
@@ -117,17 +116,16 @@ def single(tmp_path_factory, data_cache):
     mp.setattr(BatchSampler, "next_batch", BatchSampler.next_batch)
     _record_ids(ids)
     run_dir = tmp_path_factory.mktemp("single")
-    run(RunPlan.build(compose([*TINY, *small_data_overrides(data_cache), f"run.dir={run_dir}"])), rank=RankInfo())
+    run(RunPlan.build(compose([*TINY, *small_data, f"run.dir={run_dir}"])), rank=RankInfo())
     mp.undo()
     return run_dir, [row for key in sorted(ids) for row in ids[key]]
 
 
 @pytest.mark.slow
-def test_four_ranks_bit_identical_and_reshard(tmp_path, data_cache, single):
-    from conftest import small_data_overrides
+def test_four_ranks_bit_identical_and_reshard(tmp_path, small_data, single):
 
     ref_dir, ref_ids = single
-    base = [*TINY, *small_data_overrides(data_cache)]
+    base = [*TINY, *small_data]
     a, z = tmp_path / "tp2pp2", tmp_path / "fsdp"
     phases = {
         "tp2pp2": {"overrides": ["parallel=tp2pp2"], "run_dir": str(a)},
@@ -150,8 +148,7 @@ def test_four_ranks_bit_identical_and_reshard(tmp_path, data_cache, single):
 
 
 @pytest.mark.slow
-def test_two_ranks_bit_identical_and_resume_in_one_process(tmp_path, data_cache, single):
-    from conftest import small_data_overrides
+def test_two_ranks_bit_identical_and_resume_in_one_process(tmp_path, small_data, single):
     from llmforge.checkpoint.resume import plan_for_resume
     from llmforge.train.components import RankInfo
     from llmforge.train.run import run
@@ -162,7 +159,7 @@ def test_two_ranks_bit_identical_and_resume_in_one_process(tmp_path, data_cache,
         "dp2": {"overrides": ["parallel=dp2"], "run_dir": str(a)},
         "dp2_resumed": {"resume": str(a / "checkpoints/step_3"), "overrides": [], "run_dir": str(tmp_path / "r1")},
     }
-    launch(tmp_path, nproc=2, base=[*TINY, *small_data_overrides(data_cache)], phases=phases)
+    launch(tmp_path, nproc=2, base=[*TINY, *small_data], phases=phases)
     full, resumed = losses(a), losses(tmp_path / "r1")
     assert [resumed[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]  # bit-identical
     plan, path = plan_for_resume([f"ckpt={a}/checkpoints/step_3", f"run.dir={tmp_path / 'one'}", "parallel=single"])

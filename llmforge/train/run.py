@@ -105,6 +105,16 @@ def trim_metrics(path: Path, *, after_step: int) -> None:
         tmp.replace(path)
 
 
+def set_aside_newer(root: Path, *, after_step: int) -> List[Path]:
+    """Rename checkpoints past the resumed step (another history) so ``latest`` never picks them."""
+    moved = []
+    for path in store.step_dirs(root):
+        if int(path.name.split("_")[1]) > after_step:
+            path.rename(path.with_name(path.name.replace("step_", "superseded-step_")))
+            moved.append(path)
+    return moved
+
+
 def _step_of(line: str) -> int:
     try:
         return int(json.loads(line).get("step", 0))
@@ -124,6 +134,8 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         plan.save(run_dir / "plan.json")
         if resume_from is not None:
             trim_metrics(run_dir / "metrics.jsonl", after_step=start_step)
+            for old in set_aside_newer(run_dir / "checkpoints", after_step=start_step):
+                console.print(f"[yellow]{old.name} is newer than the checkpoint resumed from; kept as {old.name.replace('step_', 'superseded-step_')}[/]")
     stop = StopSignal()
     hooks, closers, saver = _hooks(plan, c, rank=rank, start_step=start_step, console=console, stop=stop)
     try:
