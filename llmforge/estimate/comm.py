@@ -9,9 +9,8 @@ peak times its ``comm_efficiency``.
 
 What overlaps (and what the estimate therefore charges to the step):
 
-- data parallel: gradient reduction overlaps the last microbatch's backward
-  (bucketed, as DDP and FSDP do); ZeRO-1/2's parameter all-gather after the
-  optimizer step is exposed; ZeRO-3 gathers are prefetched behind compute;
+- data parallel: see ``dp_traffic`` (ZeRO 0's flat all-reduce is exposed, FSDP's
+  gathers and reduce-scatters hide behind a microbatch's forward or backward);
 - tensor parallel and expert all-to-all sit on the critical path: fully exposed;
 - pipeline point-to-point overlaps in steady state; the fill and drain transfers
   (2(p-1) per chunk) are exposed;
@@ -23,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmforge.estimate.shape import DTYPE_BYTES, Job, Layout, Shape
+
+FP32 = 4
 
 
 @dataclass(frozen=True)
@@ -55,27 +56,37 @@ def _bandwidth(job: Job, span: int) -> float:
     return bw * prof.comm_efficiency
 
 
-def dp_bytes(layout: Layout, job: Job, *, dense: int, expert: int, microbatches: int) -> tuple[float, float]:
-    """(gradient-reduction bytes, parameter-gather bytes) per device per step."""
+def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatches: int,
+               t_fwd: float, t_bwd: float, span: int) -> tuple[float, float, float]:
+    """(bytes, seconds, exposed seconds) of data-parallel traffic per device per step.
+
+    As llmforge.parallel.data runs it: ZeRO 0 all-reduces one flat gradient buffer
+    after the last backward (nothing to hide behind); ZeRO 1-3 are FSDP2, which
+    all-gathers fp32 parameters block by block, prefetched behind the previous
+    block's compute, and reduce-scatters gradients behind the backward: once per
+    step for ZeRO 1 (and any stage under a pipeline), after every microbatch for
+    ZeRO 2 and 3. ZeRO 3 gathers again for every forward and backward.
+    """
     d = layout.dp * layout.cp
     if d == 1:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     de = max(1, d // layout.ep)
-    rb, c = DTYPE_BYTES[job.reduce_dtype], job.compute_bytes
-    ring = (d - 1) / d
-    ring_e = (de - 1) / de
-    numel = dense * ring + expert * ring_e
-    if layout.zero <= 1:
-        grads = 2 * numel * rb
-    else:
-        grads = numel * rb
-    if layout.zero == 3:
-        gathers = 2 * microbatches * numel * c
-    elif layout.zero in (1, 2):
-        gathers = numel * 4  # updated fp32 parameters
-    else:
-        gathers = 0.0
-    return grads, gathers
+    rb, m = DTYPE_BYTES[job.reduce_dtype], microbatches
+    numel = dense * (d - 1) / d + expert * (de - 1) / de
+    if layout.zero == 0:
+        nbytes = 2 * numel * rb
+        t = seconds(job, nbytes, span)
+        return nbytes, t, t
+    rs_one, ag_one = numel * rb, numel * FP32
+    t_rs, t_ag = seconds(job, rs_one, span), seconds(job, ag_one, span)
+    reduce_each = layout.zero >= 2 and layout.pp == 1
+    scatters = m if reduce_each else 1
+    gathers = 2 * m if layout.zero == 3 else 1
+    exposed = scatters * max(0.0, t_rs - t_bwd)
+    exposed += (m if layout.zero == 3 else 1) * max(0.0, t_ag - t_fwd)
+    exposed += (m * max(0.0, t_ag - t_bwd)) if layout.zero == 3 else 0.0
+    nbytes = scatters * rs_one + gathers * ag_one
+    return nbytes, scatters * t_rs + gathers * t_ag, exposed
 
 
 def tp_bytes(shape: Shape, layout: Layout, job: Job, *, layers: int, microbatches: int) -> float:

@@ -24,7 +24,7 @@ from typing import Dict, List
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate.memory import StageMemory, all_stages, most_loaded
-from llmforge.estimate.params import active_params, layout_rank_params, stage_counts, total_params
+from llmforge.estimate.params import active_params, layout_rank_params, representative_stages, stage_counts, total_params
 from llmforge.estimate.pipeline import bubble_fraction
 from llmforge.estimate.shape import Job, Layout, Shape, from_plan
 
@@ -94,23 +94,19 @@ def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t
     counts = stage_counts(shape, layout)[stage]
     nblocks = counts.blocks
     params = layout_rank_params(shape, layout, stage)
-    grads, gathers = cm.dp_bytes(layout, job, dense=params.dense_numel, expert=params.expert_numel, microbatches=m)
+    t_fwd = t_mb / 3  # forward share of a microbatch's compute (backward is twice the forward)
+    dp_b, dp_s, dp_exposed = cm.dp_traffic(layout, job, dense=params.dense_numel, expert=params.expert_numel,
+                                           microbatches=m, t_fwd=t_fwd, t_bwd=t_mb - t_fwd, span=span["dp"])
     pp_total, pp_one = cm.pp_bytes(shape, layout, job, microbatches=m)
     tp_b = cm.tp_bytes(shape, layout, job, layers=nblocks, microbatches=m)
     cp_b = cm.cp_bytes(shape, layout, job, layers=nblocks, microbatches=m)
     moe = counts.moe + counts.moe_ckpt
     ep_b = cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=m)
-    t_grads, t_gathers = cm.seconds(job, grads, span["dp"]), cm.seconds(job, gathers, span["dp"])
-    backward_last = t_mb * 2 / 3
-    if layout.zero == 3:
-        dp_exposed = max(0.0, t_grads - backward_last) + max(0.0, t_gathers - m * t_mb)
-    else:
-        dp_exposed = max(0.0, t_grads - backward_last) + t_gathers
     t_cp = cm.seconds(job, cp_b, span["cp"])
     attention_share = _attention_share(shape)
     return cm.Comm(
-        dp_bytes=grads + gathers, tp_bytes=tp_b, pp_bytes=pp_total, cp_bytes=cp_b, ep_bytes=ep_b,
-        dp_s=t_grads + t_gathers, tp_s=cm.seconds(job, tp_b, span["tp"]), pp_s=cm.seconds(job, pp_total, span["pp"]),
+        dp_bytes=dp_b, tp_bytes=tp_b, pp_bytes=pp_total, cp_bytes=cp_b, ep_bytes=ep_b,
+        dp_s=dp_s, tp_s=cm.seconds(job, tp_b, span["tp"]), pp_s=cm.seconds(job, pp_total, span["pp"]),
         cp_s=t_cp, ep_s=cm.seconds(job, ep_b, span["ep"]), dp_exposed_s=dp_exposed,
         pp_exposed_s=2 * (layout.pp - 1) * layout.virtual_stages * cm.seconds(job, pp_one, span["pp"]),
         cp_exposed_s=max(0.0, t_cp - m * t_mb * attention_share),
@@ -123,12 +119,27 @@ def _attention_share(shape: Shape) -> float:
     return f.attention / f.forward
 
 
-def estimate(shape: Shape, layout: Layout, job: Job) -> Estimate:
-    """The full estimate of ``layout`` (assumed valid) for ``shape`` on ``job``."""
+def stage_peaks(shape: Shape, layout: Layout, job: Job) -> List[StageMemory]:
+    """The memory half of ``estimate`` (one rank per distinct stage), for the search."""
     m = job.global_batch // (layout.micro_batch * layout.dp)
-    stages = all_stages(shape, layout, job, m)
-    times = [_stage_time(shape, layout, job, s) for s in range(layout.pp)]
-    slowest = max(range(layout.pp), key=lambda s: sum(times[s]))
+    return all_stages(shape, layout, job, m, every_stage=False)
+
+
+def peak_memory(shape: Shape, layout: Layout, job: Job) -> float:
+    """Bytes on the most-loaded device."""
+    return most_loaded(stage_peaks(shape, layout, job)).total
+
+
+def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True, stages: List[StageMemory] | None = None) -> Estimate:
+    """The full estimate of ``layout`` (assumed valid) for ``shape`` on ``job``.
+
+    ``every_stage=False`` (the search) lists only one pipeline rank per distinct
+    stage content; the most-loaded and the slowest rank are the same either way."""
+    m = job.global_batch // (layout.micro_batch * layout.dp)
+    if stages is None:
+        stages = all_stages(shape, layout, job, m, every_stage=every_stage)
+    times = {s: _stage_time(shape, layout, job, s) for s in representative_stages(shape, layout)}
+    slowest = max(times, key=lambda s: sum(times[s]))
     t_compute, t_collective = times[slowest]
     t_mb = t_compute + t_collective
     bubble = bubble_fraction(layout, m, w=fl.weight_grad_share(shape))

@@ -17,7 +17,7 @@ from functools import lru_cache
 from typing import List, Tuple
 
 from llmforge.estimate import activations as act
-from llmforge.estimate.params import RankParams, block_tensors, layout_rank_params, stage_counts
+from llmforge.estimate.params import RankParams, block_tensors, layout_rank_params, representative_stages, stage_counts
 from llmforge.estimate.pipeline import inflight_microbatches
 from llmforge.estimate.shape import DTYPE_BYTES, Job, Layout, Shape
 
@@ -142,8 +142,10 @@ def stage_memory(shape: Shape, layout: Layout, job: Job, stage: int, microbatche
     return StageMemory(stage, params, weights, grads, optimizer, activations, transient, reserved)
 
 
-def all_stages(shape: Shape, layout: Layout, job: Job, microbatches: int) -> List[StageMemory]:
-    return [stage_memory(shape, layout, job, s, microbatches) for s in range(layout.pp)]
+def all_stages(shape: Shape, layout: Layout, job: Job, microbatches: int, *, every_stage: bool = True) -> List[StageMemory]:
+    """Memory of every pipeline rank (or only of one rank per distinct stage content)."""
+    stages = range(layout.pp) if every_stage else representative_stages(shape, layout)
+    return [stage_memory(shape, layout, job, s, microbatches) for s in stages]
 
 
 def most_loaded(stages: List[StageMemory]) -> StageMemory:

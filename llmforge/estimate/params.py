@@ -253,5 +253,25 @@ def _stage_counts(shape: Shape, pp: int, v: int, pp_layers, v_shape: bool, every
 
 def stage_counts(shape: Shape, layout: Layout) -> Tuple[StageCounts, ...]:
     """Per pipeline rank: blocks by kind (checkpointed = recomputed in full under ``recompute_every``)."""
+    memo = layout.__dict__.get("_counts")  # asked ~10 times per estimate: kept on the layout
+    if memo is not None and memo[0] is shape:
+        return memo[1]
     every = layout.recompute_every if layout.recompute == "full" else 1
-    return _stage_counts(shape, layout.pp, layout.virtual_stages, layout.pp_layers, layout.schedule == "zbv", every)
+    counts = _stage_counts(shape, layout.pp, layout.virtual_stages, layout.pp_layers, layout.schedule == "zbv", every)
+    object.__setattr__(layout, "_counts", (shape, counts))
+    return counts
+
+
+@lru_cache(maxsize=8192)
+def _representatives(counts: Tuple[StageCounts, ...]) -> Tuple[int, ...]:
+    first: dict = {}
+    for stage, c in enumerate(counts):
+        first.setdefault(c, stage)
+    return tuple(sorted(first.values()))
+
+
+def representative_stages(shape: Shape, layout: Layout) -> Tuple[int, ...]:
+    """One pipeline rank per distinct stage content, the earliest: every schedule holds
+    at least as many microbatches on an earlier rank, so the others cannot be the
+    most loaded or the slowest."""
+    return _representatives(stage_counts(shape, layout))

@@ -112,3 +112,52 @@ def render_measured(measured, *, console) -> None:
     console.print(table)
     for note in measured.notes:
         console.print(f"note: {note}")
+
+
+def render_search(result, *, plan, why_text: str, console) -> None:
+    """The ranked layouts, with paste-ready overrides, or what would make the request fit."""
+    prof = plan.config.cluster.accelerator
+    head = (f"Searched {result.evaluated:,} layouts of {plan.config.recipe} on {result.world} x {prof} in "
+            f"{result.seconds:.2f} s ({result.rate:,.0f} layouts/s); {result.fitting:,} fit.")
+    console.print(head)
+    if not result.ranked:
+        console.print(Text("Nothing fits.", style="bold red"))
+        for line in result.suggestions:
+            console.print(f"- {line}")
+        return
+    table = Table(title="Fastest layouts that fit", title_justify="left", show_lines=True)
+    for col, justify in (("#", "right"), ("tokens/s", "right"), ("MFU", "right"), ("step", "right"), ("memory", "right"), ("bubble", "right"), ("layout", "left")):
+        table.add_column(col, justify=justify)
+    for i, est in enumerate(result.ranked, 1):
+        cap = est.job.profile.memory_bytes
+        table.add_row(
+            str(i), f"{est.tokens_per_s:,.0f}", f"{est.mfu:.1%}", f"{est.step_s:.3g} s",
+            f"{gib(est.worst.total)} ({est.worst.total / cap:.0%})", f"{est.bubble:.1%}", _short(est.layout),
+        )
+    console.print(table)
+    if why_text:
+        console.print(why_text)
+    console.print("Overrides, ready to paste:")
+    for i, est in enumerate(result.ranked, 1):
+        console.print(f"  #{i}: {_paste(est.layout)}", soft_wrap=True)
+
+
+def _short(layout) -> str:
+    """dp8 tp2 pp4 zero1 sp | 1f1b v1 | mb1 | recompute none"""
+    parts = [f"{n}{v}" for n, v in (("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp), ("ep", layout.ep)) if v > 1 or n == "dp"]
+    parts.append(f"zero{layout.zero}" + (" sp" if layout.sequence_parallel else ""))
+    if layout.pp > 1:
+        parts.append(f"{layout.schedule}" + (f" v{layout.virtual_stages}" if layout.virtual_stages > 1 else ""))
+    parts += [f"mb{layout.micro_batch}", f"rc:{layout.recompute}"]
+    return " ".join(parts)
+
+
+def _paste(layout) -> str:
+    """Overrides without the defaults a user need not type."""
+    keep = []
+    for part in layout.overrides().split():
+        key, value = part.split("=", 1)
+        if (key, value) in (("parallel.cp", "1"), ("parallel.ep", "1"), ("parallel.pp_virtual_stages", "1")):
+            continue
+        keep.append(part)
+    return " ".join(keep)

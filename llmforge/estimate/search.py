@@ -1,0 +1,306 @@
+"""``llmforge estimate --search``: every valid layout of a model on a cluster, ranked by speed.
+
+The search enumerates dp x tp x pp x ep, ZeRO stage, micro batch, recompute mode,
+pipeline schedule with its virtual stages, and sequence parallel, under the
+plan's validation rules (tp divides heads, kv heads, ffn and vocab; layers split
+evenly over pp x v; the global batch splits into whole microbatches, at least
+pp of them for the schedules that must fill the pipe; ep divides the experts
+and the data-parallel group). tp (and tp x ep) stay inside a node.
+
+It prunes what cannot win, and says so:
+
+- options dominated under the estimate's own model: sequence parallel is always
+  on when tp > 1 (less memory, same time), ``gpipe`` and ``looped_bfs`` are left
+  out (same bubble as ``1f1b`` / ``interleaved_1f1b``, more activations held);
+- for one structure, micro batches are tried smallest first and recompute modes
+  none -> selective -> full: the first mode that fits is kept (more recompute
+  only adds FLOPs), and once even full recompute does not fit, larger micro
+  batches are skipped;
+- layouts the backend cannot run are not proposed: cp > 1 (not implemented) and
+  ep > 1 with ZeRO 1-3 (FSDP over expert-parallel weights fails to build).
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Tuple
+
+from llmforge.estimate.core import Estimate, estimate, peak_memory, stage_peaks
+from llmforge.estimate.shape import Job, Layout, Shape
+
+MAX_VIRTUAL = 8
+
+
+def divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class SearchResult:
+    """The ranked layouts that fit, and what the search did."""
+
+    ranked: List[Estimate]
+    evaluated: int
+    fitting: int
+    seconds: float
+    world: int
+    smallest: Optional[Estimate] = None
+    suggestions: List[str] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.evaluated / self.seconds if self.seconds > 0 else float("inf")
+
+
+def tp_options(shape: Shape, node_size: int) -> List[int]:
+    return [t for t in divisors(node_size) if not (shape.heads % t or shape.kv_heads % t or shape.ffn % t or shape.vocab % t or shape.seq % t)]
+
+
+def ep_options(shape: Shape, *, dp: int, tp: int, node_size: int) -> List[int]:
+    if shape.num_experts == 0:
+        return [1]
+    return [e for e in divisors(shape.num_experts) if dp % e == 0 and tp * e <= node_size]
+
+
+def schedule_options(shape: Shape, pp: int) -> List[Tuple[str, int]]:
+    """(schedule, virtual stages) worth trying for pp stages."""
+    if pp == 1:
+        return [("1f1b", 1)]
+    out = [("1f1b", 1)]
+    per_rank = shape.num_layers // pp
+    for v in divisors(per_rank):
+        if 2 <= v <= MAX_VIRTUAL:
+            out += [("interleaved_1f1b", v), ("zb_interleaved", v)]
+    if per_rank % 2 == 0:
+        out.append(("zbv", 2))
+    return out
+
+
+def _micro_batches(job: Job, dp: int, pp: int, schedule: str) -> Iterator[int]:
+    if job.global_batch % dp:
+        return
+    per_rank = job.global_batch // dp
+    for mb in divisors(per_rank):
+        m = per_rank // mb
+        if pp > 1 and m < pp:
+            continue
+        if pp > 1 and schedule not in ("1f1b", "gpipe") and m % pp:
+            continue
+        yield mb
+
+
+def structures(shape: Shape, job: Job, world: int) -> Iterator[Layout]:
+    """Every (dp, tp, pp, ep, zero, schedule, v, sp) the rules allow, micro batch unset."""
+    node = min(job.node_size, world)
+    for tp in tp_options(shape, node):
+        for pp in divisors(shape.num_layers):
+            if world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            for ep in ep_options(shape, dp=dp, tp=tp, node_size=node):
+                for schedule, v in schedule_options(shape, pp):
+                    for zero in ((0, 1, 2, 3) if dp > 1 and ep == 1 else (0,)):
+                        yield Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, sequence_parallel=tp > 1, schedule=schedule, virtual_stages=v)
+
+
+_FIELDS = tuple(Layout.__dataclass_fields__)
+
+
+def _evaluate(shape: Shape, job: Job, structure: Layout, keep: list, top: int, counters: dict) -> None:
+    """Micro batches smallest first; per micro batch the least recompute that fits."""
+    base = {f: getattr(structure, f) for f in _FIELDS}
+    capacity = job.profile.memory_bytes
+    for mb in _micro_batches(job, structure.dp, structure.pp, structure.schedule):
+        fitted = False
+        for recompute in ("none", "selective", "full"):
+            layout = Layout(**{**base, "micro_batch": mb, "recompute": recompute})
+            stages = stage_peaks(shape, layout, job)
+            peak = max(st.total for st in stages)
+            counters["evaluated"] += 1
+            if peak < counters["smallest"][0]:
+                counters["smallest"] = (peak, layout)
+            if peak <= capacity:
+                counters["fitting"] += 1
+                _push(keep, estimate(shape, layout, job, stages=stages), top)
+                fitted = True
+                break
+        if not fitted:
+            return
+
+
+def _rank_key(est: Estimate) -> tuple:
+    return (round(est.tokens_per_s, 6), -est.worst.total)
+
+
+def _push(keep: list, est: Estimate, top: int) -> None:
+    item = (_rank_key(est), id(est), est)
+    if len(keep) < top:
+        heapq.heappush(keep, item)
+    elif item[0] > keep[0][0]:
+        heapq.heapreplace(keep, item)
+
+
+def search(shape: Shape, job: Job, *, world: int, top: int = 5) -> SearchResult:
+    """Rank every valid layout of ``world`` devices that fits, fastest first (ties: less memory)."""
+    start = time.perf_counter()
+    keep: list = []
+    counters = {"evaluated": 0, "fitting": 0, "smallest": (float("inf"), None)}
+    for structure in structures(shape, job, world):
+        _evaluate(shape, job, structure, keep, max(top, 2), counters)
+    ranked = [e for _, _, e in sorted(keep, key=lambda x: x[0], reverse=True)]
+    lean = counters["smallest"][1]
+    result = SearchResult(ranked=ranked, evaluated=counters["evaluated"], fitting=counters["fitting"],
+                          seconds=time.perf_counter() - start, world=world,
+                          smallest=estimate(shape, lean, job) if lean is not None else None)
+    if not ranked:
+        result.suggestions = suggestions(shape, job, world=world, smallest=result.smallest)
+    return result
+
+
+def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -> Optional[Tuple[int, int, Layout]]:
+    """The fewest devices (powers of two above ``world``, full nodes of the profile) on which
+    a ZeRO-3 + full-recompute layout fits: (devices, global batch it needs, layout)."""
+    node = job.profile.devices_per_node
+    n = world * 2
+    while n <= limit:
+        batch = max(job.global_batch, n)  # each data-parallel rank needs a sequence
+        scaled = Job(**{**job.__dict__, "nodes": max(1, n // node), "devices_per_node": min(n, node), "global_batch": batch})
+        for structure in structures(shape, scaled, n):
+            if structure.zero != (3 if structure.dp > 1 else 0) or structure.schedule != "1f1b":
+                continue
+            for mb in list(_micro_batches(scaled, structure.dp, structure.pp, structure.schedule))[:1]:
+                layout = Layout(**{**{f: getattr(structure, f) for f in _FIELDS}, "micro_batch": mb, "recompute": "full"})
+                if peak_memory(shape, layout, scaled) <= scaled.profile.memory_bytes:
+                    return n, batch, layout
+        n *= 2
+    return None
+
+
+PART_WORDS = {
+    "compute": "compute", "tp_ep_comm": "tensor-parallel/expert communication", "bubble": "pipeline bubble",
+    "dp_comm": "exposed data-parallel communication", "pp_comm": "exposed pipeline transfers",
+    "cp_comm": "exposed context-parallel communication", "optimizer": "optimizer step",
+}
+
+
+def why(best: Estimate, runner: Estimate) -> str:
+    """Which terms of the step time make the winner faster than the runner-up."""
+    gain = runner.step_s / best.step_s - 1
+    diffs = sorted(((runner.parts[k] - best.parts[k], k) for k in best.parts), reverse=True)
+    if gain < 1e-9:
+        saved = (runner.worst.total - best.worst.total) / 2**30
+        return f"#1 and #2 have the same estimated step time; #1 needs {saved:.2f} GiB less memory per device."
+    text = f"#1 is {gain:.1%} faster than #2: "
+    wins = [f"{PART_WORDS[k]} {d:.3g} s shorter" for d, k in diffs if d > 1e-12][:2]
+    losses = [f"{PART_WORDS[k]} {-d:.3g} s longer" for d, k in reversed(diffs) if d < -1e-12][:1]
+    text += ", ".join(wins) + " per step"
+    if losses:
+        text += f" (against {losses[0]})"
+    return text + "."
+
+
+def suggestions(shape: Shape, job: Job, *, world: int, smallest: Optional[Estimate]) -> List[str]:
+    """What would make a request that fits nowhere possible."""
+    from llmforge.estimate.hardware import known_profiles
+    from llmforge.estimate.report import gib
+
+    out: List[str] = []
+    if smallest is not None:
+        w = smallest.worst
+        states = w.weights + w.grads + w.optimizer
+        out.append(
+            f"The leanest layout on {world} x {job.profile.name} ({smallest.layout.overrides()}) needs {gib(w.total)} per device, "
+            f"{gib(-smallest.headroom)} more than it has; model states alone are {gib(states)} and activations {gib(w.activations)}."
+        )
+    found = minimum_devices(shape, job, world=world)
+    if found is not None:
+        n, batch, layout = found
+        node = min(n, job.profile.devices_per_node)
+        batch_note = f" train.global_batch_size={batch}" if batch != job.global_batch else ""
+        out.append(
+            f"More devices: {n} x {job.profile.name} (cluster.nodes={n // node} cluster.devices_per_node={node}) fit it with "
+            f"ZeRO-3 and full recompute: {layout.overrides()}{batch_note}. ZeRO-3 shards the 16 bytes per parameter of "
+            f"weights, gradients and AdamW moments over the data-parallel ranks; full recompute keeps only each block's input."
+        )
+    else:
+        out.append("More devices alone do not make it fit within 16384 devices: lower model.seq_len or the micro batch.")
+    if smallest is not None:
+        bigger = [p.name for p in known_profiles().values() if p.memory_bytes >= smallest.worst.total - job.profile.runtime_reserved_bytes + p.runtime_reserved_bytes]
+        if bigger:
+            out.append(f"A larger device: the leanest layout would fit on {', '.join(sorted(bigger))}.")
+    return out
+
+
+def search_plan(plan, *, top: int) -> SearchResult:
+    """Search the cluster of a RunPlan (cluster.nodes x cluster.devices_per_node, cluster.accelerator)."""
+    from llmforge.estimate.shape import from_plan
+
+    shape, _, job = from_plan(plan)
+    c = plan.config.cluster
+    world = c.nodes * c.devices_per_node if c.devices_per_node else plan.world_size
+    result = search(shape, job, world=world, top=top)
+    result.ranked = [e for e in result.ranked if _valid(plan, e.layout)][:top]
+    return result
+
+
+def plan_config(plan, layout: Layout):
+    """The plan's RunConfig with ``layout`` applied (parallel.* and the micro batch)."""
+    import dataclasses
+
+    c = plan.config
+    parallel = dataclasses.replace(
+        c.parallel, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, zero=layout.zero,
+        sequence_parallel=layout.sequence_parallel, pp_schedule=layout.schedule, pp_virtual_stages=layout.virtual_stages,
+        recompute=layout.recompute, recompute_every=layout.recompute_every, pp_layers=None,
+    )
+    train = dataclasses.replace(c.train, micro_batch_size=layout.micro_batch)
+    cluster = c.cluster if c.cluster.devices_per_node else dataclasses.replace(c.cluster, devices_per_node=layout.world // c.cluster.nodes)
+    return dataclasses.replace(c, parallel=parallel, train=train, cluster=cluster)
+
+
+def _valid(plan, layout: Layout) -> bool:
+    from llmforge.errors import UserError
+    from llmforge.plan import RunPlan
+
+    try:
+        RunPlan.build(plan_config(plan, layout))
+    except UserError:
+        return False
+    return True
+
+
+def search_dict(result: SearchResult, *, plan) -> dict:
+    """The ``--search --json`` object."""
+    from llmforge.estimate.report import as_dict
+
+    top = [{"rank": i + 1, "overrides": e.layout.overrides(), **as_dict(e, recipe=plan.config.recipe)} for i, e in enumerate(result.ranked)]
+    return {
+        "schema": "llmforge.search/1",
+        "recipe": plan.config.recipe,
+        "world_size": result.world,
+        "accelerator": plan.config.cluster.accelerator,
+        "evaluated": result.evaluated,
+        "fitting": result.fitting,
+        "seconds": result.seconds,
+        "layouts_per_s": result.rate,
+        "nothing_fits": not result.ranked,
+        "top": top,
+        "why": why(result.ranked[0], result.ranked[1]) if len(result.ranked) > 1 else "",
+        "suggestions": result.suggestions,
+    }
+
+
+def run_search(plan, *, as_json: bool, top: int, console) -> None:
+    """``llmforge estimate --search``: print the ranked layouts (or why nothing fits)."""
+    import json
+    import sys
+
+    from llmforge.estimate.render import render_search
+
+    result = search_plan(plan, top=top)
+    if as_json:
+        sys.stdout.write(json.dumps(search_dict(result, plan=plan), indent=2) + "\n")
+        return
+    render_search(result, plan=plan, why_text=why(result.ranked[0], result.ranked[1]) if len(result.ranked) > 1 else "", console=console)
