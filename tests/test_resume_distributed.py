@@ -121,8 +121,21 @@ def single(tmp_path_factory, small_data):
     return run_dir, [row for key in sorted(ids) for row in ids[key]]
 
 
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory, small_data):
+    """A dp2 run saving at step 3, and a dp2 resume from it (2 ranks)."""
+    tmp_path = tmp_path_factory.mktemp("dp2")
+    a = tmp_path / "dp2"
+    phases = {
+        "dp2": {"overrides": ["parallel=dp2"], "run_dir": str(a)},
+        "dp2_resumed": {"resume": str(a / "checkpoints/step_3"), "overrides": [], "run_dir": str(tmp_path / "r1")},
+    }
+    launch(tmp_path, nproc=2, base=[*TINY, *small_data], phases=phases)
+    return a, tmp_path / "r1"
+
+
 @pytest.mark.slow
-def test_four_ranks_bit_identical_and_reshard(tmp_path, small_data, single):
+def test_four_ranks_bit_identical_and_reshard(tmp_path, small_data, single, dp2):
 
     ref_dir, ref_ids = single
     base = [*TINY, *small_data]
@@ -133,34 +146,30 @@ def test_four_ranks_bit_identical_and_reshard(tmp_path, small_data, single):
         "dp4_from_tp2pp2": {"resume": str(a / "checkpoints/step_3"), "overrides": ["parallel=dp4"], "run_dir": str(tmp_path / "r2")},
         "zero3": {"overrides": ["parallel=fsdp", "cluster.devices_per_node=4", "checkpoint.async=true"], "run_dir": str(z)},
         "zero1_from_zero3": {"resume": str(z / "checkpoints/step_3"), "overrides": ["parallel=zero1"], "run_dir": str(tmp_path / "r3")},
+        "dp4_from_dp2": {"resume": str(dp2[0] / "checkpoints/step_3"), "overrides": ["parallel=dp4"], "run_dir": str(tmp_path / "r4")},
     }
     ids = launch(tmp_path, nproc=4, base=base, phases=phases)
     ref = losses(ref_dir)
     full, resumed = losses(a), losses(tmp_path / "r1")
     assert [resumed[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]  # bit-identical
-    for name, run_dir in (("dp4_from_tp2pp2", "r2"), ("zero1_from_zero3", "r3")):
+    for name, run_dir in (("dp4_from_tp2pp2", "r2"), ("zero1_from_zero3", "r3"), ("dp4_from_dp2", "r4")):
         got = losses(tmp_path / run_dir)
         assert sorted(got) == [4, 5, 6]
         assert all(abs(got[s] - ref[s]) < 1e-4 for s in got), (name, got, ref)
     assert ids["tp2pp2"] == ref_ids and ids["zero3"] == ref_ids
-    for name in ("tp2pp2_resumed", "dp4_from_tp2pp2", "zero1_from_zero3"):
+    for name in ("tp2pp2_resumed", "dp4_from_tp2pp2", "zero1_from_zero3", "dp4_from_dp2"):
         assert ids[name] == ref_ids[3 * 8:], name  # no sample skipped or repeated
 
 
 @pytest.mark.slow
-def test_two_ranks_bit_identical_and_resume_in_one_process(tmp_path, small_data, single):
+def test_two_ranks_bit_identical_and_resume_in_one_process(tmp_path, single, dp2):
     from llmforge.checkpoint.resume import plan_for_resume
     from llmforge.train.components import RankInfo
     from llmforge.train.run import run
 
     ref_dir, _ = single
-    a = tmp_path / "dp2"
-    phases = {
-        "dp2": {"overrides": ["parallel=dp2"], "run_dir": str(a)},
-        "dp2_resumed": {"resume": str(a / "checkpoints/step_3"), "overrides": [], "run_dir": str(tmp_path / "r1")},
-    }
-    launch(tmp_path, nproc=2, base=[*TINY, *small_data], phases=phases)
-    full, resumed = losses(a), losses(tmp_path / "r1")
+    a, resumed_dir = dp2
+    full, resumed = losses(a), losses(resumed_dir)
     assert [resumed[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]  # bit-identical
     plan, path = plan_for_resume([f"ckpt={a}/checkpoints/step_3", f"run.dir={tmp_path / 'one'}", "parallel=single"])
     run(plan, rank=RankInfo(), resume_from=path)
