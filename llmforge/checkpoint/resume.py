@@ -121,6 +121,7 @@ def plan_for_resume(overrides: List[str]) -> Tuple[RunPlan, Path]:
 
 
 def saved_plan(path: Path) -> Dict[str, Any]:
+    """The plan.json stored in a checkpoint, as a dict."""
     try:
         data = json.loads((path / "plan.json").read_text())
         if not isinstance(data.get("config"), dict):

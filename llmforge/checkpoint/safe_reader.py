@@ -36,6 +36,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
     """An unpickler that resolves only an allow-list of harmless globals."""
 
     def find_class(self, module: str, name: str) -> Any:
+        """Resolve an allowed global; refuse everything else."""
         if module == _METADATA_MODULE and not name.startswith("__"):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
@@ -67,6 +68,7 @@ class SafeReader(FileSystemReader):
     """``FileSystemReader`` whose metadata comes from the restricted unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """DCP's index via the restricted unpickler."""
         if kwargs.get("rank") is not None:
             raise fail(f"{self.path}: per-rank metadata files are not supported", title="damaged checkpoint")
         metadata = load_metadata(Path(self.path))

@@ -37,6 +37,7 @@ class RunSummary:
 
 
 def prepare_data(plan: RunPlan, *, console: Console):
+    """Tokenized data for the plan (prepared once, then reused from the cache)."""
     from llmforge.data.prepare import prepare
 
     cfg = plan.config
@@ -44,6 +45,7 @@ def prepare_data(plan: RunPlan, *, console: Console):
 
 
 def make_sampler(plan: RunPlan, prepared) -> object:
+    """The resumable sampler of the global batch order."""
     from llmforge.data.sampler import BatchSampler
 
     cfg = plan.config
@@ -51,6 +53,7 @@ def make_sampler(plan: RunPlan, prepared) -> object:
 
 
 def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
+    """Data and this rank's components (any layout)."""
     prepared = prepare_data(plan, console=console)
     if prepared.vocab_size > plan.config.model.vocab_size:
         from llmforge.errors import fail
@@ -63,6 +66,7 @@ def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
 
 
 def train_state(c: Components) -> dict:
+    """The JSON part of a checkpoint: scheduler, sampler position, loss scaler."""
     return {"scheduler": c.scheduler.state_dict(), "sampler": c.sampler.state_dict(), "scaler": c.scaler.state_dict()}
 
 
@@ -123,6 +127,7 @@ def _step_of(line: str) -> int:
 
 
 def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, console: Optional[Console] = None) -> RunSummary:
+    """Train this rank from scratch or from ``resume_from`` to ``train.steps`` (or a stop signal)."""
     console = console or Console(stderr=True)
     cfg = plan.config
     started = time.perf_counter()
@@ -187,6 +192,7 @@ class StopSignal:
         return flag
 
     def installed(self):
+        """A context that routes SIGTERM/SIGINT here (main thread only) and restores the old handlers."""
         import contextlib
 
         @contextlib.contextmanager
@@ -216,6 +222,7 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
     hooks = LoopHooks(should_stop=stop.requested)
 
     def checkpoint(step: int) -> None:
+        """Save at intervals, at the end (checkpoint.save_final) and when stopped by a signal."""
         interval_hit = cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0
         if step == cfg.train.steps and not cfg.checkpoint.save_final and not interval_hit and stop.name is None:
             return
@@ -229,6 +236,7 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
     progress = TrainingProgress(total_steps=cfg.train.steps, start_step=start_step, enabled=cfg.logging.console, console=console)
 
     def log(record: dict) -> None:
+        """One metrics.jsonl line and the W&B record of a step."""
         metrics.write(record)
         wandb_run.log(record, step=record["step"])
 
