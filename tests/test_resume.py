@@ -140,3 +140,24 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, small_data):
     assert 2 <= last < 500
     assert f"llmforge resume ckpt={run_dir}" in output.replace("\n", "")
     assert json.loads((run_dir / "checkpoints" / f"step_{last}" / "train_state.json").read_text())["step"] == last
+
+
+def test_cli_reports_a_damaged_checkpoint_with_exit_code_2(reference, tmp_path):
+    import shutil
+
+    from typer.testing import CliRunner
+
+    from llmforge.cli import app
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference[0] / "checkpoints" / "step_6", run_dir / "checkpoints" / "step_6")
+    shard = next((run_dir / "checkpoints" / "step_6").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-1])
+    runner = CliRunner()
+    for args in (["resume", f"ckpt={run_dir}/checkpoints/step_6", "train.steps=9"], ["export", f"ckpt={run_dir}/checkpoints/step_6", "--out", str(tmp_path / "hf")]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, result.output
+        assert f"{shard.name}: truncated" in result.output.replace("\n", "") and "Traceback" not in result.output
+    assert not (tmp_path / "hf").exists()
+    result = runner.invoke(app, ["resume", f"ckpt={run_dir}", "train.steps=9"])  # latest: nothing intact left
+    assert result.exit_code == 2 and "no complete checkpoint" in result.output.replace("\n", "")
