@@ -130,6 +130,15 @@ def peak_memory(shape: Shape, layout: Layout, job: Job) -> float:
     return most_loaded(stage_peaks(shape, layout, job)).total
 
 
+def step_floor(shape: Shape, layout: Layout, job: Job) -> float:
+    """A lower bound of ``estimate(...).step_s``: the slowest stage's microbatches and the bubble,
+    without data-parallel, pipeline and optimizer time (which only add). The search uses it to
+    skip the rest of layouts that cannot reach its current top list."""
+    m = job.global_batch // (layout.micro_batch * layout.dp)
+    t_mb = max(sum(_stage_time(shape, layout, job, s)) for s in representative_stages(shape, layout))
+    return m * t_mb / (1 - bubble_fraction(layout, m, w=fl.weight_grad_share(shape)))
+
+
 def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True, stages: List[StageMemory] | None = None) -> Estimate:
     """The full estimate of ``layout`` (assumed valid) for ``shape`` on ``job``.
 

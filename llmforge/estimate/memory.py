@@ -82,6 +82,27 @@ def groups(layout: Layout) -> Tuple[int, int]:
 
 
 def model_states(shape: Shape, layout: Layout, stage: int) -> Tuple[int, float, float, float]:
+    """See ``_model_states``; memoised on the fields it depends on (the search varies the others)."""
+    key = (layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.zero, layout.virtual_stages,
+           layout.pp_layers, layout.schedule == "zbv", stage)
+    return _model_states(shape, key, layout)
+
+
+_STATES: dict = {}
+
+
+def _model_states(shape: Shape, key: tuple, layout: Layout) -> Tuple[int, float, float, float]:
+    hit = _STATES.get(key)
+    if hit is not None and hit[0] is shape:
+        return hit[1]
+    value = _compute_model_states(shape, layout, key[-1])
+    if len(_STATES) > 65536:
+        _STATES.clear()
+    _STATES[key] = (shape, value)
+    return value
+
+
+def _compute_model_states(shape: Shape, layout: Layout, stage: int) -> Tuple[int, float, float, float]:
     """(parameters on this rank, weight bytes, gradient bytes, optimizer bytes) at the step's peak.
 
     ZeRO 1-3 are FSDP2 ``fully_shard`` (llmforge.parallel.data): between steps the

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Tuple
 
-from llmforge.estimate.core import Estimate, estimate, peak_memory, stage_peaks
+from llmforge.estimate.core import Estimate, estimate, peak_memory, stage_peaks, step_floor
 from llmforge.estimate.shape import Job, Layout, Shape
 
 MAX_VIRTUAL = 8
@@ -112,6 +112,7 @@ def _evaluate(shape: Shape, job: Job, structure: Layout, keep: list, top: int, c
     """Micro batches smallest first; per micro batch the least recompute that fits."""
     base = {f: getattr(structure, f) for f in _FIELDS}
     capacity = job.profile.memory_bytes
+    tokens = job.global_batch * shape.seq
     for mb in _micro_batches(job, structure.dp, structure.pp, structure.schedule):
         fitted = False
         for recompute in ("none", "selective", "full"):
@@ -123,8 +124,10 @@ def _evaluate(shape: Shape, job: Job, structure: Layout, keep: list, top: int, c
                 counters["smallest"] = (peak, layout)
             if peak <= capacity:
                 counters["fitting"] += 1
-                _push(keep, estimate(shape, layout, job, stages=stages), top)
                 fitted = True
+                if len(keep) >= top and tokens / step_floor(shape, layout, job) < keep[0][0][0]:
+                    break  # cannot enter the top list even with no communication at all
+                _push(keep, estimate(shape, layout, job, stages=stages), top)
                 break
         if not fitted:
             return
@@ -188,17 +191,24 @@ PART_WORDS = {
 def why(best: Estimate, runner: Estimate) -> str:
     """Which terms of the step time make the winner faster than the runner-up."""
     gain = runner.step_s / best.step_s - 1
-    diffs = sorted(((runner.parts[k] - best.parts[k], k) for k in best.parts), reverse=True)
     if gain < 1e-9:
-        saved = (runner.worst.total - best.worst.total) / 2**30
-        return f"#1 and #2 have the same estimated step time; #1 needs {saved:.2f} GiB less memory per device."
-    text = f"#1 is {gain:.1%} faster than #2: "
+        saved = runner.worst.total - best.worst.total
+        if saved > 2**20:
+            return f"#1 and #2 have the same estimated step time; #1 needs {saved / 2**30:.2f} GiB less memory per device."
+        return f"#1 and #2 are equivalent by the estimate (same step time and memory); they differ in {_differences(best.layout, runner.layout)}."
+    diffs = sorted(((runner.parts[k] - best.parts[k], k) for k in best.parts), reverse=True)
     wins = [f"{PART_WORDS[k]} {d:.3g} s shorter" for d, k in diffs if d > 1e-12][:2]
     losses = [f"{PART_WORDS[k]} {-d:.3g} s longer" for d, k in reversed(diffs) if d < -1e-12][:1]
-    text += ", ".join(wins) + " per step"
+    text = f"#1 is {gain:.2%} faster than #2 ({_differences(best.layout, runner.layout)}): " + ", ".join(wins) + " per step"
     if losses:
         text += f" (against {losses[0]})"
     return text + "."
+
+
+def _differences(a: Layout, b: Layout) -> str:
+    pairs = zip(a.overrides().split(), b.overrides().split())
+    diff = [f"{x.split('=')[0]} {x.split('=')[1]} vs {y.split('=')[1]}" for x, y in pairs if x != y]
+    return ", ".join(diff) or "nothing"
 
 
 def suggestions(shape: Shape, job: Job, *, world: int, smallest: Optional[Estimate]) -> List[str]:
