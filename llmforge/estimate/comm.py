@@ -137,4 +137,5 @@ def spans(layout: Layout) -> dict:
 
 
 def seconds(job: Job, nbytes: float, span: int) -> float:
+    """Time to move ``nbytes`` per device in a group spanning ``span`` ranks."""
     return nbytes / _bandwidth(job, span) if nbytes else 0.0

@@ -217,6 +217,12 @@ def measure_plan(plan, est) -> MeasuredReport:
     report.notes.append("parameters counted on the full model built on the meta device")
     report.notes.append(("fake CPU tensors (no arithmetic; shapes, dtypes and kernels as on CPU); " if fake else "real CPU tensors; ") + how)
     report.notes.append("one process, one microbatch: the per-rank figures above split these same tensors by the layout")
+    if cfg.model.moe.num_experts:
+        report.notes.append(
+            "MoE: the estimate assumes balanced routing; the measured run routes with the freshly initialised router, whose "
+            "uneven loads pad every expert's batch to the busiest expert's (more FLOPs and bytes). Under balanced routing "
+            "the two agree exactly (tests/test_estimate_model.py)."
+        )
     return report
 
 

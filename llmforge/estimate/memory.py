@@ -170,4 +170,5 @@ def all_stages(shape: Shape, layout: Layout, job: Job, microbatches: int, *, eve
 
 
 def most_loaded(stages: List[StageMemory]) -> StageMemory:
+    """The stage whose rank needs the most memory."""
     return max(stages, key=lambda m: m.total)

@@ -65,6 +65,7 @@ def mlp_tensors(shape: Shape, name: str, ffn: int, *, expert: bool = False) -> L
 
 
 def attention_tensors(shape: Shape, name: str) -> List[Tensor]:
+    """q, k, v (column-parallel) and o (row-parallel) projections."""
     h, kv, b = shape.hidden, shape.kv_dim, shape.bias
     return (_linear(f"{name}.q_proj", h, h, "col", b) + _linear(f"{name}.k_proj", kv, h, "col", b)
             + _linear(f"{name}.v_proj", kv, h, "col", b) + _linear(f"{name}.o_proj", h, h, "row", b))
@@ -96,6 +97,7 @@ def block_tensors(shape: Shape, moe: bool) -> Tuple[Tensor, ...]:
 
 
 def embedding_tensors(shape: Shape) -> List[Tensor]:
+    """Token embedding (vocab-parallel) and learned positions (replicated)."""
     out = [Tensor("embed.weight", (shape.vocab, shape.hidden), "vocab")]
     if shape.position == "learned":
         out.append(Tensor("pos_embed.weight", (shape.seq, shape.hidden)))
@@ -199,6 +201,7 @@ def rank_params(shape: Shape, *, pp: int, v: int, pp_layers, stage: int, tp: int
 
 
 def layout_rank_params(shape: Shape, layout: Layout, stage: int) -> RankParams:
+    """``rank_params`` for a Layout."""
     return rank_params(shape, pp=layout.pp, v=layout.virtual_stages, pp_layers=layout.pp_layers,
                        stage=stage, tp=layout.tp, ep=layout.ep, v_shape=layout.schedule == "zbv")
 

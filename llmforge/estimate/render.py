@@ -62,6 +62,7 @@ def _summary_table(est: Estimate, recipe: str) -> Table:
 
 
 def render_estimate(est: Estimate, *, recipe: str, console) -> None:
+    """Summary, memory and step-time tables, then the verdict."""
     console.print(_summary_table(est, recipe))
     console.print(_memory_table(est))
     console.print(_time_table(est))
@@ -103,6 +104,7 @@ def render_timeline(est: Estimate, *, console) -> None:
 
 
 def render_measured(measured, *, console) -> None:
+    """The --measure table: estimate, measurement, relative difference."""
     table = Table(title="Estimate vs measurement (real model on CPU)", title_justify="left")
     for col in ("quantity", "estimate", "measured", "difference"):
         table.add_column(col, justify="right" if col != "quantity" else "left")

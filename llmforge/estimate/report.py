@@ -17,6 +17,7 @@ SCHEMA = "llmforge.estimate/1"
 
 
 def gib(n: float) -> str:
+    """Bytes as GiB text."""
     return f"{n / GIB:,.2f} GiB"
 
 

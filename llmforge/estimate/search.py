@@ -34,6 +34,7 @@ MAX_VIRTUAL = 8
 
 
 def divisors(n: int) -> List[int]:
+    """Divisors of n, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -55,10 +56,12 @@ class SearchResult:
 
 
 def tp_options(shape: Shape, node_size: int) -> List[int]:
+    """Tensor-parallel degrees inside a node that divide heads, kv heads, ffn, vocab and seq (for SP)."""
     return [t for t in divisors(node_size) if not (shape.heads % t or shape.kv_heads % t or shape.ffn % t or shape.vocab % t or shape.seq % t)]
 
 
 def ep_options(shape: Shape, *, dp: int, tp: int, node_size: int) -> List[int]:
+    """Expert-parallel degrees dividing the experts and dp, with tp x ep inside a node."""
     if shape.num_experts == 0:
         return [1]
     return [e for e in divisors(shape.num_experts) if dp % e == 0 and tp * e <= node_size]
