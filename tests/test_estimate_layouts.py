@@ -81,3 +81,69 @@ def test_per_rank_parameter_and_optimizer_bytes_are_exact(overrides):
         # ZeRO 1-3 (FSDP2) keep the fp32 shard between steps; the moments are sharded alike
         assert weights == (optimizer // 2 if sharded else 4 * params)
         assert states == optimizer
+
+
+def _saved_bytes_under_tp(plan: RunPlan) -> int:
+    """Bytes rank 0 saves for backward in one forward of the tensor-parallel model (fake group)."""
+    import contextlib
+
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import llmforge.parallel.recompute as recompute
+    from llmforge.estimate.measure import _cached_tensors
+    from llmforge.parallel.mesh import build_mesh
+    from llmforge.parallel.parallelize import build_parts
+    from llmforge.parallel.tensor import loss_context, sharded_cross_entropy
+
+    caches: list = []
+    original = recompute.selective_context
+
+    def context():
+        forward, again = original()
+        caches.append(forward.storage)
+        return forward, again
+
+    def key(t):
+        return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()._cdata
+
+    recompute.selective_context = context
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    try:
+        model = build_parts(plan, mesh=build_mesh(plan, device_type="cpu"), device=torch.device("cpu"))[0][0]
+        excluded = {key(p) for p in model.parameters()} | {key(b) for b in model.buffers()}
+        saved: dict = {}
+
+        def pack(t):
+            local = t.to_local() if isinstance(t, DTensor) else t
+            if key(local) not in excluded:
+                saved[key(local)] = max(saved.get(key(local), 0), local.untyped_storage().nbytes())
+            return t
+
+        cfg = plan.config
+        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_len + 1))
+        cast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.precision.param_dtype == "bf16" else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), loss_context(plan.tp):
+            with cast:
+                logits = model(tokens[:, :-1])
+            sharded_cross_entropy(logits, tokens[:, 1:])
+            for t in _cached_tensors(caches):
+                pack(t)
+        return sum(saved.values())
+    finally:
+        dist.destroy_process_group()
+        recompute.selective_context = original
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("layout", ["tp2", "tp2sp"])
+def test_tensor_parallel_activations_match_the_backend(layout, recompute, dtype):
+    from llmforge.estimate import activations as act
+
+    plan = RunPlan.build(compose([f"parallel={layout}", f"precision={dtype}", f"parallel.recompute={recompute}",
+                                  "train.micro_batch_size=2", "train.global_batch_size=16"]))
+    shape, lay, job = from_plan(plan)
+    est = sum(act.layer_bytes(shape, lay, job, i) for i in range(shape.num_layers))
+    est += act.embedding_bytes(shape, lay) + act.output_bytes(shape, lay, job)
+    assert est == pytest.approx(_saved_bytes_under_tp(plan), rel=0.10)

@@ -65,16 +65,19 @@ def _mlp_bytes(shape: Shape, ffn: int, *, c: int, tp: int) -> float:
 
 
 def _selective_bytes(shape: Shape, *, c: int, tp: int, sp: int, moe: bool) -> float:
-    """Selective recompute keeps the block input and every matmul output; the rest is rebuilt.
+    """Selective recompute keeps the block input and every matmul and collective output.
 
     Column-parallel outputs (q, k, v, gate, up) are split over tp; row-parallel
-    outputs (o, down) are partial sums of full width before their reduction.
+    outputs (o, down) are partial sums of full width before their reduction. Under
+    tp the reductions' outputs are kept too: all-reduced sums (full width), or with
+    sequence parallel the fp32 gathered norm output and the reduce-scattered shard.
     """
     h, kv = shape.hidden, shape.kv_dim
-    attn = h * FP32 / sp + ((h + 2 * kv) / tp + h) * c
+    collective = 0.0 if tp == 1 else (h * FP32 + h / tp * c if sp > 1 else h * c)
+    attn = h * FP32 / sp + ((h + 2 * kv) / tp + h) * c + collective
     if moe:
         return attn + _moe_selective_bytes(shape, c=c) / sp
-    return attn + ((2 if shape.activation == "swiglu" else 1) * shape.ffn / tp + h) * c
+    return attn + ((2 if shape.activation == "swiglu" else 1) * shape.ffn / tp + h) * c + collective
 
 
 def block_activations(shape: Shape, layout: Layout, job: Job, *, moe: bool, recompute: str) -> BlockActivations:

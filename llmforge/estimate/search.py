@@ -9,9 +9,10 @@ and the data-parallel group). tp (and tp x ep) stay inside a node.
 
 It prunes what cannot win, and says so:
 
-- options dominated under the estimate's own model: sequence parallel is always
-  on when tp > 1 (less memory, same time), ``gpipe`` and ``looped_bfs`` are left
-  out (same bubble as ``1f1b`` / ``interleaved_1f1b``, more activations held);
+- options dominated under the estimate's own model: ``gpipe`` and ``looped_bfs``
+  are left out (same bubble as ``1f1b`` / ``interleaved_1f1b``, more activations
+  held). Sequence parallel is tried both ways: it saves memory without recompute
+  but, with selective recompute, keeps the gathered fp32 norm outputs;
 - for one structure, micro batches are tried smallest first and recompute modes
   none -> selective -> full: the first mode that fits is kept (more recompute
   only adds FLOPs), and once even full recompute does not fit, larger micro
@@ -105,7 +106,8 @@ def structures(shape: Shape, job: Job, world: int) -> Iterator[Layout]:
             for ep in ep_options(shape, dp=dp, tp=tp, node_size=node):
                 for schedule, v in schedule_options(shape, pp):
                     for zero in ((0, 1, 2, 3) if dp > 1 and ep == 1 else (0,)):
-                        yield Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, sequence_parallel=tp > 1, schedule=schedule, virtual_stages=v)
+                        for sp in ((True, False) if tp > 1 else (False,)):
+                            yield Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, sequence_parallel=sp, schedule=schedule, virtual_stages=v)
 
 
 _FIELDS = tuple(Layout.__dataclass_fields__)
