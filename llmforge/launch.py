@@ -40,8 +40,9 @@ def _run_here(plan: RunPlan, *, resume_from: Optional[Path], console: Console) -
     from llmforge.train.run import run
 
     summary = run(plan, rank=RankInfo(), resume_from=resume_from, console=console)
+    losses = f"loss {summary.first_loss:.4f} -> {summary.last_loss:.4f} " if summary.first_loss is not None else "no steps left to train "
     console.print(
-        f"[bold green]done[/] step {summary.last_step}: loss {summary.first_loss:.4f} -> {summary.last_loss:.4f} "
+        f"[bold green]done[/] step {summary.last_step}: {losses}"
         f"in {summary.wall_s:.1f}s; metrics in {plan.run_dir / 'metrics.jsonl'}"
         + (f"; checkpoint {summary.checkpoint}" if summary.checkpoint else "")
     )

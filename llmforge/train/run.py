@@ -232,7 +232,11 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
     if not rank.is_main:
         return hooks, closers, saver
     metrics = MetricsFile(plan.run_dir / "metrics.jsonl")
-    wandb_run = WandbRun(settings=cfg.logging.wandb, run_dir=plan.run_dir, name=cfg.run.name, config=plan.to_dict(), resume_id=None)
+    id_file = plan.run_dir / "wandb_run_id"
+    resume_id = id_file.read_text().strip() if start_step > 0 and id_file.is_file() else None
+    wandb_run = WandbRun(settings=cfg.logging.wandb, run_dir=plan.run_dir, name=cfg.run.name, config=plan.to_dict(), resume_id=resume_id)
+    if wandb_run.run_id:
+        id_file.write_text(wandb_run.run_id)
     progress = TrainingProgress(total_steps=cfg.train.steps, start_step=start_step, enabled=cfg.logging.console, console=console)
 
     def log(record: dict) -> None:
