@@ -202,8 +202,9 @@ def why(best: Estimate, runner: Estimate) -> str:
             return f"#1 and #2 have the same estimated step time; #1 needs {saved / 2**30:.2f} GiB less memory per device."
         return f"#1 and #2 are equivalent by the estimate (same step time and memory); they differ in {_differences(best.layout, runner.layout)}."
     diffs = sorted(((runner.parts[k] - best.parts[k], k) for k in best.parts), reverse=True)
-    wins = [f"{PART_WORDS[k]} {d:.3g} s shorter" for d, k in diffs if d > 1e-12][:2]
-    losses = [f"{PART_WORDS[k]} {-d:.3g} s longer" for d, k in reversed(diffs) if d < -1e-12][:1]
+    floor = 0.01 * (runner.step_s - best.step_s)  # ignore terms too small to matter
+    wins = [f"{PART_WORDS[k]} {d:.3g} s shorter" for d, k in diffs if d > floor][:2]
+    losses = [f"{PART_WORDS[k]} {-d:.3g} s longer" for d, k in reversed(diffs) if d < -floor][:1]
     text = f"#1 is {gain:.2%} faster than #2 ({_differences(best.layout, runner.layout)}): " + ", ".join(wins) + " per step"
     if losses:
         text += f" (against {losses[0]})"
@@ -211,8 +212,10 @@ def why(best: Estimate, runner: Estimate) -> str:
 
 
 def _differences(a: Layout, b: Layout) -> str:
-    pairs = zip(a.overrides().split(), b.overrides().split())
-    diff = [f"{x.split('=')[0]} {x.split('=')[1]} vs {y.split('=')[1]}" for x, y in pairs if x != y]
+    first = dict(x.split("=", 1) for x in a.overrides().split())
+    second = dict(x.split("=", 1) for x in b.overrides().split())
+    keys = list(first) + [k for k in second if k not in first]
+    diff = [f"{k} {first.get(k, '-')} vs {second.get(k, '-')}" for k in keys if first.get(k) != second.get(k)]
     return ", ".join(diff) or "nothing"
 
 
