@@ -78,28 +78,43 @@ def _shown_microbatches(est: Estimate) -> int:
     return shown
 
 
+def _fitting_slots(est: Estimate, width: int, cell: int):
+    """Simulate with as many microbatches as fit the console width (at least enough to fill the pipe)."""
+    lay = est.layout
+    step = lay.pp if lay.virtual_stages > 1 else 1
+    m = _shown_microbatches(est)
+    while True:
+        slots = simulate(lay, m)
+        end = max(s.start + s.length for row in slots.values() for s in row)
+        if 8 + end * cell <= width or m - step < max(lay.pp, 1):
+            return m, slots, end
+        m -= step
+
+
 def render_timeline(est: Estimate, *, console) -> None:
-    """Each pipeline rank's slots: F/B/W with microbatch number, chunk colour, idle dots."""
+    """Each pipeline rank's slots: F/B/W with microbatch number (and chunk letter), idle dots."""
     lay = est.layout
     if lay.pp == 1:
         console.print("Timeline: no pipeline (pp=1); every device runs each microbatch forward then backward.")
         return
-    m = _shown_microbatches(est)
-    slots = simulate(lay, m)
+    multi = lay.virtual_stages > 1
+    cell = 5 if multi else 4
+    m, slots, end = _fitting_slots(est, console.width, cell)
     colours = ["cyan", "magenta", "yellow", "green", "blue", "red"]
     console.print(f"Timeline ({lay.schedule}, {m} of {est.microbatches} microbatches; one column = one forward of one chunk; "
-                  f"F forward, B backward{', W weight gradient' if lay.schedule in ('zb_interleaved', 'zbv') else ''}, . idle; colour = model chunk)")
-    end = max(s.start + s.length for row in slots.values() for s in row)
+                  f"F forward, B backward{', W weight gradient' if lay.schedule in ('zb_interleaved', 'zbv') else ''}, "
+                  f". idle{'; the letter is the model chunk on that rank' if multi else ''})")
     for rank, row in slots.items():
         line = Text(f"rank {rank:<2} ")
         cursor = 0
+        local = sorted({s.chunk for s in row})
         for s in sorted(row, key=lambda x: x.start):
-            line.append(" . " * (s.start - cursor), style="dim")
-            label = f"{s.kind}{s.microbatch}"
-            line.append(f"{label:<3}" * s.length, style=colours[(s.chunk // lay.pp) % len(colours)])
+            line.append(f"{'.':<{cell}}" * (s.start - cursor), style="dim")
+            label = f"{s.kind}{s.microbatch}" + ("abcdefgh"[local.index(s.chunk)] if multi else "")
+            line.append(f"{label:<{cell}}" * s.length, style=colours[local.index(s.chunk) % len(colours)])
             cursor = s.start + s.length
-        line.append(" . " * (end - cursor), style="dim")
-        console.print(line, overflow="fold")
+        line.append(f"{'.':<{cell}}" * (end - cursor), style="dim")
+        console.print(line, no_wrap=True, overflow="crop")
     console.print(f"idle share in this picture: {simulated_bubble(slots):.1%} (formula at m={est.microbatches}: {est.bubble:.2%})")
 
 
