@@ -17,6 +17,14 @@ from llmforge.parallel.harness import tiny_plan, train_layout
 
 PP = ["parallel.pp=2"]
 V2 = ["parallel.pp_virtual_stages=2"]
+# Tiny MoE (4 experts, top-2, one shared expert, seq 16): the expert-parallel layouts
+# must compute what one process computes with all experts local (ep=1).
+MOE = [
+    "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=48", "model.moe.num_shared_experts=1",
+    "model.moe.aux_loss_coef=0.05", "model.moe.z_loss_coef=0.01", "model.seq_len=16",
+]
+EP2 = MOE + ["parallel.dp=2", "parallel.ep=2"]
+DP4_EP2 = MOE + ["parallel.dp=4", "parallel.ep=2"]
 WORLD2 = {
     "dp2": ["parallel.dp=2"],
     "dp2_zero1": ["parallel.dp=2", "parallel.zero=1"],
@@ -31,6 +39,9 @@ WORLD2 = {
     "pp2_zb_interleaved": PP + V2 + ["parallel.pp_schedule=zb_interleaved"],
     "pp2_zbv": PP + V2 + ["parallel.pp_schedule=zbv"],
     "pp2_uneven_untied": PP + ["parallel.pp_layers=[1,3]", "model.tie_embeddings=false"],
+    "moe_ep2": EP2,
+    "moe_ep2_zero1": EP2 + ["parallel.zero=1"],
+    "moe_ep2_zero3": EP2 + ["parallel.zero=3"],
 }
 WORLD4 = {
     "dp2_tp2": ["parallel.dp=2", "parallel.tp=2"],
@@ -40,6 +51,10 @@ WORLD4 = {
     "dp2_pp2": ["parallel.dp=2"] + PP,
     "dp2_pp2_zero2": ["parallel.dp=2", "parallel.zero=2"] + PP,
     "dp2_pp2_zero3_interleaved": ["parallel.dp=2", "parallel.zero=3", "parallel.pp_schedule=interleaved_1f1b"] + PP + V2,
+    "moe_dp4_ep2": DP4_EP2,
+    "moe_dp4_ep2_zero3": DP4_EP2 + ["parallel.zero=3"],
+    "moe_ep2_tp2_sp_zero1": EP2 + ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=1"],
+    "moe_ep2_pp2": EP2 + PP,
 }
 MIXED = {
     "tp2_bf16": ["parallel.tp=2", "precision.param_dtype=bf16", "precision.reduce_dtype=bf16"],
@@ -63,9 +78,16 @@ def results(tmp_path_factory) -> dict:
     return {**run_group(tmp, nproc=2, layouts={**WORLD2, **MIXED}), **run_group(tmp, nproc=4, layouts=WORLD4)}
 
 
+REFERENCES = {"dense": [], "untied": ["model.tie_embeddings=false"], "moe": MOE}
+
+
 @pytest.fixture(scope="module")
 def reference():
-    return {key: train_layout(tiny_plan(list(extra))) for key, extra in {(): [], ("untied",): ["model.tie_embeddings=false"]}.items()}
+    return {key: train_layout(tiny_plan(list(extra))) for key, extra in REFERENCES.items()}
+
+
+def reference_of(layout: str) -> str:
+    return "moe" if layout.startswith("moe_") else "untied" if "untied" in layout else "dense"
 
 
 def max_rel(a, b) -> float:
@@ -75,7 +97,7 @@ def max_rel(a, b) -> float:
 @pytest.mark.parametrize("layout", list(WORLD2) + list(WORLD4))
 def test_layout_matches_single_process(layout, results, reference):
     got = results[layout]
-    ref = reference[("untied",) if "untied" in layout else ()]
+    ref = reference[reference_of(layout)]
     assert len(got["losses"]) == 5
     assert max_rel(got["losses"], ref.losses) < 1e-5
     assert max_rel(got["grad_norms"], ref.grad_norms) < 1e-5
@@ -83,6 +105,9 @@ def test_layout_matches_single_process(layout, results, reference):
     for name, value in ref.params.items():
         rel = float((got["params"][name] - value).norm() / value.norm())
         assert rel < 1e-5, f"{name}: relative difference {rel:.2e}"
+    if layout.startswith("moe_"):
+        held = [n for n in got["local_numel"] if n.endswith("mlp.experts.w_up")]
+        assert held and all(2 * got["local_numel"][n] <= ref.params[n].numel() for n in held), "experts were not split over ep ranks"
     if "head.weight" in got["params"] and "head.weight" not in ref.params:
         torch.testing.assert_close(got["params"]["head.weight"], got["params"]["embed.weight"], rtol=0, atol=0)
 

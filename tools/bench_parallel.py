@@ -1,10 +1,19 @@
 """Tokens/s of each parallel layout on this machine, relative to one process.
 
-    python tools/bench_parallel.py [--steps 6]
+    python tools/bench_parallel.py [--steps 6] [--threads 1]
 
-Runs the harness model (llmforge.parallel.harness) single-process, then every
-2-rank and 4-rank layout under torchrun, and prints one table. The first step
-(warm-up, pipeline shape inference) is left out of the timing.
+Every layout, the single-process baseline included, is launched the same way: a
+fresh ``torchrun`` group (``--nproc-per-node`` = the layout's ranks) running the
+harness model (llmforge.parallel.harness), each rank with ``--threads`` intra-op
+threads (OMP_NUM_THREADS, MKL_NUM_THREADS and torch's own setting). A layout
+with r ranks therefore uses r x threads threads in all, and the table says so.
+The first step (warm-up, pipeline shape inference) is left out of the timing.
+
+Comparing against a baseline trained inside this process with every core's
+worth of threads is not a fair comparison on a small model: torch's intra-op
+thread pool costs more in synchronisation than it gains on these matrix sizes,
+most of all when the cores are shared, so such a baseline looks several times
+slower than it is.
 """
 
 from __future__ import annotations
@@ -17,12 +26,14 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Dict, List, Tuple
 
 import torch
 
-from llmforge.parallel.harness import tiny_plan, train_layout
+from llmforge.parallel.harness import tiny_plan
 
-LAYOUTS = {
+LAYOUTS: Dict[int, Dict[str, List[str]]] = {
+    1: {"single": []},
     2: {
         "dp2": ["parallel.dp=2"], "dp2 zero3": ["parallel.dp=2", "parallel.zero=3"], "tp2": ["parallel.tp=2"],
         "tp2 sp": ["parallel.tp=2", "parallel.sequence_parallel=true"], "pp2 1f1b": ["parallel.pp=2"],
@@ -31,33 +42,52 @@ LAYOUTS = {
     4: {"dp2 tp2": ["parallel.dp=2", "parallel.tp=2"], "dp2 pp2": ["parallel.dp=2", "parallel.pp=2"], "tp2 pp2": ["parallel.tp=2", "parallel.pp=2"]},
 }
 BENCH = ["model.hidden_size=128", "model.ffn_hidden_size=512", "model.seq_len=128", "model.vocab_size=1024", "train.global_batch_size=16", "train.micro_batch_size=4"]
+Row = Tuple[str, int, float, List[int]]
 
 
 def tokens_per_s(times: list, *, tokens: int) -> float:
     return tokens / statistics.median(times[1:])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=6)
-    args = parser.parse_args()
-    base = BENCH + [f"train.steps={args.steps}"]
+def run_group(*, nproc: int, layouts: Dict[str, List[str]], base: List[str], threads: int, tmp: Path) -> Dict[str, dict]:
+    """Run ``layouts`` in one fresh torchrun group of ``nproc`` ranks; rank 0's results."""
+    spec, out = tmp / f"spec{nproc}.json", tmp / f"out{nproc}.pt"
+    spec.write_text(json.dumps({"base": base, "layouts": layouts}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "llmforge.parallel.harness", str(spec), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise SystemExit(f"{nproc}-rank group failed:\n{proc.stderr[-3000:]}")
+    return torch.load(out, weights_only=False)
+
+
+def bench(*, steps: int, threads: int) -> List[Row]:
+    base = BENCH + [f"train.steps={steps}"]
     tokens = tiny_plan(base).tokens_per_step
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    single = tokens_per_s(train_layout(tiny_plan(base)).step_times, tokens=tokens)
-    rows = [("single", 1, single)]
+    rows: List[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         for nproc, layouts in LAYOUTS.items():
-            spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.pt"
-            spec.write_text(json.dumps({"base": base, "layouts": layouts}))
-            threads = str(max(1, (os.cpu_count() or 1) // nproc))
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "llmforge.parallel.harness", str(spec), str(out)]
-            subprocess.run(cmd, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": threads})
-            for name, result in torch.load(out, weights_only=False).items():
-                rows.append((name, nproc, tokens_per_s(result["step_times"], tokens=tokens)))
-    print(f"{'layout':<22} {'ranks':>5} {'tokens/s':>10} {'vs single':>10}")
-    for name, ranks, tps in rows:
-        print(f"{name:<22} {ranks:>5} {tps:>10.0f} {tps / single:>9.2f}x")
+            for name, result in run_group(nproc=nproc, layouts=layouts, base=base, threads=threads, tmp=Path(tmp)).items():
+                rows.append((name, nproc, tokens_per_s(result["step_times"], tokens=tokens), list(result["threads"])))
+    return rows
+
+
+def render(rows: List[Row]) -> str:
+    single = rows[0][2]
+    lines = [f"{'layout':<20} {'ranks':>5} {'threads/rank':>12} {'tokens/s':>10} {'vs single':>10}"]
+    for name, ranks, tps, threads in rows:
+        per_rank = ",".join(str(t) for t in sorted(set(threads)))
+        lines.append(f"{name:<20} {ranks:>5} {per_rank:>12} {tps:>10.0f} {tps / single:>9.2f}x")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6, help="steps per layout (the first is not timed)")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op threads of every rank, single process included")
+    args = parser.parse_args()
+    print(f"{os.cpu_count()} cores; every layout in its own torchrun group, {args.threads} thread(s) per rank")
+    print(render(bench(steps=args.steps, threads=args.threads)))
 
 
 if __name__ == "__main__":

@@ -17,14 +17,17 @@ The ep ranks are data-parallel ranks that see different tokens. Gradients of
 non-expert weights are averaged over all data-parallel ranks as usual. An expert
 weight already receives the gradient from the tokens of every rank of its ep
 group; it must be reduced only over the ranks holding a replica of the same
-experts (``replica`` = dp·cp / ep ranks: same ep coordinate, different groups),
-summed and divided by the full data-parallel size. :func:`reduce_expert_grads`
-does that for a replicated (ZeRO-0) layout; with FSDP2, shard ``mlp.experts`` on
-the replica mesh and ``set_gradient_divide_factor(dp_size)`` on it.
+experts (the ``dp_rest`` mesh: same ep coordinate, other replica groups),
+summed and divided by the full data-parallel size. The backend does that in
+``llmforge.parallel.parallelize`` (ZeRO 0: a ``GradAllReduce`` over ``dp_rest``
+dividing by dp) and ``llmforge.parallel.data.apply_fsdp`` (ZeRO 1-3: the experts
+in their own FSDP2 unit on ``dp_rest`` with gradient divide factor dp);
+:func:`reduce_expert_grads` is the same reduction for a hand-written loop.
 
-With tensor parallelism the MoE layer is left unsharded: tp ranks hold the same
-tokens (or, with sequence parallelism, their own slice of them) and route them
-independently. The ep mesh must not include tp or pp ranks.
+With tensor parallelism the MoE layer is left unsharded (see
+``llmforge.parallel.tensor``): tp ranks hold the same tokens (with sequence
+parallelism the layer gathers the sequence first) and route them identically.
+The ep mesh spans data-parallel ranks only, never tp or pp ranks.
 """
 
 from __future__ import annotations

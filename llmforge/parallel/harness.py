@@ -5,8 +5,10 @@ collect what they computed: the equivalence tests and tools/bench_parallel.py us
         -m llmforge.parallel.harness SPEC.json OUT.pt
 
 SPEC.json: ``{"base": [overrides...], "layouts": {"name": [overrides...]}, "fail_rank": null}``.
-OUT.pt (written by rank 0): per layout the losses, grad norms, step times and the
-full (gathered) parameters after the last step.
+OUT.pt (written by rank 0): per layout the losses, grad norms, step times, the
+intra-op thread count of each rank, rank 0's local element count of each
+parameter (what it holds of its shard) and the full (gathered) parameters after the
+last step.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ class LayoutResult:
     losses: List[float] = field(default_factory=list)
     grad_norms: List[float] = field(default_factory=list)
     step_times: List[float] = field(default_factory=list)
+    threads: List[int] = field(default_factory=list)
+    local_numel: Dict[str, int] = field(default_factory=dict)
     params: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -98,8 +102,24 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu")) -
         grad_norms=[r["grad_norm"] for r in records],
         step_times=[r["step_time_s"] for r in records],
     )
+    out.local_numel = {n: _local_numel(p) for part in c.model_parts for n, p in part.named_parameters()}
     out.params = full_parameters(c)
+    out.threads = rank_threads()
     return out
+
+
+def rank_threads() -> List[int]:
+    """torch's intra-op thread count on every rank (collective when distributed)."""
+    mine = torch.get_num_threads()
+    if not dist.is_initialized():
+        return [mine]
+    counts: List[Optional[int]] = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, mine)
+    return [int(c) for c in counts if c is not None]
+
+
+def _local_numel(p: torch.Tensor) -> int:
+    return (p.to_local() if isinstance(p, DTensor) else p).numel()
 
 
 def full_parameters(c: Components) -> Dict[str, torch.Tensor]:

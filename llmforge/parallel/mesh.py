@@ -4,7 +4,9 @@ Ranks are laid out ``pp x dp x cp x tp`` with tp innermost, so tensor-parallel
 groups sit on consecutive ranks (one node) and pipeline stages are furthest
 apart. The data-parallel dimension is itself ``dp_rest x ep``: the experts of an
 MoE layer are split over the innermost ``ep`` data-parallel ranks, and the
-flattened ``dp`` dimension is what gradients are reduced over.
+flattened ``dp`` dimension is what non-expert gradients are reduced over. An
+expert shard is replicated over ``dp_rest`` (the data-parallel ranks with the same
+ep coordinate): expert gradients are reduced, and ZeRO shards them, over it alone.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class ParallelMesh:
 
     world: DeviceMesh
     dp: DeviceMesh
+    dp_rest: DeviceMesh
     tp: DeviceMesh
     pp: DeviceMesh
     ep: DeviceMesh
@@ -45,7 +48,7 @@ def build_mesh(plan: RunPlan, *, device_type: str) -> ParallelMesh:
     shape = (plan.pp, plan.dp // plan.ep, plan.ep, plan.cp, plan.tp)
     world = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
     dp = world["dp_rest", "ep"]._flatten("dp")
-    return ParallelMesh(world=world, dp=dp, tp=world["tp"], pp=world["pp"], ep=world["ep"], cp=world["cp"])
+    return ParallelMesh(world=world, dp=dp, dp_rest=world["dp_rest"], tp=world["tp"], pp=world["pp"], ep=world["ep"], cp=world["cp"])
 
 
 def device_for_rank(plan: RunPlan) -> torch.device:

@@ -17,6 +17,7 @@ from torch import nn
 
 from llmforge.parallel.clip import GlobalClip
 from llmforge.parallel.data import GradAllReduce, apply_fsdp, fsdp_sync
+from llmforge.parallel.expert import apply_ep, expert_parameters
 from llmforge.parallel.mesh import ParallelMesh
 from llmforge.parallel.pipeline import PipelineStep, autocast_forward, build_schedule, build_stage_model, stage_ids
 from llmforge.parallel.tensor import apply_tp, loss_context, align_grads, sharded_cross_entropy
@@ -38,15 +39,14 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh) -> None:
     if plan.tp > 1:
         apply_tp(model, tp_mesh=mesh.tp, sequence_parallel=p.sequence_parallel)
     if plan.ep > 1:
-        from llmforge.parallel.expert import apply_ep
-
         apply_ep(model, ep_mesh=mesh.ep)
     if p.recompute != "none" and _has("llmforge.parallel.recompute"):
         from llmforge.parallel.recompute import apply_recompute
 
         apply_recompute(model, mode=p.recompute, every=p.recompute_every)
     if p.zero > 0 and plan.dp > 1:
-        apply_fsdp(model, dp_mesh=mesh.dp, zero=p.zero, reduce_dtype=plan.config.precision.reduce_dtype)
+        experts = mesh.dp_rest if plan.ep > 1 else None
+        apply_fsdp(model, dp_mesh=mesh.dp, zero=p.zero, reduce_dtype=plan.config.precision.reduce_dtype, expert_mesh=experts)
 
 
 def build_parts(plan: RunPlan, *, mesh: ParallelMesh, device: torch.device) -> tuple[List[nn.Module], List[int]]:
@@ -118,14 +118,20 @@ def _no_decay(optimizer: torch.optim.Optimizer, copies: List[nn.Parameter]) -> N
 
 
 def _finish_hooks(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module], ids: List[int], num_stages: int):
-    """What runs after a step's backward: ZeRO-0 gradient all-reduce, tied-embedding sync."""
+    """What runs after a step's backward: ZeRO-0 gradient all-reduce (expert weights
+    over their replicas only), tied-embedding sync."""
     hooks = []
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
     if plan.tp > 1:
         hooks.append(lambda: align_grads(params))
     if plan.dp > 1 and plan.config.parallel.zero == 0:
         dtype = DTYPES[plan.config.precision.reduce_dtype]
-        hooks.append(GradAllReduce(params=params, group=mesh.dp.get_group(), size=plan.dp, dtype=dtype))
+        experts = {id(p) for part in parts for p in expert_parameters(part)}
+        dense = [p for p in params if id(p) not in experts]
+        hooks.append(GradAllReduce(params=dense, group=mesh.dp.get_group(), size=plan.dp, dtype=dtype))
+        if experts:
+            expert_params = [p for p in params if id(p) in experts]
+            hooks.append(GradAllReduce(params=expert_params, group=mesh.dp_rest.get_group(), size=plan.dp, dtype=dtype))
     if plan.pp > 1 and plan.config.model.tie_embeddings:
         schedule = plan.config.parallel.pp_schedule
         last_pp = stage_ids(pp_rank=0, pp=plan.pp, virtual=plan.virtual_stages, schedule=schedule)

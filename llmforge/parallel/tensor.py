@@ -2,6 +2,12 @@
 
 - attention: q/k/v column-parallel (each rank owns ``heads / tp`` heads), o row-parallel;
 - MLP: up/gate column-parallel, down row-parallel;
+- MoE MLP (router, experts, shared experts): not sharded. Every tp rank routes
+  the same tokens and runs the same experts (split over the ep ranks, if any).
+  With sequence parallel the layer gathers the whole sequence on entry and each
+  rank keeps its own sequence shard of the output (backward all-gathers the
+  output gradient), so routing, capacity and the router losses see the whole
+  microbatch, as in one process;
 - embedding vocab-parallel (rows of the table split over tp, partial lookups summed);
 - output layer: the (tied or separate) weight split over the vocabulary, so the
   logits stay sharded and the loss is computed on them with ``loss_parallel``;
@@ -27,6 +33,7 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -75,6 +82,11 @@ def _block_plan(block: nn.Module, *, seq, sequence_parallel: bool) -> Dict[str, 
         plan["mlp_norm"] = SequenceParallel()
         plan["attn"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True)
         plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+        if not isinstance(block.mlp, MLP):
+            plan["mlp"] = PrepareModuleInputOutput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
+            )
     return plan
 
 
