@@ -132,7 +132,7 @@ def _evaluate(shape: Shape, job: Job, structure: Layout, keep: list, top: int, c
                 fitted = True
                 if len(keep) >= top and tokens / step_floor(shape, layout, job) < keep[0][0][0]:
                     break  # cannot enter the top list even with no communication at all
-                _push(keep, estimate(shape, layout, job, stages=stages), top)
+                _push(keep, estimate(shape, layout, job, stages=stages), top, counters["evaluated"])
                 break
         if not fitted:
             return
@@ -142,11 +142,11 @@ def _rank_key(est: Estimate) -> tuple:
     return (round(est.tokens_per_s, 6), -est.worst.total)
 
 
-def _push(keep: list, est: Estimate, top: int) -> None:
-    item = (_rank_key(est), id(est), est)
+def _push(keep: list, est: Estimate, top: int, seq: int) -> None:
+    item = (_rank_key(est), -seq, est)  # full ties: the earlier enumerated (smaller degrees) first
     if len(keep) < top:
         heapq.heappush(keep, item)
-    elif item[0] > keep[0][0]:
+    elif item[:2] > keep[0][:2]:
         heapq.heapreplace(keep, item)
 
 
@@ -157,7 +157,7 @@ def search(shape: Shape, job: Job, *, world: int, top: int = 5) -> SearchResult:
     counters = {"evaluated": 0, "fitting": 0, "smallest": (float("inf"), None)}
     for structure in structures(shape, job, world):
         _evaluate(shape, job, structure, keep, max(top, 2), counters)
-    ranked = [e for _, _, e in sorted(keep, key=lambda x: x[0], reverse=True)]
+    ranked = [e for _, _, e in sorted(keep, key=lambda x: x[:2], reverse=True)]
     lean = counters["smallest"][1]
     result = SearchResult(ranked=ranked, evaluated=counters["evaluated"], fitting=counters["fitting"],
                           seconds=time.perf_counter() - start, world=world,
