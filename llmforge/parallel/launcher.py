@@ -130,6 +130,7 @@ def run_torchrun(argv: List[str], *, console: Console, threads: int = 1) -> None
     On failure the first failing rank's error is shown once: a user error is
     raised as a UserError (exit code 2), anything else is printed and ends the
     process with exit code 1."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -137,6 +138,11 @@ def run_torchrun(argv: List[str], *, console: Console, threads: int = 1) -> None
         with _env({"LLMFORGE_ERROR_DIR": folder, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}):
             try:
                 run(parse_args(argv))
+                return
+            except SignalException as exc:
+                # torchrun forwarded SIGTERM/SIGINT to the ranks, which finish the step,
+                # save and print the resume command: a requested stop, not a failure.
+                console.print(f"[yellow]stopped by {exc.sigval.name}[/]", highlight=False)
                 return
             except ChildFailedError as exc:
                 record = _first_error(Path(folder))
