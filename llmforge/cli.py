@@ -135,6 +135,10 @@ def estimate(
 
       llmforge estimate recipe=llama-70b cluster.nodes=8 --search --top 5
     """
+    if search:
+        # The layout is what the search varies: start from plain data parallelism over the
+        # cluster, so a recipe's own layout cannot make the request invalid.
+        overrides = [o for o in overrides or [] if not o.lstrip("+~").startswith("parallel")] + ["parallel=dp"]
     run_plan = _build_plan(overrides, config_dir)
     from llmforge.estimate.report import run_estimate
 

@@ -30,6 +30,8 @@ LAYOUTS = [
     ["parallel=pp2", "parallel.pp_schedule=zbv", "parallel.pp_virtual_stages=2"],
     ["recipe=moe-tiny", "parallel=ep2"],
     ["recipe=moe-tiny", "parallel=dp2ep2"],
+    ["recipe=moe-tiny", "parallel=ep2", "parallel.zero=1"],
+    ["recipe=moe-tiny", "parallel=dp2ep2", "parallel.zero=3"],
 ]
 
 

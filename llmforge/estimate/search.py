@@ -17,8 +17,7 @@ It prunes what cannot win, and says so:
   none -> selective -> full: the first mode that fits is kept (more recompute
   only adds FLOPs), and once even full recompute does not fit, larger micro
   batches are skipped;
-- layouts the backend cannot run are not proposed: cp > 1 (not implemented) and
-  ep > 1 with ZeRO 1-3 (FSDP over expert-parallel weights fails to build).
+- layouts the backend cannot run are not proposed: cp > 1 (not implemented).
 """
 
 from __future__ import annotations
@@ -105,7 +104,7 @@ def structures(shape: Shape, job: Job, world: int) -> Iterator[Layout]:
             dp = world // (tp * pp)
             for ep in ep_options(shape, dp=dp, tp=tp, node_size=node):
                 for schedule, v in schedule_options(shape, pp):
-                    for zero in ((0, 1, 2, 3) if dp > 1 and ep == 1 else (0,)):
+                    for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
                         for sp in ((True, False) if tp > 1 else (False,)):
                             yield Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, sequence_parallel=sp, schedule=schedule, virtual_stages=v)
 
