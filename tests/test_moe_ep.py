@@ -95,12 +95,27 @@ def _compare(rank: int, world: int, cfg_kwargs: dict, out: str) -> None:
     local = train(model, data[:, rank * share : (rank + 1) * share], reduce=reduce)
     losses = torch.tensor(local) / world
     dist.all_reduce(losses)
-    metrics = moe_metrics([model])
+    metrics = _check_global_metrics(model, world=world)
     worst = max(float((_full(p) - r).detach().abs().max()) for p, r in zip(model.parameters(), reference.parameters()))
     torch.testing.assert_close(losses.tolist(), ref_losses, rtol=1e-5, atol=1e-6)
     assert worst < 1e-5, f"weights differ from ep=1 by {worst}"
     if rank == 0:
         Path(out).write_text(json.dumps({"ep1": ref_losses, "ep": losses.tolist(), "max_weight_diff": worst, "metrics": metrics}))
+
+
+def _check_global_metrics(model: GPT, *, world: int) -> dict:
+    """The logged MoE statistics average every rank's layers (ranks route different tokens)."""
+    from llmforge.models.moe import moe_layers
+    from llmforge.parallel.expert import global_moe_metrics
+
+    local = [layer.stats.summary()["dropped_frac"] for _, layer in moe_layers([model])]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, local)
+    expected = sum(sum(v) for v in everyone) / sum(len(v) for v in everyone)
+    metrics = global_moe_metrics([model])
+    assert metrics["moe/dropped_frac"] == pytest.approx(expected)
+    assert moe_metrics([model]) == {}, "reading the statistics resets them"
+    return metrics
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:

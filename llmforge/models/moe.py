@@ -268,20 +268,39 @@ def set_aux_loss_scale(model_parts: Iterable[nn.Module], *, scale: Callable[[], 
         layer.aux_loss_scale = scale
 
 
+MOE_METRIC_KEYS = ("aux_loss", "z_loss", "load_imbalance", "load_cv", "dropped_frac")
+
+
+def moe_metric_sums(model_parts: Iterable[nn.Module]) -> tuple[Dict[str, float], int, float]:
+    """Sums of each statistic over this rank's MoE layers that ran since the last
+    call, how many layers that is, and the worst layer's load imbalance; resets them."""
+    sums = dict.fromkeys(MOE_METRIC_KEYS, 0.0)
+    count, worst = 0, 0.0
+    for _, layer in moe_layers(model_parts):
+        summary = layer.stats.summary()
+        layer.stats.reset()
+        if summary is None:
+            continue
+        count += 1
+        worst = max(worst, summary["load_imbalance"])
+        for key in MOE_METRIC_KEYS:
+            sums[key] += summary[key]
+    return sums, count, worst
+
+
 def moe_metrics(model_parts: Iterable[nn.Module]) -> Dict[str, float]:
-    """Per-step MoE statistics averaged over this rank's MoE layers, then reset.
+    """MoE statistics since the last call, averaged over this rank's MoE layers, then reset.
 
     Keys: ``moe/aux_loss``, ``moe/z_loss``, ``moe/load_imbalance`` (max over mean
     tokens per expert, 1.0 is balanced), ``moe/max_load_imbalance`` (worst layer),
     ``moe/load_cv``, ``moe/dropped_frac``. Empty for a dense model."""
-    summaries = []
-    for _, layer in moe_layers(model_parts):
-        summary = layer.stats.summary()
-        layer.stats.reset()
-        if summary is not None:
-            summaries.append(summary)
-    if not summaries:
+    sums, count, worst = moe_metric_sums(model_parts)
+    return metrics_from_sums(sums, count=count, worst=worst)
+
+
+def metrics_from_sums(sums: Dict[str, float], *, count: int, worst: float) -> Dict[str, float]:
+    if count == 0:
         return {}
-    out = {f"moe/{key}": sum(s[key] for s in summaries) / len(summaries) for key in summaries[0]}
-    out["moe/max_load_imbalance"] = max(s["load_imbalance"] for s in summaries)
+    out = {f"moe/{key}": value / count for key, value in sums.items()}
+    out["moe/max_load_imbalance"] = worst
     return out

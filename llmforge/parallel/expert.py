@@ -32,7 +32,7 @@ The ep mesh spans data-parallel ranks only, never tp or pp ranks.
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -134,3 +134,19 @@ def reduce_expert_grads(model: nn.Module, *, replica_group: Optional[dist.Proces
         if replica_group is not None and dist.get_world_size(replica_group) > 1:
             dist.all_reduce(grad, group=replica_group)
         grad.div_(dp_size)
+
+
+def global_moe_metrics(model_parts: List[nn.Module]) -> Dict[str, float]:
+    """MoE statistics averaged over every MoE layer on every rank (each pipeline
+    stage holds different layers, each data-parallel rank routes different tokens).
+    A collective: every rank must call it at the same step."""
+    from llmforge.models.moe import MOE_METRIC_KEYS, metrics_from_sums, moe_metric_sums
+
+    sums, count, worst = moe_metric_sums(model_parts)
+    device = next(p.device for part in model_parts for p in part.parameters())
+    totals = torch.tensor([*(sums[k] for k in MOE_METRIC_KEYS), float(count)], dtype=torch.float64, device=device)
+    peak = torch.tensor([worst], dtype=torch.float64, device=device)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    values = dict(zip(MOE_METRIC_KEYS, totals[:-1].tolist()))
+    return metrics_from_sums(values, count=int(totals[-1].item()), worst=float(peak.item()))
