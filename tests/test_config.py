@@ -82,7 +82,7 @@ RULES = [
     (("parallel.tp=3",), "parallel.tp = 3", "does not divide model.num_heads=4"),
     (("model.num_kv_heads=2", "model.num_heads=4", "parallel.tp=4", "train.global_batch_size=16"), "parallel.tp = 4", "num_kv_heads=2"),
     (("parallel.pp=3",), "model.num_layers = 4", "not divisible by pp x virtual stages = 3"),
-    (("train.global_batch_size=20",), "train.global_batch_size = 20", "not divisible by micro_batch_size x dp"),
+    (("train.global_batch_size=18",), "train.global_batch_size = 18", "not divisible by micro_batch_size x dp"),
     (("parallel=pp2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=16", "train.global_batch_size=16"), "train.global_batch_size = 16", "fewer than parallel.pp=2"),
     (("parallel.sequence_parallel=true",), "parallel.sequence_parallel = True", "tp=1"),
     (("parallel.cp=3",), "model.seq_len = 128", "not divisible by parallel.cp=3"),
