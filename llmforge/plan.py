@@ -259,8 +259,8 @@ def _check_tp(config: RunConfig) -> List[Problem]:
         out.append(Problem("parallel.sequence_parallel", True, "sequence parallel splits activations over tp ranks, and tp=1", "set parallel.tp>1 or parallel.sequence_parallel=false"))
     if p.sequence_parallel and m.seq_len % p.tp:
         out.append(Problem("model.seq_len", m.seq_len, f"not divisible by parallel.tp={p.tp} with sequence parallel", "make seq_len a multiple of tp"))
-    if m.seq_len % p.cp:
-        out.append(Problem("model.seq_len", m.seq_len, f"not divisible by parallel.cp={p.cp}", "make seq_len a multiple of cp"))
+    if m.seq_len % (2 * p.cp):
+        out.append(Problem("model.seq_len", m.seq_len, f"not divisible by parallel.cp={p.cp} x 2 (load-balanced context-parallel chunks)", "make seq_len a multiple of 2 x cp"))
     return out
 
 

@@ -25,6 +25,9 @@ MOE = [
 ]
 EP2 = MOE + ["parallel.dp=2", "parallel.ep=2"]
 DP4_EP2 = MOE + ["parallel.dp=4", "parallel.ep=2"]
+CP2 = ["parallel.cp=2"]
+# RoPE with grouped-query attention: positions and shared keys under context parallel.
+ROPE_GQA = ["model.position=rope", "model.num_kv_heads=2"]
 WORLD2 = {
     "dp2": ["parallel.dp=2"],
     "dp2_zero1": ["parallel.dp=2", "parallel.zero=1"],
@@ -42,6 +45,9 @@ WORLD2 = {
     "moe_ep2": EP2,
     "moe_ep2_zero1": EP2 + ["parallel.zero=1"],
     "moe_ep2_zero3": EP2 + ["parallel.zero=3"],
+    "cp2": CP2,
+    "cp2_zero1": CP2 + ["parallel.zero=1"],
+    "rope_gqa_cp2_zero3": ROPE_GQA + CP2 + ["parallel.zero=3"],
 }
 WORLD4 = {
     "dp2_tp2": ["parallel.dp=2", "parallel.tp=2"],
@@ -55,6 +61,8 @@ WORLD4 = {
     "moe_dp4_ep2_zero3": DP4_EP2 + ["parallel.zero=3"],
     "moe_ep2_tp2_sp_zero1": EP2 + ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=1"],
     "moe_ep2_pp2": EP2 + PP,
+    "dp2_cp2": ["parallel.dp=2"] + CP2,
+    "cp2_tp2_sp_zero1": CP2 + ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=1"],
 }
 MIXED = {
     "tp2_bf16": ["parallel.tp=2", "precision.param_dtype=bf16", "precision.reduce_dtype=bf16"],
@@ -78,7 +86,7 @@ def results(tmp_path_factory) -> dict:
     return {**run_group(tmp, nproc=2, layouts={**WORLD2, **MIXED}), **run_group(tmp, nproc=4, layouts=WORLD4)}
 
 
-REFERENCES = {"dense": [], "untied": ["model.tie_embeddings=false"], "moe": MOE}
+REFERENCES = {"dense": [], "untied": ["model.tie_embeddings=false"], "moe": MOE, "rope_gqa": ROPE_GQA}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +95,11 @@ def reference():
 
 
 def reference_of(layout: str) -> str:
-    return "moe" if layout.startswith("moe_") else "untied" if "untied" in layout else "dense"
+    if layout.startswith("moe_"):
+        return "moe"
+    if layout.startswith("rope_gqa_"):
+        return "rope_gqa"
+    return "untied" if "untied" in layout else "dense"
 
 
 def max_rel(a, b) -> float:

@@ -1,6 +1,6 @@
 """``llmforge estimate --search``: every valid layout of a model on a cluster, ranked by speed.
 
-The search enumerates dp x tp x pp x ep, ZeRO stage, micro batch, recompute mode,
+The search enumerates dp x tp x pp x cp x ep, ZeRO stage, micro batch, recompute mode,
 pipeline schedule with its virtual stages, and sequence parallel, under the
 plan's validation rules (tp divides heads, kv heads, ffn and vocab; layers split
 evenly over pp x v; the global batch splits into whole microbatches, at least
@@ -17,7 +17,8 @@ It prunes what cannot win, and says so:
   none -> selective -> full: the first mode that fits is kept (more recompute
   only adds FLOPs), and once even full recompute does not fit, larger micro
   batches are skipped;
-- layouts the backend cannot run are not proposed: cp > 1 (not implemented).
+- layouts the backend cannot run are not proposed: cp > 1 with pp > 1 or with
+  an MoE model.
 """
 
 from __future__ import annotations
@@ -67,6 +68,14 @@ def ep_options(shape: Shape, *, dp: int, tp: int, node_size: int) -> List[int]:
     return [e for e in divisors(shape.num_experts) if dp % e == 0 and tp * e <= node_size]
 
 
+def cp_options(shape: Shape, *, pp: int, world: int) -> List[int]:
+    """Context-parallel degrees the backend runs: with pp=1 and a dense model, those
+    whose 2 x cp load-balanced chunks divide the sequence."""
+    if pp > 1 or shape.num_experts > 0:
+        return [1]
+    return [c for c in divisors(world) if c == 1 or shape.seq % (2 * c) == 0]
+
+
 def schedule_options(shape: Shape, pp: int) -> List[Tuple[str, int]]:
     """(schedule, virtual stages) worth trying for pp stages."""
     if pp == 1:
@@ -95,18 +104,18 @@ def _micro_batches(job: Job, dp: int, pp: int, schedule: str) -> Iterator[int]:
 
 
 def structures(shape: Shape, job: Job, world: int) -> Iterator[Layout]:
-    """Every (dp, tp, pp, ep, zero, schedule, v, sp) the rules allow, micro batch unset."""
+    """Every (dp, tp, pp, cp, ep, zero, schedule, v, sp) the rules allow, micro batch unset."""
     node = min(job.node_size, world)
     for tp in tp_options(shape, node):
-        for pp in divisors(shape.num_layers):
-            if world % (tp * pp):
+        for pp, cp in ((pp, cp) for pp in divisors(shape.num_layers) for cp in cp_options(shape, pp=pp, world=world)):
+            if world % (tp * pp * cp):
                 continue
-            dp = world // (tp * pp)
+            dp = world // (tp * pp * cp)
             for ep in ep_options(shape, dp=dp, tp=tp, node_size=node):
                 for schedule, v in schedule_options(shape, pp):
-                    for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
+                    for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
                         for sp in ((True, False) if tp > 1 else (False,)):
-                            yield Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, sequence_parallel=sp, schedule=schedule, virtual_stages=v)
+                            yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sequence_parallel=sp, schedule=schedule, virtual_stages=v)
 
 
 _FIELDS = tuple(Layout.__dataclass_fields__)

@@ -138,17 +138,21 @@ class GPT(nn.Module):
         else:
             self.rope_cos = self.rope_sin = None
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Token ids [b, s] -> logits [b, s, vocab]. On a pipeline stage without the
         embedding the input is the previous stage's hidden states [b, s, h]; on one
-        without the output layer the result is hidden states."""
+        without the output layer the result is hidden states. ``positions`` [s] are
+        the global positions of the given tokens (default ``0..s-1``; context
+        parallelism passes those of this rank's slice of the sequence)."""
         h = tokens
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
         if self.embed is not None:
             h = self.embed(tokens)
             if self.pos_embed is not None:
-                h = h + self.pos_embed(torch.arange(tokens.shape[1], device=tokens.device))
+                h = h + self.pos_embed(positions)
             h = self.embed_dropout(h)
-        rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
+        rope = (self.rope_cos[positions], self.rope_sin[positions]) if self.rope_cos is not None else None
         for layer in self.layers.values():
             h = layer(h, rope)
         if self.norm is not None:

@@ -7,6 +7,9 @@ MoE layer are split over the innermost ``ep`` data-parallel ranks, and the
 flattened ``dp`` dimension is what non-expert gradients are reduced over. An
 expert shard is replicated over ``dp_rest`` (the data-parallel ranks with the same
 ep coordinate): expert gradients are reduced, and ZeRO shards them, over it alone.
+``dp_cp`` flattens ``dp_rest x ep x cp``: the ranks of one model replica's data and
+context shards, over which dense gradients are averaged and ZeRO shards (``dp`` when
+cp is 1).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class ParallelMesh:
     pp: DeviceMesh
     ep: DeviceMesh
     cp: DeviceMesh
+    dp_cp: DeviceMesh
 
     def size(self, name: str) -> int:
         return getattr(self, name).size()
@@ -48,7 +52,8 @@ def build_mesh(plan: RunPlan, *, device_type: str) -> ParallelMesh:
     shape = (plan.pp, plan.dp // plan.ep, plan.ep, plan.cp, plan.tp)
     world = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
     dp = world["dp_rest", "ep"]._flatten("dp")
-    return ParallelMesh(world=world, dp=dp, dp_rest=world["dp_rest"], tp=world["tp"], pp=world["pp"], ep=world["ep"], cp=world["cp"])
+    dp_cp = world["dp_rest", "ep", "cp"]._flatten("dp_cp") if plan.cp > 1 else dp
+    return ParallelMesh(world=world, dp=dp, dp_rest=world["dp_rest"], tp=world["tp"], pp=world["pp"], ep=world["ep"], cp=world["cp"], dp_cp=dp_cp)
 
 
 def device_for_rank(plan: RunPlan) -> torch.device:

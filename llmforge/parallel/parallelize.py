@@ -1,8 +1,8 @@
 """Apply every parallelism to a model in the documented order, and build a rank's
 components for a distributed run.
 
-Order (as in torchtitan): tensor parallel -> expert parallel -> activation
-recompute -> (compile) -> FSDP. The model is built whole (or as its pipeline
+Order (as in torchtitan): tensor parallel -> expert parallel -> context
+parallel -> activation recompute -> (compile) -> FSDP (over dp x cp). The model is built whole (or as its pipeline
 chunks) with the seeded initial weights first and sharded afterwards, so every
 layout starts from the same numbers.
 """
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from llmforge.parallel.clip import GlobalClip
+from llmforge.parallel.context import apply_cp, cp_positions
 from llmforge.parallel.data import GradAllReduce, apply_fsdp, fsdp_sync
 from llmforge.parallel.expert import apply_ep, expert_parameters
 from llmforge.parallel.mesh import ParallelMesh
@@ -34,19 +35,21 @@ def _has(module: str) -> bool:
 
 
 def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh) -> None:
-    """Shard one model (or pipeline chunk) in place: TP -> EP -> recompute -> FSDP."""
+    """Shard one model (or pipeline chunk) in place: TP -> EP -> CP -> recompute -> FSDP."""
     p = plan.config.parallel
     if plan.tp > 1:
         apply_tp(model, tp_mesh=mesh.tp, sequence_parallel=p.sequence_parallel)
     if plan.ep > 1:
         apply_ep(model, ep_mesh=mesh.ep)
+    if plan.cp > 1:
+        apply_cp(model, cp_mesh=mesh.cp)
     if p.recompute != "none" and _has("llmforge.parallel.recompute"):
         from llmforge.parallel.recompute import apply_recompute
 
         apply_recompute(model, mode=p.recompute, every=p.recompute_every)
-    if p.zero > 0 and plan.dp > 1:
+    if p.zero > 0 and plan.dp * plan.cp > 1:
         experts = mesh.dp_rest if plan.ep > 1 else None
-        apply_fsdp(model, dp_mesh=mesh.dp, zero=p.zero, reduce_dtype=plan.config.precision.reduce_dtype, expert_mesh=experts)
+        apply_fsdp(model, dp_mesh=mesh.dp_cp, zero=p.zero, reduce_dtype=plan.config.precision.reduce_dtype, expert_mesh=experts)
 
 
 def build_parts(plan: RunPlan, *, mesh: ParallelMesh, device: torch.device) -> tuple[List[nn.Module], List[int]]:
@@ -118,17 +121,17 @@ def _no_decay(optimizer: torch.optim.Optimizer, copies: List[nn.Parameter]) -> N
 
 
 def _finish_hooks(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module], ids: List[int], num_stages: int):
-    """What runs after a step's backward: ZeRO-0 gradient all-reduce (expert weights
-    over their replicas only), tied-embedding sync."""
+    """What runs after a step's backward: ZeRO-0 gradient all-reduce over dp x cp
+    (expert weights over their replicas only), tied-embedding sync."""
     hooks = []
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
     if plan.tp > 1:
         hooks.append(lambda: align_grads(params))
-    if plan.dp > 1 and plan.config.parallel.zero == 0:
+    if plan.dp * plan.cp > 1 and plan.config.parallel.zero == 0:
         dtype = DTYPES[plan.config.precision.reduce_dtype]
         experts = {id(p) for part in parts for p in expert_parameters(part)}
         dense = [p for p in params if id(p) not in experts]
-        hooks.append(GradAllReduce(params=dense, group=mesh.dp.get_group(), size=plan.dp, dtype=dtype))
+        hooks.append(GradAllReduce(params=dense, group=mesh.dp_cp.get_group(), size=plan.dp * plan.cp, dtype=dtype))
         if experts:
             expert_params = [p for p in params if id(p) in experts]
             hooks.append(GradAllReduce(params=expert_params, group=mesh.dp_rest.get_group(), size=plan.dp, dtype=dtype))
@@ -148,9 +151,11 @@ def _finish_hooks(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module], 
 
 
 def _dp_mean(mesh: ParallelMesh, size: int):
+    """The mean of each rank's loss over the dp x cp ranks (equal token counts)."""
+
     def reduce(loss: torch.Tensor) -> torch.Tensor:
         loss = loss.detach().float().clone()
-        torch.distributed.all_reduce(loss, group=mesh.dp.get_group())
+        torch.distributed.all_reduce(loss, group=mesh.dp_cp.get_group())
         return loss / size
 
     return reduce
@@ -159,8 +164,11 @@ def _dp_mean(mesh: ParallelMesh, size: int):
 def _accumulation_step(plan: RunPlan, *, mesh: ParallelMesh, model: nn.Module, scaler, device: torch.device, finish) -> GradAccumulationStep:
     cfg = plan.config
     no_sync = None
-    if plan.dp > 1 and cfg.parallel.zero == 1:
+    if plan.dp * plan.cp > 1 and cfg.parallel.zero == 1:
         no_sync = lambda last: fsdp_sync(model, sync=last)  # noqa: E731
+    positions = None
+    if plan.cp > 1:
+        positions = cp_positions(seq_len=cfg.model.seq_len, cp_rank=mesh.local_rank("cp"), cp=plan.cp, device=device)
     return GradAccumulationStep(
         model=model,
         micro_batch_size=cfg.train.micro_batch_size,
@@ -169,9 +177,10 @@ def _accumulation_step(plan: RunPlan, *, mesh: ParallelMesh, model: nn.Module, s
         device=device,
         loss_fn=sharded_cross_entropy if plan.tp > 1 else cross_entropy,
         no_sync=no_sync,
-        reduce_loss=_dp_mean(mesh, plan.dp) if plan.dp > 1 else None,
+        reduce_loss=_dp_mean(mesh, plan.dp * plan.cp) if plan.dp * plan.cp > 1 else None,
         loss_context=lambda: loss_context(plan.tp),
         finish=finish,
+        positions=positions,
     )
 
 

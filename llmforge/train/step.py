@@ -44,7 +44,10 @@ class GradAccumulationStep:
     all but the last microbatch; ``reduce_loss`` averages the logged loss across
     ranks that saw different data; ``loss_context`` wraps each microbatch's forward,
     loss and backward (tensor parallelism computes the loss on sharded logits in
-    it); ``finish`` runs once after the last backward (gradient reductions)."""
+    it); ``finish`` runs once after the last backward (gradient reductions);
+    ``positions`` (context parallelism) are the global positions of this rank's
+    slice of each sequence: inputs and targets are taken at them after the
+    next-token shift and the model is told them."""
 
     model: nn.Module
     micro_batch_size: int
@@ -56,6 +59,7 @@ class GradAccumulationStep:
     reduce_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     finish: Optional[Callable[[], None]] = None
+    positions: Optional[torch.Tensor] = None
 
     def __call__(self, batch: torch.Tensor) -> StepOutput:
         micro = batch.to(self.device, non_blocking=True).split(self.micro_batch_size)
@@ -64,9 +68,10 @@ class GradAccumulationStep:
             last = i == len(micro) - 1
             sync = self.no_sync(last) if self.no_sync is not None else contextlib.nullcontext()
             with sync, self.loss_context():
+                inputs, targets = self._split(mb)
                 with autocast(param_dtype=self.param_dtype, device=self.device):
-                    logits = self.model(mb[:, :-1])
-                loss = self.loss_fn(logits, mb[:, 1:])
+                    logits = self.model(inputs) if self.positions is None else self.model(inputs, positions=self.positions)
+                loss = self.loss_fn(logits, targets)
                 self.scaler.scaled(loss / len(micro)).backward()
             total += loss.detach()
         if self.finish is not None:
@@ -75,3 +80,11 @@ class GradAccumulationStep:
         if self.reduce_loss is not None:
             mean = self.reduce_loss(mean)
         return StepOutput(loss=mean.item())
+
+    def _split(self, mb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and next-token targets of a microbatch (this rank's positions only)."""
+        inputs, targets = mb[:, :-1], mb[:, 1:]
+        if self.positions is None:
+            return inputs, targets
+        index = self.positions.to(mb.device)
+        return inputs.index_select(1, index), targets.index_select(1, index)
