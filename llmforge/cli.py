@@ -151,6 +151,7 @@ def pretrain(
     overrides: Optional[List[str]] = OVERRIDES,
     force: bool = typer.Option(False, "--force", help="Launch even if the estimate says the plan does not fit."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch command (or SLURM script) and stop."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start over in a run.dir that already holds a run."),
     config_dir: Optional[List[Path]] = CONFIG_DIR,
 ) -> None:
     """Validate, estimate and launch a pretraining run.
@@ -170,7 +171,7 @@ def pretrain(
     run_plan = _build_plan(overrides, config_dir)
     from llmforge.launch import launch
 
-    launch(run_plan, resume_from=None, force=force, dry_run=dry_run, console=err)
+    launch(run_plan, resume_from=None, force=force, dry_run=dry_run, console=err, overwrite=overwrite)
 
 
 @app.command()

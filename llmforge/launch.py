@@ -11,8 +11,10 @@ from rich.console import Console
 from llmforge.plan import RunPlan
 
 
-def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console) -> None:
+def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
     _preflight(plan, force=force, console=console)
+    if resume_from is None and not dry_run:
+        _claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
     if plan.world_size == 1 and plan.config.cluster.launcher == "local":
         if dry_run:
             console.print(f"would train in this process: {plan.layout}, {plan.config.train.steps} steps into {plan.run_dir}")
@@ -33,6 +35,30 @@ def _preflight(plan: RunPlan, *, force: bool, console: Console) -> None:
     console.print(text)
     if not fits and not force:
         raise fail("the plan is estimated not to fit in device memory; change the layout (llmforge estimate --search) or pass --force")
+
+
+#: What a finished or interrupted run leaves in its folder.
+RUN_FILES = ("metrics.jsonl", "checkpoints", "plan.json", "wandb_run_id")
+
+
+def _claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
+    """A new run never mixes its metrics and checkpoints with an earlier run's."""
+    import shutil
+
+    from llmforge.errors import fail
+
+    found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    if not found:
+        return
+    if not overwrite:
+        names = ", ".join(p.name for p in found)
+        raise fail(
+            f"run.dir={run_dir} already holds a run ({names}); continue it with `llmforge resume ckpt={run_dir}`, "
+            "choose another run.dir=..., or pass --overwrite to start over"
+        )
+    for path in found:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    console.print(f"[yellow]--overwrite: removed the earlier run in {run_dir}[/]")
 
 
 def _run_here(plan: RunPlan, *, resume_from: Optional[Path], console: Console) -> None:

@@ -79,6 +79,25 @@ def test_the_estimate_is_shown_before_launch(finished_run):
     assert "fits" in output.lower()
 
 
+def test_a_second_pretrain_into_the_same_run_dir_is_refused(finished_run, small_data):
+    run_dir, _ = finished_run
+    before = (run_dir / "metrics.jsonl").read_text()
+    result = runner.invoke(app, ["pretrain", *small_data, f"run.dir={run_dir}", "train.steps=2", "logging=quiet"])
+    assert result.exit_code == 2
+    assert "already holds a run" in result.output and "llmforge resume" in result.output and "--overwrite" in result.output
+    assert (run_dir / "metrics.jsonl").read_text() == before
+
+
+def test_overwrite_starts_over(tmp_path, small_data):
+    run_dir = tmp_path / "run"
+    args = ["pretrain", *small_data, f"run.dir={run_dir}", "train.steps=2", "train.log_interval=1", "logging=quiet"]
+    assert runner.invoke(app, args).exit_code == 0
+    result = runner.invoke(app, [*args, "train.steps=1", "--overwrite"])
+    assert result.exit_code == 0, result.output
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == [1]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_1"]
+
+
 def test_missing_data_file_is_a_user_error(tmp_path):
     result = runner.invoke(app, ["pretrain", "data=files", f"data.path={tmp_path / 'nope.txt'}", f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'c'}"])
     assert result.exit_code == 2
