@@ -11,6 +11,7 @@ import pytest
 
 from llmforge.errors import UserError
 from llmforge.estimate import activations as act
+from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate.core import estimate
 from llmforge.estimate.hardware import GIB, get_profile, known_profiles
@@ -216,6 +217,38 @@ def test_moe_counts_active_parameters_and_shards_experts():
     one = estimate(shape, Layout(dp=8, ep=1, zero=1), job(batch=64))
     assert est.worst.params < one.worst.params / 4
     assert est.comm.ep_bytes > 0 and one.comm.ep_bytes == 0
+
+
+def test_zero0_allreduce_hides_behind_the_last_backward_but_its_last_bucket():
+    jb, d = job(batch=64), 8
+    common = dict(dense=10**9, expert=0, microbatches=4, t_fwd=1.0, span=d)
+    nbytes, t, exposed = cm.dp_traffic(Layout(dp=d), jb, t_bwd=10 * t_of(jb), last_bucket=0, **common)
+    sent = 2 * 10**9 * (d - 1) / d * 4
+    assert nbytes == pytest.approx(sent) and t == pytest.approx(t_of(jb))
+    # a long backward hides all but the last 25 MB bucket, launched when backward ends
+    assert exposed == pytest.approx(t * cm.BUCKET_BYTES / (10**9 * 4))
+    # an embedding larger than a bucket is that last bucket
+    _, _, tail = cm.dp_traffic(Layout(dp=d), jb, t_bwd=10 * t, last_bucket=10**8, **common)
+    assert tail == pytest.approx(t / 10)
+    # a short backward hides only its own length
+    _, _, short = cm.dp_traffic(Layout(dp=d), jb, t_bwd=t / 2, last_bucket=0, **common)
+    assert short == pytest.approx(t / 2)
+    # under a pipeline the schedule runs backward and the all-reduce follows it
+    _, _, piped = cm.dp_traffic(Layout(dp=d, pp=2), jb, t_bwd=10 * t, last_bucket=0, **common)
+    assert piped == pytest.approx(t)
+
+
+def t_of(jb: Job) -> float:
+    """Seconds of the all-reduce of 10^9 fp32 gradients over 8 ranks in a node."""
+    return cm.seconds(jb, 2 * 10**9 * 7 / 8 * 4, 8)
+
+
+def test_zero0_step_time_charges_less_than_the_whole_allreduce():
+    shape, jb = gpt(layers=24, hidden=2048, heads=16), job(batch=64)
+    est = estimate(shape, Layout(dp=8, micro_batch=8), jb)
+    assert 0 < est.parts["dp_comm"] < est.comm.dp_s
+    piped = estimate(shape, Layout(dp=4, pp=2, micro_batch=8), jb)
+    assert piped.parts["dp_comm"] == pytest.approx(piped.comm.dp_s)
 
 
 # ---------------------------------------------------------------- command line

@@ -75,7 +75,9 @@ def run_group(tmp: Path, *, nproc: int, layouts: dict) -> dict:
     spec, out = tmp / f"spec{nproc}.json", tmp / f"out{nproc}.pt"
     spec.write_text(json.dumps({"layouts": layouts}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "llmforge.parallel.harness", str(spec), str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    # 20 kB buckets: ZeRO 0's overlapped reduction runs over many buckets of the tiny model
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "LLMFORGE_DP_BUCKET_MB": "0.02"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
 

@@ -9,8 +9,10 @@ peak times its ``comm_efficiency``.
 
 What overlaps (and what the estimate therefore charges to the step):
 
-- data parallel: see ``dp_traffic`` (ZeRO 0's flat all-reduce is exposed, FSDP's
-  gathers and reduce-scatters hide behind a microbatch's forward or backward);
+- data parallel: see ``dp_traffic`` (ZeRO 0's bucketed all-reduce hides behind the
+  last microbatch's backward but for its last bucket, and is exposed under a
+  pipeline; FSDP's gathers and reduce-scatters hide behind a microbatch's forward
+  or backward);
 - tensor parallel and expert all-to-all sit on the critical path: fully exposed;
 - pipeline point-to-point overlaps in steady state; the fill and drain transfers
   (2(p-1) per chunk) are exposed;
@@ -24,6 +26,8 @@ from dataclasses import dataclass
 from llmforge.estimate.shape import DTYPE_BYTES, Job, Layout, Shape
 
 FP32 = 4
+# llmforge.parallel.data.BUCKET_BYTES: ZeRO 0's gradient bucket cap
+BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
@@ -57,11 +61,15 @@ def _bandwidth(job: Job, span: int) -> float:
 
 
 def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatches: int,
-               t_fwd: float, t_bwd: float, span: int) -> tuple[float, float, float]:
+               t_fwd: float, t_bwd: float, span: int, last_bucket: int = 0) -> tuple[float, float, float]:
     """(bytes, seconds, exposed seconds) of data-parallel traffic per device per step.
 
-    As llmforge.parallel.data runs it: ZeRO 0 all-reduces one flat gradient buffer
-    after the last backward (nothing to hide behind); ZeRO 1-3 are FSDP2, which
+    As llmforge.parallel.data runs it: ZeRO 0 all-reduces gradients in buckets
+    launched as the last microbatch's backward produces them, so only what exceeds
+    that backward is exposed, and at least the last bucket (``last_bucket``
+    parameters, the embedding's: their gradient is ready when backward ends);
+    under a pipeline the schedule runs backward and ZeRO 0 all-reduces afterwards
+    (all exposed). ZeRO 1-3 are FSDP2, which
     all-gathers fp32 parameters block by block, prefetched behind the previous
     block's compute, and reduce-scatters gradients behind the backward: once per
     step for ZeRO 1 (and any stage under a pipeline), after every microbatch for
@@ -76,7 +84,10 @@ def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatche
     if layout.zero == 0:
         nbytes = 2 * numel * rb
         t = seconds(job, nbytes, span)
-        return nbytes, t, t
+        if layout.pp > 1 or not numel:
+            return nbytes, t, t
+        tail = min(1.0, max(last_bucket * rb, BUCKET_BYTES) * (d - 1) / d / (numel * rb))
+        return nbytes, t, zero0_exposed(t, t_bwd=t_bwd, tail=tail)
     rs_one, ag_one = numel * rb, numel * FP32
     t_rs, t_ag = seconds(job, rs_one, span), seconds(job, ag_one, span)
     reduce_each = layout.zero >= 2 and layout.pp == 1
@@ -87,6 +98,13 @@ def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatche
     exposed += (m * max(0.0, t_ag - t_bwd)) if layout.zero == 3 else 0.0
     nbytes = scatters * rs_one + gathers * ag_one
     return nbytes, scatters * t_rs + gathers * t_ag, exposed
+
+
+def zero0_exposed(t_allreduce: float, *, t_bwd: float, tail: float) -> float:
+    """Exposed seconds of ZeRO 0's overlapped all-reduce (``t_allreduce`` in all):
+    what the last microbatch's backward (``t_bwd``) cannot hide, and never less than
+    the ``tail`` share (the last bucket, launched when backward ends)."""
+    return max(t_allreduce - t_bwd, tail * t_allreduce)
 
 
 def tp_bytes(shape: Shape, layout: Layout, job: Job, *, layers: int, microbatches: int) -> float:

@@ -95,8 +95,10 @@ def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t
     nblocks = counts.blocks
     params = layout_rank_params(shape, layout, stage)
     t_fwd = t_mb / 3  # forward share of a microbatch's compute (backward is twice the forward)
+    embedding = shape.vocab * shape.hidden // layout.tp if counts.first else 0
     dp_b, dp_s, dp_exposed = cm.dp_traffic(layout, job, dense=params.dense_numel, expert=params.expert_numel,
-                                           microbatches=m, t_fwd=t_fwd, t_bwd=t_mb - t_fwd, span=span["dp"])
+                                           microbatches=m, t_fwd=t_fwd, t_bwd=t_mb - t_fwd, span=span["dp"],
+                                           last_bucket=embedding)
     pp_total, pp_one = cm.pp_bytes(shape, layout, job, microbatches=m)
     tp_b = cm.tp_bytes(shape, layout, job, layers=nblocks, microbatches=m)
     cp_b = cm.cp_bytes(shape, layout, job, layers=nblocks, microbatches=m)

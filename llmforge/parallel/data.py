@@ -1,8 +1,12 @@
 """Data parallelism and the ZeRO stages, and what each really shards.
 
 - ZeRO 0: every rank holds the whole (tensor/pipeline-local) model, gradients and
-  optimizer states; after the step's last backward the gradients are all-reduced
-  over the data-parallel group in ``precision.reduce_dtype`` (one flat buffer per dtype).
+  optimizer states; gradients are all-reduced over the data-parallel group in
+  ``precision.reduce_dtype``, as DDP does: in buckets (``BucketedGradReduce``),
+  each launched asynchronously during the last microbatch's backward as soon as
+  its gradients are ready, and waited for after backward. Under pipeline
+  parallelism the schedule runs (and rescales) the backward itself, so there the
+  gradients are all-reduced after it (``GradAllReduce``, one flat buffer).
 - ZeRO 1, 2, 3 use FSDP2 ``fully_shard`` per transformer block and on the root,
   which always shards parameters and optimizer states between steps:
   - 3: parameters are re-sharded after forward and gathered again for backward;
@@ -28,8 +32,8 @@ compute precision comes from autocast, so the master weights stay fp32 everywher
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Iterator, List, Optional
+from dataclasses import dataclass, field
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -82,7 +86,8 @@ def fsdp_sync(model: nn.Module, *, sync: bool) -> Iterator[None]:
 
 @dataclass
 class GradAllReduce:
-    """ZeRO 0: sum gradients over ``group`` and divide by ``size``, in ``dtype``
+    """ZeRO 0 after backward (pipeline parallel, or ``LLMFORGE_DP_OVERLAP=0``): sum
+    gradients over ``group`` and divide by ``size``, in ``dtype``
     (the data-parallel group and size; for expert weights the ``dp_rest`` group
     and the data-parallel size)."""
 
@@ -106,3 +111,161 @@ class GradAllReduce:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+BUCKET_BYTES = 25 * 2**20
+# As DDP: a small first bucket (the last layers' gradients, ready first) starts
+# communication early in the backward.
+FIRST_BUCKET_BYTES = 2**20
+
+
+def plan_buckets(sizes: Sequence[int], *, bucket_bytes: int, first_bucket_bytes: int) -> List[List[int]]:
+    """Parameter indices grouped into buckets, in reverse parameter order (the order
+    backward produces gradients). ``sizes`` are the bytes each parameter sends; a
+    bucket closes when the next parameter would take it past its cap."""
+    buckets: List[List[int]] = []
+    current: List[int] = []
+    filled = 0
+    for index in reversed(range(len(sizes))):
+        cap = first_bucket_bytes if not buckets else bucket_bytes
+        if current and filled + sizes[index] > cap:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(index)
+        filled += sizes[index]
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@dataclass
+class _Launched:
+    flat: torch.Tensor
+    work: object
+    numels: List[int]
+
+
+@dataclass
+class BucketedGradReduce:
+    """ZeRO 0 with the reduction overlapped with backward: sum gradients over
+    ``group`` and divide by ``size``, in ``dtype``, bucket by bucket.
+
+    While armed (the last microbatch's backward, see ``grad_sync``), a
+    post-accumulate-grad hook marks each parameter ready; buckets are launched
+    (``async_op``) strictly in bucket order as soon as all their gradients are
+    ready, so every rank issues the same collectives in the same order. ``finish``
+    launches what is left (buckets holding a parameter that got no gradient in this
+    microbatch), waits, divides and copies the results back into the gradients.
+    A parameter without a gradient on this rank is sent as zeros; the last bucket
+    also carries one "has a gradient" flag per parameter, so a parameter that has a
+    gradient on some rank gets the average on every rank, and one without a
+    gradient anywhere keeps none (as in one process). ``trace``, when a list,
+    records ``("ready", param index)`` and ``("launch", bucket index)`` events."""
+
+    params: List[nn.Parameter]
+    group: dist.ProcessGroup
+    size: int
+    dtype: torch.dtype
+    bucket_bytes: int = BUCKET_BYTES
+    first_bucket_bytes: int = FIRST_BUCKET_BYTES
+    trace: Optional[List[Tuple[str, int]]] = None
+    buckets: List[List[int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        sizes = [_local(p).numel() * element for p in self.params]
+        self.buckets = plan_buckets(sizes, bucket_bytes=self.bucket_bytes, first_bucket_bytes=self.first_bucket_bytes)
+        self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
+        self._armed = False
+        self._reset()
+        for index, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(lambda _p, index=index: self._ready(index))
+
+    def _reset(self) -> None:
+        self._pending = [set(bucket) for bucket in self.buckets]
+        self._launched: List[_Launched] = []
+
+    def arm(self, *, armed: bool) -> None:
+        """Reduce during the coming backward (the step's last microbatch) or only accumulate."""
+        if armed and not self._armed:
+            self._reset()
+        self._armed = armed
+
+    def _ready(self, index: int) -> None:
+        if not self._armed:
+            return
+        bucket = self._bucket_of[index]
+        if bucket < len(self._launched):
+            raise RuntimeError(f"parameter {index} received a gradient after its bucket was reduced")
+        if self.trace is not None:
+            self.trace.append(("ready", index))
+        self._pending[bucket].discard(index)
+        while len(self._launched) < len(self.buckets) and not self._pending[len(self._launched)]:
+            self._launch()
+
+    def _launch(self) -> None:
+        b = len(self._launched)
+        pieces = [_grad_or_zeros(self.params[i]) for i in self.buckets[b]]
+        numels = [t.numel() for t in pieces]
+        flat_parts = [t.reshape(-1).to(self.dtype) for t in pieces]
+        if b == len(self.buckets) - 1:
+            flat_parts.append(torch.tensor([float(p.grad is not None) for p in self.params], dtype=self.dtype, device=pieces[0].device))
+        flat = torch.cat(flat_parts)
+        if self.trace is not None:
+            self.trace.append(("launch", b))
+        work = dist.all_reduce(flat, group=self.group, async_op=True)
+        self._launched.append(_Launched(flat=flat, work=work, numels=numels))
+
+    def __call__(self) -> None:
+        """Launch the buckets not launched during backward, wait for all, write back."""
+        if not self.buckets:
+            return
+        try:
+            while len(self._launched) < len(self.buckets):
+                self._launch()
+            for launched in self._launched:
+                launched.work.wait()  # type: ignore[attr-defined]
+            flags = self._launched[-1].flat[sum(self._launched[-1].numels) :]
+            for bucket, launched in zip(self.buckets, self._launched):
+                self._write_back(bucket, launched, flags)
+        finally:
+            self._armed = False
+            self._reset()
+
+    def _write_back(self, bucket: List[int], launched: _Launched, flags: torch.Tensor) -> None:
+        flat = launched.flat
+        flat[: sum(launched.numels)].div_(self.size)
+        offset = 0
+        for i, numel in zip(bucket, launched.numels):
+            p, part = self.params[i], flat[offset : offset + numel]
+            offset += numel
+            if p.grad is not None:
+                _local(p.grad).copy_(part.view_as(_local(p.grad)))
+            elif flags[i] > 0:
+                p.grad = _like_param(p, part)
+
+
+def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
+    """The local gradient, or zeros of the parameter's local shape when it has none."""
+    return _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p.detach()))
+
+
+def _like_param(p: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
+    """A gradient for ``p`` holding ``values`` (its local part when ``p`` is a DTensor)."""
+    local = values.to(p.dtype).view_as(_local(p.detach())).clone()
+    if isinstance(p, DTensor):
+        return DTensor.from_local(local, device_mesh=p.device_mesh, placements=p.placements, shape=p.shape, stride=p.stride())
+    return local
+
+
+@contextlib.contextmanager
+def grad_sync(reducers: Sequence[BucketedGradReduce], *, sync: bool) -> Iterator[None]:
+    """Arm the bucketed reductions for the backward in the block when ``sync``
+    (the last microbatch); earlier microbatches only accumulate."""
+    for reducer in reducers:
+        reducer.arm(armed=sync)
+    try:
+        yield
+    finally:
+        for reducer in reducers:
+            reducer.arm(armed=False)

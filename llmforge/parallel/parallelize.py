@@ -10,14 +10,15 @@ layout starts from the same numbers.
 from __future__ import annotations
 
 import importlib.util
-from typing import List
+import os
+from typing import List, Optional
 
 import torch
 from torch import nn
 
 from llmforge.parallel.clip import GlobalClip
 from llmforge.parallel.context import apply_cp, cp_positions
-from llmforge.parallel.data import GradAllReduce, apply_fsdp, fsdp_sync
+from llmforge.parallel.data import BUCKET_BYTES, FIRST_BUCKET_BYTES, BucketedGradReduce, GradAllReduce, apply_fsdp, fsdp_sync, grad_sync
 from llmforge.parallel.expert import apply_ep, expert_parameters
 from llmforge.parallel.mesh import ParallelMesh
 from llmforge.parallel.pipeline import PipelineStep, autocast_forward, build_schedule, build_stage_model, stage_ids
@@ -81,9 +82,10 @@ def build_parallel(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compone
     optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr)
     _no_decay(optimizer, copies)
     scaler = build_scaler(plan)
-    finish = _finish_hooks(plan, mesh=mesh, parts=parts, ids=ids, num_stages=num_stages)
+    reducers = _zero0_reducers(plan, mesh=mesh, parts=parts, overlap=plan.pp == 1 and overlap_enabled())
+    finish = _finish_hooks(plan, mesh=mesh, parts=parts, ids=ids, num_stages=num_stages, reducers=reducers)
     if plan.pp == 1:
-        step = _accumulation_step(plan, mesh=mesh, model=parts[0], scaler=scaler, device=device, finish=finish)
+        step = _accumulation_step(plan, mesh=mesh, model=parts[0], scaler=scaler, device=device, finish=finish, reducers=reducers)
     else:
         step = _pipeline_step(plan, mesh=mesh, parts=parts, ids=ids, scaler=scaler, device=device, finish=finish)
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
@@ -120,21 +122,48 @@ def _no_decay(optimizer: torch.optim.Optimizer, copies: List[nn.Parameter]) -> N
             target["params"].extend(moved)
 
 
-def _finish_hooks(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module], ids: List[int], num_stages: int):
-    """What runs after a step's backward: ZeRO-0 gradient all-reduce over dp x cp
-    (expert weights over their replicas only), tied-embedding sync."""
-    hooks = []
+def overlap_enabled() -> bool:
+    """Whether ZeRO 0 overlaps its reduction with backward (``LLMFORGE_DP_OVERLAP=0``
+    forces the post-backward all-reduce, for comparison)."""
+    return os.environ.get("LLMFORGE_DP_OVERLAP", "1") != "0"
+
+
+def _bucket_bytes() -> tuple[int, int]:
+    """Bucket caps: ``LLMFORGE_DP_BUCKET_MB`` (default 25) and a first bucket of at most 1 MB."""
+    mb = os.environ.get("LLMFORGE_DP_BUCKET_MB")
+    if mb is None:
+        return BUCKET_BYTES, FIRST_BUCKET_BYTES
+    cap = max(1, int(float(mb) * 2**20))
+    return cap, min(cap, FIRST_BUCKET_BYTES)
+
+
+def _zero0_reducers(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module], overlap: bool) -> List:
+    """ZeRO 0 gradient reductions over dp x cp (expert weights over their replicas
+    only, divided by dp): bucketed and overlapped with backward when ``overlap``,
+    else one flat all-reduce each after backward."""
+    if plan.dp * plan.cp == 1 or plan.config.parallel.zero != 0:
+        return []
+    dtype = DTYPES[plan.config.precision.reduce_dtype]
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]
+    experts = {id(p) for part in parts for p in expert_parameters(part)}
+    groups = [([p for p in params if id(p) not in experts], mesh.dp_cp.get_group(), plan.dp * plan.cp)]
+    if experts:
+        groups.append(([p for p in params if id(p) in experts], mesh.dp_rest.get_group(), plan.dp))
+    if not overlap:
+        return [GradAllReduce(params=ps, group=g, size=n, dtype=dtype) for ps, g, n in groups]
+    cap, first = _bucket_bytes()
+    return [BucketedGradReduce(params=ps, group=g, size=n, dtype=dtype, bucket_bytes=cap, first_bucket_bytes=first) for ps, g, n in groups]
+
+
+def _finish_hooks(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module], ids: List[int], num_stages: int, reducers: List):
+    """What runs after a step's backward: the ZeRO-0 gradient reductions (the
+    bucketed ones before the tensor-parallel gradient layout is fixed, which is the
+    same sum as after it: both are linear), then the tied-embedding sync."""
+    hooks = [r for r in reducers if isinstance(r, BucketedGradReduce)]
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
     if plan.tp > 1:
         hooks.append(lambda: align_grads(params))
-    if plan.dp * plan.cp > 1 and plan.config.parallel.zero == 0:
-        dtype = DTYPES[plan.config.precision.reduce_dtype]
-        experts = {id(p) for part in parts for p in expert_parameters(part)}
-        dense = [p for p in params if id(p) not in experts]
-        hooks.append(GradAllReduce(params=dense, group=mesh.dp_cp.get_group(), size=plan.dp * plan.cp, dtype=dtype))
-        if experts:
-            expert_params = [p for p in params if id(p) in experts]
-            hooks.append(GradAllReduce(params=expert_params, group=mesh.dp_rest.get_group(), size=plan.dp, dtype=dtype))
+    hooks.extend(r for r in reducers if isinstance(r, GradAllReduce))
     if plan.pp > 1 and plan.config.model.tie_embeddings:
         schedule = plan.config.parallel.pp_schedule
         last_pp = stage_ids(pp_rank=0, pp=plan.pp, virtual=plan.virtual_stages, schedule=schedule)
@@ -161,11 +190,14 @@ def _dp_mean(mesh: ParallelMesh, size: int):
     return reduce
 
 
-def _accumulation_step(plan: RunPlan, *, mesh: ParallelMesh, model: nn.Module, scaler, device: torch.device, finish) -> GradAccumulationStep:
+def _accumulation_step(plan: RunPlan, *, mesh: ParallelMesh, model: nn.Module, scaler, device: torch.device, finish, reducers: Optional[List] = None) -> GradAccumulationStep:
     cfg = plan.config
     no_sync = None
     if plan.dp * plan.cp > 1 and cfg.parallel.zero == 1:
         no_sync = lambda last: fsdp_sync(model, sync=last)  # noqa: E731
+    bucketed = [r for r in reducers or [] if isinstance(r, BucketedGradReduce)]
+    if bucketed:
+        no_sync = lambda last: grad_sync(bucketed, sync=last)  # noqa: E731
     positions = None
     if plan.cp > 1:
         positions = cp_positions(seq_len=cfg.model.seq_len, cp_rank=mesh.local_rank("cp"), cp=plan.cp, device=device)
