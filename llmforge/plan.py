@@ -79,6 +79,13 @@ class RunPlan:
         return self.config.parallel.pp_virtual_stages
 
     @property
+    def overlap_grad_reduce(self) -> bool:
+        """ZeRO-0 reduces gradients in buckets during backward: by default on GPUs, not on
+        CPU, where gloo's communication thread competes with compute for the same cores."""
+        choice = self.config.parallel.overlap_grad_reduce
+        return self.config.cluster.accelerator != "cpu" if choice is None else choice
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.config.run.dir)
 

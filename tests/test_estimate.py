@@ -236,6 +236,10 @@ def test_zero0_allreduce_hides_behind_the_last_backward_but_its_last_bucket():
     # under a pipeline the schedule runs backward and the all-reduce follows it
     _, _, piped = cm.dp_traffic(Layout(dp=d, pp=2), jb, t_bwd=10 * t, last_bucket=0, **common)
     assert piped == pytest.approx(t)
+    # with the overlap switched off (the CPU default) it all follows backward too
+    off = replace(jb, overlap_grad_reduce=False)
+    _, _, after = cm.dp_traffic(Layout(dp=d), off, t_bwd=10 * t, last_bucket=0, **common)
+    assert after == pytest.approx(t)
 
 
 def t_of(jb: Job) -> float:
@@ -249,6 +253,14 @@ def test_zero0_step_time_charges_less_than_the_whole_allreduce():
     assert 0 < est.parts["dp_comm"] < est.comm.dp_s
     piped = estimate(shape, Layout(dp=4, pp=2, micro_batch=8), jb)
     assert piped.parts["dp_comm"] == pytest.approx(piped.comm.dp_s)
+
+
+def test_overlap_follows_the_plan():
+    from llmforge.estimate.shape import job_from_plan
+
+    assert job_from_plan(_plan("parallel=dp2")).overlap_grad_reduce is False  # cpu default
+    assert job_from_plan(_plan("parallel=dp2", "parallel.overlap_grad_reduce=true")).overlap_grad_reduce is True
+    assert job_from_plan(_plan("recipe=gpt-1b")).overlap_grad_reduce is True  # GPU default
 
 
 # ---------------------------------------------------------------- command line

@@ -73,10 +73,10 @@ MIXED = {
 
 def run_group(tmp: Path, *, nproc: int, layouts: dict) -> dict:
     spec, out = tmp / f"spec{nproc}.json", tmp / f"out{nproc}.pt"
-    spec.write_text(json.dumps({"layouts": layouts}))
+    # overlapped ZeRO-0 reduction (off by default on CPU) over 20 kB buckets: many buckets of the tiny model
+    spec.write_text(json.dumps({"base": ["parallel.overlap_grad_reduce=true", "parallel.bucket_mb=0.02"], "layouts": layouts}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "llmforge.parallel.harness", str(spec), str(out)]
-    # 20 kB buckets: ZeRO 0's overlapped reduction runs over many buckets of the tiny model
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "LLMFORGE_DP_BUCKET_MB": "0.02"}
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return torch.load(out, weights_only=False)

@@ -10,7 +10,7 @@ with r ranks therefore uses r x threads threads in all, and the table says so.
 The first step (warm-up, pipeline shape inference) is left out of the timing.
 ZeRO-0 data-parallel layouts run twice: with the gradient all-reduce overlapped
 with backward (the default) and, marked "post-backward", with one flat
-all-reduce after it (``LLMFORGE_DP_OVERLAP=0``), each in its own group.
+all-reduce after it (``parallel.overlap_grad_reduce=false``), each in its own group.
 
 Comparing against a baseline trained inside this process with every core's
 worth of threads is not a fair comparison on a small model: torch's intra-op
@@ -46,10 +46,10 @@ LAYOUTS: Dict[int, Dict[str, List[str]]] = {
 }
 # Layouts run again with the reduction after backward, to compare with the overlap.
 POST_BACKWARD: Dict[int, Dict[str, List[str]]] = {
-    2: {"dp2 post-backward": ["parallel.dp=2"]},
-    4: {"dp2 tp2 post-backward": ["parallel.dp=2", "parallel.tp=2"]},
+    2: {"dp2 post-backward": ["parallel.dp=2", "parallel.overlap_grad_reduce=false"]},
+    4: {"dp2 tp2 post-backward": ["parallel.dp=2", "parallel.tp=2", "parallel.overlap_grad_reduce=false"]},
 }
-BENCH = ["model.hidden_size=128", "model.ffn_hidden_size=512", "model.seq_len=128", "model.vocab_size=1024", "train.global_batch_size=16", "train.micro_batch_size=4"]
+BENCH = ["parallel.overlap_grad_reduce=true", "model.hidden_size=128", "model.ffn_hidden_size=512", "model.seq_len=128", "model.vocab_size=1024", "train.global_batch_size=16", "train.micro_batch_size=4"]
 Row = Tuple[str, int, float, List[int]]
 
 
@@ -73,7 +73,7 @@ def bench(*, steps: int, threads: int, only: List[str]) -> List[Row]:
     """Rows of every layout (or of those named in ``only``, after the baseline)."""
     base = BENCH + [f"train.steps={steps}"]
     tokens = tiny_plan(base).tokens_per_step
-    runs = [(LAYOUTS, {}), (POST_BACKWARD, {"LLMFORGE_DP_OVERLAP": "0"})]
+    runs = [(LAYOUTS, {}), (POST_BACKWARD, {})]
     rows: List[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         for groups, extra_env in runs:

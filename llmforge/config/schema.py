@@ -73,6 +73,11 @@ class ParallelConfig:
     pp_layers: Optional[List[int]] = knob(None, help="Layers per pipeline stage for an uneven split (length pp*virtual stages).")
     recompute: str = knob("none", help="Activation recomputation: none, selective or full.")
     recompute_every: int = knob(1, help="With full recompute, checkpoint every N-th block only.")
+    overlap_grad_reduce: Optional[bool] = knob(
+        None,
+        help="ZeRO-0: all-reduce gradients in buckets during backward. null = on for GPUs (NCCL), off on CPU (gloo), where it measured slower.",
+    )
+    bucket_mb: float = knob(25.0, help="ZeRO-0 gradient bucket size in MB when the reduction overlaps backward.")
 
 
 @dataclass

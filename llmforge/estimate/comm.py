@@ -11,7 +11,7 @@ What overlaps (and what the estimate therefore charges to the step):
 
 - data parallel: see ``dp_traffic`` (ZeRO 0's bucketed all-reduce hides behind the
   last microbatch's backward but for its last bucket, and is exposed under a
-  pipeline; FSDP's gathers and reduce-scatters hide behind a microbatch's forward
+  pipeline or with ``parallel.overlap_grad_reduce`` off; FSDP's gathers and reduce-scatters hide behind a microbatch's forward
   or backward);
 - tensor parallel and expert all-to-all sit on the critical path: fully exposed;
 - pipeline point-to-point overlaps in steady state; the fill and drain transfers
@@ -84,7 +84,7 @@ def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatche
     if layout.zero == 0:
         nbytes = 2 * numel * rb
         t = seconds(job, nbytes, span)
-        if layout.pp > 1 or not numel:
+        if layout.pp > 1 or not numel or not job.overlap_grad_reduce:
             return nbytes, t, t
         tail = min(1.0, max(last_bucket * rb, BUCKET_BYTES) * (d - 1) / d / (numel * rb))
         return nbytes, t, zero0_exposed(t, t_bwd=t_bwd, tail=tail)

@@ -113,6 +113,7 @@ class Job:
     nodes: int = 1
     devices_per_node: Optional[int] = None
     efficiency: float = 0.5
+    overlap_grad_reduce: bool = True
 
     @property
     def compute_bytes(self) -> int:
@@ -159,6 +160,7 @@ def job_from_plan(plan) -> Job:
         global_batch=c.train.global_batch_size, param_dtype=c.precision.param_dtype,
         reduce_dtype=c.precision.reduce_dtype, profile=get_profile(c.cluster.accelerator),
         nodes=c.cluster.nodes, devices_per_node=c.cluster.devices_per_node, efficiency=c.cluster.efficiency,
+        overlap_grad_reduce=plan.overlap_grad_reduce,
     )
 
 

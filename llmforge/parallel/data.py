@@ -86,7 +86,7 @@ def fsdp_sync(model: nn.Module, *, sync: bool) -> Iterator[None]:
 
 @dataclass
 class GradAllReduce:
-    """ZeRO 0 after backward (pipeline parallel, or ``LLMFORGE_DP_OVERLAP=0``): sum
+    """ZeRO 0 after backward (pipeline parallel, CPU by default, or ``parallel.overlap_grad_reduce=false``): sum
     gradients over ``group`` and divide by ``size``, in ``dtype``
     (the data-parallel group and size; for expert weights the ``dp_rest`` group
     and the data-parallel size)."""

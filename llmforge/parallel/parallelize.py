@@ -10,7 +10,6 @@ layout starts from the same numbers.
 from __future__ import annotations
 
 import importlib.util
-import os
 from typing import List, Optional
 
 import torch
@@ -18,7 +17,7 @@ from torch import nn
 
 from llmforge.parallel.clip import GlobalClip
 from llmforge.parallel.context import apply_cp, cp_positions
-from llmforge.parallel.data import BUCKET_BYTES, FIRST_BUCKET_BYTES, BucketedGradReduce, GradAllReduce, apply_fsdp, fsdp_sync, grad_sync
+from llmforge.parallel.data import FIRST_BUCKET_BYTES, BucketedGradReduce, GradAllReduce, apply_fsdp, fsdp_sync, grad_sync
 from llmforge.parallel.expert import apply_ep, expert_parameters
 from llmforge.parallel.mesh import ParallelMesh
 from llmforge.parallel.pipeline import PipelineStep, autocast_forward, build_schedule, build_stage_model, stage_ids
@@ -82,7 +81,7 @@ def build_parallel(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compone
     optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr)
     _no_decay(optimizer, copies)
     scaler = build_scaler(plan)
-    reducers = _zero0_reducers(plan, mesh=mesh, parts=parts, overlap=plan.pp == 1 and overlap_enabled())
+    reducers = _zero0_reducers(plan, mesh=mesh, parts=parts, overlap=plan.pp == 1 and plan.overlap_grad_reduce)
     finish = _finish_hooks(plan, mesh=mesh, parts=parts, ids=ids, num_stages=num_stages, reducers=reducers)
     if plan.pp == 1:
         step = _accumulation_step(plan, mesh=mesh, model=parts[0], scaler=scaler, device=device, finish=finish, reducers=reducers)
@@ -122,18 +121,9 @@ def _no_decay(optimizer: torch.optim.Optimizer, copies: List[nn.Parameter]) -> N
             target["params"].extend(moved)
 
 
-def overlap_enabled() -> bool:
-    """Whether ZeRO 0 overlaps its reduction with backward (``LLMFORGE_DP_OVERLAP=0``
-    forces the post-backward all-reduce, for comparison)."""
-    return os.environ.get("LLMFORGE_DP_OVERLAP", "1") != "0"
-
-
-def _bucket_bytes() -> tuple[int, int]:
-    """Bucket caps: ``LLMFORGE_DP_BUCKET_MB`` (default 25) and a first bucket of at most 1 MB."""
-    mb = os.environ.get("LLMFORGE_DP_BUCKET_MB")
-    if mb is None:
-        return BUCKET_BYTES, FIRST_BUCKET_BYTES
-    cap = max(1, int(float(mb) * 2**20))
+def _bucket_bytes(plan: RunPlan) -> tuple[int, int]:
+    """Bucket caps: ``parallel.bucket_mb`` and a first bucket of at most 1 MB."""
+    cap = max(1, int(plan.config.parallel.bucket_mb * 2**20))
     return cap, min(cap, FIRST_BUCKET_BYTES)
 
 
@@ -151,7 +141,7 @@ def _zero0_reducers(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module]
         groups.append(([p for p in params if id(p) in experts], mesh.dp_rest.get_group(), plan.dp))
     if not overlap:
         return [GradAllReduce(params=ps, group=g, size=n, dtype=dtype) for ps, g, n in groups]
-    cap, first = _bucket_bytes()
+    cap, first = _bucket_bytes(plan)
     return [BucketedGradReduce(params=ps, group=g, size=n, dtype=dtype, bucket_bytes=cap, first_bucket_bytes=first) for ps, g, n in groups]
 
 
