@@ -37,8 +37,9 @@ def _preflight(plan: RunPlan, *, force: bool, console: Console) -> None:
         raise fail("the plan is estimated not to fit in device memory; change the layout (llmforge estimate --search) or pass --force")
 
 
-#: What a finished or interrupted run leaves in its folder.
-RUN_FILES = ("metrics.jsonl", "checkpoints", "plan.json", "wandb_run_id")
+#: What a run that has trained leaves in its folder. plan.json is not among them: on a
+#: shared file system every node of a multi-node launch writes it before training starts.
+RUN_FILES = ("metrics.jsonl", "checkpoints")
 
 
 def _claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
@@ -56,8 +57,11 @@ def _claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
             f"run.dir={run_dir} already holds a run ({names}); continue it with `llmforge resume ckpt={run_dir}`, "
             "choose another run.dir=..., or pass --overwrite to start over"
         )
-    for path in found:
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    for path in [*found, run_dir / "wandb_run_id"]:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
     console.print(f"[yellow]--overwrite: removed the earlier run in {run_dir}[/]")
 
 
