@@ -117,6 +117,7 @@ class TrainConfig:
     lr: float = knob(3e-4, help="Peak learning rate.")
     seed: int = knob(1234, help="Seed for initialisation, data order and dropout.")
     log_interval: int = knob(1, help="Log metrics every N steps.")
+    compile: bool = knob(False, help="torch.compile each transformer block (the first steps pay the compile time).")
 
 
 @dataclass

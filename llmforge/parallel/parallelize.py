@@ -2,20 +2,22 @@
 components for a distributed run.
 
 Order (as in torchtitan): tensor parallel -> expert parallel -> context
-parallel -> activation recompute -> (compile) -> FSDP (over dp x cp). The model is built whole (or as its pipeline
-chunks) with the seeded initial weights first and sharded afterwards, so every
-layout starts from the same numbers.
+parallel -> activation recompute -> compile -> FSDP (over dp x cp). The model is
+built whole (or as its pipeline chunks) with the seeded initial weights first and
+sharded afterwards, so every layout starts from the same numbers. A single
+process goes through the same function with every degree 1 (no mesh).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import List, Optional
 
 import torch
 from torch import nn
 
 from llmforge.parallel.clip import GlobalClip
+from llmforge.parallel.compile import apply_compile
+from llmforge.parallel.recompute import apply_recompute
 from llmforge.parallel.context import apply_cp, cp_positions
 from llmforge.parallel.data import FIRST_BUCKET_BYTES, BucketedGradReduce, GradAllReduce, apply_fsdp, fsdp_sync, grad_sync
 from llmforge.parallel.expert import apply_ep, expert_parameters
@@ -30,12 +32,9 @@ from llmforge.train.precision import DTYPES
 from llmforge.train.step import GradAccumulationStep, cross_entropy
 
 
-def _has(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
-def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh) -> None:
-    """Shard one model (or pipeline chunk) in place: TP -> EP -> CP -> recompute -> FSDP."""
+def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]) -> None:
+    """Shard one model (or pipeline chunk) in place: TP -> EP -> CP -> recompute -> compile -> FSDP.
+    ``mesh`` may be None in one process, where only recompute and compile apply."""
     p = plan.config.parallel
     if plan.tp > 1:
         apply_tp(model, tp_mesh=mesh.tp, sequence_parallel=p.sequence_parallel)
@@ -43,10 +42,10 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh) -> None:
         apply_ep(model, ep_mesh=mesh.ep)
     if plan.cp > 1:
         apply_cp(model, cp_mesh=mesh.cp)
-    if p.recompute != "none" and _has("llmforge.parallel.recompute"):
-        from llmforge.parallel.recompute import apply_recompute
-
+    if p.recompute != "none":
         apply_recompute(model, mode=p.recompute, every=p.recompute_every)
+    if plan.config.train.compile:
+        apply_compile(model)
     if p.zero > 0 and plan.dp * plan.cp > 1:
         experts = mesh.dp_rest if plan.ep > 1 else None
         apply_fsdp(model, dp_mesh=mesh.dp_cp, zero=p.zero, reduce_dtype=plan.config.precision.reduce_dtype, expert_mesh=experts)

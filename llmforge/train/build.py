@@ -29,8 +29,11 @@ def build_scaler(plan: RunPlan) -> LossScaler:
 
 
 def build_single_process(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Components:
+    from llmforge.parallel.parallelize import parallelize
+
     cfg = plan.config
     model = build_model(plan, device=rank.device)
+    parallelize(model, plan=plan, mesh=None)  # recompute and compile; every parallel degree is 1
     optimizer = build_optimizer(model, optim=cfg.optim, lr=cfg.train.lr)
     scaler = build_scaler(plan)
     step = GradAccumulationStep(
