@@ -26,7 +26,8 @@ from llmforge.train.run import make_sampler, prepare_data
 
 
 def plain_loop(plan: RunPlan, batches: list[torch.Tensor]) -> float:
-    """The textbook loop: forward, loss, backward, clip, AdamW, LambdaLR. Returns seconds."""
+    """The textbook loop: gradient accumulation over the same microbatches, clip, AdamW,
+    LambdaLR. Returns seconds."""
     cfg = plan.config
     model = GPT(cfg.model)
     model.init_weights(seed=cfg.train.seed)
@@ -34,9 +35,11 @@ def plain_loop(plan: RunPlan, batches: list[torch.Tensor]) -> float:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     started = time.perf_counter()
     for batch in batches:
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
-        loss.backward()
+        micro = batch.split(cfg.train.micro_batch_size)
+        for mb in micro:
+            logits = model(mb[:, :-1])
+            loss = F.cross_entropy(logits.flatten(0, 1), mb[:, 1:].flatten())
+            (loss / len(micro)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -55,7 +58,7 @@ def llmforge_loop(plan: RunPlan, prepared, steps: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     plan = RunPlan.build(compose(["logging=quiet", *args.overrides]))
