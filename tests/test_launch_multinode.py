@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
@@ -14,25 +13,20 @@ from typer.testing import CliRunner
 from llmforge.cli import app
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _losses(path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 
 
 @pytest.mark.slow
-def test_two_node_launch_trains_like_one_process(tmp_path, small_data):
+def test_two_node_launch_trains_like_one_process(tmp_path, small_data, free_port):
     common = [*small_data, "train.steps=3", "train.log_interval=1", "logging=quiet", "train.global_batch_size=8"]
     single = tmp_path / "single"
     assert CliRunner().invoke(app, ["pretrain", *common, f"run.dir={single}"]).exit_code == 0
 
     nodes = tmp_path / "nodes"
     args = [*common, "parallel=dp2", "cluster.nodes=2", "cluster.devices_per_node=1",
-            f"cluster.rdzv_endpoint=127.0.0.1:{_free_port()}", f"run.dir={nodes}"]
+            f"cluster.rdzv_endpoint=127.0.0.1:{free_port}", f"run.dir={nodes}"]
     launchers = [subprocess.Popen([sys.executable, "-m", "llmforge", "pretrain", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outputs = [p.communicate(timeout=300)[0] for p in launchers]
     assert [p.returncode for p in launchers] == [0, 0], outputs

@@ -11,7 +11,6 @@ over expert replicas only). Losses and final weights must agree.
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
@@ -122,11 +121,6 @@ def _full(p: torch.Tensor) -> torch.Tensor:
     return p.full_tensor() if hasattr(p, "full_tensor") else p
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
@@ -137,9 +131,9 @@ def _free_port() -> int:
     ],
     ids=["ep2-dropless-swiglu-selective", "dp2xep2-capacity-gelu-full"],
 )
-def test_expert_parallel_matches_single_process(tmp_path, world: int, cfg_kwargs: dict) -> None:
+def test_expert_parallel_matches_single_process(tmp_path, free_port: int, world: int, cfg_kwargs: dict) -> None:
     out = tmp_path / "result.json"
-    mp.spawn(_worker, args=(world, _free_port(), cfg_kwargs, str(out)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port, cfg_kwargs, str(out)), nprocs=world, join=True)
     result = json.loads(out.read_text())
     assert result["ep1"][-1] < result["ep1"][0], "the reference run did not learn"
     if cfg_kwargs["capacity_factor"] is not None:

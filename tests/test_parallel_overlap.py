@@ -3,7 +3,6 @@ and survives parameters without a gradient (llmforge.parallel.data)."""
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -107,11 +106,6 @@ def test_a_parameter_without_gradient_leaves_its_bucket_to_the_end(one_rank):
     torch.testing.assert_close(module.first.grad, torch.ones(4))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
@@ -127,9 +121,9 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def test_a_gradient_missing_on_one_rank_is_averaged_on_both(tmp_path: Path):
+def test_a_gradient_missing_on_one_rank_is_averaged_on_both(tmp_path: Path, free_port: int):
     out = str(tmp_path / "grads")
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port, out), nprocs=2, join=True)
     grads = [torch.load(f"{out}.{r}") for r in range(2)]
     # rank 0: x = 1, uses skip; rank 1: x = 2, does not
     y0 = torch.arange(4.0) + 2.0

@@ -21,7 +21,6 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from llmforge.plan import RunPlan, config_from_dict
