@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 import numpy as np
-import pytest
 
 from llmforge.config.schema import DataConfig
 from llmforge.data.prepare import _load_tokenizer, prepare
