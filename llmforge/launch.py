@@ -13,6 +13,9 @@ from llmforge.plan import RunPlan
 
 def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
     _preflight(plan, force=force, console=console)
+    local = plan.config.cluster.launcher == "local"
+    if local and not dry_run:
+        _check_devices(plan)
     if resume_from is None and not dry_run:
         _claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
     if plan.world_size == 1 and plan.config.cluster.launcher == "local":
@@ -35,6 +38,26 @@ def _preflight(plan: RunPlan, *, force: bool, console: Console) -> None:
     console.print(text)
     if not fits and not force:
         raise fail("the plan is estimated not to fit in device memory; change the layout (llmforge estimate --search) or pass --force")
+
+
+def _check_devices(plan: RunPlan) -> None:
+    """A GPU profile needs as many CUDA devices on this node as ranks it starts here."""
+    from llmforge.errors import Problem, UserError
+
+    c = plan.config.cluster
+    if c.accelerator == "cpu":
+        return
+    import torch
+
+    wanted = c.devices_per_node or plan.world_size // c.nodes
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < wanted:
+        raise UserError([Problem(
+            "cluster.accelerator", c.accelerator,
+            f"the plan starts {wanted} GPU rank(s) on this node, and this machine has {found} CUDA device(s)",
+            "run it on the GPU nodes (or write a SLURM script with cluster.launcher=slurm), "
+            "or train on this machine's CPU with cluster=cpu and a layout that fits it",
+        )], title="this machine cannot run the plan")
 
 
 #: What a run that has trained leaves in its folder. plan.json is not among them: on a
@@ -69,7 +92,10 @@ def _run_here(plan: RunPlan, *, resume_from: Optional[Path], console: Console) -
     from llmforge.train.components import RankInfo
     from llmforge.train.run import run
 
-    summary = run(plan, rank=RankInfo(), resume_from=resume_from, console=console)
+    import torch
+
+    device = torch.device("cpu") if plan.config.cluster.accelerator == "cpu" else torch.device("cuda", 0)
+    summary = run(plan, rank=RankInfo(device=device), resume_from=resume_from, console=console)
     losses = f"loss {summary.first_loss:.4f} -> {summary.last_loss:.4f} " if summary.first_loss is not None else "no steps left to train "
     console.print(
         f"[bold green]done[/] step {summary.last_step}: {losses}"

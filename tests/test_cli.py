@@ -70,6 +70,7 @@ USER_MISTAKES = [
     ("estimate", "parallel.pp=3"),
     ("pretrain", "parallel.tp=3"),
     ("resume", "ckpt=/does/not/exist"),
+    ("pretrain", "recipe=gpt-1b", "cluster.devices_per_node=64"),  # more GPUs than any one machine has
 ]
 
 
