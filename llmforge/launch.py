@@ -96,9 +96,4 @@ def _run_here(plan: RunPlan, *, resume_from: Optional[Path], console: Console) -
 
     device = torch.device("cpu") if plan.config.cluster.accelerator == "cpu" else torch.device("cuda", 0)
     summary = run(plan, rank=RankInfo(device=device), resume_from=resume_from, console=console)
-    losses = f"loss {summary.first_loss:.4f} -> {summary.last_loss:.4f} " if summary.first_loss is not None else "no steps left to train "
-    console.print(
-        f"[bold green]done[/] step {summary.last_step}: {losses}"
-        f"in {summary.wall_s:.1f}s; metrics in {plan.run_dir / 'metrics.jsonl'}"
-        + (f"; checkpoint {summary.checkpoint}" if summary.checkpoint else "")
-    )
+    console.print(summary.describe(plan))

@@ -75,11 +75,7 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
     dist.barrier()
     summary = run(plan, rank=rank, resume_from=resume, console=console)
     if main:
-        console.print(
-            f"[bold green]done[/] {plan.layout} step {summary.last_step}: loss {summary.first_loss:.4f} -> {summary.last_loss:.4f} "
-            f"in {summary.wall_s:.1f}s; metrics in {plan.run_dir / 'metrics.jsonl'}"
-            + (f"; checkpoint {summary.checkpoint}" if summary.checkpoint else "")
-        )
+        console.print(summary.describe(plan))
     dist.barrier()
     dist.destroy_process_group()
 

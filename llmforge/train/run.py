@@ -35,6 +35,12 @@ class RunSummary:
     checkpoint: Optional[Path]
     stopped_early: bool = False
 
+    def describe(self, plan: RunPlan) -> str:
+        """The closing line a launcher prints (Rich markup)."""
+        losses = f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}" if self.first_loss is not None else "no steps left to train"
+        where = f"; checkpoint {self.checkpoint}" if self.checkpoint else ""
+        return f"[bold green]done[/] {plan.layout} step {self.last_step}: {losses} in {self.wall_s:.1f}s; metrics in {plan.run_dir / 'metrics.jsonl'}{where}"
+
 
 def prepare_data(plan: RunPlan, *, console: Console):
     """Tokenized data for the plan (prepared once, then reused from the cache)."""
