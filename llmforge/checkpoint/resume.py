@@ -56,11 +56,11 @@ def apply_overrides(saved: Dict[str, Any], overrides: List[str]) -> Any:
     """The saved config dict with group options and dotted overrides applied, as a RunConfig."""
     from omegaconf import OmegaConf
 
-    from llmforge.config.compose import _check_overrides, available_options, config_dirs
+    from llmforge.config.compose import available_options, check_overrides, config_dirs
     from llmforge.config.schema import RunConfig
 
     options = available_options(config_dirs())
-    checked = _check_overrides(overrides, options)
+    checked = check_overrides(overrides, options)
     cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), saved)
     dotted = []
     for item in checked:

@@ -59,7 +59,7 @@ def _description(path: Path) -> str:
     return ""
 
 
-def _check_overrides(overrides: Sequence[str], options: Dict[str, Dict[str, OptionInfo]]) -> List[str]:
+def check_overrides(overrides: Sequence[str], options: Dict[str, Dict[str, OptionInfo]]) -> List[str]:
     """Translate aliases and report malformed overrides, unknown keys and unknown options at once."""
     known_keys = {k for k, *_ in iter_keys()}
     problems: List[Problem] = []
@@ -104,7 +104,7 @@ def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] =
 
     dirs = config_dirs(extra_dirs)
     options = available_options(dirs)
-    checked = _check_overrides(overrides, options)
+    checked = check_overrides(overrides, options)
     searchpath = ",".join(f"file://{d}" for d in dirs[:-1])
     if searchpath:
         checked.append(f"hydra.searchpath=[{searchpath}]")
