@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable, List
+from typing import List
 
 import torch
 from torch import nn
@@ -49,7 +49,3 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, optim: OptimConfig, tot
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, optim=optim, total_steps=total_steps)
     )
-
-
-def trainable(params: Iterable[nn.Parameter]) -> List[nn.Parameter]:
-    return [p for p in params if p.requires_grad]
