@@ -11,7 +11,7 @@ from typing import Callable, List, Optional
 import typer
 from rich.console import Console
 
-from llmforge.errors import UserError
+from llmforge.errors import UserError, error_text
 
 app = typer.Typer(
     name="llmforge",
@@ -28,8 +28,10 @@ app = typer.Typer(
 data_app = typer.Typer(help="Prepare training data (tokenizer + token shards).", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
-err = Console(stderr=True)
-out = Console()
+# Markup off: whatever a message quotes (paths, values, a rank's error) prints as written;
+# llmforge styles its own words with Text/style= instead.
+err = Console(stderr=True, markup=False)
+out = Console(markup=False)
 
 OVERRIDES = typer.Argument(None, help="Overrides: recipe=NAME, GROUP=OPTION, key.path=value.", show_default=False)
 CONFIG_DIR = typer.Option(None, "--config-dir", "-C", help="Extra folder of configs (model/, parallel/, recipe/, ...); repeatable.")
@@ -43,10 +45,10 @@ def user_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except UserError as exc:
-            err.print(f"[bold red]error:[/] {exc.message()}", highlight=False, soft_wrap=True)
+            err.print(error_text(exc.message()), highlight=False, soft_wrap=True)
             raise typer.Exit(code=2) from None
         except KeyboardInterrupt:
-            err.print("[yellow]interrupted[/]")
+            err.print("interrupted", style="yellow")
             raise typer.Exit(code=130) from None
 
     return wrapper

@@ -16,8 +16,10 @@ class Problem:
     fix: str
 
     def render(self) -> str:
+        if not self.key:
+            return f"{self.rule}. Fix: {self.fix}" if self.fix else self.rule
         head = f"{self.key} = {self.value!r}" if self.value != "" else self.key
-        return f"{head}: {self.rule}. Fix: {self.fix}"
+        return f"{head}: {self.rule}. Fix: {self.fix}" if self.fix else f"{head}: {self.rule}"
 
 
 class UserError(Exception):
@@ -33,13 +35,16 @@ class UserError(Exception):
         super().__init__(self.message())
 
     def message(self) -> str:
-        lines = [f"{self.title} ({len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}):"]
-        for p in self.problems:
-            lines.append(f"  - {p.render()}" if p.key else f"  - {p.rule}")
+        """Plain text (never Rich markup): the title and every problem."""
+        if len(self.problems) == 1 and not self.problems[0].key:
+            text = self.problems[0].render()
+            return f"{self.title}: {text}" if self.title else text
+        lines = [f"{self.title or 'error'} ({len(self.problems)} problem{'s' if len(self.problems) != 1 else ''}):"]
+        lines += [f"  - {p.render()}" for p in self.problems]
         return "\n".join(lines)
 
 
-def fail(message: str, *, title: str = "error") -> "UserError":
+def fail(message: str, *, title: str = "") -> "UserError":
     """A single-message user error (a missing file, a corrupted checkpoint, ...)."""
     return UserError([Problem(key="", value="", rule=message, fix="")], title=title)
 
@@ -50,3 +55,11 @@ def nearest(word: str, choices: Iterable[str]) -> str:
 
     match = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
     return f" (did you mean {match[0]!r}?)" if match else ""
+
+
+def error_text(message: str, *, label: str = "error:"):
+    """``label message`` for a Rich console: only the label is styled, the message is
+    printed as written (brackets in paths, values and rank errors are kept)."""
+    from rich.text import Text
+
+    return Text.assemble((label, "bold red"), " ", message)

@@ -3,30 +3,50 @@ goes through torchrun (see llmforge.parallel.launcher)."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Optional
 
 from rich.console import Console
 
 from llmforge.plan import RunPlan
+from llmforge.rundir import RunLock, check_writable
 
 
 def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
+    """Check, then run ``plan`` here or through torchrun, holding the run folder's lock."""
     _preflight(plan, force=force, console=console)
-    local = plan.config.cluster.launcher == "local"
-    if local and not dry_run:
-        _check_devices(plan)
-    if resume_from is None and not dry_run:
-        _claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
-    if plan.world_size == 1 and plan.config.cluster.launcher == "local":
-        if dry_run:
-            console.print(f"would train in this process: {plan.layout}, {plan.config.train.steps} steps into {plan.run_dir}")
+    here = plan.world_size == 1 and plan.config.cluster.launcher == "local"
+    if dry_run:
+        if here:
+            console.print(f"would train in this process: {plan.layout}, {plan.config.train.steps} steps into {plan.run_dir}", markup=False, highlight=False)
             return
-        _run_here(plan, resume_from=resume_from, console=console)
-        return
-    from llmforge.parallel.launcher import launch_distributed
+        from llmforge.parallel.launcher import launch_distributed
 
-    launch_distributed(plan, resume_from=resume_from, dry_run=dry_run, console=console)
+        launch_distributed(plan, resume_from=resume_from, dry_run=True, console=console)
+        return
+    if plan.config.cluster.launcher == "local":
+        _check_devices(plan)
+    check_writable(plan.run_dir / "checkpoints", key="run.dir")
+    with _lock(plan):
+        if resume_from is None:
+            _claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
+        if here:
+            _run_here(plan, resume_from=resume_from, console=console)
+            return
+        from llmforge.parallel.launcher import launch_distributed
+
+        launch_distributed(plan, resume_from=resume_from, dry_run=False, console=console)
+
+
+def _lock(plan: RunPlan):
+    """The run folder's lock, taken here for a run on this machine. A multi-node run's
+    rank 0 takes it after the rendezvous (every node's launcher shares the folder); a
+    SLURM script only gets written."""
+    c = plan.config.cluster
+    if c.launcher == "local" and c.nodes == 1:
+        return RunLock(plan.run_dir)
+    return contextlib.nullcontext()
 
 
 def _preflight(plan: RunPlan, *, force: bool, console: Console) -> None:
@@ -35,7 +55,7 @@ def _preflight(plan: RunPlan, *, force: bool, console: Console) -> None:
     from llmforge.estimate.report import short_summary
 
     text, fits = short_summary(plan)
-    console.print(text)
+    console.print(text, markup=False, highlight=False)
     if not fits and not force:
         raise fail("the plan is estimated not to fit in device memory; change the layout (llmforge estimate --search) or pass --force")
 
@@ -76,16 +96,21 @@ def _claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
         return
     if not overwrite:
         names = ", ".join(p.name for p in found)
+        if any((run_dir / "checkpoints").glob("step_*/manifest.json")):
+            raise fail(
+                f"run.dir={run_dir} already holds a run ({names}); continue it with `llmforge resume ckpt={run_dir}`, "
+                "choose another run.dir=..., or pass --overwrite to start over"
+            )
         raise fail(
-            f"run.dir={run_dir} already holds a run ({names}); continue it with `llmforge resume ckpt={run_dir}`, "
-            "choose another run.dir=..., or pass --overwrite to start over"
+            f"run.dir={run_dir} holds an earlier run ({names}) that saved no complete checkpoint, so it cannot be resumed; "
+            "pass --overwrite to start over there, or choose another run.dir=..."
         )
     for path in [*found, run_dir / "wandb_run_id"]:
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
             path.unlink()
-    console.print(f"[yellow]--overwrite: removed the earlier run in {run_dir}[/]")
+    console.print(f"--overwrite: removed the earlier run in {run_dir}", style="yellow", markup=False, highlight=False)
 
 
 def _run_here(plan: RunPlan, *, resume_from: Optional[Path], console: Console) -> None:

@@ -6,6 +6,7 @@ from typing import Dict
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from llmforge.plan import RunPlan
 
@@ -13,7 +14,7 @@ from llmforge.plan import RunPlan
 def show_plan(plan: RunPlan, *, console: Console) -> None:
     cfg = plan.config
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    table = Table(title=f"run plan: recipe {cfg.recipe}", show_header=False, title_justify="left")
+    table = Table(title=Text(f"run plan: recipe {cfg.recipe}"), show_header=False, title_justify="left")
     table.add_column(style="bold")
     table.add_column()
     kv = "" if plan.num_kv_heads == m.num_heads else f", {plan.num_kv_heads} kv heads (GQA)"
@@ -32,7 +33,7 @@ def show_plan(plan: RunPlan, *, console: Console) -> None:
         ("run dir", cfg.run.dir),
     ]
     for key, value in rows:
-        table.add_row(key, value)
+        table.add_row(key, Text(value))
     console.print(table)
 
 
@@ -42,7 +43,7 @@ def show_options(options: Dict[str, Dict[str, object]], *, console: Console) -> 
         table.add_column(style="bold cyan", no_wrap=True)
         table.add_column()
         for name, info in sorted(entries.items()):
-            table.add_row(name, info.description)  # type: ignore[attr-defined]
+            table.add_row(Text(name), Text(info.description))  # type: ignore[attr-defined]
         console.print(table)
         console.print()
 

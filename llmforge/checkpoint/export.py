@@ -151,8 +151,8 @@ def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> 
         raise UserError([Problem(o.split("=", 1)[0], o, "export takes no overrides besides ckpt=", "remove it") for o in rest], title="bad overrides")
     found = locate(ckpt)
     for note in found.notes:
-        console.print(f"[yellow]{note}[/]")
+        console.print(note, style="yellow", markup=False, highlight=False)
     config = config_from_dict(saved_plan(found.path)["config"])
     written = export_checkpoint(found.path, model=config.model, out_dir=out_dir)
     style = "LlamaForCausalLM" if style_of(config.model) == "llama" else "GPT2LMHeadModel"
-    console.print(f"exported {found.path} as {style}: " + ", ".join(str(p) for p in written))
+    console.print(f"exported {found.path} as {style}: " + ", ".join(str(p) for p in written), markup=False, highlight=False)

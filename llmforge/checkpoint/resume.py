@@ -95,11 +95,11 @@ def differences(old: Any, new: Any) -> List[Problem]:
 
 def plan_for_resume(overrides: List[str]) -> Tuple[RunPlan, Path]:
     """The plan to continue with and the verified checkpoint folder to restore."""
-    console = Console(stderr=True)
+    console = Console(stderr=True, markup=False)
     ckpt, rest = split_ckpt(overrides)
     found = locate(ckpt)
     for note in found.notes:
-        console.print(f"[yellow]{note}[/]")
+        console.print(note, style="yellow", markup=False, highlight=False)
     saved = saved_plan(found.path)
     from llmforge.config.schema import RunConfig
     from llmforge.plan import config_from_dict
@@ -116,7 +116,7 @@ def plan_for_resume(overrides: List[str]) -> Tuple[RunPlan, Path]:
     if problems:
         raise UserError(problems, title=f"cannot resume from {found.path}")
     plan = RunPlan.build(new)
-    console.print(f"resuming from {found.path} (step {step}) into {plan.run_dir}, layout {plan.layout}")
+    console.print(f"resuming from {found.path} (step {step}) into {plan.run_dir}, layout {plan.layout}", markup=False, highlight=False)
     return plan, found.path
 
 

@@ -8,6 +8,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import List
 
+from rich.text import Text
+
 from llmforge.config.schema import DataConfig
 from llmforge.data import cache
 from llmforge.data.documents import Documents, open_documents
@@ -96,5 +98,5 @@ def _warn_skips(console, docs: Documents, skipped_empty: int) -> None:
     if console is None:
         warnings.warn(f"skipped in {docs.source.name}: " + "; ".join(notes[:5]), stacklevel=3)
     else:
-        console.print(f"[yellow]warning:[/] skipped in {docs.source.name}: {len(notes)} item(s): "
-                      + "; ".join(notes[:5]) + (" ..." if len(notes) > 5 else ""))
+        console.print(Text.assemble(("warning:", "yellow"), f" skipped in {docs.source.name}: {len(notes)} item(s): "
+                                    + "; ".join(notes[:5]) + (" ..." if len(notes) > 5 else "")))

@@ -23,14 +23,14 @@ def prepare_command(config: RunConfig, *, force: bool, console) -> PreparedData:
     prepared = prepare(data=config.data, vocab_size=resolve_vocab_size(config), seed=config.train.seed,
                        console=console, force=force)
     if console is not None:
-        console.print(summary(prepared))
+        console.print(summary(prepared), markup=False, highlight=False)
     return prepared
 
 
 def summary(prepared: PreparedData) -> str:
     """A few lines describing prepared data."""
     state = "reused cache" if prepared.reused else "prepared"
-    lines = [f"[bold]{state}[/]: {prepared.root}",
+    lines = [f"{state}: {prepared.root}",
              f"  tokenizer: {prepared.tokenizer_path} ({prepared.vocab_size} tokens, eos id {prepared.eos_id}, "
              f"{prepared.dtype} shards)"]
     for info in prepared.streams:

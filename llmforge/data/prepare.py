@@ -17,6 +17,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+from rich.text import Text
+
 from llmforge.config.schema import DataConfig
 from llmforge.data import cache
 from llmforge.data.reader import TokenStream
@@ -94,7 +96,7 @@ def prepare(*, data: DataConfig, vocab_size: int, seed: int, console=None, force
         if manifest is not None and not reason:
             return from_manifest(root, manifest, weights=[w for _, w in inputs], reused=True)
         if console is not None:
-            console.print(f"[bold]Preparing data[/] in {root} ({reason})")
+            console.print(Text.assemble(("Preparing data", "bold"), f" in {root} ({reason})"))
         from llmforge.data.build import build
 
         with cache.staging(root) as tmp:

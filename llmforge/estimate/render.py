@@ -29,7 +29,7 @@ def _memory_table(est: Estimate) -> Table:
     table.add_row("activations", gib(w.activations), f"recompute={lay.recompute}; microbatches in flight per the {lay.schedule if lay.pp > 1 else 'accumulation'} schedule")
     table.add_row("transient buffers", gib(w.transient), "logits at the loss, recompute working set, gathers, buckets")
     table.add_row("allowance", gib(w.reserved), f"runtime {gib(est.job.profile.runtime_reserved_bytes)} + 10% fragmentation")
-    table.add_row(Text("total", style="bold"), Text(gib(w.total), style="bold"), f"of {gib(est.job.profile.memory_bytes)} ({est.job.profile.name})")
+    table.add_row(Text("total", style="bold"), Text(gib(w.total), style="bold"), Text(f"of {gib(est.job.profile.memory_bytes)} ({est.job.profile.name})"))
     return table
 
 
@@ -47,7 +47,7 @@ def _time_table(est: Estimate) -> Table:
 
 def _summary_table(est: Estimate, recipe: str) -> Table:
     lay, c = est.layout, est.comm
-    table = Table(show_header=False, title=f"llmforge estimate: {recipe} on {lay.world} x {est.job.profile.name}", title_justify="left")
+    table = Table(show_header=False, title=Text(f"llmforge estimate: {recipe} on {lay.world} x {est.job.profile.name}"), title_justify="left")
     table.add_column("key", style="cyan")
     table.add_column("value")
     table.add_row("layout", lay.overrides())
@@ -128,7 +128,7 @@ def render_measured(measured, *, console) -> None:
         table.add_row(row.name, f"{row.estimate:,.0f}", "n/a" if row.measured is None else f"{row.measured:,.0f}", diff)
     console.print(table)
     for note in measured.notes:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", markup=False)
 
 
 def render_search(result, *, plan, why_text: str, console) -> None:
@@ -136,11 +136,11 @@ def render_search(result, *, plan, why_text: str, console) -> None:
     prof = plan.config.cluster.accelerator
     head = (f"Searched {result.evaluated:,} layouts of {plan.config.recipe} on {result.world} x {prof} in "
             f"{result.seconds:.2f} s ({result.rate:,.0f} layouts/s); {result.fitting:,} fit.")
-    console.print(head)
+    console.print(head, markup=False)
     if not result.ranked:
         console.print(Text("Nothing fits.", style="bold red"))
         for line in result.suggestions:
-            console.print(f"- {line}")
+            console.print(f"- {line}", markup=False)
         return
     table = Table(title="Fastest layouts that fit", title_justify="left", show_lines=True)
     for col, justify in (("#", "right"), ("tokens/s", "right"), ("MFU", "right"), ("step", "right"), ("memory", "right"), ("bubble", "right"), ("layout", "left")):
@@ -153,10 +153,10 @@ def render_search(result, *, plan, why_text: str, console) -> None:
         )
     console.print(table)
     if why_text:
-        console.print(why_text)
+        console.print(why_text, markup=False)
     console.print("Overrides, ready to paste:")
     for i, est in enumerate(result.ranked, 1):
-        console.print(f"  #{i}: {_paste(est.layout)}", soft_wrap=True)
+        console.print(f"  #{i}: {_paste(est.layout)}", soft_wrap=True, markup=False)
 
 
 def _short(layout) -> str:

@@ -14,6 +14,7 @@ last step.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -141,8 +142,10 @@ def full_parameters(c: Components) -> Dict[str, torch.Tensor]:
 
 def main(argv: List[str]) -> None:
     spec = json.loads(Path(argv[0]).read_text())
+    from llmforge.parallel.watch import guard_rank
     from llmforge.parallel.worker import report_errors
 
+    guard_rank(int(os.environ.get("RANK", "0")))
     with report_errors():
         dist.init_process_group("gloo")
         results = {}

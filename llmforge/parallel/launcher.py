@@ -9,7 +9,6 @@ message and exit code 2) instead of torchrun's per-rank report.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shlex
@@ -20,7 +19,7 @@ from typing import Dict, Iterator, List, Optional
 
 from rich.console import Console
 
-from llmforge.errors import Problem, UserError
+from llmforge.errors import Problem, UserError, error_text
 from llmforge.plan import RunPlan
 
 WORKER = "llmforge.parallel.worker"
@@ -101,12 +100,12 @@ def launch_distributed(plan: RunPlan, *, resume_from: Optional[Path], dry_run: b
         return
     command = torchrun_command(plan, plan_path=plan_path, resume_from=resume_from)
     if dry_run:
-        console.print("would run on every node:\n" + " ".join(shlex.quote(a) for a in command), highlight=False, soft_wrap=True)
+        console.print("would run on every node:\n" + " ".join(shlex.quote(a) for a in command), highlight=False, soft_wrap=True, markup=False)
         return
     plan.save(plan_path)
     if plan.config.cluster.nodes > 1:
         console.print(f"start the same command on each of the {plan.config.cluster.nodes} nodes", highlight=False)
-    run_torchrun(command[3:], console=console, threads=_threads(plan))
+    run_torchrun(command[3:], console=console, threads=_threads(plan), hang_s=plan.config.cluster.timeout_s / 2)
 
 
 def _slurm(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path], dry_run: bool, console: Console) -> None:
@@ -119,43 +118,46 @@ def _slurm(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path], dry_r
     tmp = path.with_suffix(".sbatch.tmp")
     tmp.write_text(script)
     tmp.replace(path)
-    console.print(f"wrote {path}; submit it with: sbatch {path}", highlight=False)
+    console.print(f"wrote {path}; submit it with: sbatch {path}", highlight=False, markup=False)
 
 
 def _threads(plan: RunPlan) -> int:
     return max(1, (os.cpu_count() or 1) // procs_per_node(plan))
 
 
-def run_torchrun(argv: List[str], *, console: Console, threads: int = 1) -> None:
+def run_torchrun(argv: List[str], *, console: Console, threads: int = 1, hang_s: Optional[float] = None) -> None:
     """Run torchrun (``argv`` as after ``python -m torch.distributed.run``) here.
 
-    On failure the first failing rank's error is shown once: a user error is
-    raised as a UserError (exit code 2), anything else is printed and ends the
-    process with exit code 1."""
+    The ranks die with this process (see ``llmforge.parallel.watch``); with ``hang_s``
+    a rank silent for that long ends the job. On failure the root cause is shown
+    once, as plain text: a user error is raised as a UserError (exit code 2),
+    anything else is printed and ends the process with exit code 1."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from llmforge.parallel.watch import ERROR_DIR_ENV, LAUNCHER_PID_ENV, RankMonitor, failure_report, read_records
+
+    env = {ERROR_DIR_ENV: "", LAUNCHER_PID_ENV: str(os.getpid()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     with tempfile.TemporaryDirectory(prefix="llmforge-errors-") as folder, _quiet_agent():
-        with _env({"LLMFORGE_ERROR_DIR": folder, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}):
+        with _env({**env, ERROR_DIR_ENV: folder}), RankMonitor(Path(folder), hang_s=hang_s) as monitor:
             try:
                 run(parse_args(argv))
                 return
             except SignalException as exc:
                 # torchrun forwarded SIGTERM/SIGINT to the ranks, which finish the step,
                 # save and print the resume command: a requested stop, not a failure.
-                console.print(f"[yellow]stopped by {exc.sigval.name}[/]", highlight=False)
+                console.print(f"stopped by {exc.sigval.name}", style="yellow", highlight=False)
                 return
             except ChildFailedError as exc:
-                record = _first_error(Path(folder))
-                failure = exc
-    if record is None:
-        rank, info = failure.get_first_failure()
-        console.print(f"[bold red]error:[/] rank {rank} exited with code {info.exitcode} without a report", highlight=False)
-        raise SystemExit(1)
-    if record["kind"] == "user":
-        raise RankUserError(rank=record["rank"], text=record["message"])
-    console.print(f"[bold red]rank {record['rank']} failed:[/]\n{record['message']}", highlight=False, markup=True, soft_wrap=True)
+                codes = {rank: info.exitcode for rank, info in exc.failures.items()}
+                report = failure_report(Path(folder), exit_codes=codes, hung=monitor.hung, hang_s=hang_s, ended=monitor.ended, ranks=set(monitor.heartbeats()))
+                tracebacks = [r["traceback"] for r in read_records(Path(folder)) if r.get("traceback")]
+    if report.user:
+        raise RankUserError(rank=report.rank, text=report.text)
+    if tracebacks and os.environ.get("LLMFORGE_TRACEBACK"):
+        console.print(tracebacks[0], markup=False, highlight=False, soft_wrap=True)
+    console.print(error_text(report.text), highlight=False, soft_wrap=True)
     raise SystemExit(1)
 
 
@@ -168,15 +170,6 @@ class RankUserError(UserError):
 
     def message(self) -> str:
         return getattr(self, "text", "") or super().message()
-
-
-def _first_error(folder: Path) -> Optional[Dict]:
-    """The earliest report: the rank that failed first (the others then lose their peers)."""
-    records = []
-    for path in folder.glob("rank*.json"):
-        with contextlib.suppress(ValueError, OSError):
-            records.append(json.loads(path.read_text()))
-    return min(records, key=lambda r: r["time"]) if records else None
 
 
 @contextlib.contextmanager

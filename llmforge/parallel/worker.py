@@ -21,7 +21,7 @@ import traceback
 from pathlib import Path
 from typing import Iterator, List, Optional
 
-ERROR_DIR_ENV = "LLMFORGE_ERROR_DIR"
+from llmforge.parallel.watch import ERROR_DIR_ENV, guard_rank
 
 
 def _rank() -> int:
@@ -43,16 +43,25 @@ def report_errors() -> Iterator[None]:
             "rank": _rank(),
             "time": time.time(),
             "kind": "user" if user else "error",
-            "message": exc.message() if user else "".join(traceback.format_exception(exc)),
+            "message": exc.message() if user else describe_exception(exc),
+            "traceback": "" if user else "".join(traceback.format_exception(exc)),
         }
         folder = os.environ.get(ERROR_DIR_ENV)
         if folder:
             path = Path(folder) / f"rank{_rank()}.json"
             path.write_text(json.dumps(record))
         else:
-            print(f"rank {_rank()}: {record['message']}", file=sys.stderr, flush=True)
+            print(f"rank {_rank()}: {record['traceback'] or record['message']}", file=sys.stderr, flush=True)
         sys.stderr.flush()
         os._exit(2 if user else 1)
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message`` and where it was raised: the launcher's one-paragraph account
+    of an unexpected error (the whole traceback shows with LLMFORGE_TRACEBACK=1)."""
+    text = "".join(traceback.format_exception_only(exc)).strip()
+    frames = traceback.extract_tb(exc.__traceback__)
+    return f"{text}\n  (raised at {frames[-1].filename}:{frames[-1].lineno})" if frames else text
 
 
 def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
@@ -67,7 +76,11 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
     plan = RunPlan.load(plan_path)
     device = init_distributed(plan)
     main = dist.get_rank() == 0
-    console = Console(stderr=True) if main else Console(file=io.StringIO(), quiet=True)
+    if main and plan.config.cluster.nodes > 1:
+        from llmforge.rundir import RunLock
+
+        RunLock(plan.run_dir).acquire()  # held until this process ends; each node's launcher shares the folder
+    console = Console(stderr=True, markup=False) if main else Console(file=io.StringIO(), quiet=True)
     mesh = build_mesh(plan, device_type=device.type)
     rank = RankInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), dp_rank=mesh.local_rank("dp"), dp_size=plan.dp, device=device, mesh=mesh)
     if main:
@@ -85,6 +98,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--plan", type=Path, required=True)
     parser.add_argument("--resume", type=Path, default=None)
     args = parser.parse_args(argv)
+    guard_rank(_rank())
     with report_errors():
         run_rank(plan_path=args.plan, resume=args.resume)
 

@@ -18,6 +18,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 from rich.console import Console
+from rich.text import Text
 
 from llmforge.checkpoint import store
 from llmforge.checkpoint.state import load_rng
@@ -35,11 +36,12 @@ class RunSummary:
     checkpoint: Optional[Path]
     stopped_early: bool = False
 
-    def describe(self, plan: RunPlan) -> str:
-        """The closing line a launcher prints (Rich markup)."""
+    def describe(self, plan: RunPlan) -> Text:
+        """The closing line a launcher prints (only "done" is styled; paths print as written)."""
         losses = f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}" if self.first_loss is not None else "no steps left to train"
         where = f"; checkpoint {self.checkpoint}" if self.checkpoint else ""
-        return f"[bold green]done[/] {plan.layout} step {self.last_step}: {losses} in {self.wall_s:.1f}s; metrics in {plan.run_dir / 'metrics.jsonl'}{where}"
+        rest = f" {plan.layout} step {self.last_step}: {losses} in {self.wall_s:.1f}s; metrics in {plan.run_dir / 'metrics.jsonl'}{where}"
+        return Text.assemble(("done", "bold green"), rest)
 
 
 def prepare_data(plan: RunPlan, *, console: Console):
@@ -95,7 +97,7 @@ def restore(c: Components, *, path: Path, console: Console) -> int:
     if not load_rng(path, rank=c.rank.rank, world_size=c.rank.world_size):
         torch.manual_seed(_reseed(seed=state["sampler"].get("seed", 0), step=int(state["step"]), rank=c.rank.rank))
         if c.rank.is_main:
-            console.print("[yellow]the layout changed: random streams (dropout) restart from a seed derived from the step[/]")
+            console.print("the layout changed: random streams (dropout) restart from a seed derived from the step", style="yellow")
     return int(state["step"])
 
 
@@ -134,7 +136,7 @@ def _step_of(line: str) -> int:
 
 def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, console: Optional[Console] = None) -> RunSummary:
     """Train this rank from scratch or from ``resume_from`` to ``train.steps`` (or a stop signal)."""
-    console = console or Console(stderr=True)
+    console = console or Console(stderr=True, markup=False)
     cfg = plan.config
     started = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
@@ -146,7 +148,7 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         if resume_from is not None:
             trim_metrics(run_dir / "metrics.jsonl", after_step=start_step)
             for old in set_aside_newer(run_dir / "checkpoints", after_step=start_step):
-                console.print(f"[yellow]{old.name} is newer than the checkpoint resumed from; kept as {old.name.replace('step_', 'superseded-step_')}[/]")
+                console.print(f"{old.name} is newer than the checkpoint resumed from; kept as {old.name.replace('step_', 'superseded-step_')}", style="yellow", markup=False)
     stop = StopSignal()
     hooks, closers, saver = _hooks(plan, c, rank=rank, start_step=start_step, console=console, stop=stop)
     try:
@@ -165,7 +167,7 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         for close in closers:
             close()
     if result.stopped_early and rank.is_main:
-        console.print(f"[bold yellow]stopped by {stop.name} after step {result.last_step}[/]; continue with:\n  llmforge resume ckpt={run_dir}")
+        console.print(_stopped_text(stop.name, step=result.last_step, run_dir=run_dir, saved=bool(saver.records)))
     return RunSummary(
         first_loss=result.losses[0] if result.losses else None,
         last_loss=result.losses[-1] if result.losses else None,
@@ -174,6 +176,15 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         checkpoint=saver.records[-1].path if saver.records else None,
         stopped_early=result.stopped_early,
     )
+
+
+def _stopped_text(signal_name: Optional[str], *, step: int, run_dir: Path, saved: bool) -> Text:
+    """What a stopped run prints: how to continue, or how to start again without a checkpoint."""
+    head = (f"stopped by {signal_name} after step {step}", "bold yellow")
+    if saved:
+        return Text.assemble(head, f"; continue with:\n  llmforge resume ckpt={run_dir}")
+    return Text.assemble(head, f"; no checkpoint was saved, so there is nothing to resume: start again with "
+                         f"`llmforge pretrain ... run.dir={run_dir} --overwrite`")
 
 
 class StopSignal:
@@ -223,7 +234,7 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
 
     cfg = plan.config
     closers: List[Callable[[], None]] = []
-    saver = store.CheckpointSaver(root=plan.run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, rank=rank.rank, log=lambda text: console.print(text, highlight=False))
+    saver = store.CheckpointSaver(root=plan.run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, rank=rank.rank, log=lambda text: console.print(text, highlight=False, markup=False))
     closers.append(saver.close)
     hooks = LoopHooks(should_stop=stop.requested)
 
