@@ -27,7 +27,10 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
         return
     if plan.config.cluster.launcher == "local":
         _check_devices(plan)
-    check_writable(plan.run_dir / "checkpoints", key="run.dir")
+    for folder in (plan.run_dir, plan.run_dir / "checkpoints"):
+        check_writable(folder, key="run.dir")
+    if plan.config.cluster.launcher == "local":
+        _check_space(plan)
     with _lock(plan):
         if resume_from is None:
             _claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
@@ -51,13 +54,38 @@ def _lock(plan: RunPlan):
 
 def _preflight(plan: RunPlan, *, force: bool, console: Console) -> None:
     """Show the short estimate; refuse a plan estimated not to fit unless forced."""
-    from llmforge.errors import fail
+    from llmforge.errors import UserError, fail
     from llmforge.estimate.report import short_summary
+    from llmforge.plan import tokenizer_problems
 
+    problems = tokenizer_problems(plan.config)
+    if problems:
+        raise UserError(problems, title="the run plan is not valid")
     text, fits = short_summary(plan)
     console.print(text, markup=False, highlight=False)
     if not fits and not force:
         raise fail("the plan is estimated not to fit in device memory; change the layout (llmforge estimate --search) or pass --force")
+
+
+#: Bytes a checkpoint holds per parameter: fp32 weights and AdamW's two fp32 moments.
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+def _check_space(plan: RunPlan) -> None:
+    """Refuse a run whose first checkpoint cannot fit on run.dir's file system."""
+    import shutil
+
+    from llmforge.errors import Problem, UserError
+    from llmforge.estimate.core import estimate_plan
+
+    folder = plan.run_dir
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    need = estimate_plan(plan).params_total * CHECKPOINT_BYTES_PER_PARAM
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise UserError([Problem("run.dir", str(plan.run_dir), f"a checkpoint of this model needs about {need / 2**30:.3g} GiB and the file system of {folder} has {free / 2**30:.3g} GiB free",
+                                 "free space there or choose a run.dir on a larger file system")], title="not enough disk space")
 
 
 def _check_devices(plan: RunPlan) -> None:

@@ -86,6 +86,15 @@ class RunPlan:
         return self.config.cluster.accelerator != "cpu" if choice is None else choice
 
     @property
+    def checkpoint_interval(self) -> int:
+        """Steps between checkpoints (0: only at the end). Unset, a tenth of the run and at
+        least AUTO_MIN_INTERVAL steps: a crash loses at most that much of the run."""
+        interval = self.config.checkpoint.interval
+        if interval is not None:
+            return interval
+        return max(-(-self.config.train.steps // 10), AUTO_MIN_INTERVAL)
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.config.run.dir)
 
@@ -214,7 +223,7 @@ def _check_ranges(config: RunConfig) -> List[Problem]:
         out.append(Problem("train.lr", config.train.lr, "must be positive", "use e.g. train.lr=3e-4"))
     if not 0.0 < config.cluster.efficiency <= 1.0:
         out.append(Problem("cluster.efficiency", config.cluster.efficiency, "must be in (0, 1]", "use e.g. 0.5"))
-    if config.checkpoint.interval < 0:
+    if config.checkpoint.interval is not None and config.checkpoint.interval < 0:
         out.append(Problem("checkpoint.interval", config.checkpoint.interval, "must be 0 or more", "0 saves only at the end"))
     return out
 
@@ -344,6 +353,24 @@ def _check_data(config: RunConfig) -> List[Problem]:
     if d.vocab_size is not None and d.vocab_size > config.model.vocab_size:
         out.append(Problem("data.vocab_size", d.vocab_size, f"larger than model.vocab_size={config.model.vocab_size}", "lower data.vocab_size or raise model.vocab_size"))
     return out
+
+
+#: The shortest automatic checkpoint interval: shorter runs save at the end (and when stopped).
+AUTO_MIN_INTERVAL = 10
+
+#: The smallest vocabulary of a trained tokenizer (llmforge.data.tokenizer.MIN_VOCAB).
+MIN_TRAINED_VOCAB = 257
+
+
+def tokenizer_problems(config: RunConfig) -> List[Problem]:
+    """A trained byte-level BPE needs its 256 byte tokens and the end-of-document token.
+    Checked before data is prepared (not by build(): plans on synthetic data may be
+    smaller); the key named is the one that set the size."""
+    d = config.data
+    key, size = ("data.vocab_size", d.vocab_size) if d.vocab_size is not None else ("model.vocab_size", config.model.vocab_size)
+    if d.tokenizer is None and _ints(size) and size < MIN_TRAINED_VOCAB:
+        return [Problem(key, size, f"a trained byte-level BPE needs at least {MIN_TRAINED_VOCAB} tokens (256 bytes and the end-of-document token)", f"set {key} to {MIN_TRAINED_VOCAB} or more (4096 for the built-in corpus)")]
+    return []
 
 
 def _check_accelerator(config: RunConfig) -> List[Problem]:

@@ -49,12 +49,29 @@ def show_options(options: Dict[str, Dict[str, object]], *, console: Console) -> 
 
 
 def show_keys(prefix: str, *, console: Console) -> None:
+    """Every key with its type, its value in the default run (`llmforge pretrain` with no
+    overrides: the schema's defaults under the default recipe) and its help."""
+    import dataclasses
+
+    from llmforge.config.compose import compose
     from llmforge.config.schema import iter_keys
 
-    table = Table(show_header=True, header_style="bold")
+    values = _flatten(dataclasses.asdict(compose([])))
+    table = Table(show_header=True, header_style="bold", caption="default: the value `llmforge pretrain` uses with no overrides")
     for col in ("key", "type", "default", "meaning"):
         table.add_column(col)
-    for key, typ, default, help_text in iter_keys():
+    for key, typ, _, help_text in iter_keys():
         if key.startswith(prefix):
-            table.add_row(key, typ.replace("Optional[", "").rstrip("]") if "Optional" in typ else typ, repr(default), help_text)
+            kind = typ.replace("Optional[", "").rstrip("]") if "Optional" in typ else typ
+            table.add_row(key, kind, Text(repr(values.get(key))), Text(help_text))
     console.print(table)
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out

@@ -26,6 +26,7 @@ from llmforge.checkpoint.locate import locate
 from llmforge.checkpoint.manifest import write_json
 from llmforge.config.schema import ModelConfig
 from llmforge.errors import Problem, UserError
+from llmforge.rundir import check_writable
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -149,6 +150,8 @@ def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> 
     ckpt, rest = split_ckpt(overrides)
     if rest:
         raise UserError([Problem(o.split("=", 1)[0], o, "export takes no overrides besides ckpt=", "remove it") for o in rest], title="bad overrides")
+    for folder in (Path(out_dir), Path(out_dir).parent):  # the files, and the temporary folder beside them
+        check_writable(folder, key="--out")
     found = locate(ckpt)
     for note in found.notes:
         console.print(note, style="yellow", markup=False, highlight=False)

@@ -11,12 +11,16 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List, Set
 
 from llmforge.errors import UserError, fail
 
 MANIFEST = "manifest.json"
+TRAIN_STATE = "train_state.json"
+#: What every checkpoint holds besides tensor shards (DCP's index, the JSON state, the plan).
+REQUIRED = (".metadata", TRAIN_STATE, "plan.json")
 FORMAT = "llmforge-checkpoint/1"
 _CHUNK = 8 * 1024 * 1024
 
@@ -93,7 +97,7 @@ def verify(folder: Path, *, checksums: bool) -> dict:
     if not folder.is_dir():
         raise fail(f"{folder}: no such checkpoint folder", title="missing checkpoint")
     data = read_manifest(folder)
-    problems = []
+    problems = _listing_problems(folder, data)
     for rel, entry in sorted(data["files"].items()):
         path = folder / rel
         if not path.is_file():
@@ -105,9 +109,46 @@ def verify(folder: Path, *, checksums: bool) -> dict:
             problems.append(f"{path}: {kind} ({size} bytes, the manifest records {entry['size']})")
         elif checksums and sha256(path) != entry["sha256"]:
             problems.append(f"{path}: checksum mismatch (the file was modified or corrupted)")
+    problems = problems or _step_problems(folder, data)
     if problems:
         raise UserError([_problem(p) for p in problems], title=f"damaged checkpoint {folder}")
     return data
+
+
+def _listing_problems(folder: Path, data: dict) -> List[str]:
+    """The manifest must list every file of the folder (and the ones a checkpoint cannot
+    lack), and its step must be the folder's."""
+    manifest = folder / MANIFEST
+    listed = set(data["files"])
+    problems = [f"{folder / rel}: not listed in {manifest}" for rel in sorted(_files(folder) - listed)]
+    problems += [f"{manifest}: does not list {name}, which every checkpoint has" for name in REQUIRED if name not in listed]
+    match = re.match(r"^step_(\d+)$", folder.name)
+    step = int(data["step"])
+    if match and int(match.group(1)) != step:
+        problems.append(f"{manifest}: records step {step}, but the folder is {folder.name}")
+    return problems
+
+
+def _step_problems(folder: Path, data: dict) -> List[str]:
+    """The train state (whose every byte matched the manifest) must be at the manifest's step."""
+    saved, step = read_train_state(folder)["step"], int(data["step"])
+    return [] if saved == step else [f"{folder / TRAIN_STATE}: records step {saved}, but {folder / MANIFEST} records step {step}"]
+
+
+def _files(folder: Path) -> Set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST}
+
+
+def read_train_state(folder: Path) -> dict:
+    """``train_state.json`` of a checkpoint, or a UserError naming it as damaged."""
+    path = Path(folder) / TRAIN_STATE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(data, dict) or not isinstance(data.get("step"), int):
+            raise ValueError("no integer step")
+        return data
+    except (OSError, ValueError) as exc:
+        raise fail(f"{path}: unreadable ({exc}); the checkpoint is damaged, resume from another one", title="damaged checkpoint") from None
 
 
 def _problem(text: str):

@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Tuple
 from rich.console import Console
 
 from llmforge.checkpoint.locate import locate
+from llmforge.checkpoint.manifest import read_train_state
 from llmforge.errors import Problem, UserError, fail
 from llmforge.plan import RunPlan
 
@@ -109,7 +110,7 @@ def plan_for_resume(overrides: List[str]) -> Tuple[RunPlan, Path]:
         rest = [*rest, f"run.dir={found.run_dir}"]
     new = apply_overrides(saved["config"], rest)
     assert isinstance(new, RunConfig)
-    step = json.loads((found.path / "train_state.json").read_text())["step"]
+    step = read_train_state(found.path)["step"]
     problems = differences(old, new)
     if new.train.steps <= step:
         problems.append(Problem("train.steps", new.train.steps, f"the checkpoint is already at step {step}", f"set train.steps above {step}"))

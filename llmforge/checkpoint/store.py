@@ -17,7 +17,6 @@ stall) and written, checksummed and renamed in the background.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import shutil
 import time
@@ -32,9 +31,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from llmforge.checkpoint.manifest import MANIFEST, fsync_dir, verify, write_json, write_manifest
+from llmforge.checkpoint.manifest import MANIFEST, fsync_dir, read_train_state, verify, write_json, write_manifest
 from llmforge.checkpoint.safe_reader import SafeReader, load_metadata
 from llmforge.checkpoint.state import apply_model_state, save_rng, tensor_state
 from llmforge.errors import UserError, fail
@@ -104,6 +104,7 @@ class CheckpointSaver:
         self.root, self.keep, self.async_save, self.rank, self.log = Path(root), keep, async_save, rank, log
         self.records: List[SaveRecord] = []
         self._pending: Optional[Future] = None
+        self._pending_tmp, self._pending_step = self.root, 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmforge-ckpt") if async_save else None
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
@@ -112,26 +113,43 @@ class CheckpointSaver:
         started = time.perf_counter()
         self.wait()
         final, tmp = self.root / f"step_{step}", self.root / f".tmp-step_{step}"
-        if self.rank == 0:
-            self._clear_stale()
-            tmp.mkdir(parents=True)
-            write_json(tmp / TRAIN_STATE, {"step": step, **train_state})
-            write_json(tmp / PLAN, plan)
-        _barrier()
-        save_rng(tmp, rank=self.rank)
-        state = tensor_state(model_parts, optimizer)
-        with quiet_single_process():
-            self._write(state, tmp=tmp, final=final, step=step)
+        try:
+            if self.rank == 0:
+                self._clear_stale()
+                tmp.mkdir(parents=True)
+                write_json(tmp / TRAIN_STATE, {"step": step, **train_state})
+                write_json(tmp / PLAN, plan)
+            _barrier()
+            save_rng(tmp, rank=self.rank)
+            state = tensor_state(model_parts, optimizer)
+            with quiet_single_process():
+                self._write(state, tmp=tmp, final=final, step=step)
+        except (OSError, CheckpointException) as exc:
+            raise self._failed(exc, tmp=tmp, step=step) from None
         stall = time.perf_counter() - started
         self.records.append(SaveRecord(step=step, path=final, stall_s=stall, mode="async" if self.async_save else "sync"))
         if self.rank == 0:
             self.log(f"checkpoint step {step} -> {final} ({self.records[-1].mode}): training stalled {stall:.3f}s")
         return final
 
+    def _failed(self, exc: BaseException, *, tmp: Path, step: int) -> UserError:
+        """A save the file system refused (full, read-only, no permission): its temporary
+        folder goes, the newest complete checkpoint stays what ``latest`` means."""
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        cause = _os_error(exc)
+        where = getattr(cause, "filename", None) or tmp
+        why = getattr(cause, "strerror", None) or _first_line(cause if isinstance(cause, Exception) else exc)
+        kept = complete(self.root)
+        keeps = f"the newest complete checkpoint, {kept[0]}, is kept" if kept else "no earlier checkpoint was saved"
+        return fail(f"cannot save the checkpoint of step {step}: {where}: {why}; {keeps}. "
+                    f"Fix: free space on the file system of {self.root} (or fix its permissions), then resume", title="checkpoint not saved")
+
     def _write(self, state: Dict[str, Any], *, tmp: Path, final: Path, step: int) -> None:
         if self.async_save:
             future = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self._group, no_dist=not dist.is_initialized())
             self._pending = self._pool.submit(self._finish_async, future, tmp, final, step)  # type: ignore[union-attr]
+            self._pending_tmp, self._pending_step = tmp, step
         else:
             dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
             if self.rank == 0:
@@ -163,7 +181,10 @@ class CheckpointSaver:
         """Block until a background save is written (a no-op when none is pending)."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            pending.result()
+            try:
+                pending.result()
+            except (OSError, CheckpointException) as exc:
+                raise self._failed(exc, tmp=self._pending_tmp, step=self._pending_step) from None
             _barrier()
 
     def close(self) -> None:
@@ -195,7 +216,7 @@ def load(*, path: Path, model_parts: List[nn.Module], optimizer: torch.optim.Opt
     except Exception as exc:  # DCP wraps every failure (missing key, shape) in its own exception types
         raise fail(f"{path}: the saved model/optimizer do not fit this model ({_first_line(exc)})", title="cannot load checkpoint") from None
     apply_model_state(model_parts, state["model"])
-    return json.loads((path / TRAIN_STATE).read_text())
+    return read_train_state(path)
 
 
 def _dcp_load(state: Dict[str, Any], path: Path) -> None:
@@ -215,6 +236,17 @@ def split_tied(state: Dict[str, Any], saved_keys: set) -> tuple[Dict[str, Any], 
     for key in [k for k in primary["optim"] if k.startswith("head.weight.")]:
         aliased["optim"]["embed.weight." + key[len("head.weight."):]] = primary["optim"].pop(key)
     return primary, aliased
+
+
+def _os_error(exc: BaseException) -> BaseException:
+    """The OSError inside DCP's CheckpointException (it wraps each rank's failure)."""
+    if isinstance(exc, OSError):
+        return exc
+    for failure in getattr(exc, "failures", {}).values():
+        inner = getattr(failure, "exception", failure)  # DCP's _WrappedException
+        if isinstance(inner, OSError):
+            return inner
+    return exc
 
 
 def _first_line(exc: Exception) -> str:

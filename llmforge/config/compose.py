@@ -69,8 +69,11 @@ def check_overrides(overrides: Sequence[str], options: Dict[str, Dict[str, Optio
             problems.append(Problem(raw, raw, "an override must look like key=value", "write e.g. train.steps=10 or parallel=tp2"))
             continue
         key, value = raw.split("=", 1)
-        prefix = "".join(c for c in key if c in "+~")
+        prefix = key[: len(key) - len(key.lstrip("+~"))]
         bare = KEY_ALIASES.get(key.lstrip("+~"), key.lstrip("+~"))
+        if not bare:
+            problems.append(Problem(raw, "", "an override needs a key before '='", "write key=value, e.g. train.steps=10 or parallel=tp2"))
+            continue
         if bare in options:
             if value not in options[bare]:
                 valid = ", ".join(sorted(options[bare]))
@@ -81,10 +84,73 @@ def check_overrides(overrides: Sequence[str], options: Dict[str, Dict[str, Optio
             problems.append(
                 Problem(bare, value, f"unknown key{nearest(bare, known_keys | set(options))}", "see `llmforge keys` for every key")
             )
+        else:
+            problems += _syntax(f"{prefix}{bare}={value}", key=bare)
         translated.append(f"{prefix}{bare}={value}")
     if problems:
         raise UserError(problems, title="bad overrides")
     return translated
+
+
+def _syntax(override: str, *, key: str) -> List[Problem]:
+    """Hydra's parse of one override, as a problem naming the override."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    value = override.split("=", 1)[1]
+    quote = f"quote a value with brackets, braces, spaces, commas or '=' in it: {key}='...' (in a shell: \"{key}='...'\")"
+    try:
+        parsed = OverridesParser.create().parse_override(override)
+    except HydraException as exc:
+        why = str(exc).splitlines()[0].split(" expecting")[0] if str(exc).strip() else "syntax error"
+        fix = f"write {key}={value.lstrip('=')}" if value.startswith("=") and value.lstrip("=") else quote
+        return [Problem(key, value, f"cannot be read as a value ({why})", fix)]
+    if parsed.is_sweep_override():
+        return [Problem(key, value, "several values (a sweep) are not supported", f"give one value, or {quote}")]
+    return []
+
+
+def check_files(checked: Sequence[str], options: Dict[str, Dict[str, OptionInfo]]) -> List[Problem]:
+    """The YAML files this composition reads must each hold a mapping, and a recipe's
+    defaults list must name options that exist."""
+    import yaml
+
+    chosen = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in checked}
+    recipe = options["recipe"].get(chosen.get("recipe", "tiny"))
+    files = [options[g][v].path for g, v in chosen.items() if g in options and v in options[g]]
+    files += [recipe.path] if recipe is not None and recipe.path not in files else []
+    problems: List[Problem] = []
+    for path in files:
+        try:
+            data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            why = " ".join(str(exc).split())[:300]
+            problems.append(Problem(str(path), "", f"is not readable YAML ({why})", "fix the YAML syntax"))
+            continue
+        if not isinstance(data, dict):
+            what = "is empty" if data is None else f"holds a YAML {type(data).__name__}, not a mapping of keys"
+            problems.append(Problem(str(path), "", what, "write `key: value` lines (see `llmforge recipes` for examples), or remove the file"))
+            continue
+        problems += _check_defaults(path, data.get("defaults"), options)
+    return problems
+
+
+def _check_defaults(path: Path, defaults: object, options: Dict[str, Dict[str, OptionInfo]]) -> List[Problem]:
+    """Every ``override /GROUP: OPTION`` entry of a defaults list names an existing option."""
+    if defaults is None:
+        return []
+    if not isinstance(defaults, list):
+        return [Problem(f"{path}: defaults", defaults, "must be a list", "write `defaults:` followed by `- override /GROUP: OPTION` lines")]
+    problems = []
+    for entry in defaults:
+        if not isinstance(entry, dict):
+            continue
+        for name, option in entry.items():
+            group = str(name).replace("override", "").strip().lstrip("/").split("@")[0]
+            if group in options and isinstance(option, str) and option not in options[group]:
+                problems.append(Problem(f"{path}: defaults", f"{name}: {option}", f"no such {group} option{nearest(option, options[group])}",
+                                        f"choose one of: {', '.join(sorted(options[group]))}"))
+    return problems
 
 
 def _register_schema() -> None:
@@ -105,6 +171,9 @@ def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] =
     dirs = config_dirs(extra_dirs)
     options = available_options(dirs)
     checked = check_overrides(overrides, options)
+    file_problems = check_files(checked, options)
+    if file_problems:
+        raise UserError(file_problems, title="a configuration file is not valid")
     searchpath = ",".join(f"file://{d}" for d in dirs[:-1])
     if searchpath:
         checked.append(f"hydra.searchpath=[{searchpath}]")
@@ -128,7 +197,8 @@ def _explain(exc: BaseException) -> Problem:
     where = next((str(e).split(":")[0] for e in chain if str(e).startswith("In '")), "")
     keyed = next((e for e in chain if getattr(e, "full_key", None)), None)
     root = keyed or chain[-1]
-    text = str(root).split("\n    full_key")[0].replace("\n", " ").strip() or type(root).__name__
+    # The first paragraph: Hydra appends the available options and its search path.
+    text = str(root).split("\n    full_key")[0].split("\n\n")[0].replace("\n", " ").strip() or type(root).__name__
     key = str(getattr(root, "full_key", "") or "")
     source = f" ({where.removeprefix('In ').strip()})" if where else ""
     fix = "check the key names and value types in your YAML and overrides (`llmforge keys` lists them)"
@@ -136,4 +206,4 @@ def _explain(exc: BaseException) -> Problem:
         from llmforge.config.schema import iter_keys
 
         fix = f"remove or rename it{nearest(key, [k for k, *_ in iter_keys()])}; `llmforge keys` lists every key"
-    return Problem(key or "config", "", text + source, fix)
+    return Problem(key, "", text + source, fix)

@@ -103,7 +103,9 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = knob(0, help="Save every N steps (0 = only at the end).")
+    interval: Optional[int] = knob(
+        None, help="Save every N steps; 0 = only at the end; null = a tenth of train.steps (at least 10 steps), so a crash loses at most that."
+    )
     keep: int = knob(3, help="Complete checkpoints to keep; older ones are removed.")
     async_save: bool = knob(False, help="Save in the background (alias: checkpoint.async).")
     save_final: bool = knob(True, help="Save after the last step.")
@@ -143,7 +145,11 @@ class ClusterConfig:
     launcher: str = knob("local", help="local (torchrun here) or slurm (write an sbatch script).")
     rdzv_endpoint: Optional[str] = knob(None, help="host:port of the rendezvous for multi-node runs.")
     efficiency: float = knob(0.5, help="Fraction of peak FLOP/s the estimator assumes for compute.")
-    timeout_s: int = knob(300, help="Collective timeout in seconds: a stuck rank ends the job after this.")
+    timeout_s: int = knob(
+        300,
+        help="A stuck rank ends the job after this many seconds: collectives time out after it (after the first step; "
+        "before it, data preparation, build and compile get at least 600 s), and a rank silent for half of it is named and stopped.",
+    )
 
 
 @dataclass

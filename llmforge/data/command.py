@@ -9,6 +9,11 @@ from llmforge.errors import Problem, UserError
 
 def resolve_vocab_size(config: RunConfig) -> int:
     """data.vocab_size, or model.vocab_size when unset; never larger than the model's embedding."""
+    from llmforge.plan import tokenizer_problems
+
+    problems = tokenizer_problems(config)
+    if problems:
+        raise UserError(problems, title="invalid vocabulary size")
     vocab_size = config.data.vocab_size or config.model.vocab_size
     if vocab_size > config.model.vocab_size:
         raise UserError([Problem("data.vocab_size", vocab_size, f"larger than model.vocab_size "

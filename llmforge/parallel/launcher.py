@@ -100,7 +100,7 @@ def launch_distributed(plan: RunPlan, *, resume_from: Optional[Path], dry_run: b
         return
     command = torchrun_command(plan, plan_path=plan_path, resume_from=resume_from)
     if dry_run:
-        console.print("would run on every node:\n" + " ".join(shlex.quote(a) for a in command), highlight=False, soft_wrap=True, markup=False)
+        console.print(dry_run_text(command, plan_path=plan_path), highlight=False, soft_wrap=True, markup=False)
         return
     plan.save(plan_path)
     if plan.config.cluster.nodes > 1:
@@ -108,10 +108,20 @@ def launch_distributed(plan: RunPlan, *, resume_from: Optional[Path], dry_run: b
     run_torchrun(command[3:], console=console, threads=_threads(plan), hang_s=plan.config.cluster.timeout_s / 2)
 
 
+def dry_run_text(command: List[str], *, plan_path: Path) -> str:
+    """What ``--dry-run`` prints: the command, and the plan file it needs (not written)."""
+    return (
+        f"would write the plan to {plan_path} and run on every node:\n" + " ".join(shlex.quote(a) for a in command)
+        + f"\n(--dry-run writes nothing; to run the command by hand, first write the plan with the same arguments: "
+        f"llmforge plan ... --json > {shlex.quote(str(plan_path))})"
+    )
+
+
 def _slurm(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path], dry_run: bool, console: Console) -> None:
     script = slurm_script(plan, plan_path=plan_path, resume_from=resume_from)
     if dry_run:
         console.print(script, highlight=False, markup=False, soft_wrap=True)
+        console.print(f"(--dry-run writes nothing; without it this script is written to {plan.run_dir / 'launch.sbatch'} with the plan it runs, {plan_path})", highlight=False, markup=False, soft_wrap=True)
         return
     plan.save(plan_path)
     path = plan.run_dir / "launch.sbatch"

@@ -25,6 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from llmforge.plan import RunPlan
 
 DIMS = ("pp", "dp_rest", "ep", "cp", "tp")
+#: Until the first step is done, collectives may wait at least this long: data preparation
+#: on rank 0, model build, torch.compile and checkpoint loading come before it.
+FIRST_STEP_TIMEOUT_S = 600
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,35 @@ def build_mesh(plan: RunPlan, *, device_type: str) -> ParallelMesh:
     world = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
     dp = world["dp_rest", "ep"]._flatten("dp")
     dp_cp = world["dp_rest", "ep", "cp"]._flatten("dp_cp") if plan.cp > 1 else dp
-    return ParallelMesh(world=world, dp=dp, dp_rest=world["dp_rest"], tp=world["tp"], pp=world["pp"], ep=world["ep"], cp=world["cp"], dp_cp=dp_cp)
+    mesh = ParallelMesh(world=world, dp=dp, dp_rest=world["dp_rest"], tp=world["tp"], pp=world["pp"], ep=world["ep"], cp=world["cp"], dp_cp=dp_cp)
+    set_collective_timeout(mesh, seconds=first_step_timeout(plan))
+    return mesh
+
+
+def first_step_timeout(plan: RunPlan) -> float:
+    return max(plan.config.cluster.timeout_s, FIRST_STEP_TIMEOUT_S)
+
+
+def set_collective_timeout(mesh: "ParallelMesh | None", *, seconds: float) -> None:
+    """Give every process group of the run this collective timeout. Sub-groups are
+    created with the backend's default (30 minutes on gloo, 10 on NCCL), not the world
+    group's, so a rank stuck in a tp/pp/dp collective would otherwise wait that long."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout  # as torchtitan does
+
+    if not dist.is_initialized():
+        return
+    groups = [None]
+    if mesh is not None:
+        groups += [mesh.world.get_group(name) for name in DIMS] + [mesh.dp.get_group(), mesh.dp_cp.get_group()]
+    seen = set()
+    for group in groups:
+        if id(group) in seen:
+            continue
+        seen.add(id(group))
+        try:
+            _set_pg_timeout(timedelta(seconds=seconds), group)
+        except (RuntimeError, ValueError, AttributeError):  # a backend that cannot change it keeps its own
+            pass
 
 
 def device_for_rank(plan: RunPlan) -> torch.device:
@@ -66,10 +97,11 @@ def device_for_rank(plan: RunPlan) -> torch.device:
 
 
 def init_distributed(plan: RunPlan) -> torch.device:
-    """Join the process group torchrun set up: gloo on CPUs, NCCL on GPUs, with the
-    plan's collective timeout so a stuck rank ends the job instead of hanging it."""
+    """Join the process group torchrun set up: gloo on CPUs, NCCL on GPUs. Collectives
+    get the first-step allowance until the trainer tightens them to cluster.timeout_s
+    after its first step (set_collective_timeout), so a stuck rank ends the job."""
     device = device_for_rank(plan)
     if not dist.is_initialized():
         backend = "gloo" if device.type == "cpu" else "nccl"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=plan.config.cluster.timeout_s))
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=first_step_timeout(plan)))
     return device

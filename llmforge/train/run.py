@@ -159,7 +159,7 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
                 total_steps=cfg.train.steps,
                 grad_clip=cfg.optim.grad_clip,
                 log_interval=cfg.train.log_interval,
-                checkpoint_interval=cfg.checkpoint.interval,
+                checkpoint_interval=plan.checkpoint_interval,
                 hooks=hooks,
             )
             saver.close()
@@ -176,6 +176,22 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         checkpoint=saver.records[-1].path if saver.records else None,
         stopped_early=result.stopped_early,
     )
+
+
+def _tighten_after_first_step(should_stop: Callable[[], bool], *, rank: RankInfo, seconds: float) -> Callable[[], bool]:
+    """``should_stop``, which also sets every collective's timeout to cluster.timeout_s once
+    the first step is done (until then collectives get the first-step allowance)."""
+    pending = [dist.is_initialized()]
+
+    def check() -> bool:
+        if pending[0]:
+            from llmforge.parallel.mesh import set_collective_timeout
+
+            set_collective_timeout(rank.mesh, seconds=seconds)
+            pending[0] = False
+        return should_stop()
+
+    return check
 
 
 def _stopped_text(signal_name: Optional[str], *, step: int, run_dir: Path, saved: bool) -> Text:
@@ -236,11 +252,11 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
     closers: List[Callable[[], None]] = []
     saver = store.CheckpointSaver(root=plan.run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, rank=rank.rank, log=lambda text: console.print(text, highlight=False, markup=False))
     closers.append(saver.close)
-    hooks = LoopHooks(should_stop=stop.requested)
+    hooks = LoopHooks(should_stop=_tighten_after_first_step(stop.requested, rank=rank, seconds=cfg.cluster.timeout_s))
 
     def checkpoint(step: int) -> None:
         """Save at intervals, at the end (checkpoint.save_final) and when stopped by a signal."""
-        interval_hit = cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0
+        interval_hit = plan.checkpoint_interval and step % plan.checkpoint_interval == 0
         if step == cfg.train.steps and not cfg.checkpoint.save_final and not interval_hit and stop.name is None:
             return
         saver.save(step=step, model_parts=c.model_parts, optimizer=c.optimizer, train_state=train_state(c), plan=plan.to_dict())
