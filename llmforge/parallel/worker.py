@@ -61,7 +61,9 @@ def describe_exception(exc: BaseException) -> str:
     of an unexpected error (the whole traceback shows with LLMFORGE_TRACEBACK=1)."""
     text = "".join(traceback.format_exception_only(exc)).strip()
     frames = traceback.extract_tb(exc.__traceback__)
-    return f"{text}\n  (raised at {frames[-1].filename}:{frames[-1].lineno})" if frames else text
+    ours = [f for f in frames if f"{os.sep}llmforge{os.sep}" in f.filename and not f.filename.endswith(("worker.py", "harness.py"))]
+    frame = (ours or frames or [None])[-1]
+    return f"{text}\n  (in {frame.name}, {frame.filename}:{frame.lineno})" if frame else text
 
 
 def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
