@@ -3,8 +3,8 @@ mesh, NCCL) that multi-GPU runs take, and compares with the in-process run.
 
     python -m pytest -m gpu tests/gpu
 
-Every test is parametrised by device: ``cuda`` (skipped without CUDA) and ``cpu``
-(the same checks under gloo, so the suite's own logic can be run anywhere). Ranks
+Every test is parametrised by device: ``cuda`` (skipped without CUDA) and, where
+there is no GPU, ``cpu`` (the same checks under gloo, so the suite's logic runs anywhere). Ranks
 run under the collective guard (tests/conftest.py sets LLMFORGE_CHECK_COLLECTIVES),
 so on a GPU a CPU tensor handed to a collective fails the run.
 """
@@ -23,7 +23,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 DEVICES = [
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")),
-    "cpu",
+    pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: the suite runs on it")),
 ]
 #: Relative tolerance of a low-precision run against another run of the same plan:
 #: GPU kernels are not bit-deterministic, and bf16 rounds differences up.
