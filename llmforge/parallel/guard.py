@@ -13,8 +13,8 @@ the worker and the test harness read:
 While installed, ``torch.distributed``'s tensor collectives raise
 ``CollectiveDeviceError`` (naming the calling line) when handed a tensor on
 another device than the rank's. Exempt are object collectives (torch pickles
-objects through CPU tensors by design) and groups created for CPU tensors
-(``new_group(backend="gloo")``, as background checkpointing uses).
+objects through CPU tensors by design) and, on GPU ranks, groups created for CPU
+tensors (``new_group(backend="gloo")``, as background checkpointing uses).
 """
 
 from __future__ import annotations
