@@ -1,5 +1,6 @@
-"""Plan -> processes. One rank on a CPU runs in this process; everything else
-goes through torchrun (see llmforge.parallel.launcher)."""
+"""Plan -> processes. A one-rank plan trains in this process (unless
+``cluster.launcher=torchrun``); everything else goes through torchrun (see
+llmforge.parallel.launcher)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from llmforge.rundir import RunLock, check_writable
 def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
     """Check, then run ``plan`` here or through torchrun, holding the run folder's lock."""
     _preflight(plan, force=force, console=console)
-    here = plan.world_size == 1 and plan.config.cluster.launcher == "local"
+    launcher = plan.config.cluster.launcher
+    here = plan.world_size == 1 and launcher == "local"
     if dry_run:
         if here:
             console.print(f"would train in this process: {plan.layout}, {plan.config.train.steps} steps into {plan.run_dir}", markup=False, highlight=False)
@@ -25,11 +27,11 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
 
         launch_distributed(plan, resume_from=resume_from, dry_run=True, console=console)
         return
-    if plan.config.cluster.launcher == "local":
+    if launcher != "slurm":
         _check_devices(plan)
     for folder in (plan.run_dir, plan.run_dir / "checkpoints"):
         check_writable(folder, key="run.dir")
-    if plan.config.cluster.launcher == "local":
+    if launcher != "slurm":
         _check_space(plan)
     with _lock(plan):
         if resume_from is None:
@@ -47,7 +49,7 @@ def _lock(plan: RunPlan):
     rank 0 takes it after the rendezvous (every node's launcher shares the folder); a
     SLURM script only gets written."""
     c = plan.config.cluster
-    if c.launcher == "local" and c.nodes == 1:
+    if c.launcher != "slurm" and c.nodes == 1:
         return RunLock(plan.run_dir)
     return contextlib.nullcontext()
 

@@ -96,12 +96,21 @@ def device_for_rank(plan: RunPlan) -> torch.device:
     return torch.device("cuda", local)
 
 
+def backend_for(device: torch.device) -> str:
+    """The process group backend for ranks computing on ``device``.
+
+    On GPUs the group carries both devices, as torchtitan's does: NCCL for CUDA
+    tensors (every hot-path collective hands it tensors on the rank's GPU) and gloo
+    for the CPU tensors that object collectives, barriers and checkpoint
+    coordination (DCP) exchange."""
+    return "gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:nccl"
+
+
 def init_distributed(plan: RunPlan) -> torch.device:
-    """Join the process group torchrun set up: gloo on CPUs, NCCL on GPUs. Collectives
-    get the first-step allowance until the trainer tightens them to cluster.timeout_s
-    after its first step (set_collective_timeout), so a stuck rank ends the job."""
+    """Join the process group torchrun set up (see ``backend_for``). Collectives get
+    the first-step allowance until the trainer tightens them to cluster.timeout_s after
+    its first step (set_collective_timeout), so a stuck rank ends the job."""
     device = device_for_rank(plan)
     if not dist.is_initialized():
-        backend = "gloo" if device.type == "cpu" else "nccl"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=first_step_timeout(plan)))
+        dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=first_step_timeout(plan)))
     return device
