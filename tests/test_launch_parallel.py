@@ -87,7 +87,8 @@ def test_launcher_torchrun_dry_run_starts_one_rank_through_torchrun(tmp_path: Pa
     from llmforge.launch import launch
 
     console, out = capture()
-    launch(tiny_plan(["cluster.launcher=torchrun", f"run.dir={tmp_path}"]), resume_from=None, force=False, dry_run=True, console=console)
+    # a vocabulary a trained tokenizer can have: pretrain checks it before launching
+    launch(tiny_plan(["cluster.launcher=torchrun", "model.vocab_size=512", f"run.dir={tmp_path}"]), resume_from=None, force=False, dry_run=True, console=console)
     text = out.getvalue()
     assert "--nproc-per-node=1" in text and "llmforge.parallel.worker" in text and "in this process" not in text
 
