@@ -26,6 +26,7 @@ CHOICES: Dict[str, tuple] = {
     "parallel.recompute": ("none", "selective", "full"),
     "precision.param_dtype": ("fp32", "bf16", "fp16"),
     "precision.reduce_dtype": ("fp32", "bf16", "fp16"),
+    "precision.fp8_recipe": ("tensorwise", "rowwise"),
     "data.source": ("builtin", "files"),
     "optim.name": ("adamw",),
     "optim.schedule": ("cosine", "linear", "constant"),
@@ -171,7 +172,7 @@ def _world_and_dp(config: RunConfig) -> tuple[int, int]:
 
 def _validate(config: RunConfig) -> List[Problem]:
     problems: List[Problem] = []
-    for check in (_check_choices, _check_ranges, _check_model, _check_world, _check_tp, _check_pipeline, _check_batch, _check_moe, _check_data, _check_accelerator):
+    for check in (_check_choices, _check_ranges, _check_model, _check_world, _check_tp, _check_pipeline, _check_batch, _check_moe, _check_data, _check_accelerator, _check_fp8):
         problems.extend(check(config))
     return problems
 
@@ -356,6 +357,33 @@ def _check_accelerator(config: RunConfig) -> List[Problem]:
     if name.endswith((".yaml", ".yml")):
         return [Problem("cluster.accelerator", name, "profile file not found", "pass an existing .yaml path or a profile name")]
     return [unknown_problem(name)]
+
+
+def _check_fp8(config: RunConfig) -> List[Problem]:
+    """precision.fp8 needs torchao, bf16 (or fp32) for the rest, and FP8 tensor cores unless emulated."""
+    from llmforge.estimate.hardware import get_profile, is_known
+
+    pr, out = config.precision, []
+    if not pr.fp8:
+        return out
+    if not _installed("torchao"):
+        out.append(Problem("precision.fp8", True, "FP8 training runs on torchao, which is not installed", "pip install 'llmforge[fp8]' (or pip install torchao), or use precision=bf16"))
+    if pr.param_dtype == "fp16":
+        out.append(Problem("precision.param_dtype", pr.param_dtype, "fp8 is not combined with fp16 loss scaling (FP8 gradients use e5m2 with their own scales)", "use precision=fp8 (bf16 for the rest) or precision.param_dtype=bf16"))
+    name = config.cluster.accelerator
+    if is_known(name) and not pr.fp8_emulate and not get_profile(name).has_fp8:
+        out.append(Problem("cluster.accelerator", name, "has no FP8 tensor cores (its profile gives no peak_tflops.fp8), so precision.fp8 cannot run there", "use an H100, H200 or B200 (cluster=h100-node), precision=bf16, or precision.fp8_emulate=true to test the numerics without a speed-up"))
+    return out
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported (found without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _ints(*values: Any) -> bool:
