@@ -67,6 +67,11 @@ class ParallelConfig:
     cp: int = knob(1, help="Context-parallel degree (sequence split across ranks).")
     ep: int = knob(1, help="Expert-parallel degree (experts split across data-parallel ranks).")
     zero: int = knob(0, help="ZeRO stage: 0 replicated, 1 optimizer states, 2 +gradients, 3 +parameters (FSDP).")
+    dp_replicate: int = knob(
+        1,
+        help="HSDP: split dp into dp_replicate groups of dp/dp_replicate ranks; ZeRO 1-3 shard inside a group (keep it "
+        "inside a node) and all-reduce gradients across groups. 1 = shard over all of dp.",
+    )
     sequence_parallel: bool = knob(False, help="Shard norm and dropout activations along the sequence over tp ranks.")
     pp_schedule: str = knob("1f1b", help="Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_interleaved, zbv.")
     pp_virtual_stages: int = knob(1, help="Model chunks per pipeline rank (interleaved schedules).")

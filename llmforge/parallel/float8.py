@@ -23,7 +23,15 @@ Recipes (``precision.fp8_recipe``):
   then computed for all weights at once after the optimizer step
   (``precompute_float8_dynamic_scale_for_fsdp``), one all-reduce per step.
 - ``rowwise``: one scale per row (more accurate, slower on H100 without fused
-  kernels); communication stays in high precision.
+  kernels); FSDP gathers the fp32 weights.
+
+Tensor parallel uses the plain styles for both recipes: its collectives move
+high-precision activations (torchao's float8 styles gather float8 activations,
+which gloo cannot carry, so they could not be tested on CPU). The scales are still
+those of the whole tensor: a sharded weight or activation is a DTensor, and its
+absolute maximum is reduced over the tensor-parallel ranks. Results match one
+process up to float8 rounding: split matmuls sum in another order, and a last-bit
+difference can round an element to the neighbouring float8 value.
 
 ``precision.fp8_emulate`` runs the same casts with the matmul emulated in high
 precision: CPUs and GPUs without FP8 (tests, debugging), no speed-up.
@@ -31,7 +39,9 @@ precision: CPUs and GPUs without FP8 (tests, debugging), no speed-up.
 
 from __future__ import annotations
 
-from typing import Callable, List
+import contextlib
+import logging
+from typing import Callable, Iterator, List
 
 import torch
 from torch import nn
@@ -40,9 +50,25 @@ from torch import nn
 SKIPPED = ("router",)
 
 
+@contextlib.contextmanager
+def quiet_torchao() -> Iterator[None]:
+    """Import torchao without its warnings about CUDA kernels a CPU-only install lacks
+    (and a torch deprecation notice it triggers): float8 training does not use them."""
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
 def float8_config(*, recipe: str, emulate: bool, fsdp_all_gather: bool):
     """torchao's Float8LinearConfig for a recipe name (``tensorwise`` or ``rowwise``)."""
-    from torchao.float8 import Float8LinearConfig
+    with quiet_torchao():
+        from torchao.float8 import Float8LinearConfig
 
     if recipe == "tensorwise":
         return Float8LinearConfig(emulate=emulate, enable_fsdp_float8_all_gather=fsdp_all_gather)
@@ -67,8 +93,15 @@ def block_linear_filter(module: nn.Module, fqn: str) -> bool:
 def apply_float8(model: nn.Module, *, recipe: str, emulate: bool, fsdp_all_gather: bool) -> int:
     """Swap the linear layers of ``model``'s transformer blocks for Float8Linear in place
     (a whole model or a pipeline chunk); returns how many were converted."""
-    from torchao.float8 import convert_to_float8_training
-    from torchao.float8.float8_linear import Float8Linear
+    device = next(model.parameters()).device
+    if not emulate and device.type != "meta" and not has_fp8_hardware(device):
+        from llmforge.errors import fail
+
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        raise fail(f"precision.fp8: this device ({name}) has no FP8 tensor cores (CUDA compute capability 8.9 or later); run on an H100/H200/B200, use precision=bf16, or precision.fp8_emulate=true (no speed-up)")
+    with quiet_torchao():
+        from torchao.float8 import convert_to_float8_training
+        from torchao.float8.float8_linear import Float8Linear
 
     config = float8_config(recipe=recipe, emulate=emulate, fsdp_all_gather=fsdp_all_gather)
     converted = 0

@@ -52,7 +52,7 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]
         apply_compile(model)
     if uses_fsdp(plan):
         experts = mesh.dp_rest if plan.ep > 1 else None
-        apply_fsdp(model, dp_mesh=mesh.dp_cp, zero=p.zero, reduce_dtype=plan.config.precision.reduce_dtype, expert_mesh=experts)
+        apply_fsdp(model, dp_mesh=mesh.fsdp, zero=p.zero, reduce_dtype=plan.config.precision.reduce_dtype, expert_mesh=experts)
 
 
 def uses_fsdp(plan: RunPlan) -> bool:
