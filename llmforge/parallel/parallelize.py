@@ -39,7 +39,7 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]
     if plan.config.precision.fp8:
         from llmforge.parallel.float8 import apply_float8
 
-        apply_float8(model, recipe=plan.config.precision.fp8_recipe, emulate=plan.config.precision.fp8_emulate, fsdp_all_gather=fp8_all_gather(plan))
+        apply_float8(model, recipe=plan.config.precision.fp8_recipe, emulate=plan.config.precision.fp8_emulate, fsdp_all_gather=fp8_all_gather(plan, mesh=mesh))
     if plan.tp > 1:
         apply_tp(model, tp_mesh=mesh.tp, sequence_parallel=p.sequence_parallel)
     if plan.ep > 1:
@@ -50,20 +50,28 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]
         apply_recompute(model, mode=p.recompute, every=p.recompute_every)
     if plan.config.train.compile:
         apply_compile(model)
-    if uses_fsdp(plan):
+    if uses_fsdp(plan, mesh=mesh):
         experts = mesh.dp_rest if plan.ep > 1 else None
         apply_fsdp(model, dp_mesh=mesh.fsdp, zero=p.zero, reduce_dtype=plan.config.precision.reduce_dtype, expert_mesh=experts)
 
 
-def uses_fsdp(plan: RunPlan) -> bool:
-    """ZeRO 1-3 over more than one data/context-parallel rank: FSDP2 shards the model."""
-    return plan.config.parallel.zero > 0 and plan.dp * plan.cp > 1
+def uses_fsdp(plan: RunPlan, *, mesh: Optional[ParallelMesh]) -> bool:
+    """ZeRO 1-3 on a distributed rank that reduces over its data-parallel group: FSDP2 shards the model."""
+    return plan.config.parallel.zero > 0 and mesh is not None and reduces_over_dp(plan)
 
 
-def fp8_all_gather(plan: RunPlan) -> bool:
+def fp8_all_gather(plan: RunPlan, *, mesh: Optional[ParallelMesh]) -> bool:
     """Float8 all-gather of FSDP-sharded weights: tensorwise fp8 under FSDP, unless turned off."""
     precision = plan.config.precision
-    return precision.fp8 and precision.fp8_recipe == "tensorwise" and precision.fp8_all_gather and uses_fsdp(plan)
+    return precision.fp8 and precision.fp8_recipe == "tensorwise" and precision.fp8_all_gather and uses_fsdp(plan, mesh=mesh)
+
+
+def reduces_over_dp(plan: RunPlan) -> bool:
+    """Whether a distributed rank shards (ZeRO) and reduces gradients and the loss
+    over its data-parallel group: when dp x cp > 1, and also for a one-rank plan
+    started through torchrun (``cluster.launcher=torchrun``), whose groups of one
+    take the multi-GPU code path (FSDP2, bucketed all-reduce) so one GPU checks it."""
+    return plan.dp * plan.cp > 1 or plan.world_size == 1
 
 
 def build_parts(plan: RunPlan, *, mesh: ParallelMesh, device: torch.device) -> tuple[List[nn.Module], List[int]]:
@@ -94,7 +102,7 @@ def build_parallel(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compone
     copies = _tied_copies(plan, parts=parts, ids=ids, num_stages=num_stages)
     optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr)
     _no_decay(optimizer, copies)
-    if fp8_all_gather(plan):
+    if fp8_all_gather(plan, mesh=mesh):
         from llmforge.parallel.float8 import precompute_scales
 
         precompute = precompute_scales(parts)
@@ -150,7 +158,7 @@ def _zero0_reducers(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module]
     """ZeRO 0 gradient reductions over dp x cp (expert weights over their replicas
     only, divided by dp): bucketed and overlapped with backward when ``overlap``,
     else one flat all-reduce each after backward."""
-    if plan.dp * plan.cp == 1 or plan.config.parallel.zero != 0:
+    if not reduces_over_dp(plan) or plan.config.parallel.zero != 0:
         return []
     dtype = DTYPES[plan.config.precision.reduce_dtype]
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
@@ -202,7 +210,7 @@ def _dp_mean(mesh: ParallelMesh, size: int):
 def _accumulation_step(plan: RunPlan, *, mesh: ParallelMesh, model: nn.Module, scaler, device: torch.device, finish, reducers: Optional[List] = None) -> GradAccumulationStep:
     cfg = plan.config
     no_sync = None
-    if plan.dp * plan.cp > 1 and cfg.parallel.zero == 1:
+    if reduces_over_dp(plan) and cfg.parallel.zero == 1:
         no_sync = lambda last: fsdp_sync(model, sync=last)  # noqa: E731
     bucketed = [r for r in reducers or [] if isinstance(r, BucketedGradReduce)]
     if bucketed:
@@ -218,7 +226,7 @@ def _accumulation_step(plan: RunPlan, *, mesh: ParallelMesh, model: nn.Module, s
         device=device,
         loss_fn=sharded_cross_entropy if plan.tp > 1 else cross_entropy,
         no_sync=no_sync,
-        reduce_loss=_dp_mean(mesh, plan.dp * plan.cp) if plan.dp * plan.cp > 1 else None,
+        reduce_loss=_dp_mean(mesh, plan.dp * plan.cp) if reduces_over_dp(plan) else None,
         loss_context=lambda: loss_context(plan.tp),
         finish=finish,
         positions=positions,
