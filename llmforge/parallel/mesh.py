@@ -10,10 +10,16 @@ ep coordinate): expert gradients are reduced, and ZeRO shards them, over it alon
 ``dp_cp`` flattens ``dp_rest x ep x cp``: the ranks of one model replica's data and
 context shards, over which dense gradients are averaged and ZeRO shards (``dp`` when
 cp is 1).
+
+With HSDP (``parallel.dp_replicate`` > 1) ``dp_rest`` is ``dp_replicate x dp_shard``
+and ZeRO shards over the 2-D ``fsdp`` mesh ``(dp_replicate, dp_shard)``: FSDP2
+shards over the inner ``dp_shard`` ranks (consecutive ranks: one node) and
+replicates over ``dp_replicate`` (all-reducing gradients across it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from llmforge.plan import RunPlan
 
-DIMS = ("pp", "dp_rest", "ep", "cp", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 #: Until the first step is done, collectives may wait at least this long: data preparation
 #: on rank 0, model build, torch.compile and checkpoint loading come before it.
 FIRST_STEP_TIMEOUT_S = 600
@@ -42,6 +48,8 @@ class ParallelMesh:
     ep: DeviceMesh
     cp: DeviceMesh
     dp_cp: DeviceMesh
+    #: What ZeRO 1-3 shard over: ``dp_cp``, or the 2-D ``(dp_replicate, dp_shard)`` mesh under HSDP.
+    fsdp: DeviceMesh
 
     def size(self, name: str) -> int:
         return getattr(self, name).size()
@@ -52,11 +60,14 @@ class ParallelMesh:
 
 def build_mesh(plan: RunPlan, *, device_type: str) -> ParallelMesh:
     """A mesh over every rank of the current process group, shaped by the plan."""
-    shape = (plan.pp, plan.dp // plan.ep, plan.ep, plan.cp, plan.tp)
+    replicate = plan.config.parallel.dp_replicate
+    shape = (plan.pp, replicate, plan.dp // plan.ep // replicate, plan.ep, plan.cp, plan.tp)
     world = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
-    dp = world["dp_rest", "ep"]._flatten("dp")
-    dp_cp = world["dp_rest", "ep", "cp"]._flatten("dp_cp") if plan.cp > 1 else dp
-    mesh = ParallelMesh(world=world, dp=dp, dp_rest=world["dp_rest"], tp=world["tp"], pp=world["pp"], ep=world["ep"], cp=world["cp"], dp_cp=dp_cp)
+    dp = world["dp_replicate", "dp_shard", "ep"]._flatten("dp")
+    dp_rest = world["dp_replicate", "dp_shard"]._flatten("dp_rest") if plan.ep > 1 else dp
+    dp_cp = world["dp_replicate", "dp_shard", "ep", "cp"]._flatten("dp_cp") if plan.cp > 1 else dp
+    fsdp = world["dp_replicate", "dp_shard"] if replicate > 1 else dp_cp
+    mesh = ParallelMesh(world=world, dp=dp, dp_rest=dp_rest, tp=world["tp"], pp=world["pp"], ep=world["ep"], cp=world["cp"], dp_cp=dp_cp, fsdp=fsdp)
     set_collective_timeout(mesh, seconds=first_step_timeout(plan))
     return mesh
 
@@ -75,7 +86,7 @@ def set_collective_timeout(mesh: "ParallelMesh | None", *, seconds: float) -> No
         return
     groups = [None]
     if mesh is not None:
-        groups += [mesh.world.get_group(name) for name in DIMS] + [mesh.dp.get_group(), mesh.dp_cp.get_group()]
+        groups += [g for f in dataclasses.fields(mesh) for g in getattr(mesh, f.name).get_all_groups()]
     seen = set()
     for group in groups:
         if id(group) in seen:
