@@ -13,6 +13,11 @@ from llmforge.plan import RunPlan
 
 def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
     _preflight(plan, force=force, console=console)
+    if resume_from is None and plan.config.model.init_from:
+        from llmforge.checkpoint.hf_import import check_folder
+
+        for note in check_folder(plan.config.model.init_from, plan.config.model):
+            console.print(f"[yellow]{note}[/]")
     local = plan.config.cluster.launcher == "local"
     if local and not dry_run:
         _check_devices(plan)

@@ -1,12 +1,9 @@
 """``llmforge export``: a checkpoint's model in Hugging Face format.
 
 Writes ``model.safetensors`` and ``config.json`` that ``transformers`` loads as
-
-- ``LlamaForCausalLM`` for Llama-style models (rmsnorm, swiglu, rope; GQA and
-  biases allowed), with Llama's parameter names;
-- ``GPT2LMHeadModel`` for GPT-style models (layernorm, gelu, learned positions,
-  biases, no GQA), with GPT-2's names: q/k/v fuse into ``c_attn`` and every linear
-  weight is transposed, because GPT-2 uses ``Conv1D`` (``y = x @ W + b``).
+``LlamaForCausalLM`` for Llama-style models (rmsnorm, swiglu, rope; GQA and
+biases allowed) or ``GPT2LMHeadModel`` for GPT-style models (layernorm, gelu,
+learned positions, biases, no GQA); the names follow ``llmforge.checkpoint.hf_names``.
 
 Weights are read straight from the DCP shards (no model is built, nothing is
 unpickled) in the dtype they were saved in (fp32 master weights).
@@ -24,8 +21,11 @@ from rich.console import Console
 
 from llmforge.checkpoint.locate import locate
 from llmforge.checkpoint.manifest import write_json
+from llmforge.checkpoint.hf_names import style_of, to_hf
 from llmforge.config.schema import ModelConfig
 from llmforge.errors import Problem, UserError
+
+__all__ = ["export_checkpoint", "export_command", "hf_config", "read_model_weights", "style_of"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -47,54 +47,6 @@ def read_model_weights(path: Path) -> Dict[str, torch.Tensor]:
     with quiet_single_process():
         dcp.load({"model": weights}, storage_reader=SafeReader(path), no_dist=True)
     return weights
-
-
-def style_of(m: ModelConfig) -> str:
-    """``llama`` or ``gpt2``; a UserError listing what matches neither."""
-    if m.moe.num_experts > 0:
-        raise UserError([Problem("model.moe.num_experts", m.moe.num_experts, "MoE models have no Llama/GPT-2 export", "export a dense model")], title="cannot export")
-    llama = {"model.norm": (m.norm, "rmsnorm"), "model.activation": (m.activation, "swiglu"), "model.position": (m.position, "rope")}
-    gpt2 = {"model.norm": (m.norm, "layernorm"), "model.activation": (m.activation, "gelu"), "model.position": (m.position, "learned"), "model.bias": (m.bias, True), "model.num_kv_heads": (m.num_kv_heads or m.num_heads, m.num_heads)}
-    for name, wanted in (("llama", llama), ("gpt2", gpt2)):
-        if all(value == need for value, need in wanted.values()):
-            return name
-    problems = [Problem(key, value, f"GPT-2 export needs {need!r}", "pick a GPT-style or Llama-style model") for key, (value, need) in gpt2.items() if value != need]
-    problems += [Problem(key, value, f"Llama export needs {need!r}", "pick a GPT-style or Llama-style model") for key, (value, need) in llama.items() if value != need]
-    raise UserError(problems, title="this model flavour matches neither Llama nor GPT-2")
-
-
-def to_llama(w: Dict[str, torch.Tensor], m: ModelConfig) -> Dict[str, torch.Tensor]:
-    """llmforge names -> LlamaForCausalLM names (no reshaping needed)."""
-    out = {"model.embed_tokens.weight": w["embed.weight"], "model.norm.weight": w["norm.weight"]}
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = w["head.weight"]
-    renames = {"attn_norm.": "input_layernorm.", "mlp_norm.": "post_attention_layernorm.", "attn.": "self_attn.", "mlp.": "mlp."}
-    for key, value in w.items():
-        if key.startswith("layers."):
-            _, layer, rest = key.split(".", 2)
-            prefix = next(p for p in renames if rest.startswith(p))
-            out[f"model.layers.{layer}.{renames[prefix]}{rest[len(prefix):]}"] = value
-    return out
-
-
-def to_gpt2(w: Dict[str, torch.Tensor], m: ModelConfig) -> Dict[str, torch.Tensor]:
-    """llmforge names -> GPT2LMHeadModel names; Conv1D weights are [in, out]."""
-    out = {"transformer.wte.weight": w["embed.weight"], "transformer.wpe.weight": w["pos_embed.weight"],
-           "transformer.ln_f.weight": w["norm.weight"], "transformer.ln_f.bias": w["norm.bias"]}
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = w["head.weight"]
-    for i in range(m.num_layers):
-        src, dst = f"layers.{i}.", f"transformer.h.{i}."
-        qkv = [f"{src}attn.{p}_proj" for p in "qkv"]
-        out[dst + "attn.c_attn.weight"] = torch.cat([w[k + ".weight"] for k in qkv], dim=0).t()
-        out[dst + "attn.c_attn.bias"] = torch.cat([w[k + ".bias"] for k in qkv], dim=0)
-        for ours, theirs in (("attn.o_proj", "attn.c_proj"), ("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj")):
-            out[f"{dst}{theirs}.weight"] = w[f"{src}{ours}.weight"].t()
-            out[f"{dst}{theirs}.bias"] = w[f"{src}{ours}.bias"]
-        for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-            out[f"{dst}{theirs}.weight"] = w[f"{src}{ours}.weight"]
-            out[f"{dst}{theirs}.bias"] = w[f"{src}{ours}.bias"]
-    return out
 
 
 def hf_config(m: ModelConfig, *, style: str, dtype: torch.dtype) -> dict:
@@ -122,7 +74,7 @@ def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path) -> List[
 
     style = style_of(model)
     weights = read_model_weights(path)
-    tensors = (to_llama if style == "llama" else to_gpt2)(weights, model)
+    tensors = to_hf(weights, model)
     dtype = next(iter(weights.values())).dtype
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.export-tmp")

@@ -56,6 +56,9 @@ class ModelConfig:
     bias: bool = knob(True, help="Biases in the linear layers and norms.")
     dropout: float = knob(0.0, help="Dropout probability on attention and residual branches.")
     init_std: float = knob(0.02, help="Standard deviation of the normal weight initialisation.")
+    init_from: Optional[str] = knob(
+        None, help="Start from the weights of a local Hugging Face GPT-2 or Llama folder (config.json + safetensors) instead of random ones."
+    )
     moe: MoEConfig = knob(help="Mixture-of-experts settings.", factory=MoEConfig)
 
 

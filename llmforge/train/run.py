@@ -140,6 +140,10 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
     torch.manual_seed(cfg.train.seed)
     c = build(plan, rank=rank, console=console)
     start_step = restore(c, path=resume_from, console=console) if resume_from is not None else 0
+    if resume_from is None and cfg.model.init_from:
+        from llmforge.checkpoint.hf_import import load_hf_weights
+
+        load_hf_weights(c.model_parts, folder=cfg.model.init_from, model=cfg.model)
     run_dir = plan.run_dir
     if rank.is_main:
         plan.save(run_dir / "plan.json")
