@@ -202,9 +202,10 @@ def resume(
 @user_errors
 def export(
     overrides: Optional[List[str]] = OVERRIDES,
-    out_dir: Path = typer.Option(..., "--out", "-o", help="Folder to write model.safetensors and config.json into."),
+    out_dir: Path = typer.Option(..., "--out", "-o", help="Folder to write model.safetensors, config.json and the tokenizer files into."),
 ) -> None:
-    """Export a checkpoint's model to Hugging Face format (safetensors + config.json).
+    """Export a checkpoint's model to Hugging Face format (safetensors + config.json, and the
+    run's tokenizer), loadable with AutoModelForCausalLM and AutoTokenizer.
 
     [bold]Example[/]
 
@@ -213,6 +214,29 @@ def export(
     from llmforge.checkpoint.export import export_command
 
     export_command(overrides or [], out_dir=out_dir, console=err)
+
+
+@app.command()
+@user_errors
+def generate(
+    overrides: Optional[List[str]] = OVERRIDES,
+    prompt: str = typer.Option(..., "--prompt", "-p", help="Text to continue."),
+    device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N, or auto (the first GPU if there is one)."),
+    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="A tokenizer.json to use instead of the run's own."),
+) -> None:
+    """Continue a prompt with a checkpoint's model and the run's tokenizer: ckpt=PATH, plus
+    generate.* keys (llmforge keys generate.) for length, temperature (0 = greedy), top-k,
+    top-p and seed. The text goes to stdout.
+
+    [bold]Examples[/]
+
+      llmforge generate ckpt=runs/tiny --prompt "def main(" generate.temperature=0
+
+      llmforge generate ckpt=runs/tiny/checkpoints/latest --prompt "import " generate.top_k=40 generate.top_p=0.9 generate.seed=1
+    """
+    from llmforge.generate import generate_command
+
+    generate_command(overrides or [], prompt=prompt, device=device, tokenizer=tokenizer, out=out, err=err)
 
 
 @data_app.command("prepare")

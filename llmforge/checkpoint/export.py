@@ -5,6 +5,10 @@ Writes ``model.safetensors`` and ``config.json`` that ``transformers`` loads as
 biases allowed) or ``GPT2LMHeadModel`` for GPT-style models (layernorm, gelu,
 learned positions, biases, no GQA); the names follow ``llmforge.checkpoint.hf_names``.
 
+With the run's tokenizer (from the prepared-data cache) it also writes
+``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``, so
+``AutoTokenizer`` and ``AutoModelForCausalLM`` load the folder as a whole.
+
 Weights are read straight from the DCP shards (no model is built, nothing is
 unpickled) in the dtype they were saved in (fp32 master weights).
 """
@@ -14,7 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from rich.console import Console
@@ -22,10 +26,10 @@ from rich.console import Console
 from llmforge.checkpoint.locate import locate
 from llmforge.checkpoint.manifest import write_json
 from llmforge.checkpoint.hf_names import style_of, to_hf
-from llmforge.config.schema import ModelConfig
+from llmforge.config.schema import ModelConfig, RunConfig
 from llmforge.errors import Problem, UserError
 
-__all__ = ["export_checkpoint", "export_command", "hf_config", "read_model_weights", "style_of"]
+__all__ = ["export_checkpoint", "export_command", "hf_config", "read_model_weights", "run_tokenizer_file", "style_of"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -49,9 +53,9 @@ def read_model_weights(path: Path) -> Dict[str, torch.Tensor]:
     return weights
 
 
-def hf_config(m: ModelConfig, *, style: str, dtype: torch.dtype) -> dict:
+def hf_config(m: ModelConfig, *, style: str, dtype: torch.dtype, eos_id: Optional[int] = None) -> dict:
     """config.json for the exported model."""
-    common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"), "bos_token_id": None, "eos_token_id": None}
+    common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"), "bos_token_id": eos_id, "eos_token_id": eos_id}
     if style == "llama":
         return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden_size,
                 "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
@@ -65,8 +69,20 @@ def hf_config(m: ModelConfig, *, style: str, dtype: torch.dtype) -> dict:
             "embd_pdrop": m.dropout, "attn_pdrop": m.dropout, "scale_attn_weights": True}
 
 
-def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path) -> List[Path]:
-    """Write model.safetensors and config.json for the checkpoint at ``path`` into ``out_dir``.
+def tokenizer_files(tokenizer: Path, *, eos_id: int, seq_len: int) -> Dict[str, object]:
+    """tokenizer.json plus the small files ``AutoTokenizer`` needs to load it as a
+    ``PreTrainedTokenizerFast`` (the end-of-document token is bos, eos and pad)."""
+    from tokenizers import Tokenizer
+
+    eos = Tokenizer.from_file(str(tokenizer)).id_to_token(eos_id)
+    special = {"bos_token": eos, "eos_token": eos, "pad_token": eos}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len, "clean_up_tokenization_spaces": False, **special}
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config, "special_tokens_map.json": special}
+
+
+def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path, tokenizer: Optional[Tuple[Path, int]] = None) -> List[Path]:
+    """Write model.safetensors and config.json for the checkpoint at ``path`` into
+    ``out_dir``, and the tokenizer files when ``tokenizer`` (tokenizer.json, end-of-document id) is given.
 
     Files are written into a temporary folder next to ``out_dir`` and moved in
     only when complete."""
@@ -82,15 +98,31 @@ def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path) -> List[
     tmp.mkdir(parents=True)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", hf_config(model, style=style, dtype=dtype))
+        write_json(tmp / "config.json", hf_config(model, style=style, dtype=dtype, eos_id=tokenizer[1] if tokenizer else None))
+        extra = tokenizer_files(tokenizer[0], eos_id=tokenizer[1], seq_len=model.seq_len) if tokenizer else {}
+        for name, content in extra.items():
+            if isinstance(content, Path):
+                shutil.copyfile(content, tmp / name)
+            else:
+                write_json(tmp / name, content)
         out_dir.mkdir(parents=True, exist_ok=True)
         written = []
-        for name in ("model.safetensors", "config.json"):
+        for name in ("model.safetensors", "config.json", *extra):
             os.replace(tmp / name, out_dir / name)
             written.append(out_dir / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return written
+
+
+def run_tokenizer_file(config: RunConfig, *, console: Optional[Console]) -> Tuple[Path, int]:
+    """The tokenizer.json a run trained with and its end-of-document id, from the
+    prepared-data cache (prepared again, identically, if the cache was removed)."""
+    from llmforge.data.prepare import prepare
+
+    vocab = config.data.vocab_size or config.model.vocab_size
+    prepared = prepare(data=config.data, vocab_size=vocab, seed=config.train.seed, console=console)
+    return prepared.tokenizer_path, prepared.eos_id
 
 
 def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> None:
@@ -105,6 +137,12 @@ def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> 
     for note in found.notes:
         console.print(f"[yellow]{note}[/]")
     config = config_from_dict(saved_plan(found.path)["config"])
-    written = export_checkpoint(found.path, model=config.model, out_dir=out_dir)
+    style_of(config.model)  # refuse an unsupported flavour before preparing anything
+    try:
+        tokenizer: Optional[Tuple[Path, int]] = run_tokenizer_file(config, console=console)
+    except UserError as exc:
+        tokenizer = None
+        console.print(f"[yellow]the run's tokenizer is not available, so the export has none: {exc.problems[0].render()}[/]", highlight=False)
+    written = export_checkpoint(found.path, model=config.model, out_dir=out_dir, tokenizer=tokenizer)
     style = "LlamaForCausalLM" if style_of(config.model) == "llama" else "GPT2LMHeadModel"
     console.print(f"exported {found.path} as {style}: " + ", ".join(str(p) for p in written))

@@ -163,6 +163,16 @@ class LoggingConfig:
 
 
 @dataclass
+class GenerateConfig:
+    max_tokens: int = knob(64, help="llmforge generate: tokens to generate after the prompt.")
+    temperature: float = knob(1.0, help="llmforge generate: sampling temperature; 0 = greedy (always the most likely token).")
+    top_k: int = knob(0, help="llmforge generate: sample among the k most likely tokens only (0 = all).")
+    top_p: float = knob(1.0, help="llmforge generate: sample among the most likely tokens whose probabilities sum to p (1.0 = all).")
+    seed: int = knob(0, help="llmforge generate: seed of the sampling.")
+    stop_at_eos: bool = knob(True, help="llmforge generate: stop at the end-of-document token.")
+
+
+@dataclass
 class RunConfigSection:
     dir: str = knob("runs/${run.name}", help="Run directory: plan.json, metrics.jsonl, checkpoints/.")
     name: str = knob("tiny", help="Run name (W&B run name, default run folder).")
@@ -183,6 +193,7 @@ class RunConfig:
     cluster: ClusterConfig = knob(help="Where the run executes.", factory=ClusterConfig)
     logging: LoggingConfig = knob(help="Console and Weights & Biases logging.", factory=LoggingConfig)
     run: RunConfigSection = knob(help="Run directory and name.", factory=RunConfigSection)
+    generate: GenerateConfig = knob(help="Text generation from a checkpoint (llmforge generate).", factory=GenerateConfig)
 
 
 GROUPS = ("model", "parallel", "precision", "data", "checkpoint", "optim", "cluster", "logging")
