@@ -22,6 +22,7 @@ CHOICES: Dict[str, tuple] = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.activation": ("gelu", "swiglu"),
     "model.position": ("learned", "rope"),
+    "model.moe.balance": ("aux", "bias", "none"),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_interleaved", "zbv"),
     "parallel.recompute": ("none", "selective", "full"),
     "precision.param_dtype": ("fp32", "bf16", "fp16"),
@@ -323,6 +324,8 @@ def _check_moe(config: RunConfig) -> List[Problem]:
         return out
     if not 1 <= moe.top_k <= moe.num_experts:
         out.append(Problem("model.moe.top_k", moe.top_k, f"must be between 1 and model.moe.num_experts={moe.num_experts}", "lower top_k"))
+    if moe.bias_update_rate < 0:
+        out.append(Problem("model.moe.bias_update_rate", moe.bias_update_rate, "cannot be negative", "use e.g. 0.001"))
     if moe.capacity_factor is not None and moe.capacity_factor <= 0:
         out.append(Problem("model.moe.capacity_factor", moe.capacity_factor, "must be positive or null (dropless)", "use e.g. 1.25 or null"))
     if _ints(p.ep) and p.ep >= 1:

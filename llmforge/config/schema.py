@@ -36,6 +36,10 @@ class MoEConfig:
     z_loss_coef: float = knob(0.0, help="Weight of the router z-loss (ST-MoE).")
     normalize_top_k: bool = knob(True, help="Renormalise the top-k routing weights to sum to one.")
     every: int = knob(1, help="Make every N-th transformer block an MoE block (1 = all).")
+    balance: str = knob(
+        "aux", help="Load balancing: aux (the aux_loss_coef loss), bias (DeepSeek-V3's per-expert routing bias, no aux loss) or none."
+    )
+    bias_update_rate: float = knob(0.001, help="balance=bias: each step, every expert's bias moves by this toward an even load.")
 
 
 @dataclass

@@ -181,6 +181,9 @@ class GPT(nn.Module):
             else:
                 std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w_down")) else self.config.init_std
                 param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
+        for module in self.modules():  # buffers holding training state (the MoE routing bias)
+            if hasattr(module, "reset_state"):
+                module.reset_state()
 
 
 def _name_seed(seed: int, name: str) -> int:

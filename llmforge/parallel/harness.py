@@ -7,8 +7,8 @@ collect what they computed: the equivalence tests and tools/bench_parallel.py us
 SPEC.json: ``{"base": [overrides...], "layouts": {"name": [overrides...]}, "fail_rank": null}``.
 OUT.pt (written by rank 0): per layout the losses, grad norms, step times, the
 intra-op thread count of each rank, rank 0's local element count of each
-parameter (what it holds of its shard) and the full (gathered) parameters after the
-last step.
+parameter (what it holds of its shard), the full (gathered) parameters after the
+last step and every rank's persistent buffers (the MoE routing bias).
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ class LayoutResult:
     threads: List[int] = field(default_factory=list)
     local_numel: Dict[str, int] = field(default_factory=dict)
     params: Dict[str, torch.Tensor] = field(default_factory=dict)
+    buffers: List[Dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 def rank_info(plan: RunPlan, *, device: torch.device) -> RankInfo:
@@ -104,7 +105,21 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu")) -
     out.local_numel = {n: _local_numel(p) for part in c.model_parts for n, p in part.named_parameters()}
     out.params = full_parameters(c)
     out.threads = rank_threads()
+    out.buffers = rank_buffers(c)
     return out
+
+
+def rank_buffers(c: Components) -> List[Dict[str, torch.Tensor]]:
+    """Every rank's persistent buffers by name (collective when distributed)."""
+    mine: Dict[str, torch.Tensor] = {}
+    for part in c.model_parts:
+        params = {name for name, _ in part.named_parameters()}
+        mine.update({k: v.detach().cpu().clone() for k, v in part.state_dict().items() if k not in params})
+    if not dist.is_initialized():
+        return [mine]
+    gathered: List[Optional[Dict[str, torch.Tensor]]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return [g or {} for g in gathered]
 
 
 def rank_threads() -> List[int]:
