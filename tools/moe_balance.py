@@ -58,7 +58,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--balance", nargs="+", default=["aux", "bias", "none"])
+    parser.add_argument("--balance", nargs="+", default=["aux", "bias", "none"], choices=["aux", "bias", "none"])
     parser.add_argument("overrides", nargs="*", help="extra overrides for every run, e.g. train.global_batch_size=8")
     args = parser.parse_args()
     results: Dict[str, List[Dict[str, float]]] = {}
