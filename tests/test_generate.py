@@ -56,7 +56,7 @@ def test_transformers_loads_the_export_with_its_tokenizer(trained, loaded):
 def test_greedy_generation_equals_transformers_greedy_generate(trained, loaded):
     run, hf = trained
     prompt, generated = ours(loaded, GenerateConfig(max_tokens=20, temperature=0.0))
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
     out = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
     theirs = out[0, len(prompt):].tolist()

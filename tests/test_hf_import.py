@@ -54,7 +54,7 @@ def hf_llama(folder: Path) -> Path:
 
 
 def hf_loss(folder: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
         out = hf(input_ids=tokens[:, :-1], labels=tokens[:, :-1])
     logits = out.logits
