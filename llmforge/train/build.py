@@ -88,7 +88,7 @@ def wire_moe(plan: RunPlan, c: Components) -> Components:
 
             reduce = load_reducer(c.rank.mesh)
         c.optimizer.register_step_post_hook(lambda *_: update_expert_bias(c.model_parts, rate=moe.bias_update_rate, reduce=reduce))
-    if c.rank.world_size > 1:
+    if c.rank.mesh is not None:
         from llmforge.parallel.expert import global_moe_metrics
 
         c.extra_metrics = lambda: global_moe_metrics(c.model_parts)
