@@ -138,16 +138,19 @@ def test_activations_against_korthikanti_table2():
 ZERO_PAPER = {0: lambda n, d: 16 * n, 1: lambda n, d: 4 * n + 12 * n / d, 2: lambda n, d: 2 * n + 14 * n / d, 3: lambda n, d: 16 * n / d}
 
 
+@pytest.mark.parametrize("reduce", ["fp32", "bf16"])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_model_states_against_the_zero_paper(zero):
-    """ZeRO's (2 + 2 + K) bytes with K = 12. llmforge computes in autocast from fp32
-    parameters, so the whole compute copy and whole gradients are 4 bytes, not 2:
-    stage 1 and 2 hold 4 more (2 more + 2/d) bytes per parameter; stage 0 and 3 are equal."""
+def test_model_states_against_the_zero_paper(zero, reduce):
+    """ZeRO's (2 + 2 + K) bytes with K = 12, bf16 compute. Stages 0 and 3 are equal;
+    stage 1 accumulates whole gradients in the reduce dtype (Megatron's fp32
+    gradient buffer: 2 more bytes; with bf16 reduction exactly the paper), stage 2
+    keeps an fp32 gradient shard (2/d more)."""
     shape, d = gpt(layers=8, hidden=1024, heads=16, vocab=51200, seq=1024), 8
-    n, weights, grads, optimizer = model_states(shape, Layout(dp=d, zero=zero), 0)
+    jb = Job(global_batch=64, param_dtype="bf16", reduce_dtype=reduce, profile=get_profile("h100-80gb"))
+    n, weights, grads, optimizer = model_states(shape, Layout(dp=d, zero=zero), 0, jb)
     ours = weights + grads + optimizer
     paper = ZERO_PAPER[zero](n, d)
-    extra = {0: 0, 1: 4 * n, 2: 2 * n + 2 * n / d, 3: 0}[zero]
+    extra = {0: 0, 1: 2 * n if reduce == "fp32" else 0, 2: 2 * n / d, 3: 0}[zero]
     assert ours == pytest.approx(paper + extra, rel=1e-4)  # FSDP pads dim 0 to a multiple of d
 
 
