@@ -7,8 +7,6 @@ own ``build_parts``; AdamW then takes one step on zero gradients so its states e
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -159,110 +157,6 @@ SMALL = ["model.num_layers=2", "model.vocab_size=512", "model.seq_len=64", "trai
 ZERO_CASES = [(z, sp, r) for z in (0, 1, 2, 3) for sp in (False, True) for r in ("none", "selective", "full")]
 
 
-def _storage(t) -> object:
-    return _local(t).untyped_storage()
-
-
-def _model_state_bytes(parts, optimizer) -> tuple[int, int, int]:
-    """(weight, gradient, optimizer-state) bytes alive on this rank, each storage once:
-    the parameters or, under FSDP, their shards, gathered compute copies and gradients."""
-    from torch.distributed.fsdp import FSDPModule
-
-    seen: set = set()
-
-    def nbytes(t) -> int:
-        if t is None or _storage(t)._cdata in seen:
-            return 0
-        seen.add(_storage(t)._cdata)
-        return _storage(t).nbytes()
-
-    weights = grads = 0
-    units = [m for part in parts for m in part.modules() if isinstance(m, FSDPModule)]
-    for unit in units:
-        group = unit._get_fsdp_state()._fsdp_param_group
-        for fp in group.fsdp_params if group is not None else []:
-            weights += nbytes(fp.sharded_param)
-            grads += nbytes(fp.sharded_param.grad) + nbytes(fp.unsharded_accumulated_grad)
-            if hasattr(fp, "_unsharded_param"):
-                weights += nbytes(fp._unsharded_param)
-                grads += nbytes(fp._unsharded_param.grad)
-    if not units:
-        params = [p for part in parts for p in part.parameters()]
-        weights, grads = sum(nbytes(p) for p in params), sum(nbytes(p.grad) for p in params)
-    states = sum(nbytes(v) for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0)
-    return weights, grads, states
-
-
-def _unsharded_storages(parts) -> set:
-    from torch.distributed.fsdp import FSDPModule
-
-    keys = set()
-    for unit in (m for part in parts for m in part.modules() if isinstance(m, FSDPModule)):
-        group = unit._get_fsdp_state()._fsdp_param_group
-        for fp in group.fsdp_params if group is not None else []:
-            if hasattr(fp, "_unsharded_param"):
-                keys.add(_storage(fp._unsharded_param)._cdata)
-    return keys
-
-
-def _measure_step(plan: RunPlan) -> tuple[tuple[int, int, int], int]:
-    """Rank 0 on the fake group: one whole step and an optimizer step (so AdamW's
-    moments exist), then the next step's first microbatch (of two) under the
-    saved-tensors hooks. Returns the model-state bytes after that microbatch's
-    backward, and the bytes it saved for backward."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    import llmforge.parallel.recompute as recompute
-    from llmforge.estimate.measure import _cached_tensors
-    from llmforge.parallel.mesh import build_mesh
-    from llmforge.parallel.parallelize import build_parallel
-    from llmforge.train.components import RankInfo
-    from llmforge.train.precision import autocast
-
-    caches: list = []
-    original = recompute.selective_context
-
-    def context():
-        forward, again = original()
-        caches.append(forward.storage)
-        return forward, again
-
-    recompute.selective_context = context
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
-    try:
-        cpu, cfg = torch.device("cpu"), plan.config
-        c = build_parallel(plan, rank=RankInfo(device=cpu, mesh=build_mesh(plan, device_type="cpu")), sampler=None)
-        batch = torch.randint(0, cfg.model.vocab_size, (plan.config.train.global_batch_size // plan.dp, cfg.model.seq_len + 1))
-        c.step(batch)
-        c.optimizer.step()
-        c.optimizer.zero_grad(set_to_none=True)
-        excluded = {_storage(t)._cdata for part in c.model_parts for t in [*part.parameters(), *part.buffers()]}
-        saved: dict = {}
-
-        def pack(t):
-            st = _storage(t)
-            saved[st._cdata] = max(saved.get(st._cdata, 0), st.nbytes())
-            return t
-
-        caches.clear()
-        step, mb = c.step, batch[: cfg.train.micro_batch_size].clone()
-        no_sync = step.no_sync(False) if step.no_sync is not None else contextlib.nullcontext()
-        with no_sync, step.loss_context():
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                with autocast(param_dtype=cfg.precision.param_dtype, device=cpu):
-                    logits = step.model(mb[:, :-1])
-                loss = step.loss_fn(logits, mb[:, 1:])
-                for t in _cached_tensors(caches):
-                    pack(t)
-            loss.backward()
-        excluded |= _unsharded_storages(c.model_parts)
-        activations = sum(n for key, n in saved.items() if key not in excluded)
-        return _model_state_bytes(c.model_parts, c.optimizer), activations
-    finally:
-        dist.destroy_process_group()
-        recompute.selective_context = original
-
-
 @pytest.mark.parametrize("zero,sp,recompute", ZERO_CASES, ids=[f"zero{z}-{'dp2tp2sp' if sp else 'dp2'}-{r}" for z, sp, r in ZERO_CASES])
 def test_model_states_and_saved_bytes_during_the_step_are_exact(zero, sp, recompute):
     """bf16 compute, two microbatches per step: what rank 0 holds after the first
@@ -272,7 +166,9 @@ def test_model_states_and_saved_bytes_during_the_step_are_exact(zero, sp, recomp
 
     layout = ["parallel=dp2tp2", "parallel.sequence_parallel=true"] if sp else ["parallel=dp2"]
     plan = RunPlan.build(compose(layout + SMALL + [f"parallel.zero={zero}", f"parallel.recompute={recompute}", "precision=bf16"]))
-    (weights, grads, states), saved = _measure_step(plan)
+    from llmforge.parallel.footprint import measure_step
+
+    (weights, grads, states), saved = measure_step(plan)
     shape, lay, job = from_plan(plan)
     _, est_weights, est_grads, est_states = model_states(shape, lay, 0, job)
     assert (weights, grads, states) == (est_weights, est_grads, est_states)
