@@ -125,11 +125,11 @@ def test_activations_against_korthikanti_table2():
         assert got == pytest.approx(16 * h + 16 + (24 * h + 4 * a) / t, rel=1e-12)
         korthikanti = 10 * h + 24 * h / t + 5 * a * shape.seq / t
         assert got < korthikanti  # no s x s term
-    # sequence parallel: Megatron divides everything by t (34/t); torch's SequenceParallel keeps
-    # the gathered input of the attention and MLP linears whole (8h bytes), the rest is split
+    # sequence parallel: everything is split over t, as Megatron's 34/t; the column-parallel
+    # linears keep the 16-bit sequence shard of their input (2 x 2h / t), gathered again in backward
     for t in (2, 4, 8):
         got = _per_token(shape, Layout(tp=t, sequence_parallel=True), jb, "none")
-        assert got == pytest.approx((8 * h + 16) / t + 8 * h + (24 * h + 4 * a) / t, rel=1e-12)
+        assert got == pytest.approx((8 * h + 16 + 4 * h + 24 * h + 4 * a) / t, rel=1e-12)
     # full recompute: the block input only; 2 s b h in 16 bits, 4 s b h here (fp32 residual stream)
     assert _per_token(shape, Layout(), jb, "full") == 4 * h
     assert _per_token(shape, Layout(tp=8, sequence_parallel=True), jb, "full") == 4 * h / 8

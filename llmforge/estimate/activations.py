@@ -46,12 +46,17 @@ class BlockActivations:
         return self.per_token * tokens + self.fixed
 
 
-def _norm_bytes(shape: Shape, *, consumers: int, c: int, mixed: bool, sp: float) -> tuple[float, float]:
-    """(replicated-or-SP-split bytes, gathered bytes) per token of one pre-norm."""
+def _norm_bytes(shape: Shape, *, consumers: int, c: int, mixed: bool, sp: float, shard: bool = False) -> tuple[float, float]:
+    """(replicated-or-SP-split bytes, bytes of the output the linears save) per token
+    of one pre-norm. The linears save the whole output (once per linear under
+    autocast), or with ``shard`` (sequence parallel) only its sequence shard, once,
+    in the compute dtype."""
     h = shape.hidden
     kept = h * FP32 + (FP32 if shape.norm == "rmsnorm" else 2 * FP32)  # input and statistics
     if shape.norm == "rmsnorm":
         kept += h * FP32  # the normalised input, kept for the weight gradient
+    if shard:
+        return kept / sp, h * c / sp
     out = consumers * h * c if mixed else h * FP32  # the output each linear saves
     return kept / sp, out
 
@@ -74,10 +79,11 @@ def _selective_bytes(shape: Shape, *, c: int, tp: int, sp: int, moe: bool) -> fl
     Column-parallel outputs (q, k, v, gate, up) are split over tp; row-parallel
     outputs (o, down) are partial sums of full width before their reduction. Under
     tp the reductions' outputs are kept too: all-reduced sums (full width), or with
-    sequence parallel the fp32 gathered norm output and the reduce-scattered shard.
+    sequence parallel the reduce-scattered shard (the gather is inside the
+    column-parallel op, whose outputs are kept).
     """
     h, kv = shape.hidden, shape.kv_dim
-    collective = 0.0 if tp == 1 else (h * FP32 + h / tp * c if sp > 1 else h * c)
+    collective = 0.0 if tp == 1 else (h / tp * c if sp > 1 else h * c)
     attn = h * FP32 / sp + ((h + 2 * kv) / tp + h) * c + collective
     if moe:
         return attn + _moe_selective_bytes(shape, c=c) / sp
@@ -95,8 +101,8 @@ def block_activations(shape: Shape, layout: Layout, job: Job, *, moe: bool, reco
     attn_consumers, mlp_consumers = 3, 2 if shape.activation == "swiglu" else 1
     if moe:
         mlp_consumers = 1 + (mlp_consumers if shape.shared_experts else 0)  # router, shared MLP
-    kept1, out1 = _norm_bytes(shape, consumers=attn_consumers, c=c, mixed=mixed, sp=sp)
-    kept2, out2 = _norm_bytes(shape, consumers=mlp_consumers, c=c, mixed=mixed, sp=sp)
+    kept1, out1 = _norm_bytes(shape, consumers=attn_consumers, c=c, mixed=mixed, sp=sp, shard=sp > 1)
+    kept2, out2 = _norm_bytes(shape, consumers=mlp_consumers, c=c, mixed=mixed, sp=sp, shard=sp > 1 and not moe)
     per_token = kept1 + out1 + kept2 + out2 + _attention_bytes(shape, c=c, tp=tp)
     per_token += _ffn_bytes(shape, layout, job, moe=moe)
     return BlockActivations(per_token=per_token, fixed=_fixed_bytes(shape, layout, job, moe=moe))
@@ -141,6 +147,12 @@ def _moe_selective_bytes(shape: Shape, *, c: int) -> float:
     return shape.num_experts * c + k * (mats * f + shape.hidden) * c + shared
 
 
+def _sp_linear(t, layout: Layout, *, moe: bool) -> bool:
+    """A column-parallel weight the sequence-parallel op casts itself (no autocast copy)."""
+    sp = layout.sequence_parallel and layout.tp > 1
+    return sp and t.split == "col" and (not moe or t.name.startswith("attn."))
+
+
 def _norm_params(shape: Shape) -> int:
     """Weight (and LayerNorm bias) elements of one norm: what it keeps a copy of."""
     return shape.hidden * (2 if shape.norm == "layernorm" and shape.bias else 1)
@@ -166,7 +178,7 @@ def _fixed_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) -> float:
             continue
         if t.expert:
             weights += t.numel / layout.ep
-        elif not gathered:
+        elif not gathered and not _sp_linear(t, layout, moe=moe):
             weights += t.numel / (layout.tp if t.split != "rep" else 1)
     return weights * job.compute_bytes + norms + rope + share
 

@@ -124,13 +124,17 @@ def zero0_exposed(t_allreduce: float, *, t_bwd: float, tail: float) -> float:
 
 
 def tp_bytes(shape: Shape, layout: Layout, job: Job, *, layers: int, microbatches: int) -> float:
-    """Per device per step: two collectives per sublayer, forward and backward (and recompute)."""
+    """Per device per step: two collectives per sublayer, forward and backward (and
+    recompute); with sequence parallel one more in backward, the gather of the
+    sequence shard the column-parallel linears kept (``llmforge.parallel.sequence``)."""
     t = layout.tp
     if t == 1:
         return 0.0
     tokens = layout.micro_batch * shape.seq / layout.cp
     size = tokens * shape.hidden * job.compute_bytes
     per_layer = (6 if layout.recompute == "full" else 4) * 2 * (t - 1) / t * size
+    if layout.sequence_parallel:
+        per_layer += 2 * (t - 1) / t * size
     return microbatches * (layers * per_layer + 2 * (t - 1) / t * size)  # + vocab-parallel embedding
 
 
