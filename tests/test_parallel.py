@@ -85,6 +85,7 @@ MIXED = {
     "tp2_bf16": ["parallel.tp=2", "precision.param_dtype=bf16", "precision.reduce_dtype=bf16"],
     "pp2_fp16": PP + ["precision.param_dtype=fp16"],
     "dp2_zero3_fp16": ["parallel.dp=2", "parallel.zero=3", "precision.param_dtype=fp16"],
+    "dp2_zero1_bf16": ["parallel.dp=2", "parallel.zero=1", "precision.param_dtype=bf16"],
 }
 
 
