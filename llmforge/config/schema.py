@@ -99,6 +99,10 @@ class DataConfig:
     builtin_max_mb: float = knob(8.0, help="Megabytes of standard-library text in the built-in corpus.")
     num_proc: int = knob(1, help="Processes used to tokenize.")
     mixture: List[str] = knob(help="Several datasets as PATH:WEIGHT entries (overrides data.path).", factory=list)
+    val_fraction: float = knob(
+        0.0, help="Fraction of documents held out for validation (never trained on; the same set for every layout). 0 = no validation."
+    )
+    val_seed: int = knob(0, help="Seed choosing the held-out documents (kept apart from train.seed so runs with other seeds share them).")
 
 
 @dataclass
@@ -118,6 +122,8 @@ class TrainConfig:
     seed: int = knob(1234, help="Seed for initialisation, data order and dropout.")
     log_interval: int = knob(1, help="Log metrics every N steps.")
     compile: bool = knob(False, help="torch.compile each transformer block (the first steps pay the compile time).")
+    eval_interval: int = knob(0, help="Validation loss every N steps on the data.val_fraction split (0 = only at the end of the run).")
+    eval_steps: int = knob(10, help="Global batches of held-out sequences per validation.")
 
 
 @dataclass
@@ -129,8 +135,10 @@ class OptimConfig:
     eps: float = knob(1e-8, help="AdamW epsilon.")
     grad_clip: float = knob(1.0, help="Clip the global gradient norm to this (0 = off).")
     warmup_steps: int = knob(10, help="Linear warm-up steps.")
-    schedule: str = knob("cosine", help="Decay after warm-up: cosine, linear or constant.")
+    schedule: str = knob("cosine", help="After warm-up: cosine, linear, constant, or wsd (warmup-stable-decay: constant, then a decay over the last optim.decay_fraction of the steps).")
     min_lr_ratio: float = knob(0.1, help="Final learning rate as a fraction of train.lr.")
+    decay_fraction: float = knob(0.2, help="wsd only: fraction of train.steps spent decaying to min_lr_ratio at the end.")
+    decay_shape: str = knob("sqrt", help="wsd only: shape of the decay: linear, cosine or sqrt (1 - sqrt(progress)).")
 
 
 @dataclass

@@ -34,10 +34,13 @@ class RunSummary:
     wall_s: float
     checkpoint: Optional[Path]
     stopped_early: bool = False
+    val_loss: Optional[float] = None
 
     def describe(self, plan: RunPlan) -> str:
         """The closing line a launcher prints (Rich markup)."""
         losses = f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}" if self.first_loss is not None else "no steps left to train"
+        if self.val_loss is not None:
+            losses += f", val_loss {self.val_loss:.4f}"
         where = f"; checkpoint {self.checkpoint}" if self.checkpoint else ""
         return f"[bold green]done[/] {plan.layout} step {self.last_step}: {losses} in {self.wall_s:.1f}s; metrics in {plan.run_dir / 'metrics.jsonl'}{where}"
 
@@ -50,12 +53,13 @@ def prepare_data(plan: RunPlan, *, console: Console):
     return prepare(data=cfg.data, vocab_size=plan.data_vocab_size, seed=cfg.train.seed, console=console)
 
 
-def make_sampler(plan: RunPlan, prepared) -> object:
-    """The resumable sampler of the global batch order."""
+def make_sampler(plan: RunPlan, prepared, *, split: str = "train") -> object:
+    """The resumable sampler of the global batch order (``split="val"``: of the held-out documents)."""
     from llmforge.data.sampler import BatchSampler
 
     cfg = plan.config
-    return BatchSampler(prepared, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed)
+    return BatchSampler(prepared, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed,
+                        split=split, val_fraction=cfg.data.val_fraction, val_seed=cfg.data.val_seed)
 
 
 def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
@@ -66,14 +70,20 @@ def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
 
         raise fail(f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={plan.config.model.vocab_size}; raise model.vocab_size or set data.vocab_size lower")
     sampler = make_sampler(plan, prepared)
+    val_sampler = make_sampler(plan, prepared, split="val") if plan.config.data.val_fraction > 0 else None
     from llmforge.train.build import build_components
 
-    return build_components(plan, rank=rank, sampler=sampler)
+    c = build_components(plan, rank=rank, sampler=sampler)
+    c.val_sampler = val_sampler
+    return c
 
 
 def train_state(c: Components) -> dict:
-    """The JSON part of a checkpoint: scheduler, sampler position, loss scaler."""
-    return {"scheduler": c.scheduler.state_dict(), "sampler": c.sampler.state_dict(), "scaler": c.scaler.state_dict()}
+    """The JSON part of a checkpoint: scheduler, sampler positions, loss scaler."""
+    state = {"scheduler": c.scheduler.state_dict(), "sampler": c.sampler.state_dict(), "scaler": c.scaler.state_dict()}
+    if c.val_sampler is not None:
+        state["val_sampler"] = c.val_sampler.state_dict()
+    return state
 
 
 def restore(c: Components, *, path: Path, console: Console) -> int:
@@ -91,6 +101,8 @@ def restore(c: Components, *, path: Path, console: Console) -> int:
         group["lr"] = lr
     scheduler._last_lr = lrs  # type: ignore[attr-defined]
     c.sampler.load_state_dict(state["sampler"])
+    if c.val_sampler is not None and "val_sampler" in state:
+        c.val_sampler.load_state_dict(state["val_sampler"])
     c.scaler.load_state_dict(state["scaler"])
     if not load_rng(path, rank=c.rank.rank, world_size=c.rank.world_size):
         torch.manual_seed(_reseed(seed=state["sampler"].get("seed", 0), step=int(state["step"]), rank=c.rank.rank))
@@ -159,6 +171,8 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
                 log_interval=cfg.train.log_interval,
                 checkpoint_interval=cfg.checkpoint.interval,
                 hooks=hooks,
+                eval_interval=cfg.train.eval_interval,
+                eval_steps=cfg.train.eval_steps,
             )
             saver.close()
     finally:
@@ -173,6 +187,7 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         wall_s=time.perf_counter() - started,
         checkpoint=saver.records[-1].path if saver.records else None,
         stopped_early=result.stopped_early,
+        val_loss=result.val_loss,
     )
 
 
@@ -243,7 +258,7 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
     wandb_run = WandbRun(settings=cfg.logging.wandb, run_dir=plan.run_dir, name=cfg.run.name, config=plan.to_dict(), resume_id=resume_id)
     if wandb_run.run_id:
         id_file.write_text(wandb_run.run_id)
-    progress = TrainingProgress(total_steps=cfg.train.steps, start_step=start_step, enabled=cfg.logging.console, console=console)
+    progress = TrainingProgress(total_steps=cfg.train.steps, start_step=start_step, enabled=cfg.logging.console, console=console, validation=cfg.data.val_fraction > 0)
 
     def log(record: dict) -> None:
         """One metrics.jsonl line and the W&B record of a step."""
@@ -252,5 +267,6 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
 
     hooks.log = log
     hooks.progress = lambda step, loss, tps: progress.update(step=step, loss=loss, tokens_per_s=tps)
+    hooks.validated = lambda step, val_loss: progress.update(step=step, val_loss=val_loss)
     closers[:0] = [progress.close, metrics.close, wandb_run.finish]
     return hooks, closers, saver
