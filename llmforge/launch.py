@@ -12,6 +12,10 @@ from llmforge.plan import RunPlan
 
 
 def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
+    if plan.config.logging.tensorboard:
+        from llmforge.observe.tensorboard import check_installed
+
+        check_installed()
     _preflight(plan, force=force, console=console)
     local = plan.config.cluster.launcher == "local"
     if local and not dry_run:

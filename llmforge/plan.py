@@ -31,6 +31,7 @@ CHOICES: Dict[str, tuple] = {
     "optim.name": ("adamw",),
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),
     "optim.decay_shape": ("linear", "cosine", "sqrt"),
+    "train.memory_snapshot": ("off", "oom", "profile"),
     "cluster.launcher": ("local", "slurm"),
     "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
 }

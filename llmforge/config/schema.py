@@ -124,6 +124,13 @@ class TrainConfig:
     compile: bool = knob(False, help="torch.compile each transformer block (the first steps pay the compile time).")
     eval_interval: int = knob(0, help="Validation loss every N steps on the data.val_fraction split (0 = only at the end of the run).")
     eval_steps: int = knob(10, help="Global batches of held-out sequences per validation.")
+    profile: Optional[str] = knob(
+        None, help="Steps to trace with torch.profiler, START-END (or one step N): run.dir/profile/rank<R>.steps<START>-<END>.pt.trace.json per rank (Perfetto, TensorBoard). null = off."
+    )
+    memory_snapshot: str = knob(
+        "oom",
+        help="GPUs: oom = record live CUDA allocations and write run.dir/profile/oom_rank<R>.pickle on out-of-memory; profile = record every allocation from the start and also write a snapshot at the end of train.profile (open at pytorch.org/memory_viz); off.",
+    )
 
 
 @dataclass
@@ -164,6 +171,7 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     console: bool = knob(True, help="Show the Rich progress bar.")
+    tensorboard: bool = knob(False, help="Also log every metric to TensorBoard in run.dir/tensorboard (needs pip install 'llmforge[tensorboard]').")
     wandb: WandbConfig = knob(help="Weights & Biases.", factory=WandbConfig)
 
 

@@ -21,6 +21,7 @@ class LoopHooks:
     checkpoint: Callable[[int], None] = lambda step: None
     should_stop: Callable[[], bool] = lambda: False
     validated: Callable[[int, float], None] = lambda step, val_loss: None
+    after_step: Callable[[int], None] = lambda step: None
 
 
 @dataclass
@@ -65,6 +66,7 @@ def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: f
                 result.val_loss = record["val_loss"]
                 hooks.validated(step, result.val_loss)
             hooks.log(record)
+        hooks.after_step(step)
         stop = hooks.should_stop()
         if step == total_steps or stop or (checkpoint_interval and step % checkpoint_interval == 0):
             hooks.checkpoint(step)

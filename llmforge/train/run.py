@@ -7,13 +7,14 @@ normally (exit code 0). A second signal of the same kind stops at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -144,25 +145,38 @@ def _step_of(line: str) -> int:
         return 0
 
 
+def _open_run_dir(plan: RunPlan, *, resumed: bool, start_step: int, console: Console) -> None:
+    """plan.json, and after a resume: metrics and checkpoints past the resumed step set aside."""
+    plan.save(plan.run_dir / "plan.json")
+    if not resumed:
+        return
+    trim_metrics(plan.run_dir / "metrics.jsonl", after_step=start_step)
+    for old in set_aside_newer(plan.run_dir / "checkpoints", after_step=start_step):
+        console.print(f"[yellow]{old.name} is newer than the checkpoint resumed from; kept as {old.name.replace('step_', 'superseded-step_')}[/]")
+
+
 def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, console: Optional[Console] = None) -> RunSummary:
     """Train this rank from scratch or from ``resume_from`` to ``train.steps`` (or a stop signal)."""
     console = console or Console(stderr=True)
     cfg = plan.config
     started = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
-    c = build(plan, rank=rank, console=console)
-    start_step = restore(c, path=resume_from, console=console) if resume_from is not None else 0
-    run_dir = plan.run_dir
+    from llmforge.observe.profile import MemorySnapshots
+
+    snapshots = MemorySnapshots(mode=cfg.train.memory_snapshot, device=rank.device, out_dir=plan.run_dir / "profile", rank=rank.rank)
+    built: List[Components] = []
+    with _explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
+        c = build(plan, rank=rank, console=console)
+        built.append(c)
+        start_step = restore(c, path=resume_from, console=console) if resume_from is not None else 0
     if rank.is_main:
-        plan.save(run_dir / "plan.json")
-        if resume_from is not None:
-            trim_metrics(run_dir / "metrics.jsonl", after_step=start_step)
-            for old in set_aside_newer(run_dir / "checkpoints", after_step=start_step):
-                console.print(f"[yellow]{old.name} is newer than the checkpoint resumed from; kept as {old.name.replace('step_', 'superseded-step_')}[/]")
+        _open_run_dir(plan, resumed=resume_from is not None, start_step=start_step, console=console)
     stop = StopSignal()
     hooks, closers, saver = _hooks(plan, c, rank=rank, start_step=start_step, console=console, stop=stop)
+    closers.append(snapshots.close)
+    _profiling(plan, hooks, closers, snapshots=snapshots, rank=rank, start_step=start_step, console=console)
     try:
-        with stop.installed():
+        with stop.installed(), _explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
             result: LoopResult = train_loop(
                 c,
                 start_step=start_step,
@@ -179,7 +193,7 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         for close in closers:
             close()
     if result.stopped_early and rank.is_main:
-        console.print(f"[bold yellow]stopped by {stop.name} after step {result.last_step}[/]; continue with:\n  llmforge resume ckpt={run_dir}")
+        console.print(f"[bold yellow]stopped by {stop.name} after step {result.last_step}[/]; continue with:\n  llmforge resume ckpt={plan.run_dir}")
     return RunSummary(
         first_loss=result.losses[0] if result.losses else None,
         last_loss=result.losses[-1] if result.losses else None,
@@ -189,6 +203,44 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         stopped_early=result.stopped_early,
         val_loss=result.val_loss,
     )
+
+
+def _profiling(plan: RunPlan, hooks: LoopHooks, closers: List[Callable[[], None]], *, snapshots, rank: RankInfo, start_step: int, console: Console) -> None:
+    """train.profile's trace on this rank, and the memory snapshot at its end (train.memory_snapshot=profile)."""
+    from llmforge.observe.profile import StepProfiler
+
+    t, out_dir = plan.config.train, plan.run_dir / "profile"
+    if t.profile is None:
+        return
+    say = (lambda text: console.print(text, highlight=False)) if rank.is_main else (lambda text: None)
+    profiler = StepProfiler(steps=t.profile, start_step=start_step, out_dir=out_dir, rank=rank.rank, cuda=rank.device.type == "cuda",
+                            on_written=lambda path: say(f"profile trace: {path} (open at ui.perfetto.dev or in TensorBoard)"))
+    closers.append(profiler.close)
+
+    def after_step(step: int) -> None:
+        profiler.step(step)
+        if step == profiler.last and t.memory_snapshot == "profile":
+            path = snapshots.dump(f"memory_step{step}")
+            say(f"memory snapshot: {path} (open at pytorch.org/memory_viz)" if path else "train.memory_snapshot: CUDA only, nothing recorded on CPU")
+
+    hooks.after_step = after_step
+
+
+@contextlib.contextmanager
+def _explain_oom(plan: RunPlan, *, rank: RankInfo, snapshots, built: List[Components]) -> Iterator[None]:
+    """An out-of-memory error becomes a user error naming the snapshot and the estimate to check
+    (step 0: while building the model and optimizer or loading the checkpoint)."""
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        from llmforge.observe.profile import out_of_memory_error
+
+        step = built[0].scheduler.last_epoch + 1 if built else 0
+        snapshot = snapshots.dump(f"oom_step{step}")
+        plan_path = plan.run_dir / "plan.json"
+        if rank.is_main and not plan_path.is_file():
+            plan.save(plan_path)
+        raise out_of_memory_error(exc, rank=rank.rank, step=step, snapshot=snapshot, plan_path=plan_path) from None
 
 
 class StopSignal:
@@ -214,8 +266,6 @@ class StopSignal:
 
     def installed(self):
         """A context that routes SIGTERM/SIGINT here (main thread only) and restores the old handlers."""
-        import contextlib
-
         @contextlib.contextmanager
         def scope():
             if threading.current_thread() is not threading.main_thread():
@@ -260,10 +310,19 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
         id_file.write_text(wandb_run.run_id)
     progress = TrainingProgress(total_steps=cfg.train.steps, start_step=start_step, enabled=cfg.logging.console, console=console, validation=cfg.data.val_fraction > 0)
 
+    tensorboard = None
+    if cfg.logging.tensorboard:
+        from llmforge.observe.tensorboard import TensorBoardLog
+
+        tensorboard = TensorBoardLog(plan.run_dir)
+        closers.append(tensorboard.close)
+
     def log(record: dict) -> None:
-        """One metrics.jsonl line and the W&B record of a step."""
+        """One metrics.jsonl line, and the W&B and TensorBoard records of a step."""
         metrics.write(record)
         wandb_run.log(record, step=record["step"])
+        if tensorboard is not None:
+            tensorboard.log(record)
 
     hooks.log = log
     hooks.progress = lambda step, loss, tps: progress.update(step=step, loss=loss, tokens_per_s=tps)

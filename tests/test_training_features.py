@@ -1,11 +1,15 @@
-"""Validation loss on the held-out split and the warmup-stable-decay schedule, through a
-real run and a resume (one process; the layouts are covered in test_parallel.py)."""
+"""Validation loss on the held-out split, the warmup-stable-decay schedule, the profiler
+trace and TensorBoard, through one real run and a resume (one process; the layouts are
+covered in test_parallel.py and test_restart.py)."""
 
 from __future__ import annotations
 
+import json
 import math
+import sys
 
 import pytest
+import torch
 
 from llmforge.checkpoint.resume import plan_for_resume
 from llmforge.config.compose import compose
@@ -23,6 +27,7 @@ TINY = [
     "checkpoint.keep=10", "logging.console=false", "logging.wandb.mode=disabled", "optim.warmup_steps=2",
     "data.val_fraction=0.05", "train.eval_interval=3", "train.eval_steps=2",
     "optim.schedule=wsd", "optim.decay_fraction=0.5", "optim.decay_shape=sqrt", "optim.min_lr_ratio=0.1",
+    "train.profile=2-3", "logging.tensorboard=true",
 ]
 
 
@@ -71,3 +76,65 @@ def test_resume_continues_the_schedule_and_both_streams_exactly(reference, tmp_p
     assert sorted(got) == [5, 6, 7, 8]
     for s, record in got.items():  # bit-identical: lr, loss and the validation batches continue
         assert {k: record.get(k) for k in ("lr", "loss", "val_loss")} == {k: expected[s].get(k) for k in ("lr", "loss", "val_loss")}
+
+
+def test_profile_writes_a_chrome_trace_of_the_step_range(reference):
+    run_dir, *_ = reference
+    traces = sorted((run_dir / "profile").glob("*.pt.trace.json"))
+    assert [p.name for p in traces] == ["rank0.steps2-3.pt.trace.json"]
+    events = json.loads(traces[0].read_text())["traceEvents"]
+    steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
+    assert len(steps) == 2  # the two profiled steps, after one warm-up step
+    assert any(e.get("name") == "aten::mm" or e.get("name") == "aten::addmm" for e in events)
+
+
+def test_tensorboard_gets_every_logged_metric(reference):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, *_, records = reference
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert {"loss", "lr", "grad_norm", "val_loss", "val_perplexity"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("val_loss")] == [3, 6, 8]
+    assert [e.value for e in events.Scalars("loss")] == pytest.approx([records[s]["loss"] for s in range(1, 9)])
+
+
+def test_missing_tensorboard_is_refused_with_the_fix(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from llmforge.cli import app
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # what an environment without the package imports
+    result = CliRunner().invoke(app, ["pretrain", "logging.tensorboard=true", f"run.dir={tmp_path}/run"])
+    assert result.exit_code == 2, result.output
+    text = result.output.replace("\n", " ")
+    assert "logging.tensorboard" in text and "pip install 'llmforge[tensorboard]'" in text and "Traceback" not in text
+    assert not (tmp_path / "run").exists()
+
+
+def test_out_of_memory_names_the_snapshot_and_the_estimate(tmp_path):
+    from llmforge.observe.profile import out_of_memory_error
+
+    exc = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.10 GiB\nmore")
+    err = out_of_memory_error(exc, rank=3, step=7, snapshot=tmp_path / "oom_step7_rank3.pickle", plan_path=tmp_path / "plan.json")
+    text = err.message()
+    assert err.exit_code == 2
+    assert "rank 3 ran out of GPU memory in step 7: CUDA out of memory. Tried to allocate 2.00 GiB" in text
+    assert f"{tmp_path}/oom_step7_rank3.pickle" in text and f"llmforge estimate --plan {tmp_path}/plan.json" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_out_of_memory_writes_a_snapshot(tmp_path, small_data):
+    plan = RunPlan.build(compose([*TINY[:-2], *small_data, "cluster.accelerator=h100-80gb", "cluster.devices_per_node=1",
+                                  "train.micro_batch_size=512", "train.global_batch_size=512", "model.seq_len=1024",
+                                  f"run.dir={tmp_path}"]))
+    torch.cuda.set_per_process_memory_fraction(0.02)
+    try:
+        with pytest.raises(UserError) as err:
+            run(plan, rank=RankInfo(device=torch.device("cuda", 0)))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    text = err.value.message()
+    assert "ran out of GPU memory in step 1" in text and f"llmforge estimate --plan {tmp_path}/plan.json" in text
+    assert (tmp_path / "profile" / "oom_step1_rank0.pickle").is_file()
