@@ -22,7 +22,7 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
         _check_devices(plan)
     if resume_from is None and not dry_run:
         _claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
-    if plan.world_size == 1 and plan.config.cluster.launcher == "local":
+    if plan.world_size == 1 and plan.config.cluster.launcher == "local" and plan.config.cluster.max_restarts == 0:
         if dry_run:
             console.print(f"would train in this process: {plan.layout}, {plan.config.train.steps} steps into {plan.run_dir}")
             return

@@ -159,6 +159,9 @@ class ClusterConfig:
     rdzv_endpoint: Optional[str] = knob(None, help="host:port of the rendezvous for multi-node runs.")
     efficiency: float = knob(0.5, help="Fraction of peak FLOP/s the estimator assumes for compute.")
     timeout_s: int = knob(300, help="Collective timeout in seconds: a stuck rank ends the job after this.")
+    max_restarts: int = knob(
+        0, help="After a rank fails, restart every rank up to N times (torchrun --max-restarts); they resume from the newest complete checkpoint."
+    )
 
 
 @dataclass

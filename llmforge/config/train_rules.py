@@ -13,7 +13,7 @@ from llmforge.errors import Problem
 
 def check_training(config: RunConfig) -> List[Problem]:
     out: List[Problem] = []
-    for check in (_check_validation, _check_schedule, _check_profile):
+    for check in (_check_validation, _check_schedule, _check_profile, _check_restarts):
         out.extend(check(config))
     return out
 
@@ -65,6 +65,13 @@ def _check_profile(config: RunConfig) -> List[Problem]:
     if t.memory_snapshot == "profile" and t.profile is None:
         out.append(Problem("train.memory_snapshot", t.memory_snapshot, "writes its snapshot at the end of the train.profile range, and none is set", "also set train.profile=START-END, e.g. train.profile=3-5"))
     return out
+
+
+def _check_restarts(config: RunConfig) -> List[Problem]:
+    n = config.cluster.max_restarts
+    if not _int(n) or n < 0:
+        return [Problem("cluster.max_restarts", n, "must be 0 or a positive integer", "e.g. cluster.max_restarts=3 (0 = a failure ends the run)")]
+    return []
 
 
 def _int(value: object) -> bool:

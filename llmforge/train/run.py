@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -155,28 +155,31 @@ def _open_run_dir(plan: RunPlan, *, resumed: bool, start_step: int, console: Con
         console.print(f"[yellow]{old.name} is newer than the checkpoint resumed from; kept as {old.name.replace('step_', 'superseded-step_')}[/]")
 
 
-def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, console: Optional[Console] = None) -> RunSummary:
-    """Train this rank from scratch or from ``resume_from`` to ``train.steps`` (or a stop signal)."""
+def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, console: Optional[Console] = None, restarted: bool = False) -> RunSummary:
+    """Train this rank from scratch or from ``resume_from`` to ``train.steps`` (or a stop signal).
+    ``restarted``: a later attempt of the same job, whose metrics past its starting step are dropped."""
     console = console or Console(stderr=True)
     cfg = plan.config
     started = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
     from llmforge.observe.profile import MemorySnapshots
+    from llmforge.train.instrument import add_profiler, explain_oom, inject_fault
 
     snapshots = MemorySnapshots(mode=cfg.train.memory_snapshot, device=rank.device, out_dir=plan.run_dir / "profile", rank=rank.rank)
     built: List[Components] = []
-    with _explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
+    with explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
         c = build(plan, rank=rank, console=console)
         built.append(c)
         start_step = restore(c, path=resume_from, console=console) if resume_from is not None else 0
     if rank.is_main:
-        _open_run_dir(plan, resumed=resume_from is not None, start_step=start_step, console=console)
+        _open_run_dir(plan, resumed=resume_from is not None or restarted, start_step=start_step, console=console)
     stop = StopSignal()
     hooks, closers, saver = _hooks(plan, c, rank=rank, start_step=start_step, console=console, stop=stop)
     closers.append(snapshots.close)
-    _profiling(plan, hooks, closers, snapshots=snapshots, rank=rank, start_step=start_step, console=console)
+    add_profiler(plan, hooks, closers, snapshots=snapshots, rank=rank, start_step=start_step, console=console)
+    inject_fault(hooks, rank=rank)
     try:
-        with stop.installed(), _explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
+        with stop.installed(), explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
             result: LoopResult = train_loop(
                 c,
                 start_step=start_step,
@@ -203,44 +206,6 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         stopped_early=result.stopped_early,
         val_loss=result.val_loss,
     )
-
-
-def _profiling(plan: RunPlan, hooks: LoopHooks, closers: List[Callable[[], None]], *, snapshots, rank: RankInfo, start_step: int, console: Console) -> None:
-    """train.profile's trace on this rank, and the memory snapshot at its end (train.memory_snapshot=profile)."""
-    from llmforge.observe.profile import StepProfiler
-
-    t, out_dir = plan.config.train, plan.run_dir / "profile"
-    if t.profile is None:
-        return
-    say = (lambda text: console.print(text, highlight=False)) if rank.is_main else (lambda text: None)
-    profiler = StepProfiler(steps=t.profile, start_step=start_step, out_dir=out_dir, rank=rank.rank, cuda=rank.device.type == "cuda",
-                            on_written=lambda path: say(f"profile trace: {path} (open at ui.perfetto.dev or in TensorBoard)"))
-    closers.append(profiler.close)
-
-    def after_step(step: int) -> None:
-        profiler.step(step)
-        if step == profiler.last and t.memory_snapshot == "profile":
-            path = snapshots.dump(f"memory_step{step}")
-            say(f"memory snapshot: {path} (open at pytorch.org/memory_viz)" if path else "train.memory_snapshot: CUDA only, nothing recorded on CPU")
-
-    hooks.after_step = after_step
-
-
-@contextlib.contextmanager
-def _explain_oom(plan: RunPlan, *, rank: RankInfo, snapshots, built: List[Components]) -> Iterator[None]:
-    """An out-of-memory error becomes a user error naming the snapshot and the estimate to check
-    (step 0: while building the model and optimizer or loading the checkpoint)."""
-    try:
-        yield
-    except torch.OutOfMemoryError as exc:
-        from llmforge.observe.profile import out_of_memory_error
-
-        step = built[0].scheduler.last_epoch + 1 if built else 0
-        snapshot = snapshots.dump(f"oom_step{step}")
-        plan_path = plan.run_dir / "plan.json"
-        if rank.is_main and not plan_path.is_file():
-            plan.save(plan_path)
-        raise out_of_memory_error(exc, rank=rank.rank, step=step, snapshot=snapshot, plan_path=plan_path) from None
 
 
 class StopSignal:
