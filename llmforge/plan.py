@@ -32,7 +32,7 @@ CHOICES: Dict[str, tuple] = {
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),
     "optim.decay_shape": ("linear", "cosine", "sqrt"),
     "train.memory_snapshot": ("off", "oom", "profile"),
-    "cluster.launcher": ("local", "slurm"),
+    "cluster.launcher": ("local", "torchrun", "slurm"),
     "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
 }
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "zb_interleaved", "zbv")

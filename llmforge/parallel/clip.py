@@ -39,7 +39,7 @@ class GlobalClip:
                 continue
             local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
             total += local.double().pow(2).sum().cpu() / self._copies(p.grad)
-        device = grads[0].device if grads else torch.device("cpu")
+        device = (grads or self.params)[0].device if grads or self.params else torch.device("cpu")
         total = total.to(device)
         dist.all_reduce(total)
         norm = float(total.sqrt())

@@ -4,7 +4,10 @@ collect what they computed: the equivalence tests and tools/bench_parallel.py us
     python -m torch.distributed.run --standalone --nproc-per-node=4 \\
         -m llmforge.parallel.harness SPEC.json OUT.pt
 
-SPEC.json: ``{"base": [overrides...], "layouts": {"name": [overrides...]}, "fail_rank": null}``.
+SPEC.json: ``{"base": [overrides...], "layouts": {"name": [overrides...]}, "fail_rank": null,
+"fail_at": null, "device": "cpu", "mesh_of_one": false}``: ``fail_rank`` raises before layout
+``fail_at`` (default: the first); ``"device": "cuda"`` trains each rank on its GPU, under NCCL;
+``mesh_of_one`` sends a one-rank layout through the distributed path (see ``rank_info``).
 OUT.pt (written by rank 0): per layout the losses, validation losses (every
 EVAL_INTERVAL steps and at the end, forward only), grad norms, step times, the
 intra-op thread count of each rank, rank 0's local element count of each
@@ -77,9 +80,11 @@ class LayoutResult:
     params: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def rank_info(plan: RunPlan, *, device: torch.device) -> RankInfo:
-    """This rank's place in a fresh mesh for ``plan`` (one process: no mesh)."""
-    if plan.world_size == 1:
+def rank_info(plan: RunPlan, *, device: torch.device, mesh_of_one: bool = False) -> RankInfo:
+    """This rank's place in a fresh mesh for ``plan``. A one-rank plan gets no mesh (it
+    trains as in one process) unless ``mesh_of_one`` and a process group is started: then
+    it takes the distributed path with a mesh of size one, as the worker does."""
+    if plan.world_size == 1 and not (mesh_of_one and dist.is_initialized()):
         return RankInfo(device=device)
     from llmforge.parallel.mesh import build_mesh
 
@@ -87,7 +92,7 @@ def rank_info(plan: RunPlan, *, device: torch.device) -> RankInfo:
     return RankInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), dp_rank=mesh.local_rank("dp"), dp_size=plan.dp, device=device, mesh=mesh)
 
 
-def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu")) -> LayoutResult:
+def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), mesh_of_one: bool = False) -> LayoutResult:
     """Train ``plan`` on synthetic data; return what it computed (params on rank 0)."""
     from llmforge.train.build import build_components
     from llmforge.train.loop import LoopHooks, train_loop
@@ -95,7 +100,7 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu")) -
     cfg = plan.config
     torch.manual_seed(cfg.train.seed)
     sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed)
-    rank = rank_info(plan, device=device)
+    rank = rank_info(plan, device=device, mesh_of_one=mesh_of_one)
     c = build_components(plan, rank=rank, sampler=sampler)
     # validation on other synthetic rows mid-run and at the end: training must continue unchanged after it
     c.val_sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed + 1)
@@ -151,17 +156,33 @@ def main(argv: List[str]) -> None:
     from llmforge.parallel.worker import report_errors
 
     with report_errors():
-        dist.init_process_group("gloo")
+        device = _join(spec.get("device", "cpu"))
         results = {}
         for name, overrides in spec["layouts"].items():
             plan = tiny_plan(spec.get("base", []) + overrides)
-            if spec.get("fail_rank") == dist.get_rank():
+            if spec.get("fail_rank") == dist.get_rank() and name == spec.get("fail_at", name):
                 _fail(spec.get("fail_kind", "error"))
-            results[name] = train_layout(plan).__dict__
+            results[name] = train_layout(plan, device=device, mesh_of_one=spec.get("mesh_of_one", False)).__dict__
         if dist.get_rank() == 0:
             torch.save(results, argv[1])
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _join(device_type: str) -> torch.device:
+    """Join torchrun's process group as the worker does; this rank's compute device."""
+    import os
+
+    from llmforge.parallel.guard import install_from_env
+    from llmforge.parallel.mesh import backend_for
+
+    device = torch.device("cpu")
+    if device_type != "cpu":
+        device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device))
+    install_from_env(device)
+    return device
 
 
 def _fail(kind: str) -> None:

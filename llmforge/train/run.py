@@ -173,7 +173,7 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         start_step = restore(c, path=resume_from, console=console) if resume_from is not None else 0
     if rank.is_main:
         _open_run_dir(plan, resumed=resume_from is not None or restarted, start_step=start_step, console=console)
-    stop = StopSignal()
+    stop = StopSignal(device=rank.device)
     hooks, closers, saver = _hooks(plan, c, rank=rank, start_step=start_step, console=console, stop=stop)
     closers.append(snapshots.close)
     add_profiler(plan, hooks, closers, snapshots=snapshots, rank=rank, start_step=start_step, console=console)
@@ -209,10 +209,14 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
 
 
 class StopSignal:
-    """Turns SIGTERM/SIGINT into a request to stop after the current step."""
+    """Turns SIGTERM/SIGINT into a request to stop after the current step.
 
-    def __init__(self) -> None:
+    Ranks agree on it with one all-reduce per step of a flag on ``device``, the
+    rank's compute device (NCCL carries no CPU tensors)."""
+
+    def __init__(self, *, device: torch.device = torch.device("cpu")) -> None:
         self.name: Optional[str] = None
+        self.device = device
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.name == signal.Signals(signum).name:
@@ -223,7 +227,7 @@ class StopSignal:
         """True on every rank once any rank received a signal."""
         flag = self.name is not None
         if dist.is_initialized():
-            t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             flag = bool(t.item())
             self.name = self.name or ("SIGTERM" if flag else None)
