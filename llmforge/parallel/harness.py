@@ -25,6 +25,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from llmforge.plan import RunPlan, config_from_dict
@@ -138,6 +139,11 @@ def full_parameters(c: Components) -> Dict[str, torch.Tensor]:
     other ranks return an empty dict). Collective over all ranks."""
     local: Dict[str, torch.Tensor] = {}
     for part in c.model_parts:
+        # ZeRO 1/2 keep the gathered compute weights (float8 ones under fp8) after
+        # forward: read the sharded fp32 parameters instead
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         for name, p in part.named_parameters():
             local[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
     if not dist.is_initialized():
