@@ -72,7 +72,7 @@ class ParallelConfig:
         help="HSDP: split dp into dp_replicate groups of dp/dp_replicate ranks; ZeRO 1-3 shard inside a group (keep it "
         "inside a node) and all-reduce gradients across groups. 1 = shard over all of dp.",
     )
-    sequence_parallel: bool = knob(False, help="Shard norm and dropout activations along the sequence over tp ranks.")
+    sequence_parallel: bool = knob(False, help="Shard norm and dropout activations along the sequence over tp ranks; the linears keep only the shard.")
     pp_schedule: str = knob("1f1b", help="Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_interleaved, zbv.")
     pp_virtual_stages: int = knob(1, help="Model chunks per pipeline rank (interleaved schedules).")
     pp_layers: Optional[List[int]] = knob(None, help="Layers per pipeline stage for an uneven split (length pp*virtual stages).")
@@ -87,8 +87,8 @@ class ParallelConfig:
 
 @dataclass
 class PrecisionConfig:
-    param_dtype: str = knob("fp32", help="Compute dtype of parameters and activations: fp32, bf16 or fp16.")
-    reduce_dtype: str = knob("fp32", help="Dtype of gradient reduction across data-parallel ranks.")
+    param_dtype: str = knob("fp32", help="Compute dtype of parameters and activations: fp32, bf16 or fp16 (master weights stay fp32; ZeRO 1-3 gather weights in it).")
+    reduce_dtype: str = knob("fp32", help="Dtype of gradient reduction across data-parallel ranks (and of ZeRO-1's accumulated gradients).")
     initial_loss_scale: float = knob(65536.0, help="fp16 only: starting dynamic loss scale.")
     loss_scale_growth_interval: int = knob(2000, help="fp16 only: steps without overflow before the scale doubles.")
     fp8: bool = knob(

@@ -29,13 +29,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
 
 
+# the same functional collectives DTensor uses (renamed *_single in recent torch)
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
+
+
 def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
 def _gather(shard: torch.Tensor, group: str) -> torch.Tensor:
     """[b, s/t, h] on each rank -> [b, s, h] (rank order along the sequence)."""
-    return _wait(funcol.all_gather_tensor(shard.contiguous(), gather_dim=1, group=group))
+    return _wait(_all_gather(shard.contiguous(), gather_dim=1, group=group))
 
 
 @torch.library.custom_op("llmforge::sp_column_linears", mutates_args=())
@@ -67,13 +72,13 @@ def _backward(ctx: Any, grads: List[Optional[torch.Tensor]]):
     flat = full.reshape(-1, full.shape[-1])
     grad_full = torch.zeros_like(flat)
     grad_weights, grad_biases = [], []
-    for g, w, i in zip(grads, weights, range(len(weights))):
+    for i, (g, w) in enumerate(zip(grads, weights)):
         g = torch.zeros(flat.shape[0], w.shape[0], dtype=ctx.dtype, device=flat.device) if g is None else g.reshape(-1, w.shape[0])
         grad_full += g @ w.to(ctx.dtype)
         grad_weights.append((g.t() @ flat).to(w.dtype))
         if ctx.bias_dtypes:
             grad_biases.append(g.sum(0).to(ctx.bias_dtypes[i]))
-    scattered = _wait(funcol.reduce_scatter_tensor(grad_full.view(full.shape), "sum", scatter_dim=1, group=ctx.group))
+    scattered = _wait(_reduce_scatter(grad_full.view(full.shape), "sum", scatter_dim=1, group=ctx.group))
     return scattered.to(ctx.x_dtype), grad_weights, grad_biases, None, None
 
 
