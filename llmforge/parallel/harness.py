@@ -114,8 +114,8 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), m
         grad_norms=[r["grad_norm"] for r in records],
         step_times=[r["step_time_s"] for r in records],
     )
+    out.params = full_parameters(c)  # reshards first: ZeRO 1/2 keep the compute copy gathered
     out.local_numel = {n: _local_numel(p) for part in c.model_parts for n, p in part.named_parameters()}
-    out.params = full_parameters(c)
     out.threads = rank_threads()
     return out
 
