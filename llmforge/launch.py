@@ -16,9 +16,18 @@ from llmforge.rundir import RunLock, check_writable
 
 def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
     """Check, then run ``plan`` here or through torchrun, holding the run folder's lock."""
+    if plan.config.logging.tensorboard:
+        from llmforge.observe.tensorboard import check_installed
+
+        check_installed()
     _preflight(plan, force=force, console=console)
+    if resume_from is None and plan.config.model.init_from:
+        from llmforge.checkpoint.hf_import import check_folder
+
+        for note in check_folder(plan.config.model.init_from, plan.config.model):
+            console.print(note, style="yellow", markup=False, highlight=False)
     launcher = plan.config.cluster.launcher
-    here = plan.world_size == 1 and launcher == "local"
+    here = plan.world_size == 1 and launcher == "local" and plan.config.cluster.max_restarts == 0
     if dry_run:
         if here:
             console.print(f"would train in this process: {plan.layout}, {plan.config.train.steps} steps into {plan.run_dir}", markup=False, highlight=False)

@@ -16,12 +16,14 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from llmforge.config.schema import RunConfig
+from llmforge.config.train_rules import check_training
 from llmforge.errors import Problem, UserError, fail
 
 CHOICES: Dict[str, tuple] = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.activation": ("gelu", "swiglu"),
     "model.position": ("learned", "rope"),
+    "model.moe.balance": ("aux", "bias", "none"),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_interleaved", "zbv"),
     "parallel.recompute": ("none", "selective", "full"),
     "precision.param_dtype": ("fp32", "bf16", "fp16"),
@@ -29,7 +31,9 @@ CHOICES: Dict[str, tuple] = {
     "precision.fp8_recipe": ("tensorwise", "rowwise"),
     "data.source": ("builtin", "files"),
     "optim.name": ("adamw",),
-    "optim.schedule": ("cosine", "linear", "constant"),
+    "optim.schedule": ("cosine", "linear", "constant", "wsd"),
+    "optim.decay_shape": ("linear", "cosine", "sqrt"),
+    "train.memory_snapshot": ("off", "oom", "profile"),
     "cluster.launcher": ("local", "torchrun", "slurm"),
     "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
 }
@@ -193,7 +197,7 @@ def _world_and_dp(config: RunConfig) -> tuple[int, int]:
 
 def _validate(config: RunConfig) -> List[Problem]:
     problems: List[Problem] = []
-    for check in (_check_choices, _check_ranges, _check_model, _check_world, _check_tp, _check_pipeline, _check_batch, _check_moe, _check_data, _check_accelerator, _check_fp8, _check_hsdp):
+    for check in (_check_choices, _check_ranges, _check_model, _check_world, _check_tp, _check_pipeline, _check_batch, _check_moe, _check_data, _check_accelerator, _check_fp8, _check_hsdp, check_training):
         problems.extend(check(config))
     return problems
 
@@ -345,6 +349,8 @@ def _check_moe(config: RunConfig) -> List[Problem]:
         return out
     if not 1 <= moe.top_k <= moe.num_experts:
         out.append(Problem("model.moe.top_k", moe.top_k, f"must be between 1 and model.moe.num_experts={moe.num_experts}", "lower top_k"))
+    if moe.bias_update_rate < 0:
+        out.append(Problem("model.moe.bias_update_rate", moe.bias_update_rate, "cannot be negative", "use e.g. 0.001"))
     if moe.capacity_factor is not None and moe.capacity_factor <= 0:
         out.append(Problem("model.moe.capacity_factor", moe.capacity_factor, "must be positive or null (dropless)", "use e.g. 1.25 or null"))
     if _ints(p.ep) and p.ep >= 1:

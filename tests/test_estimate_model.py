@@ -45,8 +45,8 @@ def balanced_routing(monkeypatch):
 
     original = moe.route
 
-    def route(logits, *, top_k, normalize, capacity):
-        r = original(logits, top_k=top_k, normalize=normalize, capacity=capacity)
+    def route(logits, *, top_k, normalize, capacity, bias=None):
+        r = original(logits, top_k=top_k, normalize=normalize, capacity=capacity, bias=bias)
         t, e = logits.shape
         experts = (torch.arange(t)[:, None] * top_k + torch.arange(top_k)[None, :]) % e
         keep = moe.capacity_keep(experts, num_experts=e, capacity=capacity)

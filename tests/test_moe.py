@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from llmforge.config.schema import ModelConfig, MoEConfig
 from llmforge.models.gpt import GPT
-from llmforge.models.moe import MoE, capacity_keep, load_balancing_loss, moe_metrics, route, set_aux_loss_scale, z_loss
+from llmforge.models.moe import MoE, capacity_keep, load_balancing_loss, moe_metrics, route, set_aux_loss_scale, update_expert_bias, z_loss
 from llmforge.train.step import cross_entropy
 
 
@@ -124,9 +124,9 @@ def test_balanced_routing_has_aux_loss_one() -> None:
     assert float(load_balancing_loss(routing)) == pytest.approx(1.0)
 
 
-def _toy_run(*, aux_loss_coef: float, seed: int, steps: int = 30) -> list[dict]:
+def _toy_run(*, aux_loss_coef: float, seed: int, steps: int = 30, balance: str = "aux") -> list[dict]:
     cfg = ModelConfig(num_layers=1, hidden_size=32, num_heads=4, ffn_hidden_size=64, vocab_size=64, seq_len=16,
-                      moe=MoEConfig(num_experts=4, top_k=1, ffn_hidden_size=32, aux_loss_coef=aux_loss_coef, z_loss_coef=0.0))
+                      moe=MoEConfig(num_experts=4, top_k=1, ffn_hidden_size=32, aux_loss_coef=aux_loss_coef, z_loss_coef=0.0, balance=balance))
     model = GPT(cfg)
     model.init_weights(seed=seed)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -135,6 +135,7 @@ def _toy_run(*, aux_loss_coef: float, seed: int, steps: int = 30) -> list[dict]:
     for _ in range(steps):
         cross_entropy(model(data[:, :-1]), data[:, 1:]).backward()
         opt.step()
+        update_expert_bias([model], rate=0.01)
         opt.zero_grad()
         history.append(moe_metrics([model]))
     return history
@@ -147,3 +148,66 @@ def test_aux_loss_reduces_load_imbalance_on_a_toy_run() -> None:
     free, balanced = _toy_run(aux_loss_coef=0.0, seed=0), _toy_run(aux_loss_coef=0.1, seed=0)
     assert late_cv(balanced) < 0.75 * late_cv(free), (late_cv(balanced), late_cv(free))
     assert balanced[-1]["moe/aux_loss"] < free[-1]["moe/aux_loss"]
+
+
+def test_bias_balancing_reduces_load_imbalance_without_an_aux_loss() -> None:
+    def late_cv(history: list[dict]) -> float:
+        return sum(h["moe/load_cv"] for h in history[-10:]) / 10
+
+    free, biased = _toy_run(aux_loss_coef=0.1, seed=0, balance="none"), _toy_run(aux_loss_coef=0.1, seed=0, balance="bias")
+    assert late_cv(biased) < 0.75 * late_cv(free), (late_cv(biased), late_cv(free))
+
+
+def test_the_bias_chooses_experts_and_leaves_the_weights_alone() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    plain = route(logits, top_k=2, normalize=False, capacity=None)
+    biased = route(logits, top_k=2, normalize=False, capacity=None, bias=torch.tensor([-1.0, 0.0, 0.5, 0.0]))
+    assert plain.experts.tolist() == [[0, 1]] and biased.experts.tolist() == [[2, 1]]
+    torch.testing.assert_close(biased.weights, plain.probs[:, [2, 1]])
+
+
+def test_bias_update_follows_the_sign_of_the_load_gap_and_its_reduction() -> None:
+    model = GPT(moe_config(balance="bias"))
+    model.init_weights(seed=0)
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    for layer in layers:
+        layer.expert_load.copy_(torch.tensor([5, 1, 3, 3]))
+    seen = []
+    update_expert_bias([model], rate=0.5, reduce=lambda t: (seen.append(t.shape), t.mul_(2)))
+    assert seen == [torch.Size([2, 4])]  # one collective for all layers
+    for layer in layers:
+        assert layer.expert_bias.tolist() == [-0.5, 0.5, 0.0, 0.0] and layer.expert_load.sum() == 0
+    assert "layers.0.mlp.expert_bias" in model.state_dict() and "layers.0.mlp.expert_load" not in model.state_dict()
+
+
+def test_balance_bias_and_none_drop_the_aux_loss_from_the_gradient() -> None:
+    x = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
+    grads = {}
+    for balance, coef in (("aux", 0.0), ("bias", 1.0), ("none", 1.0)):
+        layer = seeded(MoE(moe_config(balance=balance, aux_loss_coef=coef, z_loss_coef=0.0)))
+        layer(x).sum().backward()
+        grads[balance] = layer.router.weight.grad
+    torch.testing.assert_close(grads["bias"], grads["aux"], rtol=0, atol=0)
+    torch.testing.assert_close(grads["none"], grads["aux"], rtol=0, atol=0)
+
+
+def test_the_routing_bias_is_saved_and_restored(tmp_path) -> None:
+    from llmforge.checkpoint import store
+    from llmforge.config.schema import OptimConfig
+    from llmforge.train.optim import build_optimizer
+
+    def built() -> tuple[GPT, torch.optim.Optimizer]:
+        model = GPT(moe_config(balance="bias"))
+        model.init_weights(seed=0)
+        return model, build_optimizer(model, optim=OptimConfig(), lr=1e-3)
+
+    model, opt = built()
+    model(torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+    opt.step()  # optimizer state exists, as in a real checkpoint
+    with torch.no_grad():
+        model.layers["1"].mlp.expert_bias.copy_(torch.tensor([0.1, -0.2, 0.3, -0.4]))
+    saver = store.CheckpointSaver(root=tmp_path, keep=1, async_save=False, rank=0, log=lambda t: None)
+    path = saver.save(step=1, model_parts=[model], optimizer=opt, train_state={}, plan={})
+    fresh, fresh_opt = built()
+    store.load(path=path, model_parts=[fresh], optimizer=fresh_opt)
+    assert fresh.layers["1"].mlp.expert_bias.tolist() == pytest.approx([0.1, -0.2, 0.3, -0.4])

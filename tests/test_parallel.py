@@ -24,6 +24,8 @@ MOE = [
     "model.moe.aux_loss_coef=0.05", "model.moe.z_loss_coef=0.01", "model.seq_len=16",
 ]
 EP2 = MOE + ["parallel.dp=2", "parallel.ep=2"]
+# Auxiliary-loss-free balancing: the routing bias follows the load summed over both ranks.
+MOE_BIAS = MOE + ["model.moe.balance=bias", "model.moe.bias_update_rate=0.01"]
 DP4_EP2 = MOE + ["parallel.dp=4", "parallel.ep=2"]
 CP2 = ["parallel.cp=2"]
 # RoPE with grouped-query attention: positions and shared keys under context parallel.
@@ -46,6 +48,7 @@ WORLD2 = {
     "moe_ep2": EP2,
     "moe_ep2_zero1": EP2 + ["parallel.zero=1"],
     "moe_ep2_zero3": EP2 + ["parallel.zero=3"],
+    "moe_bias_ep2": MOE_BIAS + EP2[len(MOE):],
     "cp2": CP2,
     "cp2_zero1": CP2 + ["parallel.zero=1"],
     "rope_gqa_cp2_zero3": ROPE_GQA + CP2 + ["parallel.zero=3"],
@@ -85,6 +88,7 @@ MIXED = {
     "tp2_bf16": ["parallel.tp=2", "precision.param_dtype=bf16", "precision.reduce_dtype=bf16"],
     "pp2_fp16": PP + ["precision.param_dtype=fp16"],
     "dp2_zero3_fp16": ["parallel.dp=2", "parallel.zero=3", "precision.param_dtype=fp16"],
+    "dp2_zero1_bf16": ["parallel.dp=2", "parallel.zero=1", "precision.param_dtype=bf16"],
 }
 
 
@@ -105,7 +109,7 @@ def results(tmp_path_factory) -> dict:
     return {**run_group(tmp, nproc=2, layouts={**WORLD2, **MIXED, **FP8_LAYOUTS}), **run_group(tmp, nproc=4, layouts={**WORLD4, **FP8_WORLD4})}
 
 
-REFERENCES = {"dense": [], "untied": ["model.tie_embeddings=false"], "moe": MOE, "rope_gqa": ROPE_GQA}
+REFERENCES = {"dense": [], "untied": ["model.tie_embeddings=false"], "moe": MOE, "moe_bias": MOE_BIAS, "rope_gqa": ROPE_GQA}
 
 
 @pytest.fixture(scope="module")
@@ -114,6 +118,8 @@ def reference():
 
 
 def reference_of(layout: str) -> str:
+    if layout.startswith("moe_bias_"):
+        return "moe_bias"
     if layout.startswith("moe_"):
         return "moe"
     if layout.startswith("rope_gqa_"):
@@ -131,6 +137,7 @@ def test_layout_matches_single_process(layout, results, reference):
     ref = reference[reference_of(layout)]
     assert len(got["losses"]) == 5
     assert max_rel(got["losses"], ref.losses) < 1e-5
+    assert len(got["val_losses"]) == 2 and max_rel(got["val_losses"], ref.val_losses) < 1e-5
     assert max_rel(got["grad_norms"], ref.grad_norms) < 1e-5
     assert set(ref.params) <= set(got["params"])
     for name, value in ref.params.items():
@@ -141,6 +148,12 @@ def test_layout_matches_single_process(layout, results, reference):
     if layout.startswith("moe_"):
         held = [n for n in got["local_numel"] if n.endswith("mlp.experts.w_up")]
         assert held and all(2 * got["local_numel"][n] <= ref.params[n].numel() for n in held), "experts were not split over ep ranks"
+    if layout.startswith("moe_bias_"):
+        bias = {n: b for n, b in ref.buffers[0].items() if n.endswith("expert_bias")}
+        assert bias and all(b.abs().sum() > 0 for b in bias.values()), "the routing bias did not move"
+        for rank_buffers in got["buffers"]:
+            for name, value in bias.items():
+                torch.testing.assert_close(rank_buffers[name], value, rtol=0, atol=1e-7)
     if "head.weight" in got["params"] and "head.weight" not in ref.params:
         torch.testing.assert_close(got["params"]["head.weight"], got["params"]["embed.weight"], rtol=0, atol=0)
 

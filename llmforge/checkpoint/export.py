@@ -1,12 +1,13 @@
 """``llmforge export``: a checkpoint's model in Hugging Face format.
 
 Writes ``model.safetensors`` and ``config.json`` that ``transformers`` loads as
+``LlamaForCausalLM`` for Llama-style models (rmsnorm, swiglu, rope; GQA and
+biases allowed) or ``GPT2LMHeadModel`` for GPT-style models (layernorm, gelu,
+learned positions, biases, no GQA); the names follow ``llmforge.checkpoint.hf_names``.
 
-- ``LlamaForCausalLM`` for Llama-style models (rmsnorm, swiglu, rope; GQA and
-  biases allowed), with Llama's parameter names;
-- ``GPT2LMHeadModel`` for GPT-style models (layernorm, gelu, learned positions,
-  biases, no GQA), with GPT-2's names: q/k/v fuse into ``c_attn`` and every linear
-  weight is transposed, because GPT-2 uses ``Conv1D`` (``y = x @ W + b``).
+With the run's tokenizer (from the prepared-data cache) it also writes
+``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``, so
+``AutoTokenizer`` and ``AutoModelForCausalLM`` load the folder as a whole.
 
 Weights are read straight from the DCP shards (no model is built, nothing is
 unpickled) in the dtype they were saved in (fp32 master weights).
@@ -17,16 +18,19 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from rich.console import Console
 
 from llmforge.checkpoint.locate import locate
 from llmforge.checkpoint.manifest import write_json
-from llmforge.config.schema import ModelConfig
+from llmforge.checkpoint.hf_names import style_of, to_hf
+from llmforge.config.schema import ModelConfig, RunConfig
 from llmforge.errors import Problem, UserError
 from llmforge.rundir import check_writable
+
+__all__ = ["export_checkpoint", "export_command", "hf_config", "read_model_weights", "run_tokenizer_file", "style_of"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -50,57 +54,9 @@ def read_model_weights(path: Path) -> Dict[str, torch.Tensor]:
     return weights
 
 
-def style_of(m: ModelConfig) -> str:
-    """``llama`` or ``gpt2``; a UserError listing what matches neither."""
-    if m.moe.num_experts > 0:
-        raise UserError([Problem("model.moe.num_experts", m.moe.num_experts, "MoE models have no Llama/GPT-2 export", "export a dense model")], title="cannot export")
-    llama = {"model.norm": (m.norm, "rmsnorm"), "model.activation": (m.activation, "swiglu"), "model.position": (m.position, "rope")}
-    gpt2 = {"model.norm": (m.norm, "layernorm"), "model.activation": (m.activation, "gelu"), "model.position": (m.position, "learned"), "model.bias": (m.bias, True), "model.num_kv_heads": (m.num_kv_heads or m.num_heads, m.num_heads)}
-    for name, wanted in (("llama", llama), ("gpt2", gpt2)):
-        if all(value == need for value, need in wanted.values()):
-            return name
-    problems = [Problem(key, value, f"GPT-2 export needs {need!r}", "pick a GPT-style or Llama-style model") for key, (value, need) in gpt2.items() if value != need]
-    problems += [Problem(key, value, f"Llama export needs {need!r}", "pick a GPT-style or Llama-style model") for key, (value, need) in llama.items() if value != need]
-    raise UserError(problems, title="this model flavour matches neither Llama nor GPT-2")
-
-
-def to_llama(w: Dict[str, torch.Tensor], m: ModelConfig) -> Dict[str, torch.Tensor]:
-    """llmforge names -> LlamaForCausalLM names (no reshaping needed)."""
-    out = {"model.embed_tokens.weight": w["embed.weight"], "model.norm.weight": w["norm.weight"]}
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = w["head.weight"]
-    renames = {"attn_norm.": "input_layernorm.", "mlp_norm.": "post_attention_layernorm.", "attn.": "self_attn.", "mlp.": "mlp."}
-    for key, value in w.items():
-        if key.startswith("layers."):
-            _, layer, rest = key.split(".", 2)
-            prefix = next(p for p in renames if rest.startswith(p))
-            out[f"model.layers.{layer}.{renames[prefix]}{rest[len(prefix):]}"] = value
-    return out
-
-
-def to_gpt2(w: Dict[str, torch.Tensor], m: ModelConfig) -> Dict[str, torch.Tensor]:
-    """llmforge names -> GPT2LMHeadModel names; Conv1D weights are [in, out]."""
-    out = {"transformer.wte.weight": w["embed.weight"], "transformer.wpe.weight": w["pos_embed.weight"],
-           "transformer.ln_f.weight": w["norm.weight"], "transformer.ln_f.bias": w["norm.bias"]}
-    if not m.tie_embeddings:
-        out["lm_head.weight"] = w["head.weight"]
-    for i in range(m.num_layers):
-        src, dst = f"layers.{i}.", f"transformer.h.{i}."
-        qkv = [f"{src}attn.{p}_proj" for p in "qkv"]
-        out[dst + "attn.c_attn.weight"] = torch.cat([w[k + ".weight"] for k in qkv], dim=0).t()
-        out[dst + "attn.c_attn.bias"] = torch.cat([w[k + ".bias"] for k in qkv], dim=0)
-        for ours, theirs in (("attn.o_proj", "attn.c_proj"), ("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj")):
-            out[f"{dst}{theirs}.weight"] = w[f"{src}{ours}.weight"].t()
-            out[f"{dst}{theirs}.bias"] = w[f"{src}{ours}.bias"]
-        for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-            out[f"{dst}{theirs}.weight"] = w[f"{src}{ours}.weight"]
-            out[f"{dst}{theirs}.bias"] = w[f"{src}{ours}.bias"]
-    return out
-
-
-def hf_config(m: ModelConfig, *, style: str, dtype: torch.dtype) -> dict:
+def hf_config(m: ModelConfig, *, style: str, dtype: torch.dtype, eos_id: Optional[int] = None) -> dict:
     """config.json for the exported model."""
-    common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"), "bos_token_id": None, "eos_token_id": None}
+    common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"), "bos_token_id": eos_id, "eos_token_id": eos_id}
     if style == "llama":
         return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden_size,
                 "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
@@ -114,8 +70,20 @@ def hf_config(m: ModelConfig, *, style: str, dtype: torch.dtype) -> dict:
             "embd_pdrop": m.dropout, "attn_pdrop": m.dropout, "scale_attn_weights": True}
 
 
-def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path) -> List[Path]:
-    """Write model.safetensors and config.json for the checkpoint at ``path`` into ``out_dir``.
+def tokenizer_files(tokenizer: Path, *, eos_id: int, seq_len: int) -> Dict[str, object]:
+    """tokenizer.json plus the small files ``AutoTokenizer`` needs to load it as a
+    ``PreTrainedTokenizerFast`` (the end-of-document token is bos, eos and pad)."""
+    from tokenizers import Tokenizer
+
+    eos = Tokenizer.from_file(str(tokenizer)).id_to_token(eos_id)
+    special = {"bos_token": eos, "eos_token": eos, "pad_token": eos}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len, "clean_up_tokenization_spaces": False, **special}
+    return {"tokenizer.json": tokenizer, "tokenizer_config.json": config, "special_tokens_map.json": special}
+
+
+def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path, tokenizer: Optional[Tuple[Path, int]] = None) -> List[Path]:
+    """Write model.safetensors and config.json for the checkpoint at ``path`` into
+    ``out_dir``, and the tokenizer files when ``tokenizer`` (tokenizer.json, end-of-document id) is given.
 
     Files are written into a temporary folder next to ``out_dir`` and moved in
     only when complete."""
@@ -123,7 +91,7 @@ def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path) -> List[
 
     style = style_of(model)
     weights = read_model_weights(path)
-    tensors = (to_llama if style == "llama" else to_gpt2)(weights, model)
+    tensors = to_hf(weights, model)
     dtype = next(iter(weights.values())).dtype
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.export-tmp")
@@ -131,15 +99,31 @@ def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path) -> List[
     tmp.mkdir(parents=True)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", hf_config(model, style=style, dtype=dtype))
+        write_json(tmp / "config.json", hf_config(model, style=style, dtype=dtype, eos_id=tokenizer[1] if tokenizer else None))
+        extra = tokenizer_files(tokenizer[0], eos_id=tokenizer[1], seq_len=model.seq_len) if tokenizer else {}
+        for name, content in extra.items():
+            if isinstance(content, Path):
+                shutil.copyfile(content, tmp / name)
+            else:
+                write_json(tmp / name, content)
         out_dir.mkdir(parents=True, exist_ok=True)
         written = []
-        for name in ("model.safetensors", "config.json"):
+        for name in ("model.safetensors", "config.json", *extra):
             os.replace(tmp / name, out_dir / name)
             written.append(out_dir / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return written
+
+
+def run_tokenizer_file(config: RunConfig, *, console: Optional[Console]) -> Tuple[Path, int]:
+    """The tokenizer.json a run trained with and its end-of-document id, from the
+    prepared-data cache (prepared again, identically, if the cache was removed)."""
+    from llmforge.data.prepare import prepare
+
+    vocab = config.data.vocab_size or config.model.vocab_size
+    prepared = prepare(data=config.data, vocab_size=vocab, seed=config.train.seed, console=console)
+    return prepared.tokenizer_path, prepared.eos_id
 
 
 def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> None:
@@ -156,6 +140,12 @@ def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> 
     for note in found.notes:
         console.print(note, style="yellow", markup=False, highlight=False)
     config = config_from_dict(saved_plan(found.path)["config"])
-    written = export_checkpoint(found.path, model=config.model, out_dir=out_dir)
+    style_of(config.model)  # refuse an unsupported flavour before preparing anything
+    try:
+        tokenizer: Optional[Tuple[Path, int]] = run_tokenizer_file(config, console=console)
+    except UserError as exc:
+        tokenizer = None
+        console.print(f"the run's tokenizer is not available, so the export has none: {exc.problems[0].render()}", style="yellow", markup=False, highlight=False)
+    written = export_checkpoint(found.path, model=config.model, out_dir=out_dir, tokenizer=tokenizer)
     style = "LlamaForCausalLM" if style_of(config.model) == "llama" else "GPT2LMHeadModel"
     console.print(f"exported {found.path} as {style}: " + ", ".join(str(p) for p in written), markup=False, highlight=False)

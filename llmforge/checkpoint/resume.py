@@ -24,7 +24,7 @@ from llmforge.plan import RunPlan
 #: Keys (or key prefixes ending in ".") whose change invalidates the saved state.
 FIXED = ("model.", "data.", "train.seed", "optim.name")
 #: Keys under FIXED that may still change.
-MAY_CHANGE = ("model.dropout", "data.cache_dir", "data.num_proc")
+MAY_CHANGE = ("model.dropout", "model.init_from", "data.cache_dir", "data.num_proc")
 _WHY = {
     "model.": "the saved weights have this model's shape and flavour",
     "data.": "the data position is a position in this data and tokenizer",

@@ -58,11 +58,14 @@ def tensor_state(model_parts: List[nn.Module], optimizer: torch.optim.Optimizer,
     return {"model": model_state, "optim": optim_state}
 
 
-def apply_model_state(model_parts: List[nn.Module], model_state: Dict[str, Any]) -> None:
-    """Copy loaded model tensors into each part (each takes the names it holds)."""
+def apply_model_state(model_parts: List[nn.Module], model_state: Dict[str, Any], *, full: bool = False) -> None:
+    """Copy loaded model tensors into each part (each takes the names it holds).
+
+    ``full``: the tensors are whole (not this layout's shards); each is sharded
+    like the parameter it loads into."""
     for part in model_parts:
         own = get_model_state_dict(part)
-        set_model_state_dict(part, {k: model_state[k] for k in own}, options=StateDictOptions(strict=True))
+        set_model_state_dict(part, {k: model_state[k] for k in own}, options=StateDictOptions(strict=True, full_state_dict=full))
 
 
 def save_rng(folder: Path, *, rank: int) -> None:

@@ -17,7 +17,11 @@ Two auxiliary losses train the router:
   of e; 1.0 when perfectly balanced), times ``aux_loss_coef``;
 - the ST-MoE router z-loss ``mean(logsumexp(logits)^2)``, times ``z_loss_coef``.
 
-They never appear in the returned loss. ``AuxLossInjector`` passes the layer's
+They never appear in the returned loss. With ``model.moe.balance=bias`` the load-balancing
+loss is not applied; instead a per-expert bias (a buffer, saved in checkpoints) is added to
+the router probabilities when choosing the top-k experts, and :func:`update_expert_bias`
+moves it toward an even load after every optimizer step (DeepSeek-V3's auxiliary-loss-free
+balancing). ``balance=none`` applies neither. ``AuxLossInjector`` passes the layer's
 output through unchanged and, in backward, adds ``scale`` times the gradient of
 the weighted aux losses (Megatron's MoEAuxLossAutoScaler). This works on any
 pipeline stage, where only the last stage computes the loss. The step runner
@@ -128,11 +132,17 @@ def capacity_keep(experts: torch.Tensor, *, num_experts: int, capacity: Optional
     return (position < capacity).view(experts.shape[1], experts.shape[0]).t()
 
 
-def route(logits: torch.Tensor, *, top_k: int, normalize: bool, capacity: Optional[int]) -> Routing:
-    """Top-k softmax routing of [T, E] logits, with capacity dropping."""
+def route(logits: torch.Tensor, *, top_k: int, normalize: bool, capacity: Optional[int], bias: Optional[torch.Tensor] = None) -> Routing:
+    """Top-k softmax routing of [T, E] logits, with capacity dropping. A per-expert
+    ``bias`` [E] is added to the probabilities to choose the experts only; the
+    combine weights stay the unbiased probabilities (DeepSeek-V3)."""
     logits = logits.float()
     probs = logits.softmax(dim=-1)
-    weights, experts = probs.topk(top_k, dim=-1)
+    if bias is None:
+        weights, experts = probs.topk(top_k, dim=-1)
+    else:
+        experts = (probs + bias.float()).topk(top_k, dim=-1).indices
+        weights = probs.gather(-1, experts)
     if normalize and top_k > 1:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     keep = capacity_keep(experts, num_experts=logits.shape[-1], capacity=capacity)
@@ -207,7 +217,11 @@ class MoE(nn.Module):
         ffn = moe.ffn_hidden_size or config.ffn_hidden_size
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.normalize_top_k, self.capacity_factor = moe.normalize_top_k, moe.capacity_factor
-        self.aux_loss_coef, self.z_loss_coef = moe.aux_loss_coef, moe.z_loss_coef
+        self.aux_loss_coef = moe.aux_loss_coef if moe.balance == "aux" else 0.0
+        self.z_loss_coef = moe.z_loss_coef
+        bias = moe.balance == "bias"  # routing state: saved in checkpoints; the load since the last update is not
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if bias else None)
+        self.register_buffer("expert_load", torch.zeros(moe.num_experts, dtype=torch.int64) if bias else None, persistent=False)
         self.router = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
         self.experts = GroupedExperts(num_experts=moe.num_experts, hidden_size=config.hidden_size, ffn_hidden_size=ffn, activation=config.activation)
         self.shared: Optional[MLP] = None
@@ -220,7 +234,7 @@ class MoE(nn.Module):
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         capacity = capacity_of(tokens=tokens.shape[0], top_k=self.top_k, num_experts=self.num_experts, capacity_factor=self.capacity_factor)
-        routing = route(self.router(tokens), top_k=self.top_k, normalize=self.normalize_top_k, capacity=capacity)
+        routing = route(self.router(tokens), top_k=self.top_k, normalize=self.normalize_top_k, capacity=capacity, bias=self.expert_bias)
         out = self._dispatch_combine(tokens, routing)
         if self.shared is not None:
             out = out + self.shared(tokens)
@@ -230,10 +244,18 @@ class MoE(nn.Module):
         aux, z = load_balancing_loss(routing), z_loss(routing.logits)
         if not _in_backward():
             self.stats.add(routing=routing, aux=aux, z=z)
+            if self.expert_load is not None:
+                self.expert_load += torch.bincount(routing.experts.flatten(), minlength=self.num_experts)
         total = self.aux_loss_coef * aux + self.z_loss_coef * z
         if total.requires_grad:
             out = AuxLossInjector.apply(out, total, float(self.aux_loss_scale()))
         return out
+
+    def reset_state(self) -> None:
+        """Zero the routing bias and load count (a fresh model's values)."""
+        if self.expert_bias is not None:
+            self.expert_bias.zero_()
+            self.expert_load.zero_()  # type: ignore[union-attr]
 
     def _dispatch_combine(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Sort kept assignments by expert, run the experts, sum back with the routing weights."""
@@ -266,6 +288,25 @@ def set_aux_loss_scale(model_parts: Iterable[nn.Module], *, scale: Callable[[], 
     applies to the main loss before backward (read at each forward)."""
     for _, layer in moe_layers(model_parts):
         layer.aux_loss_scale = scale
+
+
+@torch.no_grad()
+def update_expert_bias(model_parts: Iterable[nn.Module], *, rate: float, reduce: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+    """Auxiliary-loss-free balancing (DeepSeek-V3), run after each optimizer step: every
+    expert's routing bias moves by ``rate * sign(mean load - load)``, the load being the
+    tokens routed to it since the last update. ``reduce`` sums the [layers, E] counts in
+    place over the ranks that routed other tokens, so every rank's bias stays identical."""
+    layers = [layer for _, layer in moe_layers(model_parts) if layer.expert_bias is not None]
+    if not layers:
+        return
+    loads = torch.stack([layer.expert_load for layer in layers])  # type: ignore[misc]
+    if reduce is not None:
+        reduce(loads)
+    loads = loads.double()
+    steps = torch.sign(loads.mean(dim=1, keepdim=True) - loads) * rate
+    for layer, step in zip(layers, steps):
+        layer.expert_bias += step.to(layer.expert_bias.dtype)  # type: ignore[operator]
+        layer.expert_load.zero_()  # type: ignore[union-attr]
 
 
 MOE_METRIC_KEYS = ("aux_loss", "z_loss", "load_imbalance", "load_cv", "dropped_frac")

@@ -32,7 +32,7 @@ The ep mesh spans data-parallel ranks only, never tp or pp ranks.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -134,6 +134,14 @@ def reduce_expert_grads(model: nn.Module, *, replica_group: Optional[dist.Proces
         if replica_group is not None and dist.get_world_size(replica_group) > 1:
             dist.all_reduce(grad, group=replica_group)
         grad.div_(dp_size)
+
+
+def load_reducer(mesh) -> Callable[[torch.Tensor], None]:
+    """Sums a tensor of per-expert token counts in place over the ranks that route other
+    tokens through the same MoE layers (the dp x cp group of this pipeline stage and tp
+    coordinate; tp ranks route the same tokens)."""
+    group = mesh.dp_cp.get_group()
+    return lambda counts: dist.all_reduce(counts, group=group)
 
 
 def global_moe_metrics(model_parts: List[nn.Module]) -> Dict[str, float]:

@@ -23,6 +23,7 @@ from llmforge.errors import Problem, UserError, error_text
 from llmforge.plan import RunPlan
 
 WORKER = "llmforge.parallel.worker"
+RESTART_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 DEFAULT_PORT = 29500
 
 
@@ -50,6 +51,8 @@ def torchrun_args(plan: RunPlan, *, endpoint: Optional[str] = None, run_id: str 
     """torchrun options for this plan (same on every node)."""
     c = plan.config.cluster
     args = [f"--nnodes={c.nodes}", f"--nproc-per-node={procs_per_node(plan)}", "--monitor-interval=0.2"]
+    if c.max_restarts > 0:
+        args.append(f"--max-restarts={c.max_restarts}")
     endpoint = endpoint or c.rdzv_endpoint
     if c.nodes == 1 and endpoint is None:
         return args + ["--standalone"]
@@ -84,6 +87,7 @@ def slurm_script(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path])
         "set -euo pipefail",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
+        *[f"export {k}={v}" for k, v in restart_env(plan).items()],
         f"srun --kill-on-bad-exit=1 {command}",
     ]
     return "\n".join(lines) + "\n"
@@ -105,7 +109,7 @@ def launch_distributed(plan: RunPlan, *, resume_from: Optional[Path], dry_run: b
     plan.save(plan_path)
     if plan.config.cluster.nodes > 1:
         console.print(f"start the same command on each of the {plan.config.cluster.nodes} nodes", highlight=False)
-    run_torchrun(command[3:], console=console, threads=_threads(plan), hang_s=plan.config.cluster.timeout_s / 2)
+    run_torchrun(command[3:], console=console, threads=_threads(plan), hang_s=plan.config.cluster.timeout_s / 2, env=restart_env(plan))
 
 
 def dry_run_text(command: List[str], *, plan_path: Path) -> str:
@@ -115,6 +119,12 @@ def dry_run_text(command: List[str], *, plan_path: Path) -> str:
         + f"\n(--dry-run writes nothing; to run the command by hand, first write the plan with the same arguments: "
         f"llmforge plan ... --json > {shlex.quote(str(plan_path))})"
     )
+
+
+def restart_env(plan: RunPlan) -> Dict[str, str]:
+    """With restarts, every attempt gets a fresh rendezvous store: on the agent's shared
+    store (torch's default) a restarted group reads the failed attempt's keys and hangs."""
+    return {RESTART_STORE_ENV: "1"} if plan.config.cluster.max_restarts > 0 else {}
 
 
 def _slurm(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path], dry_run: bool, console: Console) -> None:
@@ -135,7 +145,7 @@ def _threads(plan: RunPlan) -> int:
     return max(1, (os.cpu_count() or 1) // procs_per_node(plan))
 
 
-def run_torchrun(argv: List[str], *, console: Console, threads: int = 1, hang_s: Optional[float] = None) -> None:
+def run_torchrun(argv: List[str], *, console: Console, threads: int = 1, hang_s: Optional[float] = None, env: Optional[Dict[str, str]] = None) -> None:
     """Run torchrun (``argv`` as after ``python -m torch.distributed.run``) here.
 
     The ranks die with this process (see ``llmforge.parallel.watch``); with ``hang_s``
@@ -148,9 +158,9 @@ def run_torchrun(argv: List[str], *, console: Console, threads: int = 1, hang_s:
 
     from llmforge.parallel.watch import ERROR_DIR_ENV, LAUNCHER_PID_ENV, RankMonitor, failure_report, read_records
 
-    env = {ERROR_DIR_ENV: "", LAUNCHER_PID_ENV: str(os.getpid()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
+    base = {LAUNCHER_PID_ENV: str(os.getpid()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     with tempfile.TemporaryDirectory(prefix="llmforge-errors-") as folder, _quiet_agent():
-        with _env({**env, ERROR_DIR_ENV: folder}), RankMonitor(Path(folder), hang_s=hang_s) as monitor:
+        with _env({**base, ERROR_DIR_ENV: folder, **(env or {})}), RankMonitor(Path(folder), hang_s=hang_s) as monitor:
             try:
                 run(parse_args(argv))
                 return

@@ -132,12 +132,14 @@ class FailureReport:
 
 
 def read_records(folder: Path) -> List[dict]:
-    """Error records the ranks wrote, earliest first."""
+    """Error records the ranks wrote, earliest first; only the last attempt's when torchrun
+    restarted the ranks (cluster.max_restarts)."""
     records = []
     for path in Path(folder).glob("rank*.json"):
         with contextlib.suppress(ValueError, OSError):
             records.append(json.loads(path.read_text()))
-    return sorted(records, key=lambda r: r["time"])
+    last = max((r.get("attempt", 0) for r in records), default=0)
+    return sorted((r for r in records if r.get("attempt", 0) == last), key=lambda r: r["time"])
 
 
 def failure_report(folder: Path, *, exit_codes: Dict[int, int], hung: List[int], hang_s: Optional[float],

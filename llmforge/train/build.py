@@ -67,7 +67,8 @@ def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compo
 
 
 def wire_moe(plan: RunPlan, c: Components) -> Components:
-    """MoE models: scale the router losses' gradient like the main loss and log the
+    """MoE models: scale the router losses' gradient like the main loss, update the
+    routing bias after each optimizer step (``model.moe.balance=bias``) and log the
     per-step MoE statistics. A pipeline schedule divides gradients by the
     microbatch count itself; the accumulation loop divides each loss by it."""
     if not plan.moe_layers:
@@ -77,6 +78,16 @@ def wire_moe(plan: RunPlan, c: Components) -> Components:
     per_loss = 1.0 if plan.pp > 1 else 1.0 / plan.microbatches
     scaler = c.scaler
     set_aux_loss_scale(c.model_parts, scale=lambda: (scaler.scale if scaler.enabled else 1.0) * per_loss)
+    moe = plan.config.model.moe
+    if moe.balance == "bias":
+        from llmforge.models.moe import update_expert_bias
+
+        reduce = None
+        if c.rank.mesh is not None and plan.dp * plan.cp > 1:
+            from llmforge.parallel.expert import load_reducer
+
+            reduce = load_reducer(c.rank.mesh)
+        c.optimizer.register_step_post_hook(lambda *_: update_expert_bias(c.model_parts, rate=moe.bias_update_rate, reduce=reduce))
     if c.rank.mesh is not None:
         from llmforge.parallel.expert import global_moe_metrics
 

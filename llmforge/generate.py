@@ -1,0 +1,144 @@
+"""``llmforge generate``: text from a checkpoint, with the run's tokenizer.
+
+The model is rebuilt whole from the checkpoint (any layout it was saved under)
+on the CPU or one GPU, in fp32. Each new token is sampled from the logits of the
+last position: greedy when ``generate.temperature=0``, else softmax at the
+temperature restricted to the ``top_k`` most likely tokens and to the smallest set
+whose probabilities reach ``top_p``, drawn with a generator seeded by
+``generate.seed``. There is no KV cache: every step runs the model over the
+sequence so far (its last ``model.seq_len`` tokens), which is exact and plenty
+fast for checking what a run learned.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+from rich.console import Console
+
+from llmforge.config.schema import GenerateConfig, RunConfig
+from llmforge.errors import Problem, UserError
+
+
+def check_settings(g: GenerateConfig) -> None:
+    """Every generate.* value out of range, in one error."""
+    rules = [
+        ("generate.max_tokens", g.max_tokens, g.max_tokens >= 1, "at least 1"),
+        ("generate.temperature", g.temperature, g.temperature >= 0, "0 (greedy) or more"),
+        ("generate.top_k", g.top_k, g.top_k >= 0, "0 (off) or more"),
+        ("generate.top_p", g.top_p, 0 < g.top_p <= 1, "in (0, 1]"),
+    ]
+    problems = [Problem(key, value, f"must be {need}", f"set {key} to a value {need}") for key, value, ok, need in rules if not ok]
+    if problems:
+        raise UserError(problems, title="bad generate settings")
+
+
+def filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Tensor:
+    """[vocab] logits with the tokens outside top-k / top-p set to -inf (the best one always stays)."""
+    if 0 < top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        outside = probs.cumsum(-1) - probs >= top_p  # the mass before a token already reaches p
+        logits = logits.masked_fill(torch.zeros_like(outside).scatter(0, order, outside), float("-inf"))
+    return logits
+
+
+def next_token(logits: torch.Tensor, *, settings: GenerateConfig, generator: torch.Generator) -> int:
+    """One token id from the last position's [vocab] logits."""
+    logits = logits.float()
+    if settings.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = filter_logits(logits / settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+    probs = logits.softmax(-1).cpu()
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@torch.no_grad()
+def generate_ids(model: torch.nn.Module, prompt: List[int], *, settings: GenerateConfig, seq_len: int, eos_id: Optional[int], device: torch.device) -> List[int]:
+    """The generated token ids (without the prompt)."""
+    model.eval()
+    generator = torch.Generator().manual_seed(settings.seed)
+    ids = list(prompt)
+    out: List[int] = []
+    for _ in range(settings.max_tokens):
+        window = torch.tensor([ids[-seq_len:]], dtype=torch.long, device=device)
+        token = next_token(model(window)[0, -1], settings=settings, generator=generator)
+        if settings.stop_at_eos and token == eos_id:
+            break
+        ids.append(token)
+        out.append(token)
+    return out
+
+
+def load_model(path: Path, *, config: RunConfig, device: torch.device) -> torch.nn.Module:
+    """The whole model with a checkpoint's weights (saved under any layout)."""
+    from llmforge.checkpoint.export import read_model_weights
+    from llmforge.models.gpt import GPT
+
+    weights = read_model_weights(path)
+    if config.model.tie_embeddings:
+        weights.pop("head.weight", None)  # the last pipeline stage's copy of the embedding
+    model = GPT(config.model)
+    model.load_state_dict(weights, strict=True)
+    return model.to(device)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError([Problem("--device", name, "this machine has no CUDA device", "use --device cpu")], title="no GPU")
+    return torch.device(name)
+
+
+def generate_command(overrides: List[str], *, prompt: str, device: str, tokenizer: Optional[Path], out: Console, err: Console) -> str:
+    """``llmforge generate ckpt=PATH --prompt TEXT [generate.*=...]``; returns the completion."""
+    found, config = checkpoint_config(overrides)
+    settings = config.generate
+    check_settings(settings)
+    tok, eos_id = run_tokenizer(config, tokenizer=tokenizer, console=err)
+    where = pick_device(device)
+    model = load_model(found, config=config, device=where)
+    prompt_ids = tok.encode(prompt).ids
+    if not prompt_ids:
+        raise UserError([Problem("--prompt", prompt, "encodes to no tokens", "give a non-empty prompt")], title="bad prompt")
+    mode = "greedy" if settings.temperature == 0 else f"temperature {settings.temperature:g}, top-k {settings.top_k or 'off'}, top-p {settings.top_p:g}, seed {settings.seed}"
+    err.print(f"generating up to {settings.max_tokens} tokens from {found} on {where} ({mode})", highlight=False, markup=False)
+    ids = generate_ids(model, prompt_ids, settings=settings, seq_len=config.model.seq_len, eos_id=eos_id, device=where)
+    completion = tok.decode(ids)
+    out.print(prompt + completion, highlight=False, markup=False, soft_wrap=True)
+    return completion
+
+
+def checkpoint_config(overrides: List[str]):
+    """The verified checkpoint folder and its saved config with ``generate.*``/``data.cache_dir`` overrides."""
+    from llmforge.checkpoint.locate import locate
+    from llmforge.checkpoint.resume import apply_overrides, saved_plan, split_ckpt
+
+    ckpt, rest = split_ckpt(overrides)
+    allowed = ("generate.", "data.cache_dir=")
+    bad = [o for o in rest if not o.lstrip("+~").startswith(allowed)]
+    if bad:
+        raise UserError([Problem(o.split("=", 1)[0], o, "generate takes only ckpt=, generate.* and data.cache_dir overrides", "remove it") for o in bad], title="bad overrides")
+    found = locate(ckpt)
+    return found.path, apply_overrides(saved_plan(found.path)["config"], rest)
+
+
+def run_tokenizer(config: RunConfig, *, tokenizer: Optional[Path], console: Console):
+    """(tokenizer, end-of-document id): ``--tokenizer`` or the run's own, from the prepared-data
+    cache (prepared again, identically, if the cache was removed)."""
+    from tokenizers import Tokenizer
+
+    from llmforge.checkpoint.export import run_tokenizer_file
+    from llmforge.data.tokenizer import find_eos, load_tokenizer
+
+    if tokenizer is not None:
+        tok = load_tokenizer(str(tokenizer), vocab_size=config.model.vocab_size)
+        return tok, find_eos(tok)
+    path, eos_id = run_tokenizer_file(config, console=console)
+    return Tokenizer.from_file(str(path)), eos_id

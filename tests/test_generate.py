@@ -1,0 +1,94 @@
+"""llmforge generate and the tokenizer in the export, checked against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from llmforge.cli import app
+from llmforge.config.schema import GenerateConfig
+from llmforge.generate import checkpoint_config, filter_logits, generate_ids, load_model, next_token, run_tokenizer
+
+transformers = pytest.importorskip("transformers")
+
+runner = CliRunner()
+PROMPT = "def main("
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, small_data):
+    """A briefly trained tiny GPT-2-style run and its Hugging Face export."""
+    tmp = tmp_path_factory.mktemp("gen")
+    args = ["pretrain", *small_data, f"run.dir={tmp / 'run'}", "model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.seq_len=32",
+            "train.steps=4", "train.lr=1e-2", "optim.warmup_steps=0", "train.global_batch_size=4", "train.micro_batch_size=4",
+            "logging.console=false", "logging.wandb.mode=disabled"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    result = runner.invoke(app, ["export", f"ckpt={tmp / 'run'}", "--out", str(tmp / "hf")])
+    assert result.exit_code == 0, result.output
+    return tmp / "run", tmp / "hf"
+
+
+@pytest.fixture(scope="module")
+def loaded(trained):
+    path, config = checkpoint_config([f"ckpt={trained[0]}"])
+    tok, eos_id = run_tokenizer(config, tokenizer=None, console=None)
+    return load_model(path, config=config, device=torch.device("cpu")), tok, eos_id, config
+
+
+def ours(loaded, settings: GenerateConfig) -> tuple[list[int], list[int]]:
+    model, tok, eos_id, config = loaded
+    prompt = tok.encode(PROMPT).ids
+    return prompt, generate_ids(model, prompt, settings=settings, seq_len=config.model.seq_len, eos_id=eos_id, device=torch.device("cpu"))
+
+
+def test_transformers_loads_the_export_with_its_tokenizer(trained, loaded):
+    _, hf = trained
+    _, tok, eos_id, _ = loaded
+    theirs = transformers.AutoTokenizer.from_pretrained(hf)
+    text = "import os\nprint(os.getcwd())"
+    assert theirs(text)["input_ids"] == tok.encode(text).ids
+    assert theirs.eos_token_id == eos_id and theirs.decode(tok.encode(text).ids) == text
+    assert type(transformers.AutoModelForCausalLM.from_pretrained(hf)).__name__ == "GPT2LMHeadModel"
+
+
+def test_greedy_generation_equals_transformers_greedy_generate(trained, loaded):
+    run, hf = trained
+    prompt, generated = ours(loaded, GenerateConfig(max_tokens=20, temperature=0.0))
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    theirs = out[0, len(prompt):].tolist()
+    if theirs and theirs[-1] == tokenizer.eos_token_id:  # transformers keeps the stop token; llmforge drops it
+        theirs = theirs[:-1]
+    assert generated == theirs and len(generated) > 0
+
+    result = runner.invoke(app, ["generate", f"ckpt={run}", "--prompt", PROMPT, "generate.temperature=0", "generate.max_tokens=20"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.rstrip("\n") == PROMPT + tokenizer.decode(theirs, skip_special_tokens=True)
+
+
+def test_sampling_follows_seed_top_k_and_top_p(loaded):
+    greedy = ours(loaded, GenerateConfig(max_tokens=8, temperature=0.0, stop_at_eos=False))[1]
+    assert ours(loaded, GenerateConfig(max_tokens=8, top_k=1, seed=3, stop_at_eos=False))[1] == greedy
+    assert ours(loaded, GenerateConfig(max_tokens=8, top_p=1e-6, seed=4, stop_at_eos=False))[1] == greedy
+    first = ours(loaded, GenerateConfig(max_tokens=8, temperature=2.0, seed=5, stop_at_eos=False))[1]
+    assert ours(loaded, GenerateConfig(max_tokens=8, temperature=2.0, seed=5, stop_at_eos=False))[1] == first
+    assert first != ours(loaded, GenerateConfig(max_tokens=8, temperature=2.0, seed=6, stop_at_eos=False))[1]
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.tensor([2.0, 1.0, 0.0, -1.0]).log_softmax(-1)  # probs ~ .64 .24 .09 .03
+    assert torch.isfinite(filter_logits(logits, top_k=2, top_p=1.0)).tolist() == [True, True, False, False]
+    assert torch.isfinite(filter_logits(logits, top_k=0, top_p=0.7)).tolist() == [True, True, False, False]
+    assert torch.isfinite(filter_logits(logits, top_k=0, top_p=0.5)).tolist() == [True, False, False, False]
+    assert next_token(logits, settings=GenerateConfig(temperature=0.0), generator=torch.Generator()) == 0
+
+
+def test_bad_settings_and_overrides_exit_2(trained):
+    run, _ = trained
+    result = runner.invoke(app, ["generate", f"ckpt={run}", "--prompt", "x", "generate.top_p=0", "generate.temperature=-1"])
+    assert result.exit_code == 2 and "generate.top_p" in result.output and "generate.temperature" in result.output
+    result = runner.invoke(app, ["generate", f"ckpt={run}", "--prompt", "x", "train.steps=3"])
+    assert result.exit_code == 2 and "generate takes only" in result.output
