@@ -7,7 +7,9 @@ transformer. What matters about llmforge's GPT:
 - weights are fp32 and bf16/fp16 runs use autocast, so the residual stream, the
   norm inputs and statistics stay fp32 while matmul inputs and outputs are 16-bit;
 - autocast casts a norm output once per consuming linear (q, k, v: three copies)
-  and keeps a 16-bit copy of every matmul weight for backward, per microbatch;
+  and keeps a 16-bit copy of every matmul weight for backward, per microbatch
+  (not of the weights of float8 linear layers under ``precision.fp8``, which keep
+  their fp32 master weight and cast it again in backward);
 - attention is ``scaled_dot_product_attention`` (a fused kernel): it keeps q, k, v
   (k and v at full head count after the GQA repeat), its output and the
   log-sum-exp, never the s x s score matrix;
@@ -24,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from llmforge.estimate.fp8 import converted
 from llmforge.estimate.params import StageCounts, block_tensors
 from llmforge.estimate.shape import Job, Layout, Shape
 
@@ -145,7 +148,7 @@ def _fixed_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) -> float:
         return share
     weights = 0.0
     for t in block_tensors(shape, moe):
-        if len(t.shape) < 2:
+        if len(t.shape) < 2 or (job.fp8 and converted(t)):  # Float8Linear keeps the fp32 master for backward
             continue
         if t.expert:
             weights += t.numel / layout.ep
@@ -192,7 +195,7 @@ def recompute_working_bytes(shape: Shape, layout: Layout, job: Job) -> float:
         return 0.0
     moe = shape.num_experts > 0
     key = (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch)
-    jkey = (job.compute_bytes, job.mixed)
+    jkey = (job.compute_bytes, job.mixed, job.fp8)
     return _kind_bytes(shape, key, jkey, moe, "none") - _kind_bytes(shape, key, jkey, moe, layout.recompute) + (
         _kind_fixed(shape, key, jkey, moe, layout.recompute))
 
@@ -214,16 +217,17 @@ def _kind_bytes(shape: Shape, layout_key: tuple, job_key: tuple, moe: bool, mode
 
 @dataclass(frozen=True)
 class _JobView:
-    """The two Job fields activations depend on (a cheap cache key)."""
+    """The Job fields activations depend on (a cheap cache key)."""
 
     compute_bytes: int
     mixed: bool
+    fp8: bool
 
 
 def stage_bytes_per_microbatch(shape: Shape, layout: Layout, job: Job, counts: StageCounts) -> float:
     """Saved bytes of one microbatch on a pipeline rank: its blocks, plus embedding ids or the output."""
     key = (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch)
-    jkey = (job.compute_bytes, job.mixed)
+    jkey = (job.compute_bytes, job.mixed, job.fp8)
     mode = layout.recompute
     total = 0.0
     for n, moe, applies in ((counts.dense, False, False), (counts.moe, True, False), (counts.dense_ckpt, False, True), (counts.moe_ckpt, True, True)):

@@ -61,7 +61,7 @@ def _bandwidth(job: Job, span: int) -> float:
 
 
 def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatches: int,
-               t_fwd: float, t_bwd: float, span: int, last_bucket: int = 0) -> tuple[float, float, float]:
+               t_fwd: float, t_bwd: float, span: int, last_bucket: int = 0, float8: float = 0.0) -> tuple[float, float, float]:
     """(bytes, seconds, exposed seconds) of data-parallel traffic per device per step.
 
     As llmforge.parallel.data runs it: ZeRO 0 all-reduces gradients in buckets
@@ -74,6 +74,13 @@ def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatche
     block's compute, and reduce-scatters gradients behind the backward: once per
     step for ZeRO 1 (and any stage under a pipeline), after every microbatch for
     ZeRO 2 and 3. ZeRO 3 gathers again for every forward and backward.
+    ``float8`` of the ``dense`` elements are gathered as float8 (precision.fp8_all_gather).
+
+    HSDP (``layout.dp_replicate`` = R > 1): the gathers and reduce-scatters run inside a
+    shard group of dp / R consecutive ranks (NVLink when it fits in a node), and each
+    reduce-scatter is followed by an all-reduce of the gradient shard over the R
+    replicas (the network when the data-parallel group spans nodes); that all-reduce
+    hides behind backward as the reduce-scatter does.
     """
     d = layout.dp * layout.cp
     if d == 1:
@@ -88,16 +95,24 @@ def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatche
             return nbytes, t, t
         tail = min(1.0, max(last_bucket * rb, BUCKET_BYTES) * (d - 1) / d / (numel * rb))
         return nbytes, t, zero0_exposed(t, t_bwd=t_bwd, tail=tail)
-    rs_one, ag_one = numel * rb, numel * FP32
-    t_rs, t_ag = seconds(job, rs_one, span), seconds(job, ag_one, span)
+    r = layout.dp_replicate
+    s = max(1, d // r)  # the shard group
+    if r > 1:
+        numel = dense * (s - 1) / s  # ep = cp = 1 under HSDP
+    rs_one = numel * rb
+    ag_one = numel * FP32 - float8 * (s - 1) / s * (FP32 - 1)
+    ar_one = 2 * (r - 1) / r * dense / s * rb  # the shard's all-reduce over the replicas
+    shard_span = span // r
+    t_rs, t_ag = seconds(job, rs_one, shard_span), seconds(job, ag_one, shard_span)
+    t_ar = seconds(job, ar_one, span)
     reduce_each = layout.zero >= 2 and layout.pp == 1
     scatters = m if reduce_each else 1
     gathers = 2 * m if layout.zero == 3 else 1
-    exposed = scatters * max(0.0, t_rs - t_bwd)
+    exposed = scatters * max(0.0, t_rs + t_ar - t_bwd)
     exposed += (m if layout.zero == 3 else 1) * max(0.0, t_ag - t_fwd)
     exposed += (m * max(0.0, t_ag - t_bwd)) if layout.zero == 3 else 0.0
-    nbytes = scatters * rs_one + gathers * ag_one
-    return nbytes, scatters * t_rs + gathers * t_ag, exposed
+    nbytes = scatters * (rs_one + ar_one) + gathers * ag_one
+    return nbytes, scatters * (t_rs + t_ar) + gathers * t_ag, exposed
 
 
 def zero0_exposed(t_allreduce: float, *, t_bwd: float, tail: float) -> float:

@@ -17,6 +17,7 @@ from functools import lru_cache
 from typing import List, Tuple
 
 from llmforge.estimate import activations as act
+from llmforge.estimate import fp8
 from llmforge.estimate.params import RankParams, block_tensors, layout_rank_params, representative_stages, stage_counts
 from llmforge.estimate.pipeline import inflight_microbatches
 from llmforge.estimate.shape import DTYPE_BYTES, Job, Layout, Shape
@@ -76,15 +77,16 @@ def _dim0_shard(shape: Tuple[int, ...], group: int) -> int:
 
 
 def groups(layout: Layout) -> Tuple[int, int]:
-    """(data-parallel group of dense weights, of expert weights)."""
-    group = layout.dp * layout.cp
+    """(data-parallel group of dense weights, of expert weights); ZeRO shards over them
+    (over a shard group of dp / dp_replicate ranks under HSDP)."""
+    group = layout.dp_shard * layout.cp
     return group, max(1, group // layout.ep)
 
 
 def model_states(shape: Shape, layout: Layout, stage: int) -> Tuple[int, float, float, float]:
     """See ``_model_states``; memoised on the fields it depends on (the search varies the others)."""
     key = (layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.zero, layout.virtual_stages,
-           layout.pp_layers, layout.schedule == "zbv", stage)
+           layout.pp_layers, layout.schedule == "zbv", layout.dp_replicate, stage)
     return _model_states(shape, key, layout)
 
 
@@ -138,6 +140,8 @@ def _transient(shape: Shape, layout: Layout, job: Job, stage: int, params: int) 
     """Short-lived buffers: logits at the loss, recompute working set, gradient reduction buffers."""
     counts = stage_counts(shape, layout)[stage]
     out = act.recompute_working_bytes(shape, layout, job)
+    if job.fp8 and counts.blocks:
+        out += fp8.working_bytes(shape, layout, job)
     if counts.last:
         out += act.logits_peak_bytes(shape, layout, job)
     if layout.dp * layout.cp == 1 or not counts.blocks:
@@ -150,8 +154,17 @@ def _transient(shape: Shape, layout: Layout, job: Job, stage: int, params: int) 
     has_dense = counts.dense + counts.dense_ckpt > 0
     block = max(_block_numel(shape, True) if has_moe else 0, _block_numel(shape, False) if has_dense else 0) / layout.tp
     if layout.zero == 3:
-        out += 2 * block * FP32  # the gathered block and the prefetched next one (fp32, autocast casts)
+        out += 2 * _gathered_bytes(shape, layout, job, block)  # the gathered block and the prefetched next one
     return out + block * (FP32 + rb)  # one block's whole gradient and its reduce_dtype copy
+
+
+def _gathered_bytes(shape: Shape, layout: Layout, job: Job, block: float) -> float:
+    """One gathered block of ``block`` elements: fp32 (autocast casts), or float8 for the
+    converted linear weights when FSDP gathers float8 (precision.fp8_all_gather)."""
+    if not job.fp8_all_gather:
+        return block * FP32
+    low = fp8.converted_numel(shape, moe=shape.num_experts > 0, tp=layout.tp)
+    return (block - low) * FP32 + low * fp8.FP8
 
 
 def stage_memory(shape: Shape, layout: Layout, job: Job, stage: int, microbatches: int) -> StageMemory:
