@@ -50,6 +50,7 @@ def _converted(shape: Shape, moe: bool) -> tuple:
     return tuple(t for t in block_tensors(shape, moe) if converted(t))
 
 
+@lru_cache(maxsize=1024)
 def converted_numel(shape: Shape, *, moe: bool, tp: int = 1) -> float:
     """Elements of one block's converted weights on a tensor-parallel rank (MoE layers are not split)."""
     return sum(t.numel / (tp if t.split != "rep" else 1) for t in _converted(shape, moe))
@@ -62,6 +63,7 @@ def _tail(shape: Shape, moe: bool) -> float:
     return 2 * shape.hidden * shape.moe_ffn * shape.shared_experts
 
 
+@lru_cache(maxsize=1024)
 def block_flops(shape: Shape, *, moe: bool, mode: str) -> float:
     """FP8 FLOPs per token of one block, forward + backward (+ recompute under ``mode``)."""
     forward = 2 * converted_numel(shape, moe=moe)  # every token passes each converted layer once
@@ -76,6 +78,7 @@ def stage_flops_per_token(shape: Shape, layout: Layout, counts: StageCounts) -> 
             + counts.dense_ckpt * block_flops(shape, moe=False, mode=mode) + counts.moe_ckpt * block_flops(shape, moe=True, mode=mode))
 
 
+@lru_cache(maxsize=1024)
 def _activation_elements(shape: Shape, *, moe: bool, tp: int) -> tuple[float, float]:
     """Per token on one tensor-parallel rank: elements of the converted linears' inputs
     and of their output gradients (column-parallel: whole input, split output;
@@ -114,10 +117,14 @@ def saved_weight_copy_numel(shape: Shape, layout: Layout, *, moe: bool) -> float
 
 def working_bytes(shape: Shape, layout: Layout, job: Job) -> float:
     """The largest float8 working set of one linear layer: weight and transpose, input and transpose."""
-    tokens = layout.micro_batch * shape.seq / layout.cp
+    return _working_bytes(shape, layout.tp, layout.micro_batch * shape.seq / layout.cp)
+
+
+@lru_cache(maxsize=4096)
+def _working_bytes(shape: Shape, tp: int, tokens: float) -> float:
     largest = 0.0
     for moe in {False, shape.num_experts > 0}:
         for t in _converted(shape, moe):
-            split = layout.tp if t.split != "rep" else 1
+            split = tp if t.split != "rep" else 1
             largest = max(largest, 2 * FP8 * (t.numel / split + tokens * t.shape[1] / (split if t.split == "row" else 1)))
     return largest
