@@ -22,6 +22,7 @@ LAYOUTS = [
     ["parallel=dp2", "parallel.zero=1"],
     ["parallel=dp2", "parallel.zero=2"],
     ["parallel=dp4", "parallel.zero=3"],
+    ["parallel=dp4", "parallel.zero=3", "parallel.dp_replicate=2"],
     ["parallel=tp2"],
     ["parallel=tp2sp"],
     ["parallel=tp2pp2"],

@@ -93,3 +93,35 @@ def test_only_the_blocks_linear_layers_become_float8():
         assert kinds[f"layers.0.{name}"] == "Float8Linear"
     assert [n for n, _ in model.named_parameters()] == names_before  # checkpoints keep their keys
     assert type(model.embed).__name__ == "Embedding"
+
+
+@pytest.fixture(scope="module")
+def fifty_steps(tmp_path_factory, small_data) -> dict:
+    """The tiny recipe (sequences of 64 tokens, 4 a step) trained 50 steps in bf16 and in
+    emulated fp8 from the same initial weights and data."""
+    from llmforge.observe.metrics import read_metrics
+
+    tmp = tmp_path_factory.mktemp("fifty")
+    out = {}
+    for name, extra in {"bf16": ["precision=bf16"], "fp8": EMULATED}.items():
+        args = ["pretrain", *small_data, *extra, "model.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=4",
+                "train.steps=50", "train.log_interval=1", "checkpoint.save_final=false", "logging.console=false",
+                "logging.wandb.mode=disabled", f"run.dir={tmp / name}"]
+        result = runner.invoke(app, args)
+        assert result.exit_code == 0, result.output
+        out[name] = [r["loss"] for r in read_metrics(tmp / name / "metrics.jsonl")]
+    return out
+
+
+def test_fp8_losses_stay_within_tolerance_of_bf16_over_50_steps(fifty_steps):
+    """Emulated fp8 follows bf16: step by step within 0.5% over the first 20 steps, and
+    the mean of every 10 steps within 1.5% (measured on the 4 x 64-token recipe:
+    0.02% and 0.24%; rowwise 0.02% and 0.6%). Single steps later in training are not
+    compared one by one: a loss spike lands a step earlier or later."""
+    bf16, fp8 = fifty_steps["bf16"], fifty_steps["fp8"]
+    assert len(bf16) == len(fp8) == 50
+    assert fp8[-1] < fp8[0] - 1.0  # it learns
+    assert max(abs(f - b) / b for f, b in zip(fp8[:20], bf16[:20])) < 5e-3
+    for start in range(0, 50, 10):
+        window_fp8, window_bf16 = sum(fp8[start : start + 10]), sum(bf16[start : start + 10])
+        assert abs(window_fp8 - window_bf16) / window_bf16 < 1.5e-2, start

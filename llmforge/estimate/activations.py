@@ -7,7 +7,9 @@ transformer. What matters about llmforge's GPT:
 - weights are fp32 and bf16/fp16 runs use autocast, so the residual stream, the
   norm inputs and statistics stay fp32 while matmul inputs and outputs are 16-bit;
 - autocast casts a norm output once per consuming linear (q, k, v: three copies)
-  and keeps a 16-bit copy of every matmul weight for backward, per microbatch;
+  and keeps a 16-bit copy of every matmul weight for backward, per microbatch
+  (not of the weights of float8 linear layers under ``precision.fp8``, which keep
+  their fp32 master weight and cast it again in backward);
 - attention is ``scaled_dot_product_attention`` (a fused kernel): it keeps q, k, v
   (k and v at full head count after the GQA repeat), its output and the
   log-sum-exp, never the s x s score matrix;
@@ -28,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from llmforge.estimate.fp8 import converted
 from llmforge.estimate.params import StageCounts, block_tensors
 from llmforge.estimate.shape import Job, Layout, Shape
 
@@ -174,7 +177,7 @@ def _fixed_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) -> float:
     norms = 2 * _norm_params(shape) * FP32 if gathered else 0.0
     weights = 0.0
     for t in block_tensors(shape, moe):
-        if len(t.shape) < 2:
+        if len(t.shape) < 2 or (job.fp8 and converted(t)):  # Float8Linear keeps the fp32 master for backward
             continue
         if t.expert:
             weights += t.numel / layout.ep
@@ -237,7 +240,7 @@ def _kind_fixed(shape: Shape, layout_key: tuple, job_key: tuple, moe: bool, mode
 def _keys(layout: Layout, job: Job) -> tuple[tuple, tuple]:
     """The layout and job fields activations depend on (cheap cache keys)."""
     gathered = layout.zero > 0 and layout.dp * layout.cp > 1
-    return (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch, gathered), (job.compute_bytes, job.mixed)
+    return (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch, gathered), (job.compute_bytes, job.mixed, job.fp8)
 
 
 def _layout_of(key: tuple) -> Layout:
@@ -254,10 +257,11 @@ def _kind_bytes(shape: Shape, layout_key: tuple, job_key: tuple, moe: bool, mode
 
 @dataclass(frozen=True)
 class _JobView:
-    """The two Job fields activations depend on (a cheap cache key)."""
+    """The Job fields activations depend on (a cheap cache key)."""
 
     compute_bytes: int
     mixed: bool
+    fp8: bool
 
 
 def stage_bytes_per_microbatch(shape: Shape, layout: Layout, job: Job, counts: StageCounts) -> float:

@@ -62,7 +62,7 @@ def _bandwidth(job: Job, span: int) -> float:
 
 
 def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatches: int,
-               t_fwd: float, t_bwd: float, span: int, last_bucket: int = 0) -> tuple[float, float, float]:
+               t_fwd: float, t_bwd: float, span: int, last_bucket: int = 0, float8: float = 0.0) -> tuple[float, float, float]:
     """(bytes, seconds, exposed seconds) of data-parallel traffic per device per step.
 
     As llmforge.parallel.data runs it: ZeRO 0 all-reduces gradients in buckets
@@ -80,7 +80,8 @@ def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatche
     numel = dense * (d - 1) / d + expert * (de - 1) / de
     if layout.zero > 0:
         share = min(1.0, last_bucket / max(1, dense + expert))
-        return fsdp_traffic(layout, job, numel=numel, microbatches=microbatches, t_fwd=t_fwd, t_bwd=t_bwd, span=span, tail=share)
+        return fsdp_traffic(layout, job, numel=numel, microbatches=microbatches, t_fwd=t_fwd, t_bwd=t_bwd, span=span, tail=share,
+                            dense=dense, float8=float8)
     nbytes = 2 * numel * rb
     t = seconds(job, nbytes, span)
     if layout.pp > 1 or not numel or not job.overlap_grad_reduce:
@@ -90,7 +91,7 @@ def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatche
 
 
 def fsdp_traffic(layout: Layout, job: Job, *, numel: float, microbatches: int, t_fwd: float, t_bwd: float,
-                 span: int, tail: float) -> tuple[float, float, float]:
+                 span: int, tail: float, dense: float = 0.0, float8: float = 0.0) -> tuple[float, float, float]:
     """(bytes, seconds, exposed seconds) of ZeRO 1-3 (FSDP2) per device per step.
 
     Parameters are all-gathered in the compute dtype, block by block, each block
@@ -104,15 +105,28 @@ def fsdp_traffic(layout: Layout, job: Job, *, numel: float, microbatches: int, t
     ZeRO 3's backward gathers) covers, never the ``tail`` share: the root unit
     (embedding, output layer) is gathered before the first block computes and
     its gradients are reduced after the last.
+
+    ``float8`` of the ``dense`` elements are gathered as float8 (precision.fp8_all_gather).
+    HSDP (``layout.dp_replicate`` = R > 1): gathers and reduce-scatters run inside a shard
+    group of dp / R consecutive ranks (NVLink when it is a node), and each reduce-scatter
+    is followed by an all-reduce of the gradient shard over the R replicas (the network
+    when the data-parallel group spans nodes), hidden behind backward as it is.
     """
     m, c, rb = microbatches, job.compute_bytes, DTYPE_BYTES[job.reduce_dtype]
-    t_rs, t_ag = seconds(job, numel * rb, span), seconds(job, numel * c, span)
+    r = layout.dp_replicate
+    group = max(1, layout.dp * layout.cp // r)  # the shard group
+    if r > 1:
+        numel = dense * (group - 1) / group  # ep = cp = 1 under HSDP
+    gathered = numel * c - float8 * (group - 1) / group * (c - 1)
+    allreduce = 2 * (r - 1) / r * dense / group * rb  # the gradient shard, over the replicas
+    t_rs = seconds(job, numel * rb, span // r) + seconds(job, allreduce, span)
+    t_ag = seconds(job, gathered, span // r)
     scatters = m if layout.zero >= 2 and layout.pp == 1 else 1
     forward_gathers = m if layout.zero == 3 else 1
     backward_gathers = m if layout.zero == 3 else 0
     exposed = scatters * max(t_rs - t_bwd, tail * t_rs) + forward_gathers * max(t_ag - t_fwd, tail * t_ag)
     exposed += backward_gathers * max(0.0, t_ag - t_bwd)
-    nbytes = scatters * numel * rb + (forward_gathers + backward_gathers) * numel * c
+    nbytes = scatters * (numel * rb + allreduce) + (forward_gathers + backward_gathers) * gathered
     return nbytes, scatters * t_rs + (forward_gathers + backward_gathers) * t_ag, exposed
 
 

@@ -12,7 +12,9 @@ Step time, for the slowest pipeline stage:
              + optimizer step (memory-bound: 32 bytes per local parameter)
 
 ``efficiency`` is ``cluster.efficiency`` (default 0.5): the share of dense peak
-FLOP/s the matmuls reach. MFU = model FLOPs / (step x devices x peak).
+FLOP/s the matmuls reach. MFU = model FLOPs / (step x devices x peak), against the
+peak of ``precision.param_dtype`` also with ``precision.fp8`` (whose converted matmuls
+run at the FP8 peak: llmforge.estimate.fp8).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Dict, List
 
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
+from llmforge.estimate import fp8
 from llmforge.estimate.memory import StageMemory, all_stages, most_loaded
 from llmforge.estimate.params import active_params, layout_rank_params, representative_stages, stage_counts, total_params
 from llmforge.estimate.pipeline import bubble_fraction
@@ -82,11 +85,25 @@ def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int) -> tuple[flo
     tokens = layout.micro_batch * shape.seq / layout.cp
     flops = fl.stage_hardware_flops_per_token(shape, layout, counts) * tokens / layout.tp
     compute = flops / (job.profile.peak(job.param_dtype) * job.efficiency)
+    if job.fp8:
+        compute += _fp8_seconds(shape, layout, job, counts, tokens)
     span = cm.spans(layout)
     collective = cm.seconds(job, cm.tp_bytes(shape, layout, job, layers=counts.blocks, microbatches=1), span["tp"])
     moe = counts.moe + counts.moe_ckpt
     collective += cm.seconds(job, cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=1), span["ep"])
     return compute, collective
+
+
+def _fp8_seconds(shape: Shape, layout: Layout, job: Job, counts, tokens: float) -> float:
+    """What FP8 changes in one microbatch's compute: the converted matmuls at the FP8 peak
+    instead of the 16-bit one, plus the casts (llmforge.estimate.fp8). A profile without
+    FP8 (refused by the plan unless emulated) runs them at the 16-bit peak."""
+    if not job.profile.has_fp8:
+        return 0.0
+    f8 = fp8.stage_flops_per_token(shape, layout, counts) * tokens / layout.tp
+    faster = f8 / (job.profile.peak(job.param_dtype) * job.efficiency) - f8 / (job.profile.peak("fp8") * job.efficiency)
+    shard = layout.dp_shard * layout.cp if job.fp8_all_gather and layout.zero > 0 else 1
+    return fp8.stage_cast_seconds(shape, layout, job, counts, tokens, shard=shard) - faster
 
 
 def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t_mb: float) -> cm.Comm:
@@ -98,7 +115,7 @@ def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t
     embedding = shape.vocab * shape.hidden // layout.tp if counts.first else 0
     dp_b, dp_s, dp_exposed = cm.dp_traffic(layout, job, dense=params.dense_numel, expert=params.expert_numel,
                                            microbatches=m, t_fwd=t_fwd, t_bwd=t_mb - t_fwd, span=span["dp"],
-                                           last_bucket=embedding)
+                                           last_bucket=embedding, float8=_float8_gathered(shape, layout, job, counts))
     pp_total, pp_one = cm.pp_bytes(shape, layout, job, microbatches=m)
     tp_b = cm.tp_bytes(shape, layout, job, layers=nblocks, microbatches=m)
     cp_b = cm.cp_bytes(shape, layout, job, layers=nblocks, microbatches=m)
@@ -113,6 +130,14 @@ def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t
         pp_exposed_s=2 * (layout.pp - 1) * layout.virtual_stages * cm.seconds(job, pp_one, span["pp"]),
         cp_exposed_s=max(0.0, t_cp - m * t_mb * attention_share),
     )
+
+
+def _float8_gathered(shape: Shape, layout: Layout, job: Job, counts) -> float:
+    """Elements of this stage's weights that FSDP gathers as float8 (precision.fp8_all_gather)."""
+    if not job.fp8_all_gather or layout.zero == 0:
+        return 0.0
+    dense = (counts.dense + counts.dense_ckpt) * fp8.converted_numel(shape, moe=False, tp=layout.tp)
+    return dense + (counts.moe + counts.moe_ckpt) * fp8.converted_numel(shape, moe=True, tp=layout.tp)
 
 
 @lru_cache(maxsize=256)

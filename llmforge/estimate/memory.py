@@ -17,6 +17,7 @@ from functools import lru_cache
 from typing import List, Tuple
 
 from llmforge.estimate import activations as act
+from llmforge.estimate import fp8
 from llmforge.estimate.params import RankParams, block_tensors, layout_rank_params, representative_stages, stage_counts
 from llmforge.estimate.pipeline import inflight_microbatches
 from llmforge.estimate.shape import DTYPE_BYTES, Job, Layout, Shape
@@ -76,15 +77,16 @@ def _dim0_shard(shape: Tuple[int, ...], group: int) -> int:
 
 
 def groups(layout: Layout) -> Tuple[int, int]:
-    """(data-parallel group of dense weights, of expert weights)."""
-    group = layout.dp * layout.cp
+    """(data-parallel group of dense weights, of expert weights); ZeRO shards over them
+    (over a shard group of dp / dp_replicate ranks under HSDP)."""
+    group = layout.dp_shard * layout.cp
     return group, max(1, group // layout.ep)
 
 
 def model_states(shape: Shape, layout: Layout, stage: int, job: Job) -> Tuple[int, float, float, float]:
     """See ``_compute_model_states``; memoised on the fields it depends on (the search varies the others)."""
     key = (layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.zero, layout.virtual_stages,
-           layout.pp_layers, layout.schedule == "zbv", job.param_dtype, job.reduce_dtype, stage)
+           layout.pp_layers, layout.schedule == "zbv", layout.dp_replicate, job.param_dtype, job.reduce_dtype, job.fp8_all_gather, stage)
     return _model_states(shape, key, layout, job)
 
 
@@ -116,14 +118,24 @@ def _compute_model_states(shape: Shape, layout: Layout, stage: int, job: Job) ->
     params = layout_rank_params(shape, layout, stage)
     group, expert_group = groups(layout)
     full = params.numel
-    if layout.zero == 0 or (group == 1 and expert_group == 1):
+    if layout.zero == 0 or layout.dp * layout.cp == 1:
         return full, FP32 * full, FP32 * full, ADAM_STATE_BYTES * full
     shard = _cached_shard(params, group, expert_group)
     whole_copy = layout.zero < 3 or layout.pp > 1
-    weights = FP32 * shard + (job.compute_bytes * full if whole_copy else 0)
+    weights = FP32 * shard + (job.compute_bytes * full - _float8_saving(shape, layout, job, stage) if whole_copy else 0)
     whole_grads = layout.zero == 1 or layout.pp > 1
     grads = DTYPE_BYTES[job.reduce_dtype] * full if whole_grads else FP32 * shard
     return full, weights, grads, ADAM_STATE_BYTES * shard
+
+
+def _float8_saving(shape: Shape, layout: Layout, job: Job, stage: int) -> float:
+    """Bytes a whole compute copy saves when FSDP gathers the converted weights as float8."""
+    if not job.fp8_all_gather:
+        return 0.0
+    counts = stage_counts(shape, layout)[stage]
+    low = (counts.dense + counts.dense_ckpt) * fp8.converted_numel(shape, moe=False, tp=layout.tp)
+    low += (counts.moe + counts.moe_ckpt) * fp8.converted_numel(shape, moe=True, tp=layout.tp)
+    return low * (job.compute_bytes - fp8.FP8)
 
 
 def stage_activations(shape: Shape, layout: Layout, job: Job, stage: int, microbatches: int) -> float:
@@ -141,6 +153,8 @@ def _transient(shape: Shape, layout: Layout, job: Job, stage: int, params: int) 
     """Short-lived buffers: logits at the loss, recompute working set, gradient reduction buffers."""
     counts = stage_counts(shape, layout)[stage]
     out = act.recompute_working_bytes(shape, layout, job)
+    if job.fp8 and counts.blocks:
+        out += fp8.working_bytes(shape, layout, job)
     if counts.last:
         out += act.logits_peak_bytes(shape, layout, job)
     if layout.dp * layout.cp == 1 or not counts.blocks:
@@ -154,8 +168,17 @@ def _transient(shape: Shape, layout: Layout, job: Job, stage: int, params: int) 
     block = max(_block_numel(shape, True) if has_moe else 0, _block_numel(shape, False) if has_dense else 0) / layout.tp
     c = job.compute_bytes
     if layout.zero == 3 and layout.pp == 1:
-        out += 2 * block * c  # the gathered block and the prefetched next one, in the compute dtype
+        out += 2 * _gathered_bytes(shape, layout, job, block)  # the gathered block and the prefetched next one
     return out + block * (c + rb)  # one block's whole gradient (compute dtype) and its reduce_dtype copy
+
+
+def _gathered_bytes(shape: Shape, layout: Layout, job: Job, block: float) -> float:
+    """One gathered block of ``block`` elements in the compute dtype, the converted linear
+    weights in float8 when FSDP gathers float8 (precision.fp8_all_gather)."""
+    if not job.fp8_all_gather:
+        return block * job.compute_bytes
+    low = fp8.converted_numel(shape, moe=shape.num_experts > 0, tp=layout.tp)
+    return (block - low) * job.compute_bytes + low * fp8.FP8
 
 
 def stage_memory(shape: Shape, layout: Layout, job: Job, stage: int, microbatches: int) -> StageMemory:

@@ -172,6 +172,8 @@ def render_search(result, *, plan, why_text: str, console) -> None:
 def _short(layout) -> str:
     """dp8 tp2 pp4 zero1 sp | 1f1b v1 | mb1 | recompute none"""
     parts = [f"{n}{v}" for n, v in (("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp), ("cp", layout.cp), ("ep", layout.ep)) if v > 1 or n == "dp"]
+    if layout.dp_replicate > 1:
+        parts[0] = f"hsdp{layout.dp_replicate}x{layout.dp_shard}"
     parts.append(f"zero{layout.zero}" + (" sp" if layout.sequence_parallel else ""))
     if layout.pp > 1:
         parts.append(f"{layout.schedule}" + (f" v{layout.virtual_stages}" if layout.virtual_stages > 1 else ""))

@@ -1,7 +1,8 @@
 """``llmforge estimate --search``: every valid layout of a model on a cluster, ranked by speed.
 
-The search enumerates dp x tp x pp x cp x ep, ZeRO stage, micro batch, recompute mode,
-pipeline schedule with its virtual stages, and sequence parallel, under the
+The search enumerates dp x tp x pp x cp x ep, ZeRO stage, HSDP replicas (shard groups of
+whole nodes on multi-node clusters), micro batch, recompute mode, pipeline schedule with
+its virtual stages, and sequence parallel, under the
 plan's validation rules (tp divides heads, kv heads, ffn and vocab; layers split
 evenly over pp x v; the global batch splits into whole microbatches, at least
 pp of them for the schedules that must fill the pipe; ep divides the experts
@@ -18,7 +19,10 @@ It prunes what cannot win, and says so:
   only adds FLOPs), and once even full recompute does not fit, larger micro
   batches are skipped;
 - layouts the backend cannot run are not proposed: cp > 1 with pp > 1 or with
-  an MoE model.
+  an MoE model, HSDP with cp or ep.
+
+``precision.fp8`` is part of the job, not of the layout: the search ranks layouts for
+the precision asked (run it with and without ``precision=fp8`` to compare).
 """
 
 from __future__ import annotations
@@ -76,6 +80,16 @@ def cp_options(shape: Shape, *, pp: int, world: int) -> List[int]:
     return [c for c in divisors(world) if c == 1 or shape.seq % (2 * c) == 0]
 
 
+def replicate_options(*, dp: int, tp: int, cp: int, ep: int, zero: int, node_size: int) -> List[int]:
+    """HSDP replica counts worth trying: 1 (ZeRO over all of dp), and, with ZeRO 1-3 on
+    several nodes, each count whose shard group fills whole nodes (tp x dp / r ranks a
+    multiple of the node), so the gathers stay on NVLink and only the replica all-reduce
+    crosses the network. The backend runs HSDP without ep and cp."""
+    if zero == 0 or cp > 1 or ep > 1 or tp * dp <= node_size:
+        return [1]
+    return [1] + [r for r in divisors(dp) if r > 1 and (tp * (dp // r)) % node_size == 0]
+
+
 def schedule_options(shape: Shape, pp: int) -> List[Tuple[str, int]]:
     """(schedule, virtual stages) worth trying for pp stages."""
     if pp == 1:
@@ -114,8 +128,10 @@ def structures(shape: Shape, job: Job, world: int) -> Iterator[Layout]:
             for ep in ep_options(shape, dp=dp, tp=tp, node_size=node):
                 for schedule, v in schedule_options(shape, pp):
                     for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
-                        for sp in ((True, False) if tp > 1 else (False,)):
-                            yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sequence_parallel=sp, schedule=schedule, virtual_stages=v)
+                        for r in replicate_options(dp=dp, tp=tp, cp=cp, ep=ep, zero=zero, node_size=node):
+                            for sp in ((True, False) if tp > 1 else (False,)):
+                                yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sequence_parallel=sp, schedule=schedule,
+                                             virtual_stages=v, dp_replicate=r)
 
 
 _FIELDS = tuple(Layout.__dataclass_fields__)
@@ -279,7 +295,7 @@ def plan_config(plan, layout: Layout):
     parallel = dataclasses.replace(
         c.parallel, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, zero=layout.zero,
         sequence_parallel=layout.sequence_parallel, pp_schedule=layout.schedule, pp_virtual_stages=layout.virtual_stages,
-        recompute=layout.recompute, recompute_every=layout.recompute_every, pp_layers=None,
+        recompute=layout.recompute, recompute_every=layout.recompute_every, pp_layers=None, dp_replicate=layout.dp_replicate,
     )
     train = dataclasses.replace(c.train, micro_batch_size=layout.micro_batch)
     cluster = c.cluster if c.cluster.devices_per_node else dataclasses.replace(c.cluster, devices_per_node=layout.world // c.cluster.nodes)

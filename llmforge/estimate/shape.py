@@ -83,6 +83,12 @@ class Layout:
     recompute_every: int = 1
     micro_batch: int = 1
     pp_layers: Optional[Tuple[int, ...]] = None
+    dp_replicate: int = 1
+
+    @property
+    def dp_shard(self) -> int:
+        """Data-parallel ranks ZeRO shards over (dp / dp_replicate under HSDP)."""
+        return self.dp // self.dp_replicate
 
     @property
     def world(self) -> int:
@@ -93,6 +99,7 @@ class Layout:
         parts = [
             f"parallel.dp={self.dp}", f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.cp={self.cp}",
             f"parallel.ep={self.ep}", f"parallel.zero={self.zero}",
+            *([f"parallel.dp_replicate={self.dp_replicate}"] if self.dp_replicate > 1 else []),
             f"parallel.sequence_parallel={'true' if self.sequence_parallel else 'false'}",
             f"parallel.recompute={self.recompute}",
         ]
@@ -114,6 +121,10 @@ class Job:
     devices_per_node: Optional[int] = None
     efficiency: float = 0.5
     overlap_grad_reduce: bool = True
+    #: precision.fp8: the blocks' linear layers run float8 matmuls (llmforge.estimate.fp8)
+    fp8: bool = False
+    #: ZeRO 1-3 gather those layers' weights in float8 (tensorwise, precision.fp8_all_gather)
+    fp8_all_gather: bool = False
 
     @property
     def compute_bytes(self) -> int:
@@ -149,7 +160,7 @@ def layout_from_plan(plan) -> Layout:
         dp=plan.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sequence_parallel=p.sequence_parallel,
         schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages, recompute=p.recompute,
         recompute_every=p.recompute_every, micro_batch=plan.config.train.micro_batch_size,
-        pp_layers=tuple(plan.layers_per_stage) if p.pp_layers else None,
+        pp_layers=tuple(plan.layers_per_stage) if p.pp_layers else None, dp_replicate=p.dp_replicate,
     )
 
 
@@ -160,7 +171,8 @@ def job_from_plan(plan) -> Job:
         global_batch=c.train.global_batch_size, param_dtype=c.precision.param_dtype,
         reduce_dtype=c.precision.reduce_dtype, profile=get_profile(c.cluster.accelerator),
         nodes=c.cluster.nodes, devices_per_node=c.cluster.devices_per_node, efficiency=c.cluster.efficiency,
-        overlap_grad_reduce=plan.overlap_grad_reduce,
+        overlap_grad_reduce=plan.overlap_grad_reduce, fp8=c.precision.fp8,
+        fp8_all_gather=c.precision.fp8 and c.precision.fp8_recipe == "tensorwise" and c.precision.fp8_all_gather,
     )
 
 

@@ -71,3 +71,22 @@ def test_fp8_layers_are_float8_on_the_device(pair):
         y = linear(x)
     y.float().sum().backward()
     assert y.dtype == torch.bfloat16 and torch.isfinite(x.grad).all()
+
+
+def test_bench_fp8_rows_run_on_the_gpu(small_data):
+    """tools/bench_fp8.py's rows (what the lead's benchmark prints) on a small model."""
+    if not _fp8_capable():
+        pytest.skip("needs a GPU with FP8 tensor cores")
+    import importlib.util
+
+    from gpu_support import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_fp8", REPO / "tools" / "bench_fp8.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    small = [*bench.BASE, *SHAPE, *small_data, "train.global_batch_size=4"]
+    rows = bench.precision_rows(small, steps=6, warmup=2, recipes=("tensorwise", "rowwise"), compile=False)
+    assert list(rows) == ["bf16", "fp8 tensorwise", "fp8 rowwise"]
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and row["peak_gib"] > 0 and row["loss"] < 8.4 and row["estimate_tokens_per_s"] > 0
+    assert rows["fp8 tensorwise"]["ratio"] > 0

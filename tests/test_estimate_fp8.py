@@ -1,0 +1,110 @@
+"""The estimate under precision.fp8 and HSDP: what runs at the FP8 peak, what the
+casts and float8 gathers cost, what memory changes, and what --search proposes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from llmforge.estimate import fp8
+from llmforge.estimate.core import estimate
+from llmforge.estimate.flops import block_flops
+from llmforge.estimate.hardware import get_profile
+from llmforge.estimate.params import stage_counts
+from llmforge.estimate.pipeline import inflight_microbatches
+from llmforge.estimate.search import replicate_options, search
+from llmforge.estimate.shape import Job, Layout, Shape
+
+
+def gpt(*, layers: int, hidden: int, heads: int, vocab: int = 50304, seq: int = 2048) -> Shape:
+    return Shape(num_layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=vocab, seq=seq)
+
+
+LLAMA_8B = Shape(num_layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192, norm="rmsnorm",
+                 activation="swiglu", position="rope", tie_embeddings=False, bias=False)
+
+
+def job(*, fp8_on: bool, batch: int = 8, nodes: int = 1, devices: int = 8, all_gather: bool = True, accel: str = "h100-80gb") -> Job:
+    return Job(global_batch=batch, param_dtype="bf16", reduce_dtype="fp32", profile=get_profile(accel), nodes=nodes,
+               devices_per_node=devices, fp8=fp8_on, fp8_all_gather=fp8_on and all_gather)
+
+
+@pytest.mark.parametrize("name,has", [("h100-80gb", True), ("h200-141gb", True), ("b200", True), ("l4-24gb", True), ("a100-80gb", False), ("cpu", False)])
+def test_profiles_say_which_accelerators_have_fp8(name, has):
+    profile = get_profile(name)
+    assert profile.has_fp8 is has
+    if has:
+        assert profile.peak("fp8") == pytest.approx(2 * profile.peak("bf16"), rel=0.01)
+
+
+def test_every_block_matmul_of_a_dense_model_runs_in_fp8():
+    shape = gpt(layers=4, hidden=1024, heads=16)
+    counts = stage_counts(shape, Layout())[0]
+    assert fp8.stage_flops_per_token(shape, Layout(), counts) == pytest.approx(4 * 3 * block_flops(shape, moe=False).weights)
+
+
+def test_router_and_routed_experts_stay_in_bf16():
+    moe = dataclasses.replace(gpt(layers=2, hidden=1024, heads=16), num_experts=8, top_k=2, moe_ffn=2048, shared_experts=1)
+    forward = fp8.block_flops(moe, moe=True, mode="none") / 3
+    attention_projections = 2 * 4 * 1024 * 1024
+    shared_mlp = 2 * 2 * 1024 * 2048
+    assert forward == attention_projections + shared_mlp
+    assert forward < block_flops(moe, moe=True).weights
+
+
+def test_fp8_pays_off_with_width():
+    """As measured on an H100 (docs/fp8.md): more gain at 4096 than at 2048, none at 768."""
+    gains = []
+    for hidden, heads, mb in ((768, 12, 8), (2048, 16, 4), (4096, 32, 2)):
+        shape, layout = gpt(layers=8, hidden=hidden, heads=heads), Layout(micro_batch=mb)
+        bf16 = estimate(shape, layout, job(fp8_on=False, batch=mb, devices=1))
+        ours = estimate(shape, layout, job(fp8_on=True, batch=mb, devices=1))
+        assert ours.parts["compute"] < bf16.parts["compute"] * (1.02 if hidden == 768 else 1.0)
+        gains.append(ours.tokens_per_s / bf16.tokens_per_s)
+    assert gains[0] < gains[1] < gains[2] and gains[0] < 1.05
+
+
+def test_without_fp8_tensor_cores_nothing_gets_faster():
+    shape, layout = gpt(layers=4, hidden=2048, heads=16), Layout(micro_batch=2)
+    bf16 = estimate(shape, layout, job(fp8_on=False, batch=2, devices=1, accel="a100-80gb"))
+    ours = estimate(shape, layout, job(fp8_on=True, batch=2, devices=1, accel="a100-80gb"))
+    assert ours.parts["compute"] == bf16.parts["compute"]
+
+
+def test_fp8_keeps_no_16_bit_copies_of_the_converted_weights():
+    shape, layout = gpt(layers=4, hidden=1024, heads=16), Layout(micro_batch=2)
+    bf16 = estimate(shape, layout, job(fp8_on=False, batch=4, devices=1))
+    ours = estimate(shape, layout, job(fp8_on=True, batch=4, devices=1))
+    copies = 4 * fp8.converted_numel(shape, moe=False) * 2 * inflight_microbatches(layout, stage=0, microbatches=2)
+    assert bf16.worst.activations - ours.worst.activations == pytest.approx(copies)
+    assert ours.worst.transient > bf16.worst.transient  # one layer's float8 working set
+
+
+def test_float8_all_gather_moves_fewer_bytes_under_zero3():
+    shape, layout = gpt(layers=4, hidden=2048, heads=16), Layout(dp=8, zero=3, micro_batch=1)
+    wide = estimate(shape, layout, job(fp8_on=True, all_gather=False))
+    narrow = estimate(shape, layout, job(fp8_on=True))
+    gathers = 2 * 1  # one microbatch per rank: a gather for forward and one for backward
+    saved = gathers * 4 * fp8.converted_numel(shape, moe=False) * 7 / 8 * 3  # fp32 -> float8
+    assert wide.comm.dp_bytes - narrow.comm.dp_bytes == pytest.approx(saved)
+
+
+def test_hsdp_keeps_gathers_on_nvlink_and_pays_in_memory():
+    """llama-8b on 8 nodes, small batch: sharding over one node, replicated across the 8
+    nodes, leaves less data-parallel time exposed than ZeRO-3 over all 64 ranks."""
+    jb = job(fp8_on=False, batch=64, nodes=8)
+    plain = estimate(LLAMA_8B, Layout(dp=64, zero=3, recompute="full", micro_batch=1), jb)
+    hsdp = estimate(LLAMA_8B, Layout(dp=64, zero=3, recompute="full", micro_batch=1, dp_replicate=8), jb)
+    assert hsdp.parts["dp_comm"] < plain.parts["dp_comm"] and hsdp.tokens_per_s > plain.tokens_per_s
+    assert hsdp.worst.optimizer == pytest.approx(8 * plain.worst.optimizer, rel=1e-3)  # sharded over 8 ranks, not 64
+
+
+def test_search_proposes_hsdp_on_multi_node_clusters_only():
+    assert replicate_options(dp=8, tp=1, cp=1, ep=1, zero=3, node_size=8) == [1]  # one node
+    assert replicate_options(dp=64, tp=1, cp=1, ep=1, zero=3, node_size=8) == [1, 2, 4, 8]
+    assert replicate_options(dp=32, tp=2, cp=1, ep=1, zero=3, node_size=8) == [1, 2, 4, 8]
+    assert replicate_options(dp=64, tp=1, cp=1, ep=1, zero=0, node_size=8) == [1]
+    result = search(LLAMA_8B, job(fp8_on=False, batch=64, nodes=8), world=64, top=3)
+    assert result.ranked and result.ranked[0].layout.dp_replicate == 8
+    assert "parallel.dp_replicate=8" in result.ranked[0].layout.overrides()
