@@ -4,8 +4,10 @@ collect what they computed: the equivalence tests and tools/bench_parallel.py us
     python -m torch.distributed.run --standalone --nproc-per-node=4 \\
         -m llmforge.parallel.harness SPEC.json OUT.pt
 
-SPEC.json: ``{"base": [overrides...], "layouts": {"name": [overrides...]}, "fail_rank": null}``.
+SPEC.json: ``{"base": [overrides...], "layouts": {"name": [overrides...]}, "fail_rank": null,
+"count_syncs": [names...]}``.
 OUT.pt (written by rank 0): per layout the losses, grad norms, step times, the
+host synchronisations of each step on rank 0 (``llmforge.train.syncs``), the
 intra-op thread count of each rank, rank 0's local element count of each
 parameter (what it holds of its shard) and the full (gathered) parameters after the
 last step.
@@ -68,6 +70,7 @@ class LayoutResult:
     losses: List[float] = field(default_factory=list)
     grad_norms: List[float] = field(default_factory=list)
     step_times: List[float] = field(default_factory=list)
+    syncs: List[int] = field(default_factory=list)
     threads: List[int] = field(default_factory=list)
     local_numel: Dict[str, int] = field(default_factory=dict)
     params: Dict[str, torch.Tensor] = field(default_factory=dict)
@@ -83,10 +86,13 @@ def rank_info(plan: RunPlan, *, device: torch.device) -> RankInfo:
     return RankInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), dp_rank=mesh.local_rank("dp"), dp_size=plan.dp, device=device, mesh=mesh)
 
 
-def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu")) -> LayoutResult:
-    """Train ``plan`` on synthetic data; return what it computed (params on rank 0)."""
+def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), count_syncs: bool = False) -> LayoutResult:
+    """Train ``plan`` on synthetic data; return what it computed (params on rank 0).
+    ``count_syncs``: count the host synchronisations of every step after the first
+    (slow: every op goes through a Python dispatch mode)."""
     from llmforge.train.build import build_components
     from llmforge.train.loop import LoopHooks, train_loop
+    from llmforge.train.syncs import StepSyncs
 
     cfg = plan.config
     torch.manual_seed(cfg.train.seed)
@@ -94,12 +100,15 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu")) -
     rank = rank_info(plan, device=device)
     c = build_components(plan, rank=rank, sampler=sampler)
     records: List[dict] = []
-    hooks = LoopHooks(log=records.append)
-    train_loop(c, start_step=0, total_steps=cfg.train.steps, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=0, hooks=hooks)
+    syncs = StepSyncs(host=lambda: [s["step"] for s in c.optimizer.state.values() if "step" in s], enabled=count_syncs)
+    hooks = LoopHooks(log=records.append, should_stop=syncs.after_step)
+    with syncs:
+        train_loop(c, start_step=0, total_steps=cfg.train.steps, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=0, hooks=hooks)
     out = LayoutResult(
         losses=[r["loss"] for r in records],
         grad_norms=[r["grad_norm"] for r in records],
         step_times=[r["step_time_s"] for r in records],
+        syncs=syncs.per_step,
     )
     out.local_numel = {n: _local_numel(p) for part in c.model_parts for n, p in part.named_parameters()}
     out.params = full_parameters(c)
@@ -150,7 +159,7 @@ def main(argv: List[str]) -> None:
             plan = tiny_plan(spec.get("base", []) + overrides)
             if spec.get("fail_rank") == dist.get_rank():
                 _fail(spec.get("fail_kind", "error"))
-            results[name] = train_layout(plan).__dict__
+            results[name] = train_layout(plan, count_syncs=name in spec.get("count_syncs", [])).__dict__
         if dist.get_rank() == 0:
             torch.save(results, argv[1])
         dist.barrier()

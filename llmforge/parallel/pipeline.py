@@ -30,7 +30,7 @@ from torch.distributed.pipelining.schedules import (
 from llmforge.config.schema import ModelConfig
 from llmforge.models.gpt import GPT, rope_tables
 from llmforge.train.precision import DTYPES, LossScaler
-from llmforge.train.step import StepOutput
+from llmforge.train.step import StepOutput, to_device
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -135,7 +135,7 @@ class PipelineStep:
         return self.scaler.scaled(self.loss_fn(output, target))
 
     def __call__(self, batch: torch.Tensor) -> StepOutput:
-        batch = batch.to(self.device, non_blocking=True)
+        batch = to_device(batch, self.device)
         losses: List[torch.Tensor] = []
         args = (batch[:, :-1],) if self.has_first else ()
         kwargs: Dict[str, object] = {"target": batch[:, 1:], "losses": losses} if self.has_last else {}
@@ -149,4 +149,4 @@ class PipelineStep:
             local = torch.zeros((), device=self.device)
         dist.all_reduce(local, group=self.pp_group)
         dist.all_reduce(local, group=self.dp_group)
-        return StepOutput(loss=float(local) / self.dp_size)
+        return StepOutput(loss=local / self.dp_size)

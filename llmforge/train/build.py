@@ -6,7 +6,8 @@ import torch
 
 from llmforge.models.gpt import GPT
 from llmforge.plan import RunPlan
-from llmforge.train.components import Components, RankInfo, clip_local
+from llmforge.parallel.clip import GlobalClip
+from llmforge.train.components import Components, RankInfo
 from llmforge.train.optim import build_optimizer, build_scheduler
 from llmforge.train.precision import LossScaler
 from llmforge.train.step import GradAccumulationStep
@@ -51,7 +52,7 @@ def build_single_process(plan: RunPlan, *, rank: RankInfo, sampler: object) -> C
         sampler=sampler,
         step=step,
         scaler=scaler,
-        clip_grads=lambda max_norm: clip_local(params, max_norm),
+        clip_grads=GlobalClip(params=params),
         rank=rank,
         tokens_per_step=plan.tokens_per_step,
     ))

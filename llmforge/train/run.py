@@ -167,8 +167,8 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
     if result.stopped_early and rank.is_main:
         console.print(f"[bold yellow]stopped by {stop.name} after step {result.last_step}[/]; continue with:\n  llmforge resume ckpt={run_dir}")
     return RunSummary(
-        first_loss=result.losses[0] if result.losses else None,
-        last_loss=result.losses[-1] if result.losses else None,
+        first_loss=result.first_loss,
+        last_loss=result.last_loss,
         last_step=result.last_step,
         wall_s=time.perf_counter() - started,
         checkpoint=saver.records[-1].path if saver.records else None,

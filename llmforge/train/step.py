@@ -2,7 +2,8 @@
 
 A step runner takes this data-parallel rank's share of the global batch
 (``[rows, seq_len + 1]`` token ids) and leaves gradients of the mean loss over the
-global batch in the parameters. It returns the mean loss as a float. In one
+global batch in the parameters. It returns the mean loss as a 0-dim device
+tensor, so a step never waits for the device; the loop reads it when it logs. In one
 process (and under data/tensor parallelism) it is a gradient-accumulation loop;
 under pipeline parallelism a ``torch.distributed.pipelining`` schedule replaces
 it. Clipping, the optimizer step, logging and checkpoints do not care which ran.
@@ -28,8 +29,19 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class StepOutput:
-    loss: float
+    """``loss``: the step's mean loss, a detached 0-dim tensor on the device."""
+
+    loss: torch.Tensor
     metrics: Dict[str, float] = field(default_factory=dict)
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host batch to ``device`` without waiting for the device: a copy from
+    pageable memory would first wait for the queued work, one from pinned memory
+    does not."""
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
 
 
 class StepRunner(Protocol):
@@ -62,7 +74,7 @@ class GradAccumulationStep:
     positions: Optional[torch.Tensor] = None
 
     def __call__(self, batch: torch.Tensor) -> StepOutput:
-        micro = batch.to(self.device, non_blocking=True).split(self.micro_batch_size)
+        micro = to_device(batch, self.device).split(self.micro_batch_size)
         total = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
@@ -79,7 +91,7 @@ class GradAccumulationStep:
         mean = total / len(micro)
         if self.reduce_loss is not None:
             mean = self.reduce_loss(mean)
-        return StepOutput(loss=mean.item())
+        return StepOutput(loss=mean.detach())
 
     def _split(self, mb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets of a microbatch (this rank's positions only)."""
