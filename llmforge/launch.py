@@ -1,5 +1,6 @@
-"""Plan -> processes. One rank on a CPU runs in this process; everything else
-goes through torchrun (see llmforge.parallel.launcher)."""
+"""Plan -> processes. A one-rank plan trains in this process (unless
+``cluster.launcher=torchrun``); everything else goes through torchrun (see
+llmforge.parallel.launcher)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from llmforge.plan import RunPlan
 
 def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
     _preflight(plan, force=force, console=console)
-    local = plan.config.cluster.launcher == "local"
-    if local and not dry_run:
+    launcher = plan.config.cluster.launcher
+    if launcher != "slurm" and not dry_run:
         _check_devices(plan)
     if resume_from is None and not dry_run:
         _claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
-    if plan.world_size == 1 and plan.config.cluster.launcher == "local":
+    if plan.world_size == 1 and launcher == "local":
         if dry_run:
             console.print(f"would train in this process: {plan.layout}, {plan.config.train.steps} steps into {plan.run_dir}")
             return

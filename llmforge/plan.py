@@ -29,7 +29,7 @@ CHOICES: Dict[str, tuple] = {
     "data.source": ("builtin", "files"),
     "optim.name": ("adamw",),
     "optim.schedule": ("cosine", "linear", "constant"),
-    "cluster.launcher": ("local", "slurm"),
+    "cluster.launcher": ("local", "torchrun", "slurm"),
     "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
 }
 MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "zb_interleaved", "zbv")

@@ -30,6 +30,9 @@ def small_data(data_cache) -> list[str]:
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every rank the tests start checks that its collectives get tensors on its compute
+# device (llmforge.parallel.guard): the mistake NCCL refuses and gloo hides.
+os.environ.setdefault("LLMFORGE_CHECK_COLLECTIVES", "1")
 
 
 @pytest.fixture

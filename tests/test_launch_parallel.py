@@ -74,3 +74,46 @@ def test_a_crashing_rank_ends_the_job_and_its_error_is_shown_once(tmp_path: Path
     assert "rank 1 failed" in text
     assert text.count("RuntimeError: injected failure on this rank") == 1
     assert not (tmp_path / "out.pt").exists()
+
+
+ONE_RANK = [
+    "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64",
+    "model.vocab_size=512", "model.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=4",
+    "train.log_interval=1", "optim.warmup_steps=0", "parallel.zero=3", "logging.console=false", "logging.wandb.mode=disabled",
+]
+
+
+def test_launcher_torchrun_dry_run_starts_one_rank_through_torchrun(tmp_path: Path):
+    from llmforge.launch import launch
+
+    console, out = capture()
+    launch(tiny_plan(["cluster.launcher=torchrun", f"run.dir={tmp_path}"]), resume_from=None, force=False, dry_run=True, console=console)
+    text = out.getvalue()
+    assert "--nproc-per-node=1" in text and "llmforge.parallel.worker" in text and "in this process" not in text
+
+
+def test_launcher_torchrun_trains_one_rank_through_the_worker_as_in_process(tmp_path: Path, small_data, monkeypatch):
+    """One rank through torchrun, the worker, a process group and a mesh of size one
+    (ZeRO-3: FSDP2 over one rank) gives the losses of the same plan in this process."""
+    from typer.testing import CliRunner
+
+    from llmforge.cli import app
+    from llmforge.config.compose import compose
+    from llmforge.observe.metrics import read_metrics
+    from llmforge.plan import RunPlan
+    from llmforge.train.components import RankInfo
+    from llmforge.train.run import run
+
+    seen = tmp_path / "collectives"
+    seen.mkdir()
+    monkeypatch.setenv("LLMFORGE_CHECK_COLLECTIVES", str(seen))
+    result = CliRunner().invoke(app, ["pretrain", *ONE_RANK, *small_data, "cluster.launcher=torchrun", f"run.dir={tmp_path / 'torchrun'}"])
+    assert result.exit_code == 0, result.output
+    run(RunPlan.build(compose([*ONE_RANK, *small_data, f"run.dir={tmp_path / 'here'}"])), rank=RankInfo())
+    got, ref = (read_metrics(tmp_path / name / "metrics.jsonl") for name in ("torchrun", "here"))
+    assert [r["step"] for r in got] == [1, 2, 3, 4]
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-6)
+    assert [r["grad_norm"] for r in got] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-5)
+    records = [json.loads(p.read_text()) for p in seen.glob("collectives-rank0-*.json")]
+    assert len(records) == 1 and records[0]["device"] == "cpu"
+    assert records[0]["seen"].get("all_reduce:cpu", 0) >= 4  # at least the stop flag of every step

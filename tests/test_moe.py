@@ -46,7 +46,8 @@ def per_token_reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
 def test_batched_experts_match_a_per_token_loop(activation: str, normalize: bool, capacity, shared: int) -> None:
     layer = seeded(MoE(moe_config(activation=activation, normalize_top_k=normalize, capacity_factor=capacity, num_shared_experts=shared))).eval()
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(layer(x), per_token_reference(layer, x), rtol=1e-5, atol=1e-6)
+    # fp32 rounding: batched matmuls sum in another order than the per-token loop
+    torch.testing.assert_close(layer(x), per_token_reference(layer, x), rtol=1e-5, atol=1e-5)
 
 
 def test_top_k_weights_renormalise_only_when_asked() -> None:

@@ -67,6 +67,9 @@ def worker(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     dist.init_process_group("gloo")
+    from llmforge.parallel.guard import install_from_env
+
+    install_from_env(__import__("torch").device("cpu"))
     ids: dict = {}
     _record_ids(ids)
     results = {}

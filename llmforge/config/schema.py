@@ -140,7 +140,12 @@ class ClusterConfig:
     devices_per_node: Optional[int] = knob(
         None, help="Processes (GPUs) per node; world size = nodes * devices_per_node. null = as many as the layout needs."
     )
-    launcher: str = knob("local", help="local (torchrun here) or slurm (write an sbatch script).")
+    launcher: str = knob(
+        "local",
+        help="local: torchrun on this node (a one-rank plan trains in this process); torchrun: torchrun even "
+        "for one rank, through the process group, device mesh and NCCL as multi-GPU runs go (checks that path "
+        "on one GPU); slurm: write an sbatch script.",
+    )
     rdzv_endpoint: Optional[str] = knob(None, help="host:port of the rendezvous for multi-node runs.")
     efficiency: float = knob(0.5, help="Fraction of peak FLOP/s the estimator assumes for compute.")
     timeout_s: int = knob(300, help="Collective timeout in seconds: a stuck rank ends the job after this.")

@@ -61,7 +61,8 @@ class GlobalClip:
                 continue
             local = _local(p.grad)
             buckets.setdefault((self._copies(p), local.dtype), []).append(local)
-        device = _local(grads[0]).device if grads else torch.device("cpu")
+        held = grads or self.params  # a rank may hold no gradient; its zero still joins the all-reduce
+        device = _local(held[0]).device if held else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float64, device=device)
         for (copies, _), tensors in buckets.items():
             squares = torch.stack(torch._foreach_norm(tensors)).double().square().sum()

@@ -55,7 +55,7 @@ class _GatherSeq(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
         group = ctx.group
         size, rank = dist.get_world_size(group), dist.get_rank(group)
-        if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter
+        if grad.device.type == "cpu":  # gloo (CPU tensors) has no reduce-scatter
             total = grad.contiguous().clone()
             dist.all_reduce(total, group=group)
             return total.chunk(size, dim=2)[rank].contiguous(), None

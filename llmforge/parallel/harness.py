@@ -5,7 +5,10 @@ collect what they computed: the equivalence tests and tools/bench_parallel.py us
         -m llmforge.parallel.harness SPEC.json OUT.pt
 
 SPEC.json: ``{"base": [overrides...], "layouts": {"name": [overrides...]}, "fail_rank": null,
-"count_syncs": [names...]}``.
+"fail_at": null, "device": "cpu", "mesh_of_one": false, "count_syncs": [names...]}``: ``fail_rank``
+raises before layout ``fail_at`` (default: the first); ``"device": "cuda"`` trains each rank on
+its GPU, under NCCL; ``mesh_of_one`` sends a one-rank layout through the distributed path (see
+``rank_info``); ``count_syncs`` counts the host synchronisations of those layouts' steps.
 OUT.pt (written by rank 0): per layout the losses, grad norms, step times, the
 host synchronisations of each step on rank 0 (``llmforge.train.syncs``), the
 intra-op thread count of each rank, rank 0's local element count of each
@@ -76,9 +79,11 @@ class LayoutResult:
     params: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def rank_info(plan: RunPlan, *, device: torch.device) -> RankInfo:
-    """This rank's place in a fresh mesh for ``plan`` (one process: no mesh)."""
-    if plan.world_size == 1:
+def rank_info(plan: RunPlan, *, device: torch.device, mesh_of_one: bool = False) -> RankInfo:
+    """This rank's place in a fresh mesh for ``plan``. A one-rank plan gets no mesh (it
+    trains as in one process) unless ``mesh_of_one`` and a process group is started: then
+    it takes the distributed path with a mesh of size one, as the worker does."""
+    if plan.world_size == 1 and not (mesh_of_one and dist.is_initialized()):
         return RankInfo(device=device)
     from llmforge.parallel.mesh import build_mesh
 
@@ -86,7 +91,7 @@ def rank_info(plan: RunPlan, *, device: torch.device) -> RankInfo:
     return RankInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), dp_rank=mesh.local_rank("dp"), dp_size=plan.dp, device=device, mesh=mesh)
 
 
-def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), count_syncs: bool = False) -> LayoutResult:
+def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), mesh_of_one: bool = False, count_syncs: bool = False) -> LayoutResult:
     """Train ``plan`` on synthetic data; return what it computed (params on rank 0).
     ``count_syncs``: count the host synchronisations of every step after the first
     (slow: every op goes through a Python dispatch mode)."""
@@ -97,7 +102,7 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), c
     cfg = plan.config
     torch.manual_seed(cfg.train.seed)
     sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed)
-    rank = rank_info(plan, device=device)
+    rank = rank_info(plan, device=device, mesh_of_one=mesh_of_one)
     c = build_components(plan, rank=rank, sampler=sampler)
     records: List[dict] = []
     syncs = StepSyncs(host=lambda: [s["step"] for s in c.optimizer.state.values() if "step" in s], enabled=count_syncs)
@@ -153,17 +158,34 @@ def main(argv: List[str]) -> None:
     from llmforge.parallel.worker import report_errors
 
     with report_errors():
-        dist.init_process_group("gloo")
+        device = _join(spec.get("device", "cpu"))
         results = {}
         for name, overrides in spec["layouts"].items():
             plan = tiny_plan(spec.get("base", []) + overrides)
-            if spec.get("fail_rank") == dist.get_rank():
+            if spec.get("fail_rank") == dist.get_rank() and name == spec.get("fail_at", name):
                 _fail(spec.get("fail_kind", "error"))
-            results[name] = train_layout(plan, count_syncs=name in spec.get("count_syncs", [])).__dict__
+            counted = name in spec.get("count_syncs", [])
+            results[name] = train_layout(plan, device=device, mesh_of_one=spec.get("mesh_of_one", False), count_syncs=counted).__dict__
         if dist.get_rank() == 0:
             torch.save(results, argv[1])
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _join(device_type: str) -> torch.device:
+    """Join torchrun's process group as the worker does; this rank's compute device."""
+    import os
+
+    from llmforge.parallel.guard import install_from_env
+    from llmforge.parallel.mesh import backend_for
+
+    device = torch.device("cpu")
+    if device_type != "cpu":
+        device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend_for(device))
+    install_from_env(device)
+    return device
 
 
 def _fail(kind: str) -> None:

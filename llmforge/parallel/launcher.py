@@ -35,7 +35,7 @@ def check_supported(plan: RunPlan) -> List[Problem]:
     if plan.cp > 1 and plan.config.model.moe.num_experts > 0:
         out.append(Problem("parallel.cp", plan.cp, "context parallelism is not supported with MoE models (model.moe.num_experts > 0): routing and the router losses would see only a slice of each sequence", "set parallel.cp=1 or model.moe.num_experts=0"))
     c = plan.config.cluster
-    if c.nodes > 1 and c.launcher == "local" and not c.rdzv_endpoint:
+    if c.nodes > 1 and c.launcher != "slurm" and not c.rdzv_endpoint:
         out.append(Problem("cluster.rdzv_endpoint", None, "a multi-node run needs a rendezvous address every node can reach", "set cluster.rdzv_endpoint=HOST:PORT (the first node) or cluster.launcher=slurm"))
     if plan.world_size % c.nodes:
         out.append(Problem("cluster.nodes", c.nodes, f"does not divide the world size {plan.world_size}", "set cluster.devices_per_node"))

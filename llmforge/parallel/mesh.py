@@ -65,11 +65,20 @@ def device_for_rank(plan: RunPlan) -> torch.device:
     return torch.device("cuda", local)
 
 
+def backend_for(device: torch.device) -> str:
+    """The process group backend for ranks computing on ``device``.
+
+    On GPUs the group carries both devices, as torchtitan's does: NCCL for CUDA
+    tensors (every hot-path collective hands it tensors on the rank's GPU) and gloo
+    for the CPU tensors that object collectives, barriers and checkpoint
+    coordination (DCP) exchange."""
+    return "gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:nccl"
+
+
 def init_distributed(plan: RunPlan) -> torch.device:
-    """Join the process group torchrun set up: gloo on CPUs, NCCL on GPUs, with the
+    """Join the process group torchrun set up (see ``backend_for``), with the
     plan's collective timeout so a stuck rank ends the job instead of hanging it."""
     device = device_for_rank(plan)
     if not dist.is_initialized():
-        backend = "gloo" if device.type == "cpu" else "nccl"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=plan.config.cluster.timeout_s))
+        dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=plan.config.cluster.timeout_s))
     return device

@@ -46,9 +46,17 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]
         apply_recompute(model, mode=p.recompute, every=p.recompute_every)
     if plan.config.train.compile:
         apply_compile(model)
-    if p.zero > 0 and plan.dp * plan.cp > 1:
+    if p.zero > 0 and mesh is not None and reduces_over_dp(plan):
         experts = mesh.dp_rest if plan.ep > 1 else None
         apply_fsdp(model, dp_mesh=mesh.dp_cp, zero=p.zero, reduce_dtype=plan.config.precision.reduce_dtype, expert_mesh=experts)
+
+
+def reduces_over_dp(plan: RunPlan) -> bool:
+    """Whether a distributed rank shards (ZeRO) and reduces gradients and the loss
+    over its data-parallel group: when dp x cp > 1, and also for a one-rank plan
+    started through torchrun (``cluster.launcher=torchrun``), whose groups of one
+    take the multi-GPU code path (FSDP2, bucketed all-reduce) so one GPU checks it."""
+    return plan.dp * plan.cp > 1 or plan.world_size == 1
 
 
 def build_parts(plan: RunPlan, *, mesh: ParallelMesh, device: torch.device) -> tuple[List[nn.Module], List[int]]:
@@ -130,7 +138,7 @@ def _zero0_reducers(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module]
     """ZeRO 0 gradient reductions over dp x cp (expert weights over their replicas
     only, divided by dp): bucketed and overlapped with backward when ``overlap``,
     else one flat all-reduce each after backward."""
-    if plan.dp * plan.cp == 1 or plan.config.parallel.zero != 0:
+    if not reduces_over_dp(plan) or plan.config.parallel.zero != 0:
         return []
     dtype = DTYPES[plan.config.precision.reduce_dtype]
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
@@ -182,7 +190,7 @@ def _dp_mean(mesh: ParallelMesh, size: int):
 def _accumulation_step(plan: RunPlan, *, mesh: ParallelMesh, model: nn.Module, scaler, device: torch.device, finish, reducers: Optional[List] = None) -> GradAccumulationStep:
     cfg = plan.config
     no_sync = None
-    if plan.dp * plan.cp > 1 and cfg.parallel.zero == 1:
+    if reduces_over_dp(plan) and cfg.parallel.zero == 1:
         no_sync = lambda last: fsdp_sync(model, sync=last)  # noqa: E731
     bucketed = [r for r in reducers or [] if isinstance(r, BucketedGradReduce)]
     if bucketed:
@@ -198,7 +206,7 @@ def _accumulation_step(plan: RunPlan, *, mesh: ParallelMesh, model: nn.Module, s
         device=device,
         loss_fn=sharded_cross_entropy if plan.tp > 1 else cross_entropy,
         no_sync=no_sync,
-        reduce_loss=_dp_mean(mesh, plan.dp * plan.cp) if plan.dp * plan.cp > 1 else None,
+        reduce_loss=_dp_mean(mesh, plan.dp * plan.cp) if reduces_over_dp(plan) else None,
         loss_context=lambda: loss_context(plan.tp),
         finish=finish,
         positions=positions,

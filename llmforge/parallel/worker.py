@@ -59,6 +59,7 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
     import torch.distributed as dist
     from rich.console import Console
 
+    from llmforge.parallel.guard import install_from_env
     from llmforge.parallel.mesh import build_mesh, init_distributed
     from llmforge.plan import RunPlan
     from llmforge.train.components import RankInfo
@@ -66,6 +67,7 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
 
     plan = RunPlan.load(plan_path)
     device = init_distributed(plan)
+    install_from_env(device)
     main = dist.get_rank() == 0
     console = Console(stderr=True) if main else Console(file=io.StringIO(), quiet=True)
     mesh = build_mesh(plan, device_type=device.type)

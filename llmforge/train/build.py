@@ -78,7 +78,7 @@ def wire_moe(plan: RunPlan, c: Components) -> Components:
     per_loss = 1.0 if plan.pp > 1 else 1.0 / plan.microbatches
     scaler = c.scaler
     set_aux_loss_scale(c.model_parts, scale=lambda: (scaler.scale if scaler.enabled else 1.0) * per_loss)
-    if c.rank.world_size > 1:
+    if c.rank.mesh is not None:
         from llmforge.parallel.expert import global_moe_metrics
 
         c.extra_metrics = lambda: global_moe_metrics(c.model_parts)

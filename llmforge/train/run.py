@@ -147,7 +147,7 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
             trim_metrics(run_dir / "metrics.jsonl", after_step=start_step)
             for old in set_aside_newer(run_dir / "checkpoints", after_step=start_step):
                 console.print(f"[yellow]{old.name} is newer than the checkpoint resumed from; kept as {old.name.replace('step_', 'superseded-step_')}[/]")
-    stop = StopSignal()
+    stop = StopSignal(device=rank.device)
     hooks, closers, saver = _hooks(plan, c, rank=rank, start_step=start_step, console=console, stop=stop)
     try:
         with stop.installed():
@@ -177,10 +177,14 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
 
 
 class StopSignal:
-    """Turns SIGTERM/SIGINT into a request to stop after the current step."""
+    """Turns SIGTERM/SIGINT into a request to stop after the current step.
 
-    def __init__(self) -> None:
+    Ranks agree on it with one all-reduce per step of a flag on ``device``, the
+    rank's compute device (NCCL carries no CPU tensors)."""
+
+    def __init__(self, *, device: torch.device = torch.device("cpu")) -> None:
         self.name: Optional[str] = None
+        self.device = device
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.name == signal.Signals(signum).name:
@@ -191,7 +195,7 @@ class StopSignal:
         """True on every rank once any rank received a signal."""
         flag = self.name is not None
         if dist.is_initialized():
-            t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+            t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             flag = bool(t.item())
             self.name = self.name or ("SIGTERM" if flag else None)
