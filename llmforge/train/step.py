@@ -16,15 +16,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Optional, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from llmforge.train.loss import cross_entropy
 from llmforge.train.precision import LossScaler, autocast
 
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+__all__ = ["GradAccumulationStep", "StepOutput", "StepRunner", "cross_entropy", "to_device"]
 
 
 @dataclass
