@@ -45,7 +45,7 @@ def build_single_process(plan: RunPlan, *, rank: RankInfo, sampler: object) -> C
         device=rank.device,
     )
     params = [p for p in model.parameters() if p.requires_grad]
-    return wire_moe(plan, Components(
+    return wire(plan, Components(
         model_parts=[model],
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps),
@@ -64,7 +64,15 @@ def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compo
         return build_single_process(plan, rank=rank, sampler=sampler)
     from llmforge.parallel.parallelize import build_parallel
 
-    return wire_moe(plan, build_parallel(plan, rank=rank, sampler=sampler))
+    return wire(plan, build_parallel(plan, rank=rank, sampler=sampler))
+
+
+def wire(plan: RunPlan, c: Components) -> Components:
+    """What every run's components get once built: the step meter (MFU, peak memory), MoE wiring."""
+    from llmforge.train.meter import meter_for
+
+    c.meter = meter_for(plan, device=c.rank.device)
+    return wire_moe(plan, c)
 
 
 def wire_moe(plan: RunPlan, c: Components) -> Components:

@@ -47,6 +47,8 @@ class Components:
     rank: RankInfo
     tokens_per_step: int
     extra_metrics: Callable[[], dict] = field(default=lambda: {})
+    #: Measured MFU and peak memory for a step time (``llmforge.train.meter``).
+    meter: Optional[Callable[[float], dict]] = None
 
     def parameters(self) -> List[nn.Parameter]:
         return [p for part in self.model_parts for p in part.parameters() if p.requires_grad]

@@ -25,10 +25,14 @@ class LoopHooks:
 
 @dataclass
 class LoopResult:
-    """``losses``: the logged steps' losses; ``first_loss``/``last_loss``: of the first and last step run."""
+    """``losses``: the logged steps' losses; ``first_loss``/``last_loss``: of the first and
+    last step run; ``step_times``: the mean step time of each logged window;
+    ``measured``: the meter's last reading (MFU, peak memory)."""
 
     last_step: int
     losses: List[float] = field(default_factory=list)
+    step_times: List[float] = field(default_factory=list)
+    measured: dict = field(default_factory=dict)
     stopped_early: bool = False
     first_loss: Optional[float] = None
     last_loss: Optional[float] = None
@@ -64,8 +68,12 @@ def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: f
             window_start, window_steps = now, 0
             tokens_per_s = c.tokens_per_step / elapsed
             result.losses.append(loss_value)
+            result.step_times.append(elapsed)
             hooks.progress(step, loss_value, tokens_per_s)
             record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "tokens_per_s": tokens_per_s, "step_time_s": elapsed}
+            if c.meter is not None:
+                result.measured = c.meter(elapsed)
+                record.update(result.measured)
             if c.scaler.enabled:
                 record["loss_scale"] = c.scaler.scale
             record.update(out.metrics)

@@ -24,6 +24,7 @@ from llmforge.checkpoint.state import load_rng
 from llmforge.plan import RunPlan
 from llmforge.train.components import Components, RankInfo
 from llmforge.train.loop import LoopHooks, LoopResult, train_loop
+from llmforge.train.meter import measured_peak_bytes
 
 
 @dataclass
@@ -34,12 +35,31 @@ class RunSummary:
     wall_s: float
     checkpoint: Optional[Path]
     stopped_early: bool = False
+    #: Measured step time (median of the logged windows after the first) and peak memory of rank 0.
+    step_time_s: Optional[float] = None
+    peak_memory_bytes: Optional[float] = None
 
     def describe(self, plan: RunPlan) -> str:
-        """The closing line a launcher prints (Rich markup)."""
+        """The closing line a launcher prints (Rich markup): losses, files, and the
+        measured step time and peak memory as ratios to the estimate."""
         losses = f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}" if self.first_loss is not None else "no steps left to train"
         where = f"; checkpoint {self.checkpoint}" if self.checkpoint else ""
-        return f"[bold green]done[/] {plan.layout} step {self.last_step}: {losses} in {self.wall_s:.1f}s; metrics in {plan.run_dir / 'metrics.jsonl'}{where}"
+        line = f"[bold green]done[/] {plan.layout} step {self.last_step}: {losses} in {self.wall_s:.1f}s; metrics in {plan.run_dir / 'metrics.jsonl'}{where}"
+        return line + self.against_estimate(plan)
+
+    def against_estimate(self, plan: RunPlan) -> str:
+        """'; measured/estimate: step time 1.12x (...), peak memory 0.97x (...)' or ''."""
+        if self.step_time_s is None:
+            return ""
+        from llmforge.estimate.core import estimate_plan
+        from llmforge.estimate.report import gib
+
+        est = estimate_plan(plan)
+        parts = [f"step time {self.step_time_s / est.step_s:.2f}x ({self.step_time_s:.3g} s vs {est.step_s:.3g} s)"]
+        if self.peak_memory_bytes:
+            expected = est.worst.total - (est.job.profile.runtime_reserved_bytes if plan.config.cluster.accelerator != "cpu" else 0)
+            parts.append(f"peak memory {self.peak_memory_bytes / expected:.2f}x ({gib(self.peak_memory_bytes)} vs {gib(expected)})")
+        return "; measured/estimate: " + ", ".join(parts)
 
 
 def prepare_data(plan: RunPlan, *, console: Console):
@@ -173,7 +193,17 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         wall_s=time.perf_counter() - started,
         checkpoint=saver.records[-1].path if saver.records else None,
         stopped_early=result.stopped_early,
+        step_time_s=_typical(result.step_times),
+        peak_memory_bytes=measured_peak_bytes(result.measured),
     )
+
+
+def _typical(times: List[float]) -> Optional[float]:
+    """The median step time of the logged windows, leaving out the first (warm-up) when others exist."""
+    import statistics
+
+    later = times[1:] or times
+    return statistics.median(later) if later else None
 
 
 class StopSignal:
@@ -253,6 +283,7 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
         """One metrics.jsonl line and the W&B record of a step."""
         metrics.write(record)
         wandb_run.log(record, step=record["step"])
+        progress.update(step=record["step"], mfu=record.get("mfu"), memory_gib=record.get("peak_reserved_gib", record.get("peak_rss_gib")))
 
     hooks.log = log
     hooks.progress = lambda step, loss, tps: progress.update(step=step, loss=loss, tokens_per_s=tps)
