@@ -43,7 +43,9 @@ def user_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except UserError as exc:
-            err.print(f"[bold red]error:[/] {exc.message()}", highlight=False, soft_wrap=True)
+            from rich.markup import escape
+
+            err.print(f"[bold red]error:[/] {escape(exc.message())}", highlight=False, soft_wrap=True)
             raise typer.Exit(code=2) from None
         except KeyboardInterrupt:
             err.print("[yellow]interrupted[/]")

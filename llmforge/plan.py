@@ -26,6 +26,7 @@ CHOICES: Dict[str, tuple] = {
     "parallel.recompute": ("none", "selective", "full"),
     "precision.param_dtype": ("fp32", "bf16", "fp16"),
     "precision.reduce_dtype": ("fp32", "bf16", "fp16"),
+    "precision.fp8_recipe": ("tensorwise", "rowwise"),
     "data.source": ("builtin", "files"),
     "optim.name": ("adamw",),
     "optim.schedule": ("cosine", "linear", "constant"),
@@ -75,6 +76,16 @@ class RunPlan:
         return self.config.parallel.ep
 
     @property
+    def dp_replicate(self) -> int:
+        """HSDP replica groups (1: ZeRO shards over the whole data-parallel group)."""
+        return self.config.parallel.dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        """Data-parallel ranks one ZeRO shard group spans (dp / dp_replicate)."""
+        return self.dp // self.dp_replicate
+
+    @property
     def virtual_stages(self) -> int:
         return self.config.parallel.pp_virtual_stages
 
@@ -92,6 +103,8 @@ class RunPlan:
     @property
     def layout(self) -> str:
         parts = [f"{n}{v}" for n, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp), ("cp", self.cp), ("ep", self.ep)) if v > 1]
+        if self.dp_replicate > 1:  # HSDP: replicas x shard group
+            parts[0] = f"hsdp{self.dp_replicate}x{self.dp_shard}"
         return "x".join(parts) or "single"
 
     @classmethod
@@ -171,7 +184,7 @@ def _world_and_dp(config: RunConfig) -> tuple[int, int]:
 
 def _validate(config: RunConfig) -> List[Problem]:
     problems: List[Problem] = []
-    for check in (_check_choices, _check_ranges, _check_model, _check_world, _check_tp, _check_pipeline, _check_batch, _check_moe, _check_data, _check_accelerator):
+    for check in (_check_choices, _check_ranges, _check_model, _check_world, _check_tp, _check_pipeline, _check_batch, _check_moe, _check_data, _check_accelerator, _check_fp8, _check_hsdp):
         problems.extend(check(config))
     return problems
 
@@ -190,7 +203,7 @@ def _check_choices(config: RunConfig) -> List[Problem]:
 _POSITIVE = (
     "model.num_layers", "model.hidden_size", "model.num_heads", "model.ffn_hidden_size", "model.vocab_size",
     "model.seq_len", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "parallel.pp_virtual_stages",
-    "parallel.recompute_every", "train.micro_batch_size", "train.global_batch_size", "train.steps",
+    "parallel.recompute_every", "parallel.dp_replicate", "train.micro_batch_size", "train.global_batch_size", "train.steps",
     "train.log_interval", "cluster.nodes", "cluster.timeout_s", "data.num_proc", "checkpoint.keep", "model.moe.every",
 )
 
@@ -356,6 +369,51 @@ def _check_accelerator(config: RunConfig) -> List[Problem]:
     if name.endswith((".yaml", ".yml")):
         return [Problem("cluster.accelerator", name, "profile file not found", "pass an existing .yaml path or a profile name")]
     return [unknown_problem(name)]
+
+
+def _check_fp8(config: RunConfig) -> List[Problem]:
+    """precision.fp8 needs torchao, bf16 (or fp32) for the rest, and FP8 tensor cores unless emulated."""
+    from llmforge.estimate.hardware import get_profile, is_known
+
+    pr, out = config.precision, []
+    if not pr.fp8:
+        return out
+    if not _installed("torchao"):
+        out.append(Problem("precision.fp8", True, "FP8 training runs on torchao, which is not installed", "pip install 'llmforge[fp8]' (or pip install torchao), or use precision=bf16"))
+    if pr.param_dtype == "fp16":
+        out.append(Problem("precision.param_dtype", pr.param_dtype, "fp8 is not combined with fp16 loss scaling (FP8 gradients use e5m2 with their own scales)", "use precision=fp8 (bf16 for the rest) or precision.param_dtype=bf16"))
+    name = config.cluster.accelerator
+    if is_known(name) and not pr.fp8_emulate and not get_profile(name).has_fp8:
+        out.append(Problem("cluster.accelerator", name, "has no FP8 tensor cores (its profile gives no peak_tflops.fp8), so precision.fp8 cannot run there", "use an H100, H200 or B200 (cluster=h100-node), precision=bf16, or precision.fp8_emulate=true to test the numerics without a speed-up"))
+    return out
+
+
+def _check_hsdp(config: RunConfig) -> List[Problem]:
+    """parallel.dp_replicate splits the FSDP (ZeRO 1-3) data-parallel group into replicas of a shard group."""
+    p, out = config.parallel, []
+    if not _ints(p.dp_replicate) or p.dp_replicate <= 1 or not _ints(p.tp, p.pp, p.cp) or min(p.tp, p.pp, p.cp) < 1:
+        return out
+    if p.zero == 0:
+        out.append(Problem("parallel.dp_replicate", p.dp_replicate, "HSDP replicates ZeRO shard groups, and parallel.zero=0 shards nothing", "set parallel.zero=3 (or 1, 2), or parallel.dp_replicate=1"))
+    if p.dp != "auto" and not _ints(p.dp):
+        return out
+    _, dp = _world_and_dp(config)
+    if dp >= 1 and dp % p.dp_replicate:
+        out.append(Problem("parallel.dp_replicate", p.dp_replicate, f"does not divide the data-parallel size dp={dp}", "pick a divisor of dp, e.g. cluster.nodes (one shard group per node)"))
+    if p.ep > 1 or p.cp > 1:
+        key, value = ("parallel.ep", p.ep) if p.ep > 1 else ("parallel.cp", p.cp)
+        out.append(Problem(key, value, "HSDP (parallel.dp_replicate > 1) is not combined with expert or context parallelism", f"set {key}=1 or parallel.dp_replicate=1"))
+    return out
+
+
+def _installed(module: str) -> bool:
+    """Whether ``module`` can be imported (found without importing it)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _ints(*values: Any) -> bool:

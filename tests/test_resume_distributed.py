@@ -1,5 +1,5 @@
 """Resume across processes (gloo on CPU): bit-identical on dp2 and tp2xpp2, and
-resharding (tp2xpp2 -> dp4 -> one process, ZeRO-3 -> ZeRO-1) with the same samples.
+resharding (tp2xpp2 -> dp4 -> one process, ZeRO-3 -> ZeRO-1, HSDP <-> ZeRO-3) with the same samples.
 
 One torchrun per world size runs every phase in a single started process group
 (this file is also the worker: ``python -m torch.distributed.run ... THIS SPEC OUT``).
@@ -141,7 +141,7 @@ def test_four_ranks_bit_identical_and_reshard(tmp_path, small_data, single, dp2)
 
     ref_dir, ref_ids = single
     base = [*TINY, *small_data]
-    a, z = tmp_path / "tp2pp2", tmp_path / "fsdp"
+    a, z, h = tmp_path / "tp2pp2", tmp_path / "fsdp", tmp_path / "hsdp"
     phases = {
         "tp2pp2": {"overrides": ["parallel=tp2pp2"], "run_dir": str(a)},
         "tp2pp2_resumed": {"resume": str(a / "checkpoints/step_3"), "overrides": [], "run_dir": str(tmp_path / "r1")},
@@ -149,17 +149,21 @@ def test_four_ranks_bit_identical_and_reshard(tmp_path, small_data, single, dp2)
         "zero3": {"overrides": ["parallel=fsdp", "cluster.devices_per_node=4", "checkpoint.async=true"], "run_dir": str(z)},
         "zero1_from_zero3": {"resume": str(z / "checkpoints/step_3"), "overrides": ["parallel=zero1"], "run_dir": str(tmp_path / "r3")},
         "dp4_from_dp2": {"resume": str(dp2[0] / "checkpoints/step_3"), "overrides": ["parallel=dp4"], "run_dir": str(tmp_path / "r4")},
+        "hsdp": {"overrides": ["parallel=fsdp", "cluster.devices_per_node=4", "parallel.dp_replicate=2"], "run_dir": str(h)},
+        "zero3_from_hsdp": {"resume": str(h / "checkpoints/step_3"), "overrides": ["parallel.dp_replicate=1"], "run_dir": str(tmp_path / "r5")},
+        "hsdp_from_zero3": {"resume": str(z / "checkpoints/step_3"), "overrides": ["parallel.dp_replicate=2"], "run_dir": str(tmp_path / "r6")},
     }
     ids = launch(tmp_path, nproc=4, base=base, phases=phases)
     ref = losses(ref_dir)
     full, resumed = losses(a), losses(tmp_path / "r1")
     assert [resumed[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]  # bit-identical
-    for name, run_dir in (("dp4_from_tp2pp2", "r2"), ("zero1_from_zero3", "r3"), ("dp4_from_dp2", "r4")):
+    for name, run_dir in (("dp4_from_tp2pp2", "r2"), ("zero1_from_zero3", "r3"), ("dp4_from_dp2", "r4"), ("zero3_from_hsdp", "r5"), ("hsdp_from_zero3", "r6")):
         got = losses(tmp_path / run_dir)
         assert sorted(got) == [4, 5, 6]
         assert all(abs(got[s] - ref[s]) < 1e-4 for s in got), (name, got, ref)
-    assert ids["tp2pp2"] == ref_ids and ids["zero3"] == ref_ids
-    for name in ("tp2pp2_resumed", "dp4_from_tp2pp2", "zero1_from_zero3", "dp4_from_dp2"):
+    assert ids["tp2pp2"] == ref_ids and ids["zero3"] == ref_ids and ids["hsdp"] == ref_ids
+    assert all(abs(losses(h)[s] - ref[s]) < 1e-4 for s in range(1, 7))
+    for name in ("tp2pp2_resumed", "dp4_from_tp2pp2", "zero1_from_zero3", "dp4_from_dp2", "zero3_from_hsdp", "hsdp_from_zero3"):
         assert ids[name] == ref_ids[3 * 8:], name  # no sample skipped or repeated
 
 

@@ -67,6 +67,11 @@ class ParallelConfig:
     cp: int = knob(1, help="Context-parallel degree (sequence split across ranks).")
     ep: int = knob(1, help="Expert-parallel degree (experts split across data-parallel ranks).")
     zero: int = knob(0, help="ZeRO stage: 0 replicated, 1 optimizer states, 2 +gradients, 3 +parameters (FSDP).")
+    dp_replicate: int = knob(
+        1,
+        help="HSDP: split dp into dp_replicate groups of dp/dp_replicate ranks; ZeRO 1-3 shard inside a group (keep it "
+        "inside a node) and all-reduce gradients across groups. 1 = shard over all of dp.",
+    )
     sequence_parallel: bool = knob(False, help="Shard norm and dropout activations along the sequence over tp ranks.")
     pp_schedule: str = knob("1f1b", help="Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_interleaved, zbv.")
     pp_virtual_stages: int = knob(1, help="Model chunks per pipeline rank (interleaved schedules).")
@@ -86,6 +91,16 @@ class PrecisionConfig:
     reduce_dtype: str = knob("fp32", help="Dtype of gradient reduction across data-parallel ranks.")
     initial_loss_scale: float = knob(65536.0, help="fp16 only: starting dynamic loss scale.")
     loss_scale_growth_interval: int = knob(2000, help="fp16 only: steps without overflow before the scale doubles.")
+    fp8: bool = knob(
+        False,
+        help="FP8 training (torchao float8) of the transformer blocks' linear layers; the rest computes in param_dtype (bf16). "
+        "Needs torchao (pip install 'llmforge[fp8]') and an FP8 accelerator (H100, H200, B200) or precision.fp8_emulate=true.",
+    )
+    fp8_recipe: str = knob("tensorwise", help="FP8 scaling: tensorwise (one scale per tensor, float8 FSDP all-gather) or rowwise (one per row).")
+    fp8_emulate: bool = knob(False, help="Emulate the FP8 matmuls in high precision (CPU, GPUs without FP8): same casts, no speed-up.")
+    fp8_all_gather: bool = knob(
+        True, help="fp8 tensorwise under ZeRO 1-3: all-gather weights cast to float8 (half the bytes), scales computed once after each optimizer step."
+    )
 
 
 @dataclass

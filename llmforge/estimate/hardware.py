@@ -9,7 +9,8 @@ name), or point ``cluster.accelerator`` straight at a ``.yaml`` file.
 
 Bandwidths are per device and per direction, in GB/s (1e9 bytes): NVLink's
 900 GB/s "bidirectional" H100 figure is 450 here. Peak FLOP/s are dense (no
-structured sparsity).
+structured sparsity). ``peak_tflops.fp8`` is optional: a profile without it has
+no FP8 tensor cores, and ``precision.fp8`` is refused there (unless emulated).
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ class Profile:
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for matmuls in ``dtype``."""
         return self.peak_flops[dtype]
+
+    @property
+    def has_fp8(self) -> bool:
+        """FP8 tensor cores (the profile gives ``peak_tflops.fp8``)."""
+        return "fp8" in self.peak_flops
 
 
 def _user_dirs() -> List[Path]:

@@ -10,6 +10,11 @@ ep coordinate): expert gradients are reduced, and ZeRO shards them, over it alon
 ``dp_cp`` flattens ``dp_rest x ep x cp``: the ranks of one model replica's data and
 context shards, over which dense gradients are averaged and ZeRO shards (``dp`` when
 cp is 1).
+
+With HSDP (``parallel.dp_replicate`` > 1) ``dp_rest`` is ``dp_replicate x dp_shard``
+and ZeRO shards over the 2-D ``fsdp`` mesh ``(dp_replicate, dp_shard)``: FSDP2
+shards over the inner ``dp_shard`` ranks (consecutive ranks: one node) and
+replicates over ``dp_replicate`` (all-reducing gradients across it).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from llmforge.plan import RunPlan
 
-DIMS = ("pp", "dp_rest", "ep", "cp", "tp")
+DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,8 @@ class ParallelMesh:
     ep: DeviceMesh
     cp: DeviceMesh
     dp_cp: DeviceMesh
+    #: What ZeRO 1-3 shard over: ``dp_cp``, or the 2-D ``(dp_replicate, dp_shard)`` mesh under HSDP.
+    fsdp: DeviceMesh
 
     def size(self, name: str) -> int:
         return getattr(self, name).size()
@@ -49,11 +56,14 @@ class ParallelMesh:
 
 def build_mesh(plan: RunPlan, *, device_type: str) -> ParallelMesh:
     """A mesh over every rank of the current process group, shaped by the plan."""
-    shape = (plan.pp, plan.dp // plan.ep, plan.ep, plan.cp, plan.tp)
+    replicate = plan.config.parallel.dp_replicate
+    shape = (plan.pp, replicate, plan.dp // plan.ep // replicate, plan.ep, plan.cp, plan.tp)
     world = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
-    dp = world["dp_rest", "ep"]._flatten("dp")
-    dp_cp = world["dp_rest", "ep", "cp"]._flatten("dp_cp") if plan.cp > 1 else dp
-    return ParallelMesh(world=world, dp=dp, dp_rest=world["dp_rest"], tp=world["tp"], pp=world["pp"], ep=world["ep"], cp=world["cp"], dp_cp=dp_cp)
+    dp = world["dp_replicate", "dp_shard", "ep"]._flatten("dp")
+    dp_rest = world["dp_replicate", "dp_shard"]._flatten("dp_rest") if plan.ep > 1 else dp
+    dp_cp = world["dp_replicate", "dp_shard", "ep", "cp"]._flatten("dp_cp") if plan.cp > 1 else dp
+    fsdp = world["dp_replicate", "dp_shard"] if replicate > 1 else dp_cp
+    return ParallelMesh(world=world, dp=dp, dp_rest=dp_rest, tp=world["tp"], pp=world["pp"], ep=world["ep"], cp=world["cp"], dp_cp=dp_cp, fsdp=fsdp)
 
 
 def device_for_rank(plan: RunPlan) -> torch.device:

@@ -1,7 +1,7 @@
 """Apply every parallelism to a model in the documented order, and build a rank's
 components for a distributed run.
 
-Order (as in torchtitan): tensor parallel -> expert parallel -> context
+Order (as in torchtitan): float8 -> tensor parallel -> expert parallel -> context
 parallel -> activation recompute -> compile -> FSDP (over dp x cp). The model is
 built whole (or as its pipeline chunks) with the seeded initial weights first and
 sharded afterwards, so every layout starts from the same numbers. A single
@@ -33,9 +33,13 @@ from llmforge.train.step import GradAccumulationStep, cross_entropy
 
 
 def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]) -> None:
-    """Shard one model (or pipeline chunk) in place: TP -> EP -> CP -> recompute -> compile -> FSDP.
-    ``mesh`` may be None in one process, where only recompute and compile apply."""
+    """Shard one model (or pipeline chunk) in place: float8 -> TP -> EP -> CP -> recompute -> compile -> FSDP.
+    ``mesh`` may be None in one process, where only float8, recompute and compile apply."""
     p = plan.config.parallel
+    if plan.config.precision.fp8:
+        from llmforge.parallel.float8 import apply_float8
+
+        apply_float8(model, recipe=plan.config.precision.fp8_recipe, emulate=plan.config.precision.fp8_emulate, fsdp_all_gather=fp8_all_gather(plan, mesh=mesh))
     if plan.tp > 1:
         apply_tp(model, tp_mesh=mesh.tp, sequence_parallel=p.sequence_parallel)
     if plan.ep > 1:
@@ -46,9 +50,20 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]
         apply_recompute(model, mode=p.recompute, every=p.recompute_every)
     if plan.config.train.compile:
         apply_compile(model)
-    if p.zero > 0 and mesh is not None and reduces_over_dp(plan):
+    if uses_fsdp(plan, mesh=mesh):
         experts = mesh.dp_rest if plan.ep > 1 else None
-        apply_fsdp(model, dp_mesh=mesh.dp_cp, zero=p.zero, reduce_dtype=plan.config.precision.reduce_dtype, expert_mesh=experts)
+        apply_fsdp(model, dp_mesh=mesh.fsdp, zero=p.zero, reduce_dtype=plan.config.precision.reduce_dtype, expert_mesh=experts)
+
+
+def uses_fsdp(plan: RunPlan, *, mesh: Optional[ParallelMesh]) -> bool:
+    """ZeRO 1-3 on a distributed rank that reduces over its data-parallel group: FSDP2 shards the model."""
+    return plan.config.parallel.zero > 0 and mesh is not None and reduces_over_dp(plan)
+
+
+def fp8_all_gather(plan: RunPlan, *, mesh: Optional[ParallelMesh]) -> bool:
+    """Float8 all-gather of FSDP-sharded weights: tensorwise fp8 under FSDP, unless turned off."""
+    precision = plan.config.precision
+    return precision.fp8 and precision.fp8_recipe == "tensorwise" and precision.fp8_all_gather and uses_fsdp(plan, mesh=mesh)
 
 
 def reduces_over_dp(plan: RunPlan) -> bool:
@@ -87,6 +102,11 @@ def build_parallel(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compone
     copies = _tied_copies(plan, parts=parts, ids=ids, num_stages=num_stages)
     optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr)
     _no_decay(optimizer, copies)
+    if fp8_all_gather(plan, mesh=mesh):
+        from llmforge.parallel.float8 import precompute_scales
+
+        precompute = precompute_scales(parts)
+        optimizer.register_step_post_hook(lambda *_: precompute())
     scaler = build_scaler(plan)
     reducers = _zero0_reducers(plan, mesh=mesh, parts=parts, overlap=plan.pp == 1 and plan.overlap_grad_reduce)
     finish = _finish_hooks(plan, mesh=mesh, parts=parts, ids=ids, num_stages=num_stages, reducers=reducers)

@@ -51,7 +51,7 @@ def tied_group(mesh: ParallelMesh, *, first_pp: int, last_pp: int) -> Optional[d
     data/tensor coordinates. Every rank takes part in creating every group."""
     if first_pp == last_pp:
         return None
-    ranks = mesh.world.mesh  # [pp, dp_rest, ep, cp, tp]
+    ranks = mesh.world.mesh  # [pp, dp_replicate, dp_shard, ep, cp, tp]
     mine = None
     flat_first = ranks[first_pp].reshape(-1).tolist()
     flat_last = ranks[last_pp].reshape(-1).tolist()

@@ -1,0 +1,95 @@
+"""FP8 training (torchao float8): what is converted, what is refused, and the numbers.
+
+On CPU the float8 matmuls are emulated (``precision.fp8_emulate``): the same
+casts to e4m3/e5m2 with dynamic scales, the matmul in high precision."""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from llmforge.cli import app
+from llmforge.config.compose import compose
+from llmforge.errors import UserError
+from llmforge.parallel.harness import tiny_plan
+from llmforge.plan import RunPlan
+from llmforge.train.build import build_model
+
+pytest.importorskip("torchao")
+
+runner = CliRunner()
+EMULATED = ["precision=fp8", "precision.fp8_emulate=true"]
+
+
+def problems_of(*overrides: str) -> str:
+    with pytest.raises(UserError) as info:
+        RunPlan.build(compose(list(overrides)))
+    return info.value.message()
+
+
+def test_fp8_needs_fp8_hardware_or_emulation():
+    text = problems_of("precision=fp8")
+    assert "cluster.accelerator = 'cpu'" in text and "precision.fp8_emulate=true" in text
+    text = problems_of("recipe=gpt-1b", "cluster=a100-node", "precision=fp8")
+    assert "a100-80gb" in text and "no FP8 tensor cores" in text
+    for cluster in ("h100-node", "cluster.accelerator=b200", "cluster.accelerator=h200-141gb"):
+        group = cluster if "=" in cluster else f"cluster={cluster}"
+        plan = RunPlan.build(compose(["recipe=gpt-1b", "cluster=h100-node", group, "precision=fp8"]))
+        assert plan.config.precision.fp8 and plan.config.precision.param_dtype == "bf16"
+    assert RunPlan.build(compose(EMULATED)).config.precision.fp8_recipe == "tensorwise"
+
+
+def test_fp8_refuses_fp16_and_unknown_recipes():
+    text = problems_of(*EMULATED, "precision.param_dtype=fp16", "precision.fp8_recipe=blockwise")
+    assert "precision.param_dtype = 'fp16'" in text and "precision.fp8_recipe = 'blockwise'" in text
+
+
+class _NoTorchao(importlib.abc.MetaPathFinder):
+    """An environment where torchao is not installed."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchao" or name.startswith("torchao."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return None
+
+
+def test_fp8_without_torchao_is_refused_before_launch(monkeypatch, tmp_path):
+    monkeypatch.setattr(sys, "meta_path", [_NoTorchao(), *sys.meta_path])
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)
+    result = runner.invoke(app, ["pretrain", *EMULATED, f"run.dir={tmp_path / 'run'}"])
+    assert result.exit_code == 2, result.output
+    assert "torchao" in result.output and "llmforge[fp8]" in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "run").exists()
+
+
+def test_keys_document_the_fp8_options():
+    result = runner.invoke(app, ["keys", "precision.fp8"])
+    assert result.exit_code == 0
+    for key in ("precision.fp8 ", "precision.fp8_recipe", "precision.fp8_emulate", "precision.fp8_all_gather"):
+        assert key in result.output
+
+
+def _linear_names(model: torch.nn.Module) -> dict:
+    return {n: type(m).__name__ for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def test_only_the_blocks_linear_layers_become_float8():
+    from llmforge.parallel.float8 import apply_float8
+
+    plan = tiny_plan(["model.tie_embeddings=false", "model.moe.num_experts=4", "model.moe.num_shared_experts=1", "model.moe.every=2"])
+    model = build_model(plan, device=torch.device("cpu"))
+    names_before = [n for n, _ in model.named_parameters()]
+    assert apply_float8(model, recipe="tensorwise", emulate=True, fsdp_all_gather=False) > 0
+    kinds = _linear_names(model)
+    assert kinds["head"] == "Linear"  # output layer
+    assert kinds["layers.1.mlp.router"] == "Linear"  # MoE router
+    assert kinds["layers.1.mlp.shared.up_proj"] == "Float8Linear"  # shared experts are an MLP
+    for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj"):
+        assert kinds[f"layers.0.{name}"] == "Float8Linear"
+    assert [n for n, _ in model.named_parameters()] == names_before  # checkpoints keep their keys
+    assert type(model.embed).__name__ == "Embedding"
