@@ -10,7 +10,7 @@ raises before layout ``fail_at`` (default: the first); ``"device": "cuda"`` trai
 its GPU, under NCCL; ``mesh_of_one`` sends a one-rank layout through the distributed path (see
 ``rank_info``); ``count_syncs`` counts the host synchronisations of those layouts' steps.
 OUT.pt (written by rank 0): per layout the losses, grad norms, step times, the
-host synchronisations of each step on rank 0 (``llmforge.train.syncs``), the
+host synchronisations of the counted steps on rank 0 (``llmforge.train.syncs``), the
 intra-op thread count of each rank, rank 0's local element count of each
 parameter (what it holds of its shard) and the full (gathered) parameters after the
 last step.
@@ -93,8 +93,8 @@ def rank_info(plan: RunPlan, *, device: torch.device, mesh_of_one: bool = False)
 
 def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), mesh_of_one: bool = False, count_syncs: bool = False) -> LayoutResult:
     """Train ``plan`` on synthetic data; return what it computed (params on rank 0).
-    ``count_syncs``: count the host synchronisations of every step after the first
-    (slow: every op goes through a Python dispatch mode)."""
+    ``count_syncs``: count the host synchronisations of the last two steps (slow:
+    every op goes through a Python dispatch mode)."""
     from llmforge.train.build import build_components
     from llmforge.train.loop import LoopHooks, train_loop
     from llmforge.train.syncs import StepSyncs
@@ -105,10 +105,11 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), m
     rank = rank_info(plan, device=device, mesh_of_one=mesh_of_one)
     c = build_components(plan, rank=rank, sampler=sampler)
     records: List[dict] = []
-    syncs = StepSyncs(host=lambda: [s["step"] for s in c.optimizer.state.values() if "step" in s], enabled=count_syncs)
+    steps = cfg.train.steps
+    syncs = StepSyncs(host=lambda: [s["step"] for s in c.optimizer.state.values() if "step" in s], enabled=count_syncs, skip=max(1, steps - 2))
     hooks = LoopHooks(log=records.append, should_stop=syncs.after_step)
     with syncs:
-        train_loop(c, start_step=0, total_steps=cfg.train.steps, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=0, hooks=hooks)
+        train_loop(c, start_step=0, total_steps=steps, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=0, hooks=hooks)
     out = LayoutResult(
         losses=[r["loss"] for r in records],
         grad_norms=[r["grad_norm"] for r in records],

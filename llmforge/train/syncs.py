@@ -98,21 +98,25 @@ class HostSyncCounter:
 
 
 class StepSyncs:
-    """Host synchronisations of each training step after the first (which sets
-    things up): pass ``after_step`` as the loop's ``should_stop`` hook and run the
-    loop inside ``with StepSyncs(...)``. Disabled, it counts nothing and costs nothing."""
+    """Host synchronisations of each training step after the first ``skip`` (the
+    first sets things up): pass ``after_step`` as the loop's ``should_stop`` hook and
+    run the loop inside ``with StepSyncs(...)``. Disabled, it counts nothing and
+    costs nothing."""
 
-    def __init__(self, *, host: Optional[Callable[[], Iterable[torch.Tensor]]] = None, enabled: bool = True) -> None:
+    def __init__(self, *, host: Optional[Callable[[], Iterable[torch.Tensor]]] = None, enabled: bool = True, skip: int = 1) -> None:
         self.counter = HostSyncCounter(host=host)
         self.enabled = enabled
+        self.skip = skip
         self.per_step: list = []
         self._active = False
+        self._seen = 0
 
     def after_step(self) -> bool:
+        self._seen += 1
         if self._active:
             self.per_step.append(self.counter.count)
             self.counter.reset()
-        elif self.enabled:
+        elif self.enabled and self._seen >= self.skip:
             self.counter.__enter__()
             self._active = True
         return False
