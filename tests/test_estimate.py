@@ -125,11 +125,11 @@ def test_activations_against_korthikanti_table2():
         assert got == pytest.approx(16 * h + 16 + (24 * h + 4 * a) / t, rel=1e-12)
         korthikanti = 10 * h + 24 * h / t + 5 * a * shape.seq / t
         assert got < korthikanti  # no s x s term
-    # sequence parallel: Megatron divides everything by t (34/t); torch's SequenceParallel keeps
-    # the gathered input of the attention and MLP linears whole (8h bytes), the rest is split
+    # sequence parallel: everything is split over t, as Megatron's 34/t; the column-parallel
+    # linears keep the 16-bit sequence shard of their input (2 x 2h / t), gathered again in backward
     for t in (2, 4, 8):
         got = _per_token(shape, Layout(tp=t, sequence_parallel=True), jb, "none")
-        assert got == pytest.approx((8 * h + 16) / t + 8 * h + (24 * h + 4 * a) / t, rel=1e-12)
+        assert got == pytest.approx((8 * h + 16 + 4 * h + 24 * h + 4 * a) / t, rel=1e-12)
     # full recompute: the block input only; 2 s b h in 16 bits, 4 s b h here (fp32 residual stream)
     assert _per_token(shape, Layout(), jb, "full") == 4 * h
     assert _per_token(shape, Layout(tp=8, sequence_parallel=True), jb, "full") == 4 * h / 8
@@ -138,16 +138,19 @@ def test_activations_against_korthikanti_table2():
 ZERO_PAPER = {0: lambda n, d: 16 * n, 1: lambda n, d: 4 * n + 12 * n / d, 2: lambda n, d: 2 * n + 14 * n / d, 3: lambda n, d: 16 * n / d}
 
 
+@pytest.mark.parametrize("reduce", ["fp32", "bf16"])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
-def test_model_states_against_the_zero_paper(zero):
-    """ZeRO's (2 + 2 + K) bytes with K = 12. llmforge computes in autocast from fp32
-    parameters, so the whole compute copy and whole gradients are 4 bytes, not 2:
-    stage 1 and 2 hold 4 more (2 more + 2/d) bytes per parameter; stage 0 and 3 are equal."""
+def test_model_states_against_the_zero_paper(zero, reduce):
+    """ZeRO's (2 + 2 + K) bytes with K = 12, bf16 compute. Stages 0 and 3 are equal;
+    stage 1 accumulates whole gradients in the reduce dtype (Megatron's fp32
+    gradient buffer: 2 more bytes; with bf16 reduction exactly the paper), stage 2
+    keeps an fp32 gradient shard (2/d more)."""
     shape, d = gpt(layers=8, hidden=1024, heads=16, vocab=51200, seq=1024), 8
-    n, weights, grads, optimizer = model_states(shape, Layout(dp=d, zero=zero), 0)
+    jb = Job(global_batch=64, param_dtype="bf16", reduce_dtype=reduce, profile=get_profile("h100-80gb"))
+    n, weights, grads, optimizer = model_states(shape, Layout(dp=d, zero=zero), 0, jb)
     ours = weights + grads + optimizer
     paper = ZERO_PAPER[zero](n, d)
-    extra = {0: 0, 1: 4 * n, 2: 2 * n + 2 * n / d, 3: 0}[zero]
+    extra = {0: 0, 1: 2 * n if reduce == "fp32" else 0, 2: 2 * n / d, 3: 0}[zero]
     assert ours == pytest.approx(paper + extra, rel=1e-4)  # FSDP pads dim 0 to a multiple of d
 
 

@@ -71,14 +71,14 @@ def _rank_bytes(plan: RunPlan, rank: int) -> tuple[int, int, int]:
 @pytest.mark.parametrize("overrides", LAYOUTS, ids=[" ".join(o) for o in LAYOUTS])
 def test_per_rank_parameter_and_optimizer_bytes_are_exact(overrides):
     plan = RunPlan.build(compose(overrides + ["train.micro_batch_size=2", "train.global_batch_size=16"]))
-    shape, layout, _ = from_plan(plan)
+    shape, layout, job = from_plan(plan)
     real: dict = {}
     for rank in range(plan.world_size):
         stage, weights, states = _rank_bytes(plan, rank)
         old = real.get(stage, (0, 0))
         real[stage] = (max(old[0], weights), max(old[1], states))
     for stage, (weights, states) in real.items():
-        params, _, _, optimizer = model_states(shape, layout, stage)
+        params, _, _, optimizer = model_states(shape, layout, stage, job)
         sharded = layout.zero > 0 and layout.dp * layout.cp > 1
         # ZeRO 1-3 (FSDP2) keep the fp32 shard between steps; the moments are sharded alike
         assert weights == (optimizer // 2 if sharded else 4 * params)
@@ -149,3 +149,29 @@ def test_tensor_parallel_activations_match_the_backend(layout, recompute, dtype)
     est = sum(act.layer_bytes(shape, lay, job, i) for i in range(shape.num_layers))
     est += act.embedding_bytes(shape, lay) + act.output_bytes(shape, lay, job)
     assert est == pytest.approx(_saved_bytes_under_tp(plan), rel=0.10)
+
+
+# ------------------------------------------------- model states and saved bytes during the step
+
+SMALL = ["model.num_layers=2", "model.vocab_size=512", "model.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=8"]
+ZERO_CASES = [(z, sp, r) for z in (0, 1, 2, 3) for sp in (False, True) for r in ("none", "selective", "full")]
+
+
+@pytest.mark.parametrize("zero,sp,recompute", ZERO_CASES, ids=[f"zero{z}-{'dp2tp2sp' if sp else 'dp2'}-{r}" for z, sp, r in ZERO_CASES])
+def test_model_states_and_saved_bytes_during_the_step_are_exact(zero, sp, recompute):
+    """bf16 compute, two microbatches per step: what rank 0 holds after the first
+    microbatch's backward (ZeRO 1/2 keep the gathered weights, ZeRO 1 whole fp32
+    gradients) and what that microbatch saved, against the estimate."""
+    from llmforge.estimate import activations as act
+
+    layout = ["parallel=dp2tp2", "parallel.sequence_parallel=true"] if sp else ["parallel=dp2"]
+    plan = RunPlan.build(compose(layout + SMALL + [f"parallel.zero={zero}", f"parallel.recompute={recompute}", "precision=bf16"]))
+    from llmforge.parallel.footprint import measure_step
+
+    (weights, grads, states), saved = measure_step(plan)
+    shape, lay, job = from_plan(plan)
+    _, est_weights, est_grads, est_states = model_states(shape, lay, 0, job)
+    assert (weights, grads, states) == (est_weights, est_grads, est_states)
+    est = sum(act.layer_bytes(shape, lay, job, i) for i in range(shape.num_layers))
+    est += act.embedding_bytes(shape, lay) + act.output_bytes(shape, lay, job)
+    assert saved == est

@@ -85,6 +85,7 @@ MIXED = {
     "tp2_bf16": ["parallel.tp=2", "precision.param_dtype=bf16", "precision.reduce_dtype=bf16"],
     "pp2_fp16": PP + ["precision.param_dtype=fp16"],
     "dp2_zero3_fp16": ["parallel.dp=2", "parallel.zero=3", "precision.param_dtype=fp16"],
+    "dp2_zero1_bf16": ["parallel.dp=2", "parallel.zero=1", "precision.param_dtype=bf16"],
 }
 
 
@@ -135,6 +136,7 @@ def test_layout_matches_single_process(layout, results, reference):
     ref = reference[reference_of(layout)]
     assert len(got["losses"]) == 5
     assert max_rel(got["losses"], ref.losses) < 1e-5
+    assert len(got["val_losses"]) == 2 and max_rel(got["val_losses"], ref.val_losses) < 1e-5
     assert max_rel(got["grad_norms"], ref.grad_norms) < 1e-5
     assert set(ref.params) <= set(got["params"])
     for name, value in ref.params.items():
@@ -161,7 +163,7 @@ def test_low_precision_layouts_follow_single_process(layout, results):
 @pytest.mark.parametrize("layout", COUNT_SYNCS)
 def test_a_distributed_step_reads_the_device_once(layout, results):
     """Every step logs here: one read of loss and gradient norm, no per-parameter reads."""
-    assert results[layout]["syncs"] == [1, 1]  # the last two of five steps
+    assert results[layout]["syncs"] == [1]  # step 4: logged, not validated
 
 
 @pytest.fixture(scope="module")

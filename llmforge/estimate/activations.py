@@ -11,7 +11,11 @@ transformer. What matters about llmforge's GPT:
 - attention is ``scaled_dot_product_attention`` (a fused kernel): it keeps q, k, v
   (k and v at full head count after the GQA repeat), its output and the
   log-sum-exp, never the s x s score matrix;
-- with RoPE the attention output is copied when heads are merged back.
+- with RoPE the attention output is copied when heads are merged back;
+- under ZeRO 1-3 (FSDP over more than one rank) with 16-bit compute the gathered
+  weights are already 16-bit: autocast keeps no copies of them (expert weights
+  excepted: they pass through fp32 on their way into the batched matmuls), and each
+  norm keeps fp32 copies of its 16-bit weight (and bias) instead.
 
 Tensor parallelism (DTensor, torchtitan style) splits everything between the
 column- and row-parallel linears over tp; the norm region stays replicated unless
@@ -42,12 +46,17 @@ class BlockActivations:
         return self.per_token * tokens + self.fixed
 
 
-def _norm_bytes(shape: Shape, *, consumers: int, c: int, mixed: bool, sp: float) -> tuple[float, float]:
-    """(replicated-or-SP-split bytes, gathered bytes) per token of one pre-norm."""
+def _norm_bytes(shape: Shape, *, consumers: int, c: int, mixed: bool, sp: float, shard: bool = False) -> tuple[float, float]:
+    """(replicated-or-SP-split bytes, bytes of the output the linears save) per token
+    of one pre-norm. The linears save the whole output (once per linear under
+    autocast), or with ``shard`` (sequence parallel) only its sequence shard, once,
+    in the compute dtype."""
     h = shape.hidden
     kept = h * FP32 + (FP32 if shape.norm == "rmsnorm" else 2 * FP32)  # input and statistics
     if shape.norm == "rmsnorm":
         kept += h * FP32  # the normalised input, kept for the weight gradient
+    if shard:
+        return kept / sp, h * c / sp
     out = consumers * h * c if mixed else h * FP32  # the output each linear saves
     return kept / sp, out
 
@@ -71,10 +80,11 @@ def _selective_bytes(shape: Shape, *, c: int, tp: int, sp: int, moe: bool) -> fl
     Column-parallel outputs (q, k, v, gate, up) are split over tp; row-parallel
     outputs (o, down) are partial sums of full width before their reduction. Under
     tp the reductions' outputs are kept too: all-reduced sums (full width), or with
-    sequence parallel the fp32 gathered norm output and the reduce-scattered shard.
+    sequence parallel the reduce-scattered shard (the gather is inside the
+    column-parallel op, whose outputs are kept).
     """
     h, kv = shape.hidden, shape.kv_dim
-    collective = 0.0 if tp == 1 else (h * FP32 + h / tp * c if sp > 1 else h * c)
+    collective = 0.0 if tp == 1 else (h / tp * c if sp > 1 else h * c)
     attention = (h * c + shape.heads * FP32) / tp
     attn = h * FP32 / sp + ((h + 2 * kv) / tp + h) * c + attention + collective
     if moe:
@@ -93,8 +103,8 @@ def block_activations(shape: Shape, layout: Layout, job: Job, *, moe: bool, reco
     attn_consumers, mlp_consumers = 3, 2 if shape.activation == "swiglu" else 1
     if moe:
         mlp_consumers = 1 + (mlp_consumers if shape.shared_experts else 0)  # router, shared MLP
-    kept1, out1 = _norm_bytes(shape, consumers=attn_consumers, c=c, mixed=mixed, sp=sp)
-    kept2, out2 = _norm_bytes(shape, consumers=mlp_consumers, c=c, mixed=mixed, sp=sp)
+    kept1, out1 = _norm_bytes(shape, consumers=attn_consumers, c=c, mixed=mixed, sp=sp, shard=sp > 1)
+    kept2, out2 = _norm_bytes(shape, consumers=mlp_consumers, c=c, mixed=mixed, sp=sp, shard=sp > 1 and not moe)
     per_token = kept1 + out1 + kept2 + out2 + _attention_bytes(shape, c=c, tp=tp)
     per_token += _ffn_bytes(shape, layout, job, moe=moe)
     return BlockActivations(per_token=per_token, fixed=_fixed_bytes(shape, layout, job, moe=moe))
@@ -139,21 +149,40 @@ def _moe_selective_bytes(shape: Shape, *, c: int) -> float:
     return shape.num_experts * c + k * (mats * f + shape.hidden) * c + shared
 
 
+def _sp_linear(t, layout: Layout, *, moe: bool) -> bool:
+    """A column-parallel weight the sequence-parallel op casts itself (no autocast copy)."""
+    sp = layout.sequence_parallel and layout.tp > 1
+    return sp and t.split == "col" and (not moe or t.name.startswith("attn."))
+
+
+def _norm_params(shape: Shape) -> int:
+    """Weight (and LayerNorm bias) elements of one norm: what it keeps a copy of."""
+    return shape.hidden * (2 if shape.norm == "layernorm" and shape.bias else 1)
+
+
+def weights_gathered(layout: Layout, job: Job) -> bool:
+    """FSDP (ZeRO 1-3 over more than one rank) gathers the weights in the 16-bit compute dtype."""
+    return job.mixed and layout.zero > 0 and layout.dp * layout.cp > 1
+
+
 def _fixed_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) -> float:
-    """Per-microbatch bytes independent of the micro batch: autocast weight copies, RoPE tables."""
+    """Per-microbatch bytes independent of the micro batch: autocast weight copies
+    (or, with gathered 16-bit weights, fp32 copies of the norm weights), RoPE tables."""
     rope = 4 * shape.seq * (shape.head_dim // 2) * job.compute_bytes if shape.position == "rope" and job.mixed else 0
     share = 4 * shape.num_experts if moe else 0  # the aux loss's per-expert load
     if not job.mixed:
         return share
+    gathered = weights_gathered(layout, job)
+    norms = 2 * _norm_params(shape) * FP32 if gathered else 0.0
     weights = 0.0
     for t in block_tensors(shape, moe):
         if len(t.shape) < 2:
             continue
         if t.expert:
             weights += t.numel / layout.ep
-        else:
+        elif not gathered and not _sp_linear(t, layout, moe=moe):
             weights += t.numel / (layout.tp if t.split != "rep" else 1)
-    return weights * job.compute_bytes + rope + share
+    return weights * job.compute_bytes + norms + rope + share
 
 
 def embedding_bytes(shape: Shape, layout: Layout) -> float:
@@ -173,7 +202,10 @@ def output_bytes(shape: Shape, layout: Layout, job: Job) -> float:
     kept, out = _norm_bytes(shape, consumers=1, c=job.compute_bytes, mixed=job.mixed, sp=sp)
     loss = shape.vocab * job.compute_bytes if tp == 1 else shape.vocab * FP32 / tp
     per_token = kept + out + loss + INT64
-    head_copy = shape.vocab * shape.hidden * job.compute_bytes / tp if job.mixed else 0
+    if weights_gathered(layout, job):
+        head_copy = _norm_params(shape) * FP32  # the final norm's weight (and bias) in fp32
+    else:
+        head_copy = shape.vocab * shape.hidden * job.compute_bytes / tp if job.mixed else 0
     return b * s * per_token + head_copy + (0 if tp == 1 else FP32)
 
 
@@ -206,25 +238,33 @@ def recompute_working_bytes(shape: Shape, layout: Layout, job: Job) -> float:
     if layout.recompute == "none":
         return 0.0
     moe = shape.num_experts > 0
-    key = (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch)
-    jkey = (job.compute_bytes, job.mixed)
+    key, jkey = _keys(layout, job)
     return _kind_bytes(shape, key, jkey, moe, "none") - _kind_bytes(shape, key, jkey, moe, layout.recompute) + (
         _kind_fixed(shape, key, jkey, moe, layout.recompute))
 
 
 @lru_cache(maxsize=4096)
 def _kind_fixed(shape: Shape, layout_key: tuple, job_key: tuple, moe: bool, mode: str) -> float:
-    tp, sp, ep, cp, mb = layout_key
-    layout = Layout(tp=tp, sequence_parallel=sp, ep=ep, cp=cp, micro_batch=mb)
+    layout = _layout_of(layout_key)
     return block_activations(shape, layout, _JobView(*job_key), moe=moe, recompute=mode).fixed
+
+
+def _keys(layout: Layout, job: Job) -> tuple[tuple, tuple]:
+    """The layout and job fields activations depend on (cheap cache keys)."""
+    gathered = layout.zero > 0 and layout.dp * layout.cp > 1
+    return (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch, gathered), (job.compute_bytes, job.mixed)
+
+
+def _layout_of(key: tuple) -> Layout:
+    tp, sp, ep, cp, mb, gathered = key
+    return Layout(tp=tp, sequence_parallel=sp, ep=ep, cp=cp, micro_batch=mb, zero=int(gathered), dp=2 if gathered else 1)
 
 
 @lru_cache(maxsize=65536)
 def _kind_bytes(shape: Shape, layout_key: tuple, job_key: tuple, moe: bool, mode: str) -> float:
-    tp, sp, ep, cp, mb = layout_key
-    layout = Layout(tp=tp, sequence_parallel=sp, ep=ep, cp=cp, micro_batch=mb)
+    layout = _layout_of(layout_key)
     job = _JobView(*job_key)
-    return block_activations(shape, layout, job, moe=moe, recompute=mode).total(mb * shape.seq / cp)
+    return block_activations(shape, layout, job, moe=moe, recompute=mode).total(layout.micro_batch * shape.seq / layout.cp)
 
 
 @dataclass(frozen=True)
@@ -237,8 +277,7 @@ class _JobView:
 
 def stage_bytes_per_microbatch(shape: Shape, layout: Layout, job: Job, counts: StageCounts) -> float:
     """Saved bytes of one microbatch on a pipeline rank: its blocks, plus embedding ids or the output."""
-    key = (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch)
-    jkey = (job.compute_bytes, job.mixed)
+    key, jkey = _keys(layout, job)
     mode = layout.recompute
     total = 0.0
     for n, moe, applies in ((counts.dense, False, False), (counts.moe, True, False), (counts.dense_ckpt, False, True), (counts.moe_ckpt, True, True)):

@@ -11,8 +11,9 @@ What overlaps (and what the estimate therefore charges to the step):
 
 - data parallel: see ``dp_traffic`` (ZeRO 0's bucketed all-reduce hides behind the
   last microbatch's backward but for its last bucket, and is exposed under a
-  pipeline or with ``parallel.overlap_grad_reduce`` off; FSDP's gathers and reduce-scatters hide behind a microbatch's forward
-  or backward);
+  pipeline or with ``parallel.overlap_grad_reduce`` off; FSDP's compute-dtype
+  gathers and reduce-scatters hide behind a microbatch's forward or backward but
+  for the root unit's, see ``fsdp_traffic``);
 - tensor parallel and expert all-to-all sit on the critical path: fully exposed;
 - pipeline point-to-point overlaps in steady state; the fill and drain transfers
   (2(p-1) per chunk) are exposed;
@@ -69,35 +70,50 @@ def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatche
     that backward is exposed, and at least the last bucket (``last_bucket``
     parameters, the embedding's: their gradient is ready when backward ends);
     under a pipeline the schedule runs backward and ZeRO 0 all-reduces afterwards
-    (all exposed). ZeRO 1-3 are FSDP2, which
-    all-gathers fp32 parameters block by block, prefetched behind the previous
-    block's compute, and reduce-scatters gradients behind the backward: once per
-    step for ZeRO 1 (and any stage under a pipeline), after every microbatch for
-    ZeRO 2 and 3. ZeRO 3 gathers again for every forward and backward.
+    (all exposed). ZeRO 1-3 are FSDP2 (``fsdp_traffic``).
     """
     d = layout.dp * layout.cp
     if d == 1:
         return 0.0, 0.0, 0.0
     de = max(1, d // layout.ep)
-    rb, m = DTYPE_BYTES[job.reduce_dtype], microbatches
+    rb = DTYPE_BYTES[job.reduce_dtype]
     numel = dense * (d - 1) / d + expert * (de - 1) / de
-    if layout.zero == 0:
-        nbytes = 2 * numel * rb
-        t = seconds(job, nbytes, span)
-        if layout.pp > 1 or not numel or not job.overlap_grad_reduce:
-            return nbytes, t, t
-        tail = min(1.0, max(last_bucket * rb, BUCKET_BYTES) * (d - 1) / d / (numel * rb))
-        return nbytes, t, zero0_exposed(t, t_bwd=t_bwd, tail=tail)
-    rs_one, ag_one = numel * rb, numel * FP32
-    t_rs, t_ag = seconds(job, rs_one, span), seconds(job, ag_one, span)
-    reduce_each = layout.zero >= 2 and layout.pp == 1
-    scatters = m if reduce_each else 1
-    gathers = 2 * m if layout.zero == 3 else 1
-    exposed = scatters * max(0.0, t_rs - t_bwd)
-    exposed += (m if layout.zero == 3 else 1) * max(0.0, t_ag - t_fwd)
-    exposed += (m * max(0.0, t_ag - t_bwd)) if layout.zero == 3 else 0.0
-    nbytes = scatters * rs_one + gathers * ag_one
-    return nbytes, scatters * t_rs + gathers * t_ag, exposed
+    if layout.zero > 0:
+        share = min(1.0, last_bucket / max(1, dense + expert))
+        return fsdp_traffic(layout, job, numel=numel, microbatches=microbatches, t_fwd=t_fwd, t_bwd=t_bwd, span=span, tail=share)
+    nbytes = 2 * numel * rb
+    t = seconds(job, nbytes, span)
+    if layout.pp > 1 or not numel or not job.overlap_grad_reduce:
+        return nbytes, t, t
+    tail = min(1.0, max(last_bucket * rb, BUCKET_BYTES) * (d - 1) / d / (numel * rb))
+    return nbytes, t, zero0_exposed(t, t_bwd=t_bwd, tail=tail)
+
+
+def fsdp_traffic(layout: Layout, job: Job, *, numel: float, microbatches: int, t_fwd: float, t_bwd: float,
+                 span: int, tail: float) -> tuple[float, float, float]:
+    """(bytes, seconds, exposed seconds) of ZeRO 1-3 (FSDP2) per device per step.
+
+    Parameters are all-gathered in the compute dtype, block by block, each block
+    prefetching the next; gradients are reduce-scattered in the reduce dtype as
+    backward finishes each block. ZeRO 1 and 2 gather once per step (the weights
+    stay gathered through the microbatches); ZeRO 1 reduce-scatters once, during
+    the last microbatch's backward, ZeRO 2 during every microbatch's. ZeRO 3
+    gathers for every forward and backward. Under a pipeline the schedule keeps
+    weights and gradients until the stage's last microbatch (ZeRO 1 and 2 alike).
+    Hidden: what a microbatch's forward (gathers) or backward (reduce-scatters,
+    ZeRO 3's backward gathers) covers, never the ``tail`` share: the root unit
+    (embedding, output layer) is gathered before the first block computes and
+    its gradients are reduced after the last.
+    """
+    m, c, rb = microbatches, job.compute_bytes, DTYPE_BYTES[job.reduce_dtype]
+    t_rs, t_ag = seconds(job, numel * rb, span), seconds(job, numel * c, span)
+    scatters = m if layout.zero >= 2 and layout.pp == 1 else 1
+    forward_gathers = m if layout.zero == 3 else 1
+    backward_gathers = m if layout.zero == 3 else 0
+    exposed = scatters * max(t_rs - t_bwd, tail * t_rs) + forward_gathers * max(t_ag - t_fwd, tail * t_ag)
+    exposed += backward_gathers * max(0.0, t_ag - t_bwd)
+    nbytes = scatters * numel * rb + (forward_gathers + backward_gathers) * numel * c
+    return nbytes, scatters * t_rs + (forward_gathers + backward_gathers) * t_ag, exposed
 
 
 def zero0_exposed(t_allreduce: float, *, t_bwd: float, tail: float) -> float:
@@ -108,13 +124,17 @@ def zero0_exposed(t_allreduce: float, *, t_bwd: float, tail: float) -> float:
 
 
 def tp_bytes(shape: Shape, layout: Layout, job: Job, *, layers: int, microbatches: int) -> float:
-    """Per device per step: two collectives per sublayer, forward and backward (and recompute)."""
+    """Per device per step: two collectives per sublayer, forward and backward (and
+    recompute); with sequence parallel one more in backward, the gather of the
+    sequence shard the column-parallel linears kept (``llmforge.parallel.sequence``)."""
     t = layout.tp
     if t == 1:
         return 0.0
     tokens = layout.micro_batch * shape.seq / layout.cp
     size = tokens * shape.hidden * job.compute_bytes
     per_layer = (6 if layout.recompute == "full" else 4) * 2 * (t - 1) / t * size
+    if layout.sequence_parallel:
+        per_layer += 2 * (t - 1) / t * size
     return microbatches * (layers * per_layer + 2 * (t - 1) / t * size)  # + vocab-parallel embedding
 
 

@@ -1,12 +1,12 @@
 """Device memory of each pipeline stage, and the most-loaded device.
 
-Model states follow llmforge's precision: parameters are always fp32 (bf16/fp16
-compute through autocast, so the parameters are the master weights), gradients
-are fp32 (the parameters' dtype), and AdamW keeps two fp32 moments: 16 bytes per
-parameter before ZeRO. ZeRO 1-3 run on FSDP2 (see ``model_states``), which
-shards each parameter along dim 0, padded to a multiple of the group size, over
-the parameter's data-parallel group (dp x cp for dense weights, dp x cp / ep for
-experts); the most-loaded rank holds the rounded-up shards.
+Model states follow llmforge's precision: parameters are always fp32 master
+weights and AdamW keeps two fp32 moments. ZeRO 0 computes from them through
+autocast with fp32 gradients: 16 bytes per parameter. ZeRO 1-3 run on FSDP2 (see
+``model_states``), which shards each parameter along dim 0, padded to a multiple
+of the group size, over the parameter's data-parallel group (dp x cp for dense
+weights, dp x cp / ep for experts; the most-loaded rank holds the rounded-up
+shards), and computes from gathered copies in ``precision.param_dtype``.
 """
 
 from __future__ import annotations
@@ -81,35 +81,37 @@ def groups(layout: Layout) -> Tuple[int, int]:
     return group, max(1, group // layout.ep)
 
 
-def model_states(shape: Shape, layout: Layout, stage: int) -> Tuple[int, float, float, float]:
-    """See ``_model_states``; memoised on the fields it depends on (the search varies the others)."""
+def model_states(shape: Shape, layout: Layout, stage: int, job: Job) -> Tuple[int, float, float, float]:
+    """See ``_compute_model_states``; memoised on the fields it depends on (the search varies the others)."""
     key = (layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.zero, layout.virtual_stages,
-           layout.pp_layers, layout.schedule == "zbv", stage)
-    return _model_states(shape, key, layout)
+           layout.pp_layers, layout.schedule == "zbv", job.param_dtype, job.reduce_dtype, stage)
+    return _model_states(shape, key, layout, job)
 
 
 _STATES: dict = {}
 
 
-def _model_states(shape: Shape, key: tuple, layout: Layout) -> Tuple[int, float, float, float]:
+def _model_states(shape: Shape, key: tuple, layout: Layout, job: Job) -> Tuple[int, float, float, float]:
     hit = _STATES.get(key)
     if hit is not None and hit[0] is shape:
         return hit[1]
-    value = _compute_model_states(shape, layout, key[-1])
+    value = _compute_model_states(shape, layout, key[-1], job)
     if len(_STATES) > 65536:
         _STATES.clear()
     _STATES[key] = (shape, value)
     return value
 
 
-def _compute_model_states(shape: Shape, layout: Layout, stage: int) -> Tuple[int, float, float, float]:
+def _compute_model_states(shape: Shape, layout: Layout, stage: int, job: Job) -> Tuple[int, float, float, float]:
     """(parameters on this rank, weight bytes, gradient bytes, optimizer bytes) at the step's peak.
 
-    ZeRO 1-3 are FSDP2 ``fully_shard`` (llmforge.parallel.data): between steps the
-    parameters and AdamW moments are sharded; ZeRO 1 and 2 keep the gathered fp32
-    parameters from forward to backward as well; ZeRO 1 (and any stage under a
-    pipeline, which reduces once after the last microbatch) accumulates whole
-    gradients, ZeRO 2 and 3 keep only a gradient shard.
+    ZeRO 1-3 are FSDP2 ``fully_shard`` (llmforge.parallel.data): the fp32 master
+    weights and the AdamW moments are sharded; the compute copy (in
+    ``precision.param_dtype``) stays whole through the step under ZeRO 1 and 2 (and
+    any stage under a pipeline, whose schedule keeps it until the last
+    microbatch) and exists one block at a time under ZeRO 3 (a transient buffer);
+    ZeRO 1 (and any stage under a pipeline) accumulates whole gradients in
+    ``precision.reduce_dtype``, ZeRO 2 and 3 keep only an fp32 gradient shard.
     """
     params = layout_rank_params(shape, layout, stage)
     group, expert_group = groups(layout)
@@ -117,9 +119,10 @@ def _compute_model_states(shape: Shape, layout: Layout, stage: int) -> Tuple[int
     if layout.zero == 0 or (group == 1 and expert_group == 1):
         return full, FP32 * full, FP32 * full, ADAM_STATE_BYTES * full
     shard = _cached_shard(params, group, expert_group)
-    weights = FP32 * (shard if layout.zero == 3 else full + shard)
+    whole_copy = layout.zero < 3 or layout.pp > 1
+    weights = FP32 * shard + (job.compute_bytes * full if whole_copy else 0)
     whole_grads = layout.zero == 1 or layout.pp > 1
-    grads = FP32 * (full if whole_grads else shard)
+    grads = DTYPE_BYTES[job.reduce_dtype] * full if whole_grads else FP32 * shard
     return full, weights, grads, ADAM_STATE_BYTES * shard
 
 
@@ -149,14 +152,15 @@ def _transient(shape: Shape, layout: Layout, job: Job, stage: int, params: int) 
     has_moe = counts.moe + counts.moe_ckpt > 0
     has_dense = counts.dense + counts.dense_ckpt > 0
     block = max(_block_numel(shape, True) if has_moe else 0, _block_numel(shape, False) if has_dense else 0) / layout.tp
-    if layout.zero == 3:
-        out += 2 * block * FP32  # the gathered block and the prefetched next one (fp32, autocast casts)
-    return out + block * (FP32 + rb)  # one block's whole gradient and its reduce_dtype copy
+    c = job.compute_bytes
+    if layout.zero == 3 and layout.pp == 1:
+        out += 2 * block * c  # the gathered block and the prefetched next one, in the compute dtype
+    return out + block * (c + rb)  # one block's whole gradient (compute dtype) and its reduce_dtype copy
 
 
 def stage_memory(shape: Shape, layout: Layout, job: Job, stage: int, microbatches: int) -> StageMemory:
     """Full breakdown for pipeline ``stage`` (tp rank 0, ep rank 0, dp rank 0: the fullest shards)."""
-    params, weights, grads, optimizer = model_states(shape, layout, stage)
+    params, weights, grads, optimizer = model_states(shape, layout, stage, job)
     activations = stage_activations(shape, layout, job, stage, microbatches)
     transient = _transient(shape, layout, job, stage, params)
     reserved = job.profile.runtime_reserved_bytes + FRAGMENTATION * (activations + transient)

@@ -16,15 +16,25 @@ _PART_NAMES = {
 }
 
 
+def _state_notes(est: Estimate) -> tuple[str, str]:
+    """How the weights and gradients are kept under the layout's ZeRO stage."""
+    lay, c, r = est.layout, est.job.param_dtype, est.job.reduce_dtype
+    if lay.zero == 0 or lay.dp * lay.cp == 1:
+        return "fp32, replicated", "fp32, one per parameter"
+    whole_grads = lay.zero == 1 or lay.pp > 1
+    weights = "fp32 shard" + ("" if lay.zero == 3 and lay.pp == 1 else f" + whole {c} compute copy")
+    return weights, (f"whole, in {r} (reduce-scattered once)" if whole_grads else "fp32 shard")
+
+
 def _memory_table(est: Estimate) -> Table:
     w, lay = est.worst, est.layout
     table = Table(title=f"Memory of the most-loaded device: {where(est)}", title_justify="left")
     table.add_column("item")
     table.add_column("bytes", justify="right")
     table.add_column("how it is counted")
-    zero = {0: "replicated", 1: "optimizer sharded", 2: "grads + optimizer sharded", 3: "all sharded (FSDP)"}[lay.zero]
-    table.add_row("weights (fp32)", gib(w.weights), f"{w.params / 1e6:,.1f}M params on this rank; ZeRO-{lay.zero}: {zero}")
-    table.add_row("gradients (fp32)", gib(w.grads), "one per parameter, in the parameters' dtype")
+    weights, grads = _state_notes(est)
+    table.add_row("weights", gib(w.weights), f"{w.params / 1e6:,.1f}M params on this rank; ZeRO-{lay.zero}: {weights}")
+    table.add_row("gradients", gib(w.grads), grads)
     table.add_row("optimizer (AdamW)", gib(w.optimizer), "two fp32 moments per parameter")
     table.add_row("activations", gib(w.activations), f"recompute={lay.recompute}; microbatches in flight per the {lay.schedule if lay.pp > 1 else 'accumulation'} schedule")
     table.add_row("transient buffers", gib(w.transient), "logits at the loss, recompute working set, gathers, buckets")

@@ -26,10 +26,29 @@ from torch import nn
 from llmforge.config.schema import ModelConfig
 
 
+def _like(weight: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
+    return weight if weight is None or weight.dtype == x.dtype else weight.to(x.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm in the input's dtype: 16-bit weights (gathered by FSDP in the
+    compute dtype) are cast to the fp32 residual stream."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, _like(self.weight, x), _like(self.bias, x), self.eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """RMSNorm in the input's dtype (see ``LayerNorm``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, _like(self.weight, x), self.eps)
+
+
 def make_norm(config: ModelConfig) -> nn.Module:
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
-    return nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.bias)
+        return RMSNorm(config.hidden_size, eps=config.norm_eps)
+    return LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.bias)
 
 
 def rope_tables(*, head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,17 +7,25 @@
   its gradients are ready, and waited for after backward. Under pipeline
   parallelism the schedule runs (and rescales) the backward itself, so there the
   gradients are all-reduced after it (``GradAllReduce``, one flat buffer).
-- ZeRO 1, 2, 3 use FSDP2 ``fully_shard`` per transformer block and on the root,
-  which always shards parameters and optimizer states between steps:
-  - 3: parameters are re-sharded after forward and gathered again for backward;
-  - 2: parameters stay gathered from forward to backward (no second all-gather);
-    gradients are reduce-scattered after every microbatch, so only a gradient shard
-    is kept;
-  - 1: as 2, but gradients of all microbatches are accumulated unsharded and
-    reduce-scattered once at the end of the step (optimizer states sharded,
-    gradients whole while accumulating).
-  Under pipeline parallelism the pipeline schedule decides when to reduce
-  (once, after a stage's last microbatch), so stages 1 and 2 behave alike there.
+- ZeRO 1, 2, 3 use FSDP2 ``fully_shard`` per transformer block and on the root.
+  The sharded parameters are the fp32 master weights (the optimizer steps them),
+  sharded with the AdamW moments in every stage. Forward and backward use
+  compute copies in ``precision.param_dtype`` (``MixedPrecisionPolicy``): the
+  all-gathers move that dtype and gradients are reduce-scattered in
+  ``precision.reduce_dtype``. As the ZeRO paper's stages:
+  - 1: the compute weights stay whole through the step's microbatches and
+    gradients accumulate whole (in the reduce dtype), reduce-scattered once,
+    during the last microbatch's backward;
+  - 2: as 1, but gradients are reduce-scattered during every microbatch's
+    backward, so only a gradient shard is kept;
+  - 3: compute weights are freed after each block's forward and gathered again
+    for its backward (and for every microbatch).
+  Each block prefetches the next block's gather in forward and the previous one's
+  in backward (``set_modules_to_forward_prefetch``/``backward_prefetch``), and
+  each block's reduce-scatter runs while backward goes on to the blocks before it.
+  Under pipeline parallelism the pipeline schedule keeps the weights gathered and
+  gradients whole until a stage's last microbatch, so stages 1 and 2 behave alike
+  there.
 Expert weights (``parallel.ep`` > 1) are already split over the ep ranks, so they
 are reduced, and ZeRO-sharded, over ``dp_rest`` only: the data-parallel ranks
 that hold replicas of the same experts. Their gradient is the sum over those
@@ -25,8 +33,6 @@ ranks divided by the whole data-parallel size (each rank's loss is its own mean)
 so ZeRO 0 divides by dp after the replica all-reduce, and ZeRO 1-3 put each
 MoE layer's experts in their own FSDP2 unit on the ``dp_rest`` mesh with a
 gradient divide factor of dp.
-Gradient reduction runs in ``precision.reduce_dtype`` (FSDP2 MixedPrecisionPolicy);
-compute precision comes from autocast, so the master weights stay fp32 everywhere.
 """
 
 from __future__ import annotations
@@ -45,19 +51,57 @@ from torch.distributed.tensor import DTensor
 from llmforge.train.precision import DTYPES
 
 
-def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, reduce_dtype: str, expert_mesh: Optional[DeviceMesh] = None) -> None:
+def mixed_precision(*, param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
+    """Gather weights in ``param_dtype`` and reduce gradients in ``reduce_dtype``.
+
+    Inputs are not cast: the residual stream stays fp32 and autocast decides the
+    dtype of each op (norms in fp32, matmuls in the compute dtype), as with ZeRO 0."""
+    compute = None if param_dtype == "fp32" else DTYPES[param_dtype]
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=DTYPES[reduce_dtype], cast_forward_inputs=False)
+
+
+def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype: str, reduce_dtype: str,
+               expert_mesh: Optional[DeviceMesh] = None) -> None:
     """Shard ``model`` over ``dp_mesh`` with FSDP2 for ZeRO stage 1, 2 or 3.
 
     ``expert_mesh`` (the ``dp_rest`` mesh, set when experts are split over ep
     ranks) shards each MoE layer's expert weights over the replicas of the same
     experts, with gradients divided by the whole data-parallel size."""
-    mp = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=DTYPES[reduce_dtype])
-    reshard = zero == 3
-    for block in model.layers.values():
+    mp = mixed_precision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = []
+    for i, block in enumerate(model.layers.values()):
+        # ZeRO 3 keeps the last block gathered: its backward comes right after its forward
+        reshard = zero == 3 and i + 1 < len(model.layers)
         if expert_mesh is not None:
             _shard_experts(block, mesh=expert_mesh, dp_size=dp_mesh.size(), reshard=reshard, mp=mp)
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp)
+        blocks.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp))
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
+    _prefetch(blocks)
+    if mp.param_dtype is not None:
+        _fp32_embeddings(model)
+
+
+def _prefetch(blocks: List[FSDPModule]) -> None:
+    """Each block issues the next block's all-gather in forward and the previous
+    block's in backward, so gathers run while the current block computes."""
+    for i, block in enumerate(blocks):
+        if i + 1 < len(blocks):
+            block.set_modules_to_forward_prefetch([blocks[i + 1]])
+        if i > 0:
+            block.set_modules_to_backward_prefetch([blocks[i - 1]])
+
+
+def _to_fp32(_module: nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
+    return output.float()
+
+
+def _fp32_embeddings(model: nn.Module) -> None:
+    """Embedding lookups of 16-bit gathered tables return fp32, so the residual
+    stream is fp32 as when autocast computes from fp32 weights."""
+    for name in ("embed", "pos_embed"):
+        module = getattr(model, name, None)
+        if module is not None:
+            module.register_forward_hook(_to_fp32)
 
 
 def _shard_experts(block: nn.Module, *, mesh: DeviceMesh, dp_size: int, reshard: bool, mp: MixedPrecisionPolicy) -> None:
@@ -74,13 +118,19 @@ def _shard_experts(block: nn.Module, *, mesh: DeviceMesh, dp_size: int, reshard:
 
 
 @contextlib.contextmanager
-def fsdp_sync(model: nn.Module, *, sync: bool) -> Iterator[None]:
-    """Suspend FSDP's gradient reduce-scatter inside the block unless ``sync``."""
+def fsdp_sync(model: nn.Module, *, zero: int, last: bool) -> Iterator[None]:
+    """One microbatch under ZeRO ``zero`` (1-3): stages 1 and 2 keep the gathered
+    compute weights after backward unless ``last``; stage 1 also suspends the
+    gradient reduce-scatter (gradients accumulate whole) unless ``last``."""
     assert isinstance(model, FSDPModule)
-    model.set_requires_gradient_sync(sync)
+    if zero < 3:
+        model.set_reshard_after_backward(last)
+    if zero == 1:
+        model.set_requires_gradient_sync(last)
     try:
         yield
     finally:
+        model.set_reshard_after_backward(True)
         model.set_requires_gradient_sync(True)
 
 

@@ -52,7 +52,9 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]
         apply_compile(model)
     if uses_fsdp(plan, mesh=mesh):
         experts = mesh.dp_rest if plan.ep > 1 else None
-        apply_fsdp(model, dp_mesh=mesh.fsdp, zero=p.zero, reduce_dtype=plan.config.precision.reduce_dtype, expert_mesh=experts)
+        precision = plan.config.precision
+        apply_fsdp(model, dp_mesh=mesh.fsdp, zero=p.zero, param_dtype=precision.param_dtype,
+                   reduce_dtype=precision.reduce_dtype, expert_mesh=experts)
 
 
 def uses_fsdp(plan: RunPlan, *, mesh: Optional[ParallelMesh]) -> bool:
@@ -210,8 +212,8 @@ def _dp_mean(mesh: ParallelMesh, size: int):
 def _accumulation_step(plan: RunPlan, *, mesh: ParallelMesh, model: nn.Module, scaler, device: torch.device, finish, reducers: Optional[List] = None) -> GradAccumulationStep:
     cfg = plan.config
     no_sync = None
-    if reduces_over_dp(plan) and cfg.parallel.zero == 1:
-        no_sync = lambda last: fsdp_sync(model, sync=last)  # noqa: E731
+    if reduces_over_dp(plan) and cfg.parallel.zero > 0:
+        no_sync = lambda last: fsdp_sync(model, zero=cfg.parallel.zero, last=last)  # noqa: E731
     bucketed = [r for r in reducers or [] if isinstance(r, BucketedGradReduce)]
     if bucketed:
         no_sync = lambda last: grad_sync(bucketed, sync=last)  # noqa: E731
@@ -250,6 +252,7 @@ def _pipeline_step(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module],
         dp_size=plan.dp,
         context=lambda: loss_context(plan.tp),
         finish=finish,
+        modules=list(parts),
     )
     step.schedule = build_schedule(
         name=cfg.parallel.pp_schedule,

@@ -46,8 +46,12 @@ ATTENTION_OPS = (
 
 
 def _save_ops() -> frozenset:
-    """Ops whose outputs selective recompute keeps: matmuls, fused attention, communication."""
-    ops = [aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default]
+    """Ops whose outputs selective recompute keeps: matmuls, fused attention and
+    communication (also the sequence-parallel gather + column-parallel linears, as one op)."""
+    import llmforge.parallel.sequence  # noqa: F401  (registers llmforge::sp_column_linears)
+
+    ops = [aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
+           torch.ops.llmforge.sp_column_linears.default]
     ops += [getattr(aten, name).default for name in ATTENTION_OPS if hasattr(aten, name)]
     functional = getattr(torch.ops, "_c10d_functional", None)
     for name in ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "wait_tensor"):

@@ -13,7 +13,9 @@
   logits stay sharded and the loss is computed on them with ``loss_parallel``;
 - sequence parallel (``parallel.sequence_parallel``): norms, residual adds and
   dropout run on a sequence shard; attention and MLP gather the sequence on entry
-  and reduce-scatter it on exit.
+  (one gather for all their column-parallel linears, which keep only the shard for
+  backward and gather it again there: ``llmforge.parallel.sequence``) and
+  reduce-scatter it on exit.
 
 Between blocks (and between pipeline stages) the residual stream is a plain local
 tensor: the full sequence without sequence parallel, this rank's sequence shard with it.
@@ -32,7 +34,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -42,6 +43,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from llmforge.models.gpt import GPT, MLP
+from llmforge.parallel.sequence import apply_sp_linears
 
 
 def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -55,6 +57,10 @@ def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool) -> Non
             parallelize_module(model.embed_dropout, tp_mesh, to_shard)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _block_plan(block, seq=seq, sequence_parallel=sequence_parallel))
+        if sequence_parallel:
+            apply_sp_linears(block.attn, ["q_proj", "k_proj", "v_proj"], tp_mesh=tp_mesh)
+            if isinstance(block.mlp, MLP):
+                apply_sp_linears(block.mlp, ["up_proj"] + (["gate_proj"] if block.mlp.gate_proj is not None else []), tp_mesh=tp_mesh)
     if model.head is not None:
         parallelize_module(model.head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
     if model.norm is not None:
@@ -66,22 +72,20 @@ def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool) -> Non
 
 
 def _block_plan(block: nn.Module, *, seq, sequence_parallel: bool) -> Dict[str, ParallelStyle]:
-    plan: Dict[str, ParallelStyle] = {
-        "attn.q_proj": ColwiseParallel(),
-        "attn.k_proj": ColwiseParallel(),
-        "attn.v_proj": ColwiseParallel(),
-        "attn.o_proj": RowwiseParallel(output_layouts=seq),
-    }
+    """Row-parallel outputs, and column-parallel inputs without sequence parallel
+    (with it, ``apply_sp_linears`` shards and runs the column-parallel linears)."""
+    plan: Dict[str, ParallelStyle] = {"attn.o_proj": RowwiseParallel(output_layouts=seq)}
+    if not sequence_parallel:
+        plan.update({"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel()})
     if isinstance(block.mlp, MLP):
-        plan["mlp.up_proj"] = ColwiseParallel()
         plan["mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
-        if block.mlp.gate_proj is not None:
-            plan["mlp.gate_proj"] = ColwiseParallel()
+        if not sequence_parallel:
+            plan["mlp.up_proj"] = ColwiseParallel()
+            if block.mlp.gate_proj is not None:
+                plan["mlp.gate_proj"] = ColwiseParallel()
     if sequence_parallel:
         plan["attn_norm"] = SequenceParallel()
         plan["mlp_norm"] = SequenceParallel()
-        plan["attn"] = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True)
-        plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
         if not isinstance(block.mlp, MLP):
             plan["mlp"] = PrepareModuleInputOutput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,

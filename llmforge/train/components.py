@@ -49,6 +49,8 @@ class Components:
     extra_metrics: Callable[[], dict] = field(default=lambda: {})
     #: Measured MFU and peak memory for a step time (``llmforge.train.meter``).
     meter: Optional[Callable[[float], dict]] = None
+    #: The held-out stream (``split="val"``), or None when the run does not validate.
+    val_sampler: Optional[object] = None
 
     def parameters(self) -> List[nn.Parameter]:
         return [p for part in self.model_parts for p in part.parameters() if p.requires_grad]

@@ -21,6 +21,8 @@ class LoopHooks:
     progress: Callable[[int, Optional[float], Optional[float]], None] = lambda step, loss, tps: None
     checkpoint: Callable[[int], None] = lambda step: None
     should_stop: Callable[[], bool] = lambda: False
+    validated: Callable[[int, float], None] = lambda step, val_loss: None
+    after_step: Callable[[int], None] = lambda step: None
 
 
 @dataclass
@@ -34,20 +36,38 @@ class LoopResult:
     step_times: List[float] = field(default_factory=list)
     measured: dict = field(default_factory=dict)
     stopped_early: bool = False
+    val_loss: Optional[float] = None
     first_loss: Optional[float] = None
     last_loss: Optional[float] = None
 
 
-def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: float, log_interval: int, checkpoint_interval: int, hooks: LoopHooks) -> LoopResult:
+@dataclass
+class _Window:
+    """The steps since the last log: their mean time is what a log reports."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+
+    def close(self) -> float:
+        now = time.perf_counter()
+        elapsed = (now - self.start) / max(1, self.steps)
+        self.start, self.steps = now, 0
+        return elapsed
+
+
+def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: float, log_interval: int, checkpoint_interval: int, hooks: LoopHooks, eval_interval: int = 0, eval_steps: int = 1) -> LoopResult:
     """Run optimizer steps ``start_step+1 .. total_steps`` (steps are 1-based, as logged).
 
     A step queues its work and never waits for the device: loss and gradient norm
     stay device tensors, read back once (one synchronisation) at each logged step.
-    Step time and tokens/s are averaged over the steps since the previous log."""
+    Step time and tokens/s are averaged over the steps since the previous log.
+    With ``c.val_sampler`` set, the validation loss is computed every
+    ``eval_interval`` steps (0: never in between) and after the last step, and
+    logged with that step's record."""
     result = LoopResult(last_step=start_step)
     first: Optional[torch.Tensor] = None
     loss: Optional[torch.Tensor] = None
-    window_start, window_steps = time.perf_counter(), 0
+    window = _Window()
     for step in range(start_step + 1, total_steps + 1):
         batch = c.sampler.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size)
         out = c.step(batch)
@@ -58,29 +78,21 @@ def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: f
             c.optimizer.step()
         c.optimizer.zero_grad(set_to_none=True)
         c.scheduler.step()
-        loss, window_steps = out.loss, window_steps + 1
+        loss, window.steps = out.loss, window.steps + 1
         first = loss if first is None else first
         result.last_step = step
-        if step % log_interval == 0 or step == total_steps:
-            loss_value, norm_value = torch.stack([loss.double(), grad_norm.double()]).tolist()
-            now = time.perf_counter()
-            elapsed = (now - window_start) / window_steps
-            window_start, window_steps = now, 0
-            tokens_per_s = c.tokens_per_step / elapsed
-            result.losses.append(loss_value)
-            result.step_times.append(elapsed)
-            hooks.progress(step, loss_value, tokens_per_s)
-            record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "tokens_per_s": tokens_per_s, "step_time_s": elapsed}
-            if c.meter is not None:
-                result.measured = c.meter(elapsed)
-                record.update(result.measured)
-            if c.scaler.enabled:
-                record["loss_scale"] = c.scaler.scale
-            record.update(out.metrics)
-            record.update(c.extra_metrics())
+        validate = c.val_sampler is not None and (step == total_steps or (eval_interval and step % eval_interval == 0))
+        if step % log_interval == 0 or step == total_steps or validate:
+            record = _record(c, result, step=step, loss=loss, grad_norm=grad_norm, lr=lr, elapsed=window.close(), metrics=out.metrics)
+            hooks.progress(step, record["loss"], record["tokens_per_s"])
+            if validate:
+                record.update(evaluate(c, steps=eval_steps))
+                result.val_loss = record["val_loss"]
+                hooks.validated(step, result.val_loss)
             hooks.log(record)
         else:
             hooks.progress(step, None, None)
+        hooks.after_step(step)
         stop = hooks.should_stop()
         if step == total_steps or stop or (checkpoint_interval and step % checkpoint_interval == 0):
             hooks.checkpoint(step)
@@ -90,6 +102,31 @@ def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: f
     if loss is not None:
         result.first_loss, result.last_loss = torch.stack([first.double(), loss.double()]).tolist()
     return result
+
+
+def _record(c: Components, result: LoopResult, *, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, elapsed: float, metrics: dict) -> dict:
+    """A logged step's record: the one read of loss and gradient norm from the device."""
+    loss_value, norm_value = torch.stack([loss.double(), grad_norm.double()]).tolist()
+    result.losses.append(loss_value)
+    result.step_times.append(elapsed)
+    record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "tokens_per_s": c.tokens_per_step / elapsed, "step_time_s": elapsed}
+    if c.meter is not None:
+        result.measured = c.meter(elapsed)
+        record.update(result.measured)
+    if c.scaler.enabled:
+        record["loss_scale"] = c.scaler.scale
+    record.update(metrics)
+    record.update(c.extra_metrics())
+    return record
+
+
+def evaluate(c: Components, *, steps: int) -> dict:
+    """Mean loss over the next ``steps`` global batches of the held-out stream, and its perplexity."""
+    total = 0.0
+    for _ in range(steps):
+        total += c.step.evaluate(c.val_sampler.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size))
+    loss = total / steps
+    return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
 
 
 def _unscale_and_clip(c: Components, grad_clip: float) -> torch.Tensor:

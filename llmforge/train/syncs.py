@@ -99,14 +99,15 @@ class HostSyncCounter:
 
 class StepSyncs:
     """Host synchronisations of each training step after the first ``skip`` (the
-    first sets things up): pass ``after_step`` as the loop's ``should_stop`` hook and
-    run the loop inside ``with StepSyncs(...)``. Disabled, it counts nothing and
-    costs nothing."""
+    first sets things up), of ``count`` steps (None: all): pass ``after_step`` as the
+    loop's ``should_stop`` hook and run the loop inside ``with StepSyncs(...)``.
+    Disabled, it counts nothing and costs nothing."""
 
-    def __init__(self, *, host: Optional[Callable[[], Iterable[torch.Tensor]]] = None, enabled: bool = True, skip: int = 1) -> None:
+    def __init__(self, *, host: Optional[Callable[[], Iterable[torch.Tensor]]] = None, enabled: bool = True, skip: int = 1, count: Optional[int] = None) -> None:
         self.counter = HostSyncCounter(host=host)
         self.enabled = enabled
         self.skip = skip
+        self.count = count
         self.per_step: list = []
         self._active = False
         self._seen = 0
@@ -116,7 +117,9 @@ class StepSyncs:
         if self._active:
             self.per_step.append(self.counter.count)
             self.counter.reset()
-        elif self.enabled and self._seen >= self.skip:
+            if self.count is not None and len(self.per_step) >= self.count:
+                self.__exit__(None, None, None)
+        elif self.enabled and self._seen >= self.skip and (self.count is None or len(self.per_step) < self.count):
             self.counter.__enter__()
             self._active = True
         return False
