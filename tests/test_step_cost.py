@@ -76,13 +76,3 @@ def test_cpu_runs_torch_default_adamw():
     c = _components(tiny_plan(["model.num_layers=1"]), torch.device("cpu"))
     defaults = c.optimizer.defaults
     assert not defaults["foreach"] and not defaults["fused"]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_step_is_fused_and_reads_the_device_only_when_logging():
-    device = torch.device("cuda")
-    c = _components(tiny_plan([]), device)
-    assert c.optimizer.defaults["fused"]
-    per_step, _ = _syncs_per_step(device, steps=5, log_interval=2)
-    assert per_step == [1, 0, 1, 1]
