@@ -238,8 +238,8 @@ def _check_ranges(config: RunConfig) -> List[Problem]:
         out.append(Problem("model.dropout", config.model.dropout, "must be in [0, 1)", "use e.g. 0.0 or 0.1"))
     if not config.train.lr > 0:
         out.append(Problem("train.lr", config.train.lr, "must be positive", "use e.g. train.lr=3e-4"))
-    if not 0.0 < config.cluster.efficiency <= 1.0:
-        out.append(Problem("cluster.efficiency", config.cluster.efficiency, "must be in (0, 1]", "use e.g. 0.5"))
+    if config.cluster.efficiency is not None and not 0.0 < config.cluster.efficiency <= 1.0:
+        out.append(Problem("cluster.efficiency", config.cluster.efficiency, "must be in (0, 1] or null", "use e.g. 0.5, or null for the profile's kernel model"))
     if config.checkpoint.interval is not None and config.checkpoint.interval < 0:
         out.append(Problem("checkpoint.interval", config.checkpoint.interval, "must be 0 or more", "0 saves only at the end"))
     return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -39,8 +40,11 @@ def test_metrics_jsonl_has_every_step_and_the_loss_falls(finished_run):
     records = read_metrics(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, 9))
     for record in records:
-        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= record.keys()
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu", "peak_rss_gib"} <= record.keys()
         assert math.isfinite(record["loss"]) and record["tokens_per_s"] > 0
+        # MFU follows from the logged step time: model FLOPs per step / time / the cpu profile's fp32 peak (0.1 TFLOP/s)
+        assert record["mfu"] == pytest.approx(_model_flops(run_dir) / record["step_time_s"] / 0.1e12, rel=1e-9)
+        assert 0.05 < record["peak_rss_gib"] < 64
     assert records[0]["loss"] == pytest.approx(math.log(4096), rel=0.05)  # untrained: uniform over the vocabulary
     assert records[-1]["loss"] < records[0]["loss"]
     assert 0 < records[0]["lr"] < records[-1]["lr"]  # inside the warm-up
@@ -69,9 +73,20 @@ def test_wandb_offline_run_holds_config_and_metrics(finished_run):
     assert b"grad_norm" in history and b"micro_batch_size" in history
 
 
-def test_summary_line_is_printed(finished_run):
+def _model_flops(run_dir) -> float:
+    from llmforge.estimate import flops
+    from llmforge.estimate.shape import from_plan
+    from llmforge.plan import RunPlan
+
+    plan = RunPlan.load(run_dir / "plan.json")
+    return flops.model_flops(from_plan(plan)[0], plan.tokens_per_step)
+
+
+def test_summary_line_is_printed_with_measured_against_estimated(finished_run):
     _, output = finished_run
-    assert "done" in output and "step 8" in output
+    text = output.replace("\n", " ")
+    assert "done" in text and "step 8" in text
+    assert re.search(r"measured/estimate:\s+step\s+time\s+[0-9.]+x .*peak\s+memory\s+[0-9.]+x", text)
 
 
 def test_the_estimate_is_shown_before_launch(finished_run):

@@ -164,3 +164,36 @@ def test_moe_statistics_are_not_counted_again_by_recomputation() -> None:
 def test_bad_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="recompute mode"):
         apply_recompute(model_for(config(moe=False, flavour="gpt")), mode="everything", every=1)
+
+
+class OpCounts(TorchDispatchMode):
+    """How often matmuls and fused attention ran while the mode was active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmuls = self.attention = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "bmm", "baddbmm"):
+            self.matmuls += 1
+        elif name.startswith("_scaled_dot_product") and "backward" not in name:
+            self.attention += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("flavour", ["gpt", "llama"])
+def test_selective_recompute_reruns_no_matmul_and_no_attention(flavour: str) -> None:
+    """Backward under selective runs the matmuls that backward without recompute runs,
+    and no attention forward; full recompute reruns both."""
+    cfg = config(moe=False, flavour=flavour)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    counts = {}
+    for mode in ("none", "selective", "full"):
+        model = apply_recompute(model_for(cfg), mode=mode)
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        with OpCounts() as ops:
+            loss.backward()
+        counts[mode] = (ops.matmuls, ops.attention)
+    assert counts["selective"] == counts["none"] and counts["none"][1] == 0
+    assert counts["full"][0] > counts["none"][0] and counts["full"][1] == LAYERS

@@ -186,7 +186,11 @@ class ClusterConfig:
         "on one GPU); slurm: write an sbatch script.",
     )
     rdzv_endpoint: Optional[str] = knob(None, help="host:port of the rendezvous for multi-node runs.")
-    efficiency: float = knob(0.5, help="Fraction of peak FLOP/s the estimator assumes for compute.")
+    efficiency: Optional[float] = knob(
+        None,
+        help="null: the estimator times each kernel with the hardware profile's calibrated rates; a number in (0, 1]: "
+        "it assumes every FLOP runs at that fraction of peak instead.",
+    )
     timeout_s: int = knob(
         300,
         help="A stuck rank ends the job after this many seconds: collectives time out after it (after the first step; "

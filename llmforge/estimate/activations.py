@@ -77,7 +77,8 @@ def _mlp_bytes(shape: Shape, ffn: int, *, c: int, tp: int) -> float:
 
 
 def _selective_bytes(shape: Shape, *, c: int, tp: int, sp: int, moe: bool) -> float:
-    """Selective recompute keeps the block input and every matmul and collective output.
+    """Selective recompute keeps the block input, every matmul and collective output,
+    and the fused attention's output and log-sum-exp.
 
     Column-parallel outputs (q, k, v, gate, up) are split over tp; row-parallel
     outputs (o, down) are partial sums of full width before their reduction. Under
@@ -87,7 +88,8 @@ def _selective_bytes(shape: Shape, *, c: int, tp: int, sp: int, moe: bool) -> fl
     """
     h, kv = shape.hidden, shape.kv_dim
     collective = 0.0 if tp == 1 else (h / tp * c if sp > 1 else h * c)
-    attn = h * FP32 / sp + ((h + 2 * kv) / tp + h) * c + collective
+    attention = (h * c + shape.heads * FP32) / tp
+    attn = h * FP32 / sp + ((h + 2 * kv) / tp + h) * c + attention + collective
     if moe:
         return attn + _moe_selective_bytes(shape, c=c) / sp
     return attn + ((2 if shape.activation == "swiglu" else 1) * shape.ffn / tp + h) * c + collective
@@ -193,21 +195,34 @@ def embedding_bytes(shape: Shape, layout: Layout) -> float:
 
 
 def output_bytes(shape: Shape, layout: Layout, job: Job) -> float:
-    """Last stage, per microbatch: final norm, the head's input, fp32 log-probabilities, targets."""
+    """Last stage, per microbatch: final norm, the head's input, what the loss keeps, targets.
+
+    The chunked loss (``llmforge.train.loss``) keeps the logits in the compute
+    dtype; the vocabulary-parallel loss under tensor parallelism keeps fp32
+    log-probabilities of its vocabulary shard."""
     b, s, tp = layout.micro_batch, shape.seq // layout.cp, layout.tp
     sp = tp if layout.sequence_parallel else 1
     kept, out = _norm_bytes(shape, consumers=1, c=job.compute_bytes, mixed=job.mixed, sp=sp)
-    per_token = kept + out + shape.vocab * FP32 / tp + INT64
+    loss = shape.vocab * job.compute_bytes if tp == 1 else shape.vocab * FP32 / tp
+    per_token = kept + out + loss + INT64
     if weights_gathered(layout, job):
         head_copy = _norm_params(shape) * FP32  # the final norm's weight (and bias) in fp32
     else:
         head_copy = shape.vocab * shape.hidden * job.compute_bytes / tp if job.mixed else 0
-    return b * s * per_token + head_copy + FP32
+    return b * s * per_token + head_copy + (0 if tp == 1 else FP32)
+
+
+LOSS_CHUNK_ELEMENTS = 2**26  # llmforge.train.loss.CHUNK_ELEMENTS
 
 
 def logits_peak_bytes(shape: Shape, layout: Layout, job: Job) -> float:
-    """Transient at the loss: the logits, their fp32 copy and the logits' gradient."""
+    """Transient at the loss. Chunked loss: the logits' gradient in the compute dtype
+    and two fp32 chunks of temporaries. Vocabulary-parallel loss (tp > 1): the
+    logits' fp32 copy and fp32 gradient besides the logits of the shard."""
     b, s, tp = layout.micro_batch, shape.seq // layout.cp, layout.tp
+    if tp == 1:
+        rows = min(b * s, max(1, LOSS_CHUNK_ELEMENTS // shape.vocab))
+        return b * s * shape.vocab * job.compute_bytes + 2 * rows * shape.vocab * FP32
     per_token = shape.vocab / tp * (job.compute_bytes + (FP32 if job.mixed else 0) + FP32)
     return b * s * per_token
 

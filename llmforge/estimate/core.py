@@ -5,16 +5,19 @@ enough for the layout search; ``estimate_plan(plan)`` wraps it for a RunPlan.
 
 Step time, for the slowest pipeline stage:
 
-    t_mb   = stage hardware FLOPs per microbatch / (peak x efficiency)
+    t_mb   = the stage's kernels for one microbatch (llmforge.estimate.kernels:
+             matmuls by shape, fused attention, memory-bound work by bytes, a
+             per-kernel launch floor; rates from the hardware profile)
              + tensor-parallel and expert all-to-all time of that microbatch
     step   = m x t_mb / (1 - bubble)
              + exposed data-parallel, pipeline and context-parallel communication
-             + optimizer step (memory-bound: 32 bytes per local parameter)
+             + optimizer step and clip (memory-bound: 40 bytes per local parameter)
 
-``efficiency`` is ``cluster.efficiency`` (default 0.5): the share of dense peak
-FLOP/s the matmuls reach. MFU = model FLOPs / (step x devices x peak), against the
-peak of ``precision.param_dtype`` also with ``precision.fp8`` (whose converted matmuls
-run at the FP8 peak: llmforge.estimate.fp8).
+``cluster.efficiency`` set to a number replaces the kernel model by a flat one:
+every hardware FLOP at that share of peak, and 32 optimizer bytes per parameter.
+MFU = model FLOPs / (step x devices x peak), against the peak of
+``precision.param_dtype`` also with ``precision.fp8`` (whose converted matmuls run
+at the FP8 peak: llmforge.estimate.fp8).
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ from typing import Dict, List
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate import fp8
+from llmforge.estimate import kernels as kn
 from llmforge.estimate.memory import StageMemory, all_stages, most_loaded
 from llmforge.estimate.params import active_params, layout_rank_params, representative_stages, stage_counts, total_params
 from llmforge.estimate.pipeline import bubble_fraction
 from llmforge.estimate.shape import Job, Layout, Shape, from_plan
 
-OPTIMIZER_BYTES_PER_PARAM = 32  # AdamW reads param, grad, two moments, writes three; clip reads grads
+OPTIMIZER_BYTES_PER_PARAM = 32  # flat model: AdamW reads param, grad, two moments, writes three; clip reads grads
 
 
 @dataclass(frozen=True)
@@ -79,13 +83,18 @@ class Estimate:
         return self.model_flops / (self.step_s * self.layout.world * peak)
 
 
-def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int) -> tuple[float, float]:
-    """(compute seconds, TP/EP collective seconds) of one microbatch on ``stage``."""
+def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int, m: int) -> tuple[float, float]:
+    """(compute seconds, TP/EP collective seconds) of one microbatch on ``stage``
+    (``m`` microbatches per step: all but the first add to the gradients)."""
     counts = stage_counts(shape, layout)[stage]
-    tokens = layout.micro_batch * shape.seq / layout.cp
-    flops = fl.stage_hardware_flops_per_token(shape, layout, counts) * tokens / layout.tp
-    compute = flops / (job.profile.peak(job.param_dtype) * job.efficiency)
+    if job.efficiency is None:
+        compute = _kernel_time(shape, layout, job, counts, (m - 1) / m)
+    else:
+        tokens = layout.micro_batch * shape.seq / layout.cp
+        flops = fl.stage_hardware_flops_per_token(shape, layout, counts) * tokens / layout.tp
+        compute = flops / (job.profile.peak(job.param_dtype) * job.efficiency)
     if job.fp8:
+        tokens = layout.micro_batch * shape.seq / layout.cp
         compute += _fp8_seconds(shape, layout, job, counts, tokens)
     span = cm.spans(layout)
     collective = cm.seconds(job, cm.tp_bytes(shape, layout, job, layers=counts.blocks, microbatches=1), span["tp"])
@@ -100,10 +109,40 @@ def _fp8_seconds(shape: Shape, layout: Layout, job: Job, counts, tokens: float) 
     FP8 (refused by the plan unless emulated) runs them at the 16-bit peak."""
     if not job.profile.has_fp8:
         return 0.0
+    efficiency = job.efficiency if job.efficiency is not None else job.profile.matmul_efficiency
     f8 = fp8.stage_flops_per_token(shape, layout, counts) * tokens / layout.tp
-    faster = f8 / (job.profile.peak(job.param_dtype) * job.efficiency) - f8 / (job.profile.peak("fp8") * job.efficiency)
+    faster = f8 / (job.profile.peak(job.param_dtype) * efficiency) - f8 / (job.profile.peak("fp8") * efficiency)
     shard = layout.dp_shard * layout.cp if job.fp8_all_gather and layout.zero > 0 else 1
     return fp8.stage_cast_seconds(shape, layout, job, counts, tokens, shard=shard) - faster
+
+
+def _kernel_time(shape: Shape, layout: Layout, job: Job, counts, accumulate: float) -> float:
+    sp = kn.speeds(job)
+    key = (layout.tp, layout.tp if layout.sequence_parallel else 1, layout.ep, layout.micro_batch * shape.seq / layout.cp)
+    return _kernel_time_cached(shape, key, layout.recompute, sp, job.compute_bytes, job.mixed, counts, accumulate,
+                               (layout.micro_batch, layout.cp))
+
+
+@lru_cache(maxsize=8192)
+def _kernel_time_cached(shape: Shape, key: tuple, mode: str, sp: kn.Speeds, c: int, mixed: bool, counts, accumulate: float,
+                        ends_key: tuple) -> float:
+    tp, spd, ep, tokens = key
+    total = 0.0
+    for n, moe, applies in ((counts.dense, False, False), (counts.moe, True, False), (counts.dense_ckpt, False, True), (counts.moe_ckpt, True, True)):
+        if n:
+            k = kn.block_kernels(shape, t=tokens, tp=tp, sp=spd, ep=ep, c=c, mixed=mixed, moe=moe)
+            total += n * kn.block_seconds(sp, k, mode=mode if applies else "none", mixed=mixed, c=c, accumulate=accumulate)
+    mb, cp = ends_key
+    if counts.first or counts.last:
+        ends = Layout(micro_batch=mb, cp=cp, tp=tp)
+        total += kn.ends_seconds(sp, shape, ends, c=c, mixed=mixed, first=counts.first, last=counts.last, accumulate=accumulate)
+    return total
+
+
+def _optimizer_time(job: Job, params: float, blocks: int) -> float:
+    if job.efficiency is not None:
+        return OPTIMIZER_BYTES_PER_PARAM * params / job.profile.memory_bandwidth
+    return kn.optimizer_seconds(kn.speeds(job), int(params), 12 * blocks + 4)
 
 
 def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t_mb: float) -> cm.Comm:
@@ -162,7 +201,7 @@ def step_floor(shape: Shape, layout: Layout, job: Job) -> float:
     without data-parallel, pipeline and optimizer time (which only add). The search uses it to
     skip the rest of layouts that cannot reach its current top list."""
     m = job.global_batch // (layout.micro_batch * layout.dp)
-    t_mb = max(sum(_stage_time(shape, layout, job, s)) for s in representative_stages(shape, layout))
+    t_mb = max(sum(_stage_time(shape, layout, job, s, m)) for s in representative_stages(shape, layout))
     return m * t_mb / (1 - bubble_fraction(layout, m, w=fl.weight_grad_share(shape)))
 
 
@@ -174,15 +213,14 @@ def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True
     m = job.global_batch // (layout.micro_batch * layout.dp)
     if stages is None:
         stages = all_stages(shape, layout, job, m, every_stage=every_stage)
-    times = {s: _stage_time(shape, layout, job, s) for s in representative_stages(shape, layout)}
+    times = {s: _stage_time(shape, layout, job, s, m) for s in representative_stages(shape, layout)}
     slowest = max(times, key=lambda s: sum(times[s]))
     t_compute, t_collective = times[slowest]
     t_mb = t_compute + t_collective
     bubble = bubble_fraction(layout, m, w=fl.weight_grad_share(shape))
     comm = _communication(shape, layout, job, m, slowest, t_mb)
     worst = most_loaded(stages)
-    optimizer_params = worst.optimizer / 8
-    optimizer_s = OPTIMIZER_BYTES_PER_PARAM * optimizer_params / job.profile.memory_bandwidth
+    optimizer_s = _optimizer_time(job, worst.optimizer / 8, stage_counts(shape, layout)[worst.stage].blocks)
     parts = {
         "compute": m * t_compute, "tp_ep_comm": m * t_collective, "bubble": m * t_mb * bubble / (1 - bubble),
         "dp_comm": comm.dp_exposed_s, "pp_comm": comm.pp_exposed_s, "cp_comm": comm.cp_exposed_s, "optimizer": optimizer_s,

@@ -9,8 +9,9 @@ Conventions:
   PaLM / Megatron); embeddings, norms, softmax and elementwise ops are not counted;
 - *hardware* FLOPs are what the kernels execute: the fused attention backward
   recomputes the score matrix (5 batched matmuls against the forward's 2), and
-  activation recomputation adds forward work (full: the blocks; selective: the
-  attention core).
+  activation recomputation adds forward work (full: the blocks; selective:
+  nothing counted here, it keeps every matmul and attention output and reruns
+  only elementwise work).
 - MoE: a token runs through top_k routed experts plus the shared ones; with a
   capacity factor the estimate assumes balanced routing (no padding computed).
 """
@@ -100,8 +101,6 @@ def recompute_extra(shape: Shape, *, moe: bool, mode: str) -> float:
     f = block_flops(shape, moe=moe)
     if mode == "full":
         return f.forward - _unrecomputed_tail(shape, moe=moe)
-    if mode == "selective":
-        return f.attention
     return 0.0
 
 

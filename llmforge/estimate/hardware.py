@@ -9,7 +9,9 @@ name), or point ``cluster.accelerator`` straight at a ``.yaml`` file.
 
 Bandwidths are per device and per direction, in GB/s (1e9 bytes): NVLink's
 900 GB/s "bidirectional" H100 figure is 450 here. Peak FLOP/s are dense (no
-structured sparsity). ``peak_tflops.fp8`` is optional: a profile without it has
+structured sparsity). The optional ``matmul_efficiency``, ``matmul_dim``,
+``attention_efficiency``, ``bandwidth_efficiency`` and ``kernel_floor_us`` are
+the step-time model's rates (``llmforge.estimate.kernels``). ``peak_tflops.fp8`` is optional: a profile without it has
 no FP8 tensor cores, and ``precision.fp8`` is refused there (unless emulated).
 """
 
@@ -27,6 +29,9 @@ BUILTIN_DIR = Path(__file__).resolve().parent / "profiles"
 GIB = 1024**3
 REQUIRED = ("name", "memory_gib", "peak_tflops", "memory_bandwidth_gbs", "intra_node_gbs", "inter_node_gbs", "devices_per_node")
 DTYPES = ("fp32", "bf16", "fp16")
+#: The step-time model's rates (see llmforge.estimate.kernels); defaults in Profile.
+SPEED_KEYS = ("matmul_efficiency", "matmul_dim", "attention_efficiency", "bandwidth_efficiency", "kernel_floor_us")
+OPTIONAL = ("runtime_reserved_gib", "comm_efficiency") + SPEED_KEYS
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,13 @@ class Profile:
     devices_per_node: int
     runtime_reserved_bytes: int = 0
     comm_efficiency: float = 0.7
+    #: The step-time model's rates (llmforge.estimate.kernels). The defaults are the
+    #: h100-80gb calibration; a profile measured on its own hardware sets its own.
+    matmul_efficiency: float = 0.81
+    matmul_dim: float = 48.0
+    attention_efficiency: float = 0.7
+    bandwidth_efficiency: float = 0.7
+    kernel_floor_us: float = 5.0
     description: str = ""
     source: str = field(default="", compare=False)
 
@@ -85,8 +97,8 @@ def parse_profile(data: dict, *, source: str = "", description: str = "") -> Pro
     problems = [Problem(f"{source}:{k}", None, "missing", f"add `{k}:`") for k in REQUIRED if k not in data]
     peaks = data.get("peak_tflops") or {}
     problems += [Problem(f"{source}:peak_tflops.{d}", None, "missing", f"add the dense {d} TFLOP/s") for d in DTYPES if d not in peaks]
-    unknown = set(data) - set(REQUIRED) - {"runtime_reserved_gib", "comm_efficiency"}
-    problems += [Problem(f"{source}:{k}", data[k], "unknown profile key", f"use only {', '.join(REQUIRED)}, runtime_reserved_gib, comm_efficiency") for k in sorted(unknown)]
+    unknown = set(data) - set(REQUIRED) - set(OPTIONAL)
+    problems += [Problem(f"{source}:{k}", data[k], "unknown profile key", f"use only {', '.join(REQUIRED + OPTIONAL)}") for k in sorted(unknown)]
     if problems:
         raise UserError(problems, title="invalid hardware profile")
     try:
@@ -100,6 +112,7 @@ def parse_profile(data: dict, *, source: str = "", description: str = "") -> Pro
             devices_per_node=int(data["devices_per_node"]),
             runtime_reserved_bytes=int(float(data.get("runtime_reserved_gib", 0.0)) * GIB),
             comm_efficiency=float(data.get("comm_efficiency", 0.7)),
+            **{k: float(data[k]) for k in SPEED_KEYS if k in data},
             description=description,
             source=source,
         )

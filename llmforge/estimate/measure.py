@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from llmforge.estimate import activations as act
@@ -96,7 +95,9 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 def run_once(model, *, micro_batch: int, param_dtype: str, vocab: int, seq: int, caches: list = ()) -> Measurement:
-    """Forward + loss + backward of one microbatch, counting saved bytes and FLOPs."""
+    """Forward + loss (llmforge's) + backward of one microbatch, counting saved bytes and FLOPs."""
+    from llmforge.train.loss import cross_entropy
+
     excluded = {_storage_key(p) for p in model.parameters()} | {_storage_key(b) for b in model.buffers()}
     saved: Dict[int, int] = {}
 
@@ -113,7 +114,7 @@ def run_once(model, *, micro_batch: int, param_dtype: str, vocab: int, seq: int,
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with cast:
                 logits = model(tokens[:, :-1])
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten(0, 1))
+            loss = cross_entropy(logits, tokens[:, 1:])
         for t in _cached_tensors(caches):
             pack(t)
         forward = counter.get_total_flops()

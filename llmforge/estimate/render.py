@@ -10,7 +10,7 @@ from llmforge.estimate.pipeline import simulate, simulated_bubble
 from llmforge.estimate.report import gib, verdict, where
 
 _PART_NAMES = {
-    "compute": "compute (at efficiency x peak)", "tp_ep_comm": "tensor-parallel + expert all-to-all",
+    "compute": "compute (matmuls, attention, memory-bound kernels)", "tp_ep_comm": "tensor-parallel + expert all-to-all",
     "bubble": "pipeline bubble", "dp_comm": "data-parallel comm. (exposed)", "pp_comm": "pipeline p2p (exposed)",
     "cp_comm": "context-parallel comm. (exposed)", "optimizer": "optimizer step",
 }
@@ -67,7 +67,8 @@ def _summary_table(est: Estimate, recipe: str) -> Table:
     table.add_row("FLOPs / step", f"model {est.model_flops:.4g}, hardware {est.hardware_flops:.4g} (causal not halved)")
     vols = ", ".join(f"{k} {gib(v)}" for k, v in (("dp", c.dp_bytes), ("tp", c.tp_bytes), ("pp", c.pp_bytes), ("cp", c.cp_bytes), ("ep", c.ep_bytes)) if v)
     table.add_row("comm. / device / step", vols or "none")
-    table.add_row("throughput", f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%} (efficiency {est.job.efficiency:g} of peak)")
+    how = f"efficiency {est.job.efficiency:g} of peak" if est.job.efficiency is not None else f"kernel model of {est.job.profile.name}"
+    table.add_row("throughput", f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%} ({how})")
     return table
 
 

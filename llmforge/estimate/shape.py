@@ -119,7 +119,8 @@ class Job:
     profile: Profile
     nodes: int = 1
     devices_per_node: Optional[int] = None
-    efficiency: float = 0.5
+    #: None: the profile's kernel model (llmforge.estimate.kernels); a number: every FLOP at that share of peak.
+    efficiency: Optional[float] = None
     overlap_grad_reduce: bool = True
     #: precision.fp8: the blocks' linear layers run float8 matmuls (llmforge.estimate.fp8)
     fp8: bool = False

@@ -1,4 +1,4 @@
-"""Rich progress bar with loss and throughput."""
+"""Rich progress bar with loss, throughput, MFU and peak memory."""
 
 from __future__ import annotations
 
@@ -21,18 +21,25 @@ class TrainingProgress:
             TextColumn("loss [cyan]{task.fields[loss]}"),
             *([TextColumn("val [magenta]{task.fields[val]}")] if validation else []),
             TextColumn("[green]{task.fields[tps]}[/] tok/s"),
+            TextColumn("MFU {task.fields[mfu]}"),
+            TextColumn("mem {task.fields[mem]}"),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             console=self.console,
             transient=False,
         )
-        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-", val="-")
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-", val="-", mfu="-", mem="-")
         self._progress.start()
 
-    def update(self, *, step: int, loss: Optional[float] = None, tokens_per_s: Optional[float] = None, val_loss: Optional[float] = None) -> None:
+    def update(self, *, step: int, loss: Optional[float] = None, tokens_per_s: Optional[float] = None, val_loss: Optional[float] = None,
+               mfu: Optional[float] = None, memory_gib: Optional[float] = None) -> None:
         if self._progress is None:
             return
         fields = {}
+        if mfu is not None:
+            fields["mfu"] = f"{mfu:.1%}"
+        if memory_gib is not None:
+            fields["mem"] = f"{memory_gib:.1f} GiB"
         if loss is not None:
             fields["loss"] = f"{loss:.4f}"
         if tokens_per_s is not None:

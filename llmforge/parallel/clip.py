@@ -1,16 +1,21 @@
-"""Gradient norm and clipping over every parallel dimension.
+"""Gradient norm and clipping over every parallel dimension, with no host synchronisation.
 
 Each rank holds shards (tensor parallel, FSDP) and copies (data parallel
 replicas, tensor-parallel replicated parameters) of the gradients of its
 pipeline stage. A local shard's sum of squares is divided by the number of ranks
 holding that same shard, so summing over all ranks counts every element once.
+
+The norm stays on the device: one ``torch._foreach_norm`` per kind of shard, one
+sum in float64, one all-reduce over all ranks (none in one process), and the
+clip is one ``torch._foreach_mul_`` by ``min(1, max_norm / (norm + 1e-6))``, as
+``torch.nn.utils.clip_grad_norm_`` does. Nothing is read back to the host: the
+caller decides when (and whether) to look at the norm.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import List, Set
+from typing import Dict, List, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -19,41 +24,69 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 @dataclass
 class GlobalClip:
-    """``clip(max_norm)`` returns the global gradient L2 norm and clips to it.
+    """``clip(max_norm)`` returns the global gradient L2 norm (a float64 device
+    tensor) and clips to it when ``max_norm > 0``.
 
     ``ranks_per_stage`` is world size / pp: the ranks among which a stage's
-    parameters are sharded or replicated. ``skip`` holds parameters that are
-    copies of another one (a tied weight held by two stages): counted once."""
+    parameters are sharded or replicated (1 in one process). ``skip`` holds
+    parameters that are copies of another one (a tied weight held by two
+    stages): counted once. ``distributed``: sum over all ranks of the default group."""
 
     params: List[nn.Parameter]
-    ranks_per_stage: int
+    ranks_per_stage: int = 1
     skip: Set[int] = field(default_factory=set)
+    distributed: bool = False
+    _copies_of: Dict[int, int] = field(default_factory=dict, repr=False)
 
-    def __call__(self, max_norm: float) -> float:
-        total = torch.zeros((), dtype=torch.float64)
+    def __call__(self, max_norm: float) -> torch.Tensor:
         grads = [p.grad for p in self.params if p.grad is not None]
+        norm = self.norm(grads)
+        if max_norm > 0 and grads:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for dtype, tensors in _by_dtype([_local(g) for g in grads]).items():
+                torch._foreach_mul_(tensors, coef.to(dtype))
+        return norm
+
+    def norm(self, grads: List[torch.Tensor]) -> torch.Tensor:
+        """The global L2 norm of the gradients (float64, on their device)."""
+        buckets: Dict[Tuple[int, torch.dtype], List[torch.Tensor]] = {}
         for p in self.params:
             if p.grad is None or id(p) in self.skip:
                 continue
-            local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            total += local.double().pow(2).sum().cpu() / self._copies(p.grad)
-        device = (grads or self.params)[0].device if grads or self.params else torch.device("cpu")
-        total = total.to(device)
-        dist.all_reduce(total)
-        norm = float(total.sqrt())
-        if max_norm > 0 and math.isfinite(norm):
-            coef = min(1.0, max_norm / (norm + 1e-6))
-            if coef < 1.0:
-                for g in grads:
-                    (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
-        return norm
+            local = _local(p.grad)
+            buckets.setdefault((self._copies(p), local.dtype), []).append(local)
+        held = grads or self.params  # a rank may hold no gradient; its zero still joins the all-reduce
+        device = _local(held[0]).device if held else torch.device("cpu")
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for (copies, _), tensors in buckets.items():
+            squares = torch.stack(torch._foreach_norm(tensors)).double().square().sum()
+            total = total + (squares / copies if copies > 1 else squares)
+        if self.distributed:
+            dist.all_reduce(total)
+        return total.sqrt()
 
-    def _copies(self, grad: torch.Tensor) -> int:
-        shards = 1
-        if isinstance(grad, DTensor):
-            for dim, placement in enumerate(grad.placements):
-                if placement.is_shard() or isinstance(placement, _StridedShard):
-                    shards *= grad.device_mesh.size(dim)
-        return self.ranks_per_stage // shards
+    def _copies(self, p: nn.Parameter) -> int:
+        """Ranks (of this stage) that hold the same elements as this rank's gradient of ``p``."""
+        key = id(p)
+        if key not in self._copies_of:
+            shards = 1
+            grad = p.grad
+            if isinstance(grad, DTensor):
+                for dim, placement in enumerate(grad.placements):
+                    if placement.is_shard() or isinstance(placement, _StridedShard):
+                        shards *= grad.device_mesh.size(dim)
+            self._copies_of[key] = self.ranks_per_stage // shards
+        return self._copies_of[key]
+
+
+def _by_dtype(tensors: List[torch.Tensor]) -> Dict[torch.dtype, List[torch.Tensor]]:
+    out: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.dtype, []).append(t)
+    return out

@@ -5,11 +5,13 @@ collect what they computed: the equivalence tests and tools/bench_parallel.py us
         -m llmforge.parallel.harness SPEC.json OUT.pt
 
 SPEC.json: ``{"base": [overrides...], "layouts": {"name": [overrides...]}, "fail_rank": null,
-"fail_at": null, "device": "cpu", "mesh_of_one": false}``: ``fail_rank`` raises before layout
-``fail_at`` (default: the first); ``"device": "cuda"`` trains each rank on its GPU, under NCCL;
-``mesh_of_one`` sends a one-rank layout through the distributed path (see ``rank_info``).
+"fail_at": null, "device": "cpu", "mesh_of_one": false, "count_syncs": [names...]}``: ``fail_rank``
+raises before layout ``fail_at`` (default: the first); ``"device": "cuda"`` trains each rank on
+its GPU, under NCCL; ``mesh_of_one`` sends a one-rank layout through the distributed path (see
+``rank_info``); ``count_syncs`` counts the host synchronisations of a step of those layouts.
 OUT.pt (written by rank 0): per layout the losses, validation losses (every
 EVAL_INTERVAL steps and at the end, forward only), grad norms, step times, the
+host synchronisations of the counted step on rank 0 (``llmforge.train.syncs``), the
 intra-op thread count of each rank, rank 0's local element count of each
 parameter (what it holds of its shard), the full (gathered) parameters after the
 last step and every rank's persistent buffers (the MoE routing bias).
@@ -39,6 +41,7 @@ TINY = [
 ]
 
 EVAL_INTERVAL = 3
+SYNC_STEP = 4  # the step whose host synchronisations are counted: logged, not validated
 
 
 @dataclass
@@ -77,6 +80,7 @@ class LayoutResult:
     val_losses: List[float] = field(default_factory=list)
     grad_norms: List[float] = field(default_factory=list)
     step_times: List[float] = field(default_factory=list)
+    syncs: List[int] = field(default_factory=list)
     threads: List[int] = field(default_factory=list)
     local_numel: Dict[str, int] = field(default_factory=dict)
     params: Dict[str, torch.Tensor] = field(default_factory=dict)
@@ -95,10 +99,13 @@ def rank_info(plan: RunPlan, *, device: torch.device, mesh_of_one: bool = False)
     return RankInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), dp_rank=mesh.local_rank("dp"), dp_size=plan.dp, device=device, mesh=mesh)
 
 
-def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), mesh_of_one: bool = False) -> LayoutResult:
-    """Train ``plan`` on synthetic data; return what it computed (params on rank 0)."""
+def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), mesh_of_one: bool = False, count_syncs: bool = False) -> LayoutResult:
+    """Train ``plan`` on synthetic data; return what it computed (params on rank 0).
+    ``count_syncs``: count the host synchronisations of step ``SYNC_STEP`` (slow:
+    every op goes through a Python dispatch mode)."""
     from llmforge.train.build import build_components
     from llmforge.train.loop import LoopHooks, train_loop
+    from llmforge.train.syncs import StepSyncs
 
     cfg = plan.config
     torch.manual_seed(cfg.train.seed)
@@ -108,13 +115,16 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), m
     # validation on other synthetic rows mid-run and at the end: training must continue unchanged after it
     c.val_sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed + 1)
     records: List[dict] = []
-    hooks = LoopHooks(log=records.append)
-    train_loop(c, start_step=0, total_steps=cfg.train.steps, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=0, hooks=hooks, eval_interval=EVAL_INTERVAL, eval_steps=1)
+    syncs = StepSyncs(host=lambda: [s["step"] for s in c.optimizer.state.values() if "step" in s], enabled=count_syncs, skip=SYNC_STEP - 1, count=1)
+    hooks = LoopHooks(log=records.append, should_stop=syncs.after_step)
+    with syncs:
+        train_loop(c, start_step=0, total_steps=cfg.train.steps, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=0, hooks=hooks, eval_interval=EVAL_INTERVAL, eval_steps=1)
     out = LayoutResult(
         losses=[r["loss"] for r in records],
         val_losses=[r["val_loss"] for r in records if "val_loss" in r],
         grad_norms=[r["grad_norm"] for r in records],
         step_times=[r["step_time_s"] for r in records],
+        syncs=syncs.per_step,
     )
     out.params = full_parameters(c)  # reshards first: ZeRO 1/2 keep the compute copy gathered
     out.local_numel = {n: _local_numel(p) for part in c.model_parts for n, p in part.named_parameters()}
@@ -186,7 +196,8 @@ def main(argv: List[str]) -> None:
             plan = tiny_plan(spec.get("base", []) + overrides)
             if spec.get("fail_rank") == dist.get_rank() and name == spec.get("fail_at", name):
                 _fail(spec.get("fail_kind", "error"))
-            results[name] = train_layout(plan, device=device, mesh_of_one=spec.get("mesh_of_one", False)).__dict__
+            counted = name in spec.get("count_syncs", [])
+            results[name] = train_layout(plan, device=device, mesh_of_one=spec.get("mesh_of_one", False), count_syncs=counted).__dict__
         if dist.get_rank() == 0:
             torch.save(results, argv[1])
         dist.barrier()

@@ -125,7 +125,7 @@ def build_parallel(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compone
         sampler=sampler,
         step=step,
         scaler=scaler,
-        clip_grads=GlobalClip(params=params, ranks_per_stage=plan.world_size // plan.pp, skip=skip),
+        clip_grads=GlobalClip(params=params, ranks_per_stage=plan.world_size // plan.pp, skip=skip, distributed=True),
         rank=rank,
         tokens_per_step=plan.tokens_per_step,
     )

@@ -31,7 +31,7 @@ from torch.distributed.pipelining.schedules import (
 from llmforge.config.schema import ModelConfig
 from llmforge.models.gpt import GPT, rope_tables
 from llmforge.train.precision import DTYPES, LossScaler
-from llmforge.train.step import StepOutput, eval_mode
+from llmforge.train.step import StepOutput, eval_mode, to_device
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -156,7 +156,7 @@ class PipelineStep:
         return self.scaler.scaled(self.loss_fn(output, target))
 
     def __call__(self, batch: torch.Tensor) -> StepOutput:
-        batch = batch.to(self.device, non_blocking=True)
+        batch = to_device(batch, self.device)
         losses: List[torch.Tensor] = []
         args = (batch[:, :-1],) if self.has_first else ()
         kwargs: Dict[str, object] = {"target": batch[:, 1:], "losses": losses} if self.has_last else {}
@@ -174,14 +174,15 @@ class PipelineStep:
         kwargs: Dict[str, object] = {"target": batch[:, 1:], "losses": losses} if self.has_last else {}
         with eval_mode(self.modules), self.context(), _forward_only_order(self.schedule):
             self.schedule.eval(*args, **kwargs)
-        return self._mean(losses)
+        return float(self._mean(losses))
 
-    def _mean(self, losses: List[torch.Tensor]) -> float:
-        """The last stage's mean microbatch loss, sent to every stage and averaged over dp."""
+    def _mean(self, losses: List[torch.Tensor]) -> torch.Tensor:
+        """The last stage's mean microbatch loss, sent to every stage and averaged over dp
+        (a device tensor: reading it is the caller's choice)."""
         if self.has_last:
             local = torch.stack([x.detach().float() for x in losses]).mean() * self.scaler.unscale_factor()
         else:
             local = torch.zeros((), device=self.device)
         dist.all_reduce(local, group=self.pp_group)
         dist.all_reduce(local, group=self.dp_group)
-        return float(local) / self.dp_size
+        return local / self.dp_size

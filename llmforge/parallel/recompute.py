@@ -5,12 +5,13 @@ non-reentrant activation checkpointing, in place:
 
 - ``none``: nothing changes; every block keeps what autograd saves.
 - ``selective``: every block keeps the outputs of its matrix multiplications
-  (q/k/v, output projection, MLP or expert up/gate/down, router) and of the
-  expert-parallel all-to-alls, and recomputes in backward everything else:
-  the attention core (scaled-dot-product attention), norms, activation
-  functions, RoPE, dropout, routing and dispatch bookkeeping. These are large
-  per token but cheap to rebuild, which is Megatron's sense of selective
-  recompute; no matmul and no communication is repeated. Uses
+  (q/k/v, output projection, MLP or expert up/gate/down, router), of the
+  fused attention kernel (its output and log-sum-exp statistics) and of the
+  collectives, and recomputes in backward everything else: norms, activation
+  functions, RoPE, dropout, casts, routing and dispatch bookkeeping. These are
+  large per token but cheap to rebuild (memory-bound elementwise work); no
+  matmul, no attention and no communication is repeated, as torchtitan's
+  op-level selective checkpointing does. Uses
   ``create_selective_checkpoint_contexts`` with a ``CheckpointPolicy`` per op.
 - ``full``: a block keeps only its input and reruns its whole forward in
   backward; with ``every = N`` only blocks whose layer index is a multiple of N
@@ -36,13 +37,22 @@ MODES = ("none", "selective", "full")
 aten = torch.ops.aten
 
 
+ATTENTION_OPS = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+
+
 def _save_ops() -> frozenset:
-    """Ops whose outputs selective recompute keeps: matmuls and communication
-    (also the sequence-parallel gather + column-parallel linears, as one op)."""
+    """Ops whose outputs selective recompute keeps: matmuls, fused attention and
+    communication (also the sequence-parallel gather + column-parallel linears, as one op)."""
     import llmforge.parallel.sequence  # noqa: F401  (registers llmforge::sp_column_linears)
 
     ops = [aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
            torch.ops.llmforge.sp_column_linears.default]
+    ops += [getattr(aten, name).default for name in ATTENTION_OPS if hasattr(aten, name)]
     functional = getattr(torch.ops, "_c10d_functional", None)
     for name in ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "wait_tensor"):
         if functional is not None and hasattr(functional, name):
@@ -54,7 +64,7 @@ SAVE_OPS = _save_ops()
 
 
 def selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Keep matmul and collective outputs; recompute the rest."""
+    """Keep matmul, attention and collective outputs; recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if op in SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 

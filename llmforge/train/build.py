@@ -6,7 +6,8 @@ import torch
 
 from llmforge.models.gpt import GPT
 from llmforge.plan import RunPlan
-from llmforge.train.components import Components, RankInfo, clip_local
+from llmforge.parallel.clip import GlobalClip
+from llmforge.train.components import Components, RankInfo
 from llmforge.train.optim import build_optimizer, build_scheduler
 from llmforge.train.precision import LossScaler
 from llmforge.train.step import GradAccumulationStep
@@ -44,14 +45,14 @@ def build_single_process(plan: RunPlan, *, rank: RankInfo, sampler: object) -> C
         device=rank.device,
     )
     params = [p for p in model.parameters() if p.requires_grad]
-    return wire_moe(plan, Components(
+    return wire(plan, Components(
         model_parts=[model],
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps),
         sampler=sampler,
         step=step,
         scaler=scaler,
-        clip_grads=lambda max_norm: clip_local(params, max_norm),
+        clip_grads=GlobalClip(params=params),
         rank=rank,
         tokens_per_step=plan.tokens_per_step,
     ))
@@ -63,7 +64,15 @@ def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compo
         return build_single_process(plan, rank=rank, sampler=sampler)
     from llmforge.parallel.parallelize import build_parallel
 
-    return wire_moe(plan, build_parallel(plan, rank=rank, sampler=sampler))
+    return wire(plan, build_parallel(plan, rank=rank, sampler=sampler))
+
+
+def wire(plan: RunPlan, c: Components) -> Components:
+    """What every run's components get once built: the step meter (MFU, peak memory), MoE wiring."""
+    from llmforge.train.meter import meter_for
+
+    c.meter = meter_for(plan, device=c.rank.device)
+    return wire_moe(plan, c)
 
 
 def wire_moe(plan: RunPlan, c: Components) -> Components:

@@ -29,20 +29,13 @@ class RankInfo:
         return self.rank == 0
 
 
-def clip_local(parameters: List[nn.Parameter], max_norm: float) -> float:
-    """Global gradient norm (clipped to max_norm when it is positive) in one process."""
-    grads = [p for p in parameters if p.grad is not None]
-    limit = max_norm if max_norm > 0 else float("inf")
-    return float(torch.nn.utils.clip_grad_norm_(grads, limit, foreach=False))
-
-
 @dataclass
 class Components:
     """The built parts of a run on one rank.
 
     ``model_parts`` holds the model, or this rank's pipeline chunks.
     ``clip_grads(max_norm)`` returns the gradient norm over every parallel
-    dimension and clips to it."""
+    dimension (a device tensor) and clips to it."""
 
     model_parts: List[nn.Module]
     optimizer: torch.optim.Optimizer
@@ -50,10 +43,12 @@ class Components:
     sampler: object
     step: StepRunner
     scaler: LossScaler
-    clip_grads: Callable[[float], float]
+    clip_grads: Callable[[float], torch.Tensor]
     rank: RankInfo
     tokens_per_step: int
     extra_metrics: Callable[[], dict] = field(default=lambda: {})
+    #: Measured MFU and peak memory for a step time (``llmforge.train.meter``).
+    meter: Optional[Callable[[float], dict]] = None
     #: The held-out stream (``split="val"``), or None when the run does not validate.
     val_sampler: Optional[object] = None
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from llmforge.train.components import Components
 
@@ -26,46 +27,71 @@ class LoopHooks:
 
 @dataclass
 class LoopResult:
+    """``losses``: the logged steps' losses; ``first_loss``/``last_loss``: of the first and
+    last step run; ``step_times``: the mean step time of each logged window;
+    ``measured``: the meter's last reading (MFU, peak memory)."""
+
     last_step: int
     losses: List[float] = field(default_factory=list)
+    step_times: List[float] = field(default_factory=list)
+    measured: dict = field(default_factory=dict)
     stopped_early: bool = False
     val_loss: Optional[float] = None
+    first_loss: Optional[float] = None
+    last_loss: Optional[float] = None
+
+
+@dataclass
+class _Window:
+    """The steps since the last log: their mean time is what a log reports."""
+
+    start: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+
+    def close(self) -> float:
+        now = time.perf_counter()
+        elapsed = (now - self.start) / max(1, self.steps)
+        self.start, self.steps = now, 0
+        return elapsed
 
 
 def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: float, log_interval: int, checkpoint_interval: int, hooks: LoopHooks, eval_interval: int = 0, eval_steps: int = 1) -> LoopResult:
     """Run optimizer steps ``start_step+1 .. total_steps`` (steps are 1-based, as logged).
 
+    A step queues its work and never waits for the device: loss and gradient norm
+    stay device tensors, read back once (one synchronisation) at each logged step.
+    Step time and tokens/s are averaged over the steps since the previous log.
     With ``c.val_sampler`` set, the validation loss is computed every
     ``eval_interval`` steps (0: never in between) and after the last step, and
     logged with that step's record."""
     result = LoopResult(last_step=start_step)
+    first: Optional[torch.Tensor] = None
+    loss: Optional[torch.Tensor] = None
+    window = _Window()
     for step in range(start_step + 1, total_steps + 1):
-        started = time.perf_counter()
         batch = c.sampler.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size)
         out = c.step(batch)
         grad_norm = _unscale_and_clip(c, grad_clip)
         lr = c.scheduler.get_last_lr()[0]
-        if c.scaler.update(found_inf=not math.isfinite(grad_norm)):
+        found_inf = c.scaler.enabled and not math.isfinite(float(grad_norm))  # fp16 only: one read per step
+        if c.scaler.update(found_inf=found_inf):
             c.optimizer.step()
         c.optimizer.zero_grad(set_to_none=True)
         c.scheduler.step()
-        elapsed = time.perf_counter() - started
-        tokens_per_s = c.tokens_per_step / elapsed
-        result.losses.append(out.loss)
+        loss, window.steps = out.loss, window.steps + 1
+        first = loss if first is None else first
         result.last_step = step
-        hooks.progress(step, out.loss, tokens_per_s)
         validate = c.val_sampler is not None and (step == total_steps or (eval_interval and step % eval_interval == 0))
         if step % log_interval == 0 or step == total_steps or validate:
-            record = {"step": step, "loss": out.loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "step_time_s": elapsed}
-            if c.scaler.enabled:
-                record["loss_scale"] = c.scaler.scale
-            record.update(out.metrics)
-            record.update(c.extra_metrics())
+            record = _record(c, result, step=step, loss=loss, grad_norm=grad_norm, lr=lr, elapsed=window.close(), metrics=out.metrics)
+            hooks.progress(step, record["loss"], record["tokens_per_s"])
             if validate:
                 record.update(evaluate(c, steps=eval_steps))
                 result.val_loss = record["val_loss"]
                 hooks.validated(step, result.val_loss)
             hooks.log(record)
+        else:
+            hooks.progress(step, None, None)
         hooks.after_step(step)
         stop = hooks.should_stop()
         if step == total_steps or stop or (checkpoint_interval and step % checkpoint_interval == 0):
@@ -73,7 +99,25 @@ def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: f
         if stop:
             result.stopped_early = step < total_steps
             break
+    if loss is not None:
+        result.first_loss, result.last_loss = torch.stack([first.double(), loss.double()]).tolist()
     return result
+
+
+def _record(c: Components, result: LoopResult, *, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, elapsed: float, metrics: dict) -> dict:
+    """A logged step's record: the one read of loss and gradient norm from the device."""
+    loss_value, norm_value = torch.stack([loss.double(), grad_norm.double()]).tolist()
+    result.losses.append(loss_value)
+    result.step_times.append(elapsed)
+    record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "tokens_per_s": c.tokens_per_step / elapsed, "step_time_s": elapsed}
+    if c.meter is not None:
+        result.measured = c.meter(elapsed)
+        record.update(result.measured)
+    if c.scaler.enabled:
+        record["loss_scale"] = c.scaler.scale
+    record.update(metrics)
+    record.update(c.extra_metrics())
+    return record
 
 
 def evaluate(c: Components, *, steps: int) -> dict:
@@ -85,11 +129,12 @@ def evaluate(c: Components, *, steps: int) -> dict:
     return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
 
 
-def _unscale_and_clip(c: Components, grad_clip: float) -> float:
+def _unscale_and_clip(c: Components, grad_clip: float) -> torch.Tensor:
     factor = c.scaler.unscale_factor()
     if factor != 1.0:
         with torch.no_grad():
-            for p in c.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(factor)
+            grads = [p.grad for p in c.parameters() if p.grad is not None]
+            locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+            if locals_:
+                torch._foreach_mul_(locals_, factor)
     return c.clip_grads(grad_clip)

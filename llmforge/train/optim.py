@@ -7,6 +7,7 @@ from typing import List
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from llmforge.config.schema import OptimConfig
 
@@ -24,10 +25,37 @@ def parameter_groups(model: nn.Module, *, weight_decay: float) -> List[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def implementation(params: List[nn.Parameter]) -> str:
+    """``fused`` where every parameter lives on a GPU (one kernel for the whole
+    update, no host synchronisation), else ``for-loop``: torch's own default on
+    CPU, whose per-parameter update is elementwise-identical however the
+    parameters are sharded, so every layout computes what one process does."""
+    if params and all(p.device.type == "cuda" for p in params):
+        return "fused"
+    return "for-loop"
+
+
+def _split_by_mesh(groups: List[dict]) -> List[dict]:
+    """One group per DeviceMesh: a fused update runs over tensors of a single mesh
+    (expert weights live on another mesh than dense ones)."""
+    out = []
+    for group in groups:
+        by_mesh: dict = {}
+        for p in group["params"]:
+            mesh = p.device_mesh if isinstance(p, DTensor) else None
+            by_mesh.setdefault(id(mesh), []).append(p)
+        out.extend({**group, "params": params} for params in by_mesh.values())
+    return out
+
+
 def build_optimizer(model: nn.Module, *, optim: OptimConfig, lr: float) -> torch.optim.Optimizer:
+    """AdamW over ``model``'s parameters (``implementation`` picks fused or for-loop)."""
     groups = [g for g in parameter_groups(model, weight_decay=optim.weight_decay) if g["params"]]
-    # foreach=False keeps the update elementwise-identical however parameters are sharded.
-    return torch.optim.AdamW(groups, lr=lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=False)
+    kind = implementation([p for g in groups for p in g["params"]])
+    options = {"fused": True} if kind == "fused" else {"foreach": False}
+    if kind == "fused":
+        groups = _split_by_mesh(groups)
+    return torch.optim.AdamW(groups, lr=lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **options)
 
 
 def lr_factor(step: int, *, optim: OptimConfig, total_steps: int) -> float:

@@ -26,6 +26,7 @@ from llmforge.checkpoint.state import load_rng
 from llmforge.plan import RunPlan
 from llmforge.train.components import Components, RankInfo
 from llmforge.train.loop import LoopHooks, LoopResult, train_loop
+from llmforge.train.meter import measured_peak_bytes
 
 
 @dataclass
@@ -36,16 +37,34 @@ class RunSummary:
     wall_s: float
     checkpoint: Optional[Path]
     stopped_early: bool = False
+    #: Measured step time (median of the logged windows after the first) and peak memory of rank 0.
+    step_time_s: Optional[float] = None
+    peak_memory_bytes: Optional[float] = None
     val_loss: Optional[float] = None
 
     def describe(self, plan: RunPlan) -> Text:
-        """The closing line a launcher prints (only "done" is styled; paths print as written)."""
+        """The closing line a launcher prints (only "done" is styled; paths print as written):
+        losses, files, and the measured step time and peak memory as ratios to the estimate."""
         losses = f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}" if self.first_loss is not None else "no steps left to train"
         if self.val_loss is not None:
             losses += f", val_loss {self.val_loss:.4f}"
         where = f"; checkpoint {self.checkpoint}" if self.checkpoint else ""
         rest = f" {plan.layout} step {self.last_step}: {losses} in {self.wall_s:.1f}s; metrics in {plan.run_dir / 'metrics.jsonl'}{where}"
-        return Text.assemble(("done", "bold green"), rest)
+        return Text.assemble(("done", "bold green"), rest + self.against_estimate(plan))
+
+    def against_estimate(self, plan: RunPlan) -> str:
+        """'; measured/estimate: step time 1.12x (...), peak memory 0.97x (...)' or ''."""
+        if self.step_time_s is None:
+            return ""
+        from llmforge.estimate.core import estimate_plan
+        from llmforge.estimate.report import gib
+
+        est = estimate_plan(plan)
+        parts = [f"step time {self.step_time_s / est.step_s:.2f}x ({self.step_time_s:.3g} s vs {est.step_s:.3g} s)"]
+        if self.peak_memory_bytes:
+            expected = est.worst.total - (est.job.profile.runtime_reserved_bytes if plan.config.cluster.accelerator != "cpu" else 0)
+            parts.append(f"peak memory {self.peak_memory_bytes / expected:.2f}x ({gib(self.peak_memory_bytes)} vs {gib(expected)})")
+        return "; measured/estimate: " + ", ".join(parts)
 
 
 def prepare_data(plan: RunPlan, *, console: Console):
@@ -204,12 +223,14 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
     if result.stopped_early and rank.is_main:
         console.print(_stopped_text(stop.name, step=result.last_step, run_dir=plan.run_dir, saved=bool(saver.records)))
     return RunSummary(
-        first_loss=result.losses[0] if result.losses else None,
-        last_loss=result.losses[-1] if result.losses else None,
+        first_loss=result.first_loss,
+        last_loss=result.last_loss,
         last_step=result.last_step,
         wall_s=time.perf_counter() - started,
         checkpoint=saver.records[-1].path if saver.records else None,
         stopped_early=result.stopped_early,
+        step_time_s=_typical(result.step_times),
+        peak_memory_bytes=measured_peak_bytes(result.measured),
         val_loss=result.val_loss,
     )
 
@@ -237,6 +258,14 @@ def _stopped_text(signal_name: Optional[str], *, step: int, run_dir: Path, saved
         return Text.assemble(head, f"; continue with:\n  llmforge resume ckpt={run_dir}")
     return Text.assemble(head, f"; no checkpoint was saved, so there is nothing to resume: start again with "
                          f"`llmforge pretrain ... run.dir={run_dir} --overwrite`")
+
+
+def _typical(times: List[float]) -> Optional[float]:
+    """The median step time of the logged windows, leaving out the first (warm-up) when others exist."""
+    import statistics
+
+    later = times[1:] or times
+    return statistics.median(later) if later else None
 
 
 class StopSignal:
@@ -321,6 +350,7 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
         """One metrics.jsonl line, and the W&B and TensorBoard records of a step."""
         metrics.write(record)
         wandb_run.log(record, step=record["step"])
+        progress.update(step=record["step"], mfu=record.get("mfu"), memory_gib=record.get("peak_reserved_gib", record.get("peak_rss_gib")))
         if tensorboard is not None:
             tensorboard.log(record)
 

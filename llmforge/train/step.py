@@ -2,7 +2,8 @@
 
 A step runner takes this data-parallel rank's share of the global batch
 (``[rows, seq_len + 1]`` token ids) and leaves gradients of the mean loss over the
-global batch in the parameters. It returns the mean loss as a float. In one
+global batch in the parameters. It returns the mean loss as a 0-dim device
+tensor, so a step never waits for the device; the loop reads it when it logs. In one
 process (and under data/tensor parallelism) it is a gradient-accumulation loop;
 under pipeline parallelism a ``torch.distributed.pipelining`` schedule replaces
 it. Clipping, the optimizer step, logging and checkpoints do not care which ran.
@@ -15,21 +16,29 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, Iterator, Optional, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from llmforge.train.loss import cross_entropy
 from llmforge.train.precision import LossScaler, autocast
 
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token loss, computed in fp32 whatever the compute dtype."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+__all__ = ["GradAccumulationStep", "StepOutput", "StepRunner", "cross_entropy", "to_device"]
 
 
 @dataclass
 class StepOutput:
-    loss: float
+    """``loss``: the step's mean loss, a detached 0-dim tensor on the device."""
+
+    loss: torch.Tensor
     metrics: Dict[str, float] = field(default_factory=dict)
+
+
+def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host batch to ``device`` without waiting for the device: a copy from
+    pageable memory would first wait for the queued work, one from pinned memory
+    does not."""
+    if device.type != "cuda":
+        return batch.to(device)
+    return batch.pin_memory().to(device, non_blocking=True)
 
 
 class StepRunner(Protocol):
@@ -80,7 +89,7 @@ class GradAccumulationStep:
     positions: Optional[torch.Tensor] = None
 
     def __call__(self, batch: torch.Tensor) -> StepOutput:
-        micro = batch.to(self.device, non_blocking=True).split(self.micro_batch_size)
+        micro = to_device(batch, self.device).split(self.micro_batch_size)
         total = torch.zeros((), device=self.device)
         for i, mb in enumerate(micro):
             last = i == len(micro) - 1
@@ -97,7 +106,7 @@ class GradAccumulationStep:
         mean = total / len(micro)
         if self.reduce_loss is not None:
             mean = self.reduce_loss(mean)
-        return StepOutput(loss=mean.item())
+        return StepOutput(loss=mean.detach())
 
     def evaluate(self, batch: torch.Tensor) -> float:
         micro = batch.to(self.device, non_blocking=True).split(self.micro_batch_size)

@@ -1,0 +1,221 @@
+"""Time of one microbatch on one device, kernel by kernel (no torch).
+
+One efficiency constant cannot describe every shape: a 768-wide model's matmuls
+run far from peak, and its step is full of memory-bound and launch-bound work.
+Each kernel llmforge's eager step runs is costed by what bounds it:
+
+- a matmul ``[M x K] @ [K x N]``: ``2MKN / (peak x matmul_efficiency)`` stretched
+  by ``1 + matmul_dim x (1/M + 1/K + 1/N)``: large GEMMs approach the profile's
+  efficiency, narrow ones (small K or N) fall away from it;
+- fused attention: the causal half of its FLOPs at ``attention_efficiency`` of
+  peak (backward 2.5x forward);
+- everything else (norms, activation functions, residual adds, autocast casts of
+  activations, weights and gradients, RoPE, the loss over the logits, gradient
+  accumulation, AdamW and the clip): bytes moved / (memory bandwidth x
+  ``bandwidth_efficiency``);
+- no kernel takes less than ``kernel_floor_us``: an eager step issues a kernel
+  per op, and the host needs about that long per op to issue it.
+
+The byte counts follow llmforge's GPT as it runs (fp32 residual stream and norms,
+16-bit matmul inputs under autocast, one cast of a norm output per consuming
+linear, the chunked loss). The profile's five numbers are calibrated on measured
+runs (docs/estimator.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Iterable, List, Tuple
+
+from llmforge.estimate.params import Tensor, block_tensors, embedding_tensors
+from llmforge.estimate.shape import Job, Layout, Shape
+
+FP32 = 4
+LOSS_CHUNK_ELEMENTS = 2**26  # llmforge.train.loss.CHUNK_ELEMENTS
+OPTIMIZER_BYTES_PER_PARAM = 40  # fused AdamW reads p, g, m, v and writes p, m, v (28); the clip reads g twice, writes it (12)
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """The hardware rates one estimate uses (hashable: a cache key)."""
+
+    peak: float
+    matmul_efficiency: float
+    matmul_dim: float
+    attention_efficiency: float
+    bandwidth: float
+    floor: float
+
+    def gemm(self, m: float, k: float, n: float, count: int = 1) -> float:
+        """Seconds of ``count`` matmuls ``[m x k] @ [k x n]``."""
+        if m <= 0 or k <= 0 or n <= 0:
+            return 0.0
+        ideal = 2 * m * k * n / (self.peak * self.matmul_efficiency)
+        return count * max(ideal * (1 + self.matmul_dim * (1 / m + 1 / k + 1 / n)), self.floor)
+
+    def memory(self, nbytes: float, kernels: int) -> float:
+        """Seconds of ``kernels`` memory-bound kernels moving ``nbytes`` together."""
+        if kernels <= 0:
+            return 0.0
+        return kernels * max(nbytes / kernels / self.bandwidth, self.floor)
+
+    def attention(self, flops: float, kernels: int, *, head_dim: int) -> float:
+        """Seconds of fused causal attention counted as ``flops`` (full-score convention):
+        the causal half runs as matmuls whose inner dimension is the head's."""
+        ideal = 0.5 * flops / (self.peak * self.attention_efficiency)
+        return max(ideal * (1 + self.matmul_dim / head_dim), kernels * self.floor)
+
+
+def speeds(job: Job) -> Speeds:
+    p = job.profile
+    return Speeds(
+        peak=p.peak(job.param_dtype), matmul_efficiency=p.matmul_efficiency, matmul_dim=p.matmul_dim,
+        attention_efficiency=p.attention_efficiency, bandwidth=p.memory_bandwidth * p.bandwidth_efficiency,
+        floor=p.kernel_floor_us * 1e-6,
+    )
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The work of one block (or the ends) for one microbatch."""
+
+    gemms: Tuple[Tuple[float, float, float], ...]  # forward matmuls (m, k, n)
+    attention_flops: float  # forward, full-score convention
+    fwd_bytes: float
+    fwd_kernels: int
+    bwd_bytes: float
+    bwd_kernels: int
+    weights: Tuple[int, ...]  # local numel of each matmul weight/bias (cast per microbatch under autocast)
+    head_dim: int = 64
+
+
+def _elementwise(shape: Shape, *, t: float, tp: int, sp: int, c: int, mixed: bool, ffn: float, mlp_mats: int) -> Tuple[float, int, float, int]:
+    """(forward bytes, kernels, backward bytes, kernels) of a block's non-matmul work."""
+    h, kv = shape.hidden, shape.kv_dim / tp
+    q, f = h / tp, ffn / tp
+    attn_in, mlp_in = 3, mlp_mats
+    norm_fwd, norm_bwd = 8 * h / sp, 20 * h / sp  # fp32 in/out; backward: input grad + weight grads
+    cast = (FP32 + c) * h if mixed else 0  # one cast of a norm output per consuming linear
+    fwd = 2 * norm_fwd + (attn_in + mlp_in) * cast + 2 * (FP32 + c + FP32) * h / sp  # norms, casts, residual adds
+    fwd_k = 2 + (attn_in + mlp_in if mixed else 0) + 2
+    bwd = 2 * norm_bwd + 2 * 12 * h / sp + 2 * (FP32 + c) * h / sp  # norms, residual grad sums, grads cast for the branches
+    bwd += (attn_in + mlp_in) * cast + (attn_in + mlp_in - 2) * 12 * h  # casts back, sums of the consumers' grads
+    bwd_k = 4 + 2 + 2 + ((attn_in + mlp_in) if mixed else 0) + attn_in + mlp_in - 2
+    if shape.activation == "swiglu":
+        fwd, fwd_k, bwd, bwd_k = fwd + 5 * c * f, fwd_k + 2, bwd + 9 * c * f, bwd_k + 3
+    else:
+        fwd, fwd_k, bwd, bwd_k = fwd + 2 * c * f, fwd_k + 1, bwd + 3 * c * f, bwd_k + 1
+    if shape.position == "rope":  # rotate q and k: four products, a sum, a difference, a concatenation
+        fwd, fwd_k, bwd, bwd_k = fwd + 9 * c * (q + kv) + 2 * c * q, fwd_k + 15, bwd + 14 * c * (q + kv) + 2 * c * q, bwd_k + 20
+    if kv < q:  # grouped-query attention repeats k and v to every head
+        fwd, fwd_k, bwd, bwd_k = fwd + 2 * c * (kv + q), fwd_k + 2, bwd + 2 * c * (kv + q), bwd_k + 2
+    if shape.bias:
+        bwd, bwd_k = bwd + c * (2 * q + 2 * kv + mlp_mats * f + h), bwd_k + 4 + mlp_mats
+    return fwd * t, fwd_k, bwd * t, bwd_k
+
+
+@lru_cache(maxsize=4096)
+def block_kernels(shape: Shape, *, t: float, tp: int, sp: int, ep: int, c: int, mixed: bool, moe: bool) -> Kernels:
+    """One block's kernels for ``t`` local tokens (after context splitting)."""
+    h, kv = shape.hidden, shape.kv_dim
+    gemms: List[Tuple[float, float, float]] = [(t, h, h / tp), (t, h, kv / tp), (t, h, kv / tp), (t, h / tp, h)]
+    mats = 2 if shape.activation == "swiglu" else 1
+    if moe:
+        rows = t * shape.top_k * min(1.0, shape.capacity_factor or 1.0)  # routed rows this rank's experts see (balanced)
+        local = max(1, shape.num_experts // ep)
+        per_expert = rows * ep / shape.num_experts
+        gemms.append((t, h, shape.num_experts))
+        gemms += [(per_expert, h, shape.moe_ffn)] * (mats * local) + [(per_expert, shape.moe_ffn, h)] * local
+        gemms += [(t, h, shape.moe_ffn)] * (mats * shape.shared_experts) + [(t, shape.moe_ffn, h)] * shape.shared_experts
+        ffn = (shape.top_k + shape.shared_experts) * shape.moe_ffn * tp  # elementwise MLP work per token (not split over tp)
+    else:
+        gemms += [(t, h, shape.ffn / tp)] * mats + [(t, shape.ffn / tp, h)]
+        ffn = shape.ffn
+    fwd, fwd_k, bwd, bwd_k = _elementwise(shape, t=t, tp=tp, sp=sp, c=c, mixed=mixed, ffn=ffn, mlp_mats=mats)
+    if moe:  # routing softmax and top-k, dispatch into expert batches and the weighted combine
+        extra = t * (shape.top_k * h * (c + FP32) * 2 + 16 * shape.num_experts)
+        fwd, fwd_k, bwd, bwd_k = fwd + extra, fwd_k + 12, bwd + 2 * extra, bwd_k + 16
+    weights = tuple(_local_numel(x, tp=tp, ep=ep) for x in block_tensors(shape, moe) if _cast(x))
+    return Kernels(tuple(gemms), 4 * shape.seq * h / tp * t, fwd, fwd_k, bwd, bwd_k, weights, shape.head_dim)
+
+
+def _cast(t: Tensor) -> bool:
+    """Autocast casts the weight and bias of every linear (norm weights stay fp32)."""
+    return "norm" not in t.name
+
+
+def _local_numel(t: Tensor, *, tp: int, ep: int) -> int:
+    n = 1
+    for d in t.local_shape(tp) if not t.expert else t.shape:
+        n *= d
+    return n // ep if t.expert else n
+
+
+def _weights_s(sp: Speeds, numels: Iterable[int], *, mixed: bool, accumulate: float, c: int) -> float:
+    """Per microbatch: autocast's weight casts and gradient casts (mixed precision), and the
+    gradient accumulation into the fp32 .grad (``accumulate``: share of microbatches that add)."""
+    total = 0.0
+    for n in numels:
+        if mixed:
+            total += sp.memory(n * (FP32 + c), 1) + sp.memory(n * (c + FP32), 1)
+        if accumulate:
+            total += accumulate * sp.memory(12 * n, 1)
+    return total
+
+
+def block_seconds(sp: Speeds, k: Kernels, *, mode: str, mixed: bool, c: int, accumulate: float) -> float:
+    """Forward, backward and recomputation of one block for one microbatch."""
+    fwd_gemm = sum(sp.gemm(m, kk, n) for m, kk, n in k.gemms)
+    bwd_gemm = sum(sp.gemm(m, n, kk) + sp.gemm(kk, m, n) for m, kk, n in k.gemms)
+    attn_f = sp.attention(k.attention_flops, 1, head_dim=k.head_dim)
+    attn_b = sp.attention(2.5 * k.attention_flops, 3, head_dim=k.head_dim)
+    fwd_mem, bwd_mem = sp.memory(k.fwd_bytes, k.fwd_kernels), sp.memory(k.bwd_bytes, k.bwd_kernels)
+    weights = _weights_s(sp, k.weights, mixed=mixed, accumulate=accumulate, c=c)
+    total = fwd_gemm + bwd_gemm + attn_f + attn_b + fwd_mem + bwd_mem + weights
+    if mode == "full":  # the whole forward again, but its last matmul
+        m, kk, n = k.gemms[-1]
+        total += fwd_gemm - sp.gemm(m, kk, n) + attn_f + fwd_mem
+    if mode in ("full", "selective") and mixed:  # the weights are cast again
+        total += sum(sp.memory(n * (FP32 + c), 1) for n in k.weights)
+    if mode == "selective":  # norms, casts, activations, RoPE: the elementwise forward
+        total += fwd_mem
+    return total
+
+
+def ends_seconds(sp: Speeds, shape: Shape, layout: Layout, *, c: int, mixed: bool, first: bool, last: bool, accumulate: float) -> float:
+    """Embedding (first stage) and final norm, output layer and loss (last stage), one microbatch."""
+    t = layout.micro_batch * shape.seq / layout.cp
+    tp = layout.tp
+    h, v = shape.hidden, shape.vocab / tp
+    total = 0.0
+    if first:  # token and position lookups, their sum; backward scatters into the tables
+        total += sp.memory(t * 28 * h, 3) + sp.memory(t * 12 * h + FP32 * v * h, 4)
+        total += _weights_s(sp, [x.numel // tp for x in embedding_tensors(shape)], mixed=False, accumulate=accumulate, c=c)
+    if last:
+        cast = (FP32 + c) * h if mixed else 0
+        total += sp.memory(t * (8 * h + cast), 2) + sp.memory(t * (20 * h + cast), 3)
+        total += sp.gemm(t, h, v) + sp.gemm(t, v, h) + sp.gemm(h, t, v)
+        total += loss_seconds(sp, tokens=t, vocab=v, c=c)
+        head = [int(v * h)]
+        total += _weights_s(sp, head, mixed=mixed, accumulate=accumulate, c=c)
+    return total
+
+
+def loss_seconds(sp: Speeds, *, tokens: float, vocab: float, c: int, kind: str = "chunked") -> float:
+    """The cross-entropy over ``[tokens x vocab]`` logits in dtype of ``c`` bytes, forward and backward.
+
+    ``chunked`` (llmforge.train.loss): a log-softmax read in chunks and written in fp32
+    per chunk; backward a softmax and a scaled write in the logits' dtype (7c + 12 bytes
+    per logit). ``fp32_logits``: ``F.cross_entropy(logits.float())`` as a plain loop
+    writes it: the fp32 copy, log-softmax, NLL, their backward and the cast back
+    (8c + 36 bytes per logit)."""
+    if kind == "fp32_logits":
+        return sp.memory(tokens * vocab * (8 * c + 36), 8)
+    chunks = max(1, -(-int(tokens) // max(1, LOSS_CHUNK_ELEMENTS // int(vocab))))
+    return sp.memory(tokens * vocab * (7 * c + 12), 8 * chunks)
+
+
+def optimizer_seconds(sp: Speeds, params: int, tensors: int) -> float:
+    """The fused AdamW step and the gradient clip over this rank's parameters."""
+    return sp.memory(OPTIMIZER_BYTES_PER_PARAM * params, max(4, tensors // 16))

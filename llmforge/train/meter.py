@@ -1,0 +1,78 @@
+"""Measured speed and memory of a run, next to what the estimator predicted.
+
+At each logged step the loop adds, for this rank:
+
+- ``mfu``: model FLOPs per step (6·N + 12·L·h·s per token, the estimator's
+  convention) / step time / (world size x the accelerator profile's dense peak);
+- peak memory since the start: ``peak_allocated_gib`` and ``peak_reserved_gib``
+  (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``) on a GPU,
+  ``peak_rss_gib`` (the process's peak resident memory) on a CPU.
+
+Reading these asks the allocator or the OS, never the device: no synchronisation.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+from typing import Dict, Optional
+
+import torch
+
+GIB = 1024**3
+
+
+def peak_memory(device: torch.device) -> Dict[str, float]:
+    """This process's peak memory (GiB) on ``device``."""
+    if device.type == "cuda":
+        return {
+            "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
+            "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
+        }
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_rss_gib": rss * (1 if sys.platform == "darwin" else 1024) / GIB}
+
+
+def measured_peak_bytes(memory: Dict[str, float]) -> Optional[float]:
+    """The figure compared with the estimate: reserved on a GPU (what the allocator
+    holds), resident memory on a CPU."""
+    value = memory.get("peak_reserved_gib", memory.get("peak_rss_gib"))
+    return None if value is None else value * GIB
+
+
+@dataclass
+class StepMeter:
+    """MFU and peak memory of this rank for a measured step time.
+
+    ``model_flops_per_step``: of the whole job (every rank); ``peak_flops``: one
+    device's dense peak in the run's compute dtype."""
+
+    model_flops_per_step: float
+    peak_flops: float
+    world_size: int
+    device: torch.device
+
+    def __call__(self, step_time_s: float) -> Dict[str, float]:
+        record = {"mfu": self.mfu(step_time_s)}
+        record.update(peak_memory(self.device))
+        return record
+
+    def mfu(self, step_time_s: float) -> float:
+        if step_time_s <= 0 or self.peak_flops <= 0:
+            return 0.0
+        return self.model_flops_per_step / (step_time_s * self.world_size * self.peak_flops)
+
+
+def meter_for(plan, *, device: torch.device) -> StepMeter:
+    """The meter of a plan: model FLOPs from the estimator, peak from ``cluster.accelerator``."""
+    from llmforge.estimate import flops as fl
+    from llmforge.estimate.shape import from_plan
+
+    shape, layout, job = from_plan(plan)
+    return StepMeter(
+        model_flops_per_step=fl.model_flops(shape, plan.tokens_per_step),
+        peak_flops=job.profile.peak(job.param_dtype),
+        world_size=layout.world,
+        device=device,
+    )

@@ -1,0 +1,78 @@
+"""The cost around the step seam: host synchronisations, the optimizer, clipping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmforge.parallel.clip import GlobalClip
+from llmforge.parallel.harness import SyntheticSampler, rank_info, tiny_plan
+from llmforge.train.build import build_components
+from llmforge.train.loop import LoopHooks, train_loop
+from llmforge.train.syncs import HostSyncCounter, StepSyncs
+
+
+def _components(plan, device: torch.device):
+    cfg = plan.config
+    torch.manual_seed(cfg.train.seed)
+    sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed)
+    return build_components(plan, rank=rank_info(plan, device=device), sampler=sampler)
+
+
+def _syncs_per_step(device: torch.device, *, steps: int, log_interval: int) -> tuple[list, list]:
+    plan = tiny_plan([f"train.steps={steps}", "model.num_layers=1"])
+    c = _components(plan, device)
+    records: list = []
+    syncs = StepSyncs(host=lambda: [s["step"] for s in c.optimizer.state.values() if "step" in s])
+    with syncs:
+        train_loop(c, start_step=0, total_steps=steps, grad_clip=0.5, log_interval=log_interval, checkpoint_interval=0,
+                   hooks=LoopHooks(log=records.append, should_stop=syncs.after_step))
+    return syncs.per_step, records
+
+
+def test_a_step_reads_the_device_once_when_it_logs_and_never_otherwise():
+    per_step, records = _syncs_per_step(torch.device("cpu"), steps=5, log_interval=2)
+    # steps 2..5: 2 and 4 log, 3 does not, 5 is the last step (always logged)
+    assert per_step == [1, 0, 1, 1]
+    assert [r["step"] for r in records] == [2, 4, 5]
+    assert all(isinstance(r["loss"], float) and isinstance(r["grad_norm"], float) for r in records)
+
+
+def test_the_counter_sees_item_float_and_tolist():
+    t = torch.ones(3)
+    with HostSyncCounter() as syncs:
+        t.sum().item()
+        float(t[0])
+        t.tolist()
+        (t * 2).add_(1)
+    assert syncs.count == 3
+
+
+@pytest.mark.parametrize("max_norm", [0.05, 100.0])
+def test_clip_equals_torch_clip_grad_norm(max_norm):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n)) for n in (3, 50, 7)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    ref = _with_grads([p.grad.clone() for p in params])
+    want = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+    got = GlobalClip(params=params)(max_norm)
+    assert got.dtype == torch.float64 and float(got) == pytest.approx(float(want), rel=1e-6)
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=0)
+
+
+def _with_grads(grads: list) -> list:
+    out = []
+    for g in grads:
+        p = torch.nn.Parameter(torch.zeros_like(g))
+        p.grad = g
+        out.append(p)
+    return out
+
+
+def test_cpu_runs_torch_default_adamw():
+    """On CPU the optimizer is torch's default for CPU tensors: the for-loop AdamW."""
+    c = _components(tiny_plan(["model.num_layers=1"]), torch.device("cpu"))
+    defaults = c.optimizer.defaults
+    assert not defaults["foreach"] and not defaults["fused"]
