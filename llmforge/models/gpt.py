@@ -24,98 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmforge.config.schema import ModelConfig
-
-
-def _like(weight: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
-    return weight if weight is None or weight.dtype == x.dtype else weight.to(x.dtype)
-
-
-class LayerNorm(nn.LayerNorm):
-    """LayerNorm in the input's dtype: 16-bit weights (gathered by FSDP in the
-    compute dtype) are cast to the fp32 residual stream."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, _like(self.weight, x), _like(self.bias, x), self.eps)
-
-
-class RMSNorm(nn.RMSNorm):
-    """RMSNorm in the input's dtype (see ``LayerNorm``)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, _like(self.weight, x), self.eps)
-
-
-def make_norm(config: ModelConfig) -> nn.Module:
-    if config.norm == "rmsnorm":
-        return RMSNorm(config.hidden_size, eps=config.norm_eps)
-    return LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.bias)
-
-
-def rope_tables(*, head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of shape [seq_len, head_dim/2] (rotation of consecutive halves)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inv_freq)
-    return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [b, heads, s, d] by position (the 'rotate half' convention of Llama/GPT-NeoX)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.head_dim = config.hidden_size // config.num_heads
-        kv_heads = config.num_kv_heads or config.num_heads
-        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * self.head_dim, bias=config.bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=config.bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=config.bias)
-        self.o_proj = nn.Linear(config.num_heads * self.head_dim, config.hidden_size, bias=config.bias)
-        self.dropout = config.dropout
-
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = self.core_attention(q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
-
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax attention; grouped-query heads share keys and values."""
-        if k.shape[1] != q.shape[1]:
-            groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        dropout = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
-
-
-class MLP(nn.Module):
-    """GELU: down(gelu(up x)). SwiGLU: down(silu(gate x) * up x)."""
-
-    def __init__(self, *, hidden_size: int, ffn_hidden_size: int, activation: str, bias: bool) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=bias) if activation == "swiglu" else None
-        self.up_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=bias)
-        self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_proj is not None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+from llmforge.models.layers import MLP, Attention, make_norm, rope_tables
+from llmforge.models.moe import MoE
 
 
 def make_mlp(config: ModelConfig, *, layer_id: int) -> nn.Module:
     moe = config.moe
     if moe.num_experts > 0 and (layer_id + 1) % moe.every == 0:
-        from llmforge.models.moe import MoE
-
         return MoE(config)
     return MLP(hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size, activation=config.activation, bias=config.bias)
 

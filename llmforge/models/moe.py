@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmforge.config.schema import ModelConfig
-from llmforge.models.gpt import MLP
+from llmforge.models.layers import MLP
 
 
 class AuxLossInjector(torch.autograd.Function):

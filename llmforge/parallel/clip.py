@@ -22,10 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from llmforge.parallel.dtensor import local
 
 
 @dataclass
@@ -49,7 +46,7 @@ class GlobalClip:
         norm = self.norm(grads)
         if max_norm > 0 and grads:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for dtype, tensors in _by_dtype([_local(g) for g in grads]).items():
+            for dtype, tensors in _by_dtype([local(g) for g in grads]).items():
                 torch._foreach_mul_(tensors, coef.to(dtype))
         return norm
 
@@ -59,10 +56,10 @@ class GlobalClip:
         for p in self.params:
             if p.grad is None or id(p) in self.skip:
                 continue
-            local = _local(p.grad)
-            buckets.setdefault((self._copies(p), local.dtype), []).append(local)
+            grad = local(p.grad)
+            buckets.setdefault((self._copies(p), grad.dtype), []).append(grad)
         held = grads or self.params  # a rank may hold no gradient; its zero still joins the all-reduce
-        device = _local(held[0]).device if held else torch.device("cpu")
+        device = local(held[0]).device if held else torch.device("cpu")
         total = torch.zeros((), dtype=torch.float64, device=device)
         for (copies, _), tensors in buckets.items():
             squares = torch.stack(torch._foreach_norm(tensors)).double().square().sum()

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from llmforge.models.gpt import Attention
+from llmforge.models.layers import Attention
 
 
 def cp_positions(*, seq_len: int, cp_rank: int, cp: int, device: torch.device | None = None) -> torch.Tensor:

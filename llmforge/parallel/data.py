@@ -49,6 +49,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from llmforge.train.precision import DTYPES
+from llmforge.parallel.dtensor import local
 
 
 def mixed_precision(*, param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
@@ -147,7 +148,7 @@ class GradAllReduce:
     dtype: torch.dtype
 
     def __call__(self) -> None:
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
         for kind in sorted({g.dtype for g in grads}, key=str):
             same = [g for g in grads if g.dtype == kind]
             flat = torch.cat([g.reshape(-1) for g in same]).to(self.dtype)
@@ -157,10 +158,6 @@ class GradAllReduce:
             for g in same:
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 BUCKET_BYTES = 25 * 2**20
@@ -223,7 +220,7 @@ class BucketedGradReduce:
 
     def __post_init__(self) -> None:
         element = torch.tensor([], dtype=self.dtype).element_size()
-        sizes = [_local(p).numel() * element for p in self.params]
+        sizes = [local(p).numel() * element for p in self.params]
         self.buckets = plan_buckets(sizes, bucket_bytes=self.bucket_bytes, first_bucket_bytes=self.first_bucket_bytes)
         self._bucket_of = {i: b for b, bucket in enumerate(self.buckets) for i in bucket}
         self._armed = False
@@ -290,22 +287,22 @@ class BucketedGradReduce:
             p, part = self.params[i], flat[offset : offset + numel]
             offset += numel
             if p.grad is not None:
-                _local(p.grad).copy_(part.view_as(_local(p.grad)))
+                local(p.grad).copy_(part.view_as(local(p.grad)))
             elif flags[i] > 0:
                 p.grad = _like_param(p, part)
 
 
 def _grad_or_zeros(p: nn.Parameter) -> torch.Tensor:
     """The local gradient, or zeros of the parameter's local shape when it has none."""
-    return _local(p.grad) if p.grad is not None else torch.zeros_like(_local(p.detach()))
+    return local(p.grad) if p.grad is not None else torch.zeros_like(local(p.detach()))
 
 
 def _like_param(p: nn.Parameter, values: torch.Tensor) -> torch.Tensor:
     """A gradient for ``p`` holding ``values`` (its local part when ``p`` is a DTensor)."""
-    local = values.to(p.dtype).view_as(_local(p.detach())).clone()
+    shard = values.to(p.dtype).view_as(local(p.detach())).clone()
     if isinstance(p, DTensor):
-        return DTensor.from_local(local, device_mesh=p.device_mesh, placements=p.placements, shape=p.shape, stride=p.stride())
-    return local
+        return DTensor.from_local(shard, device_mesh=p.device_mesh, placements=p.placements, shape=p.shape, stride=p.stride())
+    return shard
 
 
 @contextlib.contextmanager

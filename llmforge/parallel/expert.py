@@ -39,9 +39,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_tensor
 
 from llmforge.models.moe import GroupedExperts, expert_mlp
+from llmforge.parallel.dtensor import local
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
@@ -60,7 +61,7 @@ class ExpertParallelExperts(GroupedExperts):
         recv_splits = received.sum(1).tolist()
         x_recv = _wait(all_to_all_single_autograd(x.contiguous(), recv_splits, send_splits, group))
         order = _source_to_expert_order(received)
-        weights = {name: _local(getattr(self, name)) for name in EXPERT_WEIGHTS}
+        weights = {name: local(getattr(self, name)) for name in EXPERT_WEIGHTS}
         y_sorted = expert_mlp(x_recv[order], received.sum(0), **weights)
         y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
         return _wait(all_to_all_single_autograd(y.contiguous(), send_splits, recv_splits, group))
@@ -70,12 +71,6 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     """Materialise a functional collective's result."""
     wait = getattr(t, "wait", None)
     return wait() if callable(wait) else t
-
-
-def _local(param: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    if param is None:
-        return None
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def _exchange_counts(counts: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
@@ -130,7 +125,7 @@ def reduce_expert_grads(model: nn.Module, *, replica_group: Optional[dist.Proces
     for param in expert_parameters(model):
         if param.grad is None:
             continue
-        grad = _local(param.grad)
+        grad = local(param.grad)
         if replica_group is not None and dist.get_world_size(replica_group) > 1:
             dist.all_reduce(grad, group=replica_group)
         grad.div_(dp_size)

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import llmforge.parallel.recompute as recompute
@@ -27,14 +26,11 @@ from llmforge.parallel.parallelize import build_parallel
 from llmforge.plan import RunPlan
 from llmforge.train.components import RankInfo
 from llmforge.train.precision import autocast
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from llmforge.parallel.dtensor import local
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
-    return _local(t).untyped_storage()
+    return local(t).untyped_storage()
 
 
 def _fsdp_params(parts: List[nn.Module]) -> Iterator[object]:

@@ -29,7 +29,8 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from llmforge.config.schema import ModelConfig
-from llmforge.models.gpt import GPT, rope_tables
+from llmforge.models.gpt import GPT
+from llmforge.models.layers import rope_tables
 from llmforge.train.precision import DTYPES, LossScaler
 from llmforge.train.step import StepOutput, eval_mode, to_device
 

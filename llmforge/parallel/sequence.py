@@ -26,7 +26,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from llmforge.parallel.dtensor import local
 
 
 # the same functional collectives DTensor uses (renamed *_single in recent torch)
@@ -85,10 +86,6 @@ def _backward(ctx: Any, grads: List[Optional[torch.Tensor]]):
 sp_column_linears.register_autograd(_backward, setup_context=_setup)
 
 
-def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class PrecomputedLinear(nn.Linear):
     """A column-parallel linear whose output its parent's pre-hook computed (the
     input it is called with only carries the whole sequence's shape)."""
@@ -117,10 +114,10 @@ def apply_sp_linears(parent: nn.Module, names: List[str], *, tp_mesh: DeviceMesh
     size = tp_mesh.size()
 
     def pre_hook(_module: nn.Module, args: tuple) -> tuple:
-        x = _local(args[0])
+        x = local(args[0])
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        weights = [_local(m.weight) for m in linears]
-        biases = [_local(m.bias) for m in linears if m.bias is not None]
+        weights = [local(m.weight) for m in linears]
+        biases = [local(m.bias) for m in linears if m.bias is not None]
         for linear, out in zip(linears, sp_column_linears(x, weights, biases, group, dtype)):
             linear.__dict__["_sp_output"] = out
         b, s, h = x.shape

@@ -42,8 +42,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from llmforge.models.gpt import GPT, MLP
+from llmforge.models.gpt import GPT
+from llmforge.models.layers import MLP
 from llmforge.parallel.sequence import apply_sp_linears
+from llmforge.parallel.dtensor import local
 
 
 def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -98,7 +100,7 @@ def sharded_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.
     """Mean next-token loss on vocab-sharded logits (call inside ``loss_context``).
     Returns a plain scalar tensor whose backward goes through the sharded logits."""
     loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
-    return loss.to_local() if isinstance(loss, DTensor) else loss
+    return local(loss)
 
 
 def loss_context(tp: int):

@@ -11,16 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from llmforge.parallel.mesh import ParallelMesh
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from llmforge.parallel.dtensor import local
 
 
 @dataclass
@@ -34,7 +29,7 @@ class TiedEmbeddingSync:
     group: Optional[dist.ProcessGroup]
 
     def __call__(self) -> None:
-        grads = [_local(p.grad) for p in self.params if p.grad is not None]
+        grads = [local(p.grad) for p in self.params if p.grad is not None]
         if not grads:
             return
         total = grads[0].clone()

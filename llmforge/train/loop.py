@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable, List, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
+from llmforge.parallel.dtensor import local
 
 from llmforge.train.components import Components
 
@@ -134,7 +134,7 @@ def _unscale_and_clip(c: Components, grad_clip: float) -> torch.Tensor:
     if factor != 1.0:
         with torch.no_grad():
             grads = [p.grad for p in c.parameters() if p.grad is not None]
-            locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+            locals_ = [local(g) for g in grads]
             if locals_:
                 torch._foreach_mul_(locals_, factor)
     return c.clip_grads(grad_clip)
