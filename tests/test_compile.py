@@ -8,11 +8,11 @@ import torch
 from llmforge.models.gpt import Block
 from llmforge.parallel.harness import rank_info, tiny_plan, train_layout
 from llmforge.parallel.recompute import CheckpointedModule
-from llmforge.train.build import build_single_process
+from llmforge.train.build import build_components
 
 
 def _blocks(plan):
-    c = build_single_process(plan, rank=rank_info(plan, device=torch.device("cpu")), sampler=None)
+    c = build_components(plan, rank=rank_info(plan, device=torch.device("cpu")), sampler=None)
     return list(c.model_parts[0].layers.values())
 
 

@@ -47,7 +47,7 @@ def _rank_bytes(plan: RunPlan, rank: int) -> tuple[int, int, int]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from llmforge.parallel.mesh import build_mesh
-    from llmforge.parallel.parallelize import build_parts
+    from llmforge.train.build import build_parts
     from llmforge.train.optim import build_optimizer
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
@@ -96,7 +96,7 @@ def _saved_bytes_under_tp(plan: RunPlan) -> int:
     import llmforge.parallel.recompute as recompute
     from llmforge.estimate.measure import _cached_tensors
     from llmforge.parallel.mesh import build_mesh
-    from llmforge.parallel.parallelize import build_parts
+    from llmforge.train.build import build_parts
     from llmforge.parallel.tensor import loss_context, sharded_cross_entropy
 
     caches: list = []
@@ -167,7 +167,7 @@ def test_model_states_and_saved_bytes_during_the_step_are_exact(zero, sp, recomp
 
     layout = ["parallel=dp2tp2", "parallel.sequence_parallel=true"] if sp else ["parallel=dp2"]
     plan = RunPlan.build(compose(layout + SMALL + [f"parallel.zero={zero}", f"parallel.recompute={recompute}", "precision=bf16"]))
-    from llmforge.parallel.footprint import measure_step
+    from llmforge.train.footprint import measure_step
 
     (weights, grads, states), saved = measure_step(plan)
     shape, lay, job = from_plan(plan)

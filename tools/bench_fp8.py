@@ -31,7 +31,7 @@ def train_row(overrides: Sequence[str], *, steps: int, warmup: int, prepared=Non
     from llmforge.config.compose import compose
     from llmforge.estimate.core import estimate_plan
     from llmforge.plan import RunPlan
-    from llmforge.train.build import build_single_process
+    from llmforge.train.build import build_components
     from llmforge.train.components import RankInfo
     from llmforge.train.loop import LoopHooks, train_loop
     from llmforge.train.run import make_sampler, prepare_data
@@ -43,7 +43,7 @@ def train_row(overrides: Sequence[str], *, steps: int, warmup: int, prepared=Non
         prepared = prepare_data(plan, console=Console(stderr=True))
     torch.manual_seed(plan.config.train.seed)
     torch.cuda.reset_peak_memory_stats()
-    c = build_single_process(plan, rank=RankInfo(device=torch.device("cuda", 0)), sampler=make_sampler(plan, prepared))
+    c = build_components(plan, rank=RankInfo(device=torch.device("cuda", 0)), sampler=make_sampler(plan, prepared))
     records: List[dict] = []
     train_loop(c, start_step=0, total_steps=steps, grad_clip=plan.config.optim.grad_clip, log_interval=1,
                checkpoint_interval=0, hooks=LoopHooks(log=records.append))

@@ -119,14 +119,14 @@ def plain_loop(plan, *, compiled: bool, warmup: int, steps: int, device: torch.d
 
 def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Result:
     from llmforge.parallel.harness import SyntheticSampler
-    from llmforge.train.build import build_single_process
+    from llmforge.train.build import build_components
     from llmforge.train.components import RankInfo
     from llmforge.train.loop import LoopHooks, train_loop
     from llmforge.train.syncs import StepSyncs
 
     cfg = plan.config
     sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=0)
-    c = build_single_process(plan, rank=RankInfo(device=device), sampler=sampler)
+    c = build_components(plan, rank=RankInfo(device=device), sampler=sampler)
     done = [0]
 
     def run(until: int, hooks: LoopHooks = LoopHooks()) -> None:

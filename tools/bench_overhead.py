@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from llmforge.config.compose import compose
 from llmforge.models.gpt import GPT
 from llmforge.plan import RunPlan
-from llmforge.train.build import build_single_process
+from llmforge.train.build import build_components
 from llmforge.train.components import RankInfo
 from llmforge.train.loop import LoopHooks, train_loop
 from llmforge.train.run import make_sampler, prepare_data
@@ -54,7 +54,7 @@ def plain_loop(plan: RunPlan, batches: list[torch.Tensor]) -> float:
 
 
 def llmforge_loop(plan: RunPlan, prepared, steps: int) -> float:
-    c = build_single_process(plan, rank=RankInfo(), sampler=make_sampler(plan, prepared))
+    c = build_components(plan, rank=RankInfo(), sampler=make_sampler(plan, prepared))
     started = time.perf_counter()
     cfg = plan.config
     train_loop(c, start_step=0, total_steps=steps, grad_clip=cfg.optim.grad_clip, log_interval=cfg.train.log_interval, checkpoint_interval=0, hooks=LoopHooks())

@@ -6,7 +6,7 @@ Measured: rank 0 of a ``dp``-rank data-parallel run of the recipe's model, built
 llmforge's backend in this process on torch's fake process group (shapes, dtypes
 and sharding are real, collectives do nothing), after the first of two microbatches'
 backward in the step after an optimizer step: weights (shards and gathered compute
-copies), gradients and AdamW states (``llmforge.parallel.footprint``). The sequence
+copies), gradients and AdamW states (``llmforge.train.footprint``). The sequence
 is cut to 128 tokens to keep the run short (model states do not depend on it).
 Estimated: ``llmforge estimate``'s model states for the same plan. Paper:
 Rajbhandari et al. 2020, mixed-precision Adam with K = 12, Ψ parameters, N_d ranks:
@@ -36,7 +36,7 @@ def main() -> None:
     from llmforge.config.compose import compose
     from llmforge.estimate.memory import model_states
     from llmforge.estimate.shape import from_plan
-    from llmforge.parallel.footprint import measure_step
+    from llmforge.train.footprint import measure_step
     from llmforge.plan import RunPlan
 
     print(f"recipe={args.recipe}, dp={args.dp}, param_dtype={args.precision}, reduce_dtype={args.reduce}; "

@@ -48,20 +48,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from llmforge.train.precision import DTYPES
 from llmforge.parallel.dtensor import local
 
 
-def mixed_precision(*, param_dtype: str, reduce_dtype: str) -> MixedPrecisionPolicy:
+def mixed_precision(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
     """Gather weights in ``param_dtype`` and reduce gradients in ``reduce_dtype``.
 
     Inputs are not cast: the residual stream stays fp32 and autocast decides the
     dtype of each op (norms in fp32, matmuls in the compute dtype), as with ZeRO 0."""
-    compute = None if param_dtype == "fp32" else DTYPES[param_dtype]
-    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=DTYPES[reduce_dtype], cast_forward_inputs=False)
+    compute = None if param_dtype == torch.float32 else param_dtype
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
 
 
-def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype: str, reduce_dtype: str,
+def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                expert_mesh: Optional[DeviceMesh] = None) -> None:
     """Shard ``model`` over ``dp_mesh`` with FSDP2 for ZeRO stage 1, 2 or 3.
 

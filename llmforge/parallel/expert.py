@@ -19,7 +19,7 @@ weight already receives the gradient from the tokens of every rank of its ep
 group; it must be reduced only over the ranks holding a replica of the same
 experts (the ``dp_rest`` mesh: same ep coordinate, other replica groups),
 summed and divided by the full data-parallel size. The backend does that in
-``llmforge.parallel.parallelize`` (ZeRO 0: a ``GradAllReduce`` over ``dp_rest``
+``llmforge.train.build_step`` (ZeRO 0: a ``GradAllReduce`` over ``dp_rest``
 dividing by dp) and ``llmforge.parallel.data.apply_fsdp`` (ZeRO 1-3: the experts
 in their own FSDP2 unit on ``dp_rest`` with gradient divide factor dp);
 :func:`reduce_expert_grads` is the same reduction for a hand-written loop.

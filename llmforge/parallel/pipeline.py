@@ -10,10 +10,7 @@ rank ``s % pp`` (looped schedules) or, for the V-shaped ZBV schedule, on rank
 
 from __future__ import annotations
 
-import contextlib
-import functools
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, List
 
 import torch
 import torch.distributed as dist
@@ -31,8 +28,6 @@ from torch.distributed.pipelining.schedules import (
 from llmforge.config.schema import ModelConfig
 from llmforge.models.gpt import GPT
 from llmforge.models.layers import rope_tables
-from llmforge.train.precision import DTYPES, LossScaler
-from llmforge.train.step import StepOutput, eval_mode, to_device
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -92,20 +87,6 @@ def _copy_embedding_init(model: GPT, *, seed: int) -> None:
     model.head.weight.copy_(holder.embed.weight)  # type: ignore[union-attr]
 
 
-def autocast_forward(module: nn.Module, *, param_dtype: str, device: torch.device) -> None:
-    """Run ``module``'s forward under autocast (pipeline schedules call forward themselves)."""
-    if param_dtype == "fp32":
-        return
-    inner = module.forward
-
-    @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        with torch.autocast(device_type=device.type, dtype=DTYPES[param_dtype]):
-            return inner(*args, **kwargs)
-
-    module.forward = forward  # type: ignore[method-assign]
-
-
 def build_schedule(*, name: str, modules: List[nn.Module], ids: List[int], num_stages: int, group: dist.ProcessGroup, device: torch.device, microbatches: int, loss_fn: Callable):
     """The torch pipeline schedule over this rank's chunks."""
     stages = [PipelineStage(m, i, num_stages, device, group=group) for m, i in zip(modules, ids)]
@@ -113,77 +94,3 @@ def build_schedule(*, name: str, modules: List[nn.Module], ids: List[int], num_s
     if name in SINGLE_STAGE:
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-
-
-_BACKWARD_ACTIONS = {"B", "I", "W", "SEND_B", "RECV_B", "REDUCE_GRAD"}
-
-
-@contextlib.contextmanager
-def _forward_only_order(schedule) -> Iterator[None]:
-    """The V-shaped ZBV schedule hands gradients between its two local stages even in
-    ``eval()`` (torch 2.13 then fails: the stages have no backward); run its actions
-    without the backward ones and their transfers instead (forward order unchanged)."""
-    if not isinstance(schedule, ScheduleZBVZeroBubble):
-        yield
-        return
-    full = schedule.pipeline_order_with_comms
-    schedule.pipeline_order_with_comms = {rank: [a for a in actions if a.computation_type.value not in _BACKWARD_ACTIONS] for rank, actions in full.items()}
-    try:
-        yield
-    finally:
-        schedule.pipeline_order_with_comms = full
-
-
-@dataclass
-class PipelineStep:
-    """The step seam under pipeline parallelism: one schedule run over the step's
-    microbatches. The mean loss is sent from the last stage to every rank and
-    averaged over data-parallel ranks; ``finish`` runs after backward."""
-
-    schedule: object
-    has_first: bool
-    has_last: bool
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    scaler: LossScaler
-    device: torch.device
-    pp_group: dist.ProcessGroup
-    dp_group: dist.ProcessGroup
-    dp_size: int
-    context: Callable = field(default=lambda: torch.enable_grad())
-    finish: Optional[Callable[[], None]] = None
-    modules: List[nn.Module] = field(default_factory=list)
-
-    def scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scaled(self.loss_fn(output, target))
-
-    def __call__(self, batch: torch.Tensor) -> StepOutput:
-        batch = to_device(batch, self.device)
-        losses: List[torch.Tensor] = []
-        args = (batch[:, :-1],) if self.has_first else ()
-        kwargs: Dict[str, object] = {"target": batch[:, 1:], "losses": losses} if self.has_last else {}
-        with self.context():
-            self.schedule.step(*args, **kwargs)
-        if self.finish is not None:
-            self.finish()
-        return StepOutput(loss=self._mean(losses))
-
-    def evaluate(self, batch: torch.Tensor) -> float:
-        """Forward only through the stages (the schedule's eval path): the mean loss."""
-        batch = batch.to(self.device, non_blocking=True)
-        losses: List[torch.Tensor] = []
-        args = (batch[:, :-1],) if self.has_first else ()
-        kwargs: Dict[str, object] = {"target": batch[:, 1:], "losses": losses} if self.has_last else {}
-        with eval_mode(self.modules), self.context(), _forward_only_order(self.schedule):
-            self.schedule.eval(*args, **kwargs)
-        return float(self._mean(losses))
-
-    def _mean(self, losses: List[torch.Tensor]) -> torch.Tensor:
-        """The last stage's mean microbatch loss, sent to every stage and averaged over dp
-        (a device tensor: reading it is the caller's choice)."""
-        if self.has_last:
-            local = torch.stack([x.detach().float() for x in losses]).mean() * self.scaler.unscale_factor()
-        else:
-            local = torch.zeros((), device=self.device)
-        dist.all_reduce(local, group=self.pp_group)
-        dist.all_reduce(local, group=self.dp_group)
-        return local / self.dp_size

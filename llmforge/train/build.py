@@ -1,16 +1,47 @@
-"""Build a rank's components from a plan: data, model, parallelism, optimizer."""
+"""Build a rank's components from a plan, for every layout (one process included):
+model parts, parallelism, optimizer, step runner, gradient clipping."""
 
 from __future__ import annotations
 
+from typing import List, Optional
+
 import torch
+from torch import nn
 
 from llmforge.models.gpt import GPT
-from llmforge.plan import RunPlan
 from llmforge.parallel.clip import GlobalClip
+from llmforge.parallel.mesh import ParallelMesh
+from llmforge.parallel.pipeline import build_stage_model, stage_ids
+from llmforge.parallel.tied import tied_params
+from llmforge.plan import RunPlan
+from llmforge.train.build_step import build_step
 from llmforge.train.components import Components, RankInfo
 from llmforge.train.optim import build_optimizer, build_scheduler
+from llmforge.train.parallelize import fp8_all_gather, parallelize
 from llmforge.train.precision import LossScaler
-from llmforge.train.step import GradAccumulationStep
+
+
+def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Components:
+    """This rank's components: ``rank.mesh`` is None in one process, the run's
+    ParallelMesh on a distributed rank. The loop runs every layout the same way."""
+    cfg, mesh, device = plan.config, rank.mesh, rank.device
+    parts, ids = build_parts(plan, mesh=mesh, device=device)
+    copies = _tied_copies(plan, parts=parts, ids=ids, num_stages=len(plan.layers_per_stage))
+    optimizer = _optimizer(plan, mesh=mesh, parts=parts, copies=copies)
+    scaler = build_scaler(plan)
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]
+    skip = {id(p) for p in copies if any(getattr(part, "head", None) is not None and p is part.head.weight for part in parts)}
+    return wire(plan, Components(
+        model_parts=parts,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps),
+        sampler=sampler,
+        step=build_step(plan, mesh=mesh, parts=parts, ids=ids, scaler=scaler, device=device),
+        scaler=scaler,
+        clip_grads=GlobalClip(params=params, ranks_per_stage=plan.world_size // plan.pp, skip=skip, distributed=mesh is not None),
+        rank=rank,
+        tokens_per_step=plan.tokens_per_step,
+    ))
 
 
 def build_model(plan: RunPlan, *, device: torch.device) -> GPT:
@@ -18,6 +49,23 @@ def build_model(plan: RunPlan, *, device: torch.device) -> GPT:
     model = GPT(plan.config.model)
     model.init_weights(seed=plan.config.train.seed)
     return model.to(device)
+
+
+def build_parts(plan: RunPlan, *, mesh: Optional[ParallelMesh], device: torch.device) -> tuple[List[nn.Module], List[int]]:
+    """This rank's model parts (the whole model, or its pipeline chunks) and their
+    chunk ids, parallelized."""
+    cfg = plan.config
+    if plan.pp == 1:
+        ids, parts = [0], [build_model(plan, device=device)]
+    else:
+        ids = stage_ids(pp_rank=mesh.local_rank("pp"), pp=plan.pp, virtual=plan.virtual_stages, schedule=cfg.parallel.pp_schedule)
+        parts = [
+            build_stage_model(cfg.model, stage=s, layers_per_stage=plan.layers_per_stage, seed=cfg.train.seed, device=device)
+            for s in ids
+        ]
+    for part in parts:
+        parallelize(part, plan=plan, mesh=mesh)
+    return parts, ids
 
 
 def build_scaler(plan: RunPlan) -> LossScaler:
@@ -29,42 +77,37 @@ def build_scaler(plan: RunPlan) -> LossScaler:
     )
 
 
-def build_single_process(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Components:
-    from llmforge.parallel.parallelize import parallelize
-
+def _optimizer(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Module], copies: List[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW over every part; the float8 scales of FSDP-gathered weights are
+    recomputed after each step."""
     cfg = plan.config
-    model = build_model(plan, device=rank.device)
-    parallelize(model, plan=plan, mesh=None)  # recompute and compile; every parallel degree is 1
-    optimizer = build_optimizer(model, optim=cfg.optim, lr=cfg.train.lr)
-    scaler = build_scaler(plan)
-    step = GradAccumulationStep(
-        model=model,
-        micro_batch_size=cfg.train.micro_batch_size,
-        param_dtype=cfg.precision.param_dtype,
-        scaler=scaler,
-        device=rank.device,
-    )
-    params = [p for p in model.parameters() if p.requires_grad]
-    return wire(plan, Components(
-        model_parts=[model],
-        optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps),
-        sampler=sampler,
-        step=step,
-        scaler=scaler,
-        clip_grads=GlobalClip(params=params),
-        rank=rank,
-        tokens_per_step=plan.tokens_per_step,
-    ))
+    optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr)
+    _no_decay(optimizer, copies)
+    if fp8_all_gather(plan, mesh=mesh):
+        from llmforge.parallel.float8 import precompute_scales
+
+        precompute = precompute_scales(parts)
+        optimizer.register_step_post_hook(lambda *_: precompute())
+    return optimizer
 
 
-def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Components:
-    """A single process's components, or a distributed rank's (``rank.mesh`` set)."""
-    if rank.mesh is None:
-        return build_single_process(plan, rank=rank, sampler=sampler)
-    from llmforge.parallel.parallelize import build_parallel
+def _tied_copies(plan: RunPlan, *, parts: List[nn.Module], ids: List[int], num_stages: int) -> List[nn.Parameter]:
+    if plan.pp == 1 or not plan.config.model.tie_embeddings:
+        return []
+    return tied_params(parts, first=0 in ids, last=num_stages - 1 in ids)
 
-    return wire(plan, build_parallel(plan, rank=rank, sampler=sampler))
+
+def _no_decay(optimizer: torch.optim.Optimizer, copies: List[nn.Parameter]) -> None:
+    """The last stage's copy of a tied embedding is updated as the embedding is: no decay."""
+    target = next((g for g in optimizer.param_groups if g["weight_decay"] == 0), None)
+    for group in optimizer.param_groups:
+        moved = [p for p in group["params"] if any(p is c for c in copies)]
+        if group["weight_decay"] > 0 and moved:
+            if target is None:
+                target = {**group, "params": [], "weight_decay": 0.0}
+                optimizer.add_param_group(target)
+            group["params"] = [p for p in group["params"] if all(p is not c for c in copies)]
+            target["params"].extend(moved)
 
 
 def wire(plan: RunPlan, c: Components) -> Components:

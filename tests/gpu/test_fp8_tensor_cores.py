@@ -58,7 +58,7 @@ def test_fp8_layers_are_float8_on_the_device(pair):
     if device != "cuda":
         pytest.skip("emulated on CPU")
     from llmforge.parallel.harness import tiny_plan
-    from llmforge.parallel.parallelize import parallelize
+    from llmforge.train.parallelize import parallelize
     from llmforge.train.build import build_model
 
     plan = tiny_plan(["precision.fp8=true", "precision.param_dtype=bf16", "cluster.accelerator=h100-80gb"])

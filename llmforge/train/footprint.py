@@ -5,7 +5,7 @@ with the estimate.
 
 Runs one rank in this process on torch's fake process group (collectives do
 nothing; shapes, dtypes and sharding are real) with the backend's own
-``build_parallel``.
+``build_components``.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import llmforge.parallel.recompute as recompute
 from llmforge.estimate.measure import _cached_tensors
 from llmforge.parallel.mesh import build_mesh
-from llmforge.parallel.parallelize import build_parallel
 from llmforge.plan import RunPlan
+from llmforge.train.build import build_components
 from llmforge.train.components import RankInfo
 from llmforge.train.precision import autocast
 from llmforge.parallel.dtensor import local
@@ -90,7 +90,7 @@ def measure_step(plan: RunPlan) -> Tuple[Tuple[int, int, int], int]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
         cpu, cfg = torch.device("cpu"), plan.config
-        c = build_parallel(plan, rank=RankInfo(device=cpu, mesh=build_mesh(plan, device_type="cpu")), sampler=None)
+        c = build_components(plan, rank=RankInfo(device=cpu, mesh=build_mesh(plan, device_type="cpu")), sampler=None)
         batch = torch.randint(0, cfg.model.vocab_size, (plan.config.train.global_batch_size // plan.dp, cfg.model.seq_len + 1))
         c.step(batch)
         c.optimizer.step()

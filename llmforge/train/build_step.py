@@ -1,0 +1,151 @@
+"""The step runner of a rank: a gradient-accumulation loop (one process, data,
+tensor, context and expert parallelism) or a pipeline schedule, with the
+gradient reductions and tied-embedding sync that run after its backward."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+from torch import nn
+
+from llmforge.parallel.context import cp_positions
+from llmforge.parallel.data import FIRST_BUCKET_BYTES, BucketedGradReduce, GradAllReduce, fsdp_sync, grad_sync
+from llmforge.parallel.expert import expert_parameters
+from llmforge.parallel.mesh import ParallelMesh
+from llmforge.parallel.pipeline import build_schedule, stage_ids
+from llmforge.parallel.tensor import align_grads, loss_context, sharded_cross_entropy
+from llmforge.parallel.tied import TiedEmbeddingSync, tied_group, tied_params
+from llmforge.plan import RunPlan
+from llmforge.train.parallelize import reduces_over_dp
+from llmforge.train.pipeline_step import PipelineStep, autocast_forward
+from llmforge.train.precision import DTYPES, LossScaler
+from llmforge.train.step import GradAccumulationStep, StepRunner, cross_entropy
+
+
+def build_step(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Module], ids: List[int],
+               scaler: LossScaler, device: torch.device) -> StepRunner:
+    """The step seam for this rank's layout (``mesh`` None in one process)."""
+    num_stages = len(plan.layers_per_stage)
+    reducers = _zero0_reducers(plan, mesh=mesh, parts=parts, overlap=plan.pp == 1 and plan.overlap_grad_reduce)
+    finish = _finish_hooks(plan, mesh=mesh, parts=parts, ids=ids, num_stages=num_stages, reducers=reducers)
+    if plan.pp == 1:
+        return _accumulation_step(plan, mesh=mesh, model=parts[0], scaler=scaler, device=device, finish=finish, reducers=reducers)
+    return _pipeline_step(plan, mesh=mesh, parts=parts, ids=ids, scaler=scaler, device=device, finish=finish)
+
+
+def _bucket_bytes(plan: RunPlan) -> tuple[int, int]:
+    """Bucket caps: ``parallel.bucket_mb`` and a first bucket of at most 1 MB."""
+    cap = max(1, int(plan.config.parallel.bucket_mb * 2**20))
+    return cap, min(cap, FIRST_BUCKET_BYTES)
+
+
+def _zero0_reducers(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Module], overlap: bool) -> List:
+    """ZeRO 0 gradient reductions over dp x cp (expert weights over their replicas
+    only, divided by dp): bucketed and overlapped with backward when ``overlap``,
+    else one flat all-reduce each after backward."""
+    if not reduces_over_dp(plan, mesh=mesh) or plan.config.parallel.zero != 0:
+        return []
+    dtype = DTYPES[plan.config.precision.reduce_dtype]
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]
+    experts = {id(p) for part in parts for p in expert_parameters(part)}
+    groups = [([p for p in params if id(p) not in experts], mesh.dp_cp.get_group(), plan.dp * plan.cp)]
+    if experts:
+        groups.append(([p for p in params if id(p) in experts], mesh.dp_rest.get_group(), plan.dp))
+    if not overlap:
+        return [GradAllReduce(params=ps, group=g, size=n, dtype=dtype) for ps, g, n in groups]
+    cap, first = _bucket_bytes(plan)
+    return [BucketedGradReduce(params=ps, group=g, size=n, dtype=dtype, bucket_bytes=cap, first_bucket_bytes=first) for ps, g, n in groups]
+
+
+def _finish_hooks(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Module], ids: List[int], num_stages: int, reducers: List):
+    """What runs after a step's backward: the ZeRO-0 gradient reductions (the
+    bucketed ones before the tensor-parallel gradient layout is fixed, which is the
+    same sum as after it: both are linear), then the tied-embedding sync."""
+    hooks = [r for r in reducers if isinstance(r, BucketedGradReduce)]
+    params = [p for part in parts for p in part.parameters() if p.requires_grad]
+    if plan.tp > 1:
+        hooks.append(lambda: align_grads(params))
+    hooks.extend(r for r in reducers if isinstance(r, GradAllReduce))
+    if plan.pp > 1 and plan.config.model.tie_embeddings:
+        schedule = plan.config.parallel.pp_schedule
+        last_pp = stage_ids(pp_rank=0, pp=plan.pp, virtual=plan.virtual_stages, schedule=schedule)
+        last_rank = 0 if num_stages - 1 in last_pp else (num_stages - 1) % plan.pp
+        group = tied_group(mesh, first_pp=0, last_pp=last_rank)
+        copies = tied_params(parts, first=0 in ids, last=num_stages - 1 in ids)
+        hooks.append(TiedEmbeddingSync(params=copies, group=group))
+
+    def finish() -> None:
+        for hook in hooks:
+            hook()
+
+    return finish if hooks else None
+
+
+def _dp_mean(mesh: ParallelMesh, size: int):
+    """The mean of each rank's loss over the dp x cp ranks (equal token counts)."""
+
+    def reduce(loss: torch.Tensor) -> torch.Tensor:
+        loss = loss.detach().float().clone()
+        torch.distributed.all_reduce(loss, group=mesh.dp_cp.get_group())
+        return loss / size
+
+    return reduce
+
+
+def _accumulation_step(plan: RunPlan, *, mesh: Optional[ParallelMesh], model: nn.Module, scaler, device: torch.device, finish, reducers: Optional[List] = None) -> GradAccumulationStep:
+    cfg = plan.config
+    no_sync = None
+    if reduces_over_dp(plan, mesh=mesh) and cfg.parallel.zero > 0:
+        no_sync = lambda last: fsdp_sync(model, zero=cfg.parallel.zero, last=last)  # noqa: E731
+    bucketed = [r for r in reducers or [] if isinstance(r, BucketedGradReduce)]
+    if bucketed:
+        no_sync = lambda last: grad_sync(bucketed, sync=last)  # noqa: E731
+    positions = None
+    if plan.cp > 1:
+        positions = cp_positions(seq_len=cfg.model.seq_len, cp_rank=mesh.local_rank("cp"), cp=plan.cp, device=device)
+    return GradAccumulationStep(
+        model=model,
+        micro_batch_size=cfg.train.micro_batch_size,
+        param_dtype=cfg.precision.param_dtype,
+        scaler=scaler,
+        device=device,
+        loss_fn=sharded_cross_entropy if plan.tp > 1 else cross_entropy,
+        no_sync=no_sync,
+        reduce_loss=_dp_mean(mesh, plan.dp * plan.cp) if reduces_over_dp(plan, mesh=mesh) else None,
+        loss_context=lambda: loss_context(plan.tp),
+        finish=finish,
+        positions=positions,
+    )
+
+
+def _pipeline_step(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module], ids: List[int], scaler, device: torch.device, finish) -> PipelineStep:
+    cfg = plan.config
+    num_stages = len(plan.layers_per_stage)
+    for part in parts:
+        autocast_forward(part, param_dtype=cfg.precision.param_dtype, device=device)
+    step = PipelineStep(
+        schedule=None,
+        has_first=0 in ids,
+        has_last=num_stages - 1 in ids,
+        loss_fn=sharded_cross_entropy if plan.tp > 1 else cross_entropy,
+        scaler=scaler,
+        device=device,
+        pp_group=mesh.pp.get_group(),
+        dp_group=mesh.dp.get_group(),
+        dp_size=plan.dp,
+        context=lambda: loss_context(plan.tp),
+        finish=finish,
+        modules=list(parts),
+    )
+    step.schedule = build_schedule(
+        name=cfg.parallel.pp_schedule,
+        modules=parts,
+        ids=ids,
+        num_stages=num_stages,
+        group=mesh.pp.get_group(),
+        device=device,
+        microbatches=plan.microbatches,
+        loss_fn=step.scaled_loss,
+    )
+    return step

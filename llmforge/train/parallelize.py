@@ -1,0 +1,68 @@
+"""Apply every parallelism to a model (or pipeline chunk) in the documented order.
+
+Order (as in torchtitan): float8 -> tensor parallel -> expert parallel -> context
+parallel -> activation recompute -> compile -> FSDP (over dp x cp). The model is
+built whole (or as its pipeline chunks) with the seeded initial weights first and
+sharded afterwards, so every layout starts from the same numbers. A single
+process goes through the same function with every degree 1 (no mesh).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+
+from llmforge.parallel.compile import apply_compile
+from llmforge.parallel.recompute import apply_recompute
+from llmforge.parallel.context import apply_cp
+from llmforge.parallel.data import apply_fsdp
+from llmforge.parallel.expert import apply_ep
+from llmforge.parallel.mesh import ParallelMesh
+from llmforge.parallel.tensor import apply_tp
+from llmforge.plan import RunPlan
+from llmforge.train.precision import DTYPES
+
+
+def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]) -> None:
+    """Shard one model (or pipeline chunk) in place: float8 -> TP -> EP -> CP -> recompute -> compile -> FSDP.
+    ``mesh`` may be None in one process, where only float8, recompute and compile apply."""
+    p = plan.config.parallel
+    if plan.config.precision.fp8:
+        from llmforge.parallel.float8 import apply_float8
+
+        apply_float8(model, recipe=plan.config.precision.fp8_recipe, emulate=plan.config.precision.fp8_emulate, fsdp_all_gather=fp8_all_gather(plan, mesh=mesh))
+    if plan.tp > 1:
+        apply_tp(model, tp_mesh=mesh.tp, sequence_parallel=p.sequence_parallel)
+    if plan.ep > 1:
+        apply_ep(model, ep_mesh=mesh.ep)
+    if plan.cp > 1:
+        apply_cp(model, cp_mesh=mesh.cp)
+    if p.recompute != "none":
+        apply_recompute(model, mode=p.recompute, every=p.recompute_every)
+    if plan.config.train.compile:
+        apply_compile(model)
+    if uses_fsdp(plan, mesh=mesh):
+        experts = mesh.dp_rest if plan.ep > 1 else None
+        precision = plan.config.precision
+        apply_fsdp(model, dp_mesh=mesh.fsdp, zero=p.zero, param_dtype=DTYPES[precision.param_dtype],
+                   reduce_dtype=DTYPES[precision.reduce_dtype], expert_mesh=experts)
+
+
+def uses_fsdp(plan: RunPlan, *, mesh: Optional[ParallelMesh]) -> bool:
+    """ZeRO 1-3 on a distributed rank that reduces over its data-parallel group: FSDP2 shards the model."""
+    return plan.config.parallel.zero > 0 and reduces_over_dp(plan, mesh=mesh)
+
+
+def fp8_all_gather(plan: RunPlan, *, mesh: Optional[ParallelMesh]) -> bool:
+    """Float8 all-gather of FSDP-sharded weights: tensorwise fp8 under FSDP, unless turned off."""
+    precision = plan.config.precision
+    return precision.fp8 and precision.fp8_recipe == "tensorwise" and precision.fp8_all_gather and uses_fsdp(plan, mesh=mesh)
+
+
+def reduces_over_dp(plan: RunPlan, *, mesh: Optional[ParallelMesh]) -> bool:
+    """Whether a distributed rank (``mesh`` set) shards (ZeRO) and reduces gradients and the loss
+    over its data-parallel group: when dp x cp > 1, and also for a one-rank plan
+    started through torchrun (``cluster.launcher=torchrun``), whose groups of one
+    take the multi-GPU code path (FSDP2, bucketed all-reduce) so one GPU checks it."""
+    return mesh is not None and (plan.dp * plan.cp > 1 or plan.world_size == 1)

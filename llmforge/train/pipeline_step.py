@@ -1,0 +1,106 @@
+"""The step seam under pipeline parallelism: one ``torch.distributed.pipelining``
+schedule run over the step's microbatches (``llmforge.parallel.pipeline`` builds
+the chunks and the schedule)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+from llmforge.train.precision import DTYPES, LossScaler
+from llmforge.train.step import StepOutput, eval_mode, to_device
+
+
+def autocast_forward(module: nn.Module, *, param_dtype: str, device: torch.device) -> None:
+    """Run ``module``'s forward under autocast (pipeline schedules call forward themselves)."""
+    if param_dtype == "fp32":
+        return
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        with torch.autocast(device_type=device.type, dtype=DTYPES[param_dtype]):
+            return inner(*args, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+
+
+_BACKWARD_ACTIONS = {"B", "I", "W", "SEND_B", "RECV_B", "REDUCE_GRAD"}
+
+
+@contextlib.contextmanager
+def _forward_only_order(schedule) -> Iterator[None]:
+    """The V-shaped ZBV schedule hands gradients between its two local stages even in
+    ``eval()`` (torch 2.13 then fails: the stages have no backward); run its actions
+    without the backward ones and their transfers instead (forward order unchanged)."""
+    if not isinstance(schedule, ScheduleZBVZeroBubble):
+        yield
+        return
+    full = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = {rank: [a for a in actions if a.computation_type.value not in _BACKWARD_ACTIONS] for rank, actions in full.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = full
+
+
+@dataclass
+class PipelineStep:
+    """The step seam under pipeline parallelism: one schedule run over the step's
+    microbatches. The mean loss is sent from the last stage to every rank and
+    averaged over data-parallel ranks; ``finish`` runs after backward."""
+
+    schedule: object
+    has_first: bool
+    has_last: bool
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    scaler: LossScaler
+    device: torch.device
+    pp_group: dist.ProcessGroup
+    dp_group: dist.ProcessGroup
+    dp_size: int
+    context: Callable = field(default=lambda: torch.enable_grad())
+    finish: Optional[Callable[[], None]] = None
+    modules: List[nn.Module] = field(default_factory=list)
+
+    def scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scaled(self.loss_fn(output, target))
+
+    def __call__(self, batch: torch.Tensor) -> StepOutput:
+        batch = to_device(batch, self.device)
+        losses: List[torch.Tensor] = []
+        args = (batch[:, :-1],) if self.has_first else ()
+        kwargs: Dict[str, object] = {"target": batch[:, 1:], "losses": losses} if self.has_last else {}
+        with self.context():
+            self.schedule.step(*args, **kwargs)
+        if self.finish is not None:
+            self.finish()
+        return StepOutput(loss=self._mean(losses))
+
+    def evaluate(self, batch: torch.Tensor) -> float:
+        """Forward only through the stages (the schedule's eval path): the mean loss."""
+        batch = batch.to(self.device, non_blocking=True)
+        losses: List[torch.Tensor] = []
+        args = (batch[:, :-1],) if self.has_first else ()
+        kwargs: Dict[str, object] = {"target": batch[:, 1:], "losses": losses} if self.has_last else {}
+        with eval_mode(self.modules), self.context(), _forward_only_order(self.schedule):
+            self.schedule.eval(*args, **kwargs)
+        return float(self._mean(losses))
+
+    def _mean(self, losses: List[torch.Tensor]) -> torch.Tensor:
+        """The last stage's mean microbatch loss, sent to every stage and averaged over dp
+        (a device tensor: reading it is the caller's choice)."""
+        if self.has_last:
+            local = torch.stack([x.detach().float() for x in losses]).mean() * self.scaler.unscale_factor()
+        else:
+            local = torch.zeros((), device=self.device)
+        dist.all_reduce(local, group=self.pp_group)
+        dist.all_reduce(local, group=self.dp_group)
+        return local / self.dp_size
