@@ -1,7 +1,7 @@
 """llmforge against a plain PyTorch loop on one GPU, same shape, in one process.
 
     python tools/bench_gpu.py [--model gpt-125m] [--micro-batch 8] [--steps 30] [--warmup 10]
-                              [--modes eager compiled] [--rounds 1] [overrides...]
+                              [--modes eager compiled] [--rounds 1] [--fp8] [overrides...]
 
 The plain loop is what a user writes: a nanoGPT-style model of the same shape (fused
 q/k/v projection, SDPA, tanh-GELU, LayerNorm, learned positions, tied embeddings),
@@ -15,7 +15,10 @@ Printed per mode: tokens/s of each (over the timed steps after the warm-up, betw
 two synchronisations), the ratio llmforge / plain, MFU (model FLOPs as the
 estimator counts them, against the ``cluster.accelerator`` profile's bf16 peak),
 peak allocated and reserved memory, llmforge's estimate and the measured / estimate
-ratios, and llmforge's host synchronisations per step. Needs CUDA; no W&B, no network.
+ratios, and llmforge's host synchronisations per step. ``--fp8`` adds llmforge rows
+in bf16 and in fp8 (torchao tensorwise and rowwise, compiled) on the same shape:
+tokens/s, the fp8 / bf16 ratio and the loss after the same steps
+(``tools/bench_fp8.py``). Needs CUDA; no W&B, no network.
 """
 
 from __future__ import annotations
@@ -196,6 +199,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["eager", "compiled"], choices=["eager", "compiled"])
     parser.add_argument("--rounds", type=int, default=1, help="alternate plain and llmforge this many times; the best of each is kept")
     parser.add_argument("--accelerator", default="h100-80gb", help="hardware profile for MFU and the estimate")
+    parser.add_argument("--fp8", action="store_true", help="also llmforge in bf16 vs fp8 (tensorwise, rowwise), compiled")
     parser.add_argument("overrides", nargs="*", help="llmforge overrides, e.g. parallel.recompute=selective")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -215,6 +219,28 @@ def main() -> None:
             best_ours = ours if best_ours is None or ours.tokens_per_s > best_ours.tokens_per_s else best_ours
         report(plan, mode, best_plain, best_ours)
         _fresh(device)
+    if args.fp8:
+        fp8_report(args)
+
+
+def fp8_report(args: argparse.Namespace) -> None:
+    """llmforge bf16 against fp8 on this shape, compiled, measured one after the other here."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_fp8 import precision_rows
+
+    shape = [f"model={args.model}", f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch or args.micro_batch}",
+             "parallel=single", f"cluster.accelerator={args.accelerator}", "cluster.devices_per_node=1", "logging=quiet",
+             "logging.wandb.mode=disabled", "checkpoint.save_final=false", *args.overrides]
+    rows = precision_rows(shape, steps=args.steps + args.warmup, warmup=args.warmup)
+    print(f"
+fp8 (compiled, {args.steps + args.warmup} steps, median tokens/s after {args.warmup}):")
+    print(f"  {'':16} {'tokens/s':>10} {'vs bf16':>8} {'loss':>8} {'peak alloc':>11} {'estimate':>10}")
+    for name, row in rows.items():
+        print(f"  {name:16} {row['tokens_per_s']:10,.0f} {row.get('ratio', 1.0):8.3f} {row['loss']:8.4f} "
+              f"{row['peak_gib']:8.2f} GiB {row['estimate_tokens_per_s']:10,.0f}")
 
 
 if __name__ == "__main__":
