@@ -235,8 +235,7 @@ def fp8_report(args: argparse.Namespace) -> None:
              "parallel=single", f"cluster.accelerator={args.accelerator}", "cluster.devices_per_node=1", "logging=quiet",
              "logging.wandb.mode=disabled", "checkpoint.save_final=false", *args.overrides]
     rows = precision_rows(shape, steps=args.steps + args.warmup, warmup=args.warmup)
-    print(f"
-fp8 (compiled, {args.steps + args.warmup} steps, median tokens/s after {args.warmup}):")
+    print(f"\nfp8 (compiled, {args.steps + args.warmup} steps, median tokens/s after {args.warmup}):")
     print(f"  {'':16} {'tokens/s':>10} {'vs bf16':>8} {'loss':>8} {'peak alloc':>11} {'estimate':>10}")
     for name, row in rows.items():
         print(f"  {name:16} {row['tokens_per_s']:10,.0f} {row.get('ratio', 1.0):8.3f} {row['loss']:8.4f} "
