@@ -15,6 +15,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+from llmforge.layout import SCHEDULES
+
 
 def knob(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None) -> Any:
     """A dataclass field with a help text."""
@@ -80,7 +82,7 @@ class ParallelConfig:
         "inside a node) and all-reduce gradients across groups. 1 = shard over all of dp.",
     )
     sequence_parallel: bool = knob(False, help="Shard norm and dropout activations along the sequence over tp ranks; the linears keep only the shard.")
-    pp_schedule: str = knob("1f1b", help="Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_interleaved, zbv.")
+    pp_schedule: str = knob("1f1b", help=f"Pipeline schedule: {', '.join(SCHEDULES)}.")
     pp_virtual_stages: int = knob(1, help="Model chunks per pipeline rank (interleaved schedules).")
     pp_layers: Optional[List[int]] = knob(None, help="Layers per pipeline stage for an uneven split (length pp*virtual stages).")
     recompute: str = knob("none", help="Activation recomputation: none, selective or full.")

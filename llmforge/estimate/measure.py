@@ -27,7 +27,8 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 from llmforge.estimate import activations as act
 from llmforge.estimate import flops as fl
 from llmforge.estimate.params import total_params
-from llmforge.estimate.shape import Job, Layout, shape_from_config
+from llmforge.estimate.shape import Job, shape_from_config
+from llmforge.layout import Layout
 
 REAL_LIMIT = 3e10  # parameters x tokens per microbatch beyond which fake tensors are used
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -11,7 +11,7 @@ import sys
 from typing import Any, Dict
 
 from llmforge.estimate.core import Estimate, estimate_plan
-from llmforge.estimate.hardware import GIB
+from llmforge.hardware import GIB
 
 SCHEMA = "llmforge.estimate/1"
 

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Tuple
 
 from llmforge.estimate.core import Estimate, estimate, peak_memory, stage_peaks, step_floor
-from llmforge.estimate.shape import Job, Layout, Shape
+from llmforge.estimate.shape import Job, Shape
+from llmforge.layout import Layout
 
 MAX_VIRTUAL = 8
 
@@ -245,7 +246,7 @@ def _differences(a: Layout, b: Layout) -> str:
 
 def suggestions(shape: Shape, job: Job, *, world: int, smallest: Optional[Estimate]) -> List[str]:
     """What would make a request that fits nowhere possible."""
-    from llmforge.estimate.hardware import known_profiles
+    from llmforge.hardware import known_profiles
     from llmforge.estimate.report import gib
 
     out: List[str] = []
