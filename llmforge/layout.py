@@ -16,15 +16,11 @@ This module imports no torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
+from llmforge.config.schema import RECOMPUTE_MODES, SCHEDULES, RunConfig
 from llmforge.errors import Problem
 
-if TYPE_CHECKING:
-    from llmforge.config.schema import RunConfig
-
-#: Pipeline schedule names (``parallel.pp_schedule``), as torch.distributed.pipelining runs them.
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_interleaved", "zbv")
 #: Schedules running one model chunk per pipeline rank.
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 #: Schedules running several chunks (virtual stages) per pipeline rank.
@@ -35,7 +31,6 @@ FILLING_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_interleaved", "zbv")
 ZERO_BUBBLE_SCHEDULES = ("zb_interleaved", "zbv")
 #: Schedules whose two chunks per rank form a V: rank r holds chunks r and 2 pp - 1 - r.
 V_SCHEDULES = ("zbv",)
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def chunk_rank(chunk: int, *, pp: int, v_shape: bool = False) -> int:
@@ -73,7 +68,7 @@ class Layout:
     dp_replicate: int = 1
 
     @classmethod
-    def from_config(cls, config: "RunConfig", *, dp: int) -> "Layout":
+    def from_config(cls, config: RunConfig, *, dp: int) -> "Layout":
         """The layout ``config`` asks for, with the data-parallel degree resolved."""
         p = config.parallel
         return cls(
@@ -123,7 +118,7 @@ class Layout:
         return " ".join(parts)
 
 
-def world_and_dp(config: "RunConfig") -> Tuple[int, int]:
+def world_and_dp(config: RunConfig) -> Tuple[int, int]:
     """World size and data-parallel degree (``parallel.dp=auto``: what the devices leave)."""
     p, c = config.parallel, config.cluster
     model_parallel = p.tp * p.pp * p.cp
@@ -140,7 +135,7 @@ def ints(*values: Any) -> bool:
     return all(isinstance(v, int) and not isinstance(v, bool) for v in values)
 
 
-def _dp(config: "RunConfig") -> Optional[int]:
+def _dp(config: RunConfig) -> Optional[int]:
     """The data-parallel degree, or None while the degrees themselves are invalid."""
     p = config.parallel
     if not ints(p.tp, p.pp, p.cp) or min(p.tp, p.pp, p.cp) < 1 or (p.dp != "auto" and not ints(p.dp)):
@@ -148,7 +143,7 @@ def _dp(config: "RunConfig") -> Optional[int]:
     return world_and_dp(config)[1]
 
 
-def check_world(config: "RunConfig") -> List[Problem]:
+def check_world(config: RunConfig) -> List[Problem]:
     """dp x tp x pp x cp fills the devices; tp stays inside a node."""
     p, c, out = config.parallel, config.cluster, []
     if not ints(p.tp, p.pp, p.cp) or (p.dp != "auto" and not ints(p.dp)):
@@ -167,7 +162,7 @@ def check_world(config: "RunConfig") -> List[Problem]:
     return out
 
 
-def check_tp(config: "RunConfig") -> List[Problem]:
+def check_tp(config: RunConfig) -> List[Problem]:
     """tp divides heads, kv heads, ffn and vocab; sequence parallel and cp split the sequence evenly."""
     m, p, out = config.model, config.parallel, []
     kv = m.num_kv_heads or m.num_heads
@@ -190,7 +185,7 @@ def check_tp(config: "RunConfig") -> List[Problem]:
     return out
 
 
-def check_pipeline(config: "RunConfig") -> List[Problem]:
+def check_pipeline(config: RunConfig) -> List[Problem]:
     """The layers split over pp x virtual stages; the schedule fits the virtual stages."""
     m, p, out = config.model, config.parallel, []
     if not ints(p.pp, p.pp_virtual_stages) or p.pp < 1 or p.pp_virtual_stages < 1:
@@ -211,7 +206,7 @@ def check_pipeline(config: "RunConfig") -> List[Problem]:
     return out
 
 
-def check_batch(config: "RunConfig") -> List[Problem]:
+def check_batch(config: RunConfig) -> List[Problem]:
     """The global batch splits into whole microbatches per data-parallel rank, enough to fill the pipe."""
     t, p, out = config.train, config.parallel, []
     if not ints(t.micro_batch_size, t.global_batch_size) or t.micro_batch_size < 1:
@@ -231,7 +226,7 @@ def check_batch(config: "RunConfig") -> List[Problem]:
     return out
 
 
-def check_ep(config: "RunConfig") -> List[Problem]:
+def check_ep(config: RunConfig) -> List[Problem]:
     """ep needs an MoE model, divides its experts and the dp x cp ranks of a model replica."""
     moe, p, out = config.model.moe, config.parallel, []
     if moe.num_experts < 0 or not ints(p.ep):
@@ -250,7 +245,7 @@ def check_ep(config: "RunConfig") -> List[Problem]:
     return out
 
 
-def check_hsdp(config: "RunConfig") -> List[Problem]:
+def check_hsdp(config: RunConfig) -> List[Problem]:
     """parallel.dp_replicate splits the FSDP (ZeRO 1-3) data-parallel group into replicas of a shard group."""
     p, out = config.parallel, []
     if not ints(p.dp_replicate) or p.dp_replicate <= 1 or not ints(p.tp, p.pp, p.cp) or min(p.tp, p.pp, p.cp) < 1:
@@ -268,7 +263,7 @@ def check_hsdp(config: "RunConfig") -> List[Problem]:
     return out
 
 
-def check_backend(config: "RunConfig") -> List[Problem]:
+def check_backend(config: RunConfig) -> List[Problem]:
     """Layouts the backend cannot run: context parallelism with pipelines or MoE models."""
     p, out = config.parallel, []
     if not ints(p.cp, p.pp) or p.cp <= 1:

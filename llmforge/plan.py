@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from llmforge.config.dtypes import DTYPES
-from llmforge.config.schema import RunConfig
+from llmforge.config.schema import RECOMPUTE_MODES, SCHEDULES, RunConfig
 from llmforge.config.train_rules import check_training
 from llmforge.errors import Problem, UserError, fail
 from llmforge.hardware import get_profile, is_known, unknown_problem
 from llmforge.layout import (
-    RECOMPUTE_MODES, SCHEDULES, Layout, check_backend, check_batch, check_ep, check_hsdp, check_pipeline, check_tp,
-    check_world, ints, world_and_dp,
+    Layout, check_backend, check_batch, check_ep, check_hsdp, check_pipeline, check_tp, check_world, ints, world_and_dp,
 )
 
 CHOICES: Dict[str, tuple] = {

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from llmforge.config.schema import ModelConfig, MoEConfig  # noqa: E402
-from llmforge.estimate import measure as ms  # noqa: E402
+from llmforge.parallel import measure as ms  # noqa: E402
 from llmforge.hardware import get_profile  # noqa: E402
 from llmforge.estimate.params import named_shapes  # noqa: E402
 from llmforge.estimate.shape import Job, shape_from_config  # noqa: E402

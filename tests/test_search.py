@@ -128,7 +128,7 @@ def test_cli_search_json(capsys):
     from rich.console import Console
 
     from llmforge.config.compose import compose
-    from llmforge.estimate.report import run_estimate
+    from llmforge.commands.estimate import run_estimate
     from llmforge.plan import RunPlan
 
     plan = RunPlan.build(compose(["recipe=gpt-7b", "cluster.nodes=1"]))
@@ -144,7 +144,7 @@ def test_cli_search_table_and_nothing_fits():
     from rich.console import Console
 
     from llmforge.config.compose import compose
-    from llmforge.estimate.report import run_estimate
+    from llmforge.commands.estimate import run_estimate
     from llmforge.plan import RunPlan
 
     console = Console(record=True, width=200)

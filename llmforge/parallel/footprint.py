@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import llmforge.parallel.recompute as recompute
-from llmforge.estimate.measure import _cached_tensors
+from llmforge.parallel.measure import _cached_tensors
 from llmforge.parallel.mesh import build_mesh
 from llmforge.parallel.parallelize import build_parallel
 from llmforge.plan import RunPlan

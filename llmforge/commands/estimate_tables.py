@@ -7,7 +7,7 @@ from rich.text import Text
 
 from llmforge.estimate.core import Estimate
 from llmforge.estimate.pipeline import simulate, simulated_bubble
-from llmforge.estimate.report import gib, verdict, where
+from llmforge.estimate.text import gib, verdict, where
 from llmforge.layout import ZERO_BUBBLE_SCHEDULES
 
 _PART_NAMES = {
