@@ -14,11 +14,11 @@ from llmforge.estimate import activations as act
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate.core import estimate
-from llmforge.hardware import GIB, get_profile, known_profiles
 from llmforge.estimate.memory import model_states
 from llmforge.estimate.params import total_params
 from llmforge.estimate.pipeline import bubble_fraction, inflight_microbatches, simulate, simulated_bubble
 from llmforge.estimate.shape import Job, Shape
+from llmforge.hardware import GIB, get_profile, known_profiles
 from llmforge.layout import Layout
 
 BUILTIN = ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "b200", "cpu")

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from llmforge.estimate.core import estimate
-from llmforge.hardware import get_profile
 from llmforge.estimate.search import search, search_plan, structures, why
 from llmforge.estimate.shape import Job, Shape
+from llmforge.hardware import get_profile
 from llmforge.layout import Layout
 
 # Narayanan et al. 2021, Table 1 (A100 80GB, s=2048, V=51200): heads, hidden, layers, t, p, GPUs, batch

@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmforge.estimate.shape import Job, Shape
 from llmforge.config.dtypes import DTYPE_BYTES
+from llmforge.estimate.shape import Job, Shape
 from llmforge.layout import Layout
 
 FP32 = 4

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Tuple
 
 from llmforge.estimate.core import Estimate, estimate, peak_memory, stage_peaks, step_floor
-from llmforge.estimate.text import gib
 from llmforge.estimate.shape import Job, Shape
+from llmforge.estimate.text import gib
 from llmforge.layout import Layout
 
 MAX_VIRTUAL = 8
