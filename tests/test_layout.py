@@ -84,3 +84,10 @@ def test_the_search_proposes_only_layouts_the_plan_accepts():
     with pytest.raises(UserError) as info:
         RunPlan.build(plan_config(plan, Layout(cp=2, pp=2, dp=1, micro_batch=1)))
     assert [p.key for p in info.value.problems] == ["parallel.cp"]
+
+
+def test_the_backend_runs_every_schedule_the_config_names():
+    from llmforge.config.schema import SCHEDULES
+    from llmforge.parallel.pipeline import SCHEDULES as TORCH_SCHEDULES
+
+    assert tuple(TORCH_SCHEDULES) == SCHEDULES
