@@ -18,9 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
-from llmforge.config.schema import RECOMPUTE_MODES, SCHEDULES, RunConfig
+from llmforge.config.schema import RunConfig
 from llmforge.errors import Problem
 
+# Groups of the pipeline schedule names (llmforge.config.schema.SCHEDULES) the rules use.
 #: Schedules running one model chunk per pipeline rank.
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 #: Schedules running several chunks (virtual stages) per pipeline rank.
