@@ -162,7 +162,7 @@ def estimate(
         # cluster, so a recipe's own layout cannot make the request invalid.
         overrides = [o for o in overrides or [] if not o.lstrip("+~").startswith("parallel")] + ["parallel=dp"]
     run_plan = _saved_plan(plan_file, overrides) if plan_file is not None else _build_plan(overrides, config_dir)
-    from llmforge.estimate.report import run_estimate
+    from llmforge.commands.estimate import run_estimate
 
     run_estimate(run_plan, as_json=as_json, timeline=timeline, measure=measure, search=search, top=top, console=out)
 

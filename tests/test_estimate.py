@@ -14,11 +14,12 @@ from llmforge.estimate import activations as act
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate.core import estimate
-from llmforge.estimate.hardware import GIB, get_profile, known_profiles
 from llmforge.estimate.memory import model_states
 from llmforge.estimate.params import total_params
 from llmforge.estimate.pipeline import bubble_fraction, inflight_microbatches, simulate, simulated_bubble
-from llmforge.estimate.shape import Job, Layout, Shape
+from llmforge.estimate.shape import Job, Shape
+from llmforge.hardware import GIB, get_profile, known_profiles
+from llmforge.layout import Layout
 
 BUILTIN = ("a100-40gb", "a100-80gb", "h100-80gb", "h200-141gb", "b200", "cpu")
 
@@ -279,7 +280,7 @@ def _plan(*overrides):
 def test_json_schema(capsys):
     from rich.console import Console
 
-    from llmforge.estimate.report import run_estimate
+    from llmforge.commands.estimate import run_estimate
 
     run_estimate(_plan("recipe=gpt-7b", "parallel=tp4pp2"), as_json=True, timeline=False, measure=False, search=False, top=3, console=Console())
     data = json.loads(capsys.readouterr().out)
@@ -296,7 +297,8 @@ def test_json_schema(capsys):
 def test_rich_output_with_timeline_and_short_summary():
     from rich.console import Console
 
-    from llmforge.estimate.report import run_estimate, short_summary
+    from llmforge.commands.estimate import run_estimate
+    from llmforge.estimate.report import short_summary
 
     console = Console(record=True, width=140)
     plan = _plan("recipe=gpt-1b", "parallel=tp2pp2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2")

@@ -10,11 +10,12 @@ import pytest
 from llmforge.estimate import fp8
 from llmforge.estimate.core import estimate
 from llmforge.estimate.flops import block_flops
-from llmforge.estimate.hardware import get_profile
 from llmforge.estimate.params import stage_counts
 from llmforge.estimate.pipeline import inflight_microbatches
 from llmforge.estimate.search import replicate_options, search
-from llmforge.estimate.shape import Job, Layout, Shape
+from llmforge.estimate.shape import Job, Shape
+from llmforge.hardware import get_profile
+from llmforge.layout import Layout
 
 
 def gpt(*, layers: int, hidden: int, heads: int, vocab: int = 50304, seq: int = 2048) -> Shape:

@@ -9,8 +9,9 @@ import pytest
 from llmforge.estimate import kernels as kn
 from llmforge.estimate.core import estimate
 from llmforge.estimate.flops import hardware_flops
-from llmforge.estimate.hardware import get_profile
-from llmforge.estimate.shape import Job, Layout, Shape
+from llmforge.estimate.shape import Job, Shape
+from llmforge.hardware import get_profile
+from llmforge.layout import Layout
 
 # One H100 80GB, torch 2.11, bf16 autocast, seq 2048, vocab 50304, one microbatch per step:
 # a plain PyTorch loop (fp32 weights, SDPA, fused AdamW, clip_grad_norm_, cross-entropy on

@@ -18,7 +18,7 @@ def problems_of(*overrides: str) -> str:
 def test_the_hsdp_preset_replicates_once_per_node():
     plan = RunPlan.build(compose(["recipe=llama-8b", "parallel=hsdp", "cluster=h100-node", "cluster.nodes=4"]))
     assert (plan.dp, plan.dp_replicate, plan.dp_shard, plan.config.parallel.zero) == (32, 4, 8, 3)
-    assert plan.layout == "hsdp4x8"
+    assert str(plan.layout) == "hsdp4x8"
 
 
 def test_hsdp_rules_name_the_key_and_the_fix():

@@ -1,5 +1,5 @@
 """Context parallelism: load-balanced sequence sharding, plan rules and the layouts
-the backend refuses (the numerical equivalence is in tests/test_parallel.py)."""
+the plan refuses because the backend cannot run them (the numerical equivalence is in tests/test_parallel.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import torch
 from llmforge.errors import UserError
 from llmforge.parallel.context import cp_positions
 from llmforge.parallel.harness import tiny_plan
-from llmforge.parallel.launcher import check_supported
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -32,8 +31,8 @@ def test_plan_needs_seq_len_divisible_by_twice_cp():
     assert "model.seq_len" in info.value.message() and "parallel.cp=2 x 2" in info.value.message()
 
 
-def test_context_parallel_layouts_launch():
-    assert check_supported(tiny_plan(["parallel.cp=2", "parallel.tp=2", "parallel.zero=3"])) == []
+def test_context_parallel_layouts_are_planned():
+    assert tiny_plan(["parallel.cp=2", "parallel.tp=2", "parallel.zero=3"]).cp == 2
 
 
 @pytest.mark.parametrize(
@@ -44,6 +43,7 @@ def test_context_parallel_layouts_launch():
     ],
 )
 def test_unsupported_context_parallel_combinations_are_refused_by_name(overrides, key):
-    problems = check_supported(tiny_plan(overrides))
-    assert [p.key for p in problems] == ["parallel.cp"]
-    assert key in problems[0].rule
+    with pytest.raises(UserError) as info:
+        tiny_plan(overrides)
+    assert [p.key for p in info.value.problems] == ["parallel.cp"]
+    assert key in info.value.problems[0].rule

@@ -12,8 +12,9 @@ from torch.utils._pytree import tree_flatten
 
 from llmforge.config.schema import ModelConfig, MoEConfig
 from llmforge.estimate.activations import layer_bytes
-from llmforge.estimate.hardware import get_profile
-from llmforge.estimate.shape import Job, Layout, shape_from_config
+from llmforge.estimate.shape import Job, shape_from_config
+from llmforge.hardware import get_profile
+from llmforge.layout import Layout
 from llmforge.models.gpt import GPT
 from llmforge.models.moe import moe_layers, moe_metrics
 from llmforge.parallel.recompute import CheckpointedModule, apply_recompute

@@ -7,9 +7,10 @@ import json
 import pytest
 
 from llmforge.estimate.core import estimate
-from llmforge.estimate.hardware import get_profile
 from llmforge.estimate.search import search, search_plan, structures, why
-from llmforge.estimate.shape import Job, Layout, Shape
+from llmforge.estimate.shape import Job, Shape
+from llmforge.hardware import get_profile
+from llmforge.layout import Layout
 
 # Narayanan et al. 2021, Table 1 (A100 80GB, s=2048, V=51200): heads, hidden, layers, t, p, GPUs, batch
 NARAYANAN = [
@@ -127,7 +128,7 @@ def test_cli_search_json(capsys):
     from rich.console import Console
 
     from llmforge.config.compose import compose
-    from llmforge.estimate.report import run_estimate
+    from llmforge.commands.estimate import run_estimate
     from llmforge.plan import RunPlan
 
     plan = RunPlan.build(compose(["recipe=gpt-7b", "cluster.nodes=1"]))
@@ -143,7 +144,7 @@ def test_cli_search_table_and_nothing_fits():
     from rich.console import Console
 
     from llmforge.config.compose import compose
-    from llmforge.estimate.report import run_estimate
+    from llmforge.commands.estimate import run_estimate
     from llmforge.plan import RunPlan
 
     console = Console(record=True, width=200)

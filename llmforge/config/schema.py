@@ -15,6 +15,11 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+#: Pipeline schedule names (``parallel.pp_schedule``), as torch.distributed.pipelining runs them.
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_interleaved", "zbv")
+#: Activation recomputation modes (``parallel.recompute``).
+RECOMPUTE_MODES = ("none", "selective", "full")
+
 
 def knob(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None) -> Any:
     """A dataclass field with a help text."""
@@ -80,10 +85,10 @@ class ParallelConfig:
         "inside a node) and all-reduce gradients across groups. 1 = shard over all of dp.",
     )
     sequence_parallel: bool = knob(False, help="Shard norm and dropout activations along the sequence over tp ranks; the linears keep only the shard.")
-    pp_schedule: str = knob("1f1b", help="Pipeline schedule: gpipe, 1f1b, interleaved_1f1b, looped_bfs, zb_interleaved, zbv.")
+    pp_schedule: str = knob("1f1b", help=f"Pipeline schedule: {', '.join(SCHEDULES)}.")
     pp_virtual_stages: int = knob(1, help="Model chunks per pipeline rank (interleaved schedules).")
     pp_layers: Optional[List[int]] = knob(None, help="Layers per pipeline stage for an uneven split (length pp*virtual stages).")
-    recompute: str = knob("none", help="Activation recomputation: none, selective or full.")
+    recompute: str = knob("none", help=f"Activation recomputation: {', '.join(RECOMPUTE_MODES[:-1])} or {RECOMPUTE_MODES[-1]}.")
     recompute_every: int = knob(1, help="With full recompute, checkpoint every N-th block only.")
     overlap_grad_reduce: Optional[bool] = knob(
         None,

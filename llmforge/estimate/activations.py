@@ -32,7 +32,8 @@ from functools import lru_cache
 
 from llmforge.estimate.fp8 import converted
 from llmforge.estimate.params import StageCounts, block_tensors
-from llmforge.estimate.shape import Job, Layout, Shape
+from llmforge.estimate.shape import Job, Shape
+from llmforge.layout import Layout
 
 FP32 = 4
 INT64 = 8

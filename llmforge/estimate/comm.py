@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from llmforge.estimate.shape import DTYPE_BYTES, Job, Layout, Shape
+from llmforge.config.dtypes import DTYPE_BYTES
+from llmforge.estimate.shape import Job, Shape
+from llmforge.layout import Layout
 
 FP32 = 4
 # llmforge.parallel.data.BUCKET_BYTES: ZeRO 0's gradient bucket cap

@@ -33,7 +33,8 @@ from llmforge.estimate import kernels as kn
 from llmforge.estimate.memory import StageMemory, all_stages, most_loaded
 from llmforge.estimate.params import active_params, layout_rank_params, representative_stages, stage_counts, total_params
 from llmforge.estimate.pipeline import bubble_fraction
-from llmforge.estimate.shape import Job, Layout, Shape, from_plan
+from llmforge.estimate.shape import Job, Shape, from_plan
+from llmforge.layout import Layout
 
 OPTIMIZER_BYTES_PER_PARAM = 32  # flat model: AdamW reads param, grad, two moments, writes three; clip reads grads
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from llmforge.estimate.params import StageCounts
-from llmforge.estimate.shape import Layout, Shape
+from llmforge.estimate.shape import Shape
+from llmforge.layout import Layout
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from __future__ import annotations
 from functools import lru_cache
 
 from llmforge.estimate.params import StageCounts, Tensor, block_tensors
-from llmforge.estimate.shape import Job, Layout, Shape
+from llmforge.estimate.shape import Job, Shape
+from llmforge.layout import Layout
 
 FP8 = 1
 FP32 = 4

@@ -29,7 +29,8 @@ from functools import lru_cache
 from typing import Iterable, List, Tuple
 
 from llmforge.estimate.params import Tensor, block_tensors, embedding_tensors
-from llmforge.estimate.shape import Job, Layout, Shape
+from llmforge.estimate.shape import Job, Shape
+from llmforge.layout import Layout
 
 FP32 = 4
 LOSS_CHUNK_ELEMENTS = 2**26  # llmforge.train.loss.CHUNK_ELEMENTS

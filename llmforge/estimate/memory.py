@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import List, Tuple
 
+from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate import activations as act
 from llmforge.estimate import fp8
 from llmforge.estimate.params import RankParams, block_tensors, layout_rank_params, representative_stages, stage_counts
 from llmforge.estimate.pipeline import inflight_microbatches
-from llmforge.estimate.shape import DTYPE_BYTES, Job, Layout, Shape
+from llmforge.estimate.shape import Job, Shape
+from llmforge.layout import Layout
 
 FP32 = 4
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -86,7 +88,7 @@ def groups(layout: Layout) -> Tuple[int, int]:
 def model_states(shape: Shape, layout: Layout, stage: int, job: Job) -> Tuple[int, float, float, float]:
     """See ``_compute_model_states``; memoised on the fields it depends on (the search varies the others)."""
     key = (layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.zero, layout.virtual_stages,
-           layout.pp_layers, layout.schedule == "zbv", layout.dp_replicate, job.param_dtype, job.reduce_dtype, job.fp8_all_gather, stage)
+           layout.pp_layers, layout.v_shape, layout.dp_replicate, job.param_dtype, job.reduce_dtype, job.fp8_all_gather, stage)
     return _model_states(shape, key, layout, job)
 
 

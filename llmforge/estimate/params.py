@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import List, Tuple
 
-from llmforge.estimate.shape import Layout, Shape
+from llmforge.estimate.shape import Shape
+from llmforge.layout import Layout, chunk_rank
 
 
 @dataclass(frozen=True)
@@ -114,19 +115,13 @@ def head_tensors(shape: Shape, *, separate_copy: bool) -> List[Tensor]:
 
 @lru_cache(maxsize=256)
 def stage_layers(shape: Shape, pp: int, v: int, pp_layers: Tuple[int, ...] | None, v_shape: bool = False) -> Tuple[Tuple[int, ...], ...]:
-    """Block indices held by each pipeline rank (rank r holds chunks r, r+pp, ...)."""
+    """Block indices held by each pipeline rank (its chunks: ``llmforge.layout.chunk_rank``)."""
     chunks = list(pp_layers) if pp_layers else [shape.num_layers // (pp * v)] * (pp * v)
     starts = [sum(chunks[:i]) for i in range(len(chunks))]
     ranks: List[List[int]] = [[] for _ in range(pp)]
     for c, (start, n) in enumerate(zip(starts, chunks)):
-        ranks[_chunk_rank(c, pp, v, v_shape)].extend(range(start, start + n))
+        ranks[chunk_rank(c, pp=pp, v_shape=v_shape)].extend(range(start, start + n))
     return tuple(tuple(sorted(r)) for r in ranks)
-
-
-def _chunk_rank(chunk: int, pp: int, v: int, v_shape: bool = False) -> int:
-    if v_shape:  # ZB-V: rank r holds chunks r and 2p-1-r
-        return chunk if chunk < pp else 2 * pp - 1 - chunk
-    return chunk % pp
 
 
 @lru_cache(maxsize=4096)
@@ -203,12 +198,12 @@ def rank_params(shape: Shape, *, pp: int, v: int, pp_layers, stage: int, tp: int
 def layout_rank_params(shape: Shape, layout: Layout, stage: int) -> RankParams:
     """``rank_params`` for a Layout."""
     return rank_params(shape, pp=layout.pp, v=layout.virtual_stages, pp_layers=layout.pp_layers,
-                       stage=stage, tp=layout.tp, ep=layout.ep, v_shape=layout.schedule == "zbv")
+                       stage=stage, tp=layout.tp, ep=layout.ep, v_shape=layout.v_shape)
 
 
 def layout_stage_layers(shape: Shape, layout: Layout) -> Tuple[Tuple[int, ...], ...]:
     """Block indices held by each pipeline rank under the layout's schedule."""
-    return stage_layers(shape, layout.pp, layout.virtual_stages, layout.pp_layers, layout.schedule == "zbv")
+    return stage_layers(shape, layout.pp, layout.virtual_stages, layout.pp_layers, layout.v_shape)
 
 
 def named_shapes(shape: Shape) -> dict:
@@ -260,7 +255,7 @@ def stage_counts(shape: Shape, layout: Layout) -> Tuple[StageCounts, ...]:
     if memo is not None and memo[0] is shape:
         return memo[1]
     every = layout.recompute_every if layout.recompute == "full" else 1
-    counts = _stage_counts(shape, layout.pp, layout.virtual_stages, layout.pp_layers, layout.schedule == "zbv", every)
+    counts = _stage_counts(shape, layout.pp, layout.virtual_stages, layout.pp_layers, layout.v_shape, every)
     object.__setattr__(layout, "_counts", (shape, counts))
     return counts
 

@@ -19,10 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-from llmforge.estimate.shape import Layout
-
-INTERLEAVED = ("interleaved_1f1b", "zb_interleaved")
-ZERO_BUBBLE = ("zb_interleaved", "zbv")
+from llmforge.layout import ZERO_BUBBLE_SCHEDULES, Layout, stage_ids
 
 
 def inflight_microbatches(layout: Layout, *, stage: int, microbatches: int) -> float:
@@ -71,12 +68,6 @@ class Slot:
     length: int
 
 
-def _chunk_rank(chunk: int, p: int, schedule: str) -> int:
-    if schedule == "zbv":
-        return chunk if chunk < p else 2 * p - 1 - chunk  # V shape
-    return chunk % p
-
-
 def _order(schedule: str, p: int, v: int, m: int, rank: int) -> List[Tuple[str, int, int]]:
     """The (kind, microbatch, local chunk index) sequence a rank executes."""
     if schedule == "gpipe":
@@ -109,9 +100,9 @@ def simulate(layout: Layout, microbatches: int) -> Dict[int, List[Slot]]:
     if sched == "zbv":
         return _simulate_greedy(p, m)
     nchunks = p * v
-    split = sched in ZERO_BUBBLE
+    split = sched in ZERO_BUBBLE_SCHEDULES
     orders = {r: _order(sched, p, v, m, r) for r in range(p)}
-    local = {r: [c for c in range(nchunks) if _chunk_rank(c, p, sched) == r] for r in range(p)}
+    local = {r: stage_ids(pp_rank=r, pp=p, virtual=v, schedule=sched) for r in range(p)}
     done: Dict[Tuple[str, int, int], int] = {}
     slots: Dict[int, List[Slot]] = {r: [] for r in range(p)}
     clock, pos, pending_w = [0] * p, [0] * p, {r: [] for r in range(p)}
@@ -169,7 +160,7 @@ def _simulate_greedy(p: int, m: int) -> Dict[int, List[Slot]]:
     """ZB-V: two chunks per rank in a V; each free rank runs a ready B first, then a ready F
     while it holds fewer than 2p chunk activations, else a deferred W, else idles one unit."""
     nchunks, done = 2 * p, {}
-    local = {r: (r, 2 * p - 1 - r) for r in range(p)}
+    local = {r: tuple(stage_ids(pp_rank=r, pp=p, virtual=2, schedule="zbv")) for r in range(p)}
     slots: Dict[int, List[Slot]] = {r: [] for r in range(p)}
     held, pending_w, busy_until = [0] * p, {r: [] for r in range(p)}, [0] * p
     next_f = {c: 0 for c in range(nchunks)}

@@ -1,40 +1,19 @@
-"""What ``llmforge estimate`` prints: a Rich breakdown, a JSON object, a short summary.
+"""What ``llmforge estimate`` reports: the JSON objects and the short summary.
 
 The JSON schema (``--json``, one object, memory in bytes for the most-loaded
-device) is documented in docs/estimator.md; ``as_dict`` builds it.
+device) is documented in docs/estimator.md; ``as_dict`` builds it, ``search_dict``
+the ``--search --json`` one. The Rich tables are ``llmforge.commands.estimate_tables``.
 """
 
 from __future__ import annotations
 
-import json
-import sys
 from typing import Any, Dict
 
 from llmforge.estimate.core import Estimate, estimate_plan
-from llmforge.estimate.hardware import GIB
+from llmforge.estimate.search import SearchResult, why
+from llmforge.estimate.text import duration, gib, verdict, where
 
 SCHEMA = "llmforge.estimate/1"
-
-
-def gib(n: float) -> str:
-    """Bytes as GiB text."""
-    return f"{n / GIB:,.2f} GiB"
-
-
-def verdict(est: Estimate) -> str:
-    """'fits, 12.3 GiB headroom (15%)' or 'does not fit: 4.1 GiB over 80 GiB'."""
-    cap = est.job.profile.memory_bytes
-    if est.fits:
-        return f"fits, {gib(est.headroom)} headroom ({est.headroom / cap:.0%} of {gib(cap)})"
-    return f"does not fit: {gib(-est.headroom)} over the {gib(cap)} of a {est.job.profile.name}"
-
-
-def where(est: Estimate) -> str:
-    """Which rank is the most loaded, in words."""
-    lay = est.layout
-    parts = [f"pipeline stage {est.worst.stage}"] if lay.pp > 1 else []
-    parts += [f"{n} rank 0" for n, v in (("tp", lay.tp), ("ep", lay.ep), ("dp", lay.dp)) if v > 1]
-    return ", ".join(parts) or "the only device"
 
 
 def as_dict(est: Estimate, *, recipe: str = "") -> Dict[str, Any]:
@@ -79,40 +58,26 @@ def short_summary(plan) -> tuple[str, bool]:
     text = (
         f"Estimate on {est.layout.world} x {est.job.profile.name}: {est.params_total / 1e9:.3g}B parameters, "
         f"{gib(est.worst.total)} on the most-loaded device ({where(est)}) -> {verdict(est)}. "
-        f"Step ~{_duration(est.step_s)}, {est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.0%}"
+        f"Step ~{duration(est.step_s)}, {est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.0%}"
         + (f", pipeline bubble {est.bubble:.1%}" if est.layout.pp > 1 else "") + "."
     )
     return text, est.fits
 
 
-def _duration(seconds: float) -> str:
-    if seconds < 1:
-        return f"{seconds * 1e3:.1f} ms"
-    return f"{seconds:.2f} s"
-
-
-def run_estimate(plan, *, as_json: bool, timeline: bool, measure: bool, search: bool, top: int, console) -> None:
-    """The ``llmforge estimate`` command: print the estimate (or the layout search) of ``plan``."""
-    if search:
-        from llmforge.estimate.search import run_search
-
-        run_search(plan, as_json=as_json, top=top, console=console)
-        return
-    est = estimate_plan(plan)
-    data = as_dict(est, recipe=plan.config.recipe)
-    measured = None
-    if measure:
-        from llmforge.estimate.measure import measure_plan
-
-        measured = measure_plan(plan, est)
-        data["measured"] = measured.as_dict()
-    if as_json:
-        sys.stdout.write(json.dumps(data, indent=2) + "\n")
-        return
-    from llmforge.estimate.render import render_estimate, render_measured, render_timeline
-
-    render_estimate(est, recipe=plan.config.recipe, console=console)
-    if timeline:
-        render_timeline(est, console=console)
-    if measured is not None:
-        render_measured(measured, console=console)
+def search_dict(result: SearchResult, *, plan) -> dict:
+    """The ``--search --json`` object."""
+    top = [{"rank": i + 1, "overrides": e.layout.overrides(), **as_dict(e, recipe=plan.config.recipe)} for i, e in enumerate(result.ranked)]
+    return {
+        "schema": "llmforge.search/1",
+        "recipe": plan.config.recipe,
+        "world_size": result.world,
+        "accelerator": plan.config.cluster.accelerator,
+        "evaluated": result.evaluated,
+        "fitting": result.fitting,
+        "seconds": result.seconds,
+        "layouts_per_s": result.rate,
+        "nothing_fits": not result.ranked,
+        "top": top,
+        "why": why(result.ranked[0], result.ranked[1]) if len(result.ranked) > 1 else "",
+        "suggestions": result.suggestions,
+    }

@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Tuple
 
 from llmforge.estimate.core import Estimate, estimate, peak_memory, stage_peaks, step_floor
-from llmforge.estimate.shape import Job, Layout, Shape
+from llmforge.estimate.shape import Job, Shape
+from llmforge.estimate.text import gib
+from llmforge.layout import Layout
 
 MAX_VIRTUAL = 8
 
@@ -245,8 +247,7 @@ def _differences(a: Layout, b: Layout) -> str:
 
 def suggestions(shape: Shape, job: Job, *, world: int, smallest: Optional[Estimate]) -> List[str]:
     """What would make a request that fits nowhere possible."""
-    from llmforge.estimate.hardware import known_profiles
-    from llmforge.estimate.report import gib
+    from llmforge.hardware import known_profiles
 
     out: List[str] = []
     if smallest is not None:
@@ -311,38 +312,3 @@ def _valid(plan, layout: Layout) -> bool:
     except UserError:
         return False
     return True
-
-
-def search_dict(result: SearchResult, *, plan) -> dict:
-    """The ``--search --json`` object."""
-    from llmforge.estimate.report import as_dict
-
-    top = [{"rank": i + 1, "overrides": e.layout.overrides(), **as_dict(e, recipe=plan.config.recipe)} for i, e in enumerate(result.ranked)]
-    return {
-        "schema": "llmforge.search/1",
-        "recipe": plan.config.recipe,
-        "world_size": result.world,
-        "accelerator": plan.config.cluster.accelerator,
-        "evaluated": result.evaluated,
-        "fitting": result.fitting,
-        "seconds": result.seconds,
-        "layouts_per_s": result.rate,
-        "nothing_fits": not result.ranked,
-        "top": top,
-        "why": why(result.ranked[0], result.ranked[1]) if len(result.ranked) > 1 else "",
-        "suggestions": result.suggestions,
-    }
-
-
-def run_search(plan, *, as_json: bool, top: int, console) -> None:
-    """``llmforge estimate --search``: print the ranked layouts (or why nothing fits)."""
-    import json
-    import sys
-
-    from llmforge.estimate.render import render_search
-
-    result = search_plan(plan, top=top)
-    if as_json:
-        sys.stdout.write(json.dumps(search_dict(result, plan=plan), indent=2) + "\n")
-        return
-    render_search(result, plan=plan, why_text=why(result.ranked[0], result.ranked[1]) if len(result.ranked) > 1 else "", console=console)

@@ -1,10 +1,10 @@
 """The inputs of every estimate, as small frozen dataclasses that need no Hydra.
 
-``Shape`` is the transformer (from ``model.*``), ``Layout`` the parallel
-strategy and micro batch (from ``parallel.*`` and ``train.micro_batch_size``),
-``Job`` the rest: global batch, precision, cluster and hardware. The search
-builds thousands of ``Layout`` values for one ``Shape`` and ``Job``; a
-``RunPlan`` converts with :func:`from_plan`.
+``Shape`` is the transformer (from ``model.*``), ``Job`` the rest besides the
+layout (``llmforge.layout.Layout``: parallel strategy and micro batch): global
+batch, precision, cluster and hardware. The search builds thousands of
+``Layout`` values for one ``Shape`` and ``Job``; a ``RunPlan`` converts with
+:func:`from_plan`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from llmforge.estimate.hardware import Profile, get_profile
-
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+from llmforge.config.dtypes import DTYPE_BYTES
+from llmforge.hardware import Profile, get_profile
+from llmforge.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -67,49 +67,6 @@ class Shape:
 
 
 @dataclass(frozen=True)
-class Layout:
-    """One parallel layout plus the micro batch: what the search varies."""
-
-    dp: int = 1
-    tp: int = 1
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
-    zero: int = 0
-    sequence_parallel: bool = False
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    recompute: str = "none"
-    recompute_every: int = 1
-    micro_batch: int = 1
-    pp_layers: Optional[Tuple[int, ...]] = None
-    dp_replicate: int = 1
-
-    @property
-    def dp_shard(self) -> int:
-        """Data-parallel ranks ZeRO shards over (dp / dp_replicate under HSDP)."""
-        return self.dp // self.dp_replicate
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.tp * self.pp * self.cp
-
-    def overrides(self) -> str:
-        """The command-line overrides that select this layout."""
-        parts = [
-            f"parallel.dp={self.dp}", f"parallel.tp={self.tp}", f"parallel.pp={self.pp}", f"parallel.cp={self.cp}",
-            f"parallel.ep={self.ep}", f"parallel.zero={self.zero}",
-            *([f"parallel.dp_replicate={self.dp_replicate}"] if self.dp_replicate > 1 else []),
-            f"parallel.sequence_parallel={'true' if self.sequence_parallel else 'false'}",
-            f"parallel.recompute={self.recompute}",
-        ]
-        if self.pp > 1:
-            parts += [f"parallel.pp_schedule={self.schedule}", f"parallel.pp_virtual_stages={self.virtual_stages}"]
-        parts.append(f"train.micro_batch_size={self.micro_batch}")
-        return " ".join(parts)
-
-
-@dataclass(frozen=True)
 class Job:
     """Everything besides the layout: batch, precision, cluster, hardware."""
 
@@ -154,17 +111,6 @@ def shape_from_config(model) -> Shape:
     )
 
 
-def layout_from_plan(plan) -> Layout:
-    """The Layout of a built RunPlan."""
-    p = plan.config.parallel
-    return Layout(
-        dp=plan.dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sequence_parallel=p.sequence_parallel,
-        schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages, recompute=p.recompute,
-        recompute_every=p.recompute_every, micro_batch=plan.config.train.micro_batch_size,
-        pp_layers=tuple(plan.layers_per_stage) if p.pp_layers else None, dp_replicate=p.dp_replicate,
-    )
-
-
 def job_from_plan(plan) -> Job:
     """The Job of a built RunPlan (hardware profile resolved)."""
     c = plan.config
@@ -179,4 +125,4 @@ def job_from_plan(plan) -> Job:
 
 def from_plan(plan) -> Tuple[Shape, Layout, Job]:
     """Shape, Layout and Job of a built RunPlan."""
-    return shape_from_config(plan.config.model), layout_from_plan(plan), job_from_plan(plan)
+    return shape_from_config(plan.config.model), plan.layout, job_from_plan(plan)

@@ -28,12 +28,9 @@ DEFAULT_PORT = 29500
 
 
 def check_supported(plan: RunPlan) -> List[Problem]:
-    """Layouts the plan allows but this backend cannot run, and launch settings it needs."""
+    """Launch settings a run needs (the layout's own rules, backend limits included, are
+    the plan's: ``llmforge.layout``)."""
     out = []
-    if plan.cp > 1 and plan.pp > 1:
-        out.append(Problem("parallel.cp", plan.cp, f"context parallelism is not supported with pipeline parallelism (parallel.pp={plan.pp})", "set parallel.cp=1 or parallel.pp=1"))
-    if plan.cp > 1 and plan.config.model.moe.num_experts > 0:
-        out.append(Problem("parallel.cp", plan.cp, "context parallelism is not supported with MoE models (model.moe.num_experts > 0): routing and the router losses would see only a slice of each sequence", "set parallel.cp=1 or model.moe.num_experts=0"))
     c = plan.config.cluster
     if c.nodes > 1 and c.launcher != "slurm" and not c.rdzv_endpoint:
         out.append(Problem("cluster.rdzv_endpoint", None, "a multi-node run needs a rendezvous address every node can reach", "set cluster.rdzv_endpoint=HOST:PORT (the first node) or cluster.launcher=slurm"))

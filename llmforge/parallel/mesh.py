@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from llmforge.layout import Layout
 from llmforge.plan import RunPlan
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
@@ -58,15 +59,19 @@ class ParallelMesh:
         return getattr(self, name).get_local_rank()
 
 
+def mesh_shape(layout: Layout) -> tuple:
+    """The world mesh's size along each of ``DIMS``."""
+    return (layout.pp, layout.dp_replicate, layout.dp // layout.ep // layout.dp_replicate, layout.ep, layout.cp, layout.tp)
+
+
 def build_mesh(plan: RunPlan, *, device_type: str) -> ParallelMesh:
-    """A mesh over every rank of the current process group, shaped by the plan."""
-    replicate = plan.config.parallel.dp_replicate
-    shape = (plan.pp, replicate, plan.dp // plan.ep // replicate, plan.ep, plan.cp, plan.tp)
-    world = init_device_mesh(device_type, shape, mesh_dim_names=DIMS)
+    """A mesh over every rank of the current process group, shaped by the plan's layout."""
+    layout = plan.layout
+    world = init_device_mesh(device_type, mesh_shape(layout), mesh_dim_names=DIMS)
     dp = world["dp_replicate", "dp_shard", "ep"]._flatten("dp")
-    dp_rest = world["dp_replicate", "dp_shard"]._flatten("dp_rest") if plan.ep > 1 else dp
-    dp_cp = world["dp_replicate", "dp_shard", "ep", "cp"]._flatten("dp_cp") if plan.cp > 1 else dp
-    fsdp = world["dp_replicate", "dp_shard"] if replicate > 1 else dp_cp
+    dp_rest = world["dp_replicate", "dp_shard"]._flatten("dp_rest") if layout.ep > 1 else dp
+    dp_cp = world["dp_replicate", "dp_shard", "ep", "cp"]._flatten("dp_cp") if layout.cp > 1 else dp
+    fsdp = world["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else dp_cp
     mesh = ParallelMesh(world=world, dp=dp, dp_rest=dp_rest, tp=world["tp"], pp=world["pp"], ep=world["ep"], cp=world["cp"], dp_cp=dp_cp, fsdp=fsdp)
     set_collective_timeout(mesh, seconds=first_step_timeout(plan))
     return mesh

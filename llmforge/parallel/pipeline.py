@@ -3,9 +3,10 @@
 The model is cut into ``pp x virtual_stages`` chunks of consecutive blocks
 (``plan.layers_per_stage``; the first chunk also embeds, the last also holds the
 final norm and output layer). Each chunk is a GPT with the other blocks removed,
-so parameter names are those of the full model. Chunk ``s`` runs on pipeline
-rank ``s % pp`` (looped schedules) or, for the V-shaped ZBV schedule, on rank
-``s`` for the first half and ``2 pp - 1 - s`` for the second.
+so parameter names are those of the full model. Which chunks a pipeline rank
+runs is ``llmforge.layout.stage_ids``: chunk ``s`` on rank ``s % pp`` (looped
+schedules) or, for the V-shaped ZBV schedule, on rank ``s`` for the first half
+and ``2 pp - 1 - s`` for the second.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from llmforge.config.schema import ModelConfig
+from llmforge.layout import SINGLE_STAGE_SCHEDULES
 from llmforge.models.gpt import GPT
 from llmforge.models.layers import rope_tables
 
@@ -37,14 +39,6 @@ SCHEDULES = {
     "zb_interleaved": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
 }
-SINGLE_STAGE = ("gpipe", "1f1b")
-
-
-def stage_ids(*, pp_rank: int, pp: int, virtual: int, schedule: str) -> List[int]:
-    """The pipeline chunks this pipeline rank runs, in order."""
-    if schedule == "zbv":
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(virtual)]
 
 
 def build_stage_model(config: ModelConfig, *, stage: int, layers_per_stage: List[int], seed: int, device: torch.device) -> GPT:
@@ -91,6 +85,6 @@ def build_schedule(*, name: str, modules: List[nn.Module], ids: List[int], num_s
     """The torch pipeline schedule over this rank's chunks."""
     stages = [PipelineStage(m, i, num_stages, device, group=group) for m, i in zip(modules, ids)]
     cls = SCHEDULES[name]
-    if name in SINGLE_STAGE:
+    if name in SINGLE_STAGE_SCHEDULES:
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -11,7 +11,7 @@ from torch import nn
 from llmforge.models.gpt import GPT
 from llmforge.parallel.clip import GlobalClip
 from llmforge.parallel.mesh import ParallelMesh
-from llmforge.parallel.pipeline import build_stage_model, stage_ids
+from llmforge.parallel.pipeline import build_stage_model
 from llmforge.parallel.tied import tied_params
 from llmforge.plan import RunPlan
 from llmforge.train.build_step import build_step
@@ -58,7 +58,7 @@ def build_parts(plan: RunPlan, *, mesh: Optional[ParallelMesh], device: torch.de
     if plan.pp == 1:
         ids, parts = [0], [build_model(plan, device=device)]
     else:
-        ids = stage_ids(pp_rank=mesh.local_rank("pp"), pp=plan.pp, virtual=plan.virtual_stages, schedule=cfg.parallel.pp_schedule)
+        ids = plan.layout.stage_ids(mesh.local_rank("pp"))
         parts = [
             build_stage_model(cfg.model, stage=s, layers_per_stage=plan.layers_per_stage, seed=cfg.train.seed, device=device)
             for s in ids

@@ -13,7 +13,8 @@ from llmforge.parallel.context import cp_positions
 from llmforge.parallel.data import FIRST_BUCKET_BYTES, BucketedGradReduce, GradAllReduce, fsdp_sync, grad_sync
 from llmforge.parallel.expert import expert_parameters
 from llmforge.parallel.mesh import ParallelMesh
-from llmforge.parallel.pipeline import build_schedule, stage_ids
+from llmforge.layout import chunk_rank
+from llmforge.parallel.pipeline import build_schedule
 from llmforge.parallel.tensor import align_grads, loss_context, sharded_cross_entropy
 from llmforge.parallel.tied import TiedEmbeddingSync, tied_group, tied_params
 from llmforge.plan import RunPlan
@@ -68,9 +69,7 @@ def _finish_hooks(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn
         hooks.append(lambda: align_grads(params))
     hooks.extend(r for r in reducers if isinstance(r, GradAllReduce))
     if plan.pp > 1 and plan.config.model.tie_embeddings:
-        schedule = plan.config.parallel.pp_schedule
-        last_pp = stage_ids(pp_rank=0, pp=plan.pp, virtual=plan.virtual_stages, schedule=schedule)
-        last_rank = 0 if num_stages - 1 in last_pp else (num_stages - 1) % plan.pp
+        last_rank = chunk_rank(num_stages - 1, pp=plan.pp, v_shape=plan.layout.v_shape)
         group = tied_group(mesh, first_pp=0, last_pp=last_rank)
         copies = tied_params(parts, first=0 in ids, last=num_stages - 1 in ids)
         hooks.append(TiedEmbeddingSync(params=copies, group=group))

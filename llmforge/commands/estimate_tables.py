@@ -7,7 +7,8 @@ from rich.text import Text
 
 from llmforge.estimate.core import Estimate
 from llmforge.estimate.pipeline import simulate, simulated_bubble
-from llmforge.estimate.report import gib, verdict, where
+from llmforge.estimate.text import gib, verdict, where
+from llmforge.layout import ZERO_BUBBLE_SCHEDULES
 
 _PART_NAMES = {
     "compute": "compute (matmuls, attention, memory-bound kernels)", "tp_ep_comm": "tensor-parallel + expert all-to-all",
@@ -113,7 +114,7 @@ def render_timeline(est: Estimate, *, console) -> None:
     m, slots, end = _fitting_slots(est, console.width, cell)
     colours = ["cyan", "magenta", "yellow", "green", "blue", "red"]
     console.print(f"Timeline ({lay.schedule}, {m} of {est.microbatches} microbatches; one column = one forward of one chunk; "
-                  f"F forward, B backward{', W weight gradient' if lay.schedule in ('zb_interleaved', 'zbv') else ''}, "
+                  f"F forward, B backward{', W weight gradient' if lay.schedule in ZERO_BUBBLE_SCHEDULES else ''}, "
                   f". idle{'; the letter is the model chunk on that rank' if multi else ''})")
     for rank, row in slots.items():
         line = Text(f"rank {rank:<2} ")

@@ -2,7 +2,7 @@
 
 A profile is a small YAML file: device memory, dense peak FLOP/s per dtype,
 memory bandwidth, per-device bandwidth inside a node and between nodes, and the
-devices per node. The built-in ones live in ``llmforge/estimate/profiles/``.
+devices per node. The built-in ones live in ``llmforge/hardware_profiles/``.
 Users add their own in a ``profiles/`` folder of any folder on
 ``LLMFORGE_CONFIG_PATH`` (a profile there shadows a built-in one of the same
 name), or point ``cluster.accelerator`` straight at a ``.yaml`` file.
@@ -23,12 +23,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Dict, List, Mapping
 
+from llmforge.config.dtypes import DTYPES
 from llmforge.errors import Problem, UserError, nearest
 
-BUILTIN_DIR = Path(__file__).resolve().parent / "profiles"
+BUILTIN_DIR = Path(__file__).resolve().parent / "hardware_profiles"
 GIB = 1024**3
 REQUIRED = ("name", "memory_gib", "peak_tflops", "memory_bandwidth_gbs", "intra_node_gbs", "inter_node_gbs", "devices_per_node")
-DTYPES = ("fp32", "bf16", "fp16")
 #: The step-time model's rates (see llmforge.estimate.kernels); defaults in Profile.
 SPEED_KEYS = ("matmul_efficiency", "matmul_dim", "attention_efficiency", "bandwidth_efficiency", "kernel_floor_us")
 OPTIONAL = ("runtime_reserved_gib", "comm_efficiency") + SPEED_KEYS
@@ -81,7 +81,7 @@ def _load_yaml(path: Path) -> dict:
     except (OSError, yaml.YAMLError) as exc:
         raise UserError([Problem("cluster.accelerator", str(path), f"cannot read the profile: {exc}", "fix or remove the file")]) from None
     if not isinstance(data, dict):
-        raise UserError([Problem("cluster.accelerator", str(path), "a profile must be a YAML mapping", "see llmforge/estimate/profiles/h100-80gb.yaml")])
+        raise UserError([Problem("cluster.accelerator", str(path), "a profile must be a YAML mapping", "see llmforge/hardware_profiles/h100-80gb.yaml")])
     return data
 
 

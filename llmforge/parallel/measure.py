@@ -1,7 +1,7 @@
 """``llmforge estimate --measure``: run the real model on CPU and measure what the estimate predicts.
 
-This is the only estimate module that imports torch. It measures, for one
-process and one microbatch of the plan's model:
+The estimator (``llmforge.estimate``) is arithmetic only; this runs the model
+it describes. It measures, for one process and one microbatch of the plan's model:
 
 - parameters (every tensor of ``GPT``, built on the meta device);
 - bytes saved for backward, through ``torch.autograd.graph.saved_tensors_hooks``
@@ -24,13 +24,15 @@ from typing import Dict, List, Optional
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from llmforge.config.dtypes import TORCH_NAMES
 from llmforge.estimate import activations as act
 from llmforge.estimate import flops as fl
 from llmforge.estimate.params import total_params
-from llmforge.estimate.shape import Job, Layout, shape_from_config
+from llmforge.estimate.shape import Job, shape_from_config
+from llmforge.layout import Layout
 
 REAL_LIMIT = 3e10  # parameters x tokens per microbatch beyond which fake tensors are used
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_DTYPES = {name: getattr(torch, torch_name) for name, torch_name in TORCH_NAMES.items()}
 
 
 def cpu_flop_mapping() -> dict:

@@ -1,0 +1,49 @@
+"""``llmforge estimate``: the estimate of a plan, or the layout search, as JSON or tables.
+
+Only ``--measure`` imports torch (``llmforge.parallel.measure``), and only when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from llmforge.estimate.core import estimate_plan
+from llmforge.estimate.report import as_dict, search_dict
+from llmforge.estimate.search import search_plan, why
+
+
+def run_estimate(plan, *, as_json: bool, timeline: bool, measure: bool, search: bool, top: int, console) -> None:
+    """The ``llmforge estimate`` command: print the estimate (or the layout search) of ``plan``."""
+    if search:
+        run_search(plan, as_json=as_json, top=top, console=console)
+        return
+    est = estimate_plan(plan)
+    data = as_dict(est, recipe=plan.config.recipe)
+    measured = None
+    if measure:
+        from llmforge.parallel.measure import measure_plan
+
+        measured = measure_plan(plan, est)
+        data["measured"] = measured.as_dict()
+    if as_json:
+        sys.stdout.write(json.dumps(data, indent=2) + "\n")
+        return
+    from llmforge.commands.estimate_tables import render_estimate, render_measured, render_timeline
+
+    render_estimate(est, recipe=plan.config.recipe, console=console)
+    if timeline:
+        render_timeline(est, console=console)
+    if measured is not None:
+        render_measured(measured, console=console)
+
+
+def run_search(plan, *, as_json: bool, top: int, console) -> None:
+    """``llmforge estimate --search``: print the ranked layouts (or why nothing fits)."""
+    from llmforge.commands.estimate_tables import render_search
+
+    result = search_plan(plan, top=top)
+    if as_json:
+        sys.stdout.write(json.dumps(search_dict(result, plan=plan), indent=2) + "\n")
+        return
+    render_search(result, plan=plan, why_text=why(result.ranked[0], result.ranked[1]) if len(result.ranked) > 1 else "", console=console)

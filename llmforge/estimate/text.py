@@ -1,0 +1,34 @@
+"""Estimates in words: byte sizes, the fit verdict, the most-loaded rank, durations."""
+
+from __future__ import annotations
+
+from llmforge.estimate.core import Estimate
+from llmforge.hardware import GIB
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB text."""
+    return f"{n / GIB:,.2f} GiB"
+
+
+def verdict(est: Estimate) -> str:
+    """'fits, 12.3 GiB headroom (15%)' or 'does not fit: 4.1 GiB over 80 GiB'."""
+    cap = est.job.profile.memory_bytes
+    if est.fits:
+        return f"fits, {gib(est.headroom)} headroom ({est.headroom / cap:.0%} of {gib(cap)})"
+    return f"does not fit: {gib(-est.headroom)} over the {gib(cap)} of a {est.job.profile.name}"
+
+
+def where(est: Estimate) -> str:
+    """Which rank is the most loaded, in words."""
+    lay = est.layout
+    parts = [f"pipeline stage {est.worst.stage}"] if lay.pp > 1 else []
+    parts += [f"{n} rank 0" for n, v in (("tp", lay.tp), ("ep", lay.ep), ("dp", lay.dp)) if v > 1]
+    return ", ".join(parts) or "the only device"
+
+
+def duration(seconds: float) -> str:
+    """A step time as text: milliseconds below a second."""
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"

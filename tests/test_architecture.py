@@ -1,0 +1,110 @@
+"""The package's import graph, read from the source with ``ast`` (nothing is imported):
+the light layers import no torch and nothing that runs models, and no module of them
+is part of an import cycle."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, Iterator, List, Set, Tuple
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "llmforge"
+#: Modules (and packages, by prefix) that must stay light: no torch, nothing below.
+LIGHT = ("llmforge.estimate", "llmforge.config", "llmforge.plan", "llmforge.layout", "llmforge.hardware", "llmforge.errors")
+#: What the light layers must not import.
+HEAVY = ("torch", "llmforge.train", "llmforge.parallel", "llmforge.models", "llmforge.launch", "llmforge.commands", "llmforge.cli")
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, name: str) -> Iterator[Tuple[str, int]]:
+    """Every module ``path`` imports (at any depth, lazily or not), with its line."""
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = name.split(".")[: None if is_package else -1]
+                parts = parts[: len(parts) - node.level + 1]
+                base = ".".join(parts + ([base] if base else []))
+            for alias in node.names:
+                yield f"{base}.{alias.name}", node.lineno
+
+
+@pytest.fixture(scope="module")
+def graph() -> Dict[str, List[Tuple[str, int]]]:
+    return {_module_name(p): list(_imports(p, _module_name(p))) for p in PACKAGE.rglob("*.py")}
+
+
+def _under(name: str, prefixes: Tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_the_light_layers_import_no_torch_and_nothing_that_runs_models(graph):
+    bad = [f"{m}:{line} imports {target}" for m, deps in graph.items() if _under(m, LIGHT) for target, line in deps if _under(target, HEAVY)]
+    assert not bad, "\n".join(bad)
+
+
+def _resolve(target: str, modules: Set[str]) -> str:
+    while target and target not in modules:
+        target = target.rpartition(".")[0]
+    return target
+
+
+def _cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: Dict[str, int] = {}
+    low: Dict[str, int] = {}
+    stack: List[str] = []
+    out: List[List[str]] = []
+    for start in edges:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(edges[child]))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_no_import_cycle_runs_through_the_plan_layout_estimate_or_commands(graph):
+    modules = set(graph)
+    edges = {m: {_resolve(t, modules) for t, _ in deps if t.startswith("llmforge")} - {m, ""} for m, deps in graph.items()}
+    area = LIGHT + ("llmforge.commands",)
+    cycles = [c for c in _cycles(edges) if any(_under(m, area) for m in c)]
+    assert not cycles, cycles
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
