@@ -94,7 +94,7 @@ def _saved_bytes_under_tp(plan: RunPlan) -> int:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import llmforge.parallel.recompute as recompute
-    from llmforge.parallel.measure import _cached_tensors
+    from llmforge.train.measure import _cached_tensors
     from llmforge.parallel.mesh import build_mesh
     from llmforge.train.build import build_parts
     from llmforge.parallel.tensor import loss_context, sharded_cross_entropy

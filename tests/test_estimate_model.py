@@ -12,7 +12,7 @@ from llmforge.config.schema import ModelConfig, MoEConfig  # noqa: E402
 from llmforge.estimate.params import named_shapes  # noqa: E402
 from llmforge.estimate.shape import Job, shape_from_config  # noqa: E402
 from llmforge.hardware import get_profile  # noqa: E402
-from llmforge.parallel import measure as ms  # noqa: E402
+from llmforge.train import measure as ms  # noqa: E402
 
 GPT_TINY = ModelConfig(num_layers=3, hidden_size=64, num_heads=4, ffn_hidden_size=256, vocab_size=512, seq_len=32)
 LLAMA_TINY = ModelConfig(

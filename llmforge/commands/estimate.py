@@ -1,6 +1,6 @@
 """``llmforge estimate``: the estimate of a plan, or the layout search, as JSON or tables.
 
-Only ``--measure`` imports torch (``llmforge.parallel.measure``), and only when asked.
+Only ``--measure`` imports torch (``llmforge.train.measure``), and only when asked.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ def run_estimate(plan, *, as_json: bool, timeline: bool, measure: bool, search: 
     data = as_dict(est, recipe=plan.config.recipe)
     measured = None
     if measure:
-        from llmforge.parallel.measure import measure_plan
+        from llmforge.train.measure import measure_plan
 
         measured = measure_plan(plan, est)
         data["measured"] = measured.as_dict()

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import llmforge.parallel.recompute as recompute
-from llmforge.parallel.measure import _cached_tensors
+from llmforge.train.measure import _cached_tensors
 from llmforge.parallel.mesh import build_mesh
 from llmforge.plan import RunPlan
 from llmforge.train.build import build_components

@@ -7,7 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from llmforge.config.dtypes import TORCH_NAMES
+
+#: Precision name -> torch dtype.
+DTYPES = {name: getattr(torch, torch_name) for name, torch_name in TORCH_NAMES.items()}
 
 
 def autocast(*, param_dtype: str, device: torch.device):

@@ -57,7 +57,7 @@ class RunSummary:
         if self.step_time_s is None:
             return ""
         from llmforge.estimate.core import estimate_plan
-        from llmforge.estimate.report import gib
+        from llmforge.estimate.text import gib
 
         est = estimate_plan(plan)
         parts = [f"step time {self.step_time_s / est.step_s:.2f}x ({self.step_time_s:.3g} s vs {est.step_s:.3g} s)"]

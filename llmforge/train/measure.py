@@ -24,15 +24,14 @@ from typing import Dict, List, Optional
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-from llmforge.config.dtypes import TORCH_NAMES
 from llmforge.estimate import activations as act
 from llmforge.estimate import flops as fl
 from llmforge.estimate.params import total_params
 from llmforge.estimate.shape import Job, shape_from_config
 from llmforge.layout import Layout
+from llmforge.train.precision import DTYPES
 
 REAL_LIMIT = 3e10  # parameters x tokens per microbatch beyond which fake tensors are used
-_DTYPES = {name: getattr(torch, torch_name) for name, torch_name in TORCH_NAMES.items()}
 
 
 def cpu_flop_mapping() -> dict:
@@ -110,7 +109,7 @@ def run_once(model, *, micro_batch: int, param_dtype: str, vocab: int, seq: int,
         return t
 
     tokens = torch.randint(0, vocab, (micro_batch, seq + 1))
-    cast = torch.autocast("cpu", dtype=_DTYPES[param_dtype]) if param_dtype != "fp32" else contextlib.nullcontext()
+    cast = torch.autocast("cpu", dtype=DTYPES[param_dtype]) if param_dtype != "fp32" else contextlib.nullcontext()
     counter = FlopCounterMode(display=False, custom_mapping=cpu_flop_mapping())
     with counter:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
