@@ -8,8 +8,8 @@ import torch
 
 from llmforge.errors import UserError
 from llmforge.parallel.context import cp_positions
-from llmforge.parallel.harness import tiny_plan
-from llmforge.parallel.launcher import check_supported
+from llmforge.testing.harness import tiny_plan
+from llmforge.launch.torchrun import check_supported
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

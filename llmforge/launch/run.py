@@ -1,6 +1,6 @@
 """Plan -> processes. A one-rank plan trains in this process (unless
 ``cluster.launcher=torchrun``); everything else goes through torchrun (see
-llmforge.parallel.launcher)."""
+llmforge.launch.torchrun)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
         if here:
             console.print(f"would train in this process: {plan.layout}, {plan.config.train.steps} steps into {plan.run_dir}", markup=False, highlight=False)
             return
-        from llmforge.parallel.launcher import launch_distributed
+        from llmforge.launch.torchrun import launch_distributed
 
         launch_distributed(plan, resume_from=resume_from, dry_run=True, console=console)
         return
@@ -48,7 +48,7 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
         if here:
             _run_here(plan, resume_from=resume_from, console=console)
             return
-        from llmforge.parallel.launcher import launch_distributed
+        from llmforge.launch.torchrun import launch_distributed
 
         launch_distributed(plan, resume_from=resume_from, dry_run=False, console=console)
 

@@ -1,6 +1,6 @@
 """Start a distributed run: torchrun locally or across nodes, or an sbatch script.
 
-Every rank runs ``llmforge.parallel.worker`` with the saved ``plan.json``. The
+Every rank runs ``llmforge.launch.worker`` with the saved ``plan.json``. The
 local launcher runs torchrun's elastic agent in this process, so when a rank
 fails it can show that rank's error once (user errors as the usual one-line
 message and exit code 2) instead of torchrun's per-rank report.
@@ -22,7 +22,7 @@ from rich.console import Console
 from llmforge.errors import Problem, UserError, error_text
 from llmforge.plan import RunPlan
 
-WORKER = "llmforge.parallel.worker"
+WORKER = "llmforge.launch.worker"
 RESTART_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 DEFAULT_PORT = 29500
 
@@ -148,7 +148,7 @@ def _threads(plan: RunPlan) -> int:
 def run_torchrun(argv: List[str], *, console: Console, threads: int = 1, hang_s: Optional[float] = None, env: Optional[Dict[str, str]] = None) -> None:
     """Run torchrun (``argv`` as after ``python -m torch.distributed.run``) here.
 
-    The ranks die with this process (see ``llmforge.parallel.watch``); with ``hang_s``
+    The ranks die with this process (see ``llmforge.launch.watch``); with ``hang_s``
     a rank silent for that long ends the job. On failure the root cause is shown
     once, as plain text: a user error is raised as a UserError (exit code 2),
     anything else is printed and ends the process with exit code 1."""
@@ -156,7 +156,7 @@ def run_torchrun(argv: List[str], *, console: Console, threads: int = 1, hang_s:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from llmforge.parallel.watch import ERROR_DIR_ENV, LAUNCHER_PID_ENV, RankMonitor, failure_report, read_records
+    from llmforge.launch.watch import ERROR_DIR_ENV, LAUNCHER_PID_ENV, RankMonitor, failure_report, read_records
 
     base = {LAUNCHER_PID_ENV: str(os.getpid()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     with tempfile.TemporaryDirectory(prefix="llmforge-errors-") as folder, _quiet_agent():
