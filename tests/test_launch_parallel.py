@@ -11,7 +11,8 @@ from rich.console import Console
 
 from llmforge.errors import UserError
 from llmforge.testing.harness import tiny_plan
-from llmforge.launch.torchrun import launch_distributed, run_torchrun
+from llmforge.launch.run import launch_distributed
+from llmforge.launch.torchrun import run_torchrun
 
 
 def capture() -> tuple[Console, io.StringIO]:

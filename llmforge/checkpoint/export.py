@@ -24,10 +24,10 @@ import torch
 from rich.console import Console
 
 from llmforge.checkpoint.locate import locate
-from llmforge.checkpoint.manifest import write_json
 from llmforge.checkpoint.hf_names import style_of, to_hf
 from llmforge.config.schema import ModelConfig, RunConfig
 from llmforge.errors import Problem, UserError
+from llmforge.files import write_json_atomic
 from llmforge.rundir import check_writable
 
 __all__ = ["export_checkpoint", "export_command", "hf_config", "read_model_weights", "run_tokenizer_file", "style_of"]
@@ -99,13 +99,13 @@ def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path, tokenize
     tmp.mkdir(parents=True)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", hf_config(model, style=style, dtype=dtype, eos_id=tokenizer[1] if tokenizer else None))
+        write_json_atomic(tmp / "config.json", hf_config(model, style=style, dtype=dtype, eos_id=tokenizer[1] if tokenizer else None), durable=True)
         extra = tokenizer_files(tokenizer[0], eos_id=tokenizer[1], seq_len=model.seq_len) if tokenizer else {}
         for name, content in extra.items():
             if isinstance(content, Path):
                 shutil.copyfile(content, tmp / name)
             else:
-                write_json(tmp / name, content)
+                write_json_atomic(tmp / name, content, durable=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         written = []
         for name in ("model.safetensors", "config.json", *extra):

@@ -2,9 +2,11 @@
 torchrun (one process per rank, on one node or several) or as a SLURM script.
 
 ``run``: ``launch(plan, ...)``, what every training command hands its plan to;
-``torchrun`` and ``slurm``: the command lines; ``worker``: what torchrun starts on
-each rank; ``watch``: ranks that die with their launcher and the failure report;
-``guard``: the optional check that collectives get tensors on the rank's device.
+``checks``: what is refused before anything starts; ``local``: one rank in this
+process; ``torchrun`` and ``slurm``: the command lines and the torchrun agent;
+``worker``: what torchrun starts on each rank; ``watch``: ranks that die with their
+launcher, and the failure report; ``guard``: the optional check that collectives get
+tensors on the rank's device (``LLMFORGE_CHECK_COLLECTIVES``).
 """
 
 from llmforge.launch.run import launch
