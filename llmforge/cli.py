@@ -1,5 +1,5 @@
-"""The llmforge command line. Commands parse their arguments and hand over; no
-training or estimation logic lives here, and nothing heavy is imported at start-up."""
+"""The llmforge command line: the Typer declarations. Each command parses its
+arguments and hands over to ``llmforge.commands``; nothing heavy is imported at start-up."""
 
 from __future__ import annotations
 
@@ -54,30 +54,6 @@ def user_errors(fn: Callable) -> Callable:
     return wrapper
 
 
-def _build_plan(overrides: Optional[List[str]], config_dir: Optional[List[Path]]):
-    from llmforge.config.compose import compose
-    from llmforge.plan import RunPlan
-
-    return RunPlan.build(compose(overrides or [], extra_dirs=config_dir or []))
-
-
-def _saved_plan(path: Path, overrides: Optional[List[str]]):
-    """A run's plan.json, with dotted key=value overrides applied."""
-    import json
-
-    from llmforge.errors import Problem
-    from llmforge.plan import RunPlan, config_from_dict
-
-    try:
-        saved = json.loads(path.read_text())["config"]
-        config = config_from_dict(saved, [o for o in overrides or []])
-    except FileNotFoundError:
-        raise UserError([Problem("--plan", str(path), "no such file", "point --plan at a run folder's plan.json")], title="missing plan") from None
-    except Exception as exc:  # noqa: BLE001 - a damaged file or a bad override: one message
-        raise UserError([Problem("--plan", str(path), f"cannot read the plan with these overrides ({exc})", "point --plan at a run folder's plan.json; overrides as key.path=value")], title="unreadable plan") from None
-    return RunPlan.build(config)
-
-
 @app.command()
 @user_errors
 def plan(
@@ -93,13 +69,9 @@ def plan(
 
       llmforge plan recipe=gpt-7b train.global_batch_size=2048 --json
     """
-    run_plan = _build_plan(overrides, config_dir)
-    if as_json:
-        print(run_plan.to_json())
-        return
-    from llmforge.report import show_plan
+    from llmforge.commands.inspect import plan_command
 
-    show_plan(run_plan, console=out)
+    plan_command(overrides or [], as_json=as_json, config_dir=config_dir or [], console=out)
 
 
 @app.command()
@@ -111,10 +83,9 @@ def recipes(config_dir: Optional[List[Path]] = CONFIG_DIR) -> None:
 
       llmforge recipes
     """
-    from llmforge.config.compose import available_options, config_dirs
-    from llmforge.report import show_options
+    from llmforge.commands.inspect import recipes_command
 
-    show_options(available_options(config_dirs(config_dir or [])), console=out)
+    recipes_command(config_dir=config_dir or [], console=out)
 
 
 @app.command()
@@ -126,9 +97,9 @@ def keys(prefix: str = typer.Argument("", help="Show only keys starting with thi
 
       llmforge keys parallel.
     """
-    from llmforge.report import show_keys
+    from llmforge.commands.inspect import keys_command
 
-    show_keys(prefix, console=out)
+    keys_command(prefix, console=out)
 
 
 @app.command()
@@ -157,14 +128,10 @@ def estimate(
 
       llmforge estimate --plan runs/tiny/plan.json
     """
-    if search:
-        # The layout is what the search varies: start from plain data parallelism over the
-        # cluster, so a recipe's own layout cannot make the request invalid.
-        overrides = [o for o in overrides or [] if not o.lstrip("+~").startswith("parallel")] + ["parallel=dp"]
-    run_plan = _saved_plan(plan_file, overrides) if plan_file is not None else _build_plan(overrides, config_dir)
-    from llmforge.commands.estimate import run_estimate
+    from llmforge.commands.inspect import estimate_command
 
-    run_estimate(run_plan, as_json=as_json, timeline=timeline, measure=measure, search=search, top=top, console=out)
+    estimate_command(overrides or [], plan_file=plan_file, config_dir=config_dir or [], as_json=as_json, timeline=timeline,
+                     measure=measure, search=search, top=top, console=out)
 
 
 @app.command()
@@ -190,10 +157,9 @@ def pretrain(
 
       llmforge pretrain recipe=gpt-1b parallel=tp4pp2 cluster.nodes=2 --dry-run
     """
-    run_plan = _build_plan(overrides, config_dir)
-    from llmforge.launch import launch
+    from llmforge.commands.train import pretrain_command
 
-    launch(run_plan, resume_from=None, force=force, dry_run=dry_run, console=err, overwrite=overwrite)
+    pretrain_command(overrides or [], config_dir=config_dir or [], force=force, dry_run=dry_run, overwrite=overwrite, console=err)
 
 
 @app.command()
@@ -213,11 +179,9 @@ def resume(
 
       llmforge resume ckpt=runs/tiny train.steps=400 parallel=dp2
     """
-    from llmforge.checkpoint.resume import plan_for_resume
-    from llmforge.launch import launch
+    from llmforge.commands.train import resume_command
 
-    run_plan, checkpoint = plan_for_resume(overrides or [])
-    launch(run_plan, resume_from=checkpoint, force=force, dry_run=dry_run, console=err)
+    resume_command(overrides or [], force=force, dry_run=dry_run, console=err)
 
 
 @app.command()
@@ -233,7 +197,7 @@ def export(
 
       llmforge export ckpt=runs/tiny/checkpoints/latest --out exported/tiny
     """
-    from llmforge.checkpoint.export import export_command
+    from llmforge.commands.checkpoint import export_command
 
     export_command(overrides or [], out_dir=out_dir, console=err)
 
@@ -256,7 +220,7 @@ def generate(
 
       llmforge generate ckpt=runs/tiny/checkpoints/latest --prompt "import " generate.top_k=40 generate.top_p=0.9 generate.seed=1
     """
-    from llmforge.generate import generate_command
+    from llmforge.commands.checkpoint import generate_command
 
     generate_command(overrides or [], prompt=prompt, device=device, tokenizer=tokenizer, out=out, err=err)
 
@@ -276,10 +240,9 @@ def data_prepare(
 
       llmforge data prepare data=files data.path=corpus/ data.vocab_size=32000
     """
-    from llmforge.config.compose import compose
-    from llmforge.data import prepare_command
+    from llmforge.commands.data import data_prepare_command
 
-    prepare_command(compose(overrides or [], extra_dirs=config_dir or []), force=force, console=err)
+    data_prepare_command(overrides or [], config_dir=config_dir or [], force=force, console=err)
 
 
 def main() -> None:

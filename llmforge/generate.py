@@ -96,29 +96,11 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def generate_command(overrides: List[str], *, prompt: str, device: str, tokenizer: Optional[Path], out: Console, err: Console) -> str:
-    """``llmforge generate ckpt=PATH --prompt TEXT [generate.*=...]``; returns the completion."""
-    found, config = checkpoint_config(overrides)
-    settings = config.generate
-    check_settings(settings)
-    tok, eos_id = run_tokenizer(config, tokenizer=tokenizer, console=err)
-    where = pick_device(device)
-    model = load_model(found, config=config, device=where)
-    prompt_ids = tok.encode(prompt).ids
-    if not prompt_ids:
-        raise UserError([Problem("--prompt", prompt, "encodes to no tokens", "give a non-empty prompt")], title="bad prompt")
-    mode = "greedy" if settings.temperature == 0 else f"temperature {settings.temperature:g}, top-k {settings.top_k or 'off'}, top-p {settings.top_p:g}, seed {settings.seed}"
-    err.print(f"generating up to {settings.max_tokens} tokens from {found} on {where} ({mode})", highlight=False, markup=False)
-    ids = generate_ids(model, prompt_ids, settings=settings, seq_len=config.model.seq_len, eos_id=eos_id, device=where)
-    completion = tok.decode(ids)
-    out.print(prompt + completion, highlight=False, markup=False, soft_wrap=True)
-    return completion
-
-
 def checkpoint_config(overrides: List[str]):
     """The verified checkpoint folder and its saved config with ``generate.*``/``data.cache_dir`` overrides."""
     from llmforge.checkpoint.locate import locate
-    from llmforge.checkpoint.resume import apply_overrides, saved_plan, split_ckpt
+    from llmforge.checkpoint.resume import saved_plan, split_ckpt
+    from llmforge.config.compose import compose
 
     ckpt, rest = split_ckpt(overrides)
     allowed = ("generate.", "data.cache_dir=")
@@ -126,7 +108,7 @@ def checkpoint_config(overrides: List[str]):
     if bad:
         raise UserError([Problem(o.split("=", 1)[0], o, "generate takes only ckpt=, generate.* and data.cache_dir overrides", "remove it") for o in bad], title="bad overrides")
     found = locate(ckpt)
-    return found.path, apply_overrides(saved_plan(found.path)["config"], rest)
+    return found.path, compose(rest, base=saved_plan(found.path)["config"])
 
 
 def run_tokenizer(config: RunConfig, *, tokenizer: Optional[Path], console: Console):

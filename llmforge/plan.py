@@ -157,13 +157,6 @@ class RunPlan:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
-    def save(self, path: Path) -> None:
-        """Write plan.json atomically."""
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(self.to_json())
-        tmp.replace(path)
-
     @classmethod
     def load(cls, path: Path) -> "RunPlan":
         try:

@@ -1,4 +1,5 @@
-"""The run folder: one run at a time, and folders checked writable before any work.
+"""The run folder: one run at a time, folders checked writable before any work, and
+the one writer of its ``plan.json``.
 
 ``RunLock`` holds an exclusive ``fcntl.flock`` on ``run.dir/.llmforge.lock`` for the
 run's lifetime. The kernel drops it when the holder exits, however it exits (the
@@ -16,11 +17,16 @@ import os
 import socket
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from llmforge.errors import Problem, UserError, fail
+from llmforge.files import write_text_atomic
+
+if TYPE_CHECKING:
+    from llmforge.plan import RunPlan
 
 LOCK_NAME = ".llmforge.lock"
+PLAN_NAME = "plan.json"
 
 try:
     import fcntl
@@ -122,3 +128,17 @@ def check_writable(path: Path, *, key: str) -> None:
         raise UserError([Problem(key, str(path), f"cannot write in {existing} ({exc.strerror or exc})",
                                  f"choose a {key} on a writable file system, or fix the folder's permissions")],
                         title="cannot write the output") from None
+
+
+def plan_path(plan: "RunPlan") -> Path:
+    """Where the run's plan.json lives (absolute: the ranks may start elsewhere)."""
+    return (plan.run_dir / PLAN_NAME).resolve()
+
+
+def write_plan(plan: "RunPlan") -> Path:
+    """Write the run's plan.json atomically (what the ranks, ``resume`` and
+    ``estimate --plan`` read back); returns its path."""
+    path = plan_path(plan)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, plan.to_json())
+    return path

@@ -31,7 +31,7 @@ def small_data(data_cache) -> list[str]:
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Every rank the tests start checks that its collectives get tensors on its compute
-# device (llmforge.parallel.guard): the mistake NCCL refuses and gloo hides.
+# device (llmforge.launch.guard): the mistake NCCL refuses and gloo hides.
 os.environ.setdefault("LLMFORGE_CHECK_COLLECTIVES", "1")
 
 

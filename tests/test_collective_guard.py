@@ -1,4 +1,4 @@
-"""The collective guard (llmforge.parallel.guard) that every rank the tests start runs
+"""The collective guard (llmforge.launch.guard) that every rank the tests start runs
 under: it must refuse a tensor off the rank's compute device, which on a CPU-only
 machine is shown by declaring another compute device ("meta") for a one-rank group."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from llmforge.parallel.guard import CollectiveDeviceError, CollectiveGuard
+from llmforge.launch.guard import CollectiveDeviceError, CollectiveGuard
 from llmforge.train.run import StopSignal
 
 

@@ -9,6 +9,7 @@ import pytest
 from llmforge.config.compose import available_options, compose, config_dirs
 from llmforge.errors import UserError
 from llmforge.plan import RunPlan
+from llmforge.rundir import write_plan
 
 RECIPES = sorted(available_options(config_dirs())["recipe"])
 
@@ -70,9 +71,8 @@ def test_checkpoint_async_alias():
 
 
 def test_plan_json_round_trip(tmp_path):
-    plan = build("recipe=gpt-1b", "parallel=tp4pp2")
-    plan.save(tmp_path / "plan.json")
-    again = RunPlan.load(tmp_path / "plan.json")
+    plan = build("recipe=gpt-1b", "parallel=tp4pp2", f"run.dir={tmp_path}")
+    again = RunPlan.load(write_plan(plan))
     assert again == plan
     assert json.loads(plan.to_json())["derived"]["layers_per_stage"] == [12, 12]
 

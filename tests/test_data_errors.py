@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from llmforge.commands.data import prepare_command
 from llmforge.config.schema import DataConfig, RunConfig
-from llmforge.data.command import prepare_command
 from llmforge.data.prepare import prepare
 from llmforge.data.tokenizer import token_dtype
 from llmforge.errors import UserError
+from llmforge.plan import RunPlan
 
 VOCAB = 300
 
@@ -109,7 +110,7 @@ def test_data_vocab_larger_than_model_vocab(tmp_path):
     config.data.cache_dir = str(tmp_path)
     config.data.vocab_size = config.model.vocab_size * 2
     with pytest.raises(UserError, match="model.vocab_size"):
-        prepare_command(config, force=False, console=None)
+        prepare_command(RunPlan.build(config), force=False, console=None)
 
 
 def test_tokenizer_too_large_or_unreadable(tmp_path):

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from llmforge.checkpoint import store
-from llmforge.checkpoint.export import export_command, style_of
+from llmforge.checkpoint.export import style_of
+from llmforge.commands.checkpoint import export_command
 from llmforge.config.schema import ModelConfig, RunConfig
 from llmforge.errors import UserError
 from llmforge.models.gpt import GPT

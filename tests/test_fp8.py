@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from llmforge.cli import app
 from llmforge.config.compose import compose
 from llmforge.errors import UserError
-from llmforge.parallel.harness import tiny_plan
+from llmforge.testing.harness import tiny_plan
 from llmforge.plan import RunPlan
 from llmforge.train.build import build_model
 

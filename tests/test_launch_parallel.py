@@ -10,8 +10,9 @@ import pytest
 from rich.console import Console
 
 from llmforge.errors import UserError
-from llmforge.parallel.harness import tiny_plan
-from llmforge.parallel.launcher import launch_distributed, run_torchrun
+from llmforge.testing.harness import tiny_plan
+from llmforge.launch.run import launch_distributed
+from llmforge.launch.torchrun import run_torchrun
 
 
 def capture() -> tuple[Console, io.StringIO]:
@@ -27,7 +28,7 @@ def test_slurm_dry_run_prints_the_script_and_writes_nothing(tmp_path: Path):
     assert script.startswith("#!/bin/bash")
     assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=4" in script
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
-    for part in ("torch.distributed.run", "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=$head_node:29500", "--rdzv-id=$SLURM_JOB_ID", "llmforge.parallel.worker", str(tmp_path / "run" / "plan.json"), "--resume /ckpt/step_5"):
+    for part in ("torch.distributed.run", "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=$head_node:29500", "--rdzv-id=$SLURM_JOB_ID", "llmforge.launch.worker", str(tmp_path / "run" / "plan.json"), "--resume /ckpt/step_5"):
         assert part in srun
     assert not (tmp_path / "run").exists()
 
@@ -37,7 +38,7 @@ def test_local_dry_run_prints_the_torchrun_command(tmp_path: Path):
     console, out = capture()
     launch_distributed(plan, resume_from=None, dry_run=True, console=console)
     text = out.getvalue()
-    assert "--nproc-per-node=4" in text and "--standalone" in text and "llmforge.parallel.worker" in text
+    assert "--nproc-per-node=4" in text and "--standalone" in text and "llmforge.launch.worker" in text
     assert not (tmp_path / "plan.json").exists()
 
 
@@ -55,7 +56,7 @@ def test_unsupported_layouts_are_refused_before_starting(tmp_path: Path):
 def _failing_job(tmp_path: Path, kind: str) -> list[str]:
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"layouts": {"dp2": ["parallel.dp=2"]}, "fail_rank": 1, "fail_kind": kind}))
-    return ["--standalone", "--nproc-per-node=2", "--monitor-interval=0.2", "-m", "llmforge.parallel.harness", str(spec), str(tmp_path / "out.pt")]
+    return ["--standalone", "--nproc-per-node=2", "--monitor-interval=0.2", "-m", "llmforge.testing.harness", str(spec), str(tmp_path / "out.pt")]
 
 
 def test_a_user_error_on_one_rank_ends_the_job_as_one_message(tmp_path: Path):
@@ -92,7 +93,7 @@ def test_launcher_torchrun_dry_run_starts_one_rank_through_torchrun(tmp_path: Pa
     # a vocabulary a trained tokenizer can have: pretrain checks it before launching
     launch(tiny_plan(["cluster.launcher=torchrun", "model.vocab_size=512", f"run.dir={tmp_path}"]), resume_from=None, force=False, dry_run=True, console=console)
     text = out.getvalue()
-    assert "--nproc-per-node=1" in text and "llmforge.parallel.worker" in text and "in this process" not in text
+    assert "--nproc-per-node=1" in text and "llmforge.launch.worker" in text and "in this process" not in text
 
 
 def test_launcher_torchrun_trains_one_rank_through_the_worker_as_in_process(tmp_path: Path, small_data, monkeypatch):

@@ -1,6 +1,6 @@
 """Every layout computes what one process computes (CPU, gloo, one process per rank).
 
-Each process group runs many layouts in turn (llmforge.parallel.harness), so the
+Each process group runs many layouts in turn (llmforge.testing.harness), so the
 whole matrix costs two torchrun starts."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmforge.parallel.harness import tiny_plan, train_layout
+from llmforge.testing.harness import tiny_plan, train_layout
 
 PP = ["parallel.pp=2"]
 V2 = ["parallel.pp_virtual_stages=2"]
@@ -100,7 +100,7 @@ def run_group(tmp: Path, *, nproc: int, layouts: dict) -> dict:
     spec, out = tmp / f"spec{nproc}.json", tmp / f"out{nproc}.pt"
     # overlapped ZeRO-0 reduction (off by default on CPU) over 20 kB buckets: many buckets of the tiny model
     spec.write_text(json.dumps({"base": ["parallel.overlap_grad_reduce=true", "parallel.bucket_mb=0.02"], "layouts": layouts, "count_syncs": COUNT_SYNCS}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "llmforge.parallel.harness", str(spec), str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "llmforge.testing.harness", str(spec), str(out)]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]

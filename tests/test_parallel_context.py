@@ -8,7 +8,7 @@ import torch
 
 from llmforge.errors import UserError
 from llmforge.parallel.context import cp_positions
-from llmforge.parallel.harness import tiny_plan
+from llmforge.testing.harness import tiny_plan
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from llmforge.parallel.data import BucketedGradReduce, grad_sync, plan_buckets
-from llmforge.parallel.harness import tiny_plan
+from llmforge.testing.harness import tiny_plan
 from llmforge.train.build import build_model
 from llmforge.parallel.tensor import apply_tp, loss_context, sharded_cross_entropy
 

@@ -44,7 +44,7 @@ def _phase(spec: dict, *, base: list, ids: dict):
 
     from llmforge.checkpoint.resume import plan_for_resume
     from llmforge.config.compose import compose
-    from llmforge.parallel.harness import rank_info
+    from llmforge.testing.harness import rank_info
     from llmforge.plan import RunPlan
     from llmforge.train.run import run
 
@@ -67,7 +67,7 @@ def worker(spec_path: str, out_path: str) -> None:
 
     spec = json.loads(Path(spec_path).read_text())
     dist.init_process_group("gloo")
-    from llmforge.parallel.guard import install_from_env
+    from llmforge.launch.guard import install_from_env
 
     install_from_env(__import__("torch").device("cpu"))
     ids: dict = {}

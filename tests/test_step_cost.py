@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llmforge.parallel.clip import GlobalClip
-from llmforge.parallel.harness import SyntheticSampler, rank_info, tiny_plan
+from llmforge.testing.harness import SyntheticSampler, rank_info, tiny_plan
 from llmforge.train.build import build_components
 from llmforge.train.loop import LoopHooks, train_loop
 from llmforge.train.syncs import HostSyncCounter, StepSyncs

@@ -121,7 +121,7 @@ def plain_loop(plan, *, compiled: bool, warmup: int, steps: int, device: torch.d
 
 
 def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Result:
-    from llmforge.parallel.harness import SyntheticSampler
+    from llmforge.testing.harness import SyntheticSampler
     from llmforge.train.build import build_components
     from llmforge.train.components import RankInfo
     from llmforge.train.loop import LoopHooks, train_loop

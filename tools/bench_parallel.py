@@ -4,7 +4,7 @@
 
 Every layout, the single-process baseline included, is launched the same way: a
 fresh ``torchrun`` group (``--nproc-per-node`` = the layout's ranks) running the
-harness model (llmforge.parallel.harness), each rank with ``--threads`` intra-op
+harness model (llmforge.testing.harness), each rank with ``--threads`` intra-op
 threads (OMP_NUM_THREADS, MKL_NUM_THREADS and torch's own setting). A layout
 with r ranks therefore uses r x threads threads in all, and the table says so.
 The first step (warm-up, pipeline shape inference) is left out of the timing.
@@ -33,7 +33,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from llmforge.parallel.harness import tiny_plan
+from llmforge.testing.harness import tiny_plan
 
 LAYOUTS: Dict[int, Dict[str, List[str]]] = {
     1: {"single": []},
@@ -61,7 +61,7 @@ def run_group(*, nproc: int, layouts: Dict[str, List[str]], base: List[str], thr
     """Run ``layouts`` in one fresh torchrun group of ``nproc`` ranks; rank 0's results."""
     spec, out = tmp / f"spec{nproc}.json", tmp / f"out{nproc}.pt"
     spec.write_text(json.dumps({"base": base, "layouts": layouts}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "llmforge.parallel.harness", str(spec), str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "llmforge.testing.harness", str(spec), str(out)]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **extra_env}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:

@@ -1,4 +1,4 @@
-"""``llmforge export``: a checkpoint's model in Hugging Face format.
+"""A checkpoint's model in Hugging Face format (``llmforge export``).
 
 Writes ``model.safetensors`` and ``config.json`` that ``transformers`` loads as
 ``LlamaForCausalLM`` for Llama-style models (rmsnorm, swiglu, rope; GQA and
@@ -23,14 +23,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from rich.console import Console
 
-from llmforge.checkpoint.locate import locate
-from llmforge.checkpoint.manifest import write_json
 from llmforge.checkpoint.hf_names import style_of, to_hf
 from llmforge.config.schema import ModelConfig, RunConfig
-from llmforge.errors import Problem, UserError
-from llmforge.rundir import check_writable
+from llmforge.files import write_json_atomic
 
-__all__ = ["export_checkpoint", "export_command", "hf_config", "read_model_weights", "run_tokenizer_file", "style_of"]
+__all__ = ["export_checkpoint", "hf_config", "read_model_weights", "run_tokenizer_file", "style_of"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -99,13 +96,13 @@ def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path, tokenize
     tmp.mkdir(parents=True)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json(tmp / "config.json", hf_config(model, style=style, dtype=dtype, eos_id=tokenizer[1] if tokenizer else None))
+        write_json_atomic(tmp / "config.json", hf_config(model, style=style, dtype=dtype, eos_id=tokenizer[1] if tokenizer else None), durable=True)
         extra = tokenizer_files(tokenizer[0], eos_id=tokenizer[1], seq_len=model.seq_len) if tokenizer else {}
         for name, content in extra.items():
             if isinstance(content, Path):
                 shutil.copyfile(content, tmp / name)
             else:
-                write_json(tmp / name, content)
+                write_json_atomic(tmp / name, content, durable=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         written = []
         for name in ("model.safetensors", "config.json", *extra):
@@ -124,28 +121,3 @@ def run_tokenizer_file(config: RunConfig, *, console: Optional[Console]) -> Tupl
     vocab = config.data.vocab_size or config.model.vocab_size
     prepared = prepare(data=config.data, vocab_size=vocab, seed=config.train.seed, console=console)
     return prepared.tokenizer_path, prepared.eos_id
-
-
-def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> None:
-    """``llmforge export ckpt=PATH --out DIR``."""
-    from llmforge.checkpoint.resume import saved_plan, split_ckpt
-    from llmforge.plan import config_from_dict
-
-    ckpt, rest = split_ckpt(overrides)
-    if rest:
-        raise UserError([Problem(o.split("=", 1)[0], o, "export takes no overrides besides ckpt=", "remove it") for o in rest], title="bad overrides")
-    for folder in (Path(out_dir), Path(out_dir).parent):  # the files, and the temporary folder beside them
-        check_writable(folder, key="--out")
-    found = locate(ckpt)
-    for note in found.notes:
-        console.print(note, style="yellow", markup=False, highlight=False)
-    config = config_from_dict(saved_plan(found.path)["config"])
-    style_of(config.model)  # refuse an unsupported flavour before preparing anything
-    try:
-        tokenizer: Optional[Tuple[Path, int]] = run_tokenizer_file(config, console=console)
-    except UserError as exc:
-        tokenizer = None
-        console.print(f"the run's tokenizer is not available, so the export has none: {exc.problems[0].render()}", style="yellow", markup=False, highlight=False)
-    written = export_checkpoint(found.path, model=config.model, out_dir=out_dir, tokenizer=tokenizer)
-    style = "LlamaForCausalLM" if style_of(config.model) == "llama" else "GPT2LMHeadModel"
-    console.print(f"exported {found.path} as {style}: " + ", ".join(str(p) for p in written), markup=False, highlight=False)

@@ -8,7 +8,6 @@ renamed into place; a folder without one is an interrupted save.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -16,46 +15,13 @@ from pathlib import Path
 from typing import Dict, List, Set
 
 from llmforge.errors import UserError, fail
+from llmforge.files import sha256_file, write_json_atomic
 
 MANIFEST = "manifest.json"
 TRAIN_STATE = "train_state.json"
 #: What every checkpoint holds besides tensor shards (DCP's index, the JSON state, the plan).
 REQUIRED = (".metadata", TRAIN_STATE, "plan.json")
 FORMAT = "llmforge-checkpoint/1"
-_CHUNK = 8 * 1024 * 1024
-
-
-def sha256(path: Path) -> str:
-    """Hex SHA-256 of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(_CHUNK), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def fsync_dir(path: Path) -> None:
-    """Flush a folder's entries (a rename) to disk where the OS allows it."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_json(path: Path, data: object) -> None:
-    """Write JSON durably: temporary file, fsync, rename."""
-    tmp = path.with_name(path.name + ".part")
-    with tmp.open("w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    tmp.replace(path)
 
 
 def write_manifest(folder: Path, *, step: int) -> Dict[str, dict]:
@@ -67,8 +33,8 @@ def write_manifest(folder: Path, *, step: int) -> Dict[str, dict]:
             continue
         with path.open("rb") as fh:
             os.fsync(fh.fileno())
-        files[rel] = {"size": path.stat().st_size, "sha256": sha256(path)}
-    write_json(folder / MANIFEST, {"format": FORMAT, "step": step, "files": files})
+        files[rel] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+    write_json_atomic(folder / MANIFEST, {"format": FORMAT, "step": step, "files": files}, durable=True)
     return files
 
 
@@ -107,7 +73,7 @@ def verify(folder: Path, *, checksums: bool) -> dict:
         if size != entry["size"]:
             kind = "truncated" if size < entry["size"] else "larger than recorded"
             problems.append(f"{path}: {kind} ({size} bytes, the manifest records {entry['size']})")
-        elif checksums and sha256(path) != entry["sha256"]:
+        elif checksums and sha256_file(path) != entry["sha256"]:
             problems.append(f"{path}: checksum mismatch (the file was modified or corrupted)")
     problems = problems or _step_problems(folder, data)
     if problems:

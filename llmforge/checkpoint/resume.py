@@ -1,7 +1,8 @@
 """``llmforge resume``: the saved plan, the user's overrides, and what may not change.
 
-The plan is the one stored in the checkpoint. Overrides apply on top of it:
-``GROUP=OPTION`` replaces a whole group (``parallel=dp2``), ``a.b=value`` one key.
+The plan is the one stored in the checkpoint. Overrides apply on top of it, composed
+by ``llmforge.config.compose`` with the saved config as base: ``GROUP=OPTION``
+replaces a whole group (``parallel=dp2``), ``a.b=value`` one key.
 Settings that training state depends on (model shape, data and tokenizer, seed)
 cannot change; every such difference is listed in one error before launch.
 The run continues in the checkpoint's run folder unless ``run.dir`` is given.
@@ -12,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 from rich.console import Console
 
 from llmforge.checkpoint.locate import locate
 from llmforge.checkpoint.manifest import read_train_state
+from llmforge.config.compose import compose
 from llmforge.errors import Problem, UserError, fail
 from llmforge.plan import RunPlan
 
@@ -53,34 +55,6 @@ def flatten(data: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
     return out
 
 
-def apply_overrides(saved: Dict[str, Any], overrides: List[str]) -> Any:
-    """The saved config dict with group options and dotted overrides applied, as a RunConfig."""
-    from omegaconf import OmegaConf
-
-    from llmforge.config.compose import available_options, check_overrides, config_dirs
-    from llmforge.config.schema import RunConfig
-
-    options = available_options(config_dirs())
-    checked = check_overrides(overrides, options)
-    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), saved)
-    dotted = []
-    for item in checked:
-        key, value = item.lstrip("+~").split("=", 1)
-        if key == "recipe":
-            raise UserError([Problem("recipe", value, "a resumed run keeps its recipe", "override single keys or groups instead (parallel=dp2, train.steps=400)")], title="bad overrides")
-        if key in options:
-            group = OmegaConf.merge(OmegaConf.structured(type(getattr(RunConfig(), key))), OmegaConf.load(options[key][value].path))
-            cfg[key] = group
-        else:
-            dotted.append(f"{key}={value}")
-    try:
-        if dotted:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotted))
-        return OmegaConf.to_object(cfg)
-    except Exception as exc:  # OmegaConf validation errors (wrong type, ...)
-        raise fail(f"the overrides do not apply to the saved plan: {str(exc).splitlines()[0]}", title="bad overrides") from None
-
-
 def differences(old: Any, new: Any) -> List[Problem]:
     """One problem per setting that changed but must not."""
     before, after = flatten(dataclasses.asdict(old)), flatten(dataclasses.asdict(new))
@@ -101,15 +75,10 @@ def plan_for_resume(overrides: List[str]) -> Tuple[RunPlan, Path]:
     found = locate(ckpt)
     for note in found.notes:
         console.print(note, style="yellow", markup=False, highlight=False)
-    saved = saved_plan(found.path)
-    from llmforge.config.schema import RunConfig
-    from llmforge.plan import config_from_dict
-
-    old = config_from_dict(saved["config"])
+    saved = saved_plan(found.path)["config"]
     if not any(o.split("=", 1)[0] == "run.dir" for o in rest):
         rest = [*rest, f"run.dir={found.run_dir}"]
-    new = apply_overrides(saved["config"], rest)
-    assert isinstance(new, RunConfig)
+    old, new = compose(base=saved), compose(rest, base=saved)
     step = read_train_state(found.path)["step"]
     problems = differences(old, new)
     if new.train.steps <= step:
@@ -130,3 +99,8 @@ def saved_plan(path: Path) -> Dict[str, Any]:
         return data
     except (OSError, ValueError) as exc:
         raise fail(f"{path / 'plan.json'}: unreadable ({exc})", title="damaged checkpoint") from None
+
+
+def checkpoint_plan(path: Path, overrides: Sequence[str] = ()) -> RunPlan:
+    """The plan a checkpoint was saved with, ``overrides`` applied (export, generate)."""
+    return RunPlan.build(compose(list(overrides), base=saved_plan(path)["config"]))

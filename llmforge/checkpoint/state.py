@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from llmforge.checkpoint.manifest import write_json
+from llmforge.files import write_json_atomic
 
 RNG_DIR = "rng"
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
@@ -75,7 +75,7 @@ def save_rng(folder: Path, *, rank: int) -> None:
         state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
     out = folder / RNG_DIR
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / f"rank_{rank:05d}.json", state)
+    write_json_atomic(out / f"rank_{rank:05d}.json", state, durable=True)
 
 
 def saved_world_size(folder: Path) -> int:

@@ -34,10 +34,11 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from llmforge.checkpoint.manifest import MANIFEST, fsync_dir, read_train_state, verify, write_json, write_manifest
+from llmforge.checkpoint.manifest import MANIFEST, read_train_state, verify, write_manifest
 from llmforge.checkpoint.safe_reader import SafeReader, load_metadata
 from llmforge.checkpoint.state import apply_model_state, save_rng, tensor_state
 from llmforge.errors import UserError, fail
+from llmforge.files import fsync_dir, write_json_atomic
 
 TRAIN_STATE = "train_state.json"
 PLAN = "plan.json"
@@ -117,8 +118,8 @@ class CheckpointSaver:
             if self.rank == 0:
                 self._clear_stale()
                 tmp.mkdir(parents=True)
-                write_json(tmp / TRAIN_STATE, {"step": step, **train_state})
-                write_json(tmp / PLAN, plan)
+                write_json_atomic(tmp / TRAIN_STATE, {"step": step, **train_state}, durable=True)
+                write_json_atomic(tmp / PLAN, plan, durable=True)
             _barrier()
             save_rng(tmp, rank=self.rank)
             state = tensor_state(model_parts, optimizer)

@@ -12,10 +12,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from llmforge.config.schema import GROUPS, RunConfig, iter_keys
-from llmforge.errors import Problem, UserError, nearest
+from llmforge.errors import Problem, UserError, fail, nearest
 
 BUILTIN_CONFIG_DIR = Path(__file__).resolve().parents[1] / "conf"
 SELECTABLE_GROUPS = ("recipe",) + GROUPS
@@ -159,8 +159,18 @@ def _register_schema() -> None:
     ConfigStore.instance().store(name=_SCHEMA_NAME, node=RunConfig)
 
 
-def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] = ()) -> RunConfig:
-    """Compose the recipe and overrides into a validated, typed RunConfig."""
+def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] = (), base: Optional[Mapping[str, Any]] = None,
+            reset: Optional[Mapping[str, str]] = None) -> RunConfig:
+    """Compose the recipe and overrides into a validated, typed RunConfig. With ``base``
+    (a saved plan's config, as in plan.json) the overrides apply on top of it instead:
+    ``GROUP=OPTION`` replaces that whole group, ``a.b=value`` one key, and the recipe
+    cannot change. ``reset`` (group -> option): those groups take that option, and the
+    overrides that set anything in them are left out (``estimate --search`` varies the
+    layout itself, so it starts from ``parallel=dp``)."""
+    if reset:
+        overrides = [o for o in overrides if _group_of(o) not in reset] + [f"{g}={v}" for g, v in reset.items()]
+    if base is not None:
+        return _compose_on(base, overrides, extra_dirs=extra_dirs)
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import HydraException
@@ -185,6 +195,35 @@ def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] =
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]
     except (HydraException, OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:
         raise UserError([_explain(exc)], title="the configuration does not compose") from None
+
+
+def _group_of(override: str) -> str:
+    """The config group an override sets something in (``parallel`` for ``parallel=tp2``
+    and ``+parallel.tp=2``)."""
+    return override.split("=", 1)[0].lstrip("+~").split(".", 1)[0]
+
+
+def _compose_on(base: Mapping[str, Any], overrides: Sequence[str], *, extra_dirs: Sequence[str | Path]) -> RunConfig:
+    """The saved config ``base`` with group options and dotted overrides applied."""
+    from omegaconf import OmegaConf
+
+    options = available_options(config_dirs(extra_dirs))
+    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), dict(base))
+    dotted = []
+    for item in check_overrides(overrides, options):
+        key, value = item.lstrip("+~").split("=", 1)
+        if key == "recipe":
+            raise UserError([Problem("recipe", value, "a resumed run keeps its recipe", "override single keys or groups instead (parallel=dp2, train.steps=400)")], title="bad overrides")
+        if key in options:
+            cfg[key] = OmegaConf.merge(OmegaConf.structured(type(getattr(RunConfig(), key))), OmegaConf.load(options[key][value].path))
+        else:
+            dotted.append(f"{key}={value}")
+    try:
+        if dotted:
+            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotted))
+        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    except Exception as exc:  # noqa: BLE001 - OmegaConf validation errors (wrong type, ...)
+        raise fail(f"the overrides do not apply to the saved plan: {str(exc).splitlines()[0]}", title="bad overrides") from None
 
 
 def _explain(exc: BaseException) -> Problem:

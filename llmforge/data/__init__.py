@@ -1,6 +1,6 @@
 """Data pipeline: corpus, tokenizer, packing into token shards, resumable sampler.
 
-``prepare`` and ``prepare_command`` import no torch; ``BatchSampler`` does. Names are
+``prepare`` imports no torch; ``BatchSampler`` does. Names are
 imported lazily so ``import llmforge.data`` stays cheap.
 """
 
@@ -12,8 +12,6 @@ from typing import Any
 _EXPORTS = {
     "PreparedData": "llmforge.data.prepare",
     "prepare": "llmforge.data.prepare",
-    "prepare_command": "llmforge.data.command",
-    "resolve_vocab_size": "llmforge.data.command",
     "BatchSampler": "llmforge.data.sampler",
 }
 

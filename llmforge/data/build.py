@@ -17,6 +17,7 @@ from llmforge.data.shards import pack
 from llmforge.data.sources import Source
 from llmforge.data.tokenizer import find_eos, load_tokenizer, token_dtype, train_bpe, vocab_size_of
 from llmforge.errors import Problem, UserError
+from llmforge.files import sha256_file
 
 TOKENIZER_TRAIN_BYTES = 256_000_000  # text used to train the tokenizer, spread evenly over the corpus
 
@@ -44,7 +45,7 @@ def build(folder: Path, *, inputs: List[Source], data: DataConfig, vocab_size: i
                         "skipped_empty": stats.skipped_empty, "skipped_files": list(docs.source.skipped),
                         "shards": stats.shards})
         _warn_skips(console, docs, stats.skipped_empty)
-    tok_info = {"sha256": cache.file_sha256(tokenizer_path), "vocab_size": vocab_size_of(tokenizer),
+    tok_info = {"sha256": sha256_file(tokenizer_path), "vocab_size": vocab_size_of(tokenizer),
                 "eos_id": eos_id, "trained": data.tokenizer is None, "source": data.tokenizer}
     return {"format": cache.FORMAT_VERSION, "tokenizer": tok_info, "dtype": dtype.name, "streams": streams,
             "num_tokens": sum(s["num_tokens"] for s in streams)}

@@ -14,6 +14,8 @@ from typing import Iterator, List, Optional
 
 from filelock import FileLock
 
+from llmforge.files import sha256_file, write_json_atomic
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
@@ -22,11 +24,6 @@ TOKENIZER = "tokenizer.json"
 def digest(obj) -> str:
     """SHA-256 of a JSON-serialisable object (stable key order)."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
-
-
-def file_sha256(path: Path) -> str:
-    with open(path, "rb") as fh:
-        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 def entry_folder(cache_dir: str, *, name: str, spec: dict) -> Path:
@@ -60,10 +57,7 @@ def staging(root: Path) -> Iterator[Path]:
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:
-    path = folder / MANIFEST
-    tmp = folder / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    write_json_atomic(folder / MANIFEST, manifest)
 
 
 def read_manifest(root: Path) -> Optional[dict]:
@@ -87,7 +81,7 @@ def stale_reason(root: Path, manifest: dict, *, spec: dict, inputs: List[dict]) 
         changed = sorted({p for p, _ in set(old) ^ set(new)})
         return f"input changed: {', '.join(changed[:3])}{' ...' if len(changed) > 3 else ''}"
     tok = root / TOKENIZER
-    if not tok.is_file() or file_sha256(tok) != manifest.get("tokenizer", {}).get("sha256"):
+    if not tok.is_file() or sha256_file(tok) != manifest.get("tokenizer", {}).get("sha256"):
         return "the cached tokenizer is missing or altered"
     return _shards_problem(root, manifest)
 

@@ -10,7 +10,6 @@ This module imports neither torch nor datasets.
 from __future__ import annotations
 
 import codecs
-import hashlib
 import os
 import sys
 import sysconfig
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from llmforge.errors import Problem, UserError
+from llmforge.files import sha256_file
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -62,11 +62,7 @@ def fingerprint_file(path: Path, *, previous: Optional[dict] = None) -> FileInfo
     st = path.stat()
     if previous and previous.get("size") == st.st_size and previous.get("mtime_ns") == st.st_mtime_ns:
         return FileInfo(str(path), st.st_size, st.st_mtime_ns, previous["sha256"])
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(_READ_CHUNK), b""):
-            digest.update(block)
-    return FileInfo(str(path), st.st_size, st.st_mtime_ns, digest.hexdigest())
+    return FileInfo(str(path), st.st_size, st.st_mtime_ns, sha256_file(path))
 
 
 def check_utf8(path: Path) -> None:

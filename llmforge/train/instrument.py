@@ -74,5 +74,7 @@ def explain_oom(plan: RunPlan, *, rank: RankInfo, snapshots, built: List[Compone
         snapshot = snapshots.dump(f"oom_step{step}")
         plan_path = plan.run_dir / "plan.json"
         if rank.is_main and not plan_path.is_file():
-            plan.save(plan_path)
+            from llmforge.rundir import write_plan
+
+            write_plan(plan)
         raise out_of_memory_error(exc, rank=rank.rank, step=step, snapshot=snapshot, plan_path=plan_path) from None

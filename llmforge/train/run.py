@@ -23,7 +23,9 @@ from rich.text import Text
 
 from llmforge.checkpoint import store
 from llmforge.checkpoint.state import load_rng
+from llmforge.files import write_text_atomic
 from llmforge.plan import RunPlan
+from llmforge.rundir import write_plan
 from llmforge.train.components import Components, RankInfo
 from llmforge.train.loop import LoopHooks, LoopResult, train_loop
 from llmforge.train.meter import measured_peak_bytes
@@ -144,9 +146,7 @@ def trim_metrics(path: Path, *, after_step: int) -> None:
     lines = path.read_text(encoding="utf-8").splitlines()
     kept = [line for line in lines if line.strip() and _step_of(line) <= after_step]
     if len(kept) != len([line for line in lines if line.strip()]):
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-        tmp.replace(path)
+        write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 
 def set_aside_newer(root: Path, *, after_step: int) -> List[Path]:
@@ -168,7 +168,7 @@ def _step_of(line: str) -> int:
 
 def _open_run_dir(plan: RunPlan, *, resumed: bool, start_step: int, console: Console) -> None:
     """plan.json, and after a resume: metrics and checkpoints past the resumed step set aside."""
-    plan.save(plan.run_dir / "plan.json")
+    write_plan(plan)
     if not resumed:
         return
     trim_metrics(plan.run_dir / "metrics.jsonl", after_step=start_step)

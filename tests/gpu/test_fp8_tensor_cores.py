@@ -57,7 +57,7 @@ def test_fp8_layers_are_float8_on_the_device(pair):
     device, _, _ = pair
     if device != "cuda":
         pytest.skip("emulated on CPU")
-    from llmforge.parallel.harness import tiny_plan
+    from llmforge.testing.harness import tiny_plan
     from llmforge.train.parallelize import parallelize
     from llmforge.train.build import build_model
 

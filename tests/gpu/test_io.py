@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpu_support import DEVICES, accelerator, llmforge, losses
-from llmforge.parallel.harness import tiny_plan, train_layout
+from llmforge.testing.harness import tiny_plan, train_layout
 
 pytestmark = pytest.mark.gpu
 

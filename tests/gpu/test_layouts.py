@@ -1,6 +1,6 @@
 """One rank through torchrun trains every strategy that fits on one device (ZeRO 1-3
 forced through FSDP2, recompute, bf16/fp16, compile, MoE) as the same plan does in
-one process. All layouts run in one started process group (llmforge.parallel.harness)."""
+one process. All layouts run in one started process group (llmforge.testing.harness)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gpu_support import DEVICES, LOW_PRECISION_REL, accelerator, child_env
-from llmforge.parallel.harness import tiny_plan, train_layout
+from llmforge.testing.harness import tiny_plan, train_layout
 
 pytestmark = pytest.mark.gpu
 
@@ -51,7 +51,7 @@ def layouts(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"layouts-{device}")
     spec, out = tmp / "spec.json", tmp / "out.pt"
     spec.write_text(json.dumps({"base": base(device), "layouts": LAYOUTS, "device": device, "mesh_of_one": True}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "llmforge.parallel.harness", str(spec), str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "llmforge.testing.harness", str(spec), str(out)]
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return device, torch.load(out, weights_only=False)

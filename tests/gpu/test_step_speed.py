@@ -20,7 +20,7 @@ CUDA = torch.device("cuda", 0)
 def test_one_process_is_fused_and_reads_the_device_only_when_it_logs():
     from test_step_cost import _components, _syncs_per_step
 
-    from llmforge.parallel.harness import tiny_plan
+    from llmforge.testing.harness import tiny_plan
 
     c = _components(tiny_plan(["model.num_layers=1"]), CUDA)
     assert c.optimizer.defaults["fused"]
@@ -33,7 +33,7 @@ def test_the_distributed_path_reads_the_device_once_per_logged_step(tmp_path):
     """One rank through torchrun, NCCL and a device mesh: the clip's all-reduce and the loss stay on the GPU."""
     spec, out = tmp_path / "spec.json", tmp_path / "out.pt"
     spec.write_text(json.dumps({"layouts": {"single": []}, "device": "cuda", "mesh_of_one": True, "count_syncs": ["single"]}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "llmforge.parallel.harness", str(spec), str(out)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "llmforge.testing.harness", str(spec), str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert torch.load(out, weights_only=False)["single"]["syncs"] == [1]

@@ -1,6 +1,6 @@
 """The program torchrun starts on every rank: join the group, build the mesh, run.
 
-    python -m torch.distributed.run ... -m llmforge.parallel.worker --plan RUN/plan.json [--resume CKPT]
+    python -m torch.distributed.run ... -m llmforge.launch.worker --plan RUN/plan.json [--resume CKPT]
 
 Rank 0 alone prints and logs. When torchrun restarts the ranks after a failure
 (``cluster.max_restarts``), they continue from the run's newest complete checkpoint. An error on a rank is written to
@@ -22,7 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Iterator, List, Optional
 
-from llmforge.parallel.watch import ERROR_DIR_ENV, guard_rank
+from llmforge.launch.watch import ERROR_DIR_ENV, guard_rank
 
 
 def _rank() -> int:
@@ -101,7 +101,7 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
     import torch.distributed as dist
     from rich.console import Console
 
-    from llmforge.parallel.guard import install_from_env
+    from llmforge.launch.guard import install_from_env
     from llmforge.parallel.mesh import build_mesh, init_distributed
     from llmforge.plan import RunPlan
     from llmforge.train.components import RankInfo
@@ -130,7 +130,7 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(prog="llmforge.parallel.worker")
+    parser = argparse.ArgumentParser(prog="llmforge.launch.worker")
     parser.add_argument("--plan", type=Path, required=True)
     parser.add_argument("--resume", type=Path, default=None)
     args = parser.parse_args(argv)

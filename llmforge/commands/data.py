@@ -1,10 +1,14 @@
-"""`llmforge data prepare`: prepare the configured data and print a short summary."""
+"""``llmforge data prepare``: prepare the data of a run plan and print a short summary."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
 
 from llmforge.config.schema import RunConfig
 from llmforge.data.prepare import PreparedData, prepare
 from llmforge.errors import Problem, UserError
+from llmforge.plan import RunPlan
 
 
 def resolve_vocab_size(config: RunConfig) -> int:
@@ -23,8 +27,9 @@ def resolve_vocab_size(config: RunConfig) -> int:
     return vocab_size
 
 
-def prepare_command(config: RunConfig, *, force: bool, console) -> PreparedData:
-    """Prepare (or reuse) the data of a run configuration and print what is on disk."""
+def prepare_command(plan: RunPlan, *, force: bool, console) -> PreparedData:
+    """Prepare (or reuse) the data of a run plan and print what is on disk."""
+    config = plan.config
     prepared = prepare(data=config.data, vocab_size=resolve_vocab_size(config), seed=config.train.seed,
                        console=console, force=force)
     if console is not None:
@@ -43,3 +48,10 @@ def summary(prepared: PreparedData) -> str:
         lines.append(f"  {info.name}: {info.num_documents:,} documents, {info.num_tokens:,} tokens "
                      f"({size_mb:.1f} MB), weight {info.weight:g}")
     return "\n".join(lines)
+
+
+def data_prepare_command(overrides: Sequence[str], *, config_dir: Sequence[Path], force: bool, console) -> PreparedData:
+    """``llmforge data prepare``: the plan of the recipe and overrides, its data prepared."""
+    from llmforge.commands.plans import build_plan
+
+    return prepare_command(build_plan(overrides, config_dir=config_dir), force=force, console=console)

@@ -2,7 +2,7 @@
 collect what they computed: the equivalence tests and tools/bench_parallel.py use it.
 
     python -m torch.distributed.run --standalone --nproc-per-node=4 \\
-        -m llmforge.parallel.harness SPEC.json OUT.pt
+        -m llmforge.testing.harness SPEC.json OUT.pt
 
 SPEC.json: ``{"base": [overrides...], "layouts": {"name": [overrides...]}, "fail_rank": null,
 "fail_at": null, "device": "cpu", "mesh_of_one": false, "count_syncs": [names...]}``: ``fail_rank``
@@ -185,8 +185,8 @@ def full_parameters(c: Components) -> Dict[str, torch.Tensor]:
 
 def main(argv: List[str]) -> None:
     spec = json.loads(Path(argv[0]).read_text())
-    from llmforge.parallel.watch import guard_rank
-    from llmforge.parallel.worker import report_errors
+    from llmforge.launch.watch import guard_rank
+    from llmforge.launch.worker import report_errors
 
     guard_rank(int(os.environ.get("RANK", "0")))
     with report_errors():
@@ -208,7 +208,7 @@ def _join(device_type: str) -> torch.device:
     """Join torchrun's process group as the worker does; this rank's compute device."""
     import os
 
-    from llmforge.parallel.guard import install_from_env
+    from llmforge.launch.guard import install_from_env
     from llmforge.parallel.mesh import backend_for
 
     device = torch.device("cpu")

@@ -1,6 +1,6 @@
-"""Start a distributed run: torchrun locally or across nodes, or an sbatch script.
+"""torchrun for a plan: its command line (locally or across nodes), and the run itself.
 
-Every rank runs ``llmforge.parallel.worker`` with the saved ``plan.json``. The
+Every rank runs ``llmforge.launch.worker`` with the saved ``plan.json``. The
 local launcher runs torchrun's elastic agent in this process, so when a rank
 fails it can show that rank's error once (user errors as the usual one-line
 message and exit code 2) instead of torchrun's per-rank report.
@@ -22,9 +22,8 @@ from rich.console import Console
 from llmforge.errors import Problem, UserError, error_text
 from llmforge.plan import RunPlan
 
-WORKER = "llmforge.parallel.worker"
+WORKER = "llmforge.launch.worker"
 RESTART_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-DEFAULT_PORT = 29500
 
 
 def check_supported(plan: RunPlan) -> List[Problem]:
@@ -65,45 +64,13 @@ def torchrun_command(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Pa
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(plan, run_id=plan.config.run.name), *worker_args(plan_path=plan_path, resume_from=resume_from)]
 
 
-def slurm_script(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path]) -> str:
-    """An sbatch script running the same torchrun command on every node under srun."""
-    c = plan.config.cluster
-    endpoint = c.rdzv_endpoint or f"$head_node:{DEFAULT_PORT}"
-    torchrun = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(plan, endpoint="RDZV_ENDPOINT", run_id="RDZV_ID")]
-    command = " ".join(shlex.quote(a) for a in torchrun + worker_args(plan_path=plan_path, resume_from=resume_from))
-    # Substituted after quoting so that the shell expands them on each node.
-    command = command.replace("RDZV_ENDPOINT", endpoint).replace("RDZV_ID", "$SLURM_JOB_ID")
-    gpus = [] if c.accelerator == "cpu" else [f"#SBATCH --gpus-per-node={procs_per_node(plan)}"]
-    lines = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name={plan.config.run.name}",
-        f"#SBATCH --nodes={c.nodes}",
-        "#SBATCH --ntasks-per-node=1",
-        *gpus,
-        f"#SBATCH --output={plan.run_dir.resolve()}/slurm-%j.out",
-        "set -euo pipefail",
-        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
-        *[f"export {k}={v}" for k, v in restart_env(plan).items()],
-        f"srun --kill-on-bad-exit=1 {command}",
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def launch_distributed(plan: RunPlan, *, resume_from: Optional[Path], dry_run: bool, console: Console) -> None:
-    """Run ``plan`` on all its ranks (or write/print the SLURM script)."""
-    problems = check_supported(plan)
-    if problems:
-        raise UserError(problems, title="this layout cannot be launched")
-    plan_path = (plan.run_dir / "plan.json").resolve()
-    if plan.config.cluster.launcher == "slurm":
-        _slurm(plan, plan_path=plan_path, resume_from=resume_from, dry_run=dry_run, console=console)
-        return
+def start(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path], dry_run: bool, console: Console) -> None:
+    """Start torchrun for ``plan`` on this node (its plan.json already written), or with
+    ``dry_run`` print the command."""
     command = torchrun_command(plan, plan_path=plan_path, resume_from=resume_from)
     if dry_run:
         console.print(dry_run_text(command, plan_path=plan_path), highlight=False, soft_wrap=True, markup=False)
         return
-    plan.save(plan_path)
     if plan.config.cluster.nodes > 1:
         console.print(f"start the same command on each of the {plan.config.cluster.nodes} nodes", highlight=False)
     run_torchrun(command[3:], console=console, threads=_threads(plan), hang_s=plan.config.cluster.timeout_s / 2, env=restart_env(plan))
@@ -124,20 +91,6 @@ def restart_env(plan: RunPlan) -> Dict[str, str]:
     return {RESTART_STORE_ENV: "1"} if plan.config.cluster.max_restarts > 0 else {}
 
 
-def _slurm(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path], dry_run: bool, console: Console) -> None:
-    script = slurm_script(plan, plan_path=plan_path, resume_from=resume_from)
-    if dry_run:
-        console.print(script, highlight=False, markup=False, soft_wrap=True)
-        console.print(f"(--dry-run writes nothing; without it this script is written to {plan.run_dir / 'launch.sbatch'} with the plan it runs, {plan_path})", highlight=False, markup=False, soft_wrap=True)
-        return
-    plan.save(plan_path)
-    path = plan.run_dir / "launch.sbatch"
-    tmp = path.with_suffix(".sbatch.tmp")
-    tmp.write_text(script)
-    tmp.replace(path)
-    console.print(f"wrote {path}; submit it with: sbatch {path}", highlight=False, markup=False)
-
-
 def _threads(plan: RunPlan) -> int:
     return max(1, (os.cpu_count() or 1) // procs_per_node(plan))
 
@@ -145,7 +98,7 @@ def _threads(plan: RunPlan) -> int:
 def run_torchrun(argv: List[str], *, console: Console, threads: int = 1, hang_s: Optional[float] = None, env: Optional[Dict[str, str]] = None) -> None:
     """Run torchrun (``argv`` as after ``python -m torch.distributed.run``) here.
 
-    The ranks die with this process (see ``llmforge.parallel.watch``); with ``hang_s``
+    The ranks die with this process (see ``llmforge.launch.watch``); with ``hang_s``
     a rank silent for that long ends the job. On failure the root cause is shown
     once, as plain text: a user error is raised as a UserError (exit code 2),
     anything else is printed and ends the process with exit code 1."""
@@ -153,7 +106,7 @@ def run_torchrun(argv: List[str], *, console: Console, threads: int = 1, hang_s:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from llmforge.parallel.watch import ERROR_DIR_ENV, LAUNCHER_PID_ENV, RankMonitor, failure_report, read_records
+    from llmforge.launch.watch import ERROR_DIR_ENV, LAUNCHER_PID_ENV, RankMonitor, failure_report, read_records
 
     base = {LAUNCHER_PID_ENV: str(os.getpid()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     with tempfile.TemporaryDirectory(prefix="llmforge-errors-") as folder, _quiet_agent():

@@ -1,0 +1,33 @@
+"""Plans for the commands: composed from a recipe and overrides, or read back from a
+run's plan.json with overrides on top (both through ``llmforge.config.compose``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Mapping, Optional, Sequence
+
+from llmforge.errors import Problem, UserError
+from llmforge.plan import RunPlan
+
+
+def build_plan(overrides: Sequence[str], *, config_dir: Sequence[Path] = (), reset: Optional[Mapping[str, str]] = None) -> RunPlan:
+    """The validated plan of a recipe with ``overrides`` (and ``--config-dir`` folders)."""
+    from llmforge.config.compose import compose
+
+    return RunPlan.build(compose(list(overrides), extra_dirs=list(config_dir), reset=reset))
+
+
+def plan_from_file(path: Path, overrides: Sequence[str], *, reset: Optional[Mapping[str, str]] = None) -> RunPlan:
+    """A run's plan.json, with overrides applied on top of it."""
+    from llmforge.config.compose import compose
+
+    try:
+        saved = json.loads(path.read_text())["config"]
+    except FileNotFoundError:
+        raise UserError([Problem("--plan", str(path), "no such file", "point --plan at a run folder's plan.json")], title="missing plan") from None
+    except Exception as exc:  # noqa: BLE001 - a damaged file: one message
+        raise UserError([Problem("--plan", str(path), f"cannot read the plan ({exc})", "point --plan at a run folder's plan.json")], title="unreadable plan") from None
+    if not isinstance(saved, dict):
+        raise UserError([Problem("--plan", str(path), "cannot read the plan (no config section)", "point --plan at a run folder's plan.json")], title="unreadable plan")
+    return RunPlan.build(compose(list(overrides), base=saved, reset=reset))

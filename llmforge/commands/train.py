@@ -1,0 +1,25 @@
+"""``llmforge pretrain`` and ``resume``: a plan handed to ``llmforge.launch``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from rich.console import Console
+
+from llmforge.commands.plans import build_plan
+
+
+def pretrain_command(overrides: Sequence[str], *, config_dir: Sequence[Path], force: bool, dry_run: bool, overwrite: bool, console: Console) -> None:
+    run_plan = build_plan(overrides, config_dir=config_dir)
+    from llmforge.launch import launch
+
+    launch(run_plan, resume_from=None, force=force, dry_run=dry_run, console=console, overwrite=overwrite)
+
+
+def resume_command(overrides: Sequence[str], *, force: bool, dry_run: bool, console: Console) -> None:
+    from llmforge.checkpoint.resume import plan_for_resume
+    from llmforge.launch import launch
+
+    run_plan, checkpoint = plan_for_resume(list(overrides))
+    launch(run_plan, resume_from=checkpoint, force=force, dry_run=dry_run, console=console)

@@ -1,0 +1,75 @@
+"""What is checked before a run starts: the plan's estimate, the tools it needs, the
+devices of this machine and the space on run.dir's file system."""
+
+from __future__ import annotations
+
+from rich.console import Console
+
+from llmforge.errors import Problem, UserError, fail
+from llmforge.plan import RunPlan
+
+#: Bytes a checkpoint holds per parameter: fp32 weights and AdamW's two fp32 moments.
+CHECKPOINT_BYTES_PER_PARAM = 12
+
+
+def preflight(plan: RunPlan, *, force: bool, resume: bool, console: Console) -> None:
+    """Refuse what cannot start (a missing tool, a too-small tokenizer, a plan estimated
+    not to fit unless forced); show the short estimate and notes on the weights to load."""
+    if plan.config.logging.tensorboard:
+        from llmforge.observe.tensorboard import check_installed
+
+        check_installed()
+    _check_estimate(plan, force=force, console=console)
+    if not resume and plan.config.model.init_from:
+        from llmforge.checkpoint.hf_import import check_folder
+
+        for note in check_folder(plan.config.model.init_from, plan.config.model):
+            console.print(note, style="yellow", markup=False, highlight=False)
+
+
+def _check_estimate(plan: RunPlan, *, force: bool, console: Console) -> None:
+    """Show the short estimate; refuse a plan estimated not to fit unless forced."""
+    from llmforge.estimate.report import short_summary
+    from llmforge.plan import tokenizer_problems
+
+    problems = tokenizer_problems(plan.config)
+    if problems:
+        raise UserError(problems, title="the run plan is not valid")
+    text, fits = short_summary(plan)
+    console.print(text, markup=False, highlight=False)
+    if not fits and not force:
+        raise fail("the plan is estimated not to fit in device memory; change the layout (llmforge estimate --search) or pass --force")
+
+
+def check_space(plan: RunPlan) -> None:
+    """Refuse a run whose first checkpoint cannot fit on run.dir's file system."""
+    import shutil
+
+    from llmforge.estimate.core import estimate_plan
+
+    folder = plan.run_dir
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    need = estimate_plan(plan).params_total * CHECKPOINT_BYTES_PER_PARAM
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise UserError([Problem("run.dir", str(plan.run_dir), f"a checkpoint of this model needs about {need / 2**30:.3g} GiB and the file system of {folder} has {free / 2**30:.3g} GiB free",
+                                 "free space there or choose a run.dir on a larger file system")], title="not enough disk space")
+
+
+def check_devices(plan: RunPlan) -> None:
+    """A GPU profile needs as many CUDA devices on this node as ranks it starts here."""
+    c = plan.config.cluster
+    if c.accelerator == "cpu":
+        return
+    import torch
+
+    wanted = c.devices_per_node or plan.world_size // c.nodes
+    found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if found < wanted:
+        raise UserError([Problem(
+            "cluster.accelerator", c.accelerator,
+            f"the plan starts {wanted} GPU rank(s) on this node, and this machine has {found} CUDA device(s)",
+            "run it on the GPU nodes (or write a SLURM script with cluster.launcher=slurm), "
+            "or train on this machine's CPU with cluster=cpu and a layout that fits it",
+        )], title="this machine cannot run the plan")

@@ -1,0 +1,22 @@
+"""A one-rank run trained in this process, as ``llmforge pretrain`` does by default."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from rich.console import Console
+
+from llmforge.plan import RunPlan
+
+
+def run_here(plan: RunPlan, *, resume_from: Optional[Path], console: Console) -> None:
+    """Train ``plan`` on this process's device (the first GPU, or the CPU for cluster=cpu)."""
+    import torch
+
+    from llmforge.train.components import RankInfo
+    from llmforge.train.run import run
+
+    device = torch.device("cpu") if plan.config.cluster.accelerator == "cpu" else torch.device("cuda", 0)
+    summary = run(plan, rank=RankInfo(device=device), resume_from=resume_from, console=console)
+    console.print(summary.describe(plan))

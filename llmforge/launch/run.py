@@ -1,0 +1,116 @@
+"""``launch(plan)``: check the plan and the machine, take the run folder, then train in
+this process (one rank, ``cluster.launcher=local``), through torchrun
+(``llmforge.launch.torchrun``) or as a SLURM script (``llmforge.launch.slurm``).
+
+plan.json is written by ``llmforge.rundir.write_plan`` alone: here before the ranks
+start (they read it), and by the trainer once a run in this process is under way (a
+run refused before it starts leaves no folder behind)."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Optional
+
+from rich.console import Console
+
+from llmforge.launch.checks import check_devices, check_space, preflight
+from llmforge.plan import RunPlan
+from llmforge.rundir import RunLock, check_writable, plan_path, write_plan
+
+
+def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
+    """Check, then run ``plan`` here or through torchrun, holding the run folder's lock."""
+    preflight(plan, force=force, resume=resume_from is not None, console=console)
+    here = runs_here(plan)
+    if dry_run:
+        if here:
+            console.print(f"would train in this process: {plan.layout}, {plan.config.train.steps} steps into {plan.run_dir}", markup=False, highlight=False)
+            return
+        launch_distributed(plan, resume_from=resume_from, dry_run=True, console=console)
+        return
+    launcher = plan.config.cluster.launcher
+    if launcher != "slurm":
+        check_devices(plan)
+    for folder in (plan.run_dir, plan.run_dir / "checkpoints"):
+        check_writable(folder, key="run.dir")
+    if launcher != "slurm":
+        check_space(plan)
+    with _lock(plan):
+        if resume_from is None:
+            claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
+        if here:
+            from llmforge.launch.local import run_here
+
+            run_here(plan, resume_from=resume_from, console=console)
+            return
+        launch_distributed(plan, resume_from=resume_from, dry_run=False, console=console)
+
+
+def runs_here(plan: RunPlan) -> bool:
+    """One rank, no restarts and ``cluster.launcher=local``: train in this process."""
+    c = plan.config.cluster
+    return plan.world_size == 1 and c.launcher == "local" and c.max_restarts == 0
+
+
+def launch_distributed(plan: RunPlan, *, resume_from: Optional[Path], dry_run: bool, console: Console) -> None:
+    """Run ``plan`` on all its ranks (or write/print the SLURM script)."""
+    from llmforge.errors import UserError
+    from llmforge.launch.torchrun import check_supported
+
+    problems = check_supported(plan)
+    if problems:
+        raise UserError(problems, title="this layout cannot be launched")
+    if not dry_run:
+        write_plan(plan)
+    if plan.config.cluster.launcher == "slurm":
+        from llmforge.launch.slurm import submit_script
+
+        submit_script(plan, plan_path=plan_path(plan), resume_from=resume_from, dry_run=dry_run, console=console)
+        return
+    from llmforge.launch.torchrun import start
+
+    start(plan, plan_path=plan_path(plan), resume_from=resume_from, dry_run=dry_run, console=console)
+
+
+def _lock(plan: RunPlan):
+    """The run folder's lock, taken here for a run on this machine. A multi-node run's
+    rank 0 takes it after the rendezvous (every node's launcher shares the folder); a
+    SLURM script only gets written."""
+    c = plan.config.cluster
+    if c.launcher != "slurm" and c.nodes == 1:
+        return RunLock(plan.run_dir)
+    return contextlib.nullcontext()
+
+
+#: What a run that has trained leaves in its folder. plan.json is not among them: on a
+#: shared file system every node of a multi-node launch writes it before training starts.
+RUN_FILES = ("metrics.jsonl", "checkpoints")
+
+
+def claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
+    """A new run never mixes its metrics and checkpoints with an earlier run's."""
+    import shutil
+
+    from llmforge.errors import fail
+
+    found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
+    if not found:
+        return
+    if not overwrite:
+        names = ", ".join(p.name for p in found)
+        if any((run_dir / "checkpoints").glob("step_*/manifest.json")):
+            raise fail(
+                f"run.dir={run_dir} already holds a run ({names}); continue it with `llmforge resume ckpt={run_dir}`, "
+                "choose another run.dir=..., or pass --overwrite to start over"
+            )
+        raise fail(
+            f"run.dir={run_dir} holds an earlier run ({names}) that saved no complete checkpoint, so it cannot be resumed; "
+            "pass --overwrite to start over there, or choose another run.dir=..."
+        )
+    for path in [*found, run_dir / "wandb_run_id"]:
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    console.print(f"--overwrite: removed the earlier run in {run_dir}", style="yellow", markup=False, highlight=False)
