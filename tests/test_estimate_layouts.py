@@ -52,7 +52,7 @@ def _rank_bytes(plan: RunPlan, rank: int) -> tuple[int, int, int]:
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
     try:
-        mesh = build_mesh(plan, device_type="cpu")
+        mesh = build_mesh(plan.layout, device_type="cpu", timeout_s=plan.config.cluster.timeout_s)
         parts, _ = build_parts(plan, mesh=mesh, device=torch.device("cpu"))
         params = [p for part in parts for p in part.parameters()]
         optimizer = build_optimizer(torch.nn.ModuleList(parts), optim=plan.config.optim, lr=plan.config.train.lr)
@@ -113,7 +113,7 @@ def _saved_bytes_under_tp(plan: RunPlan) -> int:
     recompute.selective_context = context
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
-        model = build_parts(plan, mesh=build_mesh(plan, device_type="cpu"), device=torch.device("cpu"))[0][0]
+        model = build_parts(plan, mesh=build_mesh(plan.layout, device_type="cpu", timeout_s=plan.config.cluster.timeout_s), device=torch.device("cpu"))[0][0]
         excluded = {key(p) for p in model.parameters()} | {key(b) for b in model.buffers()}
         saved: dict = {}
 

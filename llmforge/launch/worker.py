@@ -102,13 +102,13 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
     from rich.console import Console
 
     from llmforge.launch.guard import install_from_env
-    from llmforge.parallel.mesh import build_mesh, init_distributed
+    from llmforge.parallel.mesh import init_distributed
     from llmforge.plan import RunPlan
-    from llmforge.train.components import RankInfo
+    from llmforge.train.build import distributed_rank
     from llmforge.train.run import prepare_data, run
 
     plan = RunPlan.load(plan_path)
-    device = init_distributed(plan)
+    device = init_distributed(accelerator=plan.config.cluster.accelerator, timeout_s=plan.config.cluster.timeout_s)
     install_from_env(device)
     main = dist.get_rank() == 0
     if main and plan.config.cluster.nodes > 1:
@@ -116,8 +116,7 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
 
         RunLock(plan.run_dir).acquire()  # held until this process ends; each node's launcher shares the folder
     console = Console(stderr=True, markup=False) if main else Console(file=io.StringIO(), quiet=True)
-    mesh = build_mesh(plan, device_type=device.type)
-    rank = RankInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), dp_rank=mesh.local_rank("dp"), dp_size=plan.dp, device=device, mesh=mesh)
+    rank = distributed_rank(plan, device=device)
     if main:
         prepare_data(plan, console=console)  # fills the shared cache before the others read it
     dist.barrier()

@@ -29,7 +29,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from llmforge.layout import Layout
-from llmforge.plan import RunPlan
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "ep", "cp", "tp")
 #: Until the first step is done, collectives may wait at least this long: data preparation
@@ -64,21 +63,22 @@ def mesh_shape(layout: Layout) -> tuple:
     return (layout.pp, layout.dp_replicate, layout.dp // layout.ep // layout.dp_replicate, layout.ep, layout.cp, layout.tp)
 
 
-def build_mesh(plan: RunPlan, *, device_type: str) -> ParallelMesh:
-    """A mesh over every rank of the current process group, shaped by the plan's layout."""
-    layout = plan.layout
+def build_mesh(layout: Layout, *, device_type: str, timeout_s: float) -> ParallelMesh:
+    """A mesh over every rank of the current process group, shaped by ``layout``; its
+    groups get the first-step allowance of the collective timeout ``timeout_s``."""
     world = init_device_mesh(device_type, mesh_shape(layout), mesh_dim_names=DIMS)
     dp = world["dp_replicate", "dp_shard", "ep"]._flatten("dp")
     dp_rest = world["dp_replicate", "dp_shard"]._flatten("dp_rest") if layout.ep > 1 else dp
     dp_cp = world["dp_replicate", "dp_shard", "ep", "cp"]._flatten("dp_cp") if layout.cp > 1 else dp
     fsdp = world["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else dp_cp
     mesh = ParallelMesh(world=world, dp=dp, dp_rest=dp_rest, tp=world["tp"], pp=world["pp"], ep=world["ep"], cp=world["cp"], dp_cp=dp_cp, fsdp=fsdp)
-    set_collective_timeout(mesh, seconds=first_step_timeout(plan))
+    set_collective_timeout(mesh, seconds=first_step_timeout(timeout_s))
     return mesh
 
 
-def first_step_timeout(plan: RunPlan) -> float:
-    return max(plan.config.cluster.timeout_s, FIRST_STEP_TIMEOUT_S)
+def first_step_timeout(timeout_s: float) -> float:
+    """Collective timeout until the first step is done (data preparation, build, compile)."""
+    return max(timeout_s, FIRST_STEP_TIMEOUT_S)
 
 
 def set_collective_timeout(mesh: "ParallelMesh | None", *, seconds: float) -> None:
@@ -103,9 +103,9 @@ def set_collective_timeout(mesh: "ParallelMesh | None", *, seconds: float) -> No
             pass
 
 
-def device_for_rank(plan: RunPlan) -> torch.device:
+def device_for_rank(*, accelerator: str) -> torch.device:
     """cpu for cluster.accelerator=cpu, else the GPU of this local rank."""
-    if plan.config.cluster.accelerator == "cpu":
+    if accelerator == "cpu":
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)
@@ -122,11 +122,11 @@ def backend_for(device: torch.device) -> str:
     return "gloo" if device.type == "cpu" else f"cpu:gloo,{device.type}:nccl"
 
 
-def init_distributed(plan: RunPlan) -> torch.device:
+def init_distributed(*, accelerator: str, timeout_s: float) -> torch.device:
     """Join the process group torchrun set up (see ``backend_for``). Collectives get
     the first-step allowance until the trainer tightens them to cluster.timeout_s after
     its first step (set_collective_timeout), so a stuck rank ends the job."""
-    device = device_for_rank(plan)
+    device = device_for_rank(accelerator=accelerator)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=first_step_timeout(plan)))
+        dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=first_step_timeout(timeout_s)))
     return device

@@ -93,10 +93,9 @@ def rank_info(plan: RunPlan, *, device: torch.device, mesh_of_one: bool = False)
     it takes the distributed path with a mesh of size one, as the worker does."""
     if plan.world_size == 1 and not (mesh_of_one and dist.is_initialized()):
         return RankInfo(device=device)
-    from llmforge.parallel.mesh import build_mesh
+    from llmforge.train.build import distributed_rank
 
-    mesh = build_mesh(plan, device_type=device.type)
-    return RankInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), dp_rank=mesh.local_rank("dp"), dp_size=plan.dp, device=device, mesh=mesh)
+    return distributed_rank(plan, device=device)
 
 
 def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), mesh_of_one: bool = False, count_syncs: bool = False) -> LayoutResult:

@@ -44,6 +44,17 @@ def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compo
     ))
 
 
+def distributed_rank(plan: RunPlan, *, device: torch.device) -> RankInfo:
+    """This rank of a started process group, with the run's mesh."""
+    import torch.distributed as dist
+
+    from llmforge.parallel.mesh import build_mesh
+
+    mesh = build_mesh(plan.layout, device_type=device.type, timeout_s=plan.config.cluster.timeout_s)
+    return RankInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), dp_rank=mesh.local_rank("dp"),
+                    dp_size=plan.dp, device=device, mesh=mesh)
+
+
 def build_model(plan: RunPlan, *, device: torch.device) -> GPT:
     """The full model with its seeded initial weights (identical for every layout)."""
     model = GPT(plan.config.model)

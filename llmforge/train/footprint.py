@@ -90,7 +90,7 @@ def measure_step(plan: RunPlan) -> Tuple[Tuple[int, int, int], int]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
         cpu, cfg = torch.device("cpu"), plan.config
-        c = build_components(plan, rank=RankInfo(device=cpu, mesh=build_mesh(plan, device_type="cpu")), sampler=None)
+        c = build_components(plan, rank=RankInfo(device=cpu, mesh=build_mesh(plan.layout, device_type="cpu", timeout_s=plan.config.cluster.timeout_s)), sampler=None)
         batch = torch.randint(0, cfg.model.vocab_size, (plan.config.train.global_batch_size // plan.dp, cfg.model.seq_len + 1))
         c.step(batch)
         c.optimizer.step()
