@@ -98,12 +98,29 @@ def _cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
     return out
 
 
-def test_no_import_cycle_runs_through_the_plan_layout_estimate_or_commands(graph):
+def test_no_import_cycle_in_the_package(graph):
     modules = set(graph)
     edges = {m: {_resolve(t, modules) for t, _ in deps if t.startswith("llmforge")} - {m, ""} for m, deps in graph.items()}
-    area = LIGHT + ("llmforge.commands",)
-    cycles = [c for c in _cycles(edges) if any(_under(m, area) for m in c)]
-    assert not cycles, cycles
+    assert not _cycles(edges)
+
+
+#: Imports point one way: cli -> commands -> launch -> train -> parallel -> models.
+#: Each layer on the left must not import the ones on the right.
+FORBIDDEN = {
+    "llmforge.models": ("llmforge.parallel", "llmforge.train", "llmforge.plan", "torch.distributed"),
+    "llmforge.parallel": ("llmforge.train", "llmforge.plan", "llmforge.launch", "llmforge.checkpoint", "llmforge.estimate",
+                          "llmforge.commands", "llmforge.rundir"),
+    "llmforge.train": ("llmforge.launch", "llmforge.commands", "llmforge.cli", "llmforge.testing"),
+    "llmforge.launch": ("llmforge.commands", "llmforge.cli", "llmforge.testing"),
+    "llmforge.checkpoint": ("llmforge.train", "llmforge.launch", "llmforge.commands"),
+    "llmforge.data": ("llmforge.train", "llmforge.parallel", "llmforge.launch", "llmforge.commands"),
+}
+
+
+def test_imports_point_one_way(graph):
+    bad = [f"{m}:{line} imports {target}" for layer, banned in FORBIDDEN.items()
+           for m, deps in graph.items() if _under(m, (layer,)) for target, line in deps if _under(target, banned)]
+    assert not bad, "\n".join(bad)
 
 
 def test_the_cycle_finder_finds_a_cycle():
