@@ -55,15 +55,17 @@ def test_router_and_routed_experts_stay_in_bf16():
 
 
 def test_fp8_pays_off_with_width():
-    """As measured on an H100 (docs/fp8.md): more gain at 4096 than at 2048, none at 768."""
+    """As measured on an H100 (docs/fp8.md): more gain at 4096 than at 2048, and at 768
+    the casts cost more than the faster matmuls save (0.83x measured)."""
     gains = []
     for hidden, heads, mb in ((768, 12, 8), (2048, 16, 4), (4096, 32, 2)):
         shape, layout = gpt(layers=8, hidden=hidden, heads=heads), Layout(micro_batch=mb)
         bf16 = estimate(shape, layout, job(fp8_on=False, batch=mb, devices=1))
         ours = estimate(shape, layout, job(fp8_on=True, batch=mb, devices=1))
-        assert ours.parts["compute"] < bf16.parts["compute"] * (1.02 if hidden == 768 else 1.0)
+        if hidden > 768:
+            assert ours.parts["compute"] < bf16.parts["compute"]
         gains.append(ours.tokens_per_s / bf16.tokens_per_s)
-    assert gains[0] < gains[1] < gains[2] and gains[0] < 1.05
+    assert gains[0] < gains[1] < gains[2] and gains[0] < 1.0
 
 
 def test_without_fp8_tensor_cores_nothing_gets_faster():
@@ -87,7 +89,8 @@ def test_float8_all_gather_moves_fewer_bytes_under_zero3():
     wide = estimate(shape, layout, job(fp8_on=True, all_gather=False))
     narrow = estimate(shape, layout, job(fp8_on=True))
     gathers = 2 * 1  # one microbatch per rank: a gather for forward and one for backward
-    saved = gathers * 4 * fp8.converted_numel(shape, moe=False) * 7 / 8 * 3  # fp32 -> float8
+    # ZeRO-3 gathers the bf16 compute copy (2 bytes an element), float8 gathers 1 byte
+    saved = gathers * 4 * fp8.converted_numel(shape, moe=False) * 7 / 8 * 1
     assert wide.comm.dp_bytes - narrow.comm.dp_bytes == pytest.approx(saved)
 
 

@@ -174,7 +174,7 @@ def test_low_precision_layouts_follow_single_process(layout, results):
 @pytest.mark.parametrize("layout", COUNT_SYNCS)
 def test_a_distributed_step_reads_the_device_once(layout, results):
     """Every step logs here: one read of loss and gradient norm, no per-parameter reads."""
-    assert results[layout]["syncs"] == [1]  # step 4: logged, not validated
+    assert results[layout]["syncs"] == [1]  # step 3: logged, not validated
 
 
 @pytest.fixture(scope="module")
