@@ -71,37 +71,6 @@ class RunPlan:
         """The parallel layout; ``str(plan.layout)`` is its short name (``dp2xtp2``)."""
         return Layout.from_config(self.config, dp=self.dp)
 
-    # Aliases of plan.layout's degrees, kept for existing callers.
-    @property
-    def tp(self) -> int:
-        return self.layout.tp
-
-    @property
-    def pp(self) -> int:
-        return self.layout.pp
-
-    @property
-    def cp(self) -> int:
-        return self.layout.cp
-
-    @property
-    def ep(self) -> int:
-        return self.layout.ep
-
-    @property
-    def dp_replicate(self) -> int:
-        """HSDP replica groups (1: ZeRO shards over the whole data-parallel group)."""
-        return self.layout.dp_replicate
-
-    @property
-    def dp_shard(self) -> int:
-        """Data-parallel ranks one ZeRO shard group spans (dp / dp_replicate)."""
-        return self.layout.dp_shard
-
-    @property
-    def virtual_stages(self) -> int:
-        return self.layout.virtual_stages
-
     @property
     def overlap_grad_reduce(self) -> bool:
         """ZeRO-0 reduces gradients in buckets during backward: by default on GPUs, not on

@@ -28,7 +28,7 @@ def problems_of(*overrides: str) -> str:
 def test_every_recipe_composes_and_validates(recipe):
     plan = build(f"recipe={recipe}")
     assert plan.config.recipe == recipe
-    assert plan.world_size == plan.dp * plan.tp * plan.pp * plan.cp
+    assert plan.world_size == plan.dp * plan.layout.tp * plan.layout.pp * plan.layout.cp
 
 
 @pytest.mark.parametrize(
@@ -45,12 +45,12 @@ def test_large_recipes_with_several_layouts(recipe, parallel):
 @pytest.mark.parametrize("parallel", ["single", "dp2", "tp2", "tp2sp", "pp2", "tp2pp2", "dp2tp2", "zero2"])
 def test_tiny_recipe_sizes_the_world_to_the_layout(parallel):
     plan = build(f"parallel={parallel}", "train.global_batch_size=64", "train.micro_batch_size=8")
-    assert plan.world_size == plan.dp * plan.tp * plan.pp
+    assert plan.world_size == plan.dp * plan.layout.tp * plan.layout.pp
 
 
 def test_derived_values_gpt1b_tp4pp2():
     plan = build("recipe=gpt-1b", "parallel=tp4pp2")
-    assert (plan.world_size, plan.dp, plan.tp, plan.pp) == (8, 1, 4, 2)
+    assert (plan.world_size, plan.dp, plan.layout.tp, plan.layout.pp) == (8, 1, 4, 2)
     assert plan.layers_per_stage == [12, 12]
     assert plan.microbatches == 512 // 4
     assert plan.tokens_per_step == 512 * 2048
@@ -63,7 +63,7 @@ def test_dp_auto_uses_the_rest_of_the_world():
 
 def test_overrides_win_over_recipe_and_group():
     plan = build("recipe=gpt-1b", "parallel=tp2pp2", "parallel.tp=4", "train.steps=7")
-    assert plan.tp == 4 and plan.config.train.steps == 7
+    assert plan.layout.tp == 4 and plan.config.train.steps == 7
 
 
 def test_checkpoint_async_alias():

@@ -126,7 +126,7 @@ def _saved_bytes_under_tp(plan: RunPlan) -> int:
         cfg = plan.config
         tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_len + 1))
         cast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.precision.param_dtype == "bf16" else contextlib.nullcontext()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), loss_context(plan.tp):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), loss_context(plan.layout.tp):
             with cast:
                 logits = model(tokens[:, :-1])
             sharded_cross_entropy(logits, tokens[:, 1:])

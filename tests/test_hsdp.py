@@ -17,7 +17,7 @@ def problems_of(*overrides: str) -> str:
 
 def test_the_hsdp_preset_replicates_once_per_node():
     plan = RunPlan.build(compose(["recipe=llama-8b", "parallel=hsdp", "cluster=h100-node", "cluster.nodes=4"]))
-    assert (plan.dp, plan.dp_replicate, plan.dp_shard, plan.config.parallel.zero) == (32, 4, 8, 3)
+    assert (plan.dp, plan.layout.dp_replicate, plan.layout.dp_shard, plan.config.parallel.zero) == (32, 4, 8, 3)
     assert str(plan.layout) == "hsdp4x8"
 
 

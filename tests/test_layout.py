@@ -32,7 +32,7 @@ def test_a_layout_is_named_by_its_degrees(layout, name):
 def test_the_plan_owns_its_layout_and_its_degrees_read_from_it():
     plan = RunPlan.build(compose(["recipe=llama-8b", "parallel=hsdp", "cluster=h100-node", "cluster.nodes=4"]))
     assert plan.layout == Layout.from_config(plan.config, dp=32)
-    assert (plan.dp, plan.tp, plan.pp, plan.dp_replicate, plan.dp_shard) == (32, 1, 1, 4, 8)
+    assert (plan.dp, plan.layout.tp, plan.layout.pp, plan.layout.dp_replicate, plan.layout.dp_shard) == (32, 1, 1, 4, 8)
     assert f"{plan.layout}" == "hsdp4x8"
 
 

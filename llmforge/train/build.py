@@ -38,7 +38,7 @@ def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compo
         sampler=sampler,
         step=build_step(plan, mesh=mesh, parts=parts, ids=ids, scaler=scaler, device=device),
         scaler=scaler,
-        clip_grads=GlobalClip(params=params, ranks_per_stage=plan.world_size // plan.pp, skip=skip, distributed=mesh is not None),
+        clip_grads=GlobalClip(params=params, ranks_per_stage=plan.world_size // plan.layout.pp, skip=skip, distributed=mesh is not None),
         rank=rank,
         tokens_per_step=plan.tokens_per_step,
     ))
@@ -66,7 +66,7 @@ def build_parts(plan: RunPlan, *, mesh: Optional[ParallelMesh], device: torch.de
     """This rank's model parts (the whole model, or its pipeline chunks) and their
     chunk ids, parallelized."""
     cfg = plan.config
-    if plan.pp == 1:
+    if plan.layout.pp == 1:
         ids, parts = [0], [build_model(plan, device=device)]
     else:
         ids = plan.layout.stage_ids(mesh.local_rank("pp"))
@@ -103,7 +103,7 @@ def _optimizer(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Mo
 
 
 def _tied_copies(plan: RunPlan, *, parts: List[nn.Module], ids: List[int], num_stages: int) -> List[nn.Parameter]:
-    if plan.pp == 1 or not plan.config.model.tie_embeddings:
+    if plan.layout.pp == 1 or not plan.config.model.tie_embeddings:
         return []
     return tied_params(parts, first=0 in ids, last=num_stages - 1 in ids)
 
@@ -138,7 +138,7 @@ def wire_moe(plan: RunPlan, c: Components) -> Components:
         return c
     from llmforge.models.moe import moe_metrics, set_aux_loss_scale
 
-    per_loss = 1.0 if plan.pp > 1 else 1.0 / plan.microbatches
+    per_loss = 1.0 if plan.layout.pp > 1 else 1.0 / plan.microbatches
     scaler = c.scaler
     set_aux_loss_scale(c.model_parts, scale=lambda: (scaler.scale if scaler.enabled else 1.0) * per_loss)
     moe = plan.config.model.moe
@@ -146,7 +146,7 @@ def wire_moe(plan: RunPlan, c: Components) -> Components:
         from llmforge.models.moe import update_expert_bias
 
         reduce = None
-        if c.rank.mesh is not None and plan.dp * plan.cp > 1:
+        if c.rank.mesh is not None and plan.dp * plan.layout.cp > 1:
             from llmforge.parallel.expert import load_reducer
 
             reduce = load_reducer(c.rank.mesh)

@@ -28,9 +28,9 @@ def build_step(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Mo
                scaler: LossScaler, device: torch.device) -> StepRunner:
     """The step seam for this rank's layout (``mesh`` None in one process)."""
     num_stages = len(plan.layers_per_stage)
-    reducers = _zero0_reducers(plan, mesh=mesh, parts=parts, overlap=plan.pp == 1 and plan.overlap_grad_reduce)
+    reducers = _zero0_reducers(plan, mesh=mesh, parts=parts, overlap=plan.layout.pp == 1 and plan.overlap_grad_reduce)
     finish = _finish_hooks(plan, mesh=mesh, parts=parts, ids=ids, num_stages=num_stages, reducers=reducers)
-    if plan.pp == 1:
+    if plan.layout.pp == 1:
         return _accumulation_step(plan, mesh=mesh, model=parts[0], scaler=scaler, device=device, finish=finish, reducers=reducers)
     return _pipeline_step(plan, mesh=mesh, parts=parts, ids=ids, scaler=scaler, device=device, finish=finish)
 
@@ -50,7 +50,7 @@ def _zero0_reducers(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[
     dtype = DTYPES[plan.config.precision.reduce_dtype]
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
     experts = {id(p) for part in parts for p in expert_parameters(part)}
-    groups = [([p for p in params if id(p) not in experts], mesh.dp_cp.get_group(), plan.dp * plan.cp)]
+    groups = [([p for p in params if id(p) not in experts], mesh.dp_cp.get_group(), plan.dp * plan.layout.cp)]
     if experts:
         groups.append(([p for p in params if id(p) in experts], mesh.dp_rest.get_group(), plan.dp))
     if not overlap:
@@ -65,11 +65,11 @@ def _finish_hooks(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn
     same sum as after it: both are linear), then the tied-embedding sync."""
     hooks = [r for r in reducers if isinstance(r, BucketedGradReduce)]
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
-    if plan.tp > 1:
+    if plan.layout.tp > 1:
         hooks.append(lambda: align_grads(params))
     hooks.extend(r for r in reducers if isinstance(r, GradAllReduce))
-    if plan.pp > 1 and plan.config.model.tie_embeddings:
-        last_rank = chunk_rank(num_stages - 1, pp=plan.pp, v_shape=plan.layout.v_shape)
+    if plan.layout.pp > 1 and plan.config.model.tie_embeddings:
+        last_rank = chunk_rank(num_stages - 1, pp=plan.layout.pp, v_shape=plan.layout.v_shape)
         group = tied_group(mesh, first_pp=0, last_pp=last_rank)
         copies = tied_params(parts, first=0 in ids, last=num_stages - 1 in ids)
         hooks.append(TiedEmbeddingSync(params=copies, group=group))
@@ -101,18 +101,18 @@ def _accumulation_step(plan: RunPlan, *, mesh: Optional[ParallelMesh], model: nn
     if bucketed:
         no_sync = lambda last: grad_sync(bucketed, sync=last)  # noqa: E731
     positions = None
-    if plan.cp > 1:
-        positions = cp_positions(seq_len=cfg.model.seq_len, cp_rank=mesh.local_rank("cp"), cp=plan.cp, device=device)
+    if plan.layout.cp > 1:
+        positions = cp_positions(seq_len=cfg.model.seq_len, cp_rank=mesh.local_rank("cp"), cp=plan.layout.cp, device=device)
     return GradAccumulationStep(
         model=model,
         micro_batch_size=cfg.train.micro_batch_size,
         param_dtype=cfg.precision.param_dtype,
         scaler=scaler,
         device=device,
-        loss_fn=sharded_cross_entropy if plan.tp > 1 else cross_entropy,
+        loss_fn=sharded_cross_entropy if plan.layout.tp > 1 else cross_entropy,
         no_sync=no_sync,
-        reduce_loss=_dp_mean(mesh, plan.dp * plan.cp) if reduces_over_dp(plan, mesh=mesh) else None,
-        loss_context=lambda: loss_context(plan.tp),
+        reduce_loss=_dp_mean(mesh, plan.dp * plan.layout.cp) if reduces_over_dp(plan, mesh=mesh) else None,
+        loss_context=lambda: loss_context(plan.layout.tp),
         finish=finish,
         positions=positions,
     )
@@ -127,13 +127,13 @@ def _pipeline_step(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module],
         schedule=None,
         has_first=0 in ids,
         has_last=num_stages - 1 in ids,
-        loss_fn=sharded_cross_entropy if plan.tp > 1 else cross_entropy,
+        loss_fn=sharded_cross_entropy if plan.layout.tp > 1 else cross_entropy,
         scaler=scaler,
         device=device,
         pp_group=mesh.pp.get_group(),
         dp_group=mesh.dp.get_group(),
         dp_size=plan.dp,
-        context=lambda: loss_context(plan.tp),
+        context=lambda: loss_context(plan.layout.tp),
         finish=finish,
         modules=list(parts),
     )

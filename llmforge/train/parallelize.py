@@ -32,18 +32,18 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]
         from llmforge.parallel.float8 import apply_float8
 
         apply_float8(model, recipe=plan.config.precision.fp8_recipe, emulate=plan.config.precision.fp8_emulate, fsdp_all_gather=fp8_all_gather(plan, mesh=mesh))
-    if plan.tp > 1:
+    if plan.layout.tp > 1:
         apply_tp(model, tp_mesh=mesh.tp, sequence_parallel=p.sequence_parallel)
-    if plan.ep > 1:
+    if plan.layout.ep > 1:
         apply_ep(model, ep_mesh=mesh.ep)
-    if plan.cp > 1:
+    if plan.layout.cp > 1:
         apply_cp(model, cp_mesh=mesh.cp)
     if p.recompute != "none":
         apply_recompute(model, mode=p.recompute, every=p.recompute_every)
     if plan.config.train.compile:
         apply_compile(model)
     if uses_fsdp(plan, mesh=mesh):
-        experts = mesh.dp_rest if plan.ep > 1 else None
+        experts = mesh.dp_rest if plan.layout.ep > 1 else None
         precision = plan.config.precision
         apply_fsdp(model, dp_mesh=mesh.fsdp, zero=p.zero, param_dtype=DTYPES[precision.param_dtype],
                    reduce_dtype=DTYPES[precision.reduce_dtype], expert_mesh=experts)
@@ -65,4 +65,4 @@ def reduces_over_dp(plan: RunPlan, *, mesh: Optional[ParallelMesh]) -> bool:
     over its data-parallel group: when dp x cp > 1, and also for a one-rank plan
     started through torchrun (``cluster.launcher=torchrun``), whose groups of one
     take the multi-GPU code path (FSDP2, bucketed all-reduce) so one GPU checks it."""
-    return mesh is not None and (plan.dp * plan.cp > 1 or plan.world_size == 1)
+    return mesh is not None and (plan.dp * plan.layout.cp > 1 or plan.world_size == 1)
