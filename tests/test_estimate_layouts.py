@@ -12,6 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
+import contextlib  # noqa: E402
+
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+
 from llmforge.config.compose import compose  # noqa: E402
 from llmforge.estimate.memory import model_states  # noqa: E402
 from llmforge.estimate.shape import from_plan  # noqa: E402
@@ -37,15 +41,13 @@ LAYOUTS = [
 
 
 def _local(t):
-    from torch.distributed.tensor import DTensor
+    from llmforge.parallel.dtensor import local
 
-    return t.to_local() if isinstance(t, DTensor) else t
+    return local(t)
 
 
 def _rank_bytes(plan: RunPlan, rank: int) -> tuple[int, int, int]:
     """(pipeline stage, parameter bytes, AdamW state bytes) of one rank, built by the backend."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     from llmforge.parallel.mesh import build_mesh
     from llmforge.train.build import build_parts
     from llmforge.train.optim import build_optimizer
@@ -88,54 +90,44 @@ def test_per_rank_parameter_and_optimizer_bytes_are_exact(overrides):
 
 def _saved_bytes_under_tp(plan: RunPlan) -> int:
     """Bytes rank 0 saves for backward in one forward of the tensor-parallel model (fake group)."""
-    import contextlib
+    from llmforge.train.measure import selective_caches
 
-    from torch.distributed.tensor import DTensor
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    with selective_caches() as caches:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+        try:
+            return _saved_bytes(plan, caches)
+        finally:
+            dist.destroy_process_group()
 
-    import llmforge.parallel.recompute as recompute
-    from llmforge.train.measure import _cached_tensors
+
+def _saved_bytes(plan: RunPlan, caches: list) -> int:
     from llmforge.parallel.mesh import build_mesh
-    from llmforge.train.build import build_parts
     from llmforge.parallel.tensor import loss_context, sharded_cross_entropy
-
-    caches: list = []
-    original = recompute.selective_context
-
-    def context():
-        forward, again = original()
-        caches.append(forward.storage)
-        return forward, again
+    from llmforge.train.build import build_parts
+    from llmforge.train.measure import cached_tensors
 
     def key(t):
-        return (t.to_local() if isinstance(t, DTensor) else t).untyped_storage()._cdata
+        return _local(t).untyped_storage()._cdata
 
-    recompute.selective_context = context
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
-    try:
-        model = build_parts(plan, mesh=build_mesh(plan.layout, device_type="cpu", timeout_s=plan.config.cluster.timeout_s), device=torch.device("cpu"))[0][0]
-        excluded = {key(p) for p in model.parameters()} | {key(b) for b in model.buffers()}
-        saved: dict = {}
+    model = build_parts(plan, mesh=build_mesh(plan.layout, device_type="cpu", timeout_s=plan.config.cluster.timeout_s), device=torch.device("cpu"))[0][0]
+    excluded = {key(p) for p in model.parameters()} | {key(b) for b in model.buffers()}
+    saved: dict = {}
 
-        def pack(t):
-            local = t.to_local() if isinstance(t, DTensor) else t
-            if key(local) not in excluded:
-                saved[key(local)] = max(saved.get(key(local), 0), local.untyped_storage().nbytes())
-            return t
+    def pack(t):
+        if key(t) not in excluded:
+            saved[key(t)] = max(saved.get(key(t), 0), _local(t).untyped_storage().nbytes())
+        return t
 
-        cfg = plan.config
-        tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_len + 1))
-        cast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.precision.param_dtype == "bf16" else contextlib.nullcontext()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), loss_context(plan.layout.tp):
-            with cast:
-                logits = model(tokens[:, :-1])
-            sharded_cross_entropy(logits, tokens[:, 1:])
-            for t in _cached_tensors(caches):
-                pack(t)
-        return sum(saved.values())
-    finally:
-        dist.destroy_process_group()
-        recompute.selective_context = original
+    cfg = plan.config
+    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.train.micro_batch_size, cfg.model.seq_len + 1))
+    cast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.precision.param_dtype == "bf16" else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), loss_context(plan.layout.tp):
+        with cast:
+            logits = model(tokens[:, :-1])
+        sharded_cross_entropy(logits, tokens[:, 1:])
+        for t in cached_tensors(caches):
+            pack(t)
+    return sum(saved.values())
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -19,8 +19,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import llmforge.parallel.recompute as recompute
-from llmforge.train.measure import _cached_tensors
+from llmforge.train.measure import cached_tensors, selective_caches
 from llmforge.parallel.mesh import build_mesh
 from llmforge.plan import RunPlan
 from llmforge.train.build import build_components
@@ -78,15 +77,11 @@ def measure_step(plan: RunPlan) -> Tuple[Tuple[int, int, int], int]:
     moments exist), then the next step's first microbatch (of two) under the
     saved-tensors hooks. Returns the model-state bytes after that microbatch's
     backward, and the bytes it saved for backward."""
-    caches: list = []
-    original = recompute.selective_context
+    with selective_caches() as caches:
+        return _measure_on_fake_group(plan, caches)
 
-    def context():
-        forward, again = original()
-        caches.append(forward.storage)
-        return forward, again
 
-    recompute.selective_context = context
+def _measure_on_fake_group(plan: RunPlan, caches: list) -> Tuple[Tuple[int, int, int], int]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
         cpu, cfg = torch.device("cpu"), plan.config
@@ -110,7 +105,7 @@ def measure_step(plan: RunPlan) -> Tuple[Tuple[int, int, int], int]:
                 with autocast(param_dtype=cfg.precision.param_dtype, device=cpu):
                     logits = step.model(mb[:, :-1])
                 loss = step.loss_fn(logits, mb[:, 1:])
-                for t in _cached_tensors(caches):
+                for t in cached_tensors(caches):
                     pack(t)
             loss.backward()
         excluded = _weight_storages(c.model_parts)
@@ -118,4 +113,3 @@ def measure_step(plan: RunPlan) -> Tuple[Tuple[int, int, int], int]:
         return model_state_bytes(c.model_parts, c.optimizer), activations
     finally:
         dist.destroy_process_group()
-        recompute.selective_context = original

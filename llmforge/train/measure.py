@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
@@ -81,7 +81,30 @@ def _recompute_wrap(model, *, mode: str, every: int) -> list:
     return caches
 
 
-def _cached_tensors(caches: list):
+@contextlib.contextmanager
+def selective_caches() -> Iterator[list]:
+    """While active, every selective-recompute region the backend opens
+    (``llmforge.parallel.recompute.selective_context``) adds its cache of kept outputs
+    to the list this yields (they are saved outside autograd's saved tensors)."""
+    import llmforge.parallel.recompute as recompute
+
+    caches: list = []
+    original = recompute.selective_context
+
+    def context():
+        forward, again = original()
+        caches.append(forward.storage)
+        return forward, again
+
+    recompute.selective_context = context
+    try:
+        yield caches
+    finally:
+        recompute.selective_context = original
+
+
+def cached_tensors(caches: list) -> Iterator[torch.Tensor]:
+    """The tensors held in selective-recompute caches (see ``selective_caches``)."""
     for storage in caches:
         for outputs in storage.values():
             for item in (outputs.values() if isinstance(outputs, dict) else outputs):
@@ -116,7 +139,7 @@ def run_once(model, *, micro_batch: int, param_dtype: str, vocab: int, seq: int,
             with cast:
                 logits = model(tokens[:, :-1])
             loss = cross_entropy(logits, tokens[:, 1:])
-        for t in _cached_tensors(caches):
+        for t in cached_tensors(caches):
             pack(t)
         forward = counter.get_total_flops()
         loss.backward()
