@@ -54,10 +54,10 @@ class ExpertParallelExperts(GroupedExperts):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep = self.ep_mesh.size()
-        local = self.num_experts // ep
+        per_rank = self.num_experts // ep
         group = self.ep_mesh.get_group()
-        received = _exchange_counts(counts.view(ep, local), group=group)  # [src, local expert]
-        send_splits = counts.view(ep, local).sum(1).tolist()
+        received = _exchange_counts(counts.view(ep, per_rank), group=group)  # [src, local expert]
+        send_splits = counts.view(ep, per_rank).sum(1).tolist()
         recv_splits = received.sum(1).tolist()
         x_recv = _wait(all_to_all_single_autograd(x.contiguous(), recv_splits, send_splits, group))
         order = _source_to_expert_order(received)
@@ -85,10 +85,10 @@ def _exchange_counts(counts: torch.Tensor, *, group: dist.ProcessGroup) -> torch
 def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
     """Indices that regroup tokens laid out by (source rank, local expert) into
     (local expert, source rank) order."""
-    ep, local = received.shape
+    ep, per_rank = received.shape
     flat = received.flatten()
     starts = torch.cumsum(flat, 0) - flat
-    chunks = [torch.arange(int(starts[s * local + j]), int(starts[s * local + j] + flat[s * local + j])) for j in range(local) for s in range(ep)]
+    chunks = [torch.arange(int(starts[s * per_rank + j]), int(starts[s * per_rank + j] + flat[s * per_rank + j])) for j in range(per_rank) for s in range(ep)]
     return torch.cat(chunks).to(received.device) if chunks else torch.zeros(0, dtype=torch.int64, device=received.device)
 
 
