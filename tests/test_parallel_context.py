@@ -32,7 +32,7 @@ def test_plan_needs_seq_len_divisible_by_twice_cp():
 
 
 def test_context_parallel_layouts_are_planned():
-    assert tiny_plan(["parallel.cp=2", "parallel.tp=2", "parallel.zero=3"]).cp == 2
+    assert tiny_plan(["parallel.cp=2", "parallel.tp=2", "parallel.zero=3"]).layout.cp == 2
 
 
 @pytest.mark.parametrize(
