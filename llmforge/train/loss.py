@@ -9,7 +9,10 @@ log-softmax, keeps only the target's log-probability, and saves the logits as
 they are (bf16 under autocast); backward recomputes each chunk's softmax in fp32
 and writes its gradient straight into the logits' dtype. The arithmetic is
 that of ``F.cross_entropy`` on fp32 logits (fp32 softmax, mean over tokens);
-only its order of summation differs.
+only its order of summation differs. fp32 logits that fit in one chunk go to
+``F.cross_entropy`` itself: the same arithmetic and the same bytes kept for
+backward (the fp32 log-probabilities instead of the fp32 logits), without the
+second softmax in backward.
 
 Under tensor parallelism the logits are vocabulary-sharded DTensors and the
 loss is ``loss_parallel``'s (``llmforge.parallel.tensor.sharded_cross_entropy``).
@@ -18,6 +21,7 @@ loss is ``loss_parallel``'s (``llmforge.parallel.tensor.sharded_cross_entropy``)
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 CHUNK_ELEMENTS = 2**26  # logits per chunk: 256 MiB of fp32 temporaries
 
@@ -60,4 +64,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss of ``logits [b, s, vocab]`` against ``targets [b, s]``,
     in fp32 whatever the logits' dtype."""
-    return _ChunkedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(0, 1))
+    logits, targets = logits.flatten(0, 1), targets.flatten(0, 1)
+    if logits.dtype == torch.float32 and logits.numel() <= CHUNK_ELEMENTS:
+        return F.cross_entropy(logits, targets)
+    return _ChunkedCrossEntropy.apply(logits, targets)
