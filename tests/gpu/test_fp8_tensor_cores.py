@@ -74,7 +74,7 @@ def test_fp8_layers_are_float8_on_the_device(pair):
 
 
 def test_bench_fp8_rows_run_on_the_gpu(small_data):
-    """tools/bench_fp8.py's rows (what the lead's benchmark prints) on a small model."""
+    """tools/bench_fp8.py's rows (what the GPU benchmark prints) on a small model."""
     if not _fp8_capable():
         pytest.skip("needs a GPU with FP8 tensor cores")
     import importlib.util
