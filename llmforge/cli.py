@@ -61,6 +61,23 @@ def _build_plan(overrides: Optional[List[str]], config_dir: Optional[List[Path]]
     return RunPlan.build(compose(overrides or [], extra_dirs=config_dir or []))
 
 
+def _saved_plan(path: Path, overrides: Optional[List[str]]):
+    """A run's plan.json, with dotted key=value overrides applied."""
+    import json
+
+    from llmforge.errors import Problem
+    from llmforge.plan import RunPlan, config_from_dict
+
+    try:
+        saved = json.loads(path.read_text())["config"]
+        config = config_from_dict(saved, [o for o in overrides or []])
+    except FileNotFoundError:
+        raise UserError([Problem("--plan", str(path), "no such file", "point --plan at a run folder's plan.json")], title="missing plan") from None
+    except Exception as exc:  # noqa: BLE001 - a damaged file or a bad override: one message
+        raise UserError([Problem("--plan", str(path), f"cannot read the plan with these overrides ({exc})", "point --plan at a run folder's plan.json; overrides as key.path=value")], title="unreadable plan") from None
+    return RunPlan.build(config)
+
+
 @app.command()
 @user_errors
 def plan(
@@ -123,6 +140,7 @@ def estimate(
     measure: bool = typer.Option(False, "--measure", help="Also build the real model on CPU and print measured numbers."),
     search: bool = typer.Option(False, "--search", help="Search every valid layout and rank those that fit by speed."),
     top: int = typer.Option(5, "--top", help="With --search, how many layouts to show."),
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="Start from a run's plan.json instead of the recipe (overrides apply on top)."),
     config_dir: Optional[List[Path]] = CONFIG_DIR,
 ) -> None:
     """Estimate memory per device, pipeline bubble, FLOPs, communication and step time.
@@ -136,12 +154,14 @@ def estimate(
       llmforge estimate recipe=gpt-1b parallel=tp2pp2 parallel.pp_schedule=interleaved_1f1b parallel.pp_virtual_stages=2 --timeline
 
       llmforge estimate recipe=llama-70b cluster.nodes=8 --search --top 5
+
+      llmforge estimate --plan runs/tiny/plan.json
     """
     if search:
         # The layout is what the search varies: start from plain data parallelism over the
         # cluster, so a recipe's own layout cannot make the request invalid.
         overrides = [o for o in overrides or [] if not o.lstrip("+~").startswith("parallel")] + ["parallel=dp"]
-    run_plan = _build_plan(overrides, config_dir)
+    run_plan = _saved_plan(plan_file, overrides) if plan_file is not None else _build_plan(overrides, config_dir)
     from llmforge.estimate.report import run_estimate
 
     run_estimate(run_plan, as_json=as_json, timeline=timeline, measure=measure, search=search, top=top, console=out)

@@ -13,13 +13,17 @@ from llmforge.plan import RunPlan
 
 
 def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
+    if plan.config.logging.tensorboard:
+        from llmforge.observe.tensorboard import check_installed
+
+        check_installed()
     _preflight(plan, force=force, console=console)
     launcher = plan.config.cluster.launcher
     if launcher != "slurm" and not dry_run:
         _check_devices(plan)
     if resume_from is None and not dry_run:
         _claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
-    if plan.world_size == 1 and launcher == "local":
+    if plan.world_size == 1 and launcher == "local" and plan.config.cluster.max_restarts == 0:
         if dry_run:
             console.print(f"would train in this process: {plan.layout}, {plan.config.train.steps} steps into {plan.run_dir}")
             return

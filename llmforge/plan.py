@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from llmforge.config.schema import RunConfig
+from llmforge.config.train_rules import check_training
 from llmforge.errors import Problem, UserError, fail
 
 CHOICES: Dict[str, tuple] = {
@@ -29,7 +30,9 @@ CHOICES: Dict[str, tuple] = {
     "precision.fp8_recipe": ("tensorwise", "rowwise"),
     "data.source": ("builtin", "files"),
     "optim.name": ("adamw",),
-    "optim.schedule": ("cosine", "linear", "constant"),
+    "optim.schedule": ("cosine", "linear", "constant", "wsd"),
+    "optim.decay_shape": ("linear", "cosine", "sqrt"),
+    "train.memory_snapshot": ("off", "oom", "profile"),
     "cluster.launcher": ("local", "torchrun", "slurm"),
     "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
 }
@@ -184,7 +187,7 @@ def _world_and_dp(config: RunConfig) -> tuple[int, int]:
 
 def _validate(config: RunConfig) -> List[Problem]:
     problems: List[Problem] = []
-    for check in (_check_choices, _check_ranges, _check_model, _check_world, _check_tp, _check_pipeline, _check_batch, _check_moe, _check_data, _check_accelerator, _check_fp8, _check_hsdp):
+    for check in (_check_choices, _check_ranges, _check_model, _check_world, _check_tp, _check_pipeline, _check_batch, _check_moe, _check_data, _check_accelerator, _check_fp8, _check_hsdp, check_training):
         problems.extend(check(config))
     return problems
 

@@ -93,7 +93,7 @@ def test_resume_mid_epoch_continues_the_exact_order_with_other_dp_and_batch(corp
     straight, straight_ids, _ = _run(data, 10, seed=11)
     _, first_ids, first = _run(data, 4, seed=11)
     state = first.state_dict()
-    assert all(isinstance(v, (int, str)) for v in state.values())
+    assert all(isinstance(v, (int, float, str)) for v in state.values())
     rest, rest_ids, _ = _run(data, 6, seed=999, dp_size=2, state=state)
     assert torch.equal(rest, straight[4:])
     assert np.array_equal(np.concatenate([first_ids, rest_ids]), straight_ids)

@@ -132,6 +132,7 @@ def test_layout_matches_single_process(layout, results, reference):
     ref = reference[reference_of(layout)]
     assert len(got["losses"]) == 5
     assert max_rel(got["losses"], ref.losses) < 1e-5
+    assert len(got["val_losses"]) == 2 and max_rel(got["val_losses"], ref.val_losses) < 1e-5
     assert max_rel(got["grad_norms"], ref.grad_norms) < 1e-5
     assert set(ref.params) <= set(got["params"])
     for name, value in ref.params.items():

@@ -114,6 +114,10 @@ class DataConfig:
     builtin_max_mb: float = knob(8.0, help="Megabytes of standard-library text in the built-in corpus.")
     num_proc: int = knob(1, help="Processes used to tokenize.")
     mixture: List[str] = knob(help="Several datasets as PATH:WEIGHT entries (overrides data.path).", factory=list)
+    val_fraction: float = knob(
+        0.0, help="Fraction of documents held out for validation (never trained on; the same set for every layout). 0 = no validation."
+    )
+    val_seed: int = knob(0, help="Seed choosing the held-out documents (kept apart from train.seed so runs with other seeds share them).")
 
 
 @dataclass
@@ -133,6 +137,15 @@ class TrainConfig:
     seed: int = knob(1234, help="Seed for initialisation, data order and dropout.")
     log_interval: int = knob(1, help="Log metrics every N steps.")
     compile: bool = knob(False, help="torch.compile each transformer block (the first steps pay the compile time).")
+    eval_interval: int = knob(0, help="Validation loss every N steps on the data.val_fraction split (0 = only at the end of the run).")
+    eval_steps: int = knob(10, help="Global batches of held-out sequences per validation.")
+    profile: Optional[str] = knob(
+        None, help="Steps to trace with torch.profiler, START-END (or one step N): run.dir/profile/rank<R>.steps<START>-<END>.pt.trace.json per rank (Perfetto, TensorBoard). null = off."
+    )
+    memory_snapshot: str = knob(
+        "oom",
+        help="GPUs: oom = record live CUDA allocations and write run.dir/profile/oom_rank<R>.pickle on out-of-memory; profile = record every allocation from the start and also write a snapshot at the end of train.profile (open at pytorch.org/memory_viz); off.",
+    )
 
 
 @dataclass
@@ -144,8 +157,10 @@ class OptimConfig:
     eps: float = knob(1e-8, help="AdamW epsilon.")
     grad_clip: float = knob(1.0, help="Clip the global gradient norm to this (0 = off).")
     warmup_steps: int = knob(10, help="Linear warm-up steps.")
-    schedule: str = knob("cosine", help="Decay after warm-up: cosine, linear or constant.")
+    schedule: str = knob("cosine", help="After warm-up: cosine, linear, constant, or wsd (warmup-stable-decay: constant, then a decay over the last optim.decay_fraction of the steps).")
     min_lr_ratio: float = knob(0.1, help="Final learning rate as a fraction of train.lr.")
+    decay_fraction: float = knob(0.2, help="wsd only: fraction of train.steps spent decaying to min_lr_ratio at the end.")
+    decay_shape: str = knob("sqrt", help="wsd only: shape of the decay: linear, cosine or sqrt (1 - sqrt(progress)).")
 
 
 @dataclass
@@ -164,6 +179,9 @@ class ClusterConfig:
     rdzv_endpoint: Optional[str] = knob(None, help="host:port of the rendezvous for multi-node runs.")
     efficiency: float = knob(0.5, help="Fraction of peak FLOP/s the estimator assumes for compute.")
     timeout_s: int = knob(300, help="Collective timeout in seconds: a stuck rank ends the job after this.")
+    max_restarts: int = knob(
+        0, help="After a rank fails, restart every rank up to N times (torchrun --max-restarts); they resume from the newest complete checkpoint."
+    )
 
 
 @dataclass
@@ -176,6 +194,7 @@ class WandbConfig:
 @dataclass
 class LoggingConfig:
     console: bool = knob(True, help="Show the Rich progress bar.")
+    tensorboard: bool = knob(False, help="Also log every metric to TensorBoard in run.dir/tensorboard (needs pip install 'llmforge[tensorboard]').")
     wandb: WandbConfig = knob(help="Weights & Biases.", factory=WandbConfig)
 
 

@@ -16,6 +16,11 @@ Which window g maps to depends only on the seed and the data:
 
 So the state is just the position g of the next batch; resuming with another dp size or
 another global batch size continues the same order.
+
+With ``val_fraction > 0`` each stream first loses a seeded share of its documents to
+validation (``llmforge.data.split``): the ``train`` sampler windows the rest, a ``val``
+sampler windows the held-out documents alone, each with its own position and the
+same guarantees.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import numpy as np
 import torch
 
 from llmforge.data.prepare import PreparedData
+from llmforge.data.split import open_split
 from llmforge.errors import Problem, UserError
 
 MIX_BLOCK = 4096
@@ -37,23 +43,40 @@ class BatchSampler:
     never on the number of data-parallel ranks: step k's global batch is always the same
     global_batch_size sequences; dp rank r gets rows [r*G/dp, (r+1)*G/dp) of it."""
 
-    def __init__(self, data: PreparedData, *, seq_len: int, global_batch_size: int, seed: int) -> None:
+    def __init__(self, data: PreparedData, *, seq_len: int, global_batch_size: int, seed: int, split: str = "train",
+                 val_fraction: float = 0.0, val_seed: int = 0) -> None:
         if seq_len < 1 or global_batch_size < 1:
             raise ValueError("seq_len and global_batch_size must be positive")
+        if split == "val" and val_fraction <= 0:
+            raise ValueError("a val sampler needs val_fraction > 0")
         self.data = data
         self.seq_len = seq_len
         self.global_batch_size = global_batch_size
         self.seed = int(seed)
+        self.split, self.val_fraction, self.val_seed = split, float(val_fraction), int(val_seed)
         self.position = 0
         self.last_sequence_ids = np.zeros((0, 3), dtype=np.int64)
-        self._streams = [data.open_stream(i) for i in range(len(data.streams))]
+        self._streams = [self._open(i) for i in range(len(data.streams))]
         self.num_sequences = [(s.num_tokens - 1) // seq_len for s in self._streams]
         self._check_long_enough()
         self._counts = _block_counts([s.weight for s in data.streams], block=MIX_BLOCK)
         self._perms: Dict[Tuple[int, int], np.ndarray] = {}
         self._blocks: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
 
+    def _open(self, index: int):
+        stream = self.data.open_stream(index)
+        if self.val_fraction <= 0:
+            return stream
+        return open_split(stream, split=self.split, fraction=self.val_fraction, seed=self.val_seed, index=index)
+
     def _check_long_enough(self) -> None:
+        if self.split == "val":
+            problems = [Problem("data.val_fraction", self.val_fraction, f"the held-out documents of dataset {info.name!r} have "
+                                f"{s.num_tokens} tokens, fewer than one sequence of model.seq_len + 1 = {self.seq_len + 1}",
+                                "raise data.val_fraction (or add documents)")
+                        for info, s, m in zip(self.data.streams, self._streams, self.num_sequences) if m == 0]
+            if problems:
+                raise UserError(problems, title="not enough validation data")
         problems = [Problem("model.seq_len", self.seq_len, f"dataset {info.name!r} has only {s.num_tokens} tokens, "
                             f"fewer than one sequence of seq_len + 1", "lower model.seq_len or add more text")
                     for info, s, m in zip(self.data.streams, self._streams, self.num_sequences) if m == 0]
@@ -114,7 +137,8 @@ class BatchSampler:
         """Plain ints and strings: enough to continue the exact order."""
         return {"version": STATE_VERSION, "seed": self.seed, "position": int(self.position), "epoch": self.epoch,
                 "seq_len": self.seq_len, "global_batch_size": self.global_batch_size,
-                "data": self.data.fingerprint, "num_streams": len(self._streams)}
+                "data": self.data.fingerprint, "num_streams": len(self._streams),
+                "split": self.split, "val_fraction": self.val_fraction, "val_seed": self.val_seed}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved state (the global batch size may differ; seq_len and data may not)."""
@@ -128,10 +152,24 @@ class BatchSampler:
         if state.get("data") != self.data.fingerprint or int(state.get("num_streams", 1)) != len(self._streams):
             raise UserError("the prepared data differs from the data of the checkpoint (tokenizer or token shards "
                             "changed); resume with the same data settings and files", title="cannot resume the data order")
+        self._check_split(state)
         self.seed = int(state["seed"])
         self.position = int(state["position"])
         self._perms.clear()
         self._blocks.clear()
+
+    def _check_split(self, state: dict) -> None:
+        """The held-out documents decide what the training order is drawn from: they must not change."""
+        fraction, seed = float(state.get("val_fraction", 0.0)), int(state.get("val_seed", 0))
+        problems = []
+        if fraction != self.val_fraction:
+            problems.append(Problem("data.val_fraction", self.val_fraction, f"the checkpoint was trained with data.val_fraction={fraction}",
+                                    f"resume with data.val_fraction={fraction}"))
+        elif fraction > 0 and seed != self.val_seed:
+            problems.append(Problem("data.val_seed", self.val_seed, f"the checkpoint held out documents with data.val_seed={seed}",
+                                    f"resume with data.val_seed={seed}"))
+        if problems:
+            raise UserError(problems, title="cannot resume the data order")
 
     def _locate(self, g: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """(stream, n-th draw from that stream) of global sequence numbers g."""

@@ -9,7 +9,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class TrainingProgress:
-    def __init__(self, *, total_steps: int, start_step: int, enabled: bool, console: Optional[Console] = None) -> None:
+    def __init__(self, *, total_steps: int, start_step: int, enabled: bool, console: Optional[Console] = None, validation: bool = False) -> None:
         self.console = console or Console(stderr=True)
         self._progress: Optional[Progress] = None
         if not enabled:
@@ -19,16 +19,17 @@ class TrainingProgress:
             MofNCompleteColumn(),
             BarColumn(),
             TextColumn("loss [cyan]{task.fields[loss]}"),
+            *([TextColumn("val [magenta]{task.fields[val]}")] if validation else []),
             TextColumn("[green]{task.fields[tps]}[/] tok/s"),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             console=self.console,
             transient=False,
         )
-        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-")
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-", val="-")
         self._progress.start()
 
-    def update(self, *, step: int, loss: Optional[float] = None, tokens_per_s: Optional[float] = None) -> None:
+    def update(self, *, step: int, loss: Optional[float] = None, tokens_per_s: Optional[float] = None, val_loss: Optional[float] = None) -> None:
         if self._progress is None:
             return
         fields = {}
@@ -36,6 +37,8 @@ class TrainingProgress:
             fields["loss"] = f"{loss:.4f}"
         if tokens_per_s is not None:
             fields["tps"] = f"{tokens_per_s:,.0f}"
+        if val_loss is not None:
+            fields["val"] = f"{val_loss:.4f}"
         self._progress.update(self._task, completed=step, **fields)
 
     def print(self, message: str) -> None:

@@ -8,7 +8,8 @@ SPEC.json: ``{"base": [overrides...], "layouts": {"name": [overrides...]}, "fail
 "fail_at": null, "device": "cpu", "mesh_of_one": false}``: ``fail_rank`` raises before layout
 ``fail_at`` (default: the first); ``"device": "cuda"`` trains each rank on its GPU, under NCCL;
 ``mesh_of_one`` sends a one-rank layout through the distributed path (see ``rank_info``).
-OUT.pt (written by rank 0): per layout the losses, grad norms, step times, the
+OUT.pt (written by rank 0): per layout the losses, validation losses (every
+EVAL_INTERVAL steps and at the end, forward only), grad norms, step times, the
 intra-op thread count of each rank, rank 0's local element count of each
 parameter (what it holds of its shard) and the full (gathered) parameters after the
 last step.
@@ -24,6 +25,7 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from llmforge.plan import RunPlan, config_from_dict
@@ -34,6 +36,8 @@ TINY = [
     "model.vocab_size=256", "model.seq_len=32", "model.bias=false", "model.init_std=0.1", "train.micro_batch_size=2", "train.global_batch_size=8",
     "train.steps=5", "train.lr=1e-3", "optim.warmup_steps=0", "optim.grad_clip=0.5", "optim.schedule=constant",
 ]
+
+EVAL_INTERVAL = 3
 
 
 @dataclass
@@ -69,6 +73,7 @@ def tiny_plan(overrides: List[str]) -> RunPlan:
 @dataclass
 class LayoutResult:
     losses: List[float] = field(default_factory=list)
+    val_losses: List[float] = field(default_factory=list)
     grad_norms: List[float] = field(default_factory=list)
     step_times: List[float] = field(default_factory=list)
     threads: List[int] = field(default_factory=list)
@@ -98,16 +103,19 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), m
     sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed)
     rank = rank_info(plan, device=device, mesh_of_one=mesh_of_one)
     c = build_components(plan, rank=rank, sampler=sampler)
+    # validation on other synthetic rows mid-run and at the end: training must continue unchanged after it
+    c.val_sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed + 1)
     records: List[dict] = []
     hooks = LoopHooks(log=records.append)
-    train_loop(c, start_step=0, total_steps=cfg.train.steps, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=0, hooks=hooks)
+    train_loop(c, start_step=0, total_steps=cfg.train.steps, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=0, hooks=hooks, eval_interval=EVAL_INTERVAL, eval_steps=1)
     out = LayoutResult(
         losses=[r["loss"] for r in records],
+        val_losses=[r["val_loss"] for r in records if "val_loss" in r],
         grad_norms=[r["grad_norm"] for r in records],
         step_times=[r["step_time_s"] for r in records],
     )
+    out.params = full_parameters(c)  # reshards first: ZeRO 1/2 keep the compute copy gathered
     out.local_numel = {n: _local_numel(p) for part in c.model_parts for n, p in part.named_parameters()}
-    out.params = full_parameters(c)
     out.threads = rank_threads()
     return out
 
@@ -131,6 +139,11 @@ def full_parameters(c: Components) -> Dict[str, torch.Tensor]:
     other ranks return an empty dict). Collective over all ranks."""
     local: Dict[str, torch.Tensor] = {}
     for part in c.model_parts:
+        # ZeRO 1/2 keep the gathered compute weights (float8 ones under fp8) after
+        # forward: read the sharded fp32 parameters instead
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         for name, p in part.named_parameters():
             local[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
     if not dist.is_initialized():

@@ -24,6 +24,7 @@ from llmforge.errors import Problem, UserError
 from llmforge.plan import RunPlan
 
 WORKER = "llmforge.parallel.worker"
+RESTART_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 DEFAULT_PORT = 29500
 
 
@@ -51,6 +52,8 @@ def torchrun_args(plan: RunPlan, *, endpoint: Optional[str] = None, run_id: str 
     """torchrun options for this plan (same on every node)."""
     c = plan.config.cluster
     args = [f"--nnodes={c.nodes}", f"--nproc-per-node={procs_per_node(plan)}", "--monitor-interval=0.2"]
+    if c.max_restarts > 0:
+        args.append(f"--max-restarts={c.max_restarts}")
     endpoint = endpoint or c.rdzv_endpoint
     if c.nodes == 1 and endpoint is None:
         return args + ["--standalone"]
@@ -85,6 +88,7 @@ def slurm_script(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path])
         "set -euo pipefail",
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
+        *[f"export {k}={v}" for k, v in restart_env(plan).items()],
         f"srun --kill-on-bad-exit=1 {command}",
     ]
     return "\n".join(lines) + "\n"
@@ -106,7 +110,7 @@ def launch_distributed(plan: RunPlan, *, resume_from: Optional[Path], dry_run: b
     plan.save(plan_path)
     if plan.config.cluster.nodes > 1:
         console.print(f"start the same command on each of the {plan.config.cluster.nodes} nodes", highlight=False)
-    run_torchrun(command[3:], console=console, threads=_threads(plan))
+    run_torchrun(command[3:], console=console, threads=_threads(plan), env=restart_env(plan))
 
 
 def _slurm(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path], dry_run: bool, console: Console) -> None:
@@ -126,7 +130,13 @@ def _threads(plan: RunPlan) -> int:
     return max(1, (os.cpu_count() or 1) // procs_per_node(plan))
 
 
-def run_torchrun(argv: List[str], *, console: Console, threads: int = 1) -> None:
+def restart_env(plan: RunPlan) -> Dict[str, str]:
+    """With restarts, every attempt gets a fresh rendezvous store: on the agent's shared
+    store (torch's default) a restarted group reads the failed attempt's keys and hangs."""
+    return {RESTART_STORE_ENV: "1"} if plan.config.cluster.max_restarts > 0 else {}
+
+
+def run_torchrun(argv: List[str], *, console: Console, threads: int = 1, env: Optional[Dict[str, str]] = None) -> None:
     """Run torchrun (``argv`` as after ``python -m torch.distributed.run``) here.
 
     On failure the first failing rank's error is shown once: a user error is
@@ -137,7 +147,7 @@ def run_torchrun(argv: List[str], *, console: Console, threads: int = 1) -> None
     from torch.distributed.run import parse_args, run
 
     with tempfile.TemporaryDirectory(prefix="llmforge-errors-") as folder, _quiet_agent():
-        with _env({"LLMFORGE_ERROR_DIR": folder, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}):
+        with _env({"LLMFORGE_ERROR_DIR": folder, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads)), **(env or {})}):
             try:
                 run(parse_args(argv))
                 return
@@ -155,7 +165,9 @@ def run_torchrun(argv: List[str], *, console: Console, threads: int = 1) -> None
         raise SystemExit(1)
     if record["kind"] == "user":
         raise RankUserError(rank=record["rank"], text=record["message"])
-    console.print(f"[bold red]rank {record['rank']} failed:[/]\n{record['message']}", highlight=False, markup=True, soft_wrap=True)
+    from rich.markup import escape
+
+    console.print(f"[bold red]rank {record['rank']} failed:[/]\n{escape(record['message'])}", highlight=False, markup=True, soft_wrap=True)
     raise SystemExit(1)
 
 
@@ -176,7 +188,8 @@ def _first_error(folder: Path) -> Optional[Dict]:
     for path in folder.glob("rank*.json"):
         with contextlib.suppress(ValueError, OSError):
             records.append(json.loads(path.read_text()))
-    return min(records, key=lambda r: r["time"]) if records else None
+    # the last attempt's failure when torchrun restarted the ranks (cluster.max_restarts)
+    return min(records, key=lambda r: (-r.get("attempt", 0), r["time"])) if records else None
 
 
 @contextlib.contextmanager

@@ -252,6 +252,7 @@ def _pipeline_step(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module],
         dp_size=plan.dp,
         context=lambda: loss_context(plan.tp),
         finish=finish,
+        modules=list(parts),
     )
     step.schedule = build_schedule(
         name=cfg.parallel.pp_schedule,

@@ -10,9 +10,10 @@ rank ``s % pp`` (looped schedules) or, for the V-shaped ZBV schedule, on rank
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,7 @@ from torch.distributed.pipelining.schedules import (
 from llmforge.config.schema import ModelConfig
 from llmforge.models.gpt import GPT, rope_tables
 from llmforge.train.precision import DTYPES, LossScaler
-from llmforge.train.step import StepOutput
+from llmforge.train.step import StepOutput, eval_mode
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -113,6 +114,25 @@ def build_schedule(*, name: str, modules: List[nn.Module], ids: List[int], num_s
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
+_BACKWARD_ACTIONS = {"B", "I", "W", "SEND_B", "RECV_B", "REDUCE_GRAD"}
+
+
+@contextlib.contextmanager
+def _forward_only_order(schedule) -> Iterator[None]:
+    """The V-shaped ZBV schedule hands gradients between its two local stages even in
+    ``eval()`` (torch 2.13 then fails: the stages have no backward); run its actions
+    without the backward ones and their transfers instead (forward order unchanged)."""
+    if not isinstance(schedule, ScheduleZBVZeroBubble):
+        yield
+        return
+    full = schedule.pipeline_order_with_comms
+    schedule.pipeline_order_with_comms = {rank: [a for a in actions if a.computation_type.value not in _BACKWARD_ACTIONS] for rank, actions in full.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = full
+
+
 @dataclass
 class PipelineStep:
     """The step seam under pipeline parallelism: one schedule run over the step's
@@ -130,6 +150,7 @@ class PipelineStep:
     dp_size: int
     context: Callable = field(default=lambda: torch.enable_grad())
     finish: Optional[Callable[[], None]] = None
+    modules: List[nn.Module] = field(default_factory=list)
 
     def scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.scaler.scaled(self.loss_fn(output, target))
@@ -143,10 +164,24 @@ class PipelineStep:
             self.schedule.step(*args, **kwargs)
         if self.finish is not None:
             self.finish()
+        return StepOutput(loss=self._mean(losses))
+
+    def evaluate(self, batch: torch.Tensor) -> float:
+        """Forward only through the stages (the schedule's eval path): the mean loss."""
+        batch = batch.to(self.device, non_blocking=True)
+        losses: List[torch.Tensor] = []
+        args = (batch[:, :-1],) if self.has_first else ()
+        kwargs: Dict[str, object] = {"target": batch[:, 1:], "losses": losses} if self.has_last else {}
+        with eval_mode(self.modules), self.context(), _forward_only_order(self.schedule):
+            self.schedule.eval(*args, **kwargs)
+        return self._mean(losses)
+
+    def _mean(self, losses: List[torch.Tensor]) -> float:
+        """The last stage's mean microbatch loss, sent to every stage and averaged over dp."""
         if self.has_last:
             local = torch.stack([x.detach().float() for x in losses]).mean() * self.scaler.unscale_factor()
         else:
             local = torch.zeros((), device=self.device)
         dist.all_reduce(local, group=self.pp_group)
         dist.all_reduce(local, group=self.dp_group)
-        return StepOutput(loss=float(local) / self.dp_size)
+        return float(local) / self.dp_size

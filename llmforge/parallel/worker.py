@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run ... -m llmforge.parallel.worker --plan RUN/plan.json [--resume CKPT]
 
-Rank 0 alone prints and logs. An error on a rank is written to
+Rank 0 alone prints and logs. When torchrun restarts the ranks after a failure
+(``cluster.max_restarts``), they continue from the run's newest complete checkpoint. An error on a rank is written to
 ``$LLMFORGE_ERROR_DIR/rank<N>.json`` (the launcher shows the first one, once)
 or, without that variable, printed; the rank then exits at once with code 2 for
 a user error and 1 otherwise, and torchrun stops the other ranks.
@@ -28,6 +29,33 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def attempt() -> int:
+    """How many times torchrun has restarted the ranks of this job (cluster.max_restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def restart_point(plan, *, resume: Optional[Path], console) -> Optional[Path]:
+    """Where a restarted attempt continues: the run's newest complete checkpoint (chosen by
+    rank 0 for every rank), else where the first attempt started. Collective."""
+    import torch.distributed as dist
+
+    if attempt() == 0:
+        return resume
+    found: List[Optional[str]] = [None]
+    if dist.get_rank() == 0:
+        from llmforge.checkpoint.locate import newest_complete
+        from llmforge.errors import UserError
+
+        try:
+            found[0] = str(newest_complete(plan.run_dir / "checkpoints").path)
+        except UserError:
+            found[0] = None
+        where = f"resuming from {found[0]}" if found[0] else (f"starting again from {resume}" if resume else "starting over (no checkpoint yet)")
+        console.print(f"[bold yellow]restart {attempt()} of {plan.config.cluster.max_restarts}[/] after a failed rank: {where}", highlight=False)
+    dist.broadcast_object_list(found, src=0)
+    return Path(found[0]) if found[0] else resume
+
+
 @contextlib.contextmanager
 def report_errors() -> Iterator[None]:
     """Turn any exception on this rank into one error record and an immediate exit."""
@@ -41,6 +69,7 @@ def report_errors() -> Iterator[None]:
         user = isinstance(exc, UserError)
         record = {
             "rank": _rank(),
+            "attempt": attempt(),
             "time": time.time(),
             "kind": "user" if user else "error",
             "message": exc.message() if user else "".join(traceback.format_exception(exc)),
@@ -75,7 +104,8 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
     if main:
         prepare_data(plan, console=console)  # fills the shared cache before the others read it
     dist.barrier()
-    summary = run(plan, rank=rank, resume_from=resume, console=console)
+    resume = restart_point(plan, resume=resume, console=console)
+    summary = run(plan, rank=rank, resume_from=resume, console=console, restarted=attempt() > 0)
     if main:
         console.print(summary.describe(plan))
     dist.barrier()

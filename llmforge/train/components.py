@@ -54,6 +54,8 @@ class Components:
     rank: RankInfo
     tokens_per_step: int
     extra_metrics: Callable[[], dict] = field(default=lambda: {})
+    #: The held-out stream (``split="val"``), or None when the run does not validate.
+    val_sampler: Optional[object] = None
 
     def parameters(self) -> List[nn.Parameter]:
         return [p for part in self.model_parts for p in part.parameters() if p.requires_grad]

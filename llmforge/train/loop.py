@@ -20,6 +20,8 @@ class LoopHooks:
     progress: Callable[[int, Optional[float], Optional[float]], None] = lambda step, loss, tps: None
     checkpoint: Callable[[int], None] = lambda step: None
     should_stop: Callable[[], bool] = lambda: False
+    validated: Callable[[int, float], None] = lambda step, val_loss: None
+    after_step: Callable[[int], None] = lambda step: None
 
 
 @dataclass
@@ -27,10 +29,15 @@ class LoopResult:
     last_step: int
     losses: List[float] = field(default_factory=list)
     stopped_early: bool = False
+    val_loss: Optional[float] = None
 
 
-def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: float, log_interval: int, checkpoint_interval: int, hooks: LoopHooks) -> LoopResult:
-    """Run optimizer steps ``start_step+1 .. total_steps`` (steps are 1-based, as logged)."""
+def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: float, log_interval: int, checkpoint_interval: int, hooks: LoopHooks, eval_interval: int = 0, eval_steps: int = 1) -> LoopResult:
+    """Run optimizer steps ``start_step+1 .. total_steps`` (steps are 1-based, as logged).
+
+    With ``c.val_sampler`` set, the validation loss is computed every
+    ``eval_interval`` steps (0: never in between) and after the last step, and
+    logged with that step's record."""
     result = LoopResult(last_step=start_step)
     for step in range(start_step + 1, total_steps + 1):
         started = time.perf_counter()
@@ -47,13 +54,19 @@ def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: f
         result.losses.append(out.loss)
         result.last_step = step
         hooks.progress(step, out.loss, tokens_per_s)
-        if step % log_interval == 0 or step == total_steps:
+        validate = c.val_sampler is not None and (step == total_steps or (eval_interval and step % eval_interval == 0))
+        if step % log_interval == 0 or step == total_steps or validate:
             record = {"step": step, "loss": out.loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "step_time_s": elapsed}
             if c.scaler.enabled:
                 record["loss_scale"] = c.scaler.scale
             record.update(out.metrics)
             record.update(c.extra_metrics())
+            if validate:
+                record.update(evaluate(c, steps=eval_steps))
+                result.val_loss = record["val_loss"]
+                hooks.validated(step, result.val_loss)
             hooks.log(record)
+        hooks.after_step(step)
         stop = hooks.should_stop()
         if step == total_steps or stop or (checkpoint_interval and step % checkpoint_interval == 0):
             hooks.checkpoint(step)
@@ -61,6 +74,15 @@ def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: f
             result.stopped_early = step < total_steps
             break
     return result
+
+
+def evaluate(c: Components, *, steps: int) -> dict:
+    """Mean loss over the next ``steps`` global batches of the held-out stream, and its perplexity."""
+    total = 0.0
+    for _ in range(steps):
+        total += c.step.evaluate(c.val_sampler.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size))
+    loss = total / steps
+    return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
 
 
 def _unscale_and_clip(c: Components, grad_clip: float) -> float:

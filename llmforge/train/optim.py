@@ -36,13 +36,26 @@ def lr_factor(step: int, *, optim: OptimConfig, total_steps: int) -> float:
         return (step + 1) / optim.warmup_steps
     if optim.schedule == "constant":
         return 1.0
+    if optim.schedule == "wsd":
+        decay_steps = max(1, round(optim.decay_fraction * total_steps))
+        decay_start = max(optim.warmup_steps, total_steps - decay_steps)
+        if step < decay_start:
+            return 1.0
+        progress = min(1.0, (step - decay_start) / max(1, total_steps - decay_start))
+        return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * decay_shape(optim.decay_shape, progress)
     decay_steps = max(1, total_steps - optim.warmup_steps)
     progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
-    if optim.schedule == "linear":
-        shape = 1.0 - progress
-    else:
-        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    shape = decay_shape("linear" if optim.schedule == "linear" else "cosine", progress)
     return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * shape
+
+
+def decay_shape(shape: str, progress: float) -> float:
+    """From 1 at progress 0 down to 0 at progress 1: linear, cosine or sqrt (1 - sqrt(progress))."""
+    if shape == "linear":
+        return 1.0 - progress
+    if shape == "sqrt":
+        return 1.0 - math.sqrt(progress)
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, *, optim: OptimConfig, total_steps: int):

@@ -7,6 +7,7 @@ normally (exit code 0). A second signal of the same kind stops at once.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import threading
@@ -34,10 +35,13 @@ class RunSummary:
     wall_s: float
     checkpoint: Optional[Path]
     stopped_early: bool = False
+    val_loss: Optional[float] = None
 
     def describe(self, plan: RunPlan) -> str:
         """The closing line a launcher prints (Rich markup)."""
         losses = f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}" if self.first_loss is not None else "no steps left to train"
+        if self.val_loss is not None:
+            losses += f", val_loss {self.val_loss:.4f}"
         where = f"; checkpoint {self.checkpoint}" if self.checkpoint else ""
         return f"[bold green]done[/] {plan.layout} step {self.last_step}: {losses} in {self.wall_s:.1f}s; metrics in {plan.run_dir / 'metrics.jsonl'}{where}"
 
@@ -50,12 +54,13 @@ def prepare_data(plan: RunPlan, *, console: Console):
     return prepare(data=cfg.data, vocab_size=plan.data_vocab_size, seed=cfg.train.seed, console=console)
 
 
-def make_sampler(plan: RunPlan, prepared) -> object:
-    """The resumable sampler of the global batch order."""
+def make_sampler(plan: RunPlan, prepared, *, split: str = "train") -> object:
+    """The resumable sampler of the global batch order (``split="val"``: of the held-out documents)."""
     from llmforge.data.sampler import BatchSampler
 
     cfg = plan.config
-    return BatchSampler(prepared, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed)
+    return BatchSampler(prepared, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed,
+                        split=split, val_fraction=cfg.data.val_fraction, val_seed=cfg.data.val_seed)
 
 
 def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
@@ -66,14 +71,20 @@ def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
 
         raise fail(f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={plan.config.model.vocab_size}; raise model.vocab_size or set data.vocab_size lower")
     sampler = make_sampler(plan, prepared)
+    val_sampler = make_sampler(plan, prepared, split="val") if plan.config.data.val_fraction > 0 else None
     from llmforge.train.build import build_components
 
-    return build_components(plan, rank=rank, sampler=sampler)
+    c = build_components(plan, rank=rank, sampler=sampler)
+    c.val_sampler = val_sampler
+    return c
 
 
 def train_state(c: Components) -> dict:
-    """The JSON part of a checkpoint: scheduler, sampler position, loss scaler."""
-    return {"scheduler": c.scheduler.state_dict(), "sampler": c.sampler.state_dict(), "scaler": c.scaler.state_dict()}
+    """The JSON part of a checkpoint: scheduler, sampler positions, loss scaler."""
+    state = {"scheduler": c.scheduler.state_dict(), "sampler": c.sampler.state_dict(), "scaler": c.scaler.state_dict()}
+    if c.val_sampler is not None:
+        state["val_sampler"] = c.val_sampler.state_dict()
+    return state
 
 
 def restore(c: Components, *, path: Path, console: Console) -> int:
@@ -91,6 +102,8 @@ def restore(c: Components, *, path: Path, console: Console) -> int:
         group["lr"] = lr
     scheduler._last_lr = lrs  # type: ignore[attr-defined]
     c.sampler.load_state_dict(state["sampler"])
+    if c.val_sampler is not None and "val_sampler" in state:
+        c.val_sampler.load_state_dict(state["val_sampler"])
     c.scaler.load_state_dict(state["scaler"])
     if not load_rng(path, rank=c.rank.rank, world_size=c.rank.world_size):
         torch.manual_seed(_reseed(seed=state["sampler"].get("seed", 0), step=int(state["step"]), rank=c.rank.rank))
@@ -132,25 +145,41 @@ def _step_of(line: str) -> int:
         return 0
 
 
-def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, console: Optional[Console] = None) -> RunSummary:
-    """Train this rank from scratch or from ``resume_from`` to ``train.steps`` (or a stop signal)."""
+def _open_run_dir(plan: RunPlan, *, resumed: bool, start_step: int, console: Console) -> None:
+    """plan.json, and after a resume: metrics and checkpoints past the resumed step set aside."""
+    plan.save(plan.run_dir / "plan.json")
+    if not resumed:
+        return
+    trim_metrics(plan.run_dir / "metrics.jsonl", after_step=start_step)
+    for old in set_aside_newer(plan.run_dir / "checkpoints", after_step=start_step):
+        console.print(f"[yellow]{old.name} is newer than the checkpoint resumed from; kept as {old.name.replace('step_', 'superseded-step_')}[/]")
+
+
+def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, console: Optional[Console] = None, restarted: bool = False) -> RunSummary:
+    """Train this rank from scratch or from ``resume_from`` to ``train.steps`` (or a stop signal).
+    ``restarted``: a later attempt of the same job, whose metrics past its starting step are dropped."""
     console = console or Console(stderr=True)
     cfg = plan.config
     started = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
-    c = build(plan, rank=rank, console=console)
-    start_step = restore(c, path=resume_from, console=console) if resume_from is not None else 0
-    run_dir = plan.run_dir
+    from llmforge.observe.profile import MemorySnapshots
+    from llmforge.train.instrument import add_profiler, explain_oom, inject_fault
+
+    snapshots = MemorySnapshots(mode=cfg.train.memory_snapshot, device=rank.device, out_dir=plan.run_dir / "profile", rank=rank.rank)
+    built: List[Components] = []
+    with explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
+        c = build(plan, rank=rank, console=console)
+        built.append(c)
+        start_step = restore(c, path=resume_from, console=console) if resume_from is not None else 0
     if rank.is_main:
-        plan.save(run_dir / "plan.json")
-        if resume_from is not None:
-            trim_metrics(run_dir / "metrics.jsonl", after_step=start_step)
-            for old in set_aside_newer(run_dir / "checkpoints", after_step=start_step):
-                console.print(f"[yellow]{old.name} is newer than the checkpoint resumed from; kept as {old.name.replace('step_', 'superseded-step_')}[/]")
+        _open_run_dir(plan, resumed=resume_from is not None or restarted, start_step=start_step, console=console)
     stop = StopSignal(device=rank.device)
     hooks, closers, saver = _hooks(plan, c, rank=rank, start_step=start_step, console=console, stop=stop)
+    closers.append(snapshots.close)
+    add_profiler(plan, hooks, closers, snapshots=snapshots, rank=rank, start_step=start_step, console=console)
+    inject_fault(hooks, rank=rank)
     try:
-        with stop.installed():
+        with stop.installed(), explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
             result: LoopResult = train_loop(
                 c,
                 start_step=start_step,
@@ -159,13 +188,15 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
                 log_interval=cfg.train.log_interval,
                 checkpoint_interval=cfg.checkpoint.interval,
                 hooks=hooks,
+                eval_interval=cfg.train.eval_interval,
+                eval_steps=cfg.train.eval_steps,
             )
             saver.close()
     finally:
         for close in closers:
             close()
     if result.stopped_early and rank.is_main:
-        console.print(f"[bold yellow]stopped by {stop.name} after step {result.last_step}[/]; continue with:\n  llmforge resume ckpt={run_dir}")
+        console.print(f"[bold yellow]stopped by {stop.name} after step {result.last_step}[/]; continue with:\n  llmforge resume ckpt={plan.run_dir}")
     return RunSummary(
         first_loss=result.losses[0] if result.losses else None,
         last_loss=result.losses[-1] if result.losses else None,
@@ -173,6 +204,7 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         wall_s=time.perf_counter() - started,
         checkpoint=saver.records[-1].path if saver.records else None,
         stopped_early=result.stopped_early,
+        val_loss=result.val_loss,
     )
 
 
@@ -203,8 +235,6 @@ class StopSignal:
 
     def installed(self):
         """A context that routes SIGTERM/SIGINT here (main thread only) and restores the old handlers."""
-        import contextlib
-
         @contextlib.contextmanager
         def scope():
             if threading.current_thread() is not threading.main_thread():
@@ -247,14 +277,24 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
     wandb_run = WandbRun(settings=cfg.logging.wandb, run_dir=plan.run_dir, name=cfg.run.name, config=plan.to_dict(), resume_id=resume_id)
     if wandb_run.run_id:
         id_file.write_text(wandb_run.run_id)
-    progress = TrainingProgress(total_steps=cfg.train.steps, start_step=start_step, enabled=cfg.logging.console, console=console)
+    progress = TrainingProgress(total_steps=cfg.train.steps, start_step=start_step, enabled=cfg.logging.console, console=console, validation=cfg.data.val_fraction > 0)
+
+    tensorboard = None
+    if cfg.logging.tensorboard:
+        from llmforge.observe.tensorboard import TensorBoardLog
+
+        tensorboard = TensorBoardLog(plan.run_dir)
+        closers.append(tensorboard.close)
 
     def log(record: dict) -> None:
-        """One metrics.jsonl line and the W&B record of a step."""
+        """One metrics.jsonl line, and the W&B and TensorBoard records of a step."""
         metrics.write(record)
         wandb_run.log(record, step=record["step"])
+        if tensorboard is not None:
+            tensorboard.log(record)
 
     hooks.log = log
     hooks.progress = lambda step, loss, tps: progress.update(step=step, loss=loss, tokens_per_s=tps)
+    hooks.validated = lambda step, val_loss: progress.update(step=step, val_loss=val_loss)
     closers[:0] = [progress.close, metrics.close, wandb_run.finish]
     return hooks, closers, saver

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional, Protocol
+from typing import Callable, Dict, Iterator, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,24 @@ class StepOutput:
 
 class StepRunner(Protocol):
     def __call__(self, batch: torch.Tensor) -> StepOutput: ...
+
+    def evaluate(self, batch: torch.Tensor) -> float:
+        """Mean loss over the global batch, forward only (eval mode, no gradients)."""
+        ...
+
+
+@contextlib.contextmanager
+def eval_mode(modules) -> Iterator[None]:
+    """Modules in eval mode (no dropout, no router statistics) and no autograd, then back."""
+    was = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        for m, training in zip(modules, was):
+            m.train(training)
 
 
 @dataclass
@@ -80,6 +98,21 @@ class GradAccumulationStep:
         if self.reduce_loss is not None:
             mean = self.reduce_loss(mean)
         return StepOutput(loss=mean.item())
+
+    def evaluate(self, batch: torch.Tensor) -> float:
+        micro = batch.to(self.device, non_blocking=True).split(self.micro_batch_size)
+        total = torch.zeros((), device=self.device)
+        with eval_mode([self.model]):
+            for mb in micro:
+                with self.loss_context():
+                    inputs, targets = self._split(mb)
+                    with autocast(param_dtype=self.param_dtype, device=self.device):
+                        logits = self.model(inputs) if self.positions is None else self.model(inputs, positions=self.positions)
+                    total += self.loss_fn(logits, targets).detach().float()
+        mean = total / len(micro)
+        if self.reduce_loss is not None:
+            mean = self.reduce_loss(mean)
+        return float(mean)
 
     def _split(self, mb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets of a microbatch (this rank's positions only)."""
