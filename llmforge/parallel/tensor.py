@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
@@ -58,11 +59,10 @@ def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool) -> Non
             to_shard = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
             parallelize_module(model.embed_dropout, tp_mesh, to_shard)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _block_plan(block, seq=seq, sequence_parallel=sequence_parallel))
-        if sequence_parallel:
-            apply_sp_linears(block.attn, ["q_proj", "k_proj", "v_proj"], tp_mesh=tp_mesh)
-            if isinstance(block.mlp, MLP):
-                apply_sp_linears(block.mlp, ["up_proj"] + (["gate_proj"] if block.mlp.gate_proj is not None else []), tp_mesh=tp_mesh)
+        own = _sp_groups(block) if sequence_parallel else {}
+        parallelize_module(block, tp_mesh, _block_plan(block, seq=seq, sequence_parallel=sequence_parallel, own=own))
+        for parent, names in own.items():
+            apply_sp_linears(getattr(block, parent), names, tp_mesh=tp_mesh)
     if model.head is not None:
         parallelize_module(model.head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
     if model.norm is not None:
@@ -73,18 +73,33 @@ def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool) -> Non
         parallelize_module(model.norm, tp_mesh, gather)
 
 
-def _block_plan(block: nn.Module, *, seq, sequence_parallel: bool) -> Dict[str, ParallelStyle]:
-    """Row-parallel outputs, and column-parallel inputs without sequence parallel
-    (with it, ``apply_sp_linears`` shards and runs the column-parallel linears)."""
+def _sp_groups(block: nn.Module) -> Dict[str, List[str]]:
+    """The column-parallel linears that ``apply_sp_linears`` runs under sequence
+    parallel, by parent module: plain ``nn.Linear`` layers only (float8 linears keep
+    torch's styles, which gather the input before them)."""
+    groups = {"attn": ["q_proj", "k_proj", "v_proj"]}
+    if isinstance(block.mlp, MLP):
+        groups["mlp"] = ["up_proj"] + (["gate_proj"] if block.mlp.gate_proj is not None else [])
+    return {parent: names for parent, names in groups.items()
+            if all(type(getattr(getattr(block, parent), n)) is nn.Linear for n in names)}
+
+
+def _block_plan(block: nn.Module, *, seq, sequence_parallel: bool, own: Dict[str, List[str]]) -> Dict[str, ParallelStyle]:
+    """Row-parallel outputs, and the column-parallel linears that ``own`` (run by
+    ``apply_sp_linears``) does not name, their inputs gathered first under sequence parallel."""
     plan: Dict[str, ParallelStyle] = {"attn.o_proj": RowwiseParallel(output_layouts=seq)}
-    if not sequence_parallel:
-        plan.update({"attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(), "attn.v_proj": ColwiseParallel()})
+    columns = {"attn": ["q_proj", "k_proj", "v_proj"]}
     if isinstance(block.mlp, MLP):
         plan["mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
-        if not sequence_parallel:
-            plan["mlp.up_proj"] = ColwiseParallel()
-            if block.mlp.gate_proj is not None:
-                plan["mlp.gate_proj"] = ColwiseParallel()
+        columns["mlp"] = ["up_proj"] + (["gate_proj"] if block.mlp.gate_proj is not None else [])
+    for parent, names in columns.items():
+        if parent in own:
+            continue
+        plan.update({f"{parent}.{n}": ColwiseParallel() for n in names})
+        if sequence_parallel:
+            inputs = (Shard(1), None) if parent == "attn" else (Shard(1),)
+            plan[parent] = PrepareModuleInput(input_layouts=inputs, desired_input_layouts=(Replicate(),) + inputs[1:],
+                                              use_local_output=True)
     if sequence_parallel:
         plan["attn_norm"] = SequenceParallel()
         plan["mlp_norm"] = SequenceParallel()
