@@ -51,12 +51,10 @@ def show_options(options: Dict[str, Dict[str, object]], *, console: Console) -> 
 def show_keys(prefix: str, *, console: Console) -> None:
     """Every key with its type, its value in the default run (`llmforge pretrain` with no
     overrides: the schema's defaults under the default recipe) and its help."""
-    import dataclasses
-
     from llmforge.config.compose import compose
-    from llmforge.config.schema import iter_keys
+    from llmforge.config.schema import iter_keys, values_by_key
 
-    values = _flatten(dataclasses.asdict(compose([])))
+    values = values_by_key(compose([]))
     table = Table(show_header=True, header_style="bold", caption="default: the value `llmforge pretrain` uses with no overrides")
     for col in ("key", "type", "default", "meaning"):
         table.add_column(col)
@@ -66,12 +64,3 @@ def show_keys(prefix: str, *, console: Console) -> None:
             table.add_row(key, kind, Text(repr(values.get(key))), Text(help_text))
     console.print(table)
 
-
-def _flatten(data: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out

@@ -10,7 +10,6 @@ The run continues in the checkpoint's run folder unless ``run.dir`` is given.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
@@ -20,6 +19,7 @@ from rich.console import Console
 from llmforge.checkpoint.locate import locate
 from llmforge.checkpoint.manifest import read_train_state
 from llmforge.config.compose import compose
+from llmforge.config.schema import values_by_key
 from llmforge.errors import Problem, UserError, fail
 from llmforge.plan import RunPlan
 
@@ -44,20 +44,9 @@ def split_ckpt(overrides: List[str]) -> Tuple[str, List[str]]:
     return ckpts[0], rest
 
 
-def flatten(data: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    """Dotted keys -> leaf values of a nested dict."""
-    out: Dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def differences(old: Any, new: Any) -> List[Problem]:
     """One problem per setting that changed but must not."""
-    before, after = flatten(dataclasses.asdict(old)), flatten(dataclasses.asdict(new))
+    before, after = values_by_key(old), values_by_key(new)
     problems = []
     for key in sorted(before):
         if before[key] == after.get(key) or key in MAY_CHANGE:

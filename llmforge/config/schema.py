@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 #: Pipeline schedule names (``parallel.pp_schedule``), as torch.distributed.pipelining runs them.
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_interleaved", "zbv")
@@ -270,6 +270,22 @@ def iter_keys(cls: type = RunConfig, prefix: str = ""):
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
         yield key, str(f.type), default, f.metadata.get("help", "")
+
+
+def values_by_key(config: Any) -> Dict[str, Any]:
+    """Every leaf value of a config dataclass (or nested dict) by its dotted key."""
+    data = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+    out: Dict[str, Any] = {}
+
+    def walk(node: Dict[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                out[f"{prefix}{key}"] = value
+
+    walk(data, "")
+    return out
 
 
 def _nested_dataclass(cls: type, name: str) -> Optional[type]:
