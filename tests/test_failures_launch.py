@@ -86,16 +86,21 @@ def test_second_run_is_refused_and_workers_die_with_their_launcher(tmp_path, sma
         pass
 
 
-def test_a_killed_rank_ends_the_job_with_its_peers_error_once(tmp_path, small_data):
-    run_dir = tmp_path / "run"
-    launcher = _start(run_dir, small_data)
+def _signal_rank_one(run_dir: Path, small_data, sig: signal.Signals, *extra: str) -> tuple[int, str]:
+    """Start a dp2 run, send ``sig`` to rank 1 once two steps are logged; the launcher's exit code and output."""
+    launcher = _start(run_dir, small_data, *extra)
     try:
         _wait_for(lambda: _lines(run_dir / "metrics.jsonl") >= 2, proc=launcher)
-        os.kill(_ranks(launcher.pid)[1], signal.SIGKILL)
+        os.kill(_ranks(launcher.pid)[1], sig)
         output = launcher.communicate(timeout=120)[0]
     finally:
         launcher.kill()
-    assert launcher.returncode == 1, output
+    return launcher.returncode, output
+
+
+def test_a_killed_rank_ends_the_job_with_its_peers_error_once(tmp_path, small_data):
+    code, output = _signal_rank_one(tmp_path / "run", small_data, signal.SIGKILL)
+    assert code == 1, output
     assert "rank 1 was killed by SIGKILL" in output
     assert "Traceback" not in output and "MarkupError" not in output
     # rank 0 loses its peer inside a collective: gloo's own words, brackets and all, once
@@ -105,13 +110,6 @@ def test_a_killed_rank_ends_the_job_with_its_peers_error_once(tmp_path, small_da
 
 
 def test_a_stopped_rank_is_named_and_ends_the_job(tmp_path, small_data):
-    run_dir = tmp_path / "run"
-    launcher = _start(run_dir, small_data, "cluster.timeout_s=20")
-    try:
-        _wait_for(lambda: _lines(run_dir / "metrics.jsonl") >= 2, proc=launcher)
-        os.kill(_ranks(launcher.pid)[1], signal.SIGSTOP)
-        output = launcher.communicate(timeout=120)[0]
-    finally:
-        launcher.kill()
-    assert launcher.returncode == 1, output
+    code, output = _signal_rank_one(tmp_path / "run", small_data, signal.SIGSTOP, "cluster.timeout_s=20")
+    assert code == 1, output
     assert "rank 1 stopped answering" in output and "Traceback" not in output
