@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from llmforge.parallel.data import BucketedGradReduce, grad_sync, plan_buckets
+from llmforge.parallel.dtensor import local
 from llmforge.testing.harness import tiny_plan
 from llmforge.train.build import build_model
 from llmforge.parallel.tensor import apply_tp, loss_context, sharded_cross_entropy
@@ -38,11 +38,7 @@ def _backward(model: nn.Module, *, seed: int = 0) -> None:
 
 
 def _grads(model: nn.Module) -> dict:
-    return {n: _local(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    return {n: local(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def test_buckets_follow_reverse_parameter_order_and_caps():

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from llmforge.parallel.dtensor import local_numel
 from llmforge.plan import RunPlan, config_from_dict
 from llmforge.train.components import Components, RankInfo
 
@@ -126,7 +127,7 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), m
         syncs=syncs.per_step,
     )
     out.params = full_parameters(c)  # reshards first: ZeRO 1/2 keep the compute copy gathered
-    out.local_numel = {n: _local_numel(p) for part in c.model_parts for n, p in part.named_parameters()}
+    out.local_numel = {n: local_numel(p) for part in c.model_parts for n, p in part.named_parameters()}
     out.threads = rank_threads()
     out.buffers = rank_buffers(c)
     return out
@@ -153,10 +154,6 @@ def rank_threads() -> List[int]:
     counts: List[Optional[int]] = [None] * dist.get_world_size()
     dist.all_gather_object(counts, mine)
     return [int(c) for c in counts if c is not None]
-
-
-def _local_numel(p: torch.Tensor) -> int:
-    return (p.to_local() if isinstance(p, DTensor) else p).numel()
 
 
 def full_parameters(c: Components) -> Dict[str, torch.Tensor]:
