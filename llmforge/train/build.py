@@ -36,7 +36,7 @@ def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compo
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps),
         sampler=sampler,
-        step=build_step(plan, mesh=mesh, parts=parts, ids=ids, scaler=scaler, device=device),
+        step=build_step(plan, mesh=mesh, parts=parts, ids=ids, tied=copies, scaler=scaler, device=device),
         scaler=scaler,
         clip_grads=GlobalClip(params=params, ranks_per_stage=plan.world_size // plan.layout.pp, skip=skip, distributed=mesh is not None),
         rank=rank,

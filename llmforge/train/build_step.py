@@ -16,7 +16,7 @@ from llmforge.parallel.mesh import ParallelMesh
 from llmforge.layout import chunk_rank
 from llmforge.parallel.pipeline import build_schedule
 from llmforge.parallel.tensor import align_grads, loss_context, sharded_cross_entropy
-from llmforge.parallel.tied import TiedEmbeddingSync, tied_group, tied_params
+from llmforge.parallel.tied import TiedEmbeddingSync, tied_group
 from llmforge.plan import RunPlan
 from llmforge.train.parallelize import reduces_over_dp
 from llmforge.train.pipeline_step import PipelineStep, autocast_forward
@@ -25,11 +25,11 @@ from llmforge.train.step import GradAccumulationStep, StepRunner, cross_entropy
 
 
 def build_step(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Module], ids: List[int],
-               scaler: LossScaler, device: torch.device) -> StepRunner:
-    """The step seam for this rank's layout (``mesh`` None in one process)."""
-    num_stages = len(plan.layers_per_stage)
+               tied: List[nn.Parameter], scaler: LossScaler, device: torch.device) -> StepRunner:
+    """The step seam for this rank's layout (``mesh`` None in one process); ``tied``:
+    this rank's copies of a tied embedding that pipeline stages keep equal."""
     reducers = _zero0_reducers(plan, mesh=mesh, parts=parts, overlap=plan.layout.pp == 1 and plan.overlap_grad_reduce)
-    finish = _finish_hooks(plan, mesh=mesh, parts=parts, ids=ids, num_stages=num_stages, reducers=reducers)
+    finish = _finish_hooks(plan, mesh=mesh, parts=parts, tied=tied, reducers=reducers)
     if plan.layout.pp == 1:
         return _accumulation_step(plan, mesh=mesh, model=parts[0], scaler=scaler, device=device, finish=finish, reducers=reducers)
     return _pipeline_step(plan, mesh=mesh, parts=parts, ids=ids, scaler=scaler, device=device, finish=finish)
@@ -59,7 +59,7 @@ def _zero0_reducers(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[
     return [BucketedGradReduce(params=ps, group=g, size=n, dtype=dtype, bucket_bytes=cap, first_bucket_bytes=first) for ps, g, n in groups]
 
 
-def _finish_hooks(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Module], ids: List[int], num_stages: int, reducers: List):
+def _finish_hooks(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Module], tied: List[nn.Parameter], reducers: List):
     """What runs after a step's backward: the ZeRO-0 gradient reductions (the
     bucketed ones before the tensor-parallel gradient layout is fixed, which is the
     same sum as after it: both are linear), then the tied-embedding sync."""
@@ -69,10 +69,9 @@ def _finish_hooks(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn
         hooks.append(lambda: align_grads(params))
     hooks.extend(r for r in reducers if isinstance(r, GradAllReduce))
     if plan.layout.pp > 1 and plan.config.model.tie_embeddings:
-        last_rank = chunk_rank(num_stages - 1, pp=plan.layout.pp, v_shape=plan.layout.v_shape)
+        last_rank = chunk_rank(len(plan.layers_per_stage) - 1, pp=plan.layout.pp, v_shape=plan.layout.v_shape)
         group = tied_group(mesh, first_pp=0, last_pp=last_rank)
-        copies = tied_params(parts, first=0 in ids, last=num_stages - 1 in ids)
-        hooks.append(TiedEmbeddingSync(params=copies, group=group))
+        hooks.append(TiedEmbeddingSync(params=tied, group=group))
 
     def finish() -> None:
         for hook in hooks:
