@@ -23,14 +23,10 @@ from llmforge.errors import Problem, UserError
 
 
 def check_settings(g: GenerateConfig) -> None:
-    """Every generate.* value out of range, in one error."""
-    rules = [
-        ("generate.max_tokens", g.max_tokens, g.max_tokens >= 1, "at least 1"),
-        ("generate.temperature", g.temperature, g.temperature >= 0, "0 (greedy) or more"),
-        ("generate.top_k", g.top_k, g.top_k >= 0, "0 (off) or more"),
-        ("generate.top_p", g.top_p, 0 < g.top_p <= 1, "in (0, 1]"),
-    ]
-    problems = [Problem(key, value, f"must be {need}", f"set {key} to a value {need}") for key, value, ok, need in rules if not ok]
+    """Every generate.* value out of its schema range, in one error."""
+    from llmforge.config.ranges import range_problems
+
+    problems = range_problems(g, prefix="generate.")
     if problems:
         raise UserError(problems, title="bad generate settings")
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
+import math
 
 import pytest
 
 from llmforge.config.compose import available_options, compose, config_dirs
+from llmforge.config.ranges import Range, range_problems
+from llmforge.config.schema import RunConfig
 from llmforge.errors import UserError
 from llmforge.plan import RunPlan
 from llmforge.rundir import write_plan
@@ -109,6 +114,58 @@ def test_each_rule_names_key_value_and_fix(overrides, head, detail):
 def test_all_problems_reported_at_once():
     message = problems_of("parallel.tp=3", "parallel.pp=3", "train.global_batch_size=10")
     assert "parallel.tp = 3" in message and "model.num_layers = 4" in message and "train.global_batch_size = 10" in message
+
+
+VALUES_THAT_FAIL_LATER = [
+    ("train.lr=1e309", "train.lr = inf", "finite"),
+    ("model.init_std=nan", "model.init_std = nan", "finite"),
+    ("model.rope_theta=0", "model.rope_theta = 0.0", "positive"),
+    ("optim.beta2=1.5", "optim.beta2 = 1.5", "[0, 1)"),
+    ("optim.eps=-1", "optim.eps = -1.0", "positive"),
+    ("train.seed=-5", "train.seed = -5", "0 or more"),
+    ("data.builtin_max_mb=1e309", "data.builtin_max_mb = inf", "finite"),
+    (f"train.steps={2**63}", f"train.steps = {2**63}", "64-bit"),
+    ("model.dropout=1", "model.dropout = 1.0", "[0, 1)"),
+    ("cluster.max_restarts=-1", "cluster.max_restarts = -1", "0 or more"),
+]
+
+
+@pytest.mark.parametrize("override,head,detail", VALUES_THAT_FAIL_LATER, ids=[v[0] for v in VALUES_THAT_FAIL_LATER])
+def test_values_that_would_fail_in_training_are_refused_by_the_plan(override, head, detail):
+    message = problems_of(override)
+    assert head in message and detail in message and "Fix:" in message
+
+
+def _numeric_fields(cls=RunConfig, prefix=""):
+    for f in dataclasses.fields(cls):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            yield from _numeric_fields(type(default), f"{prefix}{f.name}.")
+        elif any(t in str(f.type) for t in ("int", "float")) and "List" not in str(f.type):
+            yield f"{prefix}{f.name}", f
+
+
+def test_every_numeric_key_declares_its_range_and_the_defaults_lie_inside():
+    assert [key for key, f in _numeric_fields() if "range" not in f.metadata] == []
+    assert range_problems(RunConfig()) == []
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf, 2**63, -(2**63) - 1])
+def test_every_numeric_key_refuses_non_finite_and_oversized_values(bad):
+    config = compose([])
+    keys = [key for key, f in _numeric_fields() if isinstance(bad, float) or "int" in str(f.type)]
+    for key in keys:
+        *parents, leaf = key.split(".")
+        setattr(functools.reduce(getattr, parents, config), leaf, bad)
+    flagged = {p.key for p in range_problems(config)}
+    assert keys and set(keys) <= flagged, sorted(set(keys) - flagged)
+
+
+def test_range_notation_is_checked_when_the_schema_is_read():
+    assert str(Range.parse("[0, 1)")) == "[0, 1)" and 1 not in Range.parse("[0, 1)") and 0 in Range.parse("[0, 1)")
+    for text in ("0, 1", "[1, 0]", "[a, 1)"):
+        with pytest.raises(ValueError):
+            Range.parse(text)
 
 
 @pytest.mark.parametrize(

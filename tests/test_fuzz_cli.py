@@ -100,3 +100,17 @@ def test_estimate_survives_random_overrides_and_recipes(overrides, body):
 def test_pretrain_dry_run_survives_random_overrides_and_recipes(overrides, body):
     text = None if body is None else body if isinstance(body, str) else "# @package _global_\n" + yaml.safe_dump(body)
     _check("pretrain", overrides, text)
+
+
+#: One value of each class the plan must refuse before a command writes anything (no dry run).
+REFUSED_VALUES = ["train.seed=-5", "train.lr=1e309", "model.init_std=nan", "optim.beta2=1.5", f"train.steps={2**63}"]
+
+
+def test_pretrain_refuses_each_value_class_before_writing_anything(tmp_path):
+    runner = CliRunner()
+    for value in REFUSED_VALUES:
+        run_dir = tmp_path / "run"
+        result = runner.invoke(app, ["pretrain", f"run.dir={run_dir}", f"data.cache_dir={tmp_path / 'cache'}", value])
+        key = value.split("=")[0]
+        assert result.exit_code == 2 and f"{key} = " in result.output and "Traceback" not in result.output, result.output
+        assert list(tmp_path.iterdir()) == [], (value, list(tmp_path.rglob("*")))

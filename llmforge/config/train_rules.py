@@ -1,6 +1,7 @@
-"""Rules of the training extras: validation, learning-rate schedule, profiling, restarts.
+"""Cross-field rules of the training extras: validation and profiling.
 
-Part of ``RunPlan.build()``'s checks (every problem reported at once). No torch.
+Part of ``RunPlan.build()``'s checks (every problem reported at once); the range of each
+number is declared on its schema field (llmforge.config.ranges). No torch.
 """
 
 from __future__ import annotations
@@ -13,33 +14,16 @@ from llmforge.errors import Problem
 
 def check_training(config: RunConfig) -> List[Problem]:
     out: List[Problem] = []
-    for check in (_check_validation, _check_schedule, _check_profile, _check_restarts):
+    for check in (_check_validation, _check_profile):
         out.extend(check(config))
     return out
 
 
 def _check_validation(config: RunConfig) -> List[Problem]:
-    t, d, out = config.train, config.data, []
-    if not 0.0 <= d.val_fraction < 1.0:
-        out.append(Problem("data.val_fraction", d.val_fraction, "must be in [0, 1)", "hold out a small share, e.g. data.val_fraction=0.01, or 0 for none"))
-    if not _int(t.eval_interval) or t.eval_interval < 0:
-        out.append(Problem("train.eval_interval", t.eval_interval, "must be 0 or a positive integer", "e.g. train.eval_interval=100 (0 = only at the end)"))
-    elif t.eval_interval > 0 and d.val_fraction == 0:
-        out.append(Problem("train.eval_interval", t.eval_interval, "validation needs held-out data, and data.val_fraction is 0", "also set data.val_fraction, e.g. data.val_fraction=0.01"))
-    if not _int(t.eval_steps) or t.eval_steps < 1:
-        out.append(Problem("train.eval_steps", t.eval_steps, "must be a positive integer", "e.g. train.eval_steps=10"))
-    return out
-
-
-def _check_schedule(config: RunConfig) -> List[Problem]:
-    o, out = config.optim, []
-    if not 0.0 < o.decay_fraction <= 1.0:
-        out.append(Problem("optim.decay_fraction", o.decay_fraction, "must be in (0, 1]", "e.g. optim.decay_fraction=0.2 (the last 20% of the steps)"))
-    if o.warmup_steps < 0:
-        out.append(Problem("optim.warmup_steps", o.warmup_steps, "must be 0 or more", "e.g. optim.warmup_steps=10"))
-    if not 0.0 <= o.min_lr_ratio <= 1.0:
-        out.append(Problem("optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]", "e.g. optim.min_lr_ratio=0.1"))
-    return out
+    t, d = config.train, config.data
+    if _int(t.eval_interval) and t.eval_interval > 0 and d.val_fraction == 0:
+        return [Problem("train.eval_interval", t.eval_interval, "validation needs held-out data, and data.val_fraction is 0", "also set data.val_fraction, e.g. data.val_fraction=0.01")]
+    return []
 
 
 def parse_steps(text: str) -> Tuple[int, int]:
@@ -65,13 +49,6 @@ def _check_profile(config: RunConfig) -> List[Problem]:
     if t.memory_snapshot == "profile" and t.profile is None:
         out.append(Problem("train.memory_snapshot", t.memory_snapshot, "writes its snapshot at the end of the train.profile range, and none is set", "also set train.profile=START-END, e.g. train.profile=3-5"))
     return out
-
-
-def _check_restarts(config: RunConfig) -> List[Problem]:
-    n = config.cluster.max_restarts
-    if not _int(n) or n < 0:
-        return [Problem("cluster.max_restarts", n, "must be 0 or a positive integer", "e.g. cluster.max_restarts=3 (0 = a failure ends the run)")]
-    return []
 
 
 def _int(value: object) -> bool:
