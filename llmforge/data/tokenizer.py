@@ -69,13 +69,21 @@ def load_tokenizer(path_text: str, *, vocab_size: int) -> Tokenizer:
                         title="unreadable tokenizer") from None
     if find_eos(tokenizer) is None:
         tokenizer.add_special_tokens([EOS_TOKEN])
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if size > vocab_size:
-        raise UserError([Problem("data.tokenizer", str(path), f"it has {size} tokens but the vocabulary size is "
-                                 f"{vocab_size}", f"set model.vocab_size={size} (or larger)")],
-                        title="tokenizer too large for the model")
-    check_vocab_size(size, key="data.tokenizer vocabulary")
+    _check_ids_fit(tokenizer, path=path, vocab_size=vocab_size)
     return tokenizer
+
+
+def _check_ids_fit(tokenizer: Tokenizer, *, path: Path, vocab_size: int) -> None:
+    """Every id the tokenizer can produce must index the model's embedding and fit a token shard."""
+    count, largest = tokenizer.get_vocab_size(with_added_tokens=True), largest_id(tokenizer)
+    if largest >= vocab_size:
+        what = (f"its largest token id is {largest} ({count} tokens, so its ids have gaps)" if largest >= count
+                else f"it has {count} tokens (ids up to {largest})")
+        raise UserError([Problem("data.tokenizer", str(path), f"{what}, but the vocabulary size is {vocab_size} "
+                                 "(data.vocab_size, else model.vocab_size): ids must be below it",
+                                 f"set model.vocab_size={largest + 1} (or larger), or use a tokenizer whose ids fit")],
+                        title="tokenizer too large for the model")
+    check_vocab_size(largest + 1, key="data.tokenizer largest id + 1")
 
 
 def find_eos(tokenizer: Tokenizer) -> Optional[int]:
@@ -87,6 +95,11 @@ def find_eos(tokenizer: Tokenizer) -> Optional[int]:
     return None
 
 
+def largest_id(tokenizer: Tokenizer) -> int:
+    """The largest id in the tokenizer's vocabulary, special tokens included."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=0)
+
+
 def vocab_size_of(tokenizer: Tokenizer) -> int:
-    """Number of ids the tokenizer can produce, special tokens included."""
-    return tokenizer.get_vocab_size(with_added_tokens=True)
+    """Ids the tokenizer can produce: one past its largest id (more than its token count when ids have gaps)."""
+    return max(tokenizer.get_vocab_size(with_added_tokens=True), largest_id(tokenizer) + 1)
