@@ -14,7 +14,7 @@ from typing import Iterator, List, Optional
 
 from filelock import FileLock
 
-from llmforge.files import sha256_file, write_json_atomic
+from llmforge.files import file_stamp, sha256_file, write_json_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -96,4 +96,19 @@ def _shards_problem(root: Path, manifest: dict) -> Optional[str]:
             path = folder / shard["file"]
             if not path.is_file() or path.stat().st_size != shard["tokens"] * itemsize:
                 return f"shard {path} is missing or truncated"
+            altered = _content_problem(path, shard)
+            if altered:
+                return altered
+    return None
+
+
+def _content_problem(path: Path, shard: dict) -> Optional[str]:
+    """A shard whose bytes differ from those written. Hashed only when its stat changed since it
+    was written (ctime moves with every write and cannot be set back), so a reuse costs a stat."""
+    if "sha256" not in shard:
+        return "the cache was written without content hashes of its shards"
+    if shard.get("stat") == file_stamp(path):
+        return None
+    if sha256_file(path) != shard["sha256"]:
+        return f"shard {path} was altered after it was written (its SHA-256 differs from the one recorded then)"
     return None
