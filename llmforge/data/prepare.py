@@ -89,7 +89,7 @@ def prepare(*, data: DataConfig, vocab_size: int, seed: int, console=None, force
     spec = request_spec(data, inputs=inputs, vocab_size=vocab_size)
     name = inputs[0][0].name if len(inputs) == 1 else "mixture"
     root = cache.entry_folder(data.cache_dir, name=name, spec=spec)
-    with cache.locked(root):
+    with cache.preparing(root, input_bytes=sum(_input_bytes(s) for s, _ in inputs)):
         fingerprints = _fingerprint_inputs(root, inputs, tokenizer=data.tokenizer)
         manifest = None if force else cache.read_manifest(root)
         reason = "forced rebuild" if force else "not prepared yet"
@@ -107,6 +107,11 @@ def prepare(*, data: DataConfig, vocab_size: int, seed: int, console=None, force
             manifest.update(spec=spec, inputs=fingerprints, created=time.time())
             cache.write_manifest(tmp, manifest)
     return from_manifest(root, manifest, weights=[w for _, w in inputs], reused=False)
+
+
+def _input_bytes(source: Source) -> int:
+    """Bytes of text a source reads (0 for a hub dataset, whose size is not known here)."""
+    return sum(Path(f).stat().st_size for f in source.files)
 
 
 def resolve_inputs(data: DataConfig) -> List[Tuple[Source, float]]:

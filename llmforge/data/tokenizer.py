@@ -7,6 +7,7 @@ one uses the first of the usual end-of-text tokens it knows, or gets ``<|endofte
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterable, List, Optional
 
@@ -19,6 +20,10 @@ EOS_TOKEN = "<|endoftext|>"
 KNOWN_EOS = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 MIN_VOCAB = 257  # 256 byte tokens plus the end-of-document token
 MAX_VOCAB = 2**32
+#: Longest run of non-space characters BPE training sees as one piece: a merge rewrites every word
+#: holding its pair, so one 5 MB word costs merges x 5 MB; real pre-tokens are far shorter.
+MAX_RUN_CHARS = 256
+_LONG_RUN = re.compile(r"\S{%d,}" % (MAX_RUN_CHARS + 1))
 
 
 def check_vocab_size(vocab_size: int, *, key: str = "data.vocab_size") -> None:
@@ -36,6 +41,21 @@ def token_dtype(vocab_size: int) -> np.dtype:
     """uint16 when every id fits, else uint32."""
     check_vocab_size(vocab_size)
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
+
+
+def cap_runs(text: str) -> List[str]:
+    """text cut into pieces (for training only) so that no run of non-space characters is
+    longer than MAX_RUN_CHARS; identical cut pieces of a repeated run count as one word."""
+    if _LONG_RUN.search(text) is None:
+        return [text]
+    pieces: List[str] = []
+    start = 0
+    for run in _LONG_RUN.finditer(text):
+        for cut in range(run.start() + MAX_RUN_CHARS, run.end(), MAX_RUN_CHARS):
+            pieces.append(text[start:cut])
+            start = cut
+    pieces.append(text[start:])
+    return pieces
 
 
 def train_bpe(texts: Iterable[List[str]], *, vocab_size: int) -> Tokenizer:
