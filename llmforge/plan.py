@@ -185,7 +185,7 @@ def _check_model(config: RunConfig) -> List[Problem]:
     kv = m.num_kv_heads or m.num_heads
     if m.num_heads > 0 and m.hidden_size % m.num_heads:
         out.append(Problem("model.hidden_size", m.hidden_size, f"not divisible by model.num_heads={m.num_heads}", "make hidden_size a multiple of num_heads"))
-    if kv < 1 or (m.num_heads > 0 and m.num_heads % kv):
+    if kv >= 1 and m.num_heads > 0 and m.num_heads % kv:  # kv < 1: a range problem
         out.append(Problem("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads={m.num_heads}", "use a divisor of num_heads (GQA groups)"))
     if m.position == "rope" and m.num_heads > 0 and (m.hidden_size // m.num_heads) % 2:
         out.append(Problem("model.position", m.position, "RoPE needs an even head dimension", "change hidden_size or num_heads"))
