@@ -11,7 +11,7 @@ import pytest
 
 from llmforge.config.compose import available_options, compose, config_dirs
 from llmforge.config.ranges import Range, range_problems
-from llmforge.config.schema import RunConfig
+from llmforge.config.schema import RunConfig, iter_keys
 from llmforge.errors import UserError
 from llmforge.plan import RunPlan
 from llmforge.rundir import write_plan
@@ -159,6 +159,11 @@ def test_every_numeric_key_refuses_non_finite_and_oversized_values(bad):
         setattr(functools.reduce(getattr, parents, config), leaf, bad)
     flagged = {p.key for p in range_problems(config)}
     assert keys and set(keys) <= flagged, sorted(set(keys) - flagged)
+
+
+def test_keys_help_shows_each_range():
+    helps = {key: text for key, _, _, text in iter_keys()}
+    assert helps["optim.beta2"].endswith("Range: [0, 1).") and helps["train.steps"].endswith("Range: [1, inf).")
 
 
 def test_range_notation_is_checked_when_the_schema_is_read():

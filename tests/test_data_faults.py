@@ -145,17 +145,18 @@ def test_full_disk_names_the_cache_folder_and_removes_the_partial_entry(tmp_path
     assert _left_in_cache(tmp_path) == []
 
 
-def test_sigterm_during_preparation_removes_the_temporary_folder_with_a_message(tmp_path):
+@pytest.mark.parametrize("signum,code,said", [(signal.SIGTERM, -signal.SIGTERM, "stopped by SIGTERM"), (signal.SIGINT, 130, "interrupted")])
+def test_sigterm_and_sigint_during_preparation_remove_the_temporary_folder_with_a_message(tmp_path, signum, code, said):
     child = _prepare_in_child(tmp_path, "data.builtin_max_mb=2", f"data.vocab_size={VOCAB}")
     prepared = tmp_path / "cache" / "prepared"
     deadline = time.monotonic() + 120
     while not (prepared.exists() and any(".tmp-" in p.name for p in prepared.iterdir())):
         assert child.poll() is None and time.monotonic() < deadline, child.communicate()
         time.sleep(0.05)
-    child.send_signal(signal.SIGTERM)
+    child.send_signal(signum)
     _, err = child.communicate(timeout=120)
-    assert child.returncode == -signal.SIGTERM, err
-    assert "stopped by SIGTERM" in err and "Traceback" not in err
+    assert child.returncode == code, err
+    assert said in err and "Traceback" not in err
     assert _left_in_cache(tmp_path) == []
 
 

@@ -55,6 +55,7 @@ class BatchSampler:
         self.seed = int(seed)
         self.split, self.val_fraction, self.val_seed = split, float(val_fraction), int(val_seed)
         self.position = 0
+        self._vocab_size = data.vocab_size
         self.last_sequence_ids = np.zeros((0, 3), dtype=np.int64)
         self._streams = [self._open(i) for i in range(len(data.streams))]
         self.num_sequences = [(s.num_tokens - 1) // seq_len for s in self._streams]
@@ -124,7 +125,7 @@ class BatchSampler:
         for row, (stream, _, window) in enumerate(ids):
             start = int(window) * self.seq_len
             out[row] = self._streams[stream].slice(start, start + span)
-        if int(out.max(initial=0)) >= self.data.vocab_size:  # one pass over the batch: an altered shard
+        if out.max() >= self._vocab_size:  # one pass over the batch (~2 us): a shard altered since it was written
             raise self._altered_shard(np.unique(ids[:, 0]))
         self.position += self.global_batch_size
         self.last_sequence_ids = ids
