@@ -121,9 +121,9 @@ def disk_full_error(root: Path, *, need_bytes: int) -> UserError:
     free = shutil.disk_usage(folder).free
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     capped = f"; files are also limited to {_mb(limit)} each by `ulimit -f`" if limit != resource.RLIM_INFINITY else ""
-    return UserError([Problem("data.cache_dir", str(folder), f"the disk filled up while preparing {root.name}: it needs about "
-                              f"{_mb(need_bytes)} (a copy of the text and its token shards) and the file system has "
-                              f"{_mb(free)} free{capped}; the partial entry was removed",
+    needs = f"it needs about {_mb(need_bytes)} (a copy of the text and its token shards) and " if need_bytes else ""
+    return UserError([Problem("data.cache_dir", str(folder), f"the disk filled up while preparing {root.name}: {needs}"
+                              f"the file system has {_mb(free)} free{capped}; the partial entry was removed",
                               ("raise the limit (ulimit -f unlimited), " if capped else "")
                               + "free space there or set data.cache_dir to a folder on a larger disk, then run again")],
                      title="no space for the prepared data")
