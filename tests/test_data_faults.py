@@ -179,3 +179,15 @@ def test_tokenizer_training_on_a_5mb_word_finishes_and_reports_progress():
     tokenizer = train_bpe(_training_text([docs], budget=10**9, report=notes.append), vocab_size=VOCAB)
     assert tokenizer.get_vocab_size() <= VOCAB
     assert notes[-1].endswith("computing the merges") and "5.0 M characters read" in notes[-1]
+
+
+def test_pretrain_refuses_an_unfit_tokenizer_before_any_rank_starts(tmp_path):
+    from typer.testing import CliRunner
+
+    from llmforge.cli import app
+
+    path = _tokenizer_with_id(tmp_path, 60000)
+    result = CliRunner().invoke(app, ["pretrain", "parallel=dp2", f"data.path={_corpus(tmp_path)}", f"data.tokenizer={path}",
+                                      "model.vocab_size=512", f"data.cache_dir={tmp_path / 'cache'}", f"run.dir={tmp_path / 'run'}"])
+    assert result.exit_code == 2 and "largest token id is 60000" in result.output, result.output
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
