@@ -225,30 +225,33 @@ def test_moe_counts_active_parameters_and_shards_experts():
 
 def test_zero0_allreduce_hides_behind_the_last_backward_but_its_last_bucket():
     jb, d = job(batch=64), 8
-    common = dict(dense=10**9, expert=0, microbatches=4, t_fwd=1.0, span=d)
-    nbytes, t, exposed = cm.dp_traffic(Layout(dp=d), jb, t_bwd=10 * t_of(jb), last_bucket=0, **common)
+    common = dict(dense=10**9, expert=0, microbatches=4, blocks=8, t_fwd=1.0, span=d)
+
+    def all_reduce(layout: Layout, jb: Job, **kw) -> cm.Traffic:
+        return cm.dp_traffic(layout, jb, **common, **kw)["dp_all_reduce"]
+
+    ar = all_reduce(Layout(dp=d), jb, t_bwd=10 * t_of(jb), last_bucket=0)
     sent = 2 * 10**9 * (d - 1) / d * 4
-    assert nbytes == pytest.approx(sent) and t == pytest.approx(t_of(jb))
-    # a long backward hides all but the last 25 MB bucket, launched when backward ends
-    assert exposed == pytest.approx(t * cm.BUCKET_BYTES / (10**9 * 4))
+    t = t_of(jb)
+    assert ar.bytes == pytest.approx(sent) and ar.seconds == pytest.approx(t)
+    # a long backward hides all but the last 25 MB bucket (parallel.bucket_mb), launched when backward ends
+    assert ar.exposed == pytest.approx(t * 25 * 2**20 / (10**9 * 4)) and ar.hidden == pytest.approx(t - ar.exposed)
+    bigger = all_reduce(Layout(dp=d), replace(jb, bucket_bytes=100 * 2**20), t_bwd=10 * t, last_bucket=0)
+    assert bigger.exposed == pytest.approx(4 * ar.exposed)
     # an embedding larger than a bucket is that last bucket
-    _, _, tail = cm.dp_traffic(Layout(dp=d), jb, t_bwd=10 * t, last_bucket=10**8, **common)
-    assert tail == pytest.approx(t / 10)
+    assert all_reduce(Layout(dp=d), jb, t_bwd=10 * t, last_bucket=10**8).exposed == pytest.approx(t / 10)
     # a short backward hides only its own length
-    _, _, short = cm.dp_traffic(Layout(dp=d), jb, t_bwd=t / 2, last_bucket=0, **common)
-    assert short == pytest.approx(t / 2)
+    assert all_reduce(Layout(dp=d), jb, t_bwd=t / 2, last_bucket=0).exposed == pytest.approx(t / 2)
     # under a pipeline the schedule runs backward and the all-reduce follows it
-    _, _, piped = cm.dp_traffic(Layout(dp=d, pp=2), jb, t_bwd=10 * t, last_bucket=0, **common)
-    assert piped == pytest.approx(t)
+    assert all_reduce(Layout(dp=d, pp=2), jb, t_bwd=10 * t, last_bucket=0).exposed == pytest.approx(t)
     # with the overlap switched off (the CPU default) it all follows backward too
     off = replace(jb, overlap_grad_reduce=False)
-    _, _, after = cm.dp_traffic(Layout(dp=d), off, t_bwd=10 * t, last_bucket=0, **common)
-    assert after == pytest.approx(t)
+    assert all_reduce(Layout(dp=d), off, t_bwd=10 * t, last_bucket=0).exposed == pytest.approx(t)
 
 
 def t_of(jb: Job) -> float:
     """Seconds of the all-reduce of 10^9 fp32 gradients over 8 ranks in a node."""
-    return cm.seconds(jb, 2 * 10**9 * 7 / 8 * 4, 8)
+    return cm.seconds(jb, 2 * 10**9 * 7 / 8 * 4, 8, 8)
 
 
 def test_zero0_step_time_charges_less_than_the_whole_allreduce():

@@ -92,12 +92,15 @@ def _activation_elements(shape: Shape, *, moe: bool, tp: int) -> tuple[float, fl
     return inputs, grads
 
 
-def stage_cast_seconds(shape: Shape, layout: Layout, job: Job, counts: StageCounts, tokens: float, *, shard: int = 1) -> float:
+def stage_cast_seconds(shape: Shape, layout: Layout, job: Job, counts: StageCounts, tokens: float, *, shard: int = 1,
+                       fused: bool = False) -> float:
     """Seconds of float8 casts and amax reductions for one microbatch of ``tokens`` on a stage
-    (``shard``: the ZeRO shard group when FSDP gathers float8 weights, else 1)."""
+    (``shard``: the ZeRO shard group when FSDP gathers float8 weights, else 1). ``fused``
+    (``train.compile``): the absolute maximum is taken in the kernel that produces the tensor,
+    and one kernel reads it once and writes both float8 casts (``c + 2`` bytes per element)."""
     c, tp = job.compute_bytes, layout.tp
-    per_element = 2 * (CAST_READS * c + FP8)  # two casts of each 16-bit activation / gradient element
-    weight_cast = CAST_READS * FP32 + FP8
+    per_element = c + 2 * FP8 if fused else 2 * (CAST_READS * c + FP8)  # the two casts of each activation / gradient element
+    weight_cast = (FP32 + 2 * FP8) / 2 if fused else CAST_READS * FP32 + FP8
     blocks = {False: (counts.dense, counts.dense_ckpt), True: (counts.moe, counts.moe_ckpt)}
     nbytes = 0.0
     for moe, (plain, ckpt) in blocks.items():
