@@ -10,7 +10,7 @@ name), or point ``cluster.accelerator`` straight at a ``.yaml`` file.
 Bandwidths are per device and per direction, in GB/s (1e9 bytes): NVLink's
 900 GB/s "bidirectional" H100 figure is 450 here. Peak FLOP/s are dense (no
 structured sparsity). The optional ``matmul_efficiency``, ``matmul_dim``,
-``attention_efficiency``, ``bandwidth_efficiency`` and ``kernel_floor_us`` are
+``attention_efficiency``, ``attention_backward_efficiency``, ``bandwidth_efficiency`` and ``kernel_floor_us`` are
 the step-time model's rates (``llmforge.estimate.kernels``). ``peak_tflops.fp8`` is optional: a profile without it has
 no FP8 tensor cores, and ``precision.fp8`` is refused there (unless emulated).
 """

@@ -1,19 +1,20 @@
-"""Communication volume per step and the part of it not hidden behind compute.
+"""Communication per step by kind, and the part of it not hidden behind compute.
 
 Ranks are ordered tp (fastest), cp, dp, pp, as Megatron-LM and torchtitan lay
-out their meshes, so a group runs over NVLink when it fits inside a node and over
-the per-device inter-node link otherwise. Collectives are ring algorithms: an
-all-reduce moves 2(n-1)/n of the buffer per rank, an all-gather, a
+out their meshes. A group inside a node runs over NVLink; a group spanning nodes
+at the per-device network bandwidth times its members in one node (each GPU has
+its own NIC), at most NVLink's (``_bandwidth``). Collectives are ring algorithms:
+an all-reduce moves 2(n-1)/n of the buffer per rank, an all-gather, a
 reduce-scatter and an all-to-all (n-1)/n. Achieved bandwidth is the profile's
 peak times its ``comm_efficiency``.
 
-What overlaps (and what the estimate therefore charges to the step):
+What overlaps, as the backend schedules it (each kind a ``Traffic`` with its
+exposed part, ``KINDS``):
 
-- data parallel: see ``dp_traffic`` (ZeRO 0's bucketed all-reduce hides behind the
-  last microbatch's backward but for its last bucket, and is exposed under a
-  pipeline or with ``parallel.overlap_grad_reduce`` off; FSDP's compute-dtype
-  gathers and reduce-scatters hide behind a microbatch's forward or backward but
-  for the root unit's, see ``fsdp_traffic``);
+- data parallel: ZeRO 0's bucketed all-reduce hides behind the last microbatch's
+  backward but for its last bucket (``dp_traffic``); FSDP2's gathers and
+  reduce-scatters hide block by block behind the blocks' forward and backward
+  (``fsdp_traffic``), but for the root's and the first and last blocks';
 - tensor parallel and expert all-to-all sit on the critical path: fully exposed;
 - pipeline point-to-point overlaps in steady state; the fill and drain transfers
   (2(p-1) per chunk) are exposed;

@@ -6,12 +6,17 @@ enough for the layout search; ``estimate_plan(plan)`` wraps it for a RunPlan.
 Step time, for the slowest pipeline stage:
 
     t_mb   = the stage's kernels for one microbatch (llmforge.estimate.kernels:
-             matmuls by shape, fused attention, memory-bound work by bytes, a
-             per-kernel launch floor; rates from the hardware profile)
+             matmuls by shape, fused attention, memory-bound work by bytes (fused
+             chains when the blocks are compiled), a per-kernel launch floor;
+             rates from the hardware profile)
              + tensor-parallel and expert all-to-all time of that microbatch
     step   = m x t_mb / (1 - bubble)
              + exposed data-parallel, pipeline and context-parallel communication
+               (llmforge.estimate.comm: each kind's exposed part, as the backend overlaps it)
              + optimizer step and clip (memory-bound: 40 bytes per local parameter)
+
+``Estimate.terms`` lists the step term by term (matmul, attention, memory-bound,
+launch floor, each communication kind's exposed seconds, bubble, optimizer).
 
 ``cluster.efficiency`` set to a number replaces the kernel model by a flat one:
 every hardware FLOP at that share of peak, and 32 optimizer bytes per parameter.

@@ -17,9 +17,10 @@ routed experts.
   bytes; of its output gradient: a cast and a transposed cast, ``2 (2c + 1)``; of its
   fp32 weight, per microbatch: a cast in forward and a transposed one for the input
   gradient, ``2 (2 x 4 + 1)`` (with float8 all-gather the forward cast runs on this
-  rank's shard only). ``train.compile`` fuses part of this into neighbouring
-  kernels; the estimate charges it in full. Kernel launches are not counted, which
-  is why the estimate overstates FP8's gain on narrow models (see docs/fp8.md).
+  rank's shard only). Under ``train.compile`` the absolute maximum is taken in the
+  kernel that produces the tensor and one kernel writes both float8 copies (``c + 2``
+  bytes per element, ``4 + 2`` per weight element). Kernel launches are not counted,
+  which is why the estimate overstates FP8's gain on narrow models (see docs/fp8.md).
 - Memory: a converted linear keeps its fp32 master weight for backward where autocast
   keeps a 16-bit copy per microbatch; one layer's float8 weight, its transpose and
   float8 copies of its input exist while it runs; ZeRO with float8 all-gather holds

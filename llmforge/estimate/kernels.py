@@ -18,8 +18,11 @@ Each kernel llmforge's eager step runs is costed by what bounds it:
 
 The byte counts follow llmforge's GPT as it runs (fp32 residual stream and norms,
 16-bit matmul inputs under autocast, one cast of a norm output per consuming
-linear, the chunked loss). The profile's five numbers are calibrated on measured
-runs (docs/estimator.md).
+linear, the chunked loss); with ``train.compile`` each block's memory-bound chains
+are fused kernels (``_fused``). Every cost is a ``Cost``: seconds of matmuls,
+attention, memory-bound work and what the launch floor adds, so the estimate can
+report each term. The profile's rates are calibrated on measured runs
+(docs/estimator.md).
 """
 
 from __future__ import annotations
