@@ -108,12 +108,17 @@ class Speeds:
 
 
 def speeds(job: Job) -> Speeds:
-    p = job.profile
-    return Speeds(
-        peak=p.peak(job.param_dtype), matmul_efficiency=p.matmul_efficiency, matmul_dim=p.matmul_dim,
-        attention_efficiency=p.attention_efficiency, bandwidth=p.memory_bandwidth * p.bandwidth_efficiency,
-        floor=p.kernel_floor_us * 1e-6, attention_backward_efficiency=p.attention_backward_efficiency or p.attention_efficiency,
-    )
+    """The rates of ``job``'s profile and dtype (made once per Job: the search asks thousands of times)."""
+    cached = job.__dict__.get("_speeds")
+    if cached is None:
+        p = job.profile
+        cached = Speeds(
+            peak=p.peak(job.param_dtype), matmul_efficiency=p.matmul_efficiency, matmul_dim=p.matmul_dim,
+            attention_efficiency=p.attention_efficiency, bandwidth=p.memory_bandwidth * p.bandwidth_efficiency,
+            floor=p.kernel_floor_us * 1e-6, attention_backward_efficiency=p.attention_backward_efficiency or p.attention_efficiency,
+        )
+        object.__setattr__(job, "_speeds", cached)
+    return cached
 
 
 @dataclass(frozen=True)
