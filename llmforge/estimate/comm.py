@@ -150,7 +150,8 @@ def fsdp_traffic(layout: Layout, job: Job, *, numel: float, microbatches: int, b
     i + 1's gather runs during block i's compute; in backward block i - 1's gather and
     block i + 1's reduce-scatter share the link during block i's backward. Exposed: the
     root's and the first block's gathers, what a block's compute cannot cover, and the
-    last block's and the root's reduce-scatters, which come after backward ends.
+    reduce-scatters of block 0 (the last to finish backward) and of the root, which come
+    after backward ends.
 
     ``float8`` of the ``dense`` elements are gathered as float8 (precision.fp8_all_gather).
     HSDP (``layout.dp_replicate`` = R > 1): gathers and reduce-scatters run inside a shard
