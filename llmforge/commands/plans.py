@@ -30,4 +30,4 @@ def plan_from_file(path: Path, overrides: Sequence[str], *, reset: Optional[Mapp
         raise UserError([Problem("--plan", str(path), f"cannot read the plan ({exc})", "point --plan at a run folder's plan.json")], title="unreadable plan") from None
     if not isinstance(saved, dict):
         raise UserError([Problem("--plan", str(path), "cannot read the plan (no config section)", "point --plan at a run folder's plan.json")], title="unreadable plan")
-    return RunPlan.build(compose(list(overrides), base=saved, reset=reset))
+    return RunPlan.build(compose(list(overrides), base=saved, base_file=path, reset=reset))
