@@ -170,6 +170,7 @@ def resume(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch command and stop."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start over in a run.dir (other than the checkpoint's) that already holds a run."),
     from_other_run: bool = typer.Option(False, "--from-other-run", help="Accept a checkpoint whose plan is not its run folder's; the run continues in a new run.dir."),
+    config_dir: Optional[List[Path]] = CONFIG_DIR,
 ) -> None:
     """Continue a run from a checkpoint: ckpt=PATH, where PATH is a step folder, a run
     folder or a run's checkpoints/latest. Other overrides (train.steps, train.lr, a new
@@ -186,7 +187,8 @@ def resume(
     """
     from llmforge.commands.train import resume_command
 
-    resume_command(overrides or [], force=force, dry_run=dry_run, overwrite=overwrite, from_other_run=from_other_run, console=err)
+    resume_command(overrides or [], config_dir=config_dir or [], force=force, dry_run=dry_run, overwrite=overwrite, from_other_run=from_other_run,
+                   console=err)
 
 
 @app.command()

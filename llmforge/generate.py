@@ -119,7 +119,7 @@ def run_tokenizer(config: RunConfig, *, tokenizer: Optional[Path], console: Cons
     from llmforge.data.tokenizer import find_eos, load_tokenizer
 
     if tokenizer is not None:
-        tok = load_tokenizer(str(tokenizer), vocab_size=config.model.vocab_size)
+        tok = load_tokenizer(str(tokenizer), vocab_size=config.model.vocab_size, key="--tokenizer")
         return tok, find_eos(tok)
     path, eos_id = run_tokenizer_file(config, console=console)
     return Tokenizer.from_file(str(path)), eos_id

@@ -69,7 +69,7 @@ def differences(old: Any, new: Any) -> List[Problem]:
             for key, saved, value, why in fixed_changes(old, new)]
 
 
-def plan_for_resume(overrides: List[str], *, from_other_run: bool = False) -> Tuple[RunPlan, Path]:
+def plan_for_resume(overrides: List[str], *, from_other_run: bool = False, config_dir: Sequence[Path] = ()) -> Tuple[RunPlan, Path]:
     """The plan to continue with and the verified checkpoint folder to restore."""
     console = Console(stderr=True, markup=False)
     ckpt, rest = split_ckpt(overrides)
@@ -78,7 +78,7 @@ def plan_for_resume(overrides: List[str], *, from_other_run: bool = False) -> Tu
         console.print(note, style="yellow", markup=False, highlight=False)
     if not any(o.split("=", 1)[0] == "run.dir" for o in rest):
         rest = [*rest, f"run.dir={found.run_dir}"]
-    old, new = saved_config(found.path), saved_config(found.path, rest)
+    old, new = saved_config(found.path), saved_config(found.path, rest, extra_dirs=config_dir)
     check_same_run(found, saved=old, run_dir=Path(new.run.dir), from_other_run=from_other_run)
     step = read_train_state(found.path)["step"]
     problems = differences(old, new)
@@ -103,9 +103,10 @@ def saved_plan(path: Path) -> Dict[str, Any]:
         raise fail(f"{path / 'plan.json'}: unreadable ({exc})", title=title) from None
 
 
-def saved_config(folder: Path, overrides: Sequence[str] = ()) -> Any:
-    """The RunConfig in ``folder``'s plan.json (a checkpoint's or a run folder's), ``overrides`` applied."""
-    return compose(list(overrides), base=saved_plan(folder)["config"], base_file=folder / "plan.json")
+def saved_config(folder: Path, overrides: Sequence[str] = (), *, extra_dirs: Sequence[Path] = ()) -> Any:
+    """The RunConfig in ``folder``'s plan.json (a checkpoint's or a run folder's), ``overrides``
+    applied (group options also from the ``extra_dirs`` config folders)."""
+    return compose(list(overrides), base=saved_plan(folder)["config"], base_file=folder / "plan.json", extra_dirs=list(extra_dirs))
 
 
 def checkpoint_plan(path: Path, overrides: Sequence[str] = ()) -> RunPlan:

@@ -18,8 +18,8 @@ def build_plan(overrides: Sequence[str], *, config_dir: Sequence[Path] = (), res
     return RunPlan.build(compose(list(overrides), extra_dirs=list(config_dir), reset=reset))
 
 
-def plan_from_file(path: Path, overrides: Sequence[str], *, reset: Optional[Mapping[str, str]] = None) -> RunPlan:
-    """A run's plan.json, with overrides applied on top of it."""
+def plan_from_file(path: Path, overrides: Sequence[str], *, config_dir: Sequence[Path] = (), reset: Optional[Mapping[str, str]] = None) -> RunPlan:
+    """A run's plan.json, with overrides applied on top of it (group options also from ``config_dir``)."""
     from llmforge.config.compose import compose
 
     try:
@@ -30,4 +30,4 @@ def plan_from_file(path: Path, overrides: Sequence[str], *, reset: Optional[Mapp
         raise UserError([Problem("--plan", str(path), f"cannot read the plan ({exc})", "point --plan at a run folder's plan.json")], title="unreadable plan") from None
     if not isinstance(saved, dict):
         raise UserError([Problem("--plan", str(path), "cannot read the plan (no config section)", "point --plan at a run folder's plan.json")], title="unreadable plan")
-    return RunPlan.build(compose(list(overrides), base=saved, base_file=path, reset=reset))
+    return RunPlan.build(compose(list(overrides), base=saved, base_file=path, extra_dirs=list(config_dir), reset=reset))

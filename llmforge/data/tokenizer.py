@@ -54,27 +54,29 @@ def train_bpe(texts: Iterable[List[str]], *, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def load_tokenizer(path_text: str, *, vocab_size: int) -> Tokenizer:
-    """Load data.tokenizer, checking it exists, parses, and fits the model's vocabulary."""
+def load_tokenizer(path_text: str, *, vocab_size: int, key: str = "data.tokenizer") -> Tokenizer:
+    """Load a tokenizer.json (``key`` names where its path came from: data.tokenizer or
+    generate's --tokenizer), checking it exists, parses, and fits the model's vocabulary."""
     path = Path(path_text).expanduser()
+    unset = "leave it unset to train one" if key == "data.tokenizer" else "leave it out to use the run's own"
     if not path.is_file():
-        raise UserError([Problem("data.tokenizer", path_text, "no such file",
-                                 "point data.tokenizer at a tokenizer.json, or leave it unset to train one")],
+        raise UserError([Problem(key, path_text, "no such file", f"point {key} at a tokenizer.json, or {unset}")],
                         title="missing tokenizer")
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
-        raise UserError([Problem("data.tokenizer", str(path), f"not a tokenizers tokenizer.json ({exc})",
+        raise UserError([Problem(key, str(path), f"not a tokenizers tokenizer.json ({exc})",
                                  "save the tokenizer with tokenizer.save('tokenizer.json')")],
                         title="unreadable tokenizer") from None
     if find_eos(tokenizer) is None:
         tokenizer.add_special_tokens([EOS_TOKEN])
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > vocab_size:
-        raise UserError([Problem("data.tokenizer", str(path), f"it has {size} tokens but the vocabulary size is "
-                                 f"{vocab_size}", f"set model.vocab_size={size} (or larger)")],
+        raise UserError([Problem(key, str(path), f"it has {size} tokens but the vocabulary size is "
+                                 f"{vocab_size}", f"set model.vocab_size={size} (or larger)" if key == "data.tokenizer" else "use the run's own tokenizer, or one with at most as many tokens as the model's vocabulary")],
                         title="tokenizer too large for the model")
-    check_vocab_size(size, key="data.tokenizer vocabulary")
+    if key == "data.tokenizer":  # its ids go into token shards
+        check_vocab_size(size, key="data.tokenizer vocabulary")
     return tokenizer
 
 
