@@ -1,7 +1,7 @@
 """``llmforge resume``: the saved plan, the user's overrides, and what may not change.
 
 The plan is the one stored in the checkpoint. Overrides apply on top of it, composed
-by ``llmforge.config.compose`` with the saved config as base: ``GROUP=OPTION``
+by ``llmforge.config.saved`` with the saved config as base: ``GROUP=OPTION``
 replaces a whole group (``parallel=dp2``), ``a.b=value`` one key.
 Settings that training state depends on (model shape, data and tokenizer, seed)
 cannot change; every such difference is listed in one error before launch.
@@ -24,7 +24,7 @@ from rich.console import Console
 
 from llmforge.checkpoint.locate import Located, locate
 from llmforge.checkpoint.manifest import read_train_state
-from llmforge.config.compose import compose
+from llmforge.config.saved import compose_saved
 from llmforge.config.schema import values_by_key
 from llmforge.errors import Problem, UserError, fail
 from llmforge.plan import RunPlan
@@ -106,7 +106,7 @@ def saved_plan(path: Path) -> Dict[str, Any]:
 def saved_config(folder: Path, overrides: Sequence[str] = (), *, extra_dirs: Sequence[Path] = ()) -> Any:
     """The RunConfig in ``folder``'s plan.json (a checkpoint's or a run folder's), ``overrides``
     applied (group options also from the ``extra_dirs`` config folders)."""
-    return compose(list(overrides), base=saved_plan(folder)["config"], base_file=folder / "plan.json", extra_dirs=list(extra_dirs))
+    return compose_saved(saved_plan(folder)["config"], overrides, source=folder / "plan.json", extra_dirs=extra_dirs)
 
 
 def checkpoint_plan(path: Path, overrides: Sequence[str] = ()) -> RunPlan:

@@ -180,21 +180,12 @@ def _register_schema() -> None:
     store.store(name=_ROOT_NAME, node=yaml.safe_load((BUILTIN_CONFIG_DIR / "config.yaml").read_text(encoding="utf-8")))
 
 
-def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] = (), base: Optional[Mapping[str, Any]] = None,
-            base_file: str | Path = "the saved plan", reset: Optional[Mapping[str, str]] = None) -> RunConfig:
-    """Compose the recipe and overrides into a validated, typed RunConfig. With ``base``
-    (a saved plan's config, as in plan.json) the overrides apply on top of it instead:
-    ``GROUP=OPTION`` replaces that whole group, ``a.b=value`` one key, and the recipe
-    cannot change. ``reset`` (group -> option): those groups take that option, and the
-    overrides that set anything in them are left out (``estimate --search`` varies the
-    layout itself, so it starts from ``parallel=dp``). ``base_file`` names where ``base``
-    was read, for the messages about keys or values this version does not accept."""
-    if reset:
-        overrides = [o for o in overrides if _group_of(o) not in reset] + [f"{g}={v}" for g, v in reset.items()]
-    if base is not None:
-        from llmforge.config.saved import compose_on
-
-        return compose_on(base, overrides, extra_dirs=extra_dirs, source=str(base_file))
+def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] = (), reset: Optional[Mapping[str, str]] = None) -> RunConfig:
+    """Compose the recipe and overrides into a validated, typed RunConfig. ``reset``
+    (group -> option): those groups take that option, and the overrides that set anything
+    in them are left out (``estimate --search`` varies the layout itself, so it starts
+    from ``parallel=dp``). A saved plan with overrides on top: ``llmforge.config.saved``."""
+    overrides = with_reset(overrides, reset)
     from hydra import compose as hydra_compose
     from hydra import initialize
     from hydra.errors import HydraException
@@ -220,6 +211,13 @@ def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] =
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]
     except (HydraException, OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:
         raise UserError([_explain(exc, options=options)], title="the configuration does not compose") from None
+
+
+def with_reset(overrides: Sequence[str], reset: Optional[Mapping[str, str]]) -> List[str]:
+    """``overrides`` without those that set anything in a ``reset`` group, plus ``GROUP=OPTION`` for each."""
+    if not reset:
+        return list(overrides)
+    return [o for o in overrides if _group_of(o) not in reset] + [f"{g}={v}" for g, v in reset.items()]
 
 
 def _group_of(override: str) -> str:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-from llmforge.config.compose import available_options, check_overrides, config_dirs
+from llmforge.config.compose import available_options, check_overrides, config_dirs, with_reset
 from llmforge.config.schema import RunConfig, iter_keys, values_by_key
 from llmforge.errors import Problem, UserError, fail, nearest
 
@@ -20,12 +20,16 @@ from llmforge.errors import Problem, UserError, fail, nearest
 _MAX_VALUE_PROBLEMS = 20
 
 
-def compose_on(base: Mapping[str, Any], overrides: Sequence[str], *, extra_dirs: Sequence[str | Path], source: str) -> RunConfig:
-    """The saved config ``base`` (read from ``source``) with group options and dotted overrides applied."""
+def compose_saved(base: Mapping[str, Any], overrides: Sequence[str] = (), *, source: str | Path, extra_dirs: Sequence[str | Path] = (),
+                  reset: Optional[Mapping[str, str]] = None) -> RunConfig:
+    """The saved config ``base`` (read from the file ``source``) with the overrides applied:
+    ``GROUP=OPTION`` replaces that whole group, ``a.b=value`` one key, and the recipe cannot
+    change. ``reset`` as for ``llmforge.config.compose.compose``."""
     from omegaconf import OmegaConf
 
+    overrides = with_reset(overrides, reset)
     options = available_options(config_dirs(extra_dirs))
-    cfg = saved_config(base, source=source)
+    cfg = saved_config(base, source=str(source))
     dotted = []
     for item in check_overrides(overrides, options):
         key, value = item.lstrip("+~").split("=", 1)
