@@ -202,7 +202,8 @@ def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] =
     # Hydra searches its primary config folder before hydra.searchpath, so there is none:
     # every folder goes on the search path, highest priority first, and a user's option
     # shadows a built-in one of the same name. The root config comes from the ConfigStore.
-    checked.append("hydra.searchpath=[" + ",".join(f"'file://{d}'" for d in dirs) + "]")
+    quoted = ["'file://" + str(d).replace("'", "\\'") + "'" for d in dirs]  # Hydra's quoting: commas, spaces, quotes
+    checked.append("hydra.searchpath=[" + ",".join(quoted) + "]")
     _register_schema()
     try:
         with initialize(version_base=None, config_path=None, job_name="llmforge"):
