@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from llmforge.config.schema import GROUPS, RunConfig, iter_keys
 from llmforge.errors import Problem, UserError, nearest

@@ -49,12 +49,13 @@ def compose_saved(base: Mapping[str, Any], overrides: Sequence[str] = (), *, sou
 
 def _group_option(group: str, path: Path) -> Any:
     """One group option's file, checked against its section of the schema."""
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
         return OmegaConf.merge(OmegaConf.structured(type(getattr(RunConfig(), group))), OmegaConf.load(path))
-    except (OmegaConfBaseException, ValueError) as exc:
+    except (OmegaConfBaseException, ValueError, yaml.YAMLError) as exc:
         key = f"{group}.{getattr(exc, 'full_key', '')}".rstrip(".")
         raise UserError([Problem(key, "", f"{str(exc).splitlines()[0]} (in {path})", "fix the file; `llmforge keys` lists every key and its type")],
                         title="a configuration file is not valid") from None
