@@ -95,8 +95,7 @@ def pick_device(name: str) -> torch.device:
 def checkpoint_config(overrides: List[str]):
     """The verified checkpoint folder and its saved config with ``generate.*``/``data.cache_dir`` overrides."""
     from llmforge.checkpoint.locate import locate
-    from llmforge.checkpoint.resume import saved_plan, split_ckpt
-    from llmforge.config.compose import compose
+    from llmforge.checkpoint.resume import saved_config, split_ckpt
 
     ckpt, rest = split_ckpt(overrides)
     allowed = ("generate.", "data.cache_dir=")
@@ -104,7 +103,7 @@ def checkpoint_config(overrides: List[str]):
     if bad:
         raise UserError([Problem(o.split("=", 1)[0], o, "generate takes only ckpt=, generate.* and data.cache_dir overrides", "remove it") for o in bad], title="bad overrides")
     found = locate(ckpt)
-    return found.path, compose(rest, base=saved_plan(found.path)["config"])
+    return found.path, saved_config(found.path, rest)
 
 
 def run_tokenizer(config: RunConfig, *, tokenizer: Optional[Path], console: Console):
@@ -116,7 +115,7 @@ def run_tokenizer(config: RunConfig, *, tokenizer: Optional[Path], console: Cons
     from llmforge.data.tokenizer import find_eos, load_tokenizer
 
     if tokenizer is not None:
-        tok = load_tokenizer(str(tokenizer), vocab_size=config.model.vocab_size)
+        tok = load_tokenizer(str(tokenizer), vocab_size=config.model.vocab_size, key="--tokenizer")
         return tok, find_eos(tok)
     path, eos_id = run_tokenizer_file(config, console=console)
     return Tokenizer.from_file(str(path)), eos_id

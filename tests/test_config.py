@@ -90,7 +90,7 @@ RULES = [
     (("train.global_batch_size=18",), "train.global_batch_size = 18", "not divisible by micro_batch_size x dp"),
     (("parallel=pp2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=16", "train.global_batch_size=16"), "train.global_batch_size = 16", "fewer than parallel.pp=2"),
     (("parallel.sequence_parallel=true",), "parallel.sequence_parallel = True", "tp=1"),
-    (("parallel.cp=3",), "model.seq_len = 128", "not divisible by parallel.cp=3"),
+    (("parallel.cp=3",), "model.seq_len = 128", "not a multiple of 6: context parallelism (parallel.cp=3)"),
     (("model=moe-tiny", "parallel.ep=3", "parallel.dp=3", "train.global_batch_size=48"), "parallel.ep = 3", "does not divide model.moe.num_experts=4"),
     (("model=moe-tiny", "parallel.ep=2", "parallel.dp=1"), "parallel.ep = 2", "dp x cp = 1"),
     (("parallel.ep=2", "parallel.dp=2", "train.global_batch_size=32"), "parallel.ep = 2", "needs an MoE model"),
@@ -215,3 +215,45 @@ def test_unknown_key_in_user_yaml_is_a_user_error(tmp_path):
     with pytest.raises(UserError) as info:
         compose(["model=typo"], extra_dirs=[tmp_path])
     assert "num_layer" in info.value.message()
+
+
+def _user_folder(root, files: dict):
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+def test_a_user_option_shadows_the_built_in_one_of_the_same_name(tmp_path, monkeypatch):
+    from llmforge.config.compose import BUILTIN_CONFIG_DIR
+
+    tiny = (BUILTIN_CONFIG_DIR / "recipe" / "tiny.yaml").read_text()
+    mine = tiny.replace("steps: 300", "steps: 2").replace("# The default:", "# My tiny:")
+    first = _user_folder(tmp_path / "a", {"parallel/dp2.yaml": "# my dp2\ndp: 2\nzero: 2\n", "recipe/tiny.yaml": mine})
+    second = _user_folder(tmp_path / "b", {"parallel/dp2.yaml": "# other dp2\ndp: 2\nzero: 1\n"})
+    config = compose(["parallel=dp2"], extra_dirs=[first, second])
+    assert config.parallel.zero == 2 and config.train.steps == 2  # the first folder wins, the default recipe is the user's
+    assert compose(["parallel=dp2"], extra_dirs=[second]).parallel.zero == 1
+    listed = available_options(config_dirs([first, second]))
+    assert listed["recipe"]["tiny"].description.startswith("My tiny") and listed["parallel"]["dp2"].path == first / "parallel" / "dp2.yaml"
+    monkeypatch.setenv("LLMFORGE_CONFIG_PATH", f"{first}:{second}")
+    config = compose(["recipe=tiny", "parallel=dp2"])
+    assert config.parallel.zero == 2 and config.train.steps == 2
+    monkeypatch.delenv("LLMFORGE_CONFIG_PATH")
+    assert compose(["parallel=dp2"]).parallel.zero == 0 and compose([]).train.steps == 300  # the built-in ones, untouched
+
+
+def test_a_shadowing_user_option_is_checked_against_the_schema(tmp_path):
+    folder = _user_folder(tmp_path, {"parallel/dp2.yaml": "# my dp2\ndp: 2\nzero: 2\nbogus: 1\n"})
+    with pytest.raises(UserError) as info:
+        compose(["parallel=dp2"], extra_dirs=[folder])
+    assert "parallel.bogus" in info.value.message() and str(folder / "parallel" / "dp2.yaml") in info.value.message()
+
+
+@pytest.mark.parametrize("header", ["", "# my recipe\n# @package _global_\n"])
+def test_a_recipe_without_the_package_header_says_so(tmp_path, header):
+    folder = _user_folder(tmp_path, {"recipe/mine.yaml": header + "defaults:\n  - override /model: gpt-tiny\nrecipe: mine\ntrain:\n  steps: 3\n"})
+    with pytest.raises(UserError) as info:
+        compose(["recipe=mine"], extra_dirs=[folder])
+    message = info.value.message()
+    assert str(folder / "recipe" / "mine.yaml") in message and "must start with the line `# @package _global_`" in message

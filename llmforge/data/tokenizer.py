@@ -74,36 +74,40 @@ def train_bpe(texts: Iterable[List[str]], *, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def load_tokenizer(path_text: str, *, vocab_size: int) -> Tokenizer:
-    """Load data.tokenizer, checking it exists, parses, and fits the model's vocabulary."""
+def load_tokenizer(path_text: str, *, vocab_size: int, key: str = "data.tokenizer") -> Tokenizer:
+    """Load a tokenizer.json (``key`` names where its path came from: data.tokenizer or
+    generate's --tokenizer), checking it exists, parses, and fits the model's vocabulary."""
     path = Path(path_text).expanduser()
+    unset = "leave it unset to train one" if key == "data.tokenizer" else "leave it out to use the run's own"
     if not path.is_file():
-        raise UserError([Problem("data.tokenizer", path_text, "no such file",
-                                 "point data.tokenizer at a tokenizer.json, or leave it unset to train one")],
+        raise UserError([Problem(key, path_text, "no such file", f"point {key} at a tokenizer.json, or {unset}")],
                         title="missing tokenizer")
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
-        raise UserError([Problem("data.tokenizer", str(path), f"not a tokenizers tokenizer.json ({exc})",
+        raise UserError([Problem(key, str(path), f"not a tokenizers tokenizer.json ({exc})",
                                  "save the tokenizer with tokenizer.save('tokenizer.json')")],
                         title="unreadable tokenizer") from None
     if find_eos(tokenizer) is None:
         tokenizer.add_special_tokens([EOS_TOKEN])
-    _check_ids_fit(tokenizer, path=path, vocab_size=vocab_size)
+    _check_ids_fit(tokenizer, path=path, vocab_size=vocab_size, key=key)
     return tokenizer
 
 
-def _check_ids_fit(tokenizer: Tokenizer, *, path: Path, vocab_size: int) -> None:
-    """Every id the tokenizer can produce must index the model's embedding and fit a token shard."""
+def _check_ids_fit(tokenizer: Tokenizer, *, path: Path, vocab_size: int, key: str) -> None:
+    """Every id the tokenizer can produce must index the model's embedding and, for
+    data.tokenizer, fit a token shard."""
     count, largest = tokenizer.get_vocab_size(with_added_tokens=True), largest_id(tokenizer)
     if largest >= vocab_size:
         what = (f"its largest token id is {largest} ({count} tokens, so its ids have gaps)" if largest >= count
                 else f"it has {count} tokens (ids up to {largest})")
-        raise UserError([Problem("data.tokenizer", str(path), f"{what}, but the vocabulary size is {vocab_size} "
-                                 "(data.vocab_size, else model.vocab_size): ids must be below it",
-                                 f"set model.vocab_size={largest + 1} (or larger), or use a tokenizer whose ids fit")],
+        fix = (f"set model.vocab_size={largest + 1} (or larger), or use a tokenizer whose ids fit" if key == "data.tokenizer"
+               else "use the run's own tokenizer, or one whose ids are below the model's vocabulary size")
+        raise UserError([Problem(key, str(path), f"{what}, but the vocabulary size is {vocab_size} "
+                                 "(data.vocab_size, else model.vocab_size): ids must be below it", fix)],
                         title="tokenizer too large for the model")
-    check_vocab_size(largest + 1, key="data.tokenizer largest id + 1")
+    if key == "data.tokenizer":  # its ids go into token shards
+        check_vocab_size(largest + 1, key="data.tokenizer largest id + 1")
 
 
 def find_eos(tokenizer: Tokenizer) -> Optional[int]:
