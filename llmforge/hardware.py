@@ -13,6 +13,10 @@ structured sparsity). The optional ``matmul_efficiency``, ``matmul_dim``,
 ``attention_efficiency``, ``attention_backward_efficiency``, ``bandwidth_efficiency`` and ``kernel_floor_us`` are
 the step-time model's rates (``llmforge.estimate.kernels``). ``peak_tflops.fp8`` is optional: a profile without it has
 no FP8 tensor cores, and ``precision.fp8`` is refused there (unless emulated).
+``comm_latency_us`` is the fixed cost of one collective between two ranks (0 where not
+given); a ring over n ranks pays it once per hop (``llmforge.estimate.comm``).
+``comm_sm_share`` (0 where not given) is the share of the compute units a running
+collective holds: compute overlapped with communication runs that much slower.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ REQUIRED = ("name", "memory_gib", "peak_tflops", "memory_bandwidth_gbs", "intra_
 #: The step-time model's rates (see llmforge.estimate.kernels); defaults in Profile.
 SPEED_KEYS = ("matmul_efficiency", "matmul_dim", "attention_efficiency", "attention_backward_efficiency", "bandwidth_efficiency",
               "kernel_floor_us")
-OPTIONAL = ("runtime_reserved_gib", "comm_efficiency") + SPEED_KEYS
+OPTIONAL = ("runtime_reserved_gib", "comm_efficiency", "comm_latency_us", "comm_sm_share") + SPEED_KEYS
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,11 @@ class Profile:
     attention_backward_efficiency: float = 0.0
     bandwidth_efficiency: float = 0.7
     kernel_floor_us: float = 5.0
+    #: Fixed seconds-equivalent of one collective, microseconds (alpha of alpha + bytes/bandwidth).
+    comm_latency_us: float = 0.0
+    #: Share of the compute units a running collective's kernels hold (NCCL: one SM per
+    #: channel): compute that overlaps communication runs that much slower.
+    comm_sm_share: float = 0.0
     description: str = ""
     source: str = field(default="", compare=False)
 
@@ -115,6 +124,8 @@ def parse_profile(data: dict, *, source: str = "", description: str = "") -> Pro
             devices_per_node=int(data["devices_per_node"]),
             runtime_reserved_bytes=int(float(data.get("runtime_reserved_gib", 0.0)) * GIB),
             comm_efficiency=float(data.get("comm_efficiency", 0.7)),
+            comm_latency_us=float(data.get("comm_latency_us", 0.0)),
+            comm_sm_share=float(data.get("comm_sm_share", 0.0)),
             **{k: float(data[k]) for k in SPEED_KEYS if k in data},
             description=description,
             source=source,
