@@ -21,6 +21,10 @@ exposed part, ``KINDS``):
 - pipeline point-to-point overlaps in steady state; the fill and drain transfers
   (2(p-1) per chunk) are exposed;
 - context parallel ring exchange overlaps with the attention it feeds.
+
+What hiding costs the compute (FSDP2's copy-out of the gathered units, the SMs a running
+collective holds: the profile's ``comm_sm_share`` of the hidden seconds) is charged by
+``llmforge.estimate.core``.
 """
 
 from __future__ import annotations
@@ -161,7 +165,8 @@ def fsdp_traffic(layout: Layout, job: Job, *, numel: float, microbatches: int, b
     HSDP (``layout.dp_replicate`` = R > 1): gathers and reduce-scatters run inside a shard
     group of dp / R consecutive ranks (NVLink when it is a node), and each reduce-scatter
     is followed by an all-reduce of the gradient shard over the R replicas (the network
-    when the data-parallel group spans nodes), counted with the reduce-scatter.
+    when the data-parallel group spans nodes), counted with the reduce-scatter. Every unit's
+    gather and reduce-scatter pays the per-hop latency (``hops_seconds``) once.
     """
     m, c, rb = microbatches, job.compute_bytes, DTYPE_BYTES[job.reduce_dtype]
     r = layout.dp_replicate
