@@ -10,8 +10,10 @@ name), or point ``cluster.accelerator`` straight at a ``.yaml`` file.
 Bandwidths are per device and per direction, in GB/s (1e9 bytes): NVLink's
 900 GB/s "bidirectional" H100 figure is 450 here. Peak FLOP/s are dense (no
 structured sparsity). The optional ``matmul_efficiency``, ``matmul_dim``,
-``attention_efficiency``, ``attention_backward_efficiency``, ``bandwidth_efficiency`` and ``kernel_floor_us`` are
-the step-time model's rates (``llmforge.estimate.kernels``). ``peak_tflops.fp8`` is optional: a profile without it has
+``attention_efficiency``, ``attention_backward_efficiency``, ``bandwidth_efficiency``, ``comm_sm_share`` and
+``kernel_floor_us`` are the step-time model's rates (``llmforge.estimate.kernels``; ``comm_sm_share``, the
+share of the compute units a running collective holds, and ``comm_latency_us``, one collective between two
+ranks, paid once per ring hop: ``llmforge.estimate.comm``). ``peak_tflops.fp8`` is optional: a profile without it has
 no FP8 tensor cores, and ``precision.fp8`` is refused there (unless emulated).
 """
 
@@ -31,8 +33,8 @@ GIB = 1024**3
 REQUIRED = ("name", "memory_gib", "peak_tflops", "memory_bandwidth_gbs", "intra_node_gbs", "inter_node_gbs", "devices_per_node")
 #: The step-time model's rates (see llmforge.estimate.kernels); defaults in Profile.
 SPEED_KEYS = ("matmul_efficiency", "matmul_dim", "attention_efficiency", "attention_backward_efficiency", "bandwidth_efficiency",
-              "kernel_floor_us")
-OPTIONAL = ("runtime_reserved_gib", "comm_efficiency") + SPEED_KEYS
+              "comm_sm_share", "kernel_floor_us")
+OPTIONAL = ("runtime_reserved_gib", "comm_efficiency", "comm_latency_us") + SPEED_KEYS
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,12 @@ class Profile:
     #: The fused attention's backward (2.5x its forward FLOPs); 0: as ``attention_efficiency``.
     attention_backward_efficiency: float = 0.0
     bandwidth_efficiency: float = 0.7
+    #: Share of the compute units a running collective's kernels hold (NCCL: one SM per
+    #: channel): compute that overlaps communication runs that much slower.
+    comm_sm_share: float = 0.0
     kernel_floor_us: float = 5.0
+    #: Fixed seconds-equivalent of one collective, microseconds (alpha of alpha + bytes/bandwidth).
+    comm_latency_us: float = 0.0
     description: str = ""
     source: str = field(default="", compare=False)
 
@@ -115,6 +122,7 @@ def parse_profile(data: dict, *, source: str = "", description: str = "") -> Pro
             devices_per_node=int(data["devices_per_node"]),
             runtime_reserved_bytes=int(float(data.get("runtime_reserved_gib", 0.0)) * GIB),
             comm_efficiency=float(data.get("comm_efficiency", 0.7)),
+            comm_latency_us=float(data.get("comm_latency_us", 0.0)),
             **{k: float(data[k]) for k in SPEED_KEYS if k in data},
             description=description,
             source=source,

@@ -223,8 +223,13 @@ def test_moe_counts_active_parameters_and_shards_experts():
     assert est.comm.ep_bytes > 0 and one.comm.ep_bytes == 0
 
 
+def bandwidth_only(jb: Job) -> Job:
+    """``jb`` on its profile without the per-hop latency: collectives cost bytes / bandwidth."""
+    return replace(jb, profile=replace(jb.profile, comm_latency_us=0.0))
+
+
 def test_zero0_allreduce_hides_behind_the_last_backward_but_its_last_bucket():
-    jb, d = job(batch=64), 8
+    jb, d = bandwidth_only(job(batch=64)), 8
     common = dict(dense=10**9, expert=0, microbatches=4, blocks=8, t_fwd=1.0, span=d)
 
     def all_reduce(layout: Layout, jb: Job, **kw) -> cm.Traffic:
@@ -257,7 +262,7 @@ def t_of(jb: Job) -> float:
 def test_fsdp_hides_block_by_block_but_the_ends():
     """ZeRO 3 with a long compute: only the root's and the first block's gathers and the first
     block's and root's reduce-scatters (after backward) are exposed; with no compute, all of it."""
-    jb, d, blocks = job(batch=64), 8, 10
+    jb, d, blocks = bandwidth_only(job(batch=64)), 8, 10
     common = dict(dense=10**9, expert=0, microbatches=2, blocks=blocks, span=d, last_bucket=10**8)
     slow = cm.dp_traffic(Layout(dp=d, zero=3), jb, t_fwd=100.0, t_bwd=200.0, **common)
     ag, rs = slow["dp_all_gather"], slow["dp_reduce_scatter"]
@@ -270,6 +275,42 @@ def test_fsdp_hides_block_by_block_but_the_ends():
     once = cm.dp_traffic(Layout(dp=d, zero=1), jb, t_fwd=100.0, t_bwd=200.0, **common)  # ZeRO 1: once per step
     assert once["dp_all_gather"].seconds == pytest.approx(ag.seconds / (2 + 2 * 0.9 * (blocks - 1) / blocks))
     assert once["dp_reduce_scatter"].seconds == pytest.approx(rs.seconds / 2)
+
+
+def test_collectives_pay_the_latency_once_per_ring_hop():
+    """ZeRO 3 over n ranks: 2 x blocks gathers (forward with the root, backward but the last block)
+    and blocks + 1 reduce-scatters per microbatch, each (n - 1) hops; ZeRO 0's buckets all-reduce
+    over NCCL's tree where it is shorter than the ring (2 log2 n hops)."""
+    jb, blocks = job(batch=64), 10
+    alpha = jb.profile.comm_latency_us * 1e-6
+    assert alpha > 0
+    for d in (8, 128):
+        kw = dict(dense=10**9, expert=0, microbatches=1, blocks=blocks, t_fwd=0.0, t_bwd=0.0, span=d, last_bucket=10**8)
+        with_lat = cm.dp_traffic(Layout(dp=d, zero=3), jb, **kw)
+        without = cm.dp_traffic(Layout(dp=d, zero=3), bandwidth_only(jb), **kw)
+        extra = {k: with_lat[k].seconds - without[k].seconds for k in with_lat}
+        assert extra["dp_all_gather"] == pytest.approx(2 * blocks * (d - 1) * alpha)
+        assert extra["dp_reduce_scatter"] == pytest.approx((blocks + 1) * (d - 1) * alpha)
+    kw = dict(dense=10**9, expert=0, microbatches=1, blocks=blocks, t_fwd=0.0, t_bwd=0.0, span=128, last_bucket=0)
+    ar, bare = (cm.dp_traffic(Layout(dp=128), j, **kw)["dp_all_reduce"] for j in (jb, bandwidth_only(jb)))
+    buckets = -(-4 * 10**9 // jb.bucket_bytes)
+    assert ar.seconds - bare.seconds == pytest.approx(buckets * 2 * 7 * alpha)  # tree: 2 log2 128 < 2 x 127
+
+
+def test_hidden_communication_slows_the_compute_under_it():
+    """FSDP2 copies every gathered byte out of its buffer on the compute stream, and while a
+    collective runs its kernels hold ``comm_sm_share`` of the SMs: the step pays that share of
+    the hidden communication."""
+    shape = gpt(layers=24, hidden=2048, heads=16)
+    jb = job(batch=64)
+    est = estimate(shape, Layout(dp=8, micro_batch=8, zero=3), jb)
+    hidden = sum(t.hidden for t in est.comm.kinds.values())
+    assert hidden > 0 and est.terms["comm_overlap"] == pytest.approx(jb.profile.comm_sm_share * hidden)
+    idle = estimate(shape, Layout(dp=8, micro_batch=8, zero=3), replace(jb, profile=replace(jb.profile, comm_sm_share=0.0)))
+    assert idle.terms["comm_overlap"] == 0 and idle.step_s < est.step_s
+    copy_out = 2 * est.comm.kinds["dp_all_gather"].bytes * 8 / 7 / (jb.profile.memory_bandwidth * jb.profile.bandwidth_efficiency)
+    replicated = estimate(shape, Layout(dp=8, micro_batch=8), jb)  # ZeRO 0 gathers nothing
+    assert est.compute.memory - replicated.compute.memory == pytest.approx(copy_out, rel=1e-6)
 
 
 def test_groups_across_nodes_use_every_nic_of_a_node():

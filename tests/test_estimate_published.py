@@ -26,8 +26,11 @@ Memory is reported (docs/estimator.md), not held: no row keeps what llmforge kee
 residual stream, and with it full recompute's saved block input, is fp32 (autocast over fp32
 weights), torchtitan's bf16 (FSDP casts the inputs); llmforge's selective keeps every matmul
 output. The 8B rows on 128 GPUs run 2-3% slower than on 8 in the published table; the model
-hides FSDP's traffic behind the blocks there too (every NIC of a node carries the gathers), so
-those rows come out fastest against it: "8B 128 GPUs compile" 17% above (``MISSES``).
+hides FSDP's traffic behind the blocks there too (every NIC of a node carries the gathers) and
+charges what the hiding costs: FSDP2's copy out of the gather buffer on the compute stream, the
+SMs NCCL's kernels hold while they run (``comm_sm_share``), longer on 16 nodes, and a latency per
+ring hop (``comm_latency_us``): 128 GPUs come out 0.3% slower than 8. Every row is within 15%,
+the furthest the 8B on 128 GPUs compiled (1.12).
 """
 
 from __future__ import annotations
@@ -86,10 +89,6 @@ ROWS = {
 }
 
 
-#: Rows the estimate misses by more than 15%, and by how much (the module docstring says why).
-MISSES = {"8B 128 GPUs compile": 1.17}
-
-
 def job(row: Row) -> Job:
     return Job(global_batch=row.global_batch, param_dtype="bf16", reduce_dtype="fp32", profile=get_profile(PROFILE),
                nodes=row.layout.world // 8, fp8=row.fp8, fp8_all_gather=row.fp8, compile=row.compile)
@@ -126,7 +125,7 @@ def per_gpu(row: Row) -> tuple[Estimate, float]:
     return est, est.tokens_per_step / step / row.layout.world
 
 
-@pytest.mark.parametrize("name", [n for n in ROWS if n not in MISSES])
+@pytest.mark.parametrize("name", list(ROWS))
 def test_published_tokens_per_gpu_within_15_percent(name):
     row = ROWS[name]
     _, tokens = per_gpu(row)
@@ -152,13 +151,7 @@ def test_response_to_compile_float8_and_schedule_follows_the_published_one(faste
 
 def test_128_gpus_cost_the_8b_little_more_than_8():
     """Across 16 nodes FSDP's gathers and reduce-scatters still hide behind the blocks: the
-    published 128-GPU rows are 2-3% below the 8-GPU ones; the estimate within 5%."""
+    published 128-GPU rows are 2-3% below the 8-GPU ones; the estimate slower too, within 5%."""
     for suffix in ("", " compile", " compile float8"):
         estimated, published = ratio(f"8B 128 GPUs{suffix}", f"8B 8 GPUs{suffix}")
-        assert estimated == pytest.approx(published, rel=0.05)
-
-
-@pytest.mark.parametrize("name", list(MISSES))
-def test_the_known_misses_stay_as_documented(name):
-    row = ROWS[name]
-    assert per_gpu(row)[1] / row.tokens_per_s_per_gpu == pytest.approx(MISSES[name], abs=0.02)
+        assert estimated < 1 and estimated == pytest.approx(published, rel=0.05)

@@ -42,7 +42,8 @@ _TERM_NAMES = {
     "dp_all_reduce_exposed": "dp all-reduce (exposed)", "dp_all_gather_exposed": "dp all-gather (exposed)",
     "dp_reduce_scatter_exposed": "dp reduce-scatter (exposed)", "tp_exposed": "tensor-parallel collectives",
     "pp_exposed": "pipeline send/recv (exposed)", "cp_exposed": "context-parallel ring (exposed)",
-    "ep_exposed": "expert all-to-all", "bubble": "pipeline bubble", "optimizer": "optimizer step and clip",
+    "ep_exposed": "expert all-to-all", "bubble": "pipeline bubble", "comm_overlap": "compute slowed by hidden communication",
+    "optimizer": "optimizer step and clip",
 }
 
 

@@ -6,7 +6,9 @@ at the per-device network bandwidth times its members in one node (each GPU has
 its own NIC), at most NVLink's (``_bandwidth``). Collectives are ring algorithms:
 an all-reduce moves 2(n-1)/n of the buffer per rank, an all-gather, a
 reduce-scatter and an all-to-all (n-1)/n. Achieved bandwidth is the profile's
-peak times its ``comm_efficiency``.
+peak times its ``comm_efficiency``. Each collective also pays the profile's
+``comm_latency_us`` once per hop (``hops_seconds``): n - 1 for a ring all-gather or
+reduce-scatter, 2(n - 1) for a ring all-reduce, 2 log2 n when NCCL's tree is shorter.
 
 What overlaps, as the backend schedules it (each kind a ``Traffic`` with its
 exposed part, ``KINDS``):
@@ -19,10 +21,15 @@ exposed part, ``KINDS``):
 - pipeline point-to-point overlaps in steady state; the fill and drain transfers
   (2(p-1) per chunk) are exposed;
 - context parallel ring exchange overlaps with the attention it feeds.
+
+What hiding costs the compute (FSDP2's copy-out of the gathered units, the SMs a running
+collective holds: the profile's ``comm_sm_share`` of the hidden seconds) is charged by
+``llmforge.estimate.core``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict
 
@@ -128,7 +135,8 @@ def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatche
         return fsdp_traffic(layout, job, numel=numel, microbatches=microbatches, blocks=blocks, t_fwd=t_fwd, t_bwd=t_bwd,
                             span=span, tail=share, dense=dense, float8=float8)
     nbytes = 2 * numel * rb
-    t = seconds(job, nbytes, span, d)
+    buckets = max(1, math.ceil((dense + expert) * rb / max(1, job.bucket_bytes)))
+    t = seconds(job, nbytes, span, d) + buckets * hops_seconds(job, all_reduce_hops(d))
     if layout.pp > 1 or not numel or not job.overlap_grad_reduce:
         return {"dp_all_reduce": Traffic(nbytes, t, t)}
     tail = min(1.0, max(last_bucket * rb, job.bucket_bytes) * (d - 1) / d / (numel * rb))
@@ -157,7 +165,8 @@ def fsdp_traffic(layout: Layout, job: Job, *, numel: float, microbatches: int, b
     HSDP (``layout.dp_replicate`` = R > 1): gathers and reduce-scatters run inside a shard
     group of dp / R consecutive ranks (NVLink when it is a node), and each reduce-scatter
     is followed by an all-reduce of the gradient shard over the R replicas (the network
-    when the data-parallel group spans nodes), counted with the reduce-scatter.
+    when the data-parallel group spans nodes), counted with the reduce-scatter. Every unit's
+    gather and reduce-scatter pays the per-hop latency (``hops_seconds``) once.
     """
     m, c, rb = microbatches, job.compute_bytes, DTYPE_BYTES[job.reduce_dtype]
     r = layout.dp_replicate
@@ -167,13 +176,16 @@ def fsdp_traffic(layout: Layout, job: Job, *, numel: float, microbatches: int, b
     root = tail * numel  # the root unit is never float8
     gathered = numel * c - float8 * (group - 1) / group * (c - 1)
     allreduce = 2 * (r - 1) / r * dense / group * rb  # the gradient shard, over the replicas
+    n = max(1, blocks)
+    lat_ag = hops_seconds(job, group - 1)  # one unit's gather; its reduce-scatter also all-reduces over the replicas
+    lat_rs = lat_ag + (hops_seconds(job, all_reduce_hops(r)) if r > 1 else 0.0)
     t_rs = seconds(job, numel * rb, span // r, group) + seconds(job, allreduce, span, r)
-    t_ag = seconds(job, gathered, span // r, group)
-    root_ag, root_rs = seconds(job, root * c, span // r, group), tail * t_rs
+    root_rs, t_rs = tail * t_rs + lat_rs, t_rs + (n + 1) * lat_rs  # n blocks and the root, each one collective
+    t_ag = seconds(job, gathered, span // r, group) + (n + 1) * lat_ag
+    root_ag = seconds(job, root * c, span // r, group) + lat_ag
     scatters = m if layout.zero >= 2 and layout.pp == 1 else 1
     forward_gathers = m if layout.zero == 3 else 1
     backward_gathers = m if layout.zero == 3 else 0
-    n = max(1, blocks)
     units = _Units(ag=(t_ag - root_ag) / n, rs=(t_rs - root_rs) / n, f=t_fwd / n, b=t_bwd / n, n=n)
     ag_exposed = forward_gathers * (root_ag + units.forward())
     both_ag, both_rs = units.backward(gather=True, scatter=True)
@@ -245,6 +257,22 @@ def tp_bytes(shape: Shape, layout: Layout, job: Job, *, layers: int, microbatche
     return microbatches * (layers * per_layer + 2 * (t - 1) / t * size)  # + vocab-parallel embedding
 
 
+def critical_latency(shape: Shape, layout: Layout, job: Job, *, layers: int, moe_layers: int, microbatches: int) -> Dict[str, float]:
+    """The fixed part (``hops_seconds``) of the collectives on the critical path, per step: ``tp``
+    (as ``tp_bytes`` counts them: all-reduces, or with sequence parallel all-gathers and
+    reduce-scatters of n - 1 hops) and ``ep`` (two all-to-alls per MoE layer and pass)."""
+    t, e = layout.tp, layout.ep
+    passes = 6 if layout.recompute == "full" else 4
+    out = {"tp": 0.0, "ep": 0.0}
+    if t > 1:
+        hops = t - 1 if layout.sequence_parallel else all_reduce_hops(t)
+        count = layers * (passes + (1 if layout.sequence_parallel else 0)) + 1
+        out["tp"] = microbatches * count * hops_seconds(job, hops)
+    if e > 1 and moe_layers:
+        out["ep"] = microbatches * moe_layers * passes * hops_seconds(job, e - 1)
+    return out
+
+
 def pp_bytes(shape: Shape, layout: Layout, job: Job, *, microbatches: int) -> tuple[float, float]:
     """(bytes per step, bytes of one transfer) sent between neighbouring stages by one rank."""
     if layout.pp == 1:
@@ -284,6 +312,17 @@ def spans(layout: Layout) -> dict:
 def groups(layout: Layout) -> dict:
     """Ranks in each group (with ``spans``: how many of them share a node)."""
     return {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp * layout.cp, "ep": layout.ep, "pp": 2}
+
+
+def all_reduce_hops(n: int) -> int:
+    """Latency hops of one all-reduce over ``n`` ranks: a ring's 2(n - 1), or NCCL's tree
+    (2 log2 n: up and down) where that is shorter."""
+    return min(2 * (n - 1), 2 * math.ceil(math.log2(n))) if n > 1 else 0
+
+
+def hops_seconds(job: Job, hops: float) -> float:
+    """The fixed part of a collective that passes ``hops`` steps (``comm_latency_us`` each)."""
+    return max(0.0, hops) * job.profile.comm_latency_us * 1e-6
 
 
 def seconds(job: Job, nbytes: float, span: int, group: int = 1) -> float:

@@ -13,10 +13,13 @@ Step time, for the slowest pipeline stage:
     step   = m x t_mb / (1 - bubble)
              + exposed data-parallel, pipeline and context-parallel communication
                (llmforge.estimate.comm: each kind's exposed part, as the backend overlaps it)
+             + the compute lost to the hidden part (the profile's ``comm_sm_share`` of it:
+               the collectives' kernels hold that share of the compute units while they run)
              + optimizer step and clip (memory-bound: 40 bytes per local parameter)
 
 ``Estimate.terms`` lists the step term by term (matmul, attention, memory-bound,
-launch floor, each communication kind's exposed seconds, bubble, optimizer).
+launch floor, each communication kind's exposed seconds, bubble, the compute the hidden
+communication slows (``comm_overlap``), optimizer).
 
 ``cluster.efficiency`` set to a number replaces the kernel model by a flat one:
 every hardware FLOP at that share of peak, and 32 optimizer bytes per parameter.
@@ -75,7 +78,7 @@ class Estimate:
         c, kinds = self.compute, self.comm.kinds
         out = {"matmul": c.matmul, "attention": c.attention, "memory_bound": c.memory, "launch_floor": c.floor}
         out.update({f"{k}_exposed": kinds[k].exposed for k in cm.KINDS if k in kinds})
-        out.update(bubble=self.parts["bubble"], optimizer=self.parts["optimizer"])
+        out.update(bubble=self.parts["bubble"], comm_overlap=self.parts["overlap"], optimizer=self.parts["optimizer"])
         return out
 
     @property
@@ -118,7 +121,8 @@ def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int, m: int) -> t
     collective = cm.seconds(job, cm.tp_bytes(shape, layout, job, layers=counts.blocks, microbatches=1), span["tp"], group["tp"])
     moe = counts.moe + counts.moe_ckpt
     collective += cm.seconds(job, cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=1), span["ep"], group["ep"])
-    return compute, collective
+    latency = cm.critical_latency(shape, layout, job, layers=counts.blocks, moe_layers=moe, microbatches=1)
+    return compute, collective + sum(latency.values())
 
 
 def _fp8_cost(shape: Shape, layout: Layout, job: Job, counts, tokens: float) -> kn.Cost:
@@ -178,18 +182,31 @@ def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t
                           float8=_float8_gathered(shape, layout, job, counts))
     pp_total, pp_one = cm.pp_bytes(shape, layout, job, microbatches=m)
     if pp_total:
-        pp_s, one_s = cm.seconds(job, pp_total, span["pp"]), cm.seconds(job, pp_one, span["pp"])
+        one_s = cm.seconds(job, pp_one, span["pp"]) + cm.hops_seconds(job, 1)
+        pp_s = pp_total / pp_one * one_s
         kinds["pp"] = cm.Traffic(pp_total, pp_s, min(pp_s, 2 * (layout.pp - 1) * layout.virtual_stages * one_s))
+    moe = counts.moe + counts.moe_ckpt
+    latency = cm.critical_latency(shape, layout, job, layers=nblocks, moe_layers=moe, microbatches=m)
     for kind, nbytes in (("tp", cm.tp_bytes(shape, layout, job, layers=nblocks, microbatches=m)),
-                         ("ep", cm.ep_bytes(shape, layout, job, moe_layers=counts.moe + counts.moe_ckpt, microbatches=m))):
+                         ("ep", cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=m))):
         if nbytes:  # on the critical path: the next op needs the result
-            t = cm.seconds(job, nbytes, span[kind], group[kind])
+            t = cm.seconds(job, nbytes, span[kind], group[kind]) + latency[kind]
             kinds[kind] = cm.Traffic(nbytes, t, t)
     cp_b = cm.cp_bytes(shape, layout, job, layers=nblocks, microbatches=m)
     if cp_b:
         t_cp = cm.seconds(job, cp_b, span["cp"], group["cp"])
         kinds["cp"] = cm.Traffic(cp_b, t_cp, max(0.0, t_cp - m * t_mb * _attention_share(shape)))
     return cm.Comm(kinds={k: kinds[k] for k in cm.KINDS if k in kinds})
+
+
+def _fsdp_copy_out(layout: Layout, job: Job, comm: cm.Comm) -> kn.Cost:
+    """FSDP2 copies each gathered unit out of the all-gather buffer into its parameters on the
+    compute stream (``foreach_all_gather_copy_out``): every gathered byte read and written once."""
+    gathers = comm.kinds.get("dp_all_gather")
+    if gathers is None or job.efficiency is not None:
+        return kn.NONE
+    group = max(2, layout.dp * layout.cp // layout.dp_replicate)
+    return kn.speeds(job).memory(2 * gathers.bytes * group / (group - 1), kernels=1)
 
 
 def _float8_gathered(shape: Shape, layout: Layout, job: Job, counts) -> float:
@@ -240,11 +257,13 @@ def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True
     t_mb = t_compute.seconds + t_collective
     bubble = bubble_fraction(layout, m, w=fl.weight_grad_share(shape))
     comm = _communication(shape, layout, job, m, slowest, t_mb)
+    t_compute = t_compute.plus(_fsdp_copy_out(layout, job, comm).times(1 / m))
     worst = most_loaded(stages)
     optimizer_s = _optimizer_time(job, worst.optimizer / 8, stage_counts(shape, layout)[worst.stage].blocks)
     parts = {
         "compute": m * t_compute.seconds, "tp_ep_comm": m * t_collective, "bubble": m * t_mb * bubble / (1 - bubble),
-        "dp_comm": comm.exposed_of("dp"), "pp_comm": comm.exposed_of("pp"), "cp_comm": comm.exposed_of("cp"), "optimizer": optimizer_s,
+        "dp_comm": comm.exposed_of("dp"), "pp_comm": comm.exposed_of("pp"), "cp_comm": comm.exposed_of("cp"),
+        "overlap": job.profile.comm_sm_share * sum(t.hidden for t in comm.kinds.values()), "optimizer": optimizer_s,
     }
     tokens = job.global_batch * shape.seq
     return Estimate(

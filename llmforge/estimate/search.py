@@ -215,7 +215,8 @@ def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -
 PART_WORDS = {
     "compute": "compute", "tp_ep_comm": "tensor-parallel/expert communication", "bubble": "pipeline bubble",
     "dp_comm": "exposed data-parallel communication", "pp_comm": "exposed pipeline transfers",
-    "cp_comm": "exposed context-parallel communication", "optimizer": "optimizer step",
+    "cp_comm": "exposed context-parallel communication", "overlap": "compute slowed by overlapped communication",
+    "optimizer": "optimizer step",
 }
 
 
