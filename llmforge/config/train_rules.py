@@ -1,4 +1,4 @@
-"""Rules of the training extras: validation, learning-rate schedule, profiling, restarts.
+"""Rules of the training extras: validation, learning-rate schedule, profiling, restarts, anomalies.
 
 Part of ``RunPlan.build()``'s checks (every problem reported at once). No torch.
 """
@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import List, Tuple
 
-from llmforge.config.schema import RunConfig
+from llmforge.config.schema import ANOMALY_POLICIES, RunConfig
 from llmforge.errors import Problem
 
 
 def check_training(config: RunConfig) -> List[Problem]:
     out: List[Problem] = []
-    for check in (_check_validation, _check_schedule, _check_profile, _check_restarts):
+    for check in (_check_validation, _check_schedule, _check_profile, _check_restarts, _check_anomaly):
         out.extend(check(config))
     return out
 
@@ -72,6 +72,25 @@ def _check_restarts(config: RunConfig) -> List[Problem]:
     if not _int(n) or n < 0:
         return [Problem("cluster.max_restarts", n, "must be 0 or a positive integer", "e.g. cluster.max_restarts=3 (0 = a failure ends the run)")]
     return []
+
+
+def _check_anomaly(config: RunConfig) -> List[Problem]:
+    t, out = config.train, []
+    if t.anomaly not in ANOMALY_POLICIES:
+        out.append(Problem("train.anomaly", t.anomaly, f"must be one of {', '.join(ANOMALY_POLICIES)}", "e.g. train.anomaly=skip"))
+    for key in ("max_skipped_steps", "max_rollbacks"):
+        value = getattr(t, key)
+        if not _int(value) or value < 0:
+            out.append(Problem(f"train.{key}", value, "must be 0 or a positive integer", f"e.g. train.{key}=3"))
+    if not 0.0 < t.rollback_lr_factor <= 1.0:
+        out.append(Problem("train.rollback_lr_factor", t.rollback_lr_factor, "must be in (0, 1]", "e.g. train.rollback_lr_factor=0.5 (1.0 keeps the learning rate)"))
+    if not _int(t.loss_spike_window) or t.loss_spike_window < 0 or 0 < t.loss_spike_window < 4:
+        out.append(Problem("train.loss_spike_window", t.loss_spike_window, "must be 0 (off) or at least 4 steps", "e.g. train.loss_spike_window=128"))
+    if not t.loss_spike_sigma > 0:
+        out.append(Problem("train.loss_spike_sigma", t.loss_spike_sigma, "must be positive", "e.g. train.loss_spike_sigma=6"))
+    if t.loss_spike_skip and t.loss_spike_window == 0:
+        out.append(Problem("train.loss_spike_skip", True, "needs spike detection, and train.loss_spike_window is 0", "set train.loss_spike_window=128"))
+    return out
 
 
 def _int(value: object) -> bool:

@@ -115,7 +115,7 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), m
     # validation on other synthetic rows mid-run and at the end: training must continue unchanged after it
     c.val_sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed + 1)
     records: List[dict] = []
-    syncs = StepSyncs(host=lambda: [s["step"] for s in c.optimizer.state.values() if "step" in s], enabled=count_syncs, skip=SYNC_STEP - 1, count=1)
+    syncs = StepSyncs(host=c.host_tensors, enabled=count_syncs, skip=SYNC_STEP - 1, count=1)
     hooks = LoopHooks(log=records.append, should_stop=syncs.after_step)
     with syncs:
         train_loop(c, start_step=0, total_steps=cfg.train.steps, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=0, hooks=hooks, eval_interval=EVAL_INTERVAL, eval_steps=1)
