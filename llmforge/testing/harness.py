@@ -5,7 +5,8 @@ collect what they computed: the equivalence tests and tools/bench_parallel.py us
         -m llmforge.testing.harness SPEC.json OUT.pt
 
 SPEC.json: ``{"base": [overrides...], "layouts": {"name": [overrides...]}, "fail_rank": null,
-"fail_at": null, "device": "cpu", "mesh_of_one": false, "count_syncs": [names...]}``: ``fail_rank``
+"fail_at": null, "device": "cpu", "mesh_of_one": false, "count_syncs": [names...]}`` (a layout given as a
+dict is an anomaly drill: ``llmforge.testing.drill``): ``fail_rank``
 raises before layout ``fail_at`` (default: the first); ``"device": "cuda"`` trains each rank on
 its GPU, under NCCL; ``mesh_of_one`` sends a one-rank layout through the distributed path (see
 ``rank_info``); ``count_syncs`` counts the host synchronisations of a step of those layouts.
@@ -188,8 +189,13 @@ def main(argv: List[str]) -> None:
     with report_errors():
         device = _join(spec.get("device", "cpu"))
         results = {}
-        for name, overrides in spec["layouts"].items():
-            plan = tiny_plan(spec.get("base", []) + overrides)
+        for name, entry in spec["layouts"].items():
+            if isinstance(entry, dict):  # an anomaly drill (llmforge.testing.drill)
+                from llmforge.testing.drill import run_drill
+
+                results[name] = run_drill(tiny_plan(spec.get("base", []) + entry["overrides"]), entry, device=device)
+                continue
+            plan = tiny_plan(spec.get("base", []) + entry)
             if spec.get("fail_rank") == dist.get_rank() and name == spec.get("fail_at", name):
                 _fail(spec.get("fail_kind", "error"))
             counted = name in spec.get("count_syncs", [])

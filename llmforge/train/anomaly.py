@@ -44,7 +44,7 @@ class Anomaly(Exception):
 
     def __init__(self, *, action: str, first_step: int, step: int, what: str, reason: str) -> None:
         self.action, self.first_step, self.step, self.what, self.reason = action, first_step, step, what, reason
-        super().__init__(f"step {first_step}: {what}; {reason}")
+        super().__init__(f"at step {first_step} {what}; {reason}")
 
 
 @dataclass
@@ -187,15 +187,15 @@ class StepGuard:
         p = self.policy
         if p.action == "stop" and seen:
             first, what = seen[0]
-            raise Anomaly(action="stop", first_step=first, step=step, what=what, reason="train.anomaly=stop ends the run at the first one")
+            raise Anomaly(action="stop", first_step=first, step=step, what=what, reason="train.anomaly=stop ends the run at the first non-finite step")
         if not over:
             return
         first, what = over[0]
-        count = f"{len(over)} steps in a row were skipped (steps {first}-{over[-1][0]}; train.max_skipped_steps={p.max_skipped_steps})"
+        count = f"{len(over)} steps in a row were skipped (steps {first}-{over[-1][0]}), more than train.max_skipped_steps={p.max_skipped_steps}"
         if p.action == "skip":
             raise Anomaly(action="stop", first_step=first, step=step, what=what, reason=f"{count}, and train.anomaly=skip then stops")
         if self.rollbacks >= p.max_rollbacks:
-            raise Anomaly(action="stop", first_step=first, step=step, what=what, reason=f"{count}, after {self.rollbacks} rollback(s) (train.max_rollbacks={p.max_rollbacks})")
+            raise Anomaly(action="stop", first_step=first, step=step, what=what, reason=f"{count}, after the {self.rollbacks} rollbacks train.max_rollbacks={p.max_rollbacks} allows")
         raise Anomaly(action="rollback", first_step=first, step=step, what=what, reason=count)
 
     def weights_anomaly(self, step: int) -> Anomaly:
@@ -238,7 +238,7 @@ def _what(*, loss: float, norm: float, flags: List[float], spike: bool) -> str:
 
     parts = []
     if not math.isfinite(flags[0]):
-        parts.append(f"the loss was non-finite ({loss:g} here)" if not math.isfinite(loss) else "the loss was non-finite on another rank")
+        parts.append(f"the loss was {loss:g}" if not math.isfinite(loss) else "the loss was non-finite on another rank")
     if not math.isfinite(norm):
         parts.append(f"the gradient norm was {norm:g}")
     if spike or (len(flags) > 1 and not math.isfinite(flags[1])):

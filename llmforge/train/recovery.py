@@ -62,8 +62,8 @@ def roll_back(c: Components, *, anomaly: Anomaly, root: Path, saver, say: Callab
         dist.barrier()
     p = c.guard.policy
     lr = f"; learning rate x{c.guard.lr_scale:g} from now on" if p.rollback_lr_factor != 1.0 else ""
-    say(f"rollback {c.guard.rollbacks} of {p.max_rollbacks} at step {anomaly.step}: step {anomaly.first_step}: {anomaly.what} ({anomaly.reason}); "
-        f"reloaded {target} and skipped the {anomaly.step - good} batches of steps {good + 1}-{anomaly.step}{lr}")
+    say(f"rollback {c.guard.rollbacks} of {p.max_rollbacks} at step {anomaly.step}: {anomaly}. "
+        f"Reloaded {target} and skipped the {anomaly.step - good} batches of steps {good + 1}-{anomaly.step}{lr}")
     return anomaly.step
 
 
@@ -72,12 +72,12 @@ def stop_error(anomaly: Anomaly, *, root: Path, why: str = "") -> UserError:
     good = store.newest_before(root, step=anomaly.first_step)
     run_dir = root.parent
     if good is not None:
-        way = f"the newest checkpoint before it is {good}; continue from it (perhaps with a lower train.lr) with:\n  llmforge resume ckpt={good}"
+        way = f"the newest checkpoint before step {anomaly.first_step} is {good}; continue from it (perhaps with a lower train.lr) with:\n  llmforge resume ckpt={good}"
     else:
-        way = f"no checkpoint was saved before it: start again (perhaps with a lower train.lr) with `llmforge pretrain ... run.dir={run_dir} --overwrite`"
-    cause = f"{anomaly.reason}; {why}" if why else anomaly.reason
-    return fail(f"stopped at step {anomaly.step}: step {anomaly.first_step}: {anomaly.what} ({cause}). "
-                f"No update of a non-finite step was applied and no checkpoint holds one; {way}", title="training stopped on non-finite numbers")
+        way = f"no checkpoint was saved before step {anomaly.first_step}: start again (perhaps with a lower train.lr) with `llmforge pretrain ... run.dir={run_dir} --overwrite`"
+    because = f", and {why}" if why else ""
+    return fail(f"stopped at step {anomaly.step}: {anomaly}{because}. No update of a non-finite step was applied and no checkpoint holds one; {way}",
+                title="training stopped on non-finite numbers")
 
 
 def _agreed(path: Optional[Path], *, distributed: bool) -> Optional[Path]:
