@@ -99,3 +99,114 @@ def test_stop_ends_at_the_bad_step_and_names_the_way_on(results, layout):
     assert f"llmforge resume ckpt={folder}/step_2" in error
     assert sorted(p.name for p in folder.iterdir()) == ["step_2"]
     assert [r["step"] for r in runs[f"{layout}/stop"]["records"]] == [1, 2, 3, 4]
+
+
+def test_fused_adamw_skips_on_the_device_without_a_host_read(monkeypatch):
+    """The GPU path (fused AdamW, found_inf), on CPU: a NaN at unlogged step 3 costs no read."""
+    from llmforge.testing.harness import SyntheticSampler, full_parameters, rank_info
+    from llmforge.train.build import build_components
+    from llmforge.train.instrument import inject_fault
+    from llmforge.train.loop import LoopHooks, train_loop
+    from llmforge.train.syncs import StepSyncs
+
+    monkeypatch.setattr("llmforge.train.optim.implementation", lambda params: "fused")
+    plan = tiny_plan(["train.steps=5", "model.num_layers=1"])
+    torch.manual_seed(plan.config.train.seed)
+    m = plan.config.model
+    c = build_components(plan, rank=rank_info(plan, device=torch.device("cpu")), sampler=SyntheticSampler(vocab_size=m.vocab_size, seq_len=m.seq_len, global_batch_size=8, seed=plan.config.train.seed))
+    assert c.optimizer.defaults["fused"]
+    records: list = []
+    syncs = StepSyncs(host=c.host_tensors)
+    hooks = LoopHooks(log=records.append, should_stop=syncs.after_step)
+    inject_fault(hooks, c, rank=c.rank, spec="0:3:nan-grad")
+    with syncs:
+        train_loop(c, start_step=0, total_steps=5, grad_clip=0.5, log_interval=2, checkpoint_interval=0, hooks=hooks)
+    assert syncs.per_step == [1, 0, 1, 1]  # steps 2-5: 2, 4 and 5 log; 3 (the NaN) reads nothing
+    assert [(r["step"], r["skipped_steps"]) for r in records] == [(2, 0), (4, 1), (5, 1)]
+    assert all(float(s["step"]) == 4 for s in c.optimizer.state.values())  # step 3 not counted
+    reference = run_drill(plan, {"skip": [3, 3]}, device=torch.device("cpu"))
+    assert_same_params(full_parameters(c), reference["params"])
+
+
+def test_fp16_overflow_is_the_scalers_until_its_floor():
+    from llmforge.parallel.clip import GlobalClip
+    from llmforge.train.anomaly import AnomalyPolicy, StepGuard
+    from llmforge.train.precision import LossScaler
+
+    scaler = LossScaler(scale=4.0, growth_interval=1000, enabled=True)
+    guard = StepGuard(AnomalyPolicy(action="skip", max_skipped_steps=10), device=torch.device("cpu"))
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([param], foreach=False)
+    scales, skipped = [], []
+    for step in range(1, 5):
+        param.grad = torch.full((3,), float("inf"))  # an fp16 overflow
+        loss = torch.tensor(2.0)
+        flags = guard.local_flags(loss)
+        ok = guard.verdict(step=step, loss=loss, grad_norm=GlobalClip(params=[param])(1.0, flags=flags), flags=flags)
+        guard.step_optimizer(optimizer, ok, scaler=scaler)
+        scales.append(scaler.scale)
+        skipped.append(guard.read().metrics["skipped_steps"])
+    assert scales == [2.0, 1.0, 1.0, 1.0] and skipped == [0, 0, 1, 2]  # at the floor, an overflow is an anomaly
+    assert torch.equal(param.detach(), torch.ones(3)) and not optimizer.state
+
+
+def test_a_loss_spike_is_flagged_and_can_be_skipped():
+    from llmforge.train.anomaly import AnomalyPolicy, StepGuard
+
+    for skip in (False, True):
+        guard = StepGuard(AnomalyPolicy(spike_window=4, spike_sigma=3.0, spike_skip=skip), device=torch.device("cpu"))
+        oks = []
+        for step, value in enumerate([2.0, 2.1, 1.9, 2.0, 2.05, 9.0, 2.0], start=1):
+            loss = torch.tensor(value)
+            flags = guard.local_flags(loss)
+            oks.append(bool(guard.verdict(step=step, loss=loss, grad_norm=torch.tensor(1.0, dtype=torch.float64), flags=flags)))
+        reading = guard.read()
+        assert reading.metrics["loss_spike"] == 1  # step 6 only: the window needs 4 steps first
+        assert oks == [True] * 5 + [not skip, True]
+        assert reading.metrics["skipped_steps"] == int(skip)
+
+
+def test_rotation_keeps_the_newest_checkpoint_before_the_first_anomaly(tmp_path):
+    from llmforge.checkpoint.store import rotate
+
+    for step in (2, 4, 6, 8, 10):
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / "manifest.json").write_text("{}")
+    removed = rotate(tmp_path, keep=2, protect=[5])
+    assert sorted(p.name for p in removed) == ["step_2", "step_6"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "step_4", "step_8"]
+
+
+def test_the_policy_keys_are_checked_together():
+    from llmforge.errors import UserError
+
+    with pytest.raises(UserError) as info:
+        tiny_plan(["train.anomaly=retry", "train.max_skipped_steps=-1", "train.rollback_lr_factor=2", "train.loss_spike_window=2"])
+    text = info.value.message()
+    for key in ("train.anomaly", "train.max_skipped_steps", "train.rollback_lr_factor", "train.loss_spike_window"):
+        assert key in text
+
+
+def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path, small_data):
+    """train.lr=1e4: the gradient norm turns NaN within a few steps. The default policy skips up
+    to train.max_skipped_steps, then stops with exit code 2 and the resume command; no checkpoint
+    holds a non-finite number and rotation kept the newest one before the first anomaly."""
+    from typer.testing import CliRunner
+
+    from llmforge.checkpoint.export import read_model_weights
+    from llmforge.cli import app
+
+    run_dir = tmp_path / "run"
+    args = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.seq_len=32",
+            "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=12", "train.lr=1e4", "optim.warmup_steps=0",
+            "checkpoint.interval=1", "checkpoint.keep=2", "logging.console=false", "logging.wandb.mode=disabled", f"run.dir={run_dir}"]
+    result = CliRunner().invoke(app, ["pretrain", *args, *small_data])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "training stopped on non-finite numbers: stopped at step " in text and "train.anomaly=skip then stops" in text
+    first = int(text.split("in a row were skipped (steps ")[1].split("-")[0])
+    assert f"llmforge resume ckpt={run_dir}/checkpoints/step_{first - 1}" in text
+    saved = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+    assert first - 1 in saved and len(saved) == 3  # keep=2, and the newest before the first anomaly
+    for step in saved:
+        assert all(torch.isfinite(t).all() for t in read_model_weights(run_dir / "checkpoints" / f"step_{step}").values())

@@ -98,8 +98,8 @@ class StepGuard:
         value = loss.detach().double()
         self._spike = self._spike_test(value)
         parts = [value * 0]
-        if self.policy.spike_skip and self._spike is not None:
-            parts.append(torch.where(self._spike, float("nan"), 0.0))
+        if self.policy.spike_skip:  # a slot every step, so rows stack alike
+            parts.append(torch.where(self._spike, float("nan"), 0.0) if self._spike is not None else value.new_zeros(()))
         return torch.stack(parts)
 
     def verdict(self, *, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
@@ -126,9 +126,10 @@ class StepGuard:
         else:  # the for-loop AdamW: parameters in host memory, the flag with them
             self._step_or_skip(optimizer, skip=not bool(self.gate))
 
-    def host_tensors(self) -> List[torch.Tensor]:
-        """Tensors read on the host every step that wait for no device (for ``llmforge.train.syncs``)."""
-        return [self.gate] if self.gate.device.type == "cpu" else []
+    def host_tensors(self, optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+        """The flag, where the for-loop AdamW reads it every step from host memory, waiting for
+        no device (for ``llmforge.train.syncs``); none where fused AdamW skips on the device."""
+        return [self.gate] if self.gate.device.type == "cpu" and not optimizer.defaults.get("fused") else []
 
     @staticmethod
     def _step_or_skip(optimizer: torch.optim.Optimizer, *, skip: bool) -> None:

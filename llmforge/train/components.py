@@ -63,4 +63,4 @@ class Components:
         waits for no device: the for-loop AdamW's step counters, the guard's flag where the
         optimizer decides on the host (``llmforge.train.syncs`` does not count them)."""
         steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]
-        return steps + self.guard.host_tensors()
+        return steps + self.guard.host_tensors(self.optimizer)
