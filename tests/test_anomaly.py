@@ -49,7 +49,7 @@ def results(tmp_path_factory) -> dict:
                for name, spec in drills(overrides, rank=rank, kind=kind, folder=tmp / layout).items()}
     spec_file, result_file = tmp / "spec.json", tmp / "out.pt"
     spec_file.write_text(json.dumps({"layouts": layouts}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "llmforge.testing.harness", str(spec_file), str(result_file)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "llmforge.testing.drill", str(spec_file), str(result_file)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     out.update(torch.load(result_file, weights_only=False))

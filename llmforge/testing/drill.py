@@ -2,7 +2,8 @@
 fault injected (``LLMFORGE_FAULT``'s ``RANK:STEP:KIND``) under its ``train.anomaly`` policy,
 or the reference that skips the same batches by hand.
 
-A harness layout given as a dict is a drill: ``{"overrides": [...], "fault": "1:4-5:nan-grad",
+Started as ``python -m llmforge.testing.drill SPEC.json OUT.pt`` (the harness's command line),
+a layout given as a dict is a drill: ``{"overrides": [...], "fault": "1:4-5:nan-grad",
 "checkpoints": DIR}`` runs the guarded loop (saving every ``checkpoint.interval`` steps into DIR
 and rolling back from there); ``{"overrides": [...], "skip": [FIRST, LAST], "lr_factor": F}`` is
 the reference: steps 1..FIRST-1, then batches FIRST..LAST consumed with no update (the
@@ -11,6 +12,7 @@ schedule moving on), the learning rate times F, then the remaining steps.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
@@ -80,3 +82,9 @@ def _saver(plan: RunPlan, c: Components, hooks, *, root: Path):
     saver = CheckpointSaver(root=root, keep=plan.config.checkpoint.keep, async_save=False, rank=c.rank.rank, log=lambda text: None)
     hooks.checkpoint = lambda step: check_and_save(c, saver, step=step, train_state=train_state(c), plan=plan.to_dict())
     return saver
+
+
+if __name__ == "__main__":
+    from llmforge.testing.harness import main
+
+    main(sys.argv[1:], drill=run_drill)

@@ -5,8 +5,8 @@ collect what they computed: the equivalence tests and tools/bench_parallel.py us
         -m llmforge.testing.harness SPEC.json OUT.pt
 
 SPEC.json: ``{"base": [overrides...], "layouts": {"name": [overrides...]}, "fail_rank": null,
-"fail_at": null, "device": "cpu", "mesh_of_one": false, "count_syncs": [names...]}`` (a layout given as a
-dict is an anomaly drill: ``llmforge.testing.drill``): ``fail_rank``
+"fail_at": null, "device": "cpu", "mesh_of_one": false, "count_syncs": [names...]}`` (started as
+``-m llmforge.testing.drill``, a layout given as a dict is an anomaly drill): ``fail_rank``
 raises before layout ``fail_at`` (default: the first); ``"device": "cuda"`` trains each rank on
 its GPU, under NCCL; ``mesh_of_one`` sends a one-rank layout through the distributed path (see
 ``rank_info``); ``count_syncs`` counts the host synchronisations of a step of those layouts.
@@ -25,7 +25,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -180,7 +180,8 @@ def full_parameters(c: Components) -> Dict[str, torch.Tensor]:
     return merged if dist.get_rank() == 0 else {}
 
 
-def main(argv: List[str]) -> None:
+def main(argv: List[str], *, drill: Optional[Callable[..., dict]] = None) -> None:
+    """Run the spec's layouts; ``drill`` runs those given as dicts (``python -m llmforge.testing.drill``)."""
     spec = json.loads(Path(argv[0]).read_text())
     from llmforge.launch.watch import guard_rank
     from llmforge.launch.worker import report_errors
@@ -190,10 +191,8 @@ def main(argv: List[str]) -> None:
         device = _join(spec.get("device", "cpu"))
         results = {}
         for name, entry in spec["layouts"].items():
-            if isinstance(entry, dict):  # an anomaly drill (llmforge.testing.drill)
-                from llmforge.testing.drill import run_drill
-
-                results[name] = run_drill(tiny_plan(spec.get("base", []) + entry["overrides"]), entry, device=device)
+            if isinstance(entry, dict) and drill is not None:  # an anomaly drill (llmforge.testing.drill)
+                results[name] = drill(tiny_plan(spec.get("base", []) + entry["overrides"]), entry, device=device)
                 continue
             plan = tiny_plan(spec.get("base", []) + entry)
             if spec.get("fail_rank") == dist.get_rank() and name == spec.get("fail_at", name):
