@@ -42,7 +42,7 @@ class GlobalClip:
     _copies_of: Dict[int, int] = field(default_factory=dict, repr=False)
 
     def __call__(self, max_norm: float, *, flags: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``flags``: a 1-D float64 tensor on the gradients' device, summed in place over
+        """``flags``: a 1-D float tensor on the gradients' device, summed in place over
         every rank by the norm's own all-reduce (no collective of its own): how the ranks
         agree on what one of them saw (a NaN in a slot on any rank is a NaN on all)."""
         grads = [p.grad for p in self.params if p.grad is not None]

@@ -95,12 +95,13 @@ class StepGuard:
 
     def local_flags(self, loss: torch.Tensor) -> torch.Tensor:
         """This rank's flags for the norm's all-reduce: [loss * 0] (+ [spike as NaN] with spike_skip)."""
-        value = loss.detach().double()
+        value = loss.detach()
         self._spike = self._spike_test(value)
-        parts = [value * 0]
-        if self.policy.spike_skip:  # a slot every step, so rows stack alike
-            parts.append(torch.where(self._spike, float("nan"), 0.0) if self._spike is not None else value.new_zeros(()))
-        return torch.stack(parts)
+        poison = (value * 0).reshape(1)
+        if not self.policy.spike_skip:
+            return poison
+        spike = torch.where(self._spike, float("nan"), 0.0) if self._spike is not None else value.new_zeros(())  # a slot every step
+        return torch.cat([poison, spike.reshape(1).to(poison.dtype)])
 
     def verdict(self, *, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, flags: torch.Tensor) -> torch.Tensor:
         """``ok`` (a device bool): every rank's loss, the global norm (and spike test) passed."""
