@@ -210,3 +210,14 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path, smal
     assert first - 1 in saved and len(saved) == 3  # keep=2, and the newest before the first anomaly
     for step in saved:
         assert all(torch.isfinite(t).all() for t in read_model_weights(run_dir / "checkpoints" / f"step_{step}").values())
+
+
+def test_non_finite_weights_are_never_saved():
+    from llmforge.train.anomaly import Anomaly, AnomalyPolicy, StepGuard, check_weights
+
+    params = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.tensor([1.0, float("inf")]))]
+    for action, expected in (("skip", "stop"), ("rollback", "rollback")):
+        with pytest.raises(Anomaly) as info:
+            check_weights(StepGuard(AnomalyPolicy(action=action), device=torch.device("cpu")), params, step=6, distributed=False, device=torch.device("cpu"))
+        assert info.value.action == expected and "weights were non-finite" in str(info.value)
+    check_weights(StepGuard(AnomalyPolicy(), device=torch.device("cpu")), params[:1], step=6, distributed=False, device=torch.device("cpu"))

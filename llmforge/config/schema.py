@@ -165,9 +165,10 @@ class TrainConfig:
     anomaly: str = knob(
         "skip",
         help="A step whose loss or gradient norm is non-finite on any rank never updates the weights or optimizer state; then: "
-        "stop = end the run (exit code 2) naming the step and the resume command; skip = go on, and after train.max_skipped_steps "
-        "skips in a row stop; rollback = go on, and after train.max_skipped_steps skips in a row reload the newest checkpoint older "
-        "than the first of them (the data stream goes on past the bad batches), at most train.max_rollbacks times.",
+        "stop = end the run (exit code 2) naming the step and the resume command; skip = go on, and after more than train.max_skipped_steps "
+        "skips in a row stop; rollback = go on, and after more than train.max_skipped_steps skips in a row reload the weights and optimizer "
+        "state of the newest checkpoint older than the first of them (step count, schedule and data stream go on, past the bad batches), "
+        "at most train.max_rollbacks times.",
     )
     max_skipped_steps: int = knob(5, help="skip/rollback: consecutive skipped steps tolerated; one more stops the run (skip) or rolls it back (rollback).")
     max_rollbacks: int = knob(3, help="rollback: rollbacks allowed in one launch; the anomaly after the last one stops the run.")
