@@ -168,20 +168,27 @@ def resume(
     overrides: Optional[List[str]] = OVERRIDES,
     force: bool = typer.Option(False, "--force", help="Launch even if the estimate says the plan does not fit."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch command and stop."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Start over in a run.dir (other than the checkpoint's) that already holds a run."),
+    from_other_run: bool = typer.Option(False, "--from-other-run", help="Accept a checkpoint whose plan is not its run folder's; the run continues in a new run.dir."),
+    config_dir: Optional[List[Path]] = CONFIG_DIR,
 ) -> None:
     """Continue a run from a checkpoint: ckpt=PATH, where PATH is a step folder, a run
     folder or a run's checkpoints/latest. Other overrides (train.steps, train.lr, a new
-    parallel layout, ...) apply on top of the saved plan.
+    parallel layout, ...) apply on top of the saved plan. The run continues in the
+    checkpoint's run folder; a run.dir=... elsewhere must hold no run, as for pretrain.
 
     [bold]Examples[/]
 
       llmforge resume ckpt=runs/tiny/checkpoints/latest
 
       llmforge resume ckpt=runs/tiny train.steps=400 parallel=dp2
+
+      llmforge resume ckpt=runs/tiny/checkpoints/step_240 run.dir=runs/tiny-branch
     """
     from llmforge.commands.train import resume_command
 
-    resume_command(overrides or [], force=force, dry_run=dry_run, console=err)
+    resume_command(overrides or [], config_dir=config_dir or [], force=force, dry_run=dry_run, overwrite=overwrite, from_other_run=from_other_run,
+                   console=err)
 
 
 @app.command()

@@ -1,5 +1,5 @@
 """File helpers shared by the run folder, checkpoints and the data cache: a file's
-SHA-256, and writes that never leave a half-written file behind.
+SHA-256 and stat stamp, and writes that never leave a half-written file behind.
 
 A write goes to a temporary sibling (named after the file and this process, so two
 processes writing the same file on a shared file system never share one) and is
@@ -25,6 +25,12 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: fh.read(_CHUNK), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def file_stamp(path: Path) -> list:
+    """[size, mtime_ns, ctime_ns]: any write to the file changes it (a user can set mtime back, not ctime)."""
+    st = os.stat(path)
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def write_text_atomic(path: Path, text: str, *, durable: bool = False) -> None:

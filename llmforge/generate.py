@@ -23,14 +23,10 @@ from llmforge.errors import Problem, UserError
 
 
 def check_settings(g: GenerateConfig) -> None:
-    """Every generate.* value out of range, in one error."""
-    rules = [
-        ("generate.max_tokens", g.max_tokens, g.max_tokens >= 1, "at least 1"),
-        ("generate.temperature", g.temperature, g.temperature >= 0, "0 (greedy) or more"),
-        ("generate.top_k", g.top_k, g.top_k >= 0, "0 (off) or more"),
-        ("generate.top_p", g.top_p, 0 < g.top_p <= 1, "in (0, 1]"),
-    ]
-    problems = [Problem(key, value, f"must be {need}", f"set {key} to a value {need}") for key, value, ok, need in rules if not ok]
+    """Every generate.* value out of its schema range, in one error."""
+    from llmforge.config.ranges import range_problems
+
+    problems = range_problems(g, prefix="generate.")
     if problems:
         raise UserError(problems, title="bad generate settings")
 
@@ -99,8 +95,7 @@ def pick_device(name: str) -> torch.device:
 def checkpoint_config(overrides: List[str]):
     """The verified checkpoint folder and its saved config with ``generate.*``/``data.cache_dir`` overrides."""
     from llmforge.checkpoint.locate import locate
-    from llmforge.checkpoint.resume import saved_plan, split_ckpt
-    from llmforge.config.compose import compose
+    from llmforge.checkpoint.resume import saved_config, split_ckpt
 
     ckpt, rest = split_ckpt(overrides)
     allowed = ("generate.", "data.cache_dir=")
@@ -108,7 +103,7 @@ def checkpoint_config(overrides: List[str]):
     if bad:
         raise UserError([Problem(o.split("=", 1)[0], o, "generate takes only ckpt=, generate.* and data.cache_dir overrides", "remove it") for o in bad], title="bad overrides")
     found = locate(ckpt)
-    return found.path, compose(rest, base=saved_plan(found.path)["config"])
+    return found.path, saved_config(found.path, rest)
 
 
 def run_tokenizer(config: RunConfig, *, tokenizer: Optional[Path], console: Console):
@@ -120,7 +115,7 @@ def run_tokenizer(config: RunConfig, *, tokenizer: Optional[Path], console: Cons
     from llmforge.data.tokenizer import find_eos, load_tokenizer
 
     if tokenizer is not None:
-        tok = load_tokenizer(str(tokenizer), vocab_size=config.model.vocab_size)
+        tok = load_tokenizer(str(tokenizer), vocab_size=config.model.vocab_size, key="--tokenizer")
         return tok, find_eos(tok)
     path, eos_id = run_tokenizer_file(config, console=console)
     return Tokenizer.from_file(str(path)), eos_id

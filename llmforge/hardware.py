@@ -10,7 +10,7 @@ name), or point ``cluster.accelerator`` straight at a ``.yaml`` file.
 Bandwidths are per device and per direction, in GB/s (1e9 bytes): NVLink's
 900 GB/s "bidirectional" H100 figure is 450 here. Peak FLOP/s are dense (no
 structured sparsity). The optional ``matmul_efficiency``, ``matmul_dim``,
-``attention_efficiency``, ``bandwidth_efficiency`` and ``kernel_floor_us`` are
+``attention_efficiency``, ``attention_backward_efficiency``, ``bandwidth_efficiency`` and ``kernel_floor_us`` are
 the step-time model's rates (``llmforge.estimate.kernels``). ``peak_tflops.fp8`` is optional: a profile without it has
 no FP8 tensor cores, and ``precision.fp8`` is refused there (unless emulated).
 """
@@ -30,7 +30,8 @@ BUILTIN_DIR = Path(__file__).resolve().parent / "hardware_profiles"
 GIB = 1024**3
 REQUIRED = ("name", "memory_gib", "peak_tflops", "memory_bandwidth_gbs", "intra_node_gbs", "inter_node_gbs", "devices_per_node")
 #: The step-time model's rates (see llmforge.estimate.kernels); defaults in Profile.
-SPEED_KEYS = ("matmul_efficiency", "matmul_dim", "attention_efficiency", "bandwidth_efficiency", "kernel_floor_us")
+SPEED_KEYS = ("matmul_efficiency", "matmul_dim", "attention_efficiency", "attention_backward_efficiency", "bandwidth_efficiency",
+              "kernel_floor_us")
 OPTIONAL = ("runtime_reserved_gib", "comm_efficiency") + SPEED_KEYS
 
 
@@ -52,6 +53,8 @@ class Profile:
     matmul_efficiency: float = 0.81
     matmul_dim: float = 48.0
     attention_efficiency: float = 0.7
+    #: The fused attention's backward (2.5x its forward FLOPs); 0: as ``attention_efficiency``.
+    attention_backward_efficiency: float = 0.0
     bandwidth_efficiency: float = 0.7
     kernel_floor_us: float = 5.0
     description: str = ""

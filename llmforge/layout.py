@@ -181,8 +181,9 @@ def check_tp(config: RunConfig) -> List[Problem]:
         out.append(Problem("parallel.sequence_parallel", True, "sequence parallel splits activations over tp ranks, and tp=1", "set parallel.tp>1 or parallel.sequence_parallel=false"))
     if p.sequence_parallel and m.seq_len % p.tp:
         out.append(Problem("model.seq_len", m.seq_len, f"not divisible by parallel.tp={p.tp} with sequence parallel", "make seq_len a multiple of tp"))
-    if m.seq_len % (2 * p.cp):
-        out.append(Problem("model.seq_len", m.seq_len, f"not divisible by parallel.cp={p.cp} x 2 (load-balanced context-parallel chunks)", "make seq_len a multiple of 2 x cp"))
+    if p.cp > 1 and m.seq_len % (2 * p.cp):  # only context parallelism splits a sequence
+        out.append(Problem("model.seq_len", m.seq_len, f"not a multiple of {2 * p.cp}: context parallelism (parallel.cp={p.cp}) splits each sequence into 2 x cp equal chunks",
+                           f"make model.seq_len a multiple of {2 * p.cp}, or lower parallel.cp"))
     return out
 
 

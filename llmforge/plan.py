@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from llmforge.config.dtypes import DTYPES
-from llmforge.config.schema import RECOMPUTE_MODES, SCHEDULES, RunConfig
+from llmforge.config.ranges import INT64_MAX, range_problems
+from llmforge.config.schema import ANOMALY_POLICIES, RECOMPUTE_MODES, SCHEDULES, RunConfig
 from llmforge.config.train_rules import check_training
 from llmforge.errors import Problem, UserError, fail
 from llmforge.hardware import get_profile, is_known, unknown_problem
@@ -40,6 +41,7 @@ CHOICES: Dict[str, tuple] = {
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),
     "optim.decay_shape": ("linear", "cosine", "sqrt"),
     "train.memory_snapshot": ("off", "oom", "profile"),
+    "train.anomaly": ANOMALY_POLICIES,
     "cluster.launcher": ("local", "torchrun", "slurm"),
     "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
 }
@@ -170,35 +172,12 @@ def _check_choices(config: RunConfig) -> List[Problem]:
     return out
 
 
-_POSITIVE = (
-    "model.num_layers", "model.hidden_size", "model.num_heads", "model.ffn_hidden_size", "model.vocab_size",
-    "model.seq_len", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.ep", "parallel.pp_virtual_stages",
-    "parallel.recompute_every", "parallel.dp_replicate", "train.micro_batch_size", "train.global_batch_size", "train.steps",
-    "train.log_interval", "cluster.nodes", "cluster.timeout_s", "data.num_proc", "checkpoint.keep", "model.moe.every",
-)
-
-
 def _check_ranges(config: RunConfig) -> List[Problem]:
-    out = []
-    for key in _POSITIVE:
-        value = get_key(config, key)
-        if not isinstance(value, int) or value < 1:
-            out.append(Problem(key, value, "must be a positive integer", f"set {key} to 1 or more"))
+    """Every number against its schema field's range (llmforge.config.ranges); parallel.dp is a number or auto."""
+    out = range_problems(config)
     dp = config.parallel.dp
-    if dp != "auto" and not (isinstance(dp, int) and not isinstance(dp, bool) and dp >= 1):
+    if dp != "auto" and not (isinstance(dp, int) and not isinstance(dp, bool) and 1 <= dp <= INT64_MAX):
         out.append(Problem("parallel.dp", dp, "must be a positive integer or auto", "set parallel.dp=auto or e.g. parallel.dp=2"))
-    if config.parallel.zero not in (0, 1, 2, 3):
-        out.append(Problem("parallel.zero", config.parallel.zero, "ZeRO stage must be 0, 1, 2 or 3", "set parallel.zero to 0-3"))
-    if config.cluster.devices_per_node is not None and config.cluster.devices_per_node < 1:
-        out.append(Problem("cluster.devices_per_node", config.cluster.devices_per_node, "must be positive", "set it to 1 or more, or null"))
-    if not 0.0 <= config.model.dropout < 1.0:
-        out.append(Problem("model.dropout", config.model.dropout, "must be in [0, 1)", "use e.g. 0.0 or 0.1"))
-    if not config.train.lr > 0:
-        out.append(Problem("train.lr", config.train.lr, "must be positive", "use e.g. train.lr=3e-4"))
-    if config.cluster.efficiency is not None and not 0.0 < config.cluster.efficiency <= 1.0:
-        out.append(Problem("cluster.efficiency", config.cluster.efficiency, "must be in (0, 1] or null", "use e.g. 0.5, or null for the profile's kernel model"))
-    if config.checkpoint.interval is not None and config.checkpoint.interval < 0:
-        out.append(Problem("checkpoint.interval", config.checkpoint.interval, "must be 0 or more", "0 saves only at the end"))
     return out
 
 
@@ -207,7 +186,7 @@ def _check_model(config: RunConfig) -> List[Problem]:
     kv = m.num_kv_heads or m.num_heads
     if m.num_heads > 0 and m.hidden_size % m.num_heads:
         out.append(Problem("model.hidden_size", m.hidden_size, f"not divisible by model.num_heads={m.num_heads}", "make hidden_size a multiple of num_heads"))
-    if kv < 1 or (m.num_heads > 0 and m.num_heads % kv):
+    if kv >= 1 and m.num_heads > 0 and m.num_heads % kv:  # kv < 1: a range problem
         out.append(Problem("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads={m.num_heads}", "use a divisor of num_heads (GQA groups)"))
     if m.position == "rope" and m.num_heads > 0 and (m.hidden_size // m.num_heads) % 2:
         out.append(Problem("model.position", m.position, "RoPE needs an even head dimension", "change hidden_size or num_heads"))
@@ -215,19 +194,11 @@ def _check_model(config: RunConfig) -> List[Problem]:
 
 
 def _check_moe(config: RunConfig) -> List[Problem]:
-    """The MoE model's own settings (expert parallelism: llmforge.layout.check_ep)."""
-    moe, out = config.model.moe, []
-    if moe.num_experts < 0:
-        return [Problem("model.moe.num_experts", moe.num_experts, "cannot be negative", "use 0 for a dense model")]
-    if moe.num_experts == 0:
-        return out
-    if not 1 <= moe.top_k <= moe.num_experts:
-        out.append(Problem("model.moe.top_k", moe.top_k, f"must be between 1 and model.moe.num_experts={moe.num_experts}", "lower top_k"))
-    if moe.bias_update_rate < 0:
-        out.append(Problem("model.moe.bias_update_rate", moe.bias_update_rate, "cannot be negative", "use e.g. 0.001"))
-    if moe.capacity_factor is not None and moe.capacity_factor <= 0:
-        out.append(Problem("model.moe.capacity_factor", moe.capacity_factor, "must be positive or null (dropless)", "use e.g. 1.25 or null"))
-    return out
+    """top_k against the number of experts (ranges: the schema; expert parallelism: llmforge.layout.check_ep)."""
+    moe = config.model.moe
+    if moe.num_experts > 0 and moe.top_k > moe.num_experts:
+        return [Problem("model.moe.top_k", moe.top_k, f"must be between 1 and model.moe.num_experts={moe.num_experts}", "lower top_k")]
+    return []
 
 
 def _check_data(config: RunConfig) -> List[Problem]:

@@ -181,7 +181,7 @@ def test_the_policy_keys_are_checked_together():
     from llmforge.errors import UserError
 
     with pytest.raises(UserError) as info:
-        tiny_plan(["train.anomaly=retry", "train.max_skipped_steps=-1", "train.rollback_lr_factor=2", "train.loss_spike_window=2"])
+        tiny_plan(["train.anomaly=retry", "train.max_skipped_steps=-1", "train.rollback_lr_factor=2", "train.loss_spike_window=-1"])
     text = info.value.message()
     for key in ("train.anomaly", "train.max_skipped_steps", "train.rollback_lr_factor", "train.loss_spike_window"):
         assert key in text

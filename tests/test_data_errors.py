@@ -72,7 +72,42 @@ def test_unsupported_type_and_empty_folder(tmp_path):
     (tmp_path / "a.csv").write_text("x\n")
     assert "unsupported file type .csv" in _error(tmp_path, path=str(tmp_path / "a.csv"))
     (tmp_path / "folder").mkdir()
-    assert "no .txt, .jsonl or .parquet" in _error(tmp_path, path=str(tmp_path / "folder"))
+    assert "holds no .txt, .md, .jsonl, .json or .parquet files" in _error(tmp_path, path=str(tmp_path / "folder"))
+    (tmp_path / "folder" / "b.csv").write_text("x\n")
+    assert "(it holds 1 file(s) of a type llmforge does not read (b.csv;" in _error(tmp_path, path=str(tmp_path / "folder"))
+
+
+def test_a_device_is_not_called_missing(tmp_path):
+    message = _error(tmp_path, path="/dev/zero")
+    assert "/dev/zero" in message and "neither a regular file nor a folder" in message and "no such file" not in message
+
+
+def test_files_of_other_types_in_a_folder_are_named_as_skipped(tmp_path):
+    folder = tmp_path / "f"
+    folder.mkdir()
+    (folder / "a.txt").write_text("some text\n")
+    (folder / "table.csv").write_text("x,y\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _prepare(tmp_path, path=str(folder))
+    text = " ".join(str(w.message) for w in caught)
+    assert "1 file(s) of a type llmforge does not read (table.csv; it reads .txt" in text
+
+
+@pytest.mark.parametrize("values,found", [(["a", 5], "integer and string"), ([1, 2], "integer"), ([["a"]], "list")])
+def test_a_text_column_of_other_values_names_file_column_and_types(tmp_path, values, found):
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": v}) + "\n" for v in values))
+    message = _error(tmp_path, path=str(tmp_path / "d.jsonl"))
+    first = next(i for i, v in enumerate(values, 1) if not isinstance(v, str))
+    assert f"d.jsonl: column 'text' holds {found} values" in message and f"row {first}" in message and "?" not in message
+
+
+def test_a_parquet_text_column_of_integers_is_named(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "d.parquet")
+    assert "d.parquet: column 'text' holds int64 values" in _error(tmp_path, path=str(tmp_path / "d.parquet"))
 
 
 def test_only_empty_documents_is_an_error_not_an_empty_dataset(tmp_path):
@@ -122,6 +157,17 @@ def test_tokenizer_too_large_or_unreadable(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(UserError, match="bad.json"):
         _prepare(tmp_path, path=str(tmp_path / "d.txt"), tokenizer=str(tmp_path / "bad.json"))
+
+
+
+def test_a_tokenizer_given_to_generate_is_named_as_its_option(tmp_path):
+    from llmforge.data.tokenizer import load_tokenizer
+
+    (tmp_path / "bad.json").write_text("{not json")
+    for path in (tmp_path / "bad.json", tmp_path / "nope.json"):
+        with pytest.raises(UserError) as info:
+            load_tokenizer(str(path), vocab_size=VOCAB, key="--tokenizer")
+        assert info.value.problems[0].key == "--tokenizer" and "data.tokenizer" not in info.value.message()
 
 
 def test_bad_mixture_entries_are_all_reported(tmp_path):

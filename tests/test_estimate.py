@@ -225,30 +225,59 @@ def test_moe_counts_active_parameters_and_shards_experts():
 
 def test_zero0_allreduce_hides_behind_the_last_backward_but_its_last_bucket():
     jb, d = job(batch=64), 8
-    common = dict(dense=10**9, expert=0, microbatches=4, t_fwd=1.0, span=d)
-    nbytes, t, exposed = cm.dp_traffic(Layout(dp=d), jb, t_bwd=10 * t_of(jb), last_bucket=0, **common)
+    common = dict(dense=10**9, expert=0, microbatches=4, blocks=8, t_fwd=1.0, span=d)
+
+    def all_reduce(layout: Layout, jb: Job, **kw) -> cm.Traffic:
+        return cm.dp_traffic(layout, jb, **common, **kw)["dp_all_reduce"]
+
+    ar = all_reduce(Layout(dp=d), jb, t_bwd=10 * t_of(jb), last_bucket=0)
     sent = 2 * 10**9 * (d - 1) / d * 4
-    assert nbytes == pytest.approx(sent) and t == pytest.approx(t_of(jb))
-    # a long backward hides all but the last 25 MB bucket, launched when backward ends
-    assert exposed == pytest.approx(t * cm.BUCKET_BYTES / (10**9 * 4))
+    t = t_of(jb)
+    assert ar.bytes == pytest.approx(sent) and ar.seconds == pytest.approx(t)
+    # a long backward hides all but the last 25 MB bucket (parallel.bucket_mb), launched when backward ends
+    assert ar.exposed == pytest.approx(t * 25 * 2**20 / (10**9 * 4)) and ar.hidden == pytest.approx(t - ar.exposed)
+    bigger = all_reduce(Layout(dp=d), replace(jb, bucket_bytes=100 * 2**20), t_bwd=10 * t, last_bucket=0)
+    assert bigger.exposed == pytest.approx(4 * ar.exposed)
     # an embedding larger than a bucket is that last bucket
-    _, _, tail = cm.dp_traffic(Layout(dp=d), jb, t_bwd=10 * t, last_bucket=10**8, **common)
-    assert tail == pytest.approx(t / 10)
+    assert all_reduce(Layout(dp=d), jb, t_bwd=10 * t, last_bucket=10**8).exposed == pytest.approx(t / 10)
     # a short backward hides only its own length
-    _, _, short = cm.dp_traffic(Layout(dp=d), jb, t_bwd=t / 2, last_bucket=0, **common)
-    assert short == pytest.approx(t / 2)
+    assert all_reduce(Layout(dp=d), jb, t_bwd=t / 2, last_bucket=0).exposed == pytest.approx(t / 2)
     # under a pipeline the schedule runs backward and the all-reduce follows it
-    _, _, piped = cm.dp_traffic(Layout(dp=d, pp=2), jb, t_bwd=10 * t, last_bucket=0, **common)
-    assert piped == pytest.approx(t)
+    assert all_reduce(Layout(dp=d, pp=2), jb, t_bwd=10 * t, last_bucket=0).exposed == pytest.approx(t)
     # with the overlap switched off (the CPU default) it all follows backward too
     off = replace(jb, overlap_grad_reduce=False)
-    _, _, after = cm.dp_traffic(Layout(dp=d), off, t_bwd=10 * t, last_bucket=0, **common)
-    assert after == pytest.approx(t)
+    assert all_reduce(Layout(dp=d), off, t_bwd=10 * t, last_bucket=0).exposed == pytest.approx(t)
 
 
 def t_of(jb: Job) -> float:
     """Seconds of the all-reduce of 10^9 fp32 gradients over 8 ranks in a node."""
-    return cm.seconds(jb, 2 * 10**9 * 7 / 8 * 4, 8)
+    return cm.seconds(jb, 2 * 10**9 * 7 / 8 * 4, 8, 8)
+
+
+def test_fsdp_hides_block_by_block_but_the_ends():
+    """ZeRO 3 with a long compute: only the root's and the first block's gathers and the first
+    block's and root's reduce-scatters (after backward) are exposed; with no compute, all of it."""
+    jb, d, blocks = job(batch=64), 8, 10
+    common = dict(dense=10**9, expert=0, microbatches=2, blocks=blocks, span=d, last_bucket=10**8)
+    slow = cm.dp_traffic(Layout(dp=d, zero=3), jb, t_fwd=100.0, t_bwd=200.0, **common)
+    ag, rs = slow["dp_all_gather"], slow["dp_reduce_scatter"]
+    root_ag = ag.seconds / (2 + 2 * 0.9 * (blocks - 1) / blocks) * 0.1  # per forward gather: root is a tenth
+    assert ag.exposed == pytest.approx(2 * (root_ag + 0.9 * root_ag / 0.1 / blocks))
+    assert rs.exposed == pytest.approx(rs.seconds * (0.1 + 0.9 / blocks))
+    idle = cm.dp_traffic(Layout(dp=d, zero=3), jb, t_fwd=0.0, t_bwd=0.0, **common)
+    assert idle["dp_all_gather"].exposed == pytest.approx(idle["dp_all_gather"].seconds)
+    assert idle["dp_reduce_scatter"].exposed == pytest.approx(idle["dp_reduce_scatter"].seconds)
+    once = cm.dp_traffic(Layout(dp=d, zero=1), jb, t_fwd=100.0, t_bwd=200.0, **common)  # ZeRO 1: once per step
+    assert once["dp_all_gather"].seconds == pytest.approx(ag.seconds / (2 + 2 * 0.9 * (blocks - 1) / blocks))
+    assert once["dp_reduce_scatter"].seconds == pytest.approx(rs.seconds / 2)
+
+
+def test_groups_across_nodes_use_every_nic_of_a_node():
+    jb = job(batch=64)
+    whole_nodes = cm.seconds(jb, 10**9, 64, 64)  # dp 64 over 8 nodes: 8 members a node
+    one_a_node = cm.seconds(jb, 10**9, 64, 8)  # dp 8 with tp 8: 1 member a node
+    in_node = cm.seconds(jb, 10**9, 8, 8)
+    assert one_a_node == pytest.approx(8 * whole_nodes) and in_node < whole_nodes < one_a_node
 
 
 def test_zero0_step_time_charges_less_than_the_whole_allreduce():
@@ -292,6 +321,14 @@ def test_json_schema(capsys):
     assert data["fits"] is True and data["device_memory_bytes"] == 80 * GIB
     assert data["pipeline"]["schedule"] == "1f1b" and data["pipeline"]["microbatches"] == 256
     assert data["memory_bytes"]["total"] == pytest.approx(sum(v for k, v in data["memory_bytes"].items() if k != "total"))
+    terms = data["time"]["terms_s"]
+    assert set(terms) >= {"matmul", "attention", "memory_bound", "launch_floor", "tp_exposed", "pp_exposed", "bubble", "optimizer"}
+    assert sum(terms.values()) == pytest.approx(data["time"]["step_s"]) and data["time"]["compile"] is False
+    comm = data["communication"]
+    assert set(comm) == {"dp_all_gather", "dp_reduce_scatter", "tp", "pp"}  # the recipe's ZeRO over dp, x tp4 x pp2
+    for kind in comm.values():
+        assert kind["seconds"] == pytest.approx(kind["exposed_s"] + kind["hidden_s"]) and kind["exposed_s"] >= 0
+    assert comm["tp"]["hidden_s"] == 0 and terms["tp_exposed"] == pytest.approx(comm["tp"]["exposed_s"])
 
 
 def test_rich_output_with_timeline_and_short_summary():

@@ -28,7 +28,8 @@ def test_rank_holds_chunk_r_and_its_mirror():
 def test_plan_needs_seq_len_divisible_by_twice_cp():
     with pytest.raises(UserError) as info:
         tiny_plan(["parallel.cp=2", "model.seq_len=30"])
-    assert "model.seq_len" in info.value.message() and "parallel.cp=2 x 2" in info.value.message()
+    assert "model.seq_len = 30: not a multiple of 4" in info.value.message() and "parallel.cp=2" in info.value.message()
+    assert tiny_plan(["model.seq_len=31"]).config.model.seq_len == 31  # without context parallelism any length works
 
 
 def test_context_parallel_layouts_are_planned():

@@ -94,14 +94,14 @@ def measure(name: str, corpus: Path, tokenizer: Path, out: Path):
     return result
 
 
-def bench_sampler(shards: Path, *, num_tokens: int, seq_len: int, batch: int, seconds: float = 2.0):
+def bench_sampler(shards: Path, *, num_tokens: int, vocab: int, seq_len: int, batch: int, seconds: float = 2.0):
     """Tokens per second out of BatchSampler.next_batch, and whether reads are memmap views."""
     from llmforge.data.prepare import PreparedData, StreamInfo
     from llmforge.data.sampler import BatchSampler
 
     info = StreamInfo(name="bench", folder=shards, weight=1.0, num_tokens=num_tokens, num_documents=0,
                       shards=(("tokens_00000.bin", num_tokens),))
-    data = PreparedData(root=shards, tokenizer_path=shards, vocab_size=0, eos_id=0, num_tokens=num_tokens,
+    data = PreparedData(root=shards, tokenizer_path=shards, vocab_size=vocab, eos_id=0, num_tokens=num_tokens,
                         streams=(info,), fingerprint="bench")
     sampler = BatchSampler(data, seq_len=seq_len, global_batch_size=batch, seed=0)
     stream = data.open_stream(0)
@@ -138,7 +138,7 @@ def run(tmp: Path, *, mb: float, vocab: int) -> None:
     print(f"peak memory    llmforge {rss_ours:6.0f} MB     tokens in Python lists {rss_lists:6.0f} MB"
           f"     ratio {rss_ours / rss_lists:.2f} (lower is better)   [datasets.map baseline {rss_base:.0f} MB]")
     for seq_len, batch in ((128, 8), (128, 64), (1024, 16)):
-        rate, zero_copy = bench_sampler(tmp / "ours" / "shards", num_tokens=n_ours, seq_len=seq_len, batch=batch)
+        rate, zero_copy = bench_sampler(tmp / "ours" / "shards", num_tokens=n_ours, vocab=vocab, seq_len=seq_len, batch=batch)
         print(f"sampler        seq_len {seq_len:5d} batch {batch:3d}: {rate / 1e6:6.1f} M tokens/s (target >= 1)"
               f"   zero-copy reads: {zero_copy}")
 

@@ -1,11 +1,17 @@
 """``llmforge resume``: the saved plan, the user's overrides, and what may not change.
 
 The plan is the one stored in the checkpoint. Overrides apply on top of it, composed
-by ``llmforge.config.compose`` with the saved config as base: ``GROUP=OPTION``
+by ``llmforge.config.saved`` with the saved config as base: ``GROUP=OPTION``
 replaces a whole group (``parallel=dp2``), ``a.b=value`` one key.
 Settings that training state depends on (model shape, data and tokenizer, seed)
 cannot change; every such difference is listed in one error before launch.
-The run continues in the checkpoint's run folder unless ``run.dir`` is given.
+The run continues in the checkpoint's run folder unless ``run.dir`` is given; another
+folder must hold no run (``llmforge.launch`` refuses it as ``pretrain`` does).
+
+A checkpoint whose plan is not its run folder's (a step folder copied in from another
+run) is refused: resuming it there would replace that run's plan.json, rotate its
+checkpoints away and mix two models in its metrics. ``--from-other-run`` accepts such
+a checkpoint and starts a new run from it, in a ``run.dir`` that holds no run.
 """
 
 from __future__ import annotations
@@ -16,9 +22,9 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 from rich.console import Console
 
-from llmforge.checkpoint.locate import locate
+from llmforge.checkpoint.locate import Located, locate
 from llmforge.checkpoint.manifest import read_train_state
-from llmforge.config.compose import compose
+from llmforge.config.saved import compose_saved
 from llmforge.config.schema import values_by_key
 from llmforge.errors import Problem, UserError, fail
 from llmforge.plan import RunPlan
@@ -44,30 +50,36 @@ def split_ckpt(overrides: List[str]) -> Tuple[str, List[str]]:
     return ckpts[0], rest
 
 
-def differences(old: Any, new: Any) -> List[Problem]:
-    """One problem per setting that changed but must not."""
+def fixed_changes(old: Any, new: Any) -> List[Tuple[str, Any, Any, str]]:
+    """(key, old value, new value, why it is fixed) for every fixed setting that differs."""
     before, after = values_by_key(old), values_by_key(new)
-    problems = []
+    changes = []
     for key in sorted(before):
         if before[key] == after.get(key) or key in MAY_CHANGE:
             continue
         fixed = next((f for f in FIXED if key == f or (f.endswith(".") and key.startswith(f))), None)
         if fixed is not None:
-            problems.append(Problem(key, after.get(key), f"cannot change on resume (saved: {before[key]!r}); {_WHY[fixed]}", f"drop the override or set {key}={before[key]}"))
-    return problems
+            changes.append((key, before[key], after.get(key), _WHY[fixed]))
+    return changes
 
 
-def plan_for_resume(overrides: List[str]) -> Tuple[RunPlan, Path]:
+def differences(old: Any, new: Any) -> List[Problem]:
+    """One problem per setting that changed but must not."""
+    return [Problem(key, value, f"cannot change on resume (saved: {saved!r}); {why}", f"drop the override or set {key}={saved}")
+            for key, saved, value, why in fixed_changes(old, new)]
+
+
+def plan_for_resume(overrides: List[str], *, from_other_run: bool = False, config_dir: Sequence[Path] = ()) -> Tuple[RunPlan, Path]:
     """The plan to continue with and the verified checkpoint folder to restore."""
     console = Console(stderr=True, markup=False)
     ckpt, rest = split_ckpt(overrides)
     found = locate(ckpt)
     for note in found.notes:
         console.print(note, style="yellow", markup=False, highlight=False)
-    saved = saved_plan(found.path)["config"]
     if not any(o.split("=", 1)[0] == "run.dir" for o in rest):
         rest = [*rest, f"run.dir={found.run_dir}"]
-    old, new = compose(base=saved), compose(rest, base=saved)
+    old, new = saved_config(found.path), saved_config(found.path, rest, extra_dirs=config_dir)
+    check_same_run(found, saved=old, run_dir=Path(new.run.dir), from_other_run=from_other_run)
     step = read_train_state(found.path)["step"]
     problems = differences(old, new)
     if new.train.steps <= step:
@@ -87,9 +99,36 @@ def saved_plan(path: Path) -> Dict[str, Any]:
             raise ValueError("no config section")
         return data
     except (OSError, ValueError) as exc:
-        raise fail(f"{path / 'plan.json'}: unreadable ({exc})", title="damaged checkpoint") from None
+        title = "damaged checkpoint" if (path / "manifest.json").is_file() else "damaged run folder"
+        raise fail(f"{path / 'plan.json'}: unreadable ({exc})", title=title) from None
+
+
+def saved_config(folder: Path, overrides: Sequence[str] = (), *, extra_dirs: Sequence[Path] = ()) -> Any:
+    """The RunConfig in ``folder``'s plan.json (a checkpoint's or a run folder's), ``overrides``
+    applied (group options also from the ``extra_dirs`` config folders)."""
+    return compose_saved(saved_plan(folder)["config"], overrides, source=folder / "plan.json", extra_dirs=extra_dirs)
 
 
 def checkpoint_plan(path: Path, overrides: Sequence[str] = ()) -> RunPlan:
     """The plan a checkpoint was saved with, ``overrides`` applied (export, generate)."""
-    return RunPlan.build(compose(list(overrides), base=saved_plan(path)["config"]))
+    return RunPlan.build(saved_config(path, overrides))
+
+
+def check_same_run(found: Located, *, saved: Any, run_dir: Path, from_other_run: bool) -> None:
+    """Refuse a checkpoint whose fixed settings (model, data, tokenizer, seed) are not those
+    of the run folder it sits in, unless ``from_other_run``: then the run continues in a
+    new folder, never in the one holding the checkpoint."""
+    if from_other_run:
+        if run_dir.resolve() in found.path.resolve().parents:
+            raise UserError([Problem("run.dir", str(run_dir), f"--from-other-run starts a new run, but {run_dir} holds {found.path}",
+                                     "pass run.dir=NEW, a folder that holds no run")], title="cannot resume into this folder")
+        return
+    home = found.run_dir / "plan.json"
+    if not home.is_file():
+        return
+    changes = fixed_changes(saved_config(found.run_dir), saved)
+    if changes:
+        title = f"{found.path} is a checkpoint of another run than {found.run_dir} (whose plan is {home})"
+        fix = (f"resume the run the checkpoint came from, or start a new run from it: "
+               f"`llmforge resume ckpt={found.path} run.dir=NEW --from-other-run`")
+        raise UserError([Problem(key, theirs, f"the checkpoint has {theirs!r}, {home} has {ours!r}", fix) for key, ours, theirs, _ in changes], title=title)

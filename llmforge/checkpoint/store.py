@@ -152,17 +152,19 @@ class CheckpointSaver:
         return final
 
     def _failed(self, exc: BaseException, *, tmp: Path, step: int) -> UserError:
-        """A save the file system refused (full, read-only, no permission): its temporary
-        folder goes, the newest complete checkpoint stays what ``latest`` means."""
+        """A save the file system refused (full, read-only, no permission, a file-size
+        limit): its temporary folder goes, the newest complete checkpoint stays what
+        ``latest`` means, and resuming is suggested only when there is one."""
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        cause = _os_error(exc)
-        where = getattr(cause, "filename", None) or tmp
-        why = getattr(cause, "strerror", None) or _first_line(cause if isinstance(cause, Exception) else exc)
+        why, fix = save_failure(exc, root=self.root)
         kept = complete(self.root)
-        keeps = f"the newest complete checkpoint, {kept[0]}, is kept" if kept else "no earlier checkpoint was saved"
-        return fail(f"cannot save the checkpoint of step {step}: {where}: {why}; {keeps}. "
-                    f"Fix: free space on the file system of {self.root} (or fix its permissions), then resume", title="checkpoint not saved")
+        run_dir = self.root.parent if self.root.name == "checkpoints" else self.root
+        if kept:
+            then = f"the newest complete checkpoint, {kept[0]}, is kept. Fix: {fix}, then resume: `llmforge resume ckpt={run_dir}`"
+        else:
+            then = f"no earlier checkpoint was saved, so there is nothing to resume. Fix: {fix}, then start again: `llmforge pretrain ... run.dir={run_dir} --overwrite`"
+        return fail(f"cannot save the checkpoint of step {step} into {tmp}: {why}; {then}", title="checkpoint not saved")
 
     def _write(self, state: Dict[str, Any], *, tmp: Path, final: Path, step: int) -> None:
         if self.async_save:
@@ -258,14 +260,44 @@ def split_tied(state: Dict[str, Any], saved_keys: set) -> tuple[Dict[str, Any], 
 
 
 def _os_error(exc: BaseException) -> BaseException:
-    """The OSError inside DCP's CheckpointException (it wraps each rank's failure)."""
+    """The OSError inside DCP's CheckpointException (it wraps each rank's failure), else
+    the first rank's own exception."""
     if isinstance(exc, OSError):
         return exc
-    for failure in getattr(exc, "failures", {}).values():
-        inner = getattr(failure, "exception", failure)  # DCP's _WrappedException
-        if isinstance(inner, OSError):
-            return inner
-    return exc
+    inner = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]  # (exception, stack) per rank
+    return next((e for e in inner if isinstance(e, OSError)), inner[0] if inner else exc)
+
+
+def save_failure(exc: BaseException, *, root: Path) -> tuple[str, str]:
+    """(what went wrong, what to do) for a save into ``root`` that failed. torch's writer
+    reports a short write as "unexpected pos", so the limits of this process and file
+    system are named too."""
+    import errno
+
+    cause = _os_error(exc)
+    if isinstance(cause, OSError):
+        why = f"{cause.filename + ': ' if cause.filename else ''}{cause.strerror or cause}"
+    else:
+        why = f"{type(cause).__name__}: {_first_line(cause)}"  # type: ignore[arg-type]
+        why = f"a write was cut short ({why})" if "unexpected pos" in why else why
+    limit = _file_size_limit()
+    if limit is not None:
+        return f"{why} (files written here may be at most {limit:,} bytes: the file-size limit, `ulimit -f`)", "raise the file-size limit (`ulimit -f unlimited`)"
+    if isinstance(cause, OSError) and cause.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return why, f"make {root} writable"
+    with contextlib.suppress(OSError):
+        why += f" ({shutil.disk_usage(root).free / 2**30:.2f} GiB free on its file system)"
+    return why, f"free space on the file system of {root}"
+
+
+def _file_size_limit() -> Optional[int]:
+    """This process's file-size limit in bytes (``ulimit -f``), or None when unlimited."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return None
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return None if soft == resource.RLIM_INFINITY else int(soft)
 
 
 def _first_line(exc: Exception) -> str:

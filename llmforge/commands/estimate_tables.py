@@ -10,13 +10,6 @@ from llmforge.estimate.pipeline import simulate, simulated_bubble
 from llmforge.estimate.text import gib, verdict, where
 from llmforge.layout import ZERO_BUBBLE_SCHEDULES
 
-_PART_NAMES = {
-    "compute": "compute (matmuls, attention, memory-bound kernels)", "tp_ep_comm": "tensor-parallel + expert all-to-all",
-    "bubble": "pipeline bubble", "dp_comm": "data-parallel comm. (exposed)", "pp_comm": "pipeline p2p (exposed)",
-    "cp_comm": "context-parallel comm. (exposed)", "optimizer": "optimizer step",
-}
-
-
 def _state_notes(est: Estimate) -> tuple[str, str]:
     """How the weights and gradients are kept under the layout's ZeRO stage."""
     lay, c, r = est.layout, est.job.param_dtype, est.job.reduce_dtype
@@ -44,15 +37,34 @@ def _memory_table(est: Estimate) -> Table:
     return table
 
 
+_TERM_NAMES = {
+    "matmul": "matmuls", "attention": "fused attention", "memory_bound": "memory-bound kernels", "launch_floor": "kernel launch floor",
+    "dp_all_reduce_exposed": "dp all-reduce (exposed)", "dp_all_gather_exposed": "dp all-gather (exposed)",
+    "dp_reduce_scatter_exposed": "dp reduce-scatter (exposed)", "tp_exposed": "tensor-parallel collectives",
+    "pp_exposed": "pipeline send/recv (exposed)", "cp_exposed": "context-parallel ring (exposed)",
+    "ep_exposed": "expert all-to-all", "bubble": "pipeline bubble", "optimizer": "optimizer step and clip",
+}
+
+
 def _time_table(est: Estimate) -> Table:
-    table = Table(title="Step time", title_justify="left")
-    table.add_column("part")
+    fused = ", blocks compiled" if est.job.compile else ""
+    table = Table(title=f"Step time ({'flat efficiency' if est.job.efficiency is not None else 'kernel model'}{fused})", title_justify="left")
+    table.add_column("term")
     table.add_column("seconds", justify="right")
     table.add_column("share", justify="right")
-    for key, value in est.parts.items():
+    for key, value in est.terms.items():
         if value > 0:
-            table.add_row(_PART_NAMES[key], f"{value:.4g}", f"{value / est.step_s:.1%}")
+            table.add_row(_TERM_NAMES[key], f"{value:.4g}", f"{value / est.step_s:.1%}")
     table.add_row(Text("step", style="bold"), Text(f"{est.step_s:.4g}", style="bold"), "")
+    return table
+
+
+def _comm_table(est: Estimate) -> Table:
+    table = Table(title="Communication per device and step", title_justify="left")
+    for name in ("kind", "volume", "seconds", "exposed", "hidden"):
+        table.add_column(name, justify="left" if name == "kind" else "right")
+    for kind, t in est.comm.kinds.items():
+        table.add_row(kind.replace("_", " "), gib(t.bytes), f"{t.seconds:.4g}", f"{t.exposed:.4g}", f"{t.hidden:.4g}")
     return table
 
 
@@ -66,7 +78,7 @@ def _summary_table(est: Estimate, recipe: str) -> Table:
     pipe = f"{lay.schedule}, {lay.pp} stages x {lay.virtual_stages} chunks, " if lay.pp > 1 else "no pipeline, "
     table.add_row("pipeline", f"{pipe}{est.microbatches} microbatches, bubble {est.bubble:.2%}")
     table.add_row("FLOPs / step", f"model {est.model_flops:.4g}, hardware {est.hardware_flops:.4g} (causal not halved)")
-    vols = ", ".join(f"{k} {gib(v)}" for k, v in (("dp", c.dp_bytes), ("tp", c.tp_bytes), ("pp", c.pp_bytes), ("cp", c.cp_bytes), ("ep", c.ep_bytes)) if v)
+    vols = ", ".join(f"{k} {gib(c.bytes_of(k))}" for k in ("dp", "tp", "pp", "cp", "ep") if c.bytes_of(k))
     table.add_row("comm. / device / step", vols or "none")
     how = f"efficiency {est.job.efficiency:g} of peak" if est.job.efficiency is not None else f"kernel model of {est.job.profile.name}"
     table.add_row("throughput", f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%} ({how})")
@@ -78,6 +90,8 @@ def render_estimate(est: Estimate, *, recipe: str, console) -> None:
     console.print(_summary_table(est, recipe))
     console.print(_memory_table(est))
     console.print(_time_table(est))
+    if est.comm.kinds:
+        console.print(_comm_table(est))
     style = "bold green" if est.fits else "bold red"
     console.print(Text(f"Verdict: {verdict(est)}", style=style))
 

@@ -41,7 +41,7 @@ def estimate_command(overrides: Sequence[str], *, plan_file: Optional[Path], con
                      measure: bool, search: bool, top: int, console: Console) -> None:
     reset = SEARCH_START if search else None
     if plan_file is not None:
-        run_plan = plan_from_file(plan_file, overrides, reset=reset)
+        run_plan = plan_from_file(plan_file, overrides, config_dir=config_dir, reset=reset)
     else:
         run_plan = build_plan(overrides, config_dir=config_dir, reset=reset)
     from llmforge.commands.estimate import run_estimate

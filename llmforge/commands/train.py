@@ -17,9 +17,10 @@ def pretrain_command(overrides: Sequence[str], *, config_dir: Sequence[Path], fo
     launch(run_plan, resume_from=None, force=force, dry_run=dry_run, console=console, overwrite=overwrite)
 
 
-def resume_command(overrides: Sequence[str], *, force: bool, dry_run: bool, console: Console) -> None:
+def resume_command(overrides: Sequence[str], *, config_dir: Sequence[Path], force: bool, dry_run: bool, overwrite: bool, from_other_run: bool,
+                   console: Console) -> None:
     from llmforge.checkpoint.resume import plan_for_resume
     from llmforge.launch import launch
 
-    run_plan, checkpoint = plan_for_resume(list(overrides))
-    launch(run_plan, resume_from=checkpoint, force=force, dry_run=dry_run, console=console)
+    run_plan, checkpoint = plan_for_resume(list(overrides), from_other_run=from_other_run, config_dir=config_dir)
+    launch(run_plan, resume_from=checkpoint, force=force, dry_run=dry_run, console=console, overwrite=overwrite)

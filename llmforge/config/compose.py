@@ -12,15 +12,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from llmforge.config.schema import GROUPS, RunConfig, iter_keys
-from llmforge.errors import Problem, UserError, fail, nearest
+from llmforge.errors import Problem, UserError, nearest
 
 BUILTIN_CONFIG_DIR = Path(__file__).resolve().parents[1] / "conf"
 SELECTABLE_GROUPS = ("recipe",) + GROUPS
 KEY_ALIASES = {"checkpoint.async": "checkpoint.async_save"}
 _SCHEMA_NAME = "llmforge_schema"
+_ROOT_NAME = "llmforge_root"
 
 
 @dataclass(frozen=True)
@@ -132,7 +133,23 @@ def check_files(checked: Sequence[str], options: Dict[str, Dict[str, OptionInfo]
             problems.append(Problem(str(path), "", what, "write `key: value` lines (see `llmforge recipes` for examples), or remove the file"))
             continue
         problems += _check_defaults(path, data.get("defaults"), options)
+        problems += _check_recipe_header(path) if recipe is not None and path == recipe.path else []
     return problems
+
+
+def _check_recipe_header(path: Path) -> List[Problem]:
+    """A recipe sets keys of every group, so it must be placed at the root: Hydra reads
+    ``# @package _global_`` only from the leading ``# @`` lines, before any other comment."""
+    from hydra.plugins.config_source import ConfigSource
+
+    try:
+        package = ConfigSource._get_header_dict(path.read_text(encoding="utf-8")).get("package")
+    except ValueError:
+        package = None
+    if package == "_global_":
+        return []
+    return [Problem(str(path), "", "a recipe must start with the line `# @package _global_` (missing, or after another comment)",
+                    "make `# @package _global_` the file's first line, above its description comment")]
 
 
 def _check_defaults(path: Path, defaults: object, options: Dict[str, Dict[str, OptionInfo]]) -> List[Problem]:
@@ -156,23 +173,21 @@ def _check_defaults(path: Path, defaults: object, options: Dict[str, Dict[str, O
 def _register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(name=_SCHEMA_NAME, node=RunConfig)
+    import yaml
+
+    store = ConfigStore.instance()
+    store.store(name=_SCHEMA_NAME, node=RunConfig)
+    store.store(name=_ROOT_NAME, node=yaml.safe_load((BUILTIN_CONFIG_DIR / "config.yaml").read_text(encoding="utf-8")))
 
 
-def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] = (), base: Optional[Mapping[str, Any]] = None,
-            reset: Optional[Mapping[str, str]] = None) -> RunConfig:
-    """Compose the recipe and overrides into a validated, typed RunConfig. With ``base``
-    (a saved plan's config, as in plan.json) the overrides apply on top of it instead:
-    ``GROUP=OPTION`` replaces that whole group, ``a.b=value`` one key, and the recipe
-    cannot change. ``reset`` (group -> option): those groups take that option, and the
-    overrides that set anything in them are left out (``estimate --search`` varies the
-    layout itself, so it starts from ``parallel=dp``)."""
-    if reset:
-        overrides = [o for o in overrides if _group_of(o) not in reset] + [f"{g}={v}" for g, v in reset.items()]
-    if base is not None:
-        return _compose_on(base, overrides, extra_dirs=extra_dirs)
+def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] = (), reset: Optional[Mapping[str, str]] = None) -> RunConfig:
+    """Compose the recipe and overrides into a validated, typed RunConfig. ``reset``
+    (group -> option): those groups take that option, and the overrides that set anything
+    in them are left out (``estimate --search`` varies the layout itself, so it starts
+    from ``parallel=dp``). A saved plan with overrides on top: ``llmforge.config.saved``."""
+    overrides = with_reset(overrides, reset)
     from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
+    from hydra import initialize
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
@@ -184,17 +199,26 @@ def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] =
     file_problems = check_files(checked, options)
     if file_problems:
         raise UserError(file_problems, title="a configuration file is not valid")
-    searchpath = ",".join(f"file://{d}" for d in dirs[:-1])
-    if searchpath:
-        checked.append(f"hydra.searchpath=[{searchpath}]")
+    # Hydra searches its primary config folder before hydra.searchpath, so there is none:
+    # every folder goes on the search path, highest priority first, and a user's option
+    # shadows a built-in one of the same name. The root config comes from the ConfigStore.
+    quoted = ["'file://" + str(d).replace("'", "\\'") + "'" for d in dirs]  # Hydra's quoting: commas, spaces, quotes
+    checked.append("hydra.searchpath=[" + ",".join(quoted) + "]")
     _register_schema()
     try:
-        with initialize_config_dir(version_base=None, config_dir=str(BUILTIN_CONFIG_DIR), job_name="llmforge"):
-            cfg = hydra_compose(config_name="config", overrides=checked)
+        with initialize(version_base=None, config_path=None, job_name="llmforge"):
+            cfg = hydra_compose(config_name=_ROOT_NAME, overrides=checked)
         cfg = OmegaConf.masked_copy(cfg, [f for f in cfg if f != "hydra"]) if "hydra" in cfg else cfg
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]
     except (HydraException, OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:
-        raise UserError([_explain(exc)], title="the configuration does not compose") from None
+        raise UserError([_explain(exc, options=options)], title="the configuration does not compose") from None
+
+
+def with_reset(overrides: Sequence[str], reset: Optional[Mapping[str, str]]) -> List[str]:
+    """``overrides`` without those that set anything in a ``reset`` group, plus ``GROUP=OPTION`` for each."""
+    if not reset:
+        return list(overrides)
+    return [o for o in overrides if _group_of(o) not in reset] + [f"{g}={v}" for g, v in reset.items()]
 
 
 def _group_of(override: str) -> str:
@@ -203,30 +227,7 @@ def _group_of(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~").split(".", 1)[0]
 
 
-def _compose_on(base: Mapping[str, Any], overrides: Sequence[str], *, extra_dirs: Sequence[str | Path]) -> RunConfig:
-    """The saved config ``base`` with group options and dotted overrides applied."""
-    from omegaconf import OmegaConf
-
-    options = available_options(config_dirs(extra_dirs))
-    cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), dict(base))
-    dotted = []
-    for item in check_overrides(overrides, options):
-        key, value = item.lstrip("+~").split("=", 1)
-        if key == "recipe":
-            raise UserError([Problem("recipe", value, "a resumed run keeps its recipe", "override single keys or groups instead (parallel=dp2, train.steps=400)")], title="bad overrides")
-        if key in options:
-            cfg[key] = OmegaConf.merge(OmegaConf.structured(type(getattr(RunConfig(), key))), OmegaConf.load(options[key][value].path))
-        else:
-            dotted.append(f"{key}={value}")
-    try:
-        if dotted:
-            cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotted))
-        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
-    except Exception as exc:  # noqa: BLE001 - OmegaConf validation errors (wrong type, ...)
-        raise fail(f"the overrides do not apply to the saved plan: {str(exc).splitlines()[0]}", title="bad overrides") from None
-
-
-def _explain(exc: BaseException) -> Problem:
+def _explain(exc: BaseException, *, options: Dict[str, Dict[str, OptionInfo]]) -> Problem:
     """The most specific message in the exception chain, with the key and file it names."""
     chain = []
     node: Optional[BaseException] = exc
@@ -239,10 +240,17 @@ def _explain(exc: BaseException) -> Problem:
     # The first paragraph: Hydra appends the available options and its search path.
     text = str(root).split("\n    full_key")[0].split("\n\n")[0].replace("\n", " ").strip() or type(root).__name__
     key = str(getattr(root, "full_key", "") or "")
-    source = f" ({where.removeprefix('In ').strip()})" if where else ""
+    source = f" (in {_file_of(where.removeprefix('In ').strip(), options=options)})" if where else ""
     fix = "check the key names and value types in your YAML and overrides (`llmforge keys` lists them)"
     if key and "not in" in text:
         from llmforge.config.schema import iter_keys
 
         fix = f"remove or rename it{nearest(key, [k for k, *_ in iter_keys()])}; `llmforge keys` lists every key"
     return Problem(key, "", text + source, fix)
+
+
+def _file_of(config_name: str, *, options: Dict[str, Dict[str, OptionInfo]]) -> str:
+    """The file behind Hydra's ``'group/option'`` name, as the search path resolved it."""
+    group, _, name = config_name.strip("'").partition("/")
+    info = options.get(group, {}).get(name)
+    return str(info.path) if info is not None else config_name

@@ -3,7 +3,8 @@
 Every YAML file under ``conf/`` and every command-line override is merged into
 these dataclasses by Hydra/OmegaConf, so a misspelt key or a wrong type is
 caught at compose time. Each field carries a one-line help text (``llmforge keys``
-prints them). Cross-field rules (divisibility, world size, ...) live in
+prints them) and, for a number, its allowed range (``range="[0, 1)"``, checked by
+``llmforge.config.ranges`` when the plan is built). Cross-field rules (divisibility, world size, ...) live in
 ``llmforge.plan``.
 
 This module imports no torch.
@@ -15,6 +16,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from llmforge.config.ranges import Range
+
 #: Pipeline schedule names (``parallel.pp_schedule``), as torch.distributed.pipelining runs them.
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_interleaved", "zbv")
 #: Activation recomputation modes (``parallel.recompute``).
@@ -23,50 +26,54 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 ANOMALY_POLICIES = ("stop", "skip", "rollback")
 
 
-def knob(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None) -> Any:
-    """A dataclass field with a help text."""
+def knob(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, range: Optional[str] = None) -> Any:
+    """A dataclass field with a help text and, for a number, its allowed range in interval
+    notation (``"[0, 1)"``; checked by llmforge.config.ranges.range_problems)."""
+    metadata: Dict[str, Any] = {"help": help}
+    if range is not None:
+        metadata["range"] = Range.parse(range)
     if factory is not None:
-        return field(default_factory=factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class MoEConfig:
-    num_experts: int = knob(0, help="Routed experts per MoE layer; 0 makes the model dense.")
-    top_k: int = knob(2, help="Experts each token is routed to.")
-    ffn_hidden_size: Optional[int] = knob(None, help="Hidden size of one expert's MLP (default: model.ffn_hidden_size).")
-    num_shared_experts: int = knob(0, help="Experts every token passes through besides the routed ones.")
+    num_experts: int = knob(0, range="[0, inf)", help="Routed experts per MoE layer; 0 makes the model dense.")
+    top_k: int = knob(2, range="[1, inf)", help="Experts each token is routed to.")
+    ffn_hidden_size: Optional[int] = knob(None, range="[1, inf)", help="Hidden size of one expert's MLP (default: model.ffn_hidden_size).")
+    num_shared_experts: int = knob(0, range="[0, inf)", help="Experts every token passes through besides the routed ones.")
     capacity_factor: Optional[float] = knob(
-        None, help="Expert capacity as a multiple of the even share of tokens; tokens past it are dropped. null = dropless."
+        None, range="(0, inf)", help="Expert capacity as a multiple of the even share of tokens; tokens past it are dropped. null = dropless."
     )
-    aux_loss_coef: float = knob(0.01, help="Weight of the Switch/GShard load-balancing loss.")
-    z_loss_coef: float = knob(0.0, help="Weight of the router z-loss (ST-MoE).")
+    aux_loss_coef: float = knob(0.01, range="[0, inf)", help="Weight of the Switch/GShard load-balancing loss.")
+    z_loss_coef: float = knob(0.0, range="[0, inf)", help="Weight of the router z-loss (ST-MoE).")
     normalize_top_k: bool = knob(True, help="Renormalise the top-k routing weights to sum to one.")
-    every: int = knob(1, help="Make every N-th transformer block an MoE block (1 = all).")
+    every: int = knob(1, range="[1, inf)", help="Make every N-th transformer block an MoE block (1 = all).")
     balance: str = knob(
         "aux", help="Load balancing: aux (the aux_loss_coef loss), bias (DeepSeek-V3's per-expert routing bias, no aux loss) or none."
     )
-    bias_update_rate: float = knob(0.001, help="balance=bias: each step, every expert's bias moves by this toward an even load.")
+    bias_update_rate: float = knob(0.001, range="[0, inf)", help="balance=bias: each step, every expert's bias moves by this toward an even load.")
 
 
 @dataclass
 class ModelConfig:
-    num_layers: int = knob(2, help="Transformer blocks.")
-    hidden_size: int = knob(64, help="Width of the residual stream.")
-    num_heads: int = knob(4, help="Attention (query) heads.")
-    num_kv_heads: Optional[int] = knob(None, help="Key/value heads; fewer than num_heads is GQA. null = num_heads.")
-    ffn_hidden_size: int = knob(256, help="Hidden size of the MLP.")
-    vocab_size: int = knob(4096, help="Vocabulary size of embedding and output layer.")
-    seq_len: int = knob(128, help="Training sequence length in tokens.")
+    num_layers: int = knob(2, range="[1, inf)", help="Transformer blocks.")
+    hidden_size: int = knob(64, range="[1, inf)", help="Width of the residual stream.")
+    num_heads: int = knob(4, range="[1, inf)", help="Attention (query) heads.")
+    num_kv_heads: Optional[int] = knob(None, range="[1, inf)", help="Key/value heads; fewer than num_heads is GQA. null = num_heads.")
+    ffn_hidden_size: int = knob(256, range="[1, inf)", help="Hidden size of the MLP.")
+    vocab_size: int = knob(4096, range="[1, inf)", help="Vocabulary size of embedding and output layer.")
+    seq_len: int = knob(128, range="[1, inf)", help="Training sequence length in tokens.")
     norm: str = knob("layernorm", help="Normalisation: layernorm or rmsnorm.")
-    norm_eps: float = knob(1e-5, help="Epsilon of the normalisation layers.")
+    norm_eps: float = knob(1e-5, range="(0, inf)", help="Epsilon of the normalisation layers.")
     activation: str = knob("gelu", help="MLP activation: gelu (2-matrix MLP) or swiglu (gated, 3 matrices).")
     position: str = knob("learned", help="Position encoding: learned (absolute embedding) or rope.")
-    rope_theta: float = knob(10000.0, help="RoPE base frequency.")
+    rope_theta: float = knob(10000.0, range="(0, inf)", help="RoPE base frequency.")
     tie_embeddings: bool = knob(True, help="Share the input embedding with the output projection.")
     bias: bool = knob(True, help="Biases in the linear layers and norms.")
-    dropout: float = knob(0.0, help="Dropout probability on attention and residual branches.")
-    init_std: float = knob(0.02, help="Standard deviation of the normal weight initialisation.")
+    dropout: float = knob(0.0, range="[0, 1)", help="Dropout probability on attention and residual branches.")
+    init_std: float = knob(0.02, range="(0, inf)", help="Standard deviation of the normal weight initialisation.")
     init_from: Optional[str] = knob(
         None, help="Start from the weights of a local Hugging Face GPT-2 or Llama folder (config.json + safetensors) instead of random ones."
     )
@@ -76,35 +83,35 @@ class ModelConfig:
 @dataclass
 class ParallelConfig:
     dp: Any = knob("auto", help="Data-parallel degree, or auto = world size / (tp*pp*cp).")
-    tp: int = knob(1, help="Tensor-parallel degree (inside a node).")
-    pp: int = knob(1, help="Pipeline-parallel degree (stages).")
-    cp: int = knob(1, help="Context-parallel degree (sequence split across ranks).")
-    ep: int = knob(1, help="Expert-parallel degree (experts split across data-parallel ranks).")
-    zero: int = knob(0, help="ZeRO stage: 0 replicated, 1 optimizer states, 2 +gradients, 3 +parameters (FSDP).")
+    tp: int = knob(1, range="[1, inf)", help="Tensor-parallel degree (inside a node).")
+    pp: int = knob(1, range="[1, inf)", help="Pipeline-parallel degree (stages).")
+    cp: int = knob(1, range="[1, inf)", help="Context-parallel degree (sequence split across ranks).")
+    ep: int = knob(1, range="[1, inf)", help="Expert-parallel degree (experts split across data-parallel ranks).")
+    zero: int = knob(0, range="[0, 3]", help="ZeRO stage: 0 replicated, 1 optimizer states, 2 +gradients, 3 +parameters (FSDP).")
     dp_replicate: int = knob(
-        1,
+        1, range="[1, inf)",
         help="HSDP: split dp into dp_replicate groups of dp/dp_replicate ranks; ZeRO 1-3 shard inside a group (keep it "
         "inside a node) and all-reduce gradients across groups. 1 = shard over all of dp.",
     )
     sequence_parallel: bool = knob(False, help="Shard norm and dropout activations along the sequence over tp ranks; the linears keep only the shard.")
     pp_schedule: str = knob("1f1b", help=f"Pipeline schedule: {', '.join(SCHEDULES)}.")
-    pp_virtual_stages: int = knob(1, help="Model chunks per pipeline rank (interleaved schedules).")
+    pp_virtual_stages: int = knob(1, range="[1, inf)", help="Model chunks per pipeline rank (interleaved schedules).")
     pp_layers: Optional[List[int]] = knob(None, help="Layers per pipeline stage for an uneven split (length pp*virtual stages).")
     recompute: str = knob("none", help=f"Activation recomputation: {', '.join(RECOMPUTE_MODES[:-1])} or {RECOMPUTE_MODES[-1]}.")
-    recompute_every: int = knob(1, help="With full recompute, checkpoint every N-th block only.")
+    recompute_every: int = knob(1, range="[1, inf)", help="With full recompute, checkpoint every N-th block only.")
     overlap_grad_reduce: Optional[bool] = knob(
         None,
         help="ZeRO-0: all-reduce gradients in buckets during backward. null = on for GPUs (NCCL), off on CPU (gloo), where it measured slower.",
     )
-    bucket_mb: float = knob(25.0, help="ZeRO-0 gradient bucket size in MB when the reduction overlaps backward.")
+    bucket_mb: float = knob(25.0, range="(0, inf)", help="ZeRO-0 gradient bucket size in MB when the reduction overlaps backward.")
 
 
 @dataclass
 class PrecisionConfig:
     param_dtype: str = knob("fp32", help="Compute dtype of parameters and activations: fp32, bf16 or fp16 (master weights stay fp32; ZeRO 1-3 gather weights in it).")
     reduce_dtype: str = knob("fp32", help="Dtype of gradient reduction across data-parallel ranks (and of ZeRO-1's accumulated gradients).")
-    initial_loss_scale: float = knob(65536.0, help="fp16 only: starting dynamic loss scale.")
-    loss_scale_growth_interval: int = knob(2000, help="fp16 only: steps without overflow before the scale doubles.")
+    initial_loss_scale: float = knob(65536.0, range="(0, inf)", help="fp16 only: starting dynamic loss scale.")
+    loss_scale_growth_interval: int = knob(2000, range="[1, inf)", help="fp16 only: steps without overflow before the scale doubles.")
     fp8: bool = knob(
         False,
         help="FP8 training (torchao float8) of the transformer blocks' linear layers; the rest computes in param_dtype (bf16). "
@@ -123,38 +130,38 @@ class DataConfig:
     path: Optional[str] = knob(None, help="A .txt/.jsonl/.parquet file or folder of them (sets source=files).")
     text_key: str = knob("text", help="Column holding the text in .jsonl/.parquet files.")
     tokenizer: Optional[str] = knob(None, help="A tokenizer.json to use instead of training a byte-level BPE.")
-    vocab_size: Optional[int] = knob(None, help="Size of the trained tokenizer (default: model.vocab_size).")
+    vocab_size: Optional[int] = knob(None, range="[1, inf)", help="Size of the trained tokenizer (default: model.vocab_size).")
     cache_dir: str = knob("~/.cache/llmforge", help="Where prepared tokenizers and token shards are kept.")
-    builtin_max_mb: float = knob(8.0, help="Megabytes of standard-library text in the built-in corpus.")
-    num_proc: int = knob(1, help="Processes used to tokenize.")
+    builtin_max_mb: float = knob(8.0, range="(0, inf)", help="Megabytes of standard-library text in the built-in corpus.")
+    num_proc: int = knob(1, range="[1, inf)", help="Processes used to tokenize.")
     mixture: List[str] = knob(help="Several datasets as PATH:WEIGHT entries (overrides data.path).", factory=list)
     val_fraction: float = knob(
-        0.0, help="Fraction of documents held out for validation (never trained on; the same set for every layout). 0 = no validation."
+        0.0, range="[0, 1)", help="Fraction of documents held out for validation (never trained on; the same set for every layout). 0 = no validation."
     )
-    val_seed: int = knob(0, help="Seed choosing the held-out documents (kept apart from train.seed so runs with other seeds share them).")
+    val_seed: int = knob(0, range="[0, inf)", help="Seed choosing the held-out documents (kept apart from train.seed so runs with other seeds share them).")
 
 
 @dataclass
 class CheckpointConfig:
     interval: Optional[int] = knob(
-        None, help="Save every N steps; 0 = only at the end; null = a tenth of train.steps (at least 10 steps), so a crash loses at most that."
+        None, range="[0, inf)", help="Save every N steps; 0 = only at the end; null = a tenth of train.steps (at least 10 steps), so a crash loses at most that."
     )
-    keep: int = knob(3, help="Complete checkpoints to keep; older ones are removed.")
+    keep: int = knob(3, range="[1, inf)", help="Complete checkpoints to keep; older ones are removed.")
     async_save: bool = knob(False, help="Save in the background (alias: checkpoint.async).")
     save_final: bool = knob(True, help="Save after the last step.")
 
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = knob(8, help="Sequences per microbatch per data-parallel rank.")
-    global_batch_size: int = knob(8, help="Sequences per optimizer step across all ranks.")
-    steps: int = knob(100, help="Optimizer steps.")
-    lr: float = knob(3e-4, help="Peak learning rate.")
-    seed: int = knob(1234, help="Seed for initialisation, data order and dropout.")
-    log_interval: int = knob(1, help="Log metrics every N steps.")
+    micro_batch_size: int = knob(8, range="[1, inf)", help="Sequences per microbatch per data-parallel rank.")
+    global_batch_size: int = knob(8, range="[1, inf)", help="Sequences per optimizer step across all ranks.")
+    steps: int = knob(100, range="[1, inf)", help="Optimizer steps.")
+    lr: float = knob(3e-4, range="(0, inf)", help="Peak learning rate.")
+    seed: int = knob(1234, range="[0, inf)", help="Seed for initialisation, data order and dropout.")
+    log_interval: int = knob(1, range="[1, inf)", help="Log metrics every N steps.")
     compile: bool = knob(False, help="torch.compile each transformer block (the first steps pay the compile time).")
-    eval_interval: int = knob(0, help="Validation loss every N steps on the data.val_fraction split (0 = only at the end of the run).")
-    eval_steps: int = knob(10, help="Global batches of held-out sequences per validation.")
+    eval_interval: int = knob(0, range="[0, inf)", help="Validation loss every N steps on the data.val_fraction split (0 = only at the end of the run).")
+    eval_steps: int = knob(10, range="[1, inf)", help="Global batches of held-out sequences per validation.")
     profile: Optional[str] = knob(
         None, help="Steps to trace with torch.profiler, START-END (or one step N): run.dir/profile/rank<R>.steps<START>-<END>.pt.trace.json per rank (Perfetto, TensorBoard). null = off."
     )
@@ -170,35 +177,35 @@ class TrainConfig:
         "state of the newest checkpoint older than the first of them (step count, schedule and data stream go on, past the bad batches), "
         "at most train.max_rollbacks times.",
     )
-    max_skipped_steps: int = knob(5, help="skip/rollback: consecutive skipped steps tolerated; one more stops the run (skip) or rolls it back (rollback).")
-    max_rollbacks: int = knob(3, help="rollback: rollbacks allowed in one launch; the anomaly after the last one stops the run.")
-    rollback_lr_factor: float = knob(1.0, help="rollback: multiply the learning rate by this at each rollback (e.g. 0.5; 1.0 keeps it).")
-    loss_spike_window: int = knob(128, help="Loss spikes: a step whose loss exceeds the mean of the previous N steps' finite losses by loss_spike_sigma standard deviations is logged as loss_spike (tested once N steps ran). 0 = off.")
-    loss_spike_sigma: float = knob(6.0, help="Loss spikes: standard deviations above the window's mean that make a spike.")
+    max_skipped_steps: int = knob(5, range="[0, inf)", help="skip/rollback: consecutive skipped steps tolerated; one more stops the run (skip) or rolls it back (rollback).")
+    max_rollbacks: int = knob(3, range="[0, inf)", help="rollback: rollbacks allowed in one launch; the anomaly after the last one stops the run.")
+    rollback_lr_factor: float = knob(1.0, range="(0, 1]", help="rollback: multiply the learning rate by this at each rollback (e.g. 0.5; 1.0 keeps it).")
+    loss_spike_window: int = knob(128, range="[0, inf)", help="Loss spikes: a step whose loss exceeds the mean of the previous N steps' finite losses by loss_spike_sigma standard deviations is logged as loss_spike (tested once N steps ran). 0 = off.")
+    loss_spike_sigma: float = knob(6.0, range="(0, inf)", help="Loss spikes: standard deviations above the window's mean that make a spike.")
     loss_spike_skip: bool = knob(False, help="Treat a loss spike like a non-finite step (skipped, and counted by train.anomaly).")
 
 
 @dataclass
 class OptimConfig:
     name: str = knob("adamw", help="Optimizer (adamw).")
-    weight_decay: float = knob(0.1, help="Decoupled weight decay (not applied to biases, norms, embeddings).")
-    beta1: float = knob(0.9, help="AdamW beta1.")
-    beta2: float = knob(0.95, help="AdamW beta2.")
-    eps: float = knob(1e-8, help="AdamW epsilon.")
-    grad_clip: float = knob(1.0, help="Clip the global gradient norm to this (0 = off).")
-    warmup_steps: int = knob(10, help="Linear warm-up steps.")
+    weight_decay: float = knob(0.1, range="[0, inf)", help="Decoupled weight decay (not applied to biases, norms, embeddings).")
+    beta1: float = knob(0.9, range="[0, 1)", help="AdamW beta1.")
+    beta2: float = knob(0.95, range="[0, 1)", help="AdamW beta2.")
+    eps: float = knob(1e-8, range="(0, inf)", help="AdamW epsilon.")
+    grad_clip: float = knob(1.0, range="[0, inf)", help="Clip the global gradient norm to this (0 = off).")
+    warmup_steps: int = knob(10, range="[0, inf)", help="Linear warm-up steps.")
     schedule: str = knob("cosine", help="After warm-up: cosine, linear, constant, or wsd (warmup-stable-decay: constant, then a decay over the last optim.decay_fraction of the steps).")
-    min_lr_ratio: float = knob(0.1, help="Final learning rate as a fraction of train.lr.")
-    decay_fraction: float = knob(0.2, help="wsd only: fraction of train.steps spent decaying to min_lr_ratio at the end.")
+    min_lr_ratio: float = knob(0.1, range="[0, 1]", help="Final learning rate as a fraction of train.lr.")
+    decay_fraction: float = knob(0.2, range="(0, 1]", help="wsd only: fraction of train.steps spent decaying to min_lr_ratio at the end.")
     decay_shape: str = knob("sqrt", help="wsd only: shape of the decay: linear, cosine or sqrt (1 - sqrt(progress)).")
 
 
 @dataclass
 class ClusterConfig:
     accelerator: str = knob("cpu", help="Hardware profile name (llmforge estimate lists them) or a profile YAML path.")
-    nodes: int = knob(1, help="Nodes.")
+    nodes: int = knob(1, range="[1, inf)", help="Nodes.")
     devices_per_node: Optional[int] = knob(
-        None, help="Processes (GPUs) per node; world size = nodes * devices_per_node. null = as many as the layout needs."
+        None, range="[1, inf)", help="Processes (GPUs) per node; world size = nodes * devices_per_node. null = as many as the layout needs."
     )
     launcher: str = knob(
         "local",
@@ -208,17 +215,17 @@ class ClusterConfig:
     )
     rdzv_endpoint: Optional[str] = knob(None, help="host:port of the rendezvous for multi-node runs.")
     efficiency: Optional[float] = knob(
-        None,
+        None, range="(0, 1]",
         help="null: the estimator times each kernel with the hardware profile's calibrated rates; a number in (0, 1]: "
         "it assumes every FLOP runs at that fraction of peak instead.",
     )
     timeout_s: int = knob(
-        300,
+        300, range="[1, inf)",
         help="A stuck rank ends the job after this many seconds: collectives time out after it (after the first step; "
         "before it, data preparation, build and compile get at least 600 s), and a rank silent for half of it is named and stopped.",
     )
     max_restarts: int = knob(
-        0, help="After a rank fails, restart every rank up to N times (torchrun --max-restarts); they resume from the newest complete checkpoint."
+        0, range="[0, inf)", help="After a rank fails, restart every rank up to N times (torchrun --max-restarts); they resume from the newest complete checkpoint."
     )
 
 
@@ -238,11 +245,11 @@ class LoggingConfig:
 
 @dataclass
 class GenerateConfig:
-    max_tokens: int = knob(64, help="llmforge generate: tokens to generate after the prompt.")
-    temperature: float = knob(1.0, help="llmforge generate: sampling temperature; 0 = greedy (always the most likely token).")
-    top_k: int = knob(0, help="llmforge generate: sample among the k most likely tokens only (0 = all).")
-    top_p: float = knob(1.0, help="llmforge generate: sample among the most likely tokens whose probabilities sum to p (1.0 = all).")
-    seed: int = knob(0, help="llmforge generate: seed of the sampling.")
+    max_tokens: int = knob(64, range="[1, inf)", help="llmforge generate: tokens to generate after the prompt.")
+    temperature: float = knob(1.0, range="[0, inf)", help="llmforge generate: sampling temperature; 0 = greedy (always the most likely token).")
+    top_k: int = knob(0, range="[0, inf)", help="llmforge generate: sample among the k most likely tokens only (0 = all).")
+    top_p: float = knob(1.0, range="(0, 1]", help="llmforge generate: sample among the most likely tokens whose probabilities sum to p (1.0 = all).")
+    seed: int = knob(0, range="[0, inf)", help="llmforge generate: seed of the sampling.")
     stop_at_eos: bool = knob(True, help="llmforge generate: stop at the end-of-document token.")
 
 
@@ -285,7 +292,9 @@ def iter_keys(cls: type = RunConfig, prefix: str = ""):
             yield from iter_keys(sub, key + ".")
             continue
         default = f.default if f.default is not dataclasses.MISSING else None
-        yield key, str(f.type), default, f.metadata.get("help", "")
+        allowed = f.metadata.get("range")
+        help_text = f.metadata.get("help", "") + (f" Range: {allowed}." if allowed is not None else "")
+        yield key, str(f.type), default, help_text
 
 
 def values_by_key(config: Any) -> Dict[str, Any]:

@@ -6,7 +6,7 @@ import math
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
-from typing import List
+from typing import Callable, List, Optional
 
 from rich.text import Text
 
@@ -15,7 +15,7 @@ from llmforge.data import cache
 from llmforge.data.documents import Documents, open_documents
 from llmforge.data.shards import pack
 from llmforge.data.sources import Source
-from llmforge.data.tokenizer import find_eos, load_tokenizer, token_dtype, train_bpe, vocab_size_of
+from llmforge.data.tokenizer import cap_runs, find_eos, load_tokenizer, token_dtype, train_bpe, vocab_size_of
 from llmforge.errors import Problem, UserError
 from llmforge.files import sha256_file
 
@@ -61,19 +61,29 @@ def _tokenizer(tables: List[Documents], *, data: DataConfig, vocab_size: int, co
     if data.tokenizer:
         return load_tokenizer(data.tokenizer, vocab_size=vocab_size)
     budget = TOKENIZER_TRAIN_BYTES // len(tables)
-    status = console.status(f"Training a byte-level BPE tokenizer ({vocab_size} tokens)") if console else nullcontext()
+    title = f"Training a byte-level BPE tokenizer ({vocab_size} tokens)"
+    status = console.status(title) if console else nullcontext()
     with status:
-        return train_bpe(_training_text(tables, budget=budget), vocab_size=vocab_size)
+        report = (lambda note: status.update(f"{title}: {note}")) if console else None
+        return train_bpe(_training_text(tables, budget=budget, report=report), vocab_size=vocab_size)
 
 
-def _training_text(tables: List[Documents], *, budget: int):
-    """Evenly spaced batches of every table, about budget bytes from each."""
+def _training_text(tables: List[Documents], *, budget: int, report: Optional[Callable[[str], None]] = None):
+    """Evenly spaced batches of every table, about budget bytes from each, long runs cut (cap_runs).
+    ``report`` hears how much text was read, then that the merges are being computed."""
+    read = 0
     for docs in tables:
         total = sum(Path(f).stat().st_size for f in docs.source.files) or budget
         batch = max(1, min(1024, docs.num_rows // 64 or 1))
         stride = max(1, math.ceil(total / budget))
         for texts in docs.batches(batch_size=batch, stride=stride):
-            yield [t for t in texts if t]
+            pieces = [piece for t in texts if t for piece in cap_runs(t)]
+            read += sum(len(p) for p in pieces)
+            if report is not None:
+                report(f"{read / 1e6:.1f} M characters read")
+            yield pieces
+    if report is not None:
+        report(f"{read / 1e6:.1f} M characters read, computing the merges")
 
 
 def _pack_one(docs: Documents, *, folder: Path, tokenizer_path: Path, eos_id: int, dtype, num_proc: int, console):

@@ -1,12 +1,24 @@
 """The prepared-data cache: where an entry lives, whether it still matches its input, and
-how a new entry replaces an old one without anyone seeing a half-written folder."""
+how a new entry replaces an old one without anyone seeing a half-written folder.
+
+A preparation (``preparing``) holds the entry's lock, first removes the temporary folders
+that an earlier preparation of the entry left when it died (none can be in use while the
+lock is held), and turns a full disk into one message naming the cache folder. SIGTERM
+during a preparation removes its temporary folder as SIGINT does, then ends the process
+by the signal as before (exit 143), with a message.
+"""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import resource
 import shutil
+import signal
+import sys
+import threading
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
@@ -14,7 +26,8 @@ from typing import Iterator, List, Optional
 
 from filelock import FileLock
 
-from llmforge.files import sha256_file, write_json_atomic
+from llmforge.errors import Problem, UserError
+from llmforge.files import file_stamp, sha256_file, write_json_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -37,6 +50,87 @@ def locked(root: Path) -> Iterator[None]:
     root.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root.parent / f".{root.name}.lock")):
         yield
+
+
+@contextmanager
+def preparing(root: Path, *, input_bytes: int) -> Iterator[None]:
+    """Hold the entry's lock while it is checked or rebuilt; see the module docstring."""
+    try:
+        with locked(root), _sigterm_unwinds():
+            remove_stale_temporaries(root)
+            yield
+    except Terminated:
+        sys.stderr.write(f"stopped by SIGTERM while preparing {root}; its temporary folder was removed\n")
+        sys.stderr.flush()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        raise
+    except Exception as exc:
+        if not disk_full(exc):
+            raise
+        raise disk_full_error(root, need_bytes=2 * input_bytes) from None
+
+
+def remove_stale_temporaries(root: Path) -> List[Path]:
+    """Delete the entry's temporary and replaced folders; call only while holding its lock."""
+    stale = [p for pattern in (f".{root.name}.tmp-*", f".{root.name}.old-*") for p in root.parent.glob(pattern)]
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived during a preparation: unwinds like KeyboardInterrupt so cleanups run."""
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """Route SIGTERM to Terminated while nobody else handles it (a training loop's own handler is kept)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether exc, or an error it was raised from, is a full disk, a quota or the file-size limit.
+    numpy's short write (``N requested and M written``) carries no errno."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and (exc.errno in _FULL or ("requested and" in str(exc) and "written" in str(exc))):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def disk_full_error(root: Path, *, need_bytes: int) -> UserError:
+    """One message: the cache folder, about how much a preparation needs, how much is free."""
+    folder = root.parent.parent
+    free = shutil.disk_usage(folder).free
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    capped = f"; files are also limited to {_mb(limit)} each by `ulimit -f`" if limit != resource.RLIM_INFINITY else ""
+    needs = f"it needs about {_mb(need_bytes)} (a copy of the text and its token shards) and " if need_bytes else ""
+    return UserError([Problem("data.cache_dir", str(folder), f"the disk filled up while preparing {root.name}: {needs}"
+                              f"the file system has {_mb(free)} free{capped}; the partial entry was removed",
+                              ("raise the limit (ulimit -f unlimited), " if capped else "")
+                              + "free space there or set data.cache_dir to a folder on a larger disk, then run again")],
+                     title="no space for the prepared data")
+
+
+def _mb(size: int) -> str:
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
 
 
 @contextmanager
@@ -96,4 +190,19 @@ def _shards_problem(root: Path, manifest: dict) -> Optional[str]:
             path = folder / shard["file"]
             if not path.is_file() or path.stat().st_size != shard["tokens"] * itemsize:
                 return f"shard {path} is missing or truncated"
+            altered = _content_problem(path, shard)
+            if altered:
+                return altered
+    return None
+
+
+def _content_problem(path: Path, shard: dict) -> Optional[str]:
+    """A shard whose bytes differ from those written. Hashed only when its stat changed since it
+    was written (ctime moves with every write and cannot be set back), so a reuse costs a stat."""
+    if "sha256" not in shard:
+        return "the cache was written without content hashes of its shards"
+    if shard.get("stat") == file_stamp(path):
+        return None
+    if sha256_file(path) != shard["sha256"]:
+        return f"shard {path} was altered after it was written (its SHA-256 differs from the one recorded then)"
     return None

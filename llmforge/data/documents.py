@@ -95,10 +95,15 @@ def _text_column(table, source: Source, *, text_key: str):
         where = source.spec.split("|")[1]
         raise UserError([Problem("data.text_key", text_key, f"{where} has no such column (columns: {columns})",
                                  f"set data.text_key to one of {columns}")], title="missing text column")
-    dtype = str(table.features[text_key].dtype) if hasattr(table.features[text_key], "dtype") else "?"
+    dtype = str(table.features[text_key].dtype) if hasattr(table.features[text_key], "dtype") else ""
     if dtype not in ("string", "large_string"):
-        raise UserError([Problem("data.text_key", text_key, f"column holds {dtype}, not text",
-                                 "pick a column of strings")], title="wrong text column")
+        from llmforge.data.text_column import describe_non_text
+
+        found = describe_non_text(list(source.files), kind=source.kind, text_key=text_key)
+        holds = found or f"column '{text_key}' holds {dtype or table.features[text_key]} values"
+        raise UserError([Problem("data.text_key", text_key, f"{holds}; every value must be a string",
+                                 "make every value of the column a string, or set data.text_key to a column of strings")],
+                        title="wrong text column")
     table = table.select_columns([text_key])
     return table.rename_column(text_key, "text") if text_key != "text" else table
 

@@ -23,7 +23,7 @@ from llmforge.config.schema import DataConfig
 from llmforge.data import cache
 from llmforge.data.reader import TokenStream
 from llmforge.data.sources import FileInfo, Source, builtin_source, file_source, fingerprint_file, parse_mixture
-from llmforge.data.tokenizer import check_vocab_size
+from llmforge.data.tokenizer import check_vocab_size, load_tokenizer
 from llmforge.errors import Problem, UserError
 
 
@@ -81,13 +81,15 @@ def prepare(*, data: DataConfig, vocab_size: int, seed: int, console=None, force
     Raises UserError for every mistake in the input.
     """
     del seed  # accepted so every data entry point takes the run seed; the shards do not depend on it
-    inputs = resolve_inputs(data)
     if data.tokenizer is None:
         check_vocab_size(vocab_size)
+    else:
+        load_tokenizer(data.tokenizer, vocab_size=vocab_size)  # refused before anything is created
+    inputs = resolve_inputs(data)
     spec = request_spec(data, inputs=inputs, vocab_size=vocab_size)
     name = inputs[0][0].name if len(inputs) == 1 else "mixture"
     root = cache.entry_folder(data.cache_dir, name=name, spec=spec)
-    with cache.locked(root):
+    with cache.preparing(root, input_bytes=sum(_input_bytes(s) for s, _ in inputs)):
         fingerprints = _fingerprint_inputs(root, inputs, tokenizer=data.tokenizer)
         manifest = None if force else cache.read_manifest(root)
         reason = "forced rebuild" if force else "not prepared yet"
@@ -105,6 +107,11 @@ def prepare(*, data: DataConfig, vocab_size: int, seed: int, console=None, force
             manifest.update(spec=spec, inputs=fingerprints, created=time.time())
             cache.write_manifest(tmp, manifest)
     return from_manifest(root, manifest, weights=[w for _, w in inputs], reused=False)
+
+
+def _input_bytes(source: Source) -> int:
+    """Bytes of text a source reads (0 for a hub dataset, whose size is not known here)."""
+    return sum(Path(f).stat().st_size for f in source.files)
 
 
 def resolve_inputs(data: DataConfig) -> List[Tuple[Source, float]]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List
+from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -14,8 +14,9 @@ class TokenStream:
     def __init__(self, folder: Path, *, shards: List[dict], dtype: str) -> None:
         self.folder = Path(folder)
         self.dtype = np.dtype(dtype)
-        self._maps = [np.memmap(self.folder / s["file"], dtype=self.dtype, mode="r", shape=(s["tokens"],))
-                      for s in shards if s["tokens"] > 0]
+        kept = [s for s in shards if s["tokens"] > 0]
+        self._paths = [self.folder / s["file"] for s in kept]
+        self._maps = [np.memmap(path, dtype=self.dtype, mode="r", shape=(s["tokens"],)) for path, s in zip(self._paths, kept)]
         sizes = np.array([len(m) for m in self._maps], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.num_tokens = int(self._starts[-1])
@@ -45,3 +46,11 @@ class TokenStream:
         ends = self.doc_ends()
         starts = np.concatenate([[0], ends[:-1]])
         return [self.slice(int(a), int(b)) for a, b in zip(starts, ends)]
+
+    def find_id_at_least(self, limit: int) -> Optional[Tuple[Path, int]]:
+        """(shard file, its largest id) of the first shard holding an id >= limit, or None (error path only)."""
+        for path, tokens in zip(self._paths, self._maps):
+            largest = int(tokens.max(initial=0))
+            if largest >= limit:
+                return path, largest
+        return None

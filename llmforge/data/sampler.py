@@ -55,6 +55,7 @@ class BatchSampler:
         self.seed = int(seed)
         self.split, self.val_fraction, self.val_seed = split, float(val_fraction), int(val_seed)
         self.position = 0
+        self._vocab_size = data.vocab_size
         self.last_sequence_ids = np.zeros((0, 3), dtype=np.int64)
         self._streams = [self._open(i) for i in range(len(data.streams))]
         self.num_sequences = [(s.num_tokens - 1) // seq_len for s in self._streams]
@@ -124,9 +125,24 @@ class BatchSampler:
         for row, (stream, _, window) in enumerate(ids):
             start = int(window) * self.seq_len
             out[row] = self._streams[stream].slice(start, start + span)
+        if out.max() >= self._vocab_size:  # one pass over the batch (~2 us): a shard altered since it was written
+            raise self._altered_shard(np.unique(ids[:, 0]))
         self.position += self.global_batch_size
         self.last_sequence_ids = ids
         return torch.from_numpy(out)
+
+    def _altered_shard(self, streams: np.ndarray) -> UserError:
+        """The shard holding an id past the tokenizer's vocabulary: its bytes are not those written."""
+        for index in streams:
+            found = self.data.open_stream(int(index)).find_id_at_least(self.data.vocab_size)
+            if found is not None:
+                path, largest = found
+                return UserError([Problem("", "", f"token shard {path} holds token id {largest}, but the tokenizer has "
+                                          f"{self.data.vocab_size} tokens: the prepared data was altered after it was written",
+                                          f"delete the cache folder {self.data.root} (or run `llmforge data prepare --force` "
+                                          "with the same settings) and start again")], title="damaged data cache")
+        return UserError(f"a batch read from {self.data.root} holds a token id past the tokenizer's {self.data.vocab_size} "
+                         "tokens; delete that cache folder and start again", title="damaged data cache")
 
     def _rows_per_rank(self, dp_size: int) -> int:
         if dp_size < 1 or self.global_batch_size % dp_size:

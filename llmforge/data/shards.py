@@ -7,11 +7,14 @@ Layout of one stream folder::
     doc_ends.npy       int64 end offset of every document in the concatenated stream
 
 Tokens go straight from the tokenizer into numpy and onto disk in batches, so memory
-stays bounded by one batch however large the corpus is.
+stays bounded by one batch however large the corpus is. Each shard's SHA-256 is computed
+from the same batches as they are written (no second read) and recorded in the manifest
+with the file's stat, so a reused cache can tell an altered shard (llmforge.data.cache).
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import multiprocessing
 import os
@@ -23,6 +26,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from llmforge.data.documents import Documents, split_long
+from llmforge.files import file_stamp
 
 SHARD_TOKENS = 1 << 28  # 512 MB of uint16 per shard file
 PIECE_CHARS = 1 << 16  # long documents are encoded in pieces of about this many characters
@@ -72,6 +76,7 @@ class ShardWriter:
         self.stats = PackStats()
         self._doc_lens: List[np.ndarray] = []
         self._fh = None
+        self._hash = None
         self._in_shard = 0
         out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -84,24 +89,35 @@ class ShardWriter:
             if self._fh is None or self._in_shard == self.shard_tokens:
                 self._open_next()
             take = min(len(ids) - start, self.shard_tokens - self._in_shard)
-            ids[start : start + take].tofile(self._fh)
+            chunk = ids[start : start + take]
+            chunk.tofile(self._fh)
+            self._hash.update(chunk)
             self._in_shard += take
             self.stats.shards[-1]["tokens"] += take
             start += take
         self.stats.num_tokens += len(ids)
 
     def _open_next(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
+        self._finish_shard()
         name = f"tokens_{len(self.stats.shards):05d}.bin"
         self._fh = open(self.out_dir / name, "wb")
+        self._hash = hashlib.sha256()
         self._in_shard = 0
         self.stats.shards.append({"file": name, "tokens": 0})
 
+    def _finish_shard(self) -> None:
+        """Close the current shard file and record its hash and stat (size, mtime, ctime)."""
+        if self._fh is None:
+            return
+        self._fh.close()
+        self._fh = None
+        shard = self.stats.shards[-1]
+        shard["sha256"] = self._hash.hexdigest()
+        shard["stat"] = file_stamp(self.out_dir / shard["file"])
+
     def close(self) -> PackStats:
         """Flush the last shard and write doc_ends.npy."""
-        if self._fh is not None:
-            self._fh.close()
+        self._finish_shard()
         lens = np.concatenate(self._doc_lens) if self._doc_lens else np.zeros(0, dtype=np.int64)
         np.save(self.out_dir / "doc_ends.npy", np.cumsum(lens, dtype=np.int64))
         return self.stats

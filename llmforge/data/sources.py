@@ -149,6 +149,9 @@ def file_source(path_text: str, *, text_key: str, key: str = "data.path") -> Sou
             raise UserError([Problem(key, str(path), "the file is empty", "point data.path at a file with text in it")],
                             title="empty data file")
         return Source(kind=kind, files=(str(path),), spec=f"{kind}|{path}|{text_key}", name=_slug(path.stem))
+    if path.exists():
+        raise UserError([Problem(key, path_text, "is neither a regular file nor a folder (a device, pipe or socket)",
+                                 f"point {key} at a .txt, .jsonl or .parquet file or a folder of them")], title="unreadable data file")
     if _looks_like_hub_name(path_text):
         return Source(kind="hub", files=(), spec=f"hub|{path_text}|{text_key}", name=_slug(path_text))
     raise UserError(
@@ -159,9 +162,12 @@ def file_source(path_text: str, *, text_key: str, key: str = "data.path") -> Sou
 
 
 def _folder_source(folder: Path, *, text_key: str, key: str) -> Source:
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in SUPPORTED)
+    every = sorted(p for p in folder.rglob("*") if p.is_file())
+    files = [p for p in every if p.suffix.lower() in SUPPORTED]
+    others = _unsupported([p for p in every if p.suffix.lower() not in SUPPORTED], folder=folder)
     if not files:
-        raise UserError([Problem(key, str(folder), "the folder holds no .txt, .jsonl or .parquet files",
+        holds = f" (it holds {others[0]})" if others else ""
+        raise UserError([Problem(key, str(folder), f"the folder holds no .txt, .md, .jsonl, .json or .parquet files{holds}",
                                  "add data files to it or point data.path at another folder")],
                         title="empty data folder")
     kinds = {_kind_of(p, key=key) for p in files}
@@ -170,13 +176,21 @@ def _folder_source(folder: Path, *, text_key: str, key: str) -> Source:
                                  "keep one format per folder and combine folders with data.mixture=[A:1,B:1]")],
                         title="mixed data formats")
     kept = [p for p in files if p.stat().st_size > 0]
-    skipped = tuple(f"{p}: empty file" for p in files if p.stat().st_size == 0)
+    skipped = tuple(f"{p}: empty file" for p in files if p.stat().st_size == 0) + tuple(others)
     if not kept:
         raise UserError([Problem(key, str(folder), "every data file in the folder is empty",
                                  "add text to the files or point data.path elsewhere")], title="empty data folder")
     kind = kinds.pop()
     return Source(kind=kind, files=tuple(str(p) for p in kept), spec=f"{kind}|{folder}/|{text_key}",
                   name=_slug(folder.name), skipped=skipped)
+
+
+def _unsupported(paths: List[Path], *, folder: Path) -> List[str]:
+    """One note naming the files a folder holds besides data files (none if there are none)."""
+    if not paths:
+        return []
+    names = ", ".join(str(p.relative_to(folder)) for p in paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+    return [f"{len(paths)} file(s) of a type llmforge does not read ({names}; it reads {' '.join(SUPPORTED)})"]
 
 
 def _kind_of(path: Path, *, key: str) -> str:

@@ -7,6 +7,7 @@ one uses the first of the usual end-of-text tokens it knows, or gets ``<|endofte
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterable, List, Optional
 
@@ -19,6 +20,10 @@ EOS_TOKEN = "<|endoftext|>"
 KNOWN_EOS = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 MIN_VOCAB = 257  # 256 byte tokens plus the end-of-document token
 MAX_VOCAB = 2**32
+#: Longest run of non-space characters BPE training sees as one piece: a merge rewrites every word
+#: holding its pair, so one 5 MB word costs merges x 5 MB; real pre-tokens are far shorter.
+MAX_RUN_CHARS = 256
+_LONG_RUN = re.compile(r"\S{%d,}" % (MAX_RUN_CHARS + 1))
 
 
 def check_vocab_size(vocab_size: int, *, key: str = "data.vocab_size") -> None:
@@ -38,6 +43,21 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
+def cap_runs(text: str) -> List[str]:
+    """text cut into pieces (for training only) so that no run of non-space characters is
+    longer than MAX_RUN_CHARS; identical cut pieces of a repeated run count as one word."""
+    if _LONG_RUN.search(text) is None:
+        return [text]
+    pieces: List[str] = []
+    start = 0
+    for run in _LONG_RUN.finditer(text):
+        for cut in range(run.start() + MAX_RUN_CHARS, run.end(), MAX_RUN_CHARS):
+            pieces.append(text[start:cut])
+            start = cut
+    pieces.append(text[start:])
+    return pieces
+
+
 def train_bpe(texts: Iterable[List[str]], *, vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE of at most vocab_size tokens on batches of documents."""
     tokenizer = Tokenizer(models.BPE())
@@ -54,28 +74,40 @@ def train_bpe(texts: Iterable[List[str]], *, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def load_tokenizer(path_text: str, *, vocab_size: int) -> Tokenizer:
-    """Load data.tokenizer, checking it exists, parses, and fits the model's vocabulary."""
+def load_tokenizer(path_text: str, *, vocab_size: int, key: str = "data.tokenizer") -> Tokenizer:
+    """Load a tokenizer.json (``key`` names where its path came from: data.tokenizer or
+    generate's --tokenizer), checking it exists, parses, and fits the model's vocabulary."""
     path = Path(path_text).expanduser()
+    unset = "leave it unset to train one" if key == "data.tokenizer" else "leave it out to use the run's own"
     if not path.is_file():
-        raise UserError([Problem("data.tokenizer", path_text, "no such file",
-                                 "point data.tokenizer at a tokenizer.json, or leave it unset to train one")],
+        raise UserError([Problem(key, path_text, "no such file", f"point {key} at a tokenizer.json, or {unset}")],
                         title="missing tokenizer")
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
-        raise UserError([Problem("data.tokenizer", str(path), f"not a tokenizers tokenizer.json ({exc})",
+        raise UserError([Problem(key, str(path), f"not a tokenizers tokenizer.json ({exc})",
                                  "save the tokenizer with tokenizer.save('tokenizer.json')")],
                         title="unreadable tokenizer") from None
     if find_eos(tokenizer) is None:
         tokenizer.add_special_tokens([EOS_TOKEN])
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
-    if size > vocab_size:
-        raise UserError([Problem("data.tokenizer", str(path), f"it has {size} tokens but the vocabulary size is "
-                                 f"{vocab_size}", f"set model.vocab_size={size} (or larger)")],
-                        title="tokenizer too large for the model")
-    check_vocab_size(size, key="data.tokenizer vocabulary")
+    _check_ids_fit(tokenizer, path=path, vocab_size=vocab_size, key=key)
     return tokenizer
+
+
+def _check_ids_fit(tokenizer: Tokenizer, *, path: Path, vocab_size: int, key: str) -> None:
+    """Every id the tokenizer can produce must index the model's embedding and, for
+    data.tokenizer, fit a token shard."""
+    count, largest = tokenizer.get_vocab_size(with_added_tokens=True), largest_id(tokenizer)
+    if largest >= vocab_size:
+        what = (f"its largest token id is {largest} ({count} tokens, so its ids have gaps)" if largest >= count
+                else f"it has {count} tokens (ids up to {largest})")
+        fix = (f"set model.vocab_size={largest + 1} (or larger), or use a tokenizer whose ids fit" if key == "data.tokenizer"
+               else "use the run's own tokenizer, or one whose ids are below the model's vocabulary size")
+        raise UserError([Problem(key, str(path), f"{what}, but the vocabulary size is {vocab_size} "
+                                 "(data.vocab_size, else model.vocab_size): ids must be below it", fix)],
+                        title="tokenizer too large for the model")
+    if key == "data.tokenizer":  # its ids go into token shards
+        check_vocab_size(largest + 1, key="data.tokenizer largest id + 1")
 
 
 def find_eos(tokenizer: Tokenizer) -> Optional[int]:
@@ -87,6 +119,11 @@ def find_eos(tokenizer: Tokenizer) -> Optional[int]:
     return None
 
 
+def largest_id(tokenizer: Tokenizer) -> int:
+    """The largest id in the tokenizer's vocabulary, special tokens included."""
+    return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=0)
+
+
 def vocab_size_of(tokenizer: Tokenizer) -> int:
-    """Number of ids the tokenizer can produce, special tokens included."""
-    return tokenizer.get_vocab_size(with_added_tokens=True)
+    """Ids the tokenizer can produce: one past its largest id (more than its token count when ids have gaps)."""
+    return max(tokenizer.get_vocab_size(with_added_tokens=True), largest_id(tokenizer) + 1)

@@ -1,19 +1,20 @@
-"""Communication volume per step and the part of it not hidden behind compute.
+"""Communication per step by kind, and the part of it not hidden behind compute.
 
 Ranks are ordered tp (fastest), cp, dp, pp, as Megatron-LM and torchtitan lay
-out their meshes, so a group runs over NVLink when it fits inside a node and over
-the per-device inter-node link otherwise. Collectives are ring algorithms: an
-all-reduce moves 2(n-1)/n of the buffer per rank, an all-gather, a
+out their meshes. A group inside a node runs over NVLink; a group spanning nodes
+at the per-device network bandwidth times its members in one node (each GPU has
+its own NIC), at most NVLink's (``_bandwidth``). Collectives are ring algorithms:
+an all-reduce moves 2(n-1)/n of the buffer per rank, an all-gather, a
 reduce-scatter and an all-to-all (n-1)/n. Achieved bandwidth is the profile's
 peak times its ``comm_efficiency``.
 
-What overlaps (and what the estimate therefore charges to the step):
+What overlaps, as the backend schedules it (each kind a ``Traffic`` with its
+exposed part, ``KINDS``):
 
-- data parallel: see ``dp_traffic`` (ZeRO 0's bucketed all-reduce hides behind the
-  last microbatch's backward but for its last bucket, and is exposed under a
-  pipeline or with ``parallel.overlap_grad_reduce`` off; FSDP's compute-dtype
-  gathers and reduce-scatters hide behind a microbatch's forward or backward but
-  for the root unit's, see ``fsdp_traffic``);
+- data parallel: ZeRO 0's bucketed all-reduce hides behind the last microbatch's
+  backward but for its last bucket (``dp_traffic``); FSDP2's gathers and
+  reduce-scatters hide block by block behind the blocks' forward and backward
+  (``fsdp_traffic``), but for the root's and the first and last blocks';
 - tensor parallel and expert all-to-all sit on the critical path: fully exposed;
 - pipeline point-to-point overlaps in steady state; the fill and drain transfers
   (2(p-1) per chunk) are exposed;
@@ -22,114 +23,204 @@ What overlaps (and what the estimate therefore charges to the step):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Dict
 
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate.shape import Job, Shape
 from llmforge.layout import Layout
 
 FP32 = 4
-# llmforge.parallel.data.BUCKET_BYTES: ZeRO 0's gradient bucket cap
-BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """One kind of communication per device and step: bytes sent, seconds on the link, and the
+    seconds the step waits for (exposed); the rest runs under compute (hidden)."""
+
+    bytes: float = 0.0
+    seconds: float = 0.0
+    exposed: float = 0.0
+
+    @property
+    def hidden(self) -> float:
+        return self.seconds - self.exposed
+
+
+#: The kinds ``Comm.kinds`` holds, in report order; ``DIMENSIONS`` maps each to its parallel dimension.
+KINDS = ("dp_all_reduce", "dp_all_gather", "dp_reduce_scatter", "tp", "pp", "cp", "ep")
+DIMENSIONS = {"dp_all_reduce": "dp", "dp_all_gather": "dp", "dp_reduce_scatter": "dp", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep"}
 
 
 @dataclass(frozen=True)
 class Comm:
-    """Bytes each device sends per step, and seconds of it (total and exposed) per dimension."""
+    """Every kind of communication of the slowest stage (``Traffic`` by kind, see ``KINDS``)."""
 
-    dp_bytes: float = 0.0
-    tp_bytes: float = 0.0
-    pp_bytes: float = 0.0
-    cp_bytes: float = 0.0
-    ep_bytes: float = 0.0
-    dp_s: float = 0.0
-    tp_s: float = 0.0
-    pp_s: float = 0.0
-    cp_s: float = 0.0
-    ep_s: float = 0.0
-    dp_exposed_s: float = 0.0
-    pp_exposed_s: float = 0.0
-    cp_exposed_s: float = 0.0
+    kinds: Dict[str, Traffic] = field(default_factory=dict)
+
+    def _sum(self, dim: str, attr: str) -> float:
+        return sum(getattr(t, attr) for k, t in self.kinds.items() if DIMENSIONS[k] == dim)
+
+    def bytes_of(self, dim: str) -> float:
+        """Bytes per step of parallel dimension ``dim`` (dp, tp, pp, cp, ep)."""
+        return self._sum(dim, "bytes")
+
+    def seconds_of(self, dim: str) -> float:
+        return self._sum(dim, "seconds")
+
+    def exposed_of(self, dim: str) -> float:
+        return self._sum(dim, "exposed")
 
     @property
     def total_bytes(self) -> float:
-        return self.dp_bytes + self.tp_bytes + self.pp_bytes + self.cp_bytes + self.ep_bytes
+        return sum(t.bytes for t in self.kinds.values())
+
+    @property
+    def dp_bytes(self) -> float:
+        return self.bytes_of("dp")
+
+    @property
+    def ep_bytes(self) -> float:
+        return self.bytes_of("ep")
+
+    @property
+    def dp_s(self) -> float:
+        return self.seconds_of("dp")
+
+    @property
+    def dp_exposed_s(self) -> float:
+        return self.exposed_of("dp")
 
 
-def _bandwidth(job: Job, span: int) -> float:
-    """Achieved per-device bandwidth of a group spanning ``span`` consecutive ranks."""
+def _bandwidth(job: Job, span: int, group: int) -> float:
+    """Achieved per-device bandwidth of a group of ``group`` ranks spanning ``span`` consecutive
+    ranks. Across nodes every rank sends through its own network link, so a collective moves
+    data as fast as the group's members in one node together can: ``inter_node`` times those
+    members (8 for a data-parallel group of whole nodes, 1 when tp fills the node), at most
+    the in-node bandwidth (the rings still pass through the node's other GPUs)."""
     prof = job.profile
-    bw = prof.intra_node_bandwidth if span <= job.node_size else prof.inter_node_bandwidth
-    return bw * prof.comm_efficiency
+    if span <= job.node_size:
+        return prof.intra_node_bandwidth * prof.comm_efficiency
+    members = max(1, min(group, job.node_size * group // span))
+    return min(prof.inter_node_bandwidth * members, prof.intra_node_bandwidth) * prof.comm_efficiency
 
 
-def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatches: int,
-               t_fwd: float, t_bwd: float, span: int, last_bucket: int = 0, float8: float = 0.0) -> tuple[float, float, float]:
-    """(bytes, seconds, exposed seconds) of data-parallel traffic per device per step.
+def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatches: int, blocks: int,
+               t_fwd: float, t_bwd: float, span: int, last_bucket: int = 0, float8: float = 0.0) -> Dict[str, Traffic]:
+    """Data-parallel traffic per device per step, by kind (``dp_all_reduce``, or FSDP's
+    ``dp_all_gather`` and ``dp_reduce_scatter``).
 
-    As llmforge.parallel.data runs it: ZeRO 0 all-reduces gradients in buckets
-    launched as the last microbatch's backward produces them, so only what exceeds
-    that backward is exposed, and at least the last bucket (``last_bucket``
-    parameters, the embedding's: their gradient is ready when backward ends);
-    under a pipeline the schedule runs backward and ZeRO 0 all-reduces afterwards
-    (all exposed). ZeRO 1-3 are FSDP2 (``fsdp_traffic``).
+    As llmforge.parallel.data runs it: ZeRO 0 all-reduces gradients in buckets of
+    ``parallel.bucket_mb`` launched as the last microbatch's backward produces them, so
+    only what exceeds that backward is exposed, and at least the last bucket
+    (``last_bucket`` parameters, the embedding's: their gradient is ready when backward
+    ends); under a pipeline, or with ``parallel.overlap_grad_reduce`` off, it all-reduces
+    after backward (all exposed). ZeRO 1-3 are FSDP2 (``fsdp_traffic``).
     """
     d = layout.dp * layout.cp
     if d == 1:
-        return 0.0, 0.0, 0.0
+        return {}
     de = max(1, d // layout.ep)
     rb = DTYPE_BYTES[job.reduce_dtype]
     numel = dense * (d - 1) / d + expert * (de - 1) / de
     if layout.zero > 0:
         share = min(1.0, last_bucket / max(1, dense + expert))
-        return fsdp_traffic(layout, job, numel=numel, microbatches=microbatches, t_fwd=t_fwd, t_bwd=t_bwd, span=span, tail=share,
-                            dense=dense, float8=float8)
+        return fsdp_traffic(layout, job, numel=numel, microbatches=microbatches, blocks=blocks, t_fwd=t_fwd, t_bwd=t_bwd,
+                            span=span, tail=share, dense=dense, float8=float8)
     nbytes = 2 * numel * rb
-    t = seconds(job, nbytes, span)
+    t = seconds(job, nbytes, span, d)
     if layout.pp > 1 or not numel or not job.overlap_grad_reduce:
-        return nbytes, t, t
-    tail = min(1.0, max(last_bucket * rb, BUCKET_BYTES) * (d - 1) / d / (numel * rb))
-    return nbytes, t, zero0_exposed(t, t_bwd=t_bwd, tail=tail)
+        return {"dp_all_reduce": Traffic(nbytes, t, t)}
+    tail = min(1.0, max(last_bucket * rb, job.bucket_bytes) * (d - 1) / d / (numel * rb))
+    return {"dp_all_reduce": Traffic(nbytes, t, zero0_exposed(t, t_bwd=t_bwd, tail=tail))}
 
 
-def fsdp_traffic(layout: Layout, job: Job, *, numel: float, microbatches: int, t_fwd: float, t_bwd: float,
-                 span: int, tail: float, dense: float = 0.0, float8: float = 0.0) -> tuple[float, float, float]:
-    """(bytes, seconds, exposed seconds) of ZeRO 1-3 (FSDP2) per device per step.
+def fsdp_traffic(layout: Layout, job: Job, *, numel: float, microbatches: int, blocks: int, t_fwd: float, t_bwd: float,
+                 span: int, tail: float, dense: float = 0.0, float8: float = 0.0) -> Dict[str, Traffic]:
+    """ZeRO 1-3 (FSDP2) per device per step: ``dp_all_gather`` and ``dp_reduce_scatter``.
 
-    Parameters are all-gathered in the compute dtype, block by block, each block
-    prefetching the next; gradients are reduce-scattered in the reduce dtype as
-    backward finishes each block. ZeRO 1 and 2 gather once per step (the weights
-    stay gathered through the microbatches); ZeRO 1 reduce-scatters once, during
-    the last microbatch's backward, ZeRO 2 during every microbatch's. ZeRO 3
-    gathers for every forward and backward. Under a pipeline the schedule keeps
-    weights and gradients until the stage's last microbatch (ZeRO 1 and 2 alike).
-    Hidden: what a microbatch's forward (gathers) or backward (reduce-scatters,
-    ZeRO 3's backward gathers) covers, never the ``tail`` share: the root unit
-    (embedding, output layer) is gathered before the first block computes and
-    its gradients are reduced after the last.
+    One FSDP unit per block plus the root (embedding, final norm, output layer: the
+    ``tail`` share of ``numel``). Parameters are all-gathered in the compute dtype;
+    gradients are reduce-scattered in the reduce dtype. ZeRO 1 and 2 gather once per
+    step (the weights stay gathered through the microbatches); ZeRO 1 reduce-scatters
+    once, in the last microbatch's backward, ZeRO 2 in every microbatch's (under a
+    pipeline once, as ZeRO 1). ZeRO 3 gathers for every forward and, but for the root
+    and the last block (kept gathered), every backward. What overlaps is what FSDP2
+    schedules (``llmforge.parallel.data._prefetch``), block by block: in forward block
+    i + 1's gather runs during block i's compute; in backward block i - 1's gather and
+    block i + 1's reduce-scatter share the link during block i's backward. Exposed: the
+    root's and the first block's gathers, what a block's compute cannot cover, and the
+    reduce-scatters of block 0 (the last to finish backward) and of the root, which come
+    after backward ends.
 
     ``float8`` of the ``dense`` elements are gathered as float8 (precision.fp8_all_gather).
     HSDP (``layout.dp_replicate`` = R > 1): gathers and reduce-scatters run inside a shard
     group of dp / R consecutive ranks (NVLink when it is a node), and each reduce-scatter
     is followed by an all-reduce of the gradient shard over the R replicas (the network
-    when the data-parallel group spans nodes), hidden behind backward as it is.
+    when the data-parallel group spans nodes), counted with the reduce-scatter.
     """
     m, c, rb = microbatches, job.compute_bytes, DTYPE_BYTES[job.reduce_dtype]
     r = layout.dp_replicate
     group = max(1, layout.dp * layout.cp // r)  # the shard group
     if r > 1:
         numel = dense * (group - 1) / group  # ep = cp = 1 under HSDP
+    root = tail * numel  # the root unit is never float8
     gathered = numel * c - float8 * (group - 1) / group * (c - 1)
     allreduce = 2 * (r - 1) / r * dense / group * rb  # the gradient shard, over the replicas
-    t_rs = seconds(job, numel * rb, span // r) + seconds(job, allreduce, span)
-    t_ag = seconds(job, gathered, span // r)
+    t_rs = seconds(job, numel * rb, span // r, group) + seconds(job, allreduce, span, r)
+    t_ag = seconds(job, gathered, span // r, group)
+    root_ag, root_rs = seconds(job, root * c, span // r, group), tail * t_rs
     scatters = m if layout.zero >= 2 and layout.pp == 1 else 1
     forward_gathers = m if layout.zero == 3 else 1
     backward_gathers = m if layout.zero == 3 else 0
-    exposed = scatters * max(t_rs - t_bwd, tail * t_rs) + forward_gathers * max(t_ag - t_fwd, tail * t_ag)
-    exposed += backward_gathers * max(0.0, t_ag - t_bwd)
-    nbytes = scatters * (numel * rb + allreduce) + (forward_gathers + backward_gathers) * gathered
-    return nbytes, scatters * t_rs + (forward_gathers + backward_gathers) * t_ag, exposed
+    n = max(1, blocks)
+    units = _Units(ag=(t_ag - root_ag) / n, rs=(t_rs - root_rs) / n, f=t_fwd / n, b=t_bwd / n, n=n)
+    ag_exposed = forward_gathers * (root_ag + units.forward())
+    both_ag, both_rs = units.backward(gather=True, scatter=True)
+    alone_ag, _ = units.backward(gather=True, scatter=False)
+    _, alone_rs = units.backward(gather=False, scatter=True)
+    together = min(scatters, backward_gathers)  # microbatches whose backward gathers and reduce-scatters
+    ag_exposed += together * both_ag + (backward_gathers - together) * alone_ag
+    rs_exposed = together * both_rs + (scatters - together) * alone_rs + scatters * (units.rs + root_rs)
+    gathers_s = forward_gathers * t_ag + backward_gathers * units.ag * (n - 1)
+    block_bytes = (gathered - root * c) / n
+    gathers_b = forward_gathers * gathered + backward_gathers * block_bytes * (n - 1)
+    return {
+        "dp_all_gather": Traffic(gathers_b, gathers_s, ag_exposed),
+        "dp_reduce_scatter": Traffic(scatters * (numel * rb + allreduce), scatters * t_rs, rs_exposed),
+    }
+
+
+@dataclass(frozen=True)
+class _Units:
+    """Per block: gather and reduce-scatter seconds, forward and backward compute, and the block count."""
+
+    ag: float
+    rs: float
+    f: float
+    b: float
+    n: int
+
+    def forward(self) -> float:
+        """Exposed gather seconds of one forward's blocks: the first one's, and what each
+        later block's gather (prefetched during the block before) exceeds that block's compute."""
+        return self.ag + (self.n - 1) * max(0.0, self.ag - self.f)
+
+    def backward(self, *, gather: bool, scatter: bool) -> tuple[float, float]:
+        """(gather, reduce-scatter) seconds one backward's block windows cannot hide: the
+        last block's backward covers the gather of the block before it, each middle block's
+        that gather and the reduce-scatter of the block after it, the first block's that
+        reduce-scatter (the first block's own comes after backward: charged by the caller)."""
+        ag, rs = self.ag if gather else 0.0, self.rs if scatter else 0.0
+        if self.n < 2:
+            return 0.0, 0.0
+        windows = ((ag, 0.0, 1), (ag, rs, self.n - 2), (0.0, rs, 1))
+        out_ag = out_rs = 0.0
+        for a, s, count in windows:
+            over = max(0.0, a + s - self.b)
+            if over and count:
+                out_ag, out_rs = out_ag + count * over * a / (a + s), out_rs + count * over * s / (a + s)
+        return out_ag, out_rs
 
 
 def zero0_exposed(t_allreduce: float, *, t_bwd: float, tail: float) -> float:
@@ -190,6 +281,11 @@ def spans(layout: Layout) -> dict:
     return {"tp": tp, "cp": tp * cp, "dp": tp * cp * dp, "ep": tp * cp * layout.ep, "pp": 2 * tp * cp * dp}
 
 
-def seconds(job: Job, nbytes: float, span: int) -> float:
-    """Time to move ``nbytes`` per device in a group spanning ``span`` ranks."""
-    return nbytes / _bandwidth(job, span) if nbytes else 0.0
+def groups(layout: Layout) -> dict:
+    """Ranks in each group (with ``spans``: how many of them share a node)."""
+    return {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp * layout.cp, "ep": layout.ep, "pp": 2}
+
+
+def seconds(job: Job, nbytes: float, span: int, group: int = 1) -> float:
+    """Time to move ``nbytes`` per device in a group of ``group`` ranks spanning ``span`` ranks."""
+    return nbytes / _bandwidth(job, span, group) if nbytes else 0.0

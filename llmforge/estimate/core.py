@@ -6,12 +6,17 @@ enough for the layout search; ``estimate_plan(plan)`` wraps it for a RunPlan.
 Step time, for the slowest pipeline stage:
 
     t_mb   = the stage's kernels for one microbatch (llmforge.estimate.kernels:
-             matmuls by shape, fused attention, memory-bound work by bytes, a
-             per-kernel launch floor; rates from the hardware profile)
+             matmuls by shape, fused attention, memory-bound work by bytes (fused
+             chains when the blocks are compiled), a per-kernel launch floor;
+             rates from the hardware profile)
              + tensor-parallel and expert all-to-all time of that microbatch
     step   = m x t_mb / (1 - bubble)
              + exposed data-parallel, pipeline and context-parallel communication
+               (llmforge.estimate.comm: each kind's exposed part, as the backend overlaps it)
              + optimizer step and clip (memory-bound: 40 bytes per local parameter)
+
+``Estimate.terms`` lists the step term by term (matmul, attention, memory-bound,
+launch floor, each communication kind's exposed seconds, bubble, optimizer).
 
 ``cluster.efficiency`` set to a number replaces the kernel model by a flat one:
 every hardware FLOP at that share of peak, and 32 optimizer bytes per parameter.
@@ -56,10 +61,22 @@ class Estimate:
     hardware_flops: float
     comm: cm.Comm
     parts: Dict[str, float]
+    #: The slowest stage's microbatches' compute (``parts["compute"]``) by what bounds each kernel.
+    compute: kn.Cost = kn.NONE
 
     @property
     def step_s(self) -> float:
         return sum(self.parts.values())
+
+    @property
+    def terms(self) -> Dict[str, float]:
+        """The step time term by term (they sum to ``step_s``): the slowest stage's compute by
+        what bounds each kernel, then each exposed communication kind, the bubble, the optimizer."""
+        c, kinds = self.compute, self.comm.kinds
+        out = {"matmul": c.matmul, "attention": c.attention, "memory_bound": c.memory, "launch_floor": c.floor}
+        out.update({f"{k}_exposed": kinds[k].exposed for k in cm.KINDS if k in kinds})
+        out.update(bubble=self.parts["bubble"], optimizer=self.parts["optimizer"])
+        return out
 
     @property
     def fits(self) -> bool:
@@ -84,8 +101,8 @@ class Estimate:
         return self.model_flops / (self.step_s * self.layout.world * peak)
 
 
-def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int, m: int) -> tuple[float, float]:
-    """(compute seconds, TP/EP collective seconds) of one microbatch on ``stage``
+def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int, m: int) -> tuple[kn.Cost, float]:
+    """(compute, TP/EP collective seconds) of one microbatch on ``stage``
     (``m`` microbatches per step: all but the first add to the gradients)."""
     counts = stage_counts(shape, layout)[stage]
     if job.efficiency is None:
@@ -93,83 +110,86 @@ def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int, m: int) -> t
     else:
         tokens = layout.micro_batch * shape.seq / layout.cp
         flops = fl.stage_hardware_flops_per_token(shape, layout, counts) * tokens / layout.tp
-        compute = flops / (job.profile.peak(job.param_dtype) * job.efficiency)
+        compute = kn.Cost(matmul=flops / (job.profile.peak(job.param_dtype) * job.efficiency))
     if job.fp8:
         tokens = layout.micro_batch * shape.seq / layout.cp
-        compute += _fp8_seconds(shape, layout, job, counts, tokens)
-    span = cm.spans(layout)
-    collective = cm.seconds(job, cm.tp_bytes(shape, layout, job, layers=counts.blocks, microbatches=1), span["tp"])
+        compute = compute.plus(_fp8_cost(shape, layout, job, counts, tokens))
+    span, group = cm.spans(layout), cm.groups(layout)
+    collective = cm.seconds(job, cm.tp_bytes(shape, layout, job, layers=counts.blocks, microbatches=1), span["tp"], group["tp"])
     moe = counts.moe + counts.moe_ckpt
-    collective += cm.seconds(job, cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=1), span["ep"])
+    collective += cm.seconds(job, cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=1), span["ep"], group["ep"])
     return compute, collective
 
 
-def _fp8_seconds(shape: Shape, layout: Layout, job: Job, counts, tokens: float) -> float:
+def _fp8_cost(shape: Shape, layout: Layout, job: Job, counts, tokens: float) -> kn.Cost:
     """What FP8 changes in one microbatch's compute: the converted matmuls at the FP8 peak
-    instead of the 16-bit one, plus the casts (llmforge.estimate.fp8). A profile without
-    FP8 (refused by the plan unless emulated) runs them at the 16-bit peak."""
+    instead of the 16-bit one (less matmul time), plus the casts (memory-bound,
+    llmforge.estimate.fp8). A profile without FP8 (refused by the plan unless emulated)
+    runs them at the 16-bit peak."""
     if not job.profile.has_fp8:
-        return 0.0
+        return kn.NONE
     efficiency = job.efficiency if job.efficiency is not None else job.profile.matmul_efficiency
     f8 = fp8.stage_flops_per_token(shape, layout, counts) * tokens / layout.tp
     faster = f8 / (job.profile.peak(job.param_dtype) * efficiency) - f8 / (job.profile.peak("fp8") * efficiency)
     shard = layout.dp_shard * layout.cp if job.fp8_all_gather and layout.zero > 0 else 1
-    return fp8.stage_cast_seconds(shape, layout, job, counts, tokens, shard=shard) - faster
+    casts = fp8.stage_cast_seconds(shape, layout, job, counts, tokens, shard=shard, fused=job.compile)
+    return kn.Cost(matmul=-faster, memory=casts)
 
 
-def _kernel_time(shape: Shape, layout: Layout, job: Job, counts, accumulate: float) -> float:
+def _kernel_time(shape: Shape, layout: Layout, job: Job, counts, accumulate: float) -> kn.Cost:
     sp = kn.speeds(job)
     key = (layout.tp, layout.tp if layout.sequence_parallel else 1, layout.ep, layout.micro_batch * shape.seq / layout.cp)
     return _kernel_time_cached(shape, key, layout.recompute, sp, job.compute_bytes, job.mixed, counts, accumulate,
-                               (layout.micro_batch, layout.cp))
+                               (layout.micro_batch, layout.cp), job.compile)
 
 
 @lru_cache(maxsize=8192)
 def _kernel_time_cached(shape: Shape, key: tuple, mode: str, sp: kn.Speeds, c: int, mixed: bool, counts, accumulate: float,
-                        ends_key: tuple) -> float:
+                        ends_key: tuple, fused: bool) -> kn.Cost:
     tp, spd, ep, tokens = key
-    total = 0.0
+    out = kn.NONE
     for n, moe, applies in ((counts.dense, False, False), (counts.moe, True, False), (counts.dense_ckpt, False, True), (counts.moe_ckpt, True, True)):
         if n:
-            k = kn.block_kernels(shape, t=tokens, tp=tp, sp=spd, ep=ep, c=c, mixed=mixed, moe=moe)
-            total += n * kn.block_seconds(sp, k, mode=mode if applies else "none", mixed=mixed, c=c, accumulate=accumulate)
+            k = kn.block_kernels(shape, t=tokens, tp=tp, sp=spd, ep=ep, c=c, mixed=mixed, moe=moe, fused=fused)
+            out = out.plus(kn.block_cost(sp, k, mode=mode if applies else "none", mixed=mixed, c=c, accumulate=accumulate).times(n))
     mb, cp = ends_key
     if counts.first or counts.last:
         ends = Layout(micro_batch=mb, cp=cp, tp=tp)
-        total += kn.ends_seconds(sp, shape, ends, c=c, mixed=mixed, first=counts.first, last=counts.last, accumulate=accumulate)
-    return total
+        out = out.plus(kn.ends_cost(sp, shape, ends, c=c, mixed=mixed, first=counts.first, last=counts.last, accumulate=accumulate))
+    return out
 
 
 def _optimizer_time(job: Job, params: float, blocks: int) -> float:
     if job.efficiency is not None:
         return OPTIMIZER_BYTES_PER_PARAM * params / job.profile.memory_bandwidth
-    return kn.optimizer_seconds(kn.speeds(job), int(params), 12 * blocks + 4)
+    return kn.optimizer_cost(kn.speeds(job), int(params), 12 * blocks + 4).seconds
 
 
 def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t_mb: float) -> cm.Comm:
-    span = cm.spans(layout)
+    """Every kind of communication of ``stage`` per step (``t_mb``: one microbatch's compute and collectives)."""
+    span, group = cm.spans(layout), cm.groups(layout)
     counts = stage_counts(shape, layout)[stage]
     nblocks = counts.blocks
     params = layout_rank_params(shape, layout, stage)
     t_fwd = t_mb / 3  # forward share of a microbatch's compute (backward is twice the forward)
     embedding = shape.vocab * shape.hidden // layout.tp if counts.first else 0
-    dp_b, dp_s, dp_exposed = cm.dp_traffic(layout, job, dense=params.dense_numel, expert=params.expert_numel,
-                                           microbatches=m, t_fwd=t_fwd, t_bwd=t_mb - t_fwd, span=span["dp"],
-                                           last_bucket=embedding, float8=_float8_gathered(shape, layout, job, counts))
+    kinds = cm.dp_traffic(layout, job, dense=params.dense_numel, expert=params.expert_numel, microbatches=m, blocks=nblocks,
+                          t_fwd=t_fwd, t_bwd=t_mb - t_fwd, span=span["dp"], last_bucket=embedding,
+                          float8=_float8_gathered(shape, layout, job, counts))
     pp_total, pp_one = cm.pp_bytes(shape, layout, job, microbatches=m)
-    tp_b = cm.tp_bytes(shape, layout, job, layers=nblocks, microbatches=m)
+    if pp_total:
+        pp_s, one_s = cm.seconds(job, pp_total, span["pp"]), cm.seconds(job, pp_one, span["pp"])
+        kinds["pp"] = cm.Traffic(pp_total, pp_s, min(pp_s, 2 * (layout.pp - 1) * layout.virtual_stages * one_s))
+    for kind, nbytes in (("tp", cm.tp_bytes(shape, layout, job, layers=nblocks, microbatches=m)),
+                         ("ep", cm.ep_bytes(shape, layout, job, moe_layers=counts.moe + counts.moe_ckpt, microbatches=m))):
+        if nbytes:  # on the critical path: the next op needs the result
+            t = cm.seconds(job, nbytes, span[kind], group[kind])
+            kinds[kind] = cm.Traffic(nbytes, t, t)
     cp_b = cm.cp_bytes(shape, layout, job, layers=nblocks, microbatches=m)
-    moe = counts.moe + counts.moe_ckpt
-    ep_b = cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=m)
-    t_cp = cm.seconds(job, cp_b, span["cp"])
-    attention_share = _attention_share(shape)
-    return cm.Comm(
-        dp_bytes=dp_b, tp_bytes=tp_b, pp_bytes=pp_total, cp_bytes=cp_b, ep_bytes=ep_b,
-        dp_s=dp_s, tp_s=cm.seconds(job, tp_b, span["tp"]), pp_s=cm.seconds(job, pp_total, span["pp"]),
-        cp_s=t_cp, ep_s=cm.seconds(job, ep_b, span["ep"]), dp_exposed_s=dp_exposed,
-        pp_exposed_s=2 * (layout.pp - 1) * layout.virtual_stages * cm.seconds(job, pp_one, span["pp"]),
-        cp_exposed_s=max(0.0, t_cp - m * t_mb * attention_share),
-    )
+    if cp_b:
+        t_cp = cm.seconds(job, cp_b, span["cp"], group["cp"])
+        kinds["cp"] = cm.Traffic(cp_b, t_cp, max(0.0, t_cp - m * t_mb * _attention_share(shape)))
+    return cm.Comm(kinds={k: kinds[k] for k in cm.KINDS if k in kinds})
 
 
 def _float8_gathered(shape: Shape, layout: Layout, job: Job, counts) -> float:
@@ -202,7 +222,7 @@ def step_floor(shape: Shape, layout: Layout, job: Job) -> float:
     without data-parallel, pipeline and optimizer time (which only add). The search uses it to
     skip the rest of layouts that cannot reach its current top list."""
     m = job.global_batch // (layout.micro_batch * layout.dp)
-    t_mb = max(sum(_stage_time(shape, layout, job, s, m)) for s in representative_stages(shape, layout))
+    t_mb = max(_stage_seconds(*_stage_time(shape, layout, job, s, m)) for s in representative_stages(shape, layout))
     return m * t_mb / (1 - bubble_fraction(layout, m, w=fl.weight_grad_share(shape)))
 
 
@@ -215,24 +235,28 @@ def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True
     if stages is None:
         stages = all_stages(shape, layout, job, m, every_stage=every_stage)
     times = {s: _stage_time(shape, layout, job, s, m) for s in representative_stages(shape, layout)}
-    slowest = max(times, key=lambda s: sum(times[s]))
+    slowest = max(times, key=lambda s: _stage_seconds(*times[s]))
     t_compute, t_collective = times[slowest]
-    t_mb = t_compute + t_collective
+    t_mb = t_compute.seconds + t_collective
     bubble = bubble_fraction(layout, m, w=fl.weight_grad_share(shape))
     comm = _communication(shape, layout, job, m, slowest, t_mb)
     worst = most_loaded(stages)
     optimizer_s = _optimizer_time(job, worst.optimizer / 8, stage_counts(shape, layout)[worst.stage].blocks)
     parts = {
-        "compute": m * t_compute, "tp_ep_comm": m * t_collective, "bubble": m * t_mb * bubble / (1 - bubble),
-        "dp_comm": comm.dp_exposed_s, "pp_comm": comm.pp_exposed_s, "cp_comm": comm.cp_exposed_s, "optimizer": optimizer_s,
+        "compute": m * t_compute.seconds, "tp_ep_comm": m * t_collective, "bubble": m * t_mb * bubble / (1 - bubble),
+        "dp_comm": comm.exposed_of("dp"), "pp_comm": comm.exposed_of("pp"), "cp_comm": comm.exposed_of("cp"), "optimizer": optimizer_s,
     }
     tokens = job.global_batch * shape.seq
     return Estimate(
         shape=shape, layout=layout, job=job, microbatches=m, params_total=total_params(shape),
         params_active=active_params(shape), stages=stages, worst=worst, bubble=bubble,
         model_flops=fl.model_flops(shape, tokens), hardware_flops=fl.hardware_flops(shape, layout, tokens),
-        comm=comm, parts=parts,
+        comm=comm, parts=parts, compute=t_compute.times(m),
     )
+
+
+def _stage_seconds(compute: kn.Cost, collective: float) -> float:
+    return compute.seconds + collective
 
 
 def estimate_plan(plan) -> Estimate:

@@ -17,9 +17,10 @@ routed experts.
   bytes; of its output gradient: a cast and a transposed cast, ``2 (2c + 1)``; of its
   fp32 weight, per microbatch: a cast in forward and a transposed one for the input
   gradient, ``2 (2 x 4 + 1)`` (with float8 all-gather the forward cast runs on this
-  rank's shard only). ``train.compile`` fuses part of this into neighbouring
-  kernels; the estimate charges it in full. Kernel launches are not counted, which
-  is why the estimate overstates FP8's gain on narrow models (see docs/fp8.md).
+  rank's shard only). Under ``train.compile`` the absolute maximum is taken in the
+  kernel that produces the tensor and one kernel writes both float8 copies (``c + 2``
+  bytes per element, ``4 + 2`` per weight element). Kernel launches are not counted,
+  which is why the estimate overstates FP8's gain on narrow models (see docs/fp8.md).
 - Memory: a converted linear keeps its fp32 master weight for backward where autocast
   keeps a 16-bit copy per microbatch; one layer's float8 weight, its transpose and
   float8 copies of its input exist while it runs; ZeRO with float8 all-gather holds
@@ -92,12 +93,15 @@ def _activation_elements(shape: Shape, *, moe: bool, tp: int) -> tuple[float, fl
     return inputs, grads
 
 
-def stage_cast_seconds(shape: Shape, layout: Layout, job: Job, counts: StageCounts, tokens: float, *, shard: int = 1) -> float:
+def stage_cast_seconds(shape: Shape, layout: Layout, job: Job, counts: StageCounts, tokens: float, *, shard: int = 1,
+                       fused: bool = False) -> float:
     """Seconds of float8 casts and amax reductions for one microbatch of ``tokens`` on a stage
-    (``shard``: the ZeRO shard group when FSDP gathers float8 weights, else 1)."""
+    (``shard``: the ZeRO shard group when FSDP gathers float8 weights, else 1). ``fused``
+    (``train.compile``): the absolute maximum is taken in the kernel that produces the tensor,
+    and one kernel reads it once and writes both float8 casts (``c + 2`` bytes per element)."""
     c, tp = job.compute_bytes, layout.tp
-    per_element = 2 * (CAST_READS * c + FP8)  # two casts of each 16-bit activation / gradient element
-    weight_cast = CAST_READS * FP32 + FP8
+    per_element = c + 2 * FP8 if fused else 2 * (CAST_READS * c + FP8)  # the two casts of each activation / gradient element
+    weight_cast = (FP32 + 2 * FP8) / 2 if fused else CAST_READS * FP32 + FP8
     blocks = {False: (counts.dense, counts.dense_ckpt), True: (counts.moe, counts.moe_ckpt)}
     nbytes = 0.0
     for moe, (plain, ckpt) in blocks.items():

@@ -18,15 +18,18 @@ Each kernel llmforge's eager step runs is costed by what bounds it:
 
 The byte counts follow llmforge's GPT as it runs (fp32 residual stream and norms,
 16-bit matmul inputs under autocast, one cast of a norm output per consuming
-linear, the chunked loss). The profile's five numbers are calibrated on measured
-runs (docs/estimator.md).
+linear, the chunked loss); with ``train.compile`` each block's memory-bound chains
+are fused kernels (``_fused``). Every cost is a ``Cost``: seconds of matmuls,
+attention, memory-bound work and what the launch floor adds, so the estimate can
+report each term. The profile's rates are calibrated on measured runs
+(docs/estimator.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, NamedTuple, Tuple
 
 from llmforge.estimate.params import Tensor, block_tensors, embedding_tensors
 from llmforge.estimate.shape import Job, Shape
@@ -35,6 +38,38 @@ from llmforge.layout import Layout
 FP32 = 4
 LOSS_CHUNK_ELEMENTS = 2**26  # llmforge.train.loss.CHUNK_ELEMENTS
 OPTIMIZER_BYTES_PER_PARAM = 40  # fused AdamW reads p, g, m, v and writes p, m, v (28); the clip reads g twice, writes it (12)
+
+
+class Cost(NamedTuple):
+    """Seconds of some kernels, split by what bounds them: matmul and attention work at their
+    rates, memory-bound work at the bandwidth, and the launch floor (what the kernels' floor adds
+    where a kernel would otherwise finish sooner)."""
+
+    matmul: float = 0.0
+    attention: float = 0.0
+    memory: float = 0.0
+    floor: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.matmul + self.attention + self.memory + self.floor
+
+    def plus(self, other: "Cost") -> "Cost":
+        return Cost(self.matmul + other.matmul, self.attention + other.attention, self.memory + other.memory, self.floor + other.floor)
+
+    def times(self, k: float) -> "Cost":
+        return Cost(self.matmul * k, self.attention * k, self.memory * k, self.floor * k)
+
+
+NONE = Cost()
+
+
+def total(costs: Iterable[Cost]) -> Cost:
+    """The sum of ``costs``."""
+    out = NONE
+    for c in costs:
+        out = out.plus(c)
+    return out
 
 
 @dataclass(frozen=True)
@@ -47,34 +82,43 @@ class Speeds:
     attention_efficiency: float
     bandwidth: float
     floor: float
+    attention_backward_efficiency: float = 0.0  # 0: as the forward
 
-    def gemm(self, m: float, k: float, n: float, count: int = 1) -> float:
-        """Seconds of ``count`` matmuls ``[m x k] @ [k x n]``."""
+
+    def gemm(self, m: float, k: float, n: float, count: int = 1) -> Cost:
+        """``count`` matmuls ``[m x k] @ [k x n]``."""
         if m <= 0 or k <= 0 or n <= 0:
-            return 0.0
-        ideal = 2 * m * k * n / (self.peak * self.matmul_efficiency)
-        return count * max(ideal * (1 + self.matmul_dim * (1 / m + 1 / k + 1 / n)), self.floor)
+            return NONE
+        work = 2 * m * k * n / (self.peak * self.matmul_efficiency) * (1 + self.matmul_dim * (1 / m + 1 / k + 1 / n))
+        return Cost(matmul=count * work, floor=count * max(0.0, self.floor - work))
 
-    def memory(self, nbytes: float, kernels: int) -> float:
-        """Seconds of ``kernels`` memory-bound kernels moving ``nbytes`` together."""
+    def memory(self, nbytes: float, kernels: int) -> Cost:
+        """``kernels`` memory-bound kernels moving ``nbytes`` together."""
         if kernels <= 0:
-            return 0.0
-        return kernels * max(nbytes / kernels / self.bandwidth, self.floor)
+            return NONE
+        work = nbytes / self.bandwidth
+        return Cost(memory=work, floor=max(0.0, kernels * self.floor - work))
 
-    def attention(self, flops: float, kernels: int, *, head_dim: int) -> float:
-        """Seconds of fused causal attention counted as ``flops`` (full-score convention):
+    def attention(self, flops: float, kernels: int, *, head_dim: int, backward: bool = False) -> Cost:
+        """Fused causal attention counted as ``flops`` (full-score convention):
         the causal half runs as matmuls whose inner dimension is the head's."""
-        ideal = 0.5 * flops / (self.peak * self.attention_efficiency)
-        return max(ideal * (1 + self.matmul_dim / head_dim), kernels * self.floor)
+        efficiency = self.attention_backward_efficiency if backward and self.attention_backward_efficiency else self.attention_efficiency
+        work = 0.5 * flops / (self.peak * efficiency) * (1 + self.matmul_dim / head_dim)
+        return Cost(attention=work, floor=max(0.0, kernels * self.floor - work))
 
 
 def speeds(job: Job) -> Speeds:
-    p = job.profile
-    return Speeds(
-        peak=p.peak(job.param_dtype), matmul_efficiency=p.matmul_efficiency, matmul_dim=p.matmul_dim,
-        attention_efficiency=p.attention_efficiency, bandwidth=p.memory_bandwidth * p.bandwidth_efficiency,
-        floor=p.kernel_floor_us * 1e-6,
-    )
+    """The rates of ``job``'s profile and dtype (made once per Job: the search asks thousands of times)."""
+    cached = job.__dict__.get("_speeds")
+    if cached is None:
+        p = job.profile
+        cached = Speeds(
+            peak=p.peak(job.param_dtype), matmul_efficiency=p.matmul_efficiency, matmul_dim=p.matmul_dim,
+            attention_efficiency=p.attention_efficiency, bandwidth=p.memory_bandwidth * p.bandwidth_efficiency,
+            floor=p.kernel_floor_us * 1e-6, attention_backward_efficiency=p.attention_backward_efficiency or p.attention_efficiency,
+        )
+        object.__setattr__(job, "_speeds", cached)
+    return cached
 
 
 @dataclass(frozen=True)
@@ -116,9 +160,40 @@ def _elementwise(shape: Shape, *, t: float, tp: int, sp: int, c: int, mixed: boo
     return fwd * t, fwd_k, bwd * t, bwd_k
 
 
+def _fused(shape: Shape, *, t: float, tp: int, sp: int, c: int, ffn: float, mlp_mats: int) -> Tuple[float, int, float, int]:
+    """As ``_elementwise`` for a compiled block (``train.compile``): each chain of memory-bound ops
+    between two matmuls (or attention) is one fused kernel that reads the chain's inputs once
+    and writes its outputs once. Per token, the residual stream in fp32 (r), matmul operands in
+    the compute dtype (c), forward and backward:
+
+    - norm 1 and its cast: reads x, writes the normed input of q, k, v once ((r + c) h); backward
+      reads x, the three linears' input gradients and the residual gradient, writes x's;
+    - RoPE and the GQA repeat (if any): reads q, k, v, writes them rotated and repeated;
+    - the residual add, norm 2 and its cast after the attention projection ((2r + 2c) h);
+    - the activation between the MLP matmuls (SwiGLU reads 2f, writes f);
+    - the residual add after the down projection ((2r + c) h).
+
+    The norm region is split over tp with sequence parallel (``sp``)."""
+    r, h, kv = FP32, shape.hidden / sp, shape.kv_dim / tp
+    q, f = shape.hidden / tp, ffn / tp
+    fwd, bwd = (r + c) * h + (2 * r + 2 * c) * h + (2 * r + c) * h, (3 * r + 3 * c) * h + (3 * r + (mlp_mats + 1) * c) * h + (r + c) * h
+    fwd_k, bwd_k = 3, 6
+    act_in = mlp_mats * c * f
+    fwd, bwd = fwd + act_in + c * f, bwd + 2 * act_in + c * f
+    fwd_k, bwd_k = fwd_k + 1, bwd_k + 1
+    if shape.position == "rope" or kv < q:
+        heads_out = 3 * q if kv < q else q + 2 * kv
+        fwd, bwd = fwd + c * (q + 2 * kv) + c * heads_out, bwd + c * heads_out + c * (q + 2 * kv)
+        fwd_k, bwd_k = fwd_k + 1, bwd_k + 1
+    if shape.bias:
+        bwd, bwd_k = bwd + c * (2 * q + 2 * kv + mlp_mats * f + shape.hidden), bwd_k + 4 + mlp_mats
+    return fwd * t, fwd_k, bwd * t, bwd_k
+
+
 @lru_cache(maxsize=4096)
-def block_kernels(shape: Shape, *, t: float, tp: int, sp: int, ep: int, c: int, mixed: bool, moe: bool) -> Kernels:
-    """One block's kernels for ``t`` local tokens (after context splitting)."""
+def block_kernels(shape: Shape, *, t: float, tp: int, sp: int, ep: int, c: int, mixed: bool, moe: bool, fused: bool = False) -> Kernels:
+    """One block's kernels for ``t`` local tokens (after context splitting); ``fused``: the
+    block is compiled (``_fused``), else eager (``_elementwise``)."""
     h, kv = shape.hidden, shape.kv_dim
     gemms: List[Tuple[float, float, float]] = [(t, h, h / tp), (t, h, kv / tp), (t, h, kv / tp), (t, h / tp, h)]
     mats = 2 if shape.activation == "swiglu" else 1
@@ -133,7 +208,10 @@ def block_kernels(shape: Shape, *, t: float, tp: int, sp: int, ep: int, c: int, 
     else:
         gemms += [(t, h, shape.ffn / tp)] * mats + [(t, shape.ffn / tp, h)]
         ffn = shape.ffn
-    fwd, fwd_k, bwd, bwd_k = _elementwise(shape, t=t, tp=tp, sp=sp, c=c, mixed=mixed, ffn=ffn, mlp_mats=mats)
+    if fused:
+        fwd, fwd_k, bwd, bwd_k = _fused(shape, t=t, tp=tp, sp=sp, c=c, ffn=ffn, mlp_mats=mats)
+    else:
+        fwd, fwd_k, bwd, bwd_k = _elementwise(shape, t=t, tp=tp, sp=sp, c=c, mixed=mixed, ffn=ffn, mlp_mats=mats)
     if moe:  # routing softmax and top-k, dispatch into expert batches and the weighted combine
         extra = t * (shape.top_k * h * (c + FP32) * 2 + 16 * shape.num_experts)
         fwd, fwd_k, bwd, bwd_k = fwd + extra, fwd_k + 12, bwd + 2 * extra, bwd_k + 16
@@ -153,57 +231,57 @@ def _local_numel(t: Tensor, *, tp: int, ep: int) -> int:
     return n // ep if t.expert else n
 
 
-def _weights_s(sp: Speeds, numels: Iterable[int], *, mixed: bool, accumulate: float, c: int) -> float:
+def _weights_cost(sp: Speeds, numels: Iterable[int], *, mixed: bool, accumulate: float, c: int) -> Cost:
     """Per microbatch: autocast's weight casts and gradient casts (mixed precision), and the
     gradient accumulation into the fp32 .grad (``accumulate``: share of microbatches that add)."""
-    total = 0.0
+    out = NONE
     for n in numels:
         if mixed:
-            total += sp.memory(n * (FP32 + c), 1) + sp.memory(n * (c + FP32), 1)
+            out = out.plus(sp.memory(n * (FP32 + c), 1)).plus(sp.memory(n * (c + FP32), 1))
         if accumulate:
-            total += accumulate * sp.memory(12 * n, 1)
-    return total
+            out = out.plus(sp.memory(12 * n, 1).times(accumulate))
+    return out
 
 
-def block_seconds(sp: Speeds, k: Kernels, *, mode: str, mixed: bool, c: int, accumulate: float) -> float:
+def block_cost(sp: Speeds, k: Kernels, *, mode: str, mixed: bool, c: int, accumulate: float) -> Cost:
     """Forward, backward and recomputation of one block for one microbatch."""
-    fwd_gemm = sum(sp.gemm(m, kk, n) for m, kk, n in k.gemms)
-    bwd_gemm = sum(sp.gemm(m, n, kk) + sp.gemm(kk, m, n) for m, kk, n in k.gemms)
+    fwd_gemm = total(sp.gemm(m, kk, n) for m, kk, n in k.gemms)
+    bwd_gemm = total(sp.gemm(m, n, kk).plus(sp.gemm(kk, m, n)) for m, kk, n in k.gemms)
     attn_f = sp.attention(k.attention_flops, 1, head_dim=k.head_dim)
-    attn_b = sp.attention(2.5 * k.attention_flops, 3, head_dim=k.head_dim)
+    attn_b = sp.attention(2.5 * k.attention_flops, 3, head_dim=k.head_dim, backward=True)
     fwd_mem, bwd_mem = sp.memory(k.fwd_bytes, k.fwd_kernels), sp.memory(k.bwd_bytes, k.bwd_kernels)
-    weights = _weights_s(sp, k.weights, mixed=mixed, accumulate=accumulate, c=c)
-    total = fwd_gemm + bwd_gemm + attn_f + attn_b + fwd_mem + bwd_mem + weights
+    weights = _weights_cost(sp, k.weights, mixed=mixed, accumulate=accumulate, c=c)
+    out = total((fwd_gemm, bwd_gemm, attn_f, attn_b, fwd_mem, bwd_mem, weights))
     if mode == "full":  # the whole forward again, but its last matmul
         m, kk, n = k.gemms[-1]
-        total += fwd_gemm - sp.gemm(m, kk, n) + attn_f + fwd_mem
+        last = sp.gemm(m, kk, n)
+        out = total((out, fwd_gemm, last.times(-1), attn_f, fwd_mem))
     if mode in ("full", "selective") and mixed:  # the weights are cast again
-        total += sum(sp.memory(n * (FP32 + c), 1) for n in k.weights)
-    if mode == "selective":  # norms, casts, activations, RoPE: the elementwise forward
-        total += fwd_mem
-    return total
+        out = out.plus(total(sp.memory(n * (FP32 + c), 1) for n in k.weights))
+    if mode == "selective":  # norms, casts, activations, RoPE: the memory-bound forward (fused when compiled)
+        out = out.plus(fwd_mem)
+    return out
 
 
-def ends_seconds(sp: Speeds, shape: Shape, layout: Layout, *, c: int, mixed: bool, first: bool, last: bool, accumulate: float) -> float:
-    """Embedding (first stage) and final norm, output layer and loss (last stage), one microbatch."""
+def ends_cost(sp: Speeds, shape: Shape, layout: Layout, *, c: int, mixed: bool, first: bool, last: bool, accumulate: float) -> Cost:
+    """Embedding (first stage) and final norm, output layer and loss (last stage), one microbatch
+    (never compiled: ``train.compile`` compiles the blocks)."""
     t = layout.micro_batch * shape.seq / layout.cp
     tp = layout.tp
     h, v = shape.hidden, shape.vocab / tp
-    total = 0.0
+    out = NONE
     if first:  # token and position lookups, their sum; backward scatters into the tables
-        total += sp.memory(t * 28 * h, 3) + sp.memory(t * 12 * h + FP32 * v * h, 4)
-        total += _weights_s(sp, [x.numel // tp for x in embedding_tensors(shape)], mixed=False, accumulate=accumulate, c=c)
+        out = total((sp.memory(t * 28 * h, 3), sp.memory(t * 12 * h + FP32 * v * h, 4)))
+        out = out.plus(_weights_cost(sp, [x.numel // tp for x in embedding_tensors(shape)], mixed=False, accumulate=accumulate, c=c))
     if last:
         cast = (FP32 + c) * h if mixed else 0
-        total += sp.memory(t * (8 * h + cast), 2) + sp.memory(t * (20 * h + cast), 3)
-        total += sp.gemm(t, h, v) + sp.gemm(t, v, h) + sp.gemm(h, t, v)
-        total += loss_seconds(sp, tokens=t, vocab=v, c=c)
-        head = [int(v * h)]
-        total += _weights_s(sp, head, mixed=mixed, accumulate=accumulate, c=c)
-    return total
+        out = total((out, sp.memory(t * (8 * h + cast), 2), sp.memory(t * (20 * h + cast), 3)))
+        out = total((out, sp.gemm(t, h, v), sp.gemm(t, v, h), sp.gemm(h, t, v), loss_cost(sp, tokens=t, vocab=v, c=c)))
+        out = out.plus(_weights_cost(sp, [int(v * h)], mixed=mixed, accumulate=accumulate, c=c))
+    return out
 
 
-def loss_seconds(sp: Speeds, *, tokens: float, vocab: float, c: int, kind: str = "chunked") -> float:
+def loss_cost(sp: Speeds, *, tokens: float, vocab: float, c: int, kind: str = "chunked") -> Cost:
     """The cross-entropy over ``[tokens x vocab]`` logits in dtype of ``c`` bytes, forward and backward.
 
     ``chunked`` (llmforge.train.loss): a log-softmax read in chunks and written in fp32
@@ -217,6 +295,6 @@ def loss_seconds(sp: Speeds, *, tokens: float, vocab: float, c: int, kind: str =
     return sp.memory(tokens * vocab * (7 * c + 12), 8 * chunks)
 
 
-def optimizer_seconds(sp: Speeds, params: int, tensors: int) -> float:
+def optimizer_cost(sp: Speeds, params: int, tensors: int) -> Cost:
     """The fused AdamW step and the gradient clip over this rank's parameters."""
     return sp.memory(OPTIMIZER_BYTES_PER_PARAM * params, max(4, tensors // 16))

@@ -14,6 +14,7 @@ from llmforge.estimate.search import SearchResult, why
 from llmforge.estimate.text import duration, gib, verdict, where
 
 SCHEMA = "llmforge.estimate/1"
+DIMS = ("dp", "tp", "pp", "cp", "ep")
 
 
 def as_dict(est: Estimate, *, recipe: str = "") -> Dict[str, Any]:
@@ -43,11 +44,14 @@ def as_dict(est: Estimate, *, recipe: str = "") -> Dict[str, Any]:
             "model_per_step": est.model_flops, "hardware_per_step": est.hardware_flops,
             "convention": "matmul FLOPs, 2 per multiply-add; attention scores counted in full (no causal halving)",
         },
-        "communication_bytes": {"dp": c.dp_bytes, "tp": c.tp_bytes, "pp": c.pp_bytes, "cp": c.cp_bytes, "ep": c.ep_bytes},
-        "communication_s": {"dp": c.dp_s, "tp": c.tp_s, "pp": c.pp_s, "cp": c.cp_s, "ep": c.ep_s},
+        "communication_bytes": {d: c.bytes_of(d) for d in DIMS},
+        "communication_s": {d: c.seconds_of(d) for d in DIMS},
+        "communication": {
+            kind: {"bytes": t.bytes, "seconds": t.seconds, "exposed_s": t.exposed, "hidden_s": t.hidden} for kind, t in c.kinds.items()
+        },
         "time": {
             "step_s": est.step_s, "tokens_per_s": est.tokens_per_s, "mfu": est.mfu,
-            "efficiency": est.job.efficiency, "breakdown_s": dict(est.parts),
+            "efficiency": est.job.efficiency, "compile": est.job.compile, "breakdown_s": dict(est.parts), "terms_s": est.terms,
         },
     }
 

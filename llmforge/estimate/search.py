@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, List, Optional, Tuple
 
 from llmforge.estimate.core import Estimate, estimate, peak_memory, stage_peaks, step_floor
@@ -200,7 +200,7 @@ def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -
     n = world * 2
     while n <= limit:
         batch = max(job.global_batch, n)  # each data-parallel rank needs a sequence
-        scaled = Job(**{**job.__dict__, "nodes": max(1, n // node), "devices_per_node": min(n, node), "global_batch": batch})
+        scaled = replace(job, nodes=max(1, n // node), devices_per_node=min(n, node), global_batch=batch)
         for structure in structures(shape, scaled, n):
             if structure.zero != (3 if structure.dp > 1 else 0) or structure.schedule != "1f1b":
                 continue

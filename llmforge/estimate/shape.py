@@ -83,6 +83,10 @@ class Job:
     fp8: bool = False
     #: ZeRO 1-3 gather those layers' weights in float8 (tensorwise, precision.fp8_all_gather)
     fp8_all_gather: bool = False
+    #: train.compile: each block is compiled, its memory-bound chains fused (llmforge.estimate.kernels)
+    compile: bool = False
+    #: parallel.bucket_mb in bytes: ZeRO 0's gradient bucket cap (llmforge.parallel.data)
+    bucket_bytes: int = 25 * 2**20
 
     @property
     def compute_bytes(self) -> int:
@@ -120,6 +124,7 @@ def job_from_plan(plan) -> Job:
         nodes=c.cluster.nodes, devices_per_node=c.cluster.devices_per_node, efficiency=c.cluster.efficiency,
         overlap_grad_reduce=plan.overlap_grad_reduce, fp8=c.precision.fp8,
         fp8_all_gather=c.precision.fp8 and c.precision.fp8_recipe == "tensorwise" and c.precision.fp8_all_gather,
+        compile=c.train.compile, bucket_bytes=max(1, int(c.parallel.bucket_mb * 2**20)),
     )
 
 

@@ -13,8 +13,12 @@ CHECKPOINT_BYTES_PER_PARAM = 12
 
 
 def preflight(plan: RunPlan, *, force: bool, resume: bool, console: Console) -> None:
-    """Refuse what cannot start (a missing tool, a too-small tokenizer, a plan estimated
+    """Refuse what cannot start (a missing tool, a too-small or unfit tokenizer, a plan estimated
     not to fit unless forced); show the short estimate and notes on the weights to load."""
+    if plan.config.data.tokenizer:  # missing, unreadable, or ids past the vocabulary: refused before any rank starts
+        from llmforge.data.tokenizer import load_tokenizer
+
+        load_tokenizer(plan.config.data.tokenizer, vocab_size=plan.data_vocab_size)
     if plan.config.logging.tensorboard:
         from llmforge.observe.tensorboard import check_installed
 

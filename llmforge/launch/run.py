@@ -37,7 +37,7 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
     if launcher != "slurm":
         check_space(plan)
     with _lock(plan):
-        if resume_from is None:
+        if resume_from is None or not _holds(plan.run_dir, resume_from):
             claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
         if here:
             from llmforge.launch.local import run_here
@@ -45,6 +45,12 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
             run_here(plan, resume_from=resume_from, console=console)
             return
         launch_distributed(plan, resume_from=resume_from, dry_run=False, console=console)
+
+
+def _holds(run_dir: Path, checkpoint: Path) -> bool:
+    """Whether the checkpoint sits in ``run_dir`` (a resume that continues that run; a
+    resume into another folder starts one there, and takes that folder like ``pretrain``)."""
+    return Path(run_dir).resolve() in Path(checkpoint).resolve().parents
 
 
 def runs_here(plan: RunPlan) -> bool:
@@ -89,7 +95,8 @@ RUN_FILES = ("metrics.jsonl", "checkpoints")
 
 
 def claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
-    """A new run never mixes its metrics and checkpoints with an earlier run's."""
+    """A new run (or a resume into another folder) never mixes its metrics and checkpoints
+    with an earlier run's."""
     import shutil
 
     from llmforge.errors import fail

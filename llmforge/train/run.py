@@ -8,7 +8,6 @@ normally (exit code 0). A second signal of the same kind stops at once.
 from __future__ import annotations
 
 import contextlib
-import json
 import signal
 import threading
 import time
@@ -23,7 +22,6 @@ from rich.text import Text
 
 from llmforge.checkpoint import store
 from llmforge.checkpoint.state import load_rng
-from llmforge.files import write_text_atomic
 from llmforge.plan import RunPlan
 from llmforge.rundir import write_plan
 from llmforge.train.components import Components, RankInfo
@@ -137,16 +135,6 @@ def _reseed(*, seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 7919 + rank) % (2**63)
 
 
-def trim_metrics(path: Path, *, after_step: int) -> None:
-    """Drop metrics logged past the checkpoint (steps that will be trained again)."""
-    if not path.is_file():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines()
-    kept = [line for line in lines if line.strip() and _step_of(line) <= after_step]
-    if len(kept) != len([line for line in lines if line.strip()]):
-        write_text_atomic(path, "".join(line + "\n" for line in kept))
-
-
 def set_aside_newer(root: Path, *, after_step: int) -> List[Path]:
     """Rename checkpoints past the resumed step (another history) so ``latest`` never picks them."""
     moved = []
@@ -157,19 +145,16 @@ def set_aside_newer(root: Path, *, after_step: int) -> List[Path]:
     return moved
 
 
-def _step_of(line: str) -> int:
-    try:
-        return int(json.loads(line).get("step", 0))
-    except (ValueError, AttributeError, TypeError):
-        return 0
-
-
 def _open_run_dir(plan: RunPlan, *, resumed: bool, start_step: int, console: Console) -> None:
-    """plan.json, and after a resume: metrics and checkpoints past the resumed step set aside."""
+    """plan.json, metrics.jsonl without an incomplete last line, and after a resume:
+    metrics and checkpoints past the resumed step set aside."""
+    from llmforge.observe.metrics import tidy_metrics
+
     write_plan(plan)
+    for note in tidy_metrics(plan.run_dir / "metrics.jsonl", after_step=start_step if resumed else None):
+        console.print(note, style="yellow", markup=False, highlight=False)
     if not resumed:
         return
-    trim_metrics(plan.run_dir / "metrics.jsonl", after_step=start_step)
     for old in set_aside_newer(plan.run_dir / "checkpoints", after_step=start_step):
         console.print(f"{old.name} is newer than the checkpoint resumed from; kept as {old.name.replace('step_', 'superseded-step_')}", style="yellow", markup=False)
 

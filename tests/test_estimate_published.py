@@ -1,0 +1,164 @@
+"""The step-time model against published runs of a PyTorch-native trainer (no torch).
+
+torchtitan's Llama 3.1 benchmark on H100s (``benchmarks/llama3_h100_202412_torchtitan.md`` in
+pytorch/torchtitan, end of 2024): FSDP2, tensor and pipeline parallel, torch.compile and
+Float8, the backend llmforge builds on. TPS/GPU at iteration 90, memory the maximum over GPUs.
+Their train configs use seq_len 8192. Every row runs on ONE profile, ``h100-96gb-hbm2e``,
+made from their machine's documented figures: what is held is the model's response to
+compile, Float8, 8 vs 128 GPUs, tensor parallel and the pipeline schedule, not a rate per row.
+
+Where their run uses a technique llmforge lacks, the estimate is of llmforge without it and
+the expected gap is named, computed by the model where it can be:
+
+- torchtitan's selective recompute (``op`` policy: save the outputs of ``aten.mm`` but every
+  second one, of attention and of ``max``) also recomputes every second matmul of a block's
+  forward (k, o and the MLP's up projection, of q, k, v, o, gate, up, down), and under Float8
+  every matmul (``_scaled_mm`` is not on its save list), which llmforge's selective keeps:
+  the published run pays those matmuls again (``recomputed_matmul_seconds``);
+- their loss is ``cross_entropy(logits.float())``: an fp32 copy of the logits that llmforge's
+  chunked loss does not make (``fp32_logits_seconds``, as tests/test_estimate_speed.py
+  swaps it for the plain loop);
+- async tensor parallel (overlapping the TP collectives with the matmuls) in the 70B and
+  405B rows: the published figure is above the estimate without it by what the 70B pair
+  measures (876 / 829 = +5.7%).
+
+Memory is reported (docs/estimator.md), not held: no row keeps what llmforge keeps. llmforge's
+residual stream, and with it full recompute's saved block input, is fp32 (autocast over fp32
+weights), torchtitan's bf16 (FSDP casts the inputs); llmforge's selective keeps every matmul
+output. The 8B rows on 128 GPUs run 2-3% slower than on 8 in the published table; the model
+hides FSDP's traffic behind the blocks there too (every NIC of a node carries the gathers), so
+those rows come out fastest against it: "8B 128 GPUs compile" 17% above (``MISSES``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import pytest
+
+from llmforge.estimate import kernels as kn
+from llmforge.estimate.core import Estimate, estimate
+from llmforge.estimate.params import stage_counts
+from llmforge.estimate.shape import Job, Shape
+from llmforge.hardware import get_profile
+from llmforge.layout import Layout
+
+PROFILE = "h100-96gb-hbm2e"
+ASYNC_TP_GAIN = 876 / 829  # their 70B pair, with and without async TP
+
+
+def llama(layers: int, hidden: int, heads: int, ffn: int) -> Shape:
+    return Shape(num_layers=layers, hidden=hidden, heads=heads, kv_heads=8, ffn=ffn, vocab=128256, seq=8192, norm="rmsnorm",
+                 activation="swiglu", position="rope", tie_embeddings=False, bias=False)
+
+
+LLAMA_8B, LLAMA_70B, LLAMA_405B = llama(32, 4096, 32, 14336), llama(80, 8192, 64, 28672), llama(126, 16384, 128, 53248)
+FSDP8 = Layout(dp=8, zero=3, recompute="selective", micro_batch=2)
+FSDP128 = dataclasses.replace(FSDP8, dp=128)
+TP8 = Layout(dp=32, tp=8, zero=3, sequence_parallel=True, recompute="full", micro_batch=16)
+PP8 = Layout(dp=8, tp=8, pp=8, zero=3, sequence_parallel=True, recompute="full", micro_batch=4, pp_layers=(16,) * 7 + (14,))
+PP8_INTERLEAVED = dataclasses.replace(PP8, schedule="interleaved_1f1b", virtual_stages=2, pp_layers=(8,) * 14 + (7, 7))
+
+
+class Row(NamedTuple):
+    shape: Shape
+    layout: Layout
+    global_batch: int
+    compile: bool
+    fp8: bool
+    tokens_per_s_per_gpu: float
+    memory_gib: float  # reported, not held: see the module docstring
+    async_tp: bool = False
+
+
+ROWS = {
+    "8B 8 GPUs": Row(LLAMA_8B, FSDP8, 16, False, False, 5762, 82.4),
+    "8B 8 GPUs compile": Row(LLAMA_8B, FSDP8, 16, True, False, 6667, 77.0),
+    "8B 8 GPUs compile float8": Row(LLAMA_8B, FSDP8, 16, True, True, 8532, 76.8),
+    "8B 128 GPUs": Row(LLAMA_8B, FSDP128, 256, False, False, 5605, 67.0),
+    "8B 128 GPUs compile": Row(LLAMA_8B, FSDP128, 256, True, False, 6514, 62.0),
+    "8B 128 GPUs compile float8": Row(LLAMA_8B, FSDP128, 256, True, True, 8380, 61.8),
+    "70B 256 GPUs": Row(LLAMA_70B, TP8, 512, True, True, 829, 71.9),
+    "70B 256 GPUs async TP": Row(LLAMA_70B, TP8, 512, True, True, 876, 67.6, async_tp=True),
+    "405B 512 GPUs 1F1B": Row(LLAMA_405B, PP8, 256, True, True, 100, 82.5, async_tp=True),
+    "405B 512 GPUs interleaved": Row(LLAMA_405B, PP8_INTERLEAVED, 256, True, True, 128, 72.7, async_tp=True),
+}
+
+
+#: Rows the estimate misses by more than 15%, and by how much (the module docstring says why).
+MISSES = {"8B 128 GPUs compile": 1.17}
+
+
+def job(row: Row) -> Job:
+    return Job(global_batch=row.global_batch, param_dtype="bf16", reduce_dtype="fp32", profile=get_profile(PROFILE),
+               nodes=row.layout.world // 8, fp8=row.fp8, fp8_all_gather=row.fp8, compile=row.compile)
+
+
+def recomputed_matmul_seconds(est: Estimate) -> float:
+    """Seconds torchtitan's ``op`` selective policy adds to llmforge's selective recompute: the
+    forward's 2nd, 4th and 6th matmuls of every block run again, under Float8 all seven (at the
+    FP8 peak)."""
+    if est.layout.recompute != "selective":
+        return 0.0
+    lay, job_ = est.layout, est.job
+    sp = kn.speeds(job_)
+    block = kn.block_kernels(est.shape, t=lay.micro_batch * est.shape.seq, tp=lay.tp, sp=1, ep=1, c=2, mixed=True, moe=False)
+    recomputed = range(len(block.gemms)) if job_.fp8 else (1, 3, 5)
+    seconds = sum(sp.gemm(*block.gemms[i]).seconds for i in recomputed)
+    if job_.fp8:
+        seconds *= job_.profile.peak("bf16") / job_.profile.peak("fp8")
+    return est.microbatches * stage_counts(est.shape, lay)[0].blocks * seconds
+
+
+def fp32_logits_seconds(est: Estimate) -> float:
+    """What ``cross_entropy(logits.float())`` costs more than llmforge's chunked loss (the last stage)."""
+    sp, lay = kn.speeds(est.job), est.layout
+    tokens, vocab = lay.micro_batch * est.shape.seq, est.shape.vocab / lay.tp
+    kinds = [kn.loss_cost(sp, tokens=tokens, vocab=vocab, c=2, kind=k).seconds for k in ("fp32_logits", "chunked")]
+    return est.microbatches * (kinds[0] - kinds[1])
+
+
+def per_gpu(row: Row) -> tuple[Estimate, float]:
+    """The estimate, and its tokens/s per GPU with torchtitan's recompute policy and loss."""
+    est = estimate(row.shape, row.layout, job(row), every_stage=False)
+    step = est.step_s + recomputed_matmul_seconds(est) + fp32_logits_seconds(est)
+    return est, est.tokens_per_step / step / row.layout.world
+
+
+@pytest.mark.parametrize("name", [n for n in ROWS if n not in MISSES])
+def test_published_tokens_per_gpu_within_15_percent(name):
+    row = ROWS[name]
+    _, tokens = per_gpu(row)
+    published = row.tokens_per_s_per_gpu / (ASYNC_TP_GAIN if row.async_tp else 1.0)
+    assert tokens == pytest.approx(published, rel=0.15)
+
+
+def ratio(a: str, b: str) -> tuple[float, float]:
+    """(estimated, published) tokens/s of row ``a`` over row ``b``."""
+    return per_gpu(ROWS[a])[1] / per_gpu(ROWS[b])[1], ROWS[a].tokens_per_s_per_gpu / ROWS[b].tokens_per_s_per_gpu
+
+
+@pytest.mark.parametrize("faster,slower", [
+    ("8B 8 GPUs compile", "8B 8 GPUs"), ("8B 128 GPUs compile", "8B 128 GPUs"),
+    ("8B 8 GPUs compile float8", "8B 8 GPUs compile"), ("8B 128 GPUs compile float8", "8B 128 GPUs compile"),
+    ("405B 512 GPUs interleaved", "405B 512 GPUs 1F1B"),
+])
+def test_response_to_compile_float8_and_schedule_follows_the_published_one(faster, slower):
+    """What compile, Float8 and the interleaved schedule each buy, within a third of the published gain."""
+    estimated, published = ratio(faster, slower)
+    assert estimated > 1 and estimated - 1 == pytest.approx(published - 1, rel=0.35)
+
+
+def test_128_gpus_cost_the_8b_little_more_than_8():
+    """Across 16 nodes FSDP's gathers and reduce-scatters still hide behind the blocks: the
+    published 128-GPU rows are 2-3% below the 8-GPU ones; the estimate within 5%."""
+    for suffix in ("", " compile", " compile float8"):
+        estimated, published = ratio(f"8B 128 GPUs{suffix}", f"8B 8 GPUs{suffix}")
+        assert estimated == pytest.approx(published, rel=0.05)
+
+
+@pytest.mark.parametrize("name", list(MISSES))
+def test_the_known_misses_stay_as_documented(name):
+    row = ROWS[name]
+    assert per_gpu(row)[1] / row.tokens_per_s_per_gpu == pytest.approx(MISSES[name], abs=0.02)
