@@ -61,7 +61,10 @@ def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: f
 
     A step queues its work and never waits for the device: loss and gradient norm
     stay device tensors, read back once (one synchronisation) at each logged step.
-    Step time and tokens/s are averaged over the steps since the previous log.
+    ``c.guard`` checks every step for a non-finite loss or gradient norm on the device
+    and skips its update there; its flags come back with the logged step's read (and
+    before a checkpoint), when it raises ``llmforge.train.anomaly.Anomaly`` if its policy
+    says stop or roll back. Step time and tokens/s are averaged over the steps since the previous log.
     With ``c.val_sampler`` set, the validation loss is computed every
     ``eval_interval`` steps (0: never in between) and after the last step, and
     logged with that step's record."""
