@@ -59,11 +59,11 @@ def results(tmp_path_factory) -> dict:
 ALL = ["single", *LAYOUTS]
 
 
-def assert_same_params(got: dict, want: dict) -> None:
+def assert_same_params(got: dict, want: dict, *, rtol: float = 1e-5) -> None:
     assert got.keys() == want.keys()
     for name in want:
         assert torch.isfinite(got[name]).all(), name
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
+        torch.testing.assert_close(got[name], want[name], rtol=rtol, atol=rtol / 100, msg=name)
 
 
 @pytest.mark.parametrize("layout", ALL)
@@ -103,17 +103,23 @@ def test_stop_ends_at_the_bad_step_and_names_the_way_on(results, layout):
 
 def test_fused_adamw_skips_on_the_device_without_a_host_read(monkeypatch):
     """The GPU path (fused AdamW, found_inf), on CPU: a NaN at unlogged step 3 costs no read."""
+    monkeypatch.setattr("llmforge.train.optim.implementation", lambda params: "fused")
+    fused_skip_without_a_read(torch.device("cpu"))
+
+
+def fused_skip_without_a_read(device: torch.device) -> None:
+    """A NaN gradient at unlogged step 3 under fused AdamW: no host read on that step, the
+    step count and weights of a run without step 3's update."""
     from llmforge.testing.harness import SyntheticSampler, full_parameters, rank_info
     from llmforge.train.build import build_components
     from llmforge.train.instrument import inject_fault
     from llmforge.train.loop import LoopHooks, train_loop
     from llmforge.train.syncs import StepSyncs
 
-    monkeypatch.setattr("llmforge.train.optim.implementation", lambda params: "fused")
     plan = tiny_plan(["train.steps=5", "model.num_layers=1"])
     torch.manual_seed(plan.config.train.seed)
     m = plan.config.model
-    c = build_components(plan, rank=rank_info(plan, device=torch.device("cpu")), sampler=SyntheticSampler(vocab_size=m.vocab_size, seq_len=m.seq_len, global_batch_size=8, seed=plan.config.train.seed))
+    c = build_components(plan, rank=rank_info(plan, device=device), sampler=SyntheticSampler(vocab_size=m.vocab_size, seq_len=m.seq_len, global_batch_size=8, seed=plan.config.train.seed))
     assert c.optimizer.defaults["fused"]
     records: list = []
     syncs = StepSyncs(host=c.host_tensors)
@@ -124,8 +130,8 @@ def test_fused_adamw_skips_on_the_device_without_a_host_read(monkeypatch):
     assert syncs.per_step == [1, 0, 1, 1]  # steps 2-5: 2, 4 and 5 log; 3 (the NaN) reads nothing
     assert [(r["step"], r["skipped_steps"]) for r in records] == [(2, 0), (4, 1), (5, 1)]
     assert all(float(s["step"]) == 4 for s in c.optimizer.state.values())  # step 3 not counted
-    reference = run_drill(plan, {"skip": [3, 3]}, device=torch.device("cpu"))
-    assert_same_params(full_parameters(c), reference["params"])
+    reference = run_drill(plan, {"skip": [3, 3]}, device=device)
+    assert_same_params(full_parameters(c), reference["params"], rtol=1e-5 if device.type == "cpu" else 1e-4)
 
 
 def test_fp16_overflow_is_the_scalers_until_its_floor():

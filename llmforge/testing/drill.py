@@ -36,7 +36,7 @@ def run_drill(plan: RunPlan, spec: Dict[str, Any], *, device: torch.device) -> D
     cfg = plan.config
     torch.manual_seed(cfg.train.seed)
     sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed)
-    c = build_components(plan, rank=rank_info(plan, device=device), sampler=sampler)
+    c = build_components(plan, rank=rank_info(plan, device=device, mesh_of_one=spec.get("mesh_of_one", False)), sampler=sampler)
     records: List[dict] = []
     said: List[str] = []
     hooks = LoopHooks(log=records.append)
