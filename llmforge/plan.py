@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from llmforge.config.dtypes import DTYPES
 from llmforge.config.ranges import INT64_MAX, range_problems
-from llmforge.config.schema import RECOMPUTE_MODES, SCHEDULES, RunConfig
+from llmforge.config.schema import ANOMALY_POLICIES, RECOMPUTE_MODES, SCHEDULES, RunConfig
 from llmforge.config.train_rules import check_training
 from llmforge.errors import Problem, UserError, fail
 from llmforge.hardware import get_profile, is_known, unknown_problem
@@ -41,6 +41,7 @@ CHOICES: Dict[str, tuple] = {
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),
     "optim.decay_shape": ("linear", "cosine", "sqrt"),
     "train.memory_snapshot": ("off", "oom", "profile"),
+    "train.anomaly": ANOMALY_POLICIES,
     "cluster.launcher": ("local", "torchrun", "slurm"),
     "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
 }

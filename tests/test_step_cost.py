@@ -23,7 +23,7 @@ def _syncs_per_step(device: torch.device, *, steps: int, log_interval: int) -> t
     plan = tiny_plan([f"train.steps={steps}", "model.num_layers=1"])
     c = _components(plan, device)
     records: list = []
-    syncs = StepSyncs(host=lambda: [s["step"] for s in c.optimizer.state.values() if "step" in s])
+    syncs = StepSyncs(host=c.host_tensors)
     with syncs:
         train_loop(c, start_step=0, total_steps=steps, grad_clip=0.5, log_interval=log_interval, checkpoint_interval=0,
                    hooks=LoopHooks(log=records.append, should_stop=syncs.after_step))

@@ -143,7 +143,7 @@ def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Res
     torch.cuda.synchronize()
     seconds = time.perf_counter() - started
     result = Result(steps * plan.tokens_per_step / seconds, torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
-    syncs = StepSyncs(host=lambda: [s["step"] for s in c.optimizer.state.values() if "step" in s])
+    syncs = StepSyncs(host=c.host_tensors)
     with syncs:
         run(done[0] + 4, LoopHooks(should_stop=syncs.after_step))  # the last of these is logged
     result.syncs = "/".join(str(n) for n in syncs.per_step)

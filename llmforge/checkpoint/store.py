@@ -24,7 +24,7 @@ import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -59,13 +59,27 @@ def complete(root: Path) -> List[Path]:
     return [p for p in step_dirs(root) if (p / MANIFEST).is_file()]
 
 
-def rotate(root: Path, *, keep: int) -> List[Path]:
+def step_of(path: Path) -> int:
+    """N of a ``step_N`` folder."""
+    return int(_STEP_DIR.match(path.name).group(1))  # type: ignore[union-attr]
+
+
+def newest_before(root: Path, *, step: int) -> Optional[Path]:
+    """The newest complete checkpoint saved before ``step``, or None."""
+    return next((p for p in complete(root) if step_of(p) < step), None)
+
+
+def rotate(root: Path, *, keep: int, protect: Iterable[int] = ()) -> List[Path]:
     """Remove complete checkpoints beyond the ``keep`` newest (``keep`` < 1 keeps all).
 
-    The newest complete checkpoint is never removed. A folder is renamed away
-    before it is deleted, so an interrupted removal leaves no damaged step folder."""
+    The newest complete checkpoint is never removed, nor, for each step in ``protect``
+    (the first of a run of non-finite steps), the newest one saved before it. A folder is
+    renamed away before it is deleted, so an interrupted removal leaves no damaged step folder."""
+    kept = {newest_before(root, step=s) for s in protect}
     removed = []
     for old in complete(root)[max(keep, 1):] if keep > 0 else []:
+        if old in kept:
+            continue
         doomed = old.with_name(f".del-{old.name}")
         old.rename(doomed)
         shutil.rmtree(doomed, ignore_errors=True)
@@ -106,13 +120,17 @@ class CheckpointSaver:
         self.records: List[SaveRecord] = []
         self._pending: Optional[Future] = None
         self._pending_tmp, self._pending_step = self.root, 0
+        self._protect: List[int] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmforge-ckpt") if async_save else None
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
-    def save(self, *, step: int, model_parts: List[nn.Module], optimizer: torch.optim.Optimizer, train_state: Dict[str, Any], plan: Dict[str, Any]) -> Path:
-        """Save step ``step``; return the folder it has (or, if async, will have)."""
+    def save(self, *, step: int, model_parts: List[nn.Module], optimizer: torch.optim.Optimizer, train_state: Dict[str, Any], plan: Dict[str, Any],
+             protect: Iterable[int] = ()) -> Path:
+        """Save step ``step``; return the folder it has (or, if async, will have). Rotation
+        keeps the newest checkpoint before each step in ``protect`` (see ``rotate``)."""
         started = time.perf_counter()
         self.wait()
+        self._protect = list(protect)
         final, tmp = self.root / f"step_{step}", self.root / f".tmp-step_{step}"
         try:
             if self.rank == 0:
@@ -172,7 +190,7 @@ class CheckpointSaver:
             shutil.rmtree(old, ignore_errors=True)
         tmp.rename(final)
         fsync_dir(self.root)
-        for removed in rotate(self.root, keep=self.keep):
+        for removed in rotate(self.root, keep=self.keep, protect=self._protect):
             self.log(f"removed old checkpoint {removed.name} (checkpoint.keep={self.keep})")
 
     def _clear_stale(self) -> None:

@@ -22,6 +22,8 @@ from llmforge.config.ranges import Range
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_interleaved", "zbv")
 #: Activation recomputation modes (``parallel.recompute``).
 RECOMPUTE_MODES = ("none", "selective", "full")
+#: What a step with a non-finite loss or gradient norm makes the run do (``train.anomaly``).
+ANOMALY_POLICIES = ("stop", "skip", "rollback")
 
 
 def knob(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, range: Optional[str] = None) -> Any:
@@ -167,6 +169,20 @@ class TrainConfig:
         "oom",
         help="GPUs: oom = record live CUDA allocations and write run.dir/profile/oom_rank<R>.pickle on out-of-memory; profile = record every allocation from the start and also write a snapshot at the end of train.profile (open at pytorch.org/memory_viz); off.",
     )
+    anomaly: str = knob(
+        "skip",
+        help="A step whose loss or gradient norm is non-finite on any rank never updates the weights or optimizer state; then: "
+        "stop = end the run (exit code 2) naming the step and the resume command; skip = go on, and after more than train.max_skipped_steps "
+        "skips in a row stop; rollback = go on, and after more than train.max_skipped_steps skips in a row reload the weights and optimizer "
+        "state of the newest checkpoint older than the first of them (step count, schedule and data stream go on, past the bad batches), "
+        "at most train.max_rollbacks times.",
+    )
+    max_skipped_steps: int = knob(5, range="[0, inf)", help="skip/rollback: consecutive skipped steps tolerated; one more stops the run (skip) or rolls it back (rollback).")
+    max_rollbacks: int = knob(3, range="[0, inf)", help="rollback: rollbacks allowed in one launch; the anomaly after the last one stops the run.")
+    rollback_lr_factor: float = knob(1.0, range="(0, 1]", help="rollback: multiply the learning rate by this at each rollback (e.g. 0.5; 1.0 keeps it).")
+    loss_spike_window: int = knob(128, range="[0, inf)", help="Loss spikes: a step whose loss exceeds the mean of the previous N steps' finite losses by loss_spike_sigma standard deviations is logged as loss_spike (tested once N steps ran). 0 = off.")
+    loss_spike_sigma: float = knob(6.0, range="(0, inf)", help="Loss spikes: standard deviations above the window's mean that make a spike.")
+    loss_spike_skip: bool = knob(False, help="Treat a loss spike like a non-finite step (skipped, and counted by train.anomaly).")
 
 
 @dataclass

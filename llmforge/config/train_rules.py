@@ -1,4 +1,4 @@
-"""Cross-field rules of the training extras: validation and profiling.
+"""Cross-field rules of the training extras: validation, profiling, loss spikes.
 
 Part of ``RunPlan.build()``'s checks (every problem reported at once); the range of each
 number is declared on its schema field (llmforge.config.ranges). No torch.
@@ -14,7 +14,7 @@ from llmforge.errors import Problem
 
 def check_training(config: RunConfig) -> List[Problem]:
     out: List[Problem] = []
-    for check in (_check_validation, _check_profile):
+    for check in (_check_validation, _check_profile, _check_spikes):
         out.extend(check(config))
     return out
 
@@ -49,6 +49,13 @@ def _check_profile(config: RunConfig) -> List[Problem]:
     if t.memory_snapshot == "profile" and t.profile is None:
         out.append(Problem("train.memory_snapshot", t.memory_snapshot, "writes its snapshot at the end of the train.profile range, and none is set", "also set train.profile=START-END, e.g. train.profile=3-5"))
     return out
+
+
+def _check_spikes(config: RunConfig) -> List[Problem]:
+    t = config.train
+    if t.loss_spike_skip and t.loss_spike_window == 0:
+        return [Problem("train.loss_spike_skip", True, "needs spike detection, and train.loss_spike_window is 0", "set train.loss_spike_window=128")]
+    return []
 
 
 def _int(value: object) -> bool:

@@ -291,11 +291,13 @@ def set_aux_loss_scale(model_parts: Iterable[nn.Module], *, scale: Callable[[], 
 
 
 @torch.no_grad()
-def update_expert_bias(model_parts: Iterable[nn.Module], *, rate: float, reduce: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+def update_expert_bias(model_parts: Iterable[nn.Module], *, rate: float, reduce: Optional[Callable[[torch.Tensor], None]] = None,
+                       step_scale: Optional[torch.Tensor] = None) -> None:
     """Auxiliary-loss-free balancing (DeepSeek-V3), run after each optimizer step: every
     expert's routing bias moves by ``rate * sign(mean load - load)``, the load being the
     tokens routed to it since the last update. ``reduce`` sums the [layers, E] counts in
-    place over the ranks that routed other tokens, so every rank's bias stays identical."""
+    place over the ranks that routed other tokens, so every rank's bias stays identical.
+    ``step_scale`` (a 0-dim device tensor) multiplies the move: 0 on a skipped step leaves the bias as it is."""
     layers = [layer for _, layer in moe_layers(model_parts) if layer.expert_bias is not None]
     if not layers:
         return
@@ -304,6 +306,8 @@ def update_expert_bias(model_parts: Iterable[nn.Module], *, rate: float, reduce:
         reduce(loads)
     loads = loads.double()
     steps = torch.sign(loads.mean(dim=1, keepdim=True) - loads) * rate
+    if step_scale is not None:
+        steps = steps * step_scale
     for layer, step in zip(layers, steps):
         layer.expert_bias += step.to(layer.expert_bias.dtype)  # type: ignore[operator]
         layer.expert_load.zero_()  # type: ignore[union-attr]

@@ -1,4 +1,4 @@
-"""Rich progress bar with loss, throughput, MFU and peak memory."""
+"""Rich progress bar with loss, throughput, MFU, peak memory and steps skipped as non-finite."""
 
 from __future__ import annotations
 
@@ -23,16 +23,17 @@ class TrainingProgress:
             TextColumn("[green]{task.fields[tps]}[/] tok/s"),
             TextColumn("MFU {task.fields[mfu]}"),
             TextColumn("mem {task.fields[mem]}"),
+            TextColumn("{task.fields[skipped]}"),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
             console=self.console,
             transient=False,
         )
-        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-", val="-", mfu="-", mem="-")
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-", val="-", mfu="-", mem="-", skipped="")
         self._progress.start()
 
     def update(self, *, step: int, loss: Optional[float] = None, tokens_per_s: Optional[float] = None, val_loss: Optional[float] = None,
-               mfu: Optional[float] = None, memory_gib: Optional[float] = None) -> None:
+               mfu: Optional[float] = None, memory_gib: Optional[float] = None, skipped: Optional[int] = None) -> None:
         if self._progress is None:
             return
         fields = {}
@@ -46,6 +47,8 @@ class TrainingProgress:
             fields["tps"] = f"{tokens_per_s:,.0f}"
         if val_loss is not None:
             fields["val"] = f"{val_loss:.4f}"
+        if skipped:
+            fields["skipped"] = f"[red]skipped {skipped}[/]"
         self._progress.update(self._task, completed=step, **fields)
 
     def print(self, message: str) -> None:

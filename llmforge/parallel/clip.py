@@ -15,7 +15,7 @@ caller decides when (and whether) to look at the norm.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -41,17 +41,20 @@ class GlobalClip:
     distributed: bool = False
     _copies_of: Dict[int, int] = field(default_factory=dict, repr=False)
 
-    def __call__(self, max_norm: float) -> torch.Tensor:
+    def __call__(self, max_norm: float, *, flags: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``flags``: a 1-D float tensor on the gradients' device, summed in place over
+        every rank by the norm's own all-reduce (no collective of its own): how the ranks
+        agree on what one of them saw (a NaN in a slot on any rank is a NaN on all)."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        norm = self.norm(grads)
+        norm = self.norm(grads, flags=flags)
         if max_norm > 0 and grads:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for dtype, tensors in _by_dtype([local(g) for g in grads]).items():
                 torch._foreach_mul_(tensors, coef.to(dtype))
         return norm
 
-    def norm(self, grads: List[torch.Tensor]) -> torch.Tensor:
-        """The global L2 norm of the gradients (float64, on their device)."""
+    def norm(self, grads: List[torch.Tensor], *, flags: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The global L2 norm of the gradients (float64, on their device); ``flags`` as in ``__call__``."""
         buckets: Dict[Tuple[int, torch.dtype], List[torch.Tensor]] = {}
         for p in self.params:
             if p.grad is None or id(p) in self.skip:
@@ -64,6 +67,11 @@ class GlobalClip:
         for (copies, _), tensors in buckets.items():
             squares = torch.stack(torch._foreach_norm(tensors)).double().square().sum()
             total = total + (squares / copies if copies > 1 else squares)
+        if flags is not None and self.distributed:
+            both = torch.cat([total.reshape(1), flags])
+            dist.all_reduce(both)
+            flags.copy_(both[1:])
+            return both[0].sqrt()
         if self.distributed:
             dist.all_reduce(total)
         return total.sqrt()

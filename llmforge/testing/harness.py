@@ -5,7 +5,8 @@ collect what they computed: the equivalence tests and tools/bench_parallel.py us
         -m llmforge.testing.harness SPEC.json OUT.pt
 
 SPEC.json: ``{"base": [overrides...], "layouts": {"name": [overrides...]}, "fail_rank": null,
-"fail_at": null, "device": "cpu", "mesh_of_one": false, "count_syncs": [names...]}``: ``fail_rank``
+"fail_at": null, "device": "cpu", "mesh_of_one": false, "count_syncs": [names...]}`` (started as
+``-m llmforge.testing.drill``, a layout given as a dict is an anomaly drill): ``fail_rank``
 raises before layout ``fail_at`` (default: the first); ``"device": "cuda"`` trains each rank on
 its GPU, under NCCL; ``mesh_of_one`` sends a one-rank layout through the distributed path (see
 ``rank_info``); ``count_syncs`` counts the host synchronisations of a step of those layouts.
@@ -24,7 +25,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -115,7 +116,7 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), m
     # validation on other synthetic rows mid-run and at the end: training must continue unchanged after it
     c.val_sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed + 1)
     records: List[dict] = []
-    syncs = StepSyncs(host=lambda: [s["step"] for s in c.optimizer.state.values() if "step" in s], enabled=count_syncs, skip=SYNC_STEP - 1, count=1)
+    syncs = StepSyncs(host=c.host_tensors, enabled=count_syncs, skip=SYNC_STEP - 1, count=1)
     hooks = LoopHooks(log=records.append, should_stop=syncs.after_step)
     with syncs:
         train_loop(c, start_step=0, total_steps=cfg.train.steps, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=0, hooks=hooks, eval_interval=EVAL_INTERVAL, eval_steps=1)
@@ -179,7 +180,8 @@ def full_parameters(c: Components) -> Dict[str, torch.Tensor]:
     return merged if dist.get_rank() == 0 else {}
 
 
-def main(argv: List[str]) -> None:
+def main(argv: List[str], *, drill: Optional[Callable[..., dict]] = None) -> None:
+    """Run the spec's layouts; ``drill`` runs those given as dicts (``python -m llmforge.testing.drill``)."""
     spec = json.loads(Path(argv[0]).read_text())
     from llmforge.launch.watch import guard_rank
     from llmforge.launch.worker import report_errors
@@ -188,8 +190,11 @@ def main(argv: List[str]) -> None:
     with report_errors():
         device = _join(spec.get("device", "cpu"))
         results = {}
-        for name, overrides in spec["layouts"].items():
-            plan = tiny_plan(spec.get("base", []) + overrides)
+        for name, entry in spec["layouts"].items():
+            if isinstance(entry, dict) and drill is not None:  # an anomaly drill (llmforge.testing.drill)
+                results[name] = drill(tiny_plan(spec.get("base", []) + entry["overrides"]), entry, device=device)
+                continue
+            plan = tiny_plan(spec.get("base", []) + entry)
             if spec.get("fail_rank") == dist.get_rank() and name == spec.get("fail_at", name):
                 _fail(spec.get("fail_kind", "error"))
             counted = name in spec.get("count_syncs", [])

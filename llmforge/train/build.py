@@ -14,6 +14,7 @@ from llmforge.parallel.mesh import ParallelMesh
 from llmforge.parallel.pipeline import build_stage_model
 from llmforge.parallel.tied import tied_params
 from llmforge.plan import RunPlan
+from llmforge.train.anomaly import AnomalyPolicy, StepGuard
 from llmforge.train.build_step import build_step
 from llmforge.train.components import Components, RankInfo
 from llmforge.train.optim import build_optimizer, build_scheduler
@@ -41,7 +42,16 @@ def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compo
         clip_grads=GlobalClip(params=params, ranks_per_stage=plan.world_size // plan.layout.pp, skip=skip, distributed=mesh is not None),
         rank=rank,
         tokens_per_step=plan.tokens_per_step,
+        guard=StepGuard(anomaly_policy(plan), device=device),
     ))
+
+
+def anomaly_policy(plan: RunPlan) -> AnomalyPolicy:
+    """train.anomaly and its companions, as the plain values the loop's guard takes."""
+    t = plan.config.train
+    return AnomalyPolicy(action=t.anomaly, max_skipped_steps=t.max_skipped_steps, max_rollbacks=t.max_rollbacks,
+                         rollback_lr_factor=t.rollback_lr_factor, spike_window=t.loss_spike_window,
+                         spike_sigma=t.loss_spike_sigma, spike_skip=t.loss_spike_skip)
 
 
 def distributed_rank(plan: RunPlan, *, device: torch.device) -> RankInfo:
@@ -150,7 +160,7 @@ def wire_moe(plan: RunPlan, c: Components) -> Components:
             from llmforge.parallel.expert import load_reducer
 
             reduce = load_reducer(c.rank.mesh)
-        c.optimizer.register_step_post_hook(lambda *_: update_expert_bias(c.model_parts, rate=moe.bias_update_rate, reduce=reduce))
+        c.optimizer.register_step_post_hook(lambda *_: update_expert_bias(c.model_parts, rate=moe.bias_update_rate, reduce=reduce, step_scale=c.guard.gate))
     if c.rank.mesh is not None:
         from llmforge.parallel.expert import global_moe_metrics
 

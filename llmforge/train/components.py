@@ -8,6 +8,7 @@ from typing import Any, Callable, List, Optional
 import torch
 from torch import nn
 
+from llmforge.train.anomaly import StepGuard
 from llmforge.train.precision import LossScaler
 from llmforge.train.step import StepRunner
 
@@ -34,8 +35,9 @@ class Components:
     """The built parts of a run on one rank.
 
     ``model_parts`` holds the model, or this rank's pipeline chunks.
-    ``clip_grads(max_norm)`` returns the gradient norm over every parallel
-    dimension (a device tensor) and clips to it."""
+    ``clip_grads(max_norm, flags=...)`` returns the gradient norm over every parallel
+    dimension (a device tensor) and clips to it; ``guard`` checks each step for
+    non-finite numbers and skips its update (``llmforge.train.anomaly``)."""
 
     model_parts: List[nn.Module]
     optimizer: torch.optim.Optimizer
@@ -43,9 +45,10 @@ class Components:
     sampler: object
     step: StepRunner
     scaler: LossScaler
-    clip_grads: Callable[[float], torch.Tensor]
+    clip_grads: Callable[..., torch.Tensor]
     rank: RankInfo
     tokens_per_step: int
+    guard: StepGuard
     extra_metrics: Callable[[], dict] = field(default=lambda: {})
     #: Measured MFU and peak memory for a step time (``llmforge.train.meter``).
     meter: Optional[Callable[[float], dict]] = None
@@ -54,3 +57,10 @@ class Components:
 
     def parameters(self) -> List[nn.Parameter]:
         return [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
+
+    def host_tensors(self) -> List[torch.Tensor]:
+        """Tensors read every step that live in host memory in a GPU run too, so reading them
+        waits for no device: the for-loop AdamW's step counters, the guard's flag where the
+        optimizer decides on the host (``llmforge.train.syncs`` does not count them)."""
+        steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]
+        return steps + self.guard.host_tensors(self.optimizer)

@@ -1,16 +1,18 @@
 """Instruments around a rank's training loop: the profiler over train.profile, memory
-snapshots, the out-of-memory report, and the fault injection that drills restarts."""
+snapshots, the out-of-memory report, and the fault injection that drills restarts and anomalies."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
-from typing import Callable, Iterator, List
+from dataclasses import dataclass
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 from rich.console import Console
 
+from llmforge.parallel.dtensor import local
 from llmforge.plan import RunPlan
 from llmforge.train.components import Components, RankInfo
 from llmforge.train.loop import LoopHooks
@@ -37,28 +39,75 @@ def add_profiler(plan: RunPlan, hooks: LoopHooks, closers: List[Callable[[], Non
     hooks.after_step = after_step
 
 
-#: ``RANK:STEP``: that rank exits abruptly (exit code 1) after optimizer step STEP, on the
-#: first attempt of a job only: how the restart path is exercised (tests, drills).
+#: ``RANK:STEP[:KIND]``, on the first attempt of a job only: how restarts and the anomaly
+#: policies are drilled (tests, drills). STEP is one optimizer step N or a range N-M. KIND:
+#: ``exit`` (the default): that rank exits abruptly (exit code 1) after step N;
+#: ``nan-loss``: that rank's loss of those steps is NaN (its gradients stay finite);
+#: ``nan-grad``: one element of that rank's gradients of those steps is NaN.
 FAULT_ENV = "LLMFORGE_FAULT"
+FAULT_KINDS = ("exit", "nan-loss", "nan-grad")
 
 
-def inject_fault(hooks: LoopHooks, *, rank: RankInfo) -> None:
-    spec = os.environ.get(FAULT_ENV)
+def parse_fault(spec: str) -> Tuple[int, int, int, str]:
+    """``RANK:STEP[:KIND]`` -> (rank, first step, last step, kind); ValueError if malformed."""
+    from llmforge.config.train_rules import parse_steps
+
+    parts = spec.strip().split(":")
+    kind = parts[2] if len(parts) == 3 else "exit"
+    if len(parts) not in (2, 3) or kind not in FAULT_KINDS or not parts[0].isdigit():
+        raise ValueError(f"{FAULT_ENV}={spec!r}: write RANK:STEP[:KIND], STEP being N or N-M and KIND one of {', '.join(FAULT_KINDS)}")
+    first, last = parse_steps(parts[1])
+    return int(parts[0]), first, last, kind
+
+
+def inject_fault(hooks: LoopHooks, c: Components, *, rank: RankInfo, spec: Optional[str] = None) -> None:
+    """Arm ``spec`` (default: ``$LLMFORGE_FAULT``) on this rank."""
+    spec = spec if spec is not None else os.environ.get(FAULT_ENV)
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
         return
-    fault_rank, fault_step = (int(x) for x in spec.split(":"))
+    fault_rank, first, last, kind = parse_fault(spec)
     if fault_rank != rank.rank:
+        return
+    if kind != "exit":
+        c.step = PoisonedStep(inner=c.step, c=c, first=first, last=last, grads=kind == "nan-grad")
         return
     inner = hooks.after_step
 
     def after_step(step: int) -> None:
         inner(step)
-        if step == fault_step:
+        if step == first:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(1)
 
     hooks.after_step = after_step
+
+
+@dataclass
+class PoisonedStep:
+    """A step runner that puts a NaN into this rank's loss (or one gradient element) on steps
+    ``first``..``last``: what a bad batch, an overflow or a flaky device does."""
+
+    inner: object
+    c: Components
+    first: int
+    last: int
+    grads: bool
+
+    def __call__(self, batch: torch.Tensor):
+        out = self.inner(batch)  # type: ignore[operator]
+        step = self.c.scheduler.last_epoch + 1
+        if self.first <= step <= self.last:
+            if self.grads:
+                grad = next(p.grad for p in self.c.parameters() if p.grad is not None and local(p.grad).numel())
+                with torch.no_grad():
+                    local(grad).view(-1)[0] = float("nan")
+            else:
+                out.loss = out.loss * float("nan")
+        return out
+
+    def evaluate(self, batch: torch.Tensor) -> float:
+        return self.inner.evaluate(batch)  # type: ignore[attr-defined]
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from typing import Callable, List, Optional
 import torch
 from llmforge.parallel.dtensor import local
 
+from llmforge.train.anomaly import Reading
 from llmforge.train.components import Components
 
 
@@ -60,7 +61,10 @@ def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: f
 
     A step queues its work and never waits for the device: loss and gradient norm
     stay device tensors, read back once (one synchronisation) at each logged step.
-    Step time and tokens/s are averaged over the steps since the previous log.
+    ``c.guard`` checks every step for a non-finite loss or gradient norm on the device
+    and skips its update there; its flags come back with the logged step's read (and
+    before a checkpoint), when it raises ``llmforge.train.anomaly.Anomaly`` if its policy
+    says stop or roll back. Step time and tokens/s are averaged over the steps since the previous log.
     With ``c.val_sampler`` set, the validation loss is computed every
     ``eval_interval`` steps (0: never in between) and after the last step, and
     logged with that step's record."""
@@ -71,31 +75,33 @@ def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: f
     for step in range(start_step + 1, total_steps + 1):
         batch = c.sampler.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size)
         out = c.step(batch)
-        grad_norm = _unscale_and_clip(c, grad_clip)
+        flags = c.guard.local_flags(out.loss)
+        grad_norm = _unscale_and_clip(c, grad_clip, flags=flags)
         lr = c.scheduler.get_last_lr()[0]
-        found_inf = c.scaler.enabled and not math.isfinite(float(grad_norm))  # fp16 only: one read per step
-        if c.scaler.update(found_inf=found_inf):
-            c.optimizer.step()
+        ok = c.guard.verdict(step=step, loss=out.loss, grad_norm=grad_norm, flags=flags)
+        c.guard.step_optimizer(c.optimizer, ok, scaler=c.scaler)  # skipped on the device when not ok
         c.optimizer.zero_grad(set_to_none=True)
         c.scheduler.step()
         loss, window.steps = out.loss, window.steps + 1
         first = loss if first is None else first
         result.last_step = step
         validate = c.val_sampler is not None and (step == total_steps or (eval_interval and step % eval_interval == 0))
-        if step % log_interval == 0 or step == total_steps or validate:
-            record = _record(c, result, step=step, loss=loss, grad_norm=grad_norm, lr=lr, elapsed=window.close(), metrics=out.metrics)
+        logged = step % log_interval == 0 or step == total_steps or validate
+        if logged:
+            record = _record(c, result, step=step, reading=c.guard.read(), lr=lr, elapsed=window.close(), metrics=out.metrics)
             hooks.progress(step, record["loss"], record["tokens_per_s"])
             if validate:
                 record.update(evaluate(c, steps=eval_steps))
                 result.val_loss = record["val_loss"]
                 hooks.validated(step, result.val_loss)
             hooks.log(record)
+            c.guard.decide(step)
         else:
             hooks.progress(step, None, None)
         hooks.after_step(step)
         stop = hooks.should_stop()
         if step == total_steps or stop or (checkpoint_interval and step % checkpoint_interval == 0):
-            hooks.checkpoint(step)
+            _checkpoint(c, hooks, step=step, read=not logged)
         if stop:
             result.stopped_early = step < total_steps
             break
@@ -104,12 +110,21 @@ def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: f
     return result
 
 
-def _record(c: Components, result: LoopResult, *, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float, elapsed: float, metrics: dict) -> dict:
-    """A logged step's record: the one read of loss and gradient norm from the device."""
-    loss_value, norm_value = torch.stack([loss.double(), grad_norm.double()]).tolist()
+def _checkpoint(c: Components, hooks: LoopHooks, *, step: int, read: bool) -> None:
+    """Save, once the steps since the last read are known to be fine (the hook checks the weights)."""
+    if read:
+        c.guard.read()
+        c.guard.decide(step)
+    hooks.checkpoint(step)
+
+
+def _record(c: Components, result: LoopResult, *, step: int, reading: Reading, lr: float, elapsed: float, metrics: dict) -> dict:
+    """A logged step's record, from the guard's one read of the device."""
+    loss_value, norm_value = reading.loss, reading.grad_norm
     result.losses.append(loss_value)
     result.step_times.append(elapsed)
     record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "tokens_per_s": c.tokens_per_step / elapsed, "step_time_s": elapsed}
+    record.update(reading.metrics)
     if c.meter is not None:
         result.measured = c.meter(elapsed)
         record.update(result.measured)
@@ -129,7 +144,7 @@ def evaluate(c: Components, *, steps: int) -> dict:
     return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
 
 
-def _unscale_and_clip(c: Components, grad_clip: float) -> torch.Tensor:
+def _unscale_and_clip(c: Components, grad_clip: float, *, flags: torch.Tensor) -> torch.Tensor:
     factor = c.scaler.unscale_factor()
     if factor != 1.0:
         with torch.no_grad():
@@ -137,4 +152,4 @@ def _unscale_and_clip(c: Components, grad_clip: float) -> torch.Tensor:
             locals_ = [local(g) for g in grads]
             if locals_:
                 torch._foreach_mul_(locals_, factor)
-    return c.clip_grads(grad_clip)
+    return c.clip_grads(grad_clip, flags=flags)

@@ -90,3 +90,13 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, optim: OptimConfig, tot
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, optim=optim, total_steps=total_steps)
     )
+
+
+def set_lr_scale(optimizer: torch.optim.Optimizer, scheduler, *, scale: float) -> None:
+    """Peak learning rates = each group's initial one x ``scale``; the schedule goes on at its step."""
+    base_lrs = [group["initial_lr"] * scale for group in optimizer.param_groups]
+    scheduler.base_lrs = base_lrs
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # type: ignore[attr-defined]

@@ -9,6 +9,9 @@ import torch
 
 from llmforge.config.dtypes import TORCH_NAMES
 
+#: The smallest dynamic loss scale (fp16).
+MIN_LOSS_SCALE = 1.0
+
 #: Precision name -> torch dtype.
 DTYPES = {name: getattr(torch, torch_name) for name, torch_name in TORCH_NAMES.items()}
 
@@ -36,12 +39,17 @@ class LossScaler:
     def unscale_factor(self) -> float:
         return 1.0 / self.scale if self.enabled else 1.0
 
+    @property
+    def at_floor(self) -> bool:
+        """The scale cannot shrink further: an overflow now is no longer the scaler's to absorb."""
+        return self.scale <= MIN_LOSS_SCALE
+
     def update(self, *, found_inf: bool) -> bool:
         """Record one step; returns True if the optimizer step should run."""
         if not self.enabled:
             return True
         if found_inf:
-            self.scale = max(self.scale / 2.0, 1.0)
+            self.scale = max(self.scale / 2.0, MIN_LOSS_SCALE)
             self.clean_steps = 0
             return False
         self.clean_steps += 1

@@ -26,7 +26,9 @@ from llmforge.plan import RunPlan
 from llmforge.rundir import write_plan
 from llmforge.train.components import Components, RankInfo
 from llmforge.train.loop import LoopHooks, LoopResult, train_loop
+from llmforge.train.recovery import check_and_save, train_recovering
 from llmforge.train.meter import measured_peak_bytes
+from llmforge.train.optim import set_lr_scale
 
 
 @dataclass
@@ -101,8 +103,8 @@ def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
 
 
 def train_state(c: Components) -> dict:
-    """The JSON part of a checkpoint: scheduler, sampler positions, loss scaler."""
-    state = {"scheduler": c.scheduler.state_dict(), "sampler": c.sampler.state_dict(), "scaler": c.scaler.state_dict()}
+    """The JSON part of a checkpoint: scheduler, sampler positions, loss scaler, the guard's counts."""
+    state = {"scheduler": c.scheduler.state_dict(), "sampler": c.sampler.state_dict(), "scaler": c.scaler.state_dict(), "anomaly": c.guard.state_dict()}
     if c.val_sampler is not None:
         state["val_sampler"] = c.val_sampler.state_dict()
     return state
@@ -112,16 +114,12 @@ def restore(c: Components, *, path: Path, console: Console) -> int:
     """Load a checkpoint into built components (resharding as needed); return its step.
 
     The learning-rate schedule continues at the saved step but follows this
-    plan's lr and length, so ``train.lr``/``train.steps`` overrides apply."""
+    plan's lr and length, so ``train.lr``/``train.steps`` overrides apply (times the
+    factor of the rollbacks before the save, ``train.rollback_lr_factor``)."""
     state = store.load(path=path, model_parts=c.model_parts, optimizer=c.optimizer)
-    scheduler = c.scheduler
-    base_lrs = [group["initial_lr"] for group in c.optimizer.param_groups]
-    scheduler.load_state_dict(state["scheduler"])
-    scheduler.base_lrs = base_lrs
-    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(base_lrs, scheduler.lr_lambdas)]
-    for group, lr in zip(c.optimizer.param_groups, lrs):
-        group["lr"] = lr
-    scheduler._last_lr = lrs  # type: ignore[attr-defined]
+    c.scheduler.load_state_dict(state["scheduler"])
+    c.guard.load_state_dict(state.get("anomaly", {}))
+    set_lr_scale(c.optimizer, c.scheduler, scale=c.guard.lr_scale)
     c.sampler.load_state_dict(state["sampler"])
     if c.val_sampler is not None and "val_sampler" in state:
         c.val_sampler.load_state_dict(state["val_sampler"])
@@ -187,20 +185,15 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
     hooks, closers, saver = _hooks(plan, c, rank=rank, start_step=start_step, console=console, stop=stop)
     closers.append(snapshots.close)
     add_profiler(plan, hooks, closers, snapshots=snapshots, rank=rank, start_step=start_step, console=console)
-    inject_fault(hooks, rank=rank)
+    inject_fault(hooks, c, rank=rank)
+
+    def loop(start: int) -> LoopResult:
+        return train_loop(c, start_step=start, total_steps=cfg.train.steps, grad_clip=cfg.optim.grad_clip, log_interval=cfg.train.log_interval,
+                          checkpoint_interval=plan.checkpoint_interval, hooks=hooks, eval_interval=cfg.train.eval_interval, eval_steps=cfg.train.eval_steps)
+
     try:
         with stop.installed(), explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
-            result: LoopResult = train_loop(
-                c,
-                start_step=start_step,
-                total_steps=cfg.train.steps,
-                grad_clip=cfg.optim.grad_clip,
-                log_interval=cfg.train.log_interval,
-                checkpoint_interval=plan.checkpoint_interval,
-                hooks=hooks,
-                eval_interval=cfg.train.eval_interval,
-                eval_steps=cfg.train.eval_steps,
-            )
+            result = train_recovering(c, loop=loop, start_step=start_step, root=plan.run_dir / "checkpoints", saver=saver, say=_say(console, rank))
             saver.close()
     finally:
         for close in closers:
@@ -218,6 +211,11 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         peak_memory_bytes=measured_peak_bytes(result.measured),
         val_loss=result.val_loss,
     )
+
+
+def _say(console: Console, rank: RankInfo) -> Callable[[str], None]:
+    """Print a line on rank 0 (as written), nothing elsewhere."""
+    return (lambda text: console.print(text, style="yellow", highlight=False, markup=False)) if rank.is_main else (lambda text: None)
 
 
 def _tighten_after_first_step(should_stop: Callable[[], bool], *, rank: RankInfo, seconds: float) -> Callable[[], bool]:
@@ -311,7 +309,7 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
         interval_hit = plan.checkpoint_interval and step % plan.checkpoint_interval == 0
         if step == cfg.train.steps and not cfg.checkpoint.save_final and not interval_hit and stop.name is None:
             return
-        saver.save(step=step, model_parts=c.model_parts, optimizer=c.optimizer, train_state=train_state(c), plan=plan.to_dict())
+        check_and_save(c, saver, step=step, train_state=train_state(c), plan=plan.to_dict())
 
     hooks.checkpoint = checkpoint
     if not rank.is_main:
@@ -335,7 +333,8 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
         """One metrics.jsonl line, and the W&B and TensorBoard records of a step."""
         metrics.write(record)
         wandb_run.log(record, step=record["step"])
-        progress.update(step=record["step"], mfu=record.get("mfu"), memory_gib=record.get("peak_reserved_gib", record.get("peak_rss_gib")))
+        progress.update(step=record["step"], mfu=record.get("mfu"), memory_gib=record.get("peak_reserved_gib", record.get("peak_rss_gib")),
+                        skipped=record.get("skipped_steps"))
         if tensorboard is not None:
             tensorboard.log(record)
 

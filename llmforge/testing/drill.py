@@ -1,0 +1,90 @@
+"""Anomaly drills on the equivalence harness's tiny model and synthetic data: a run with a
+fault injected (``LLMFORGE_FAULT``'s ``RANK:STEP:KIND``) under its ``train.anomaly`` policy,
+or the reference that skips the same batches by hand.
+
+Started as ``python -m llmforge.testing.drill SPEC.json OUT.pt`` (the harness's command line),
+a layout given as a dict is a drill: ``{"overrides": [...], "fault": "1:4-5:nan-grad",
+"checkpoints": DIR}`` runs the guarded loop (saving every ``checkpoint.interval`` steps into DIR
+and rolling back from there); ``{"overrides": [...], "skip": [FIRST, LAST], "lr_factor": F}`` is
+the reference: steps 1..FIRST-1, then batches FIRST..LAST consumed with no update (the
+schedule moving on), the learning rate times F, then the remaining steps.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import torch
+
+from llmforge.errors import UserError
+from llmforge.plan import RunPlan
+from llmforge.train.components import Components
+
+
+def run_drill(plan: RunPlan, spec: Dict[str, Any], *, device: torch.device) -> Dict[str, Any]:
+    """One drill or reference run; rank 0 returns the final parameters, every logged record,
+    the error a stop ended in and the lines a rollback printed."""
+    from llmforge.testing.harness import SyntheticSampler, full_parameters, rank_info
+    from llmforge.train.build import build_components
+    from llmforge.train.loop import LoopHooks, train_loop
+    from llmforge.train.instrument import inject_fault
+    from llmforge.train.optim import set_lr_scale
+    from llmforge.train.recovery import train_recovering
+
+    cfg = plan.config
+    torch.manual_seed(cfg.train.seed)
+    sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed)
+    c = build_components(plan, rank=rank_info(plan, device=device, mesh_of_one=spec.get("mesh_of_one", False)), sampler=sampler)
+    records: List[dict] = []
+    said: List[str] = []
+    hooks = LoopHooks(log=records.append)
+    root = Path(spec.get("checkpoints") or "/nonexistent-llmforge-drill")
+    saver = _saver(plan, c, hooks, root=root) if spec.get("checkpoints") else None
+    inject_fault(hooks, c, rank=c.rank, spec=spec.get("fault") or "")
+
+    def loop(start: int, total: int = cfg.train.steps):
+        interval = plan.checkpoint_interval if saver is not None else 0
+        return train_loop(c, start_step=start, total_steps=total, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=interval, hooks=hooks)
+
+    error = ""
+    try:
+        if spec.get("skip"):
+            first, last = spec["skip"]
+            loop(0, first - 1)
+            skip_batches(c, count=last - first + 1)
+            set_lr_scale(c.optimizer, c.scheduler, scale=spec.get("lr_factor", 1.0))
+            loop(last)
+        else:
+            train_recovering(c, loop=loop, start_step=0, root=root, saver=saver, say=said.append)
+    except UserError as exc:
+        error = exc.message()
+    finally:
+        if saver is not None:
+            saver.close()
+    return {"params": full_parameters(c), "records": records, "error": error, "said": said}
+
+
+def skip_batches(c: Components, *, count: int) -> None:
+    """Consume ``count`` global batches and move the schedule on, updating nothing."""
+    for _ in range(count):
+        c.sampler.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size)
+        c.scheduler.step()
+
+
+def _saver(plan: RunPlan, c: Components, hooks, *, root: Path):
+    """A checkpoint saver under ``root`` and the loop's checkpoint hook, as a run has them."""
+    from llmforge.checkpoint.store import CheckpointSaver
+    from llmforge.train.recovery import check_and_save
+    from llmforge.train.run import train_state
+
+    saver = CheckpointSaver(root=root, keep=plan.config.checkpoint.keep, async_save=False, rank=c.rank.rank, log=lambda text: None)
+    hooks.checkpoint = lambda step: check_and_save(c, saver, step=step, train_state=train_state(c), plan=plan.to_dict())
+    return saver
+
+
+if __name__ == "__main__":
+    from llmforge.testing.harness import main
+
+    main(sys.argv[1:], drill=run_drill)
