@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from llmforge.config.dtypes import DTYPES
-from llmforge.config.schema import RECOMPUTE_MODES, SCHEDULES, RunConfig
+from llmforge.config.schema import OFFLOAD_MODES, RECOMPUTE_MODES, SCHEDULES, RunConfig
 from llmforge.config.train_rules import check_training
 from llmforge.errors import Problem, UserError, fail
 from llmforge.hardware import get_profile, is_known, unknown_problem
 from llmforge.layout import (
-    Layout, check_backend, check_batch, check_ep, check_hsdp, check_pipeline, check_tp, check_world, ints, world_and_dp,
+    Layout, check_backend, check_batch, check_ep, check_hsdp, check_offload, check_pipeline, check_tp, check_world, ints, world_and_dp,
 )
 
 CHOICES: Dict[str, tuple] = {
@@ -32,6 +32,7 @@ CHOICES: Dict[str, tuple] = {
     "model.moe.balance": ("aux", "bias", "none"),
     "parallel.pp_schedule": SCHEDULES,
     "parallel.recompute": RECOMPUTE_MODES,
+    "parallel.offload": OFFLOAD_MODES,
     "precision.param_dtype": DTYPES,
     "precision.reduce_dtype": DTYPES,
     "precision.fp8_recipe": ("tensorwise", "rowwise"),
@@ -152,7 +153,7 @@ def _validate(config: RunConfig) -> List[Problem]:
     problems: List[Problem] = []
     checks = (
         _check_choices, _check_ranges, _check_model, check_world, check_tp, check_pipeline, check_batch, _check_moe, check_ep,
-        _check_data, _check_accelerator, _check_fp8, check_hsdp, check_backend, check_training,
+        _check_data, _check_accelerator, _check_fp8, check_hsdp, check_backend, check_offload, check_training,
     )
     for check in checks:
         problems.extend(check(config))

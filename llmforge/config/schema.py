@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Optional
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_interleaved", "zbv")
 #: Activation recomputation modes (``parallel.recompute``).
 RECOMPUTE_MODES = ("none", "selective", "full")
+#: parallel.offload: what lives in host memory.
+OFFLOAD_MODES = ("none", "states")
 
 
 def knob(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None) -> Any:
@@ -95,6 +97,14 @@ class ParallelConfig:
         help="ZeRO-0: all-reduce gradients in buckets during backward. null = on for GPUs (NCCL), off on CPU (gloo), where it measured slower.",
     )
     bucket_mb: float = knob(25.0, help="ZeRO-0 gradient bucket size in MB when the reduction overlaps backward.")
+    offload: str = knob(
+        "none",
+        help="states: keep this rank's shard of the fp32 master weights, gradients and AdamW moments in host memory and "
+        "run the optimizer step on the CPU (FSDP2 CPUOffloadPolicy; needs parallel.zero 1-3); none: all on the device.",
+    )
+    offload_activations: bool = knob(
+        False, help="Copy the activations saved for backward to host memory during forward and back during backward."
+    )
 
 
 @dataclass
@@ -181,6 +191,12 @@ class OptimConfig:
 class ClusterConfig:
     accelerator: str = knob("cpu", help="Hardware profile name (llmforge estimate lists them) or a profile YAML path.")
     nodes: int = knob(1, help="Nodes.")
+    min_nodes: Optional[int] = knob(
+        None,
+        help="Elastic training: the job goes on with as few as this many nodes (torchrun --nnodes=min_nodes:nodes); after a "
+        "node is lost the ranks restart at the smaller world, parallel.dp=auto over it, from the newest checkpoint. "
+        "null = cluster.nodes (not elastic).",
+    )
     devices_per_node: Optional[int] = knob(
         None, help="Processes (GPUs) per node; world size = nodes * devices_per_node. null = as many as the layout needs."
     )

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate import fp8
 from llmforge.estimate import kernels as kn
-from llmforge.estimate.memory import StageMemory, all_stages, most_loaded
+from llmforge.estimate.memory import StageMemory, all_stages, most_loaded, stage_activations
+from llmforge.estimate.offload import HostUse, host_use, offloads
 from llmforge.estimate.params import active_params, layout_rank_params, representative_stages, stage_counts, total_params
 from llmforge.estimate.pipeline import bubble_fraction
 from llmforge.estimate.shape import Job, Shape, from_plan
@@ -56,6 +57,8 @@ class Estimate:
     hardware_flops: float
     comm: cm.Comm
     parts: Dict[str, float]
+    #: The host side of CPU offload (llmforge.estimate.offload); None without offload.
+    host: Optional[HostUse] = None
 
     @property
     def step_s(self) -> float:
@@ -63,7 +66,7 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return self.worst.total <= self.job.profile.memory_bytes
+        return self.worst.total <= self.job.profile.memory_bytes and (self.host is None or self.host.fits)
 
     @property
     def headroom(self) -> float:
@@ -226,12 +229,19 @@ def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True
         "compute": m * t_compute, "tp_ep_comm": m * t_collective, "bubble": m * t_mb * bubble / (1 - bubble),
         "dp_comm": comm.dp_exposed_s, "pp_comm": comm.pp_exposed_s, "cp_comm": comm.cp_exposed_s, "optimizer": optimizer_s,
     }
+    host = None
+    if offloads(layout):
+        host = host_use(shape, layout, job, stage=worst.stage, activations=stage_activations(shape, layout, job, worst.stage, m),
+                        microbatches=m, compute_s=m * t_compute)
+        parts.update(offload_copy=host.exposed_copy_s, cpu_optimizer=host.optimizer_s)
+        if layout.offload == "states":
+            parts["optimizer"] = 0.0  # the device runs no optimizer step
     tokens = job.global_batch * shape.seq
     return Estimate(
         shape=shape, layout=layout, job=job, microbatches=m, params_total=total_params(shape),
         params_active=active_params(shape), stages=stages, worst=worst, bubble=bubble,
         model_flops=fl.model_flops(shape, tokens), hardware_flops=fl.hardware_flops(shape, layout, tokens),
-        comm=comm, parts=parts,
+        comm=comm, parts=parts, host=host,
     )
 
 

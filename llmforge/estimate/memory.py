@@ -189,7 +189,12 @@ def stage_memory(shape: Shape, layout: Layout, job: Job, stage: int, microbatche
     activations = stage_activations(shape, layout, job, stage, microbatches)
     transient = _transient(shape, layout, job, stage, params)
     reserved = job.profile.runtime_reserved_bytes + FRAGMENTATION * (activations + transient)
-    return StageMemory(stage, params, weights, grads, optimizer, activations, transient, reserved)
+    mem = StageMemory(stage, params, weights, grads, optimizer, activations, transient, reserved)
+    if layout.offload != "none" or layout.offload_activations:
+        from llmforge.estimate.offload import device_memory
+
+        return device_memory(mem, shape, layout, job, stage)
+    return mem
 
 
 def all_stages(shape: Shape, layout: Layout, job: Job, microbatches: int, *, every_stage: bool = True) -> List[StageMemory]:

@@ -48,9 +48,10 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
 
 
 def runs_here(plan: RunPlan) -> bool:
-    """One rank, no restarts and ``cluster.launcher=local``: train in this process."""
+    """One rank, no restarts, no offloaded states (FSDP2's, which needs a process group) and
+    ``cluster.launcher=local``: train in this process."""
     c = plan.config.cluster
-    return plan.world_size == 1 and c.launcher == "local" and c.max_restarts == 0
+    return plan.world_size == 1 and c.launcher == "local" and c.max_restarts == 0 and plan.config.parallel.offload == "none"
 
 
 def launch_distributed(plan: RunPlan, *, resume_from: Optional[Path], dry_run: bool, console: Console) -> None:

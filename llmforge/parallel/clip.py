@@ -15,7 +15,7 @@ caller decides when (and whether) to look at the norm.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,10 @@ class GlobalClip:
     ranks_per_stage: int = 1
     skip: Set[int] = field(default_factory=set)
     distributed: bool = False
+    #: Where the norm is returned: the compute device (offloaded gradients' norm is summed on the host).
+    device: Optional[torch.device] = None
+    #: The group summing the norm (None: the default one); offloaded on GPUs: a gloo group, for host tensors.
+    group: Optional[dist.ProcessGroup] = None
     _copies_of: Dict[int, int] = field(default_factory=dict, repr=False)
 
     def __call__(self, max_norm: float) -> torch.Tensor:
@@ -48,7 +52,7 @@ class GlobalClip:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for dtype, tensors in _by_dtype([local(g) for g in grads]).items():
                 torch._foreach_mul_(tensors, coef.to(dtype))
-        return norm
+        return norm if self.device is None or norm.device == self.device else norm.to(self.device)
 
     def norm(self, grads: List[torch.Tensor]) -> torch.Tensor:
         """The global L2 norm of the gradients (float64, on their device)."""
@@ -65,7 +69,7 @@ class GlobalClip:
             squares = torch.stack(torch._foreach_norm(tensors)).double().square().sum()
             total = total + (squares / copies if copies > 1 else squares)
         if self.distributed:
-            dist.all_reduce(total)
+            dist.all_reduce(total, group=self.group)
         return total.sqrt()
 
     def _copies(self, p: nn.Parameter) -> int:
