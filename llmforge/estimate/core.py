@@ -30,7 +30,7 @@ from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate import fp8
 from llmforge.estimate import kernels as kn
-from llmforge.estimate.memory import StageMemory, all_stages, most_loaded, stage_activations
+from llmforge.estimate.memory import StageMemory, all_stages, most_loaded, shard_numel, stage_activations
 from llmforge.estimate.offload import HostUse, host_use, offloads
 from llmforge.estimate.params import active_params, layout_rank_params, representative_stages, stage_counts, total_params
 from llmforge.estimate.pipeline import bubble_fraction
@@ -231,8 +231,8 @@ def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True
     }
     host = None
     if offloads(layout):
-        host = host_use(shape, layout, job, stage=worst.stage, activations=stage_activations(shape, layout, job, worst.stage, m),
-                        microbatches=m, compute_s=m * t_compute)
+        host = host_use(shape, layout, job, stage=worst.stage, shard=shard_numel(shape, layout, worst.stage),
+                        activations=stage_activations(shape, layout, job, worst.stage, m), microbatches=m, compute_s=m * t_compute)
         parts.update(offload_copy=host.exposed_copy_s, cpu_optimizer=host.optimizer_s)
         if layout.offload == "states":
             parts["optimizer"] = 0.0  # the device runs no optimizer step

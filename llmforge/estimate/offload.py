@@ -33,7 +33,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from llmforge.config.dtypes import DTYPE_BYTES
-from llmforge.estimate.params import layout_rank_params, stage_counts
+from llmforge.estimate.params import stage_counts
 from llmforge.estimate.pipeline import inflight_microbatches
 from llmforge.estimate.shape import Job, Shape
 from llmforge.layout import Layout
@@ -69,37 +69,19 @@ class HostUse:
         return self.node_bytes <= self.node_capacity
 
 
-def _shard(shape: Shape, layout: Layout, stage: int) -> int:
-    """Elements of this rank's parameter shard (the whole stage on a group of one)."""
-    from llmforge.estimate.memory import _cached_shard, groups
-
-    params = layout_rank_params(shape, layout, stage)
-    group, expert_group = groups(layout)
-    return params.numel if group == 1 else _cached_shard(params, group, expert_group)
-
-
-def _block_numel(shape: Shape, layout: Layout, stage: int) -> float:
-    """Elements of this stage's largest block on one tp rank."""
-    from llmforge.estimate.memory import _block_numel as numel
-
-    counts = stage_counts(shape, layout)[stage]
-    moe = numel(shape, True) if counts.moe + counts.moe_ckpt else 0
-    dense = numel(shape, False) if counts.dense + counts.dense_ckpt else 0
-    return max(moe, dense) / layout.tp
-
-
-def device_memory(mem, shape: Shape, layout: Layout, job: Job, stage: int):
-    """``mem`` (a StageMemory) with the offloaded parts moved off the device."""
+def device_memory(mem, shape: Shape, layout: Layout, job: Job, *, block: float):
+    """``mem`` (a StageMemory) with the offloaded parts moved off the device (``block``:
+    elements of the stage's largest block on one rank)."""
     if layout.offload == "states":
-        mem = _states_off(mem, shape, layout, job, stage)
+        mem = _states_off(mem, layout, job, block=block)
     if layout.offload_activations:
-        blocks = max(1, stage_counts(shape, layout)[stage].blocks)
+        blocks = max(1, stage_counts(shape, layout)[mem.stage].blocks)
         kept = min(mem.activations, 2 * mem.activations / blocks)
         mem = dataclasses.replace(mem, activations=kept, reserved=mem.reserved - 0.1 * (mem.activations - kept))
     return mem
 
 
-def _states_off(mem, shape: Shape, layout: Layout, job: Job, stage: int):
+def _states_off(mem, layout: Layout, job: Job, *, block: float):
     full = mem.params
     whole_copy = layout.zero < 3 or layout.pp > 1
     whole_grads = layout.zero == 1 or layout.pp > 1
@@ -107,7 +89,6 @@ def _states_off(mem, shape: Shape, layout: Layout, job: Job, stage: int):
     weights = job.compute_bytes * full if whole_copy else 0.0
     grads = rb * full if whole_grads else 0.0
     transient = mem.transient
-    block = _block_numel(shape, layout, stage)
     group = layout.dp_shard * layout.cp
     if group == 1:  # FSDP2 over one rank: the gathers and block gradients the unsharded count left out
         transient += block * (job.compute_bytes + rb) + (2 * block * job.compute_bytes if not whole_copy else 0.0)
@@ -116,10 +97,11 @@ def _states_off(mem, shape: Shape, layout: Layout, job: Job, stage: int):
                                reserved=mem.reserved + 0.1 * (transient - mem.transient))
 
 
-def host_use(shape: Shape, layout: Layout, job: Job, *, stage: int, activations: float, microbatches: int, compute_s: float) -> HostUse:
+def host_use(shape: Shape, layout: Layout, job: Job, *, stage: int, shard: int, activations: float, microbatches: int, compute_s: float) -> HostUse:
     """Host memory, link transfers and CPU optimizer time of ``layout`` (``stage``: the most-loaded
-    one; ``activations``: its saved activations before offload; ``compute_s``: the step's compute)."""
-    shard = _shard(shape, layout, stage) if layout.offload == "states" else 0
+    one; ``shard``: the elements of its parameter shard; ``activations``: its saved activations
+    before offload; ``compute_s``: the step's compute)."""
+    shard = shard if layout.offload == "states" else 0
     m = microbatches
     gathers = 2 * m if layout.zero == 3 and layout.pp == 1 else 1
     scatters = m if layout.zero >= 2 and layout.pp == 1 else 1

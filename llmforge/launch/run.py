@@ -14,7 +14,7 @@ from typing import Optional
 
 from rich.console import Console
 
-from llmforge.launch.checks import check_devices, check_space, preflight
+from llmforge.launch.checks import check_devices, check_host_memory, check_space, preflight
 from llmforge.plan import RunPlan
 from llmforge.rundir import RunLock, check_writable, plan_path, write_plan
 
@@ -36,6 +36,7 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
         check_writable(folder, key="run.dir")
     if launcher != "slurm":
         check_space(plan)
+        check_host_memory(plan)
     with _lock(plan):
         if resume_from is None:
             claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
