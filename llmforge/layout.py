@@ -127,10 +127,13 @@ class Layout:
         return " ".join(parts)
 
 
-def world_and_dp(config: RunConfig) -> Tuple[int, int]:
-    """World size and data-parallel degree (``parallel.dp=auto``: what the devices leave)."""
+def world_and_dp(config: RunConfig, *, world: Optional[int] = None) -> Tuple[int, int]:
+    """World size and data-parallel degree (``parallel.dp=auto``: what the devices leave);
+    ``world``: the ranks an elastic run got (llmforge.elastic) instead of nodes x devices_per_node."""
     p, c = config.parallel, config.cluster
     model_parallel = p.tp * p.pp * p.cp
+    if world is not None:
+        return world, world // model_parallel if p.dp == "auto" else int(p.dp)
     if c.devices_per_node is None:
         dp = 1 if p.dp == "auto" else int(p.dp)
         return dp * model_parallel, dp

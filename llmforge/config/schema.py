@@ -197,6 +197,11 @@ class ClusterConfig:
         "node is lost the ranks restart at the smaller world, parallel.dp=auto over it, from the newest checkpoint. "
         "null = cluster.nodes (not elastic).",
     )
+    elastic_wait_s: int = knob(
+        30,
+        help="Elastic training: after a restart the rendezvous waits this long for more nodes to join once cluster.min_nodes "
+        "are there (torchrun's last_call_timeout); a lost node is noticed within about half of it (keep-alive).",
+    )
     devices_per_node: Optional[int] = knob(
         None, help="Processes (GPUs) per node; world size = nodes * devices_per_node. null = as many as the layout needs."
     )

@@ -184,7 +184,7 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
     started = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
     from llmforge.observe.profile import MemorySnapshots
-    from llmforge.train.instrument import add_profiler, explain_oom, inject_fault
+    from llmforge.train.instrument import add_profiler, explain_oom, inject_fault, inject_node_loss
 
     snapshots = MemorySnapshots(mode=cfg.train.memory_snapshot, device=rank.device, out_dir=plan.run_dir / "profile", rank=rank.rank)
     built: List[Components] = []
@@ -203,6 +203,7 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
     closers.append(snapshots.close)
     add_profiler(plan, hooks, closers, snapshots=snapshots, rank=rank, start_step=start_step, console=console)
     inject_fault(hooks, rank=rank)
+    inject_node_loss(hooks)
     try:
         with stop.installed(), explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
             result: LoopResult = train_loop(
