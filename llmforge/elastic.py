@@ -101,10 +101,12 @@ def world_problems(config: RunConfig, world: int) -> List[Problem]:
     return []
 
 
-def describe_change(before, after) -> str:
-    """``before`` -> ``after`` (RunPlans of one run on two worlds), in words."""
+def describe_change(before, after, *, start: bool = False) -> str:
+    """``before`` -> ``after`` (RunPlans of one run on two worlds), in words; ``start``: ``before``
+    is the plan as launched and the run starts on fewer nodes."""
     c = after.config.cluster
-    return (f"the world changed from {before.world_size} to {after.world_size} ranks "
+    what = f"{after.world_size} of the planned {before.world_size} ranks came" if start else f"the world changed from {before.world_size} to {after.world_size} ranks"
+    return (f"{what} "
             f"({_nodes(before)} -> {_nodes(after)} of {c.nodes} nodes): layout {before.layout} -> {after.layout}, "
             f"{before.microbatches} -> {after.microbatches} microbatches per data-parallel rank, "
             f"global batch {after.config.train.global_batch_size} sequences as before")

@@ -68,7 +68,7 @@ def _restart_line(plan, *, launched, checkpoint: Optional[str], where: str):
     from llmforge.elastic import describe_change
 
     before = _saved_plan(checkpoint) or launched
-    return Text.assemble((head, "bold yellow"), f": {describe_change(before, plan)}; {where}")
+    return Text.assemble((head, "bold yellow"), f": {describe_change(before, plan, start=attempt() == 0)}; {where}")
 
 
 def _saved_plan(checkpoint: Optional[str]):
