@@ -71,8 +71,6 @@ def _settings(config: RunConfig) -> List[Problem]:
                            "set cluster.max_restarts=3 (or more)"))
     if not ints(c.elastic_wait_s) or c.elastic_wait_s < 1:
         out.append(Problem("cluster.elastic_wait_s", c.elastic_wait_s, "must be a positive number of seconds", "use e.g. 30"))
-    if c.launcher == "torchrun" and c.nodes == 1:
-        out.append(Problem("cluster.min_nodes", c.min_nodes, "an elastic plan needs several nodes", "set cluster.nodes above cluster.min_nodes"))
     return out
 
 
@@ -115,3 +113,9 @@ def describe_change(before, after, *, start: bool = False) -> str:
 def _nodes(plan) -> int:
     per_node = plan.config.cluster.devices_per_node
     return plan.world_size // per_node if per_node else plan.config.cluster.nodes
+
+
+def smallest(plan):
+    """An elastic plan on the fewest nodes of its range (the plan itself otherwise)."""
+    c = plan.config.cluster
+    return plan.at_world(c.min_nodes * c.devices_per_node) if is_elastic(plan.config) else plan

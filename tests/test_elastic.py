@@ -118,3 +118,20 @@ def test_elastic_plans_that_cannot_run_on_every_node_count_are_refused():
                        "cluster.max_restarts=1", "parallel.pp=4", "train.global_batch_size=64", "train.micro_batch_size=1")
     assert "with 1 node(s) of the elastic range 1-4: does not divide the world size 2" in text
     assert "cluster.min_nodes = 3" in problems_of("cluster.nodes=2", "cluster.min_nodes=3")
+
+
+def test_an_elastic_plan_must_fit_its_smallest_world_in_memory():
+    """On fewer nodes ZeRO shards over fewer ranks: llama-8b fits 4 H100s, not the 1 of min_nodes=1."""
+    import io
+
+    from rich.console import Console
+
+    from llmforge.launch.checks import preflight
+
+    plan = RunPlan.build(compose(["recipe=llama-8b", "parallel=fsdp", "parallel.dp=auto", "parallel.recompute=full", "cluster.nodes=4",
+                                  "cluster.min_nodes=1", "cluster.devices_per_node=1", "cluster.max_restarts=2", "cluster.rdzv_endpoint=h:1",
+                                  "train.global_batch_size=504"]))
+    quiet = Console(file=io.StringIO())
+    with pytest.raises(UserError, match="on 1 node\\(s\\) the layout is single, which does not fit"):
+        preflight(plan, force=False, resume=False, console=quiet)
+    preflight(plan, force=True, resume=False, console=quiet)

@@ -190,7 +190,7 @@ def search(shape: Shape, job: Job, *, world: int, top: int = 5) -> SearchResult:
     for structure in structures(shape, job, world):
         _evaluate(shape, job, structure, keep, max(top, 2), counters)
     offloaded = ""
-    if not keep:
+    if not keep and not job.fp8:  # the plan refuses offload with precision.fp8
         for offload in OFFLOAD_STEPS:
             for structure in offload_structures(shape, job, world, **offload):
                 _evaluate(shape, job, structure, keep, max(top, 2), counters)
@@ -331,6 +331,7 @@ def plan_config(plan, layout: Layout):
         c.parallel, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, zero=layout.zero,
         sequence_parallel=layout.sequence_parallel, pp_schedule=layout.schedule, pp_virtual_stages=layout.virtual_stages,
         recompute=layout.recompute, recompute_every=layout.recompute_every, pp_layers=None, dp_replicate=layout.dp_replicate,
+        offload=layout.offload, offload_activations=layout.offload_activations,
     )
     train = dataclasses.replace(c.train, micro_batch_size=layout.micro_batch)
     cluster = c.cluster if c.cluster.devices_per_node else dataclasses.replace(c.cluster, devices_per_node=layout.world // c.cluster.nodes)
