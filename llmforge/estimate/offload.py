@@ -19,8 +19,9 @@ Step time gains three terms. The copies over the host link (``host_link_gbs`` pe
 device and direction, both directions at once): the fp32 shard up at every gather
 (twice per microbatch under ZeRO 3, once per step otherwise), the gradient shard down
 at every reduce-scatter, and the saved activations down and up; compute hides them
-but for the first block's transfer of each pass (``offload_copy`` is what it does not
-hide). The CPU AdamW step with the gradient clip and the host-side gradient
+but for the first block's transfer of each pass and the gradient shards that FSDP2
+copies down synchronously to add them to the host's (ZeRO 2 and 3, every microbatch
+after the first): ``offload_copy`` is what compute does not hide. The CPU AdamW step with the gradient clip and the host-side gradient
 accumulation moves bytes over the node's host memory, shared by its devices, at
 ``HOST_ADAM_EFFICIENCY`` of ``host_memory_bandwidth_gbs`` (``cpu_optimizer``).
 Host memory per node is every device's offloaded states and activations, checked
@@ -105,14 +106,19 @@ def host_use(shape: Shape, layout: Layout, job: Job, *, stage: int, shard: int, 
     m = microbatches
     gathers = 2 * m if layout.zero == 3 and layout.pp == 1 else 1
     scatters = m if layout.zero >= 2 and layout.pp == 1 else 1
+    bandwidth = job.profile.host_link_bandwidth
     up = FP32 * shard * gathers
     down = DTYPE_BYTES[job.reduce_dtype] * shard * scatters
+    # a gradient shard that adds to the one already on the host is copied down synchronously
+    # (FSDP2 waits for it before the CPU add): not hidden
+    blocking_s = DTYPE_BYTES[job.reduce_dtype] * shard * (scatters - 1) / bandwidth
     held = activations if layout.offload_activations else 0.0
     per_step = held / inflight_microbatches(layout, stage=stage, microbatches=m) * m if held else 0.0
     up, down = up + per_step, down + per_step
-    copy_s = max(up, down) / job.profile.host_link_bandwidth
+    copy_s = max(up, down) / bandwidth
     blocks = max(1, stage_counts(shape, layout)[stage].blocks)
-    exposed = max(0.0, copy_s - compute_s) + copy_s / (2 * m * blocks) if copy_s else 0.0
+    overlapped = copy_s - blocking_s
+    exposed = blocking_s + max(0.0, overlapped - compute_s) + overlapped / (2 * m * blocks) if copy_s else 0.0
     devices = min(layout.world, job.node_size)
     host_bytes = shard * (ADAM_BYTES + CLIP_BYTES + ACCUMULATE_BYTES * (scatters - 1))
     optimizer_s = devices * host_bytes / (job.profile.host_memory_bandwidth * HOST_ADAM_EFFICIENCY)
