@@ -15,6 +15,9 @@ structured sparsity). The optional ``matmul_efficiency``, ``matmul_dim``,
 share of the compute units a running collective holds, and ``comm_latency_us``, one collective between two
 ranks, paid once per ring hop: ``llmforge.estimate.comm``). ``peak_tflops.fp8`` is optional: a profile without it has
 no FP8 tensor cores, and ``precision.fp8`` is refused there (unless emulated).
+The optional ``host_memory_gib`` (per node), ``host_link_gbs`` (per device and
+direction: PCIe or NVLink-C2C) and ``host_memory_bandwidth_gbs`` (per node) describe
+the host for CPU offload (``parallel.offload``, ``llmforge.estimate.offload``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import os
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, List, Mapping
+from typing import Dict, List, Mapping, Optional
 
 from llmforge.config.dtypes import DTYPES
 from llmforge.errors import Problem, UserError, nearest
@@ -34,7 +37,9 @@ REQUIRED = ("name", "memory_gib", "peak_tflops", "memory_bandwidth_gbs", "intra_
 #: The step-time model's rates (see llmforge.estimate.kernels); defaults in Profile.
 SPEED_KEYS = ("matmul_efficiency", "matmul_dim", "attention_efficiency", "attention_backward_efficiency", "bandwidth_efficiency",
               "comm_sm_share", "kernel_floor_us")
-OPTIONAL = ("runtime_reserved_gib", "comm_efficiency", "comm_latency_us") + SPEED_KEYS
+#: The host side, for CPU offload (llmforge.estimate.offload); defaults in Profile.
+HOST_KEYS = ("host_memory_gib", "host_link_gbs", "host_memory_bandwidth_gbs")
+OPTIONAL = ("runtime_reserved_gib", "comm_efficiency", "comm_latency_us") + SPEED_KEYS + HOST_KEYS
 
 
 @dataclass(frozen=True)
@@ -64,12 +69,23 @@ class Profile:
     kernel_floor_us: float = 5.0
     #: Fixed seconds-equivalent of one collective, microseconds (alpha of alpha + bytes/bandwidth).
     comm_latency_us: float = 0.0
+    #: Host memory of one node, bytes (None: 2 x the node's device memory).
+    host_memory: Optional[int] = None
+    #: Host link per device and direction (PCIe 5.0 x16 ~ 50 GB/s achieved, Grace C2C 450), bytes/s.
+    host_link_bandwidth: float = 25e9
+    #: Host memory bandwidth of one node (all its CPU sockets), bytes/s.
+    host_memory_bandwidth: float = 200e9
     description: str = ""
     source: str = field(default="", compare=False)
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for matmuls in ``dtype``."""
         return self.peak_flops[dtype]
+
+    @property
+    def host_memory_bytes(self) -> int:
+        """Host memory of one node."""
+        return self.host_memory if self.host_memory is not None else 2 * self.memory_bytes * self.devices_per_node
 
     @property
     def has_fp8(self) -> bool:
@@ -124,11 +140,24 @@ def parse_profile(data: dict, *, source: str = "", description: str = "") -> Pro
             comm_efficiency=float(data.get("comm_efficiency", 0.7)),
             comm_latency_us=float(data.get("comm_latency_us", 0.0)),
             **{k: float(data[k]) for k in SPEED_KEYS if k in data},
+            **_host_fields(data),
             description=description,
             source=source,
         )
     except (TypeError, ValueError) as exc:
         raise UserError([Problem(source, "", f"a profile value has the wrong type: {exc}", "use numbers for sizes and speeds")], title="invalid hardware profile") from None
+
+
+def _host_fields(data: dict) -> dict:
+    """The optional host keys, in bytes and bytes/s."""
+    out: dict = {}
+    if "host_memory_gib" in data:
+        out["host_memory"] = int(float(data["host_memory_gib"]) * GIB)
+    if "host_link_gbs" in data:
+        out["host_link_bandwidth"] = float(data["host_link_gbs"]) * 1e9
+    if "host_memory_bandwidth_gbs" in data:
+        out["host_memory_bandwidth"] = float(data["host_memory_bandwidth_gbs"]) * 1e9
+    return out
 
 
 @lru_cache(maxsize=8)

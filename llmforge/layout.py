@@ -67,6 +67,9 @@ class Layout:
     #: Layers of each chunk for an uneven split (``parallel.pp_layers``); None: even.
     pp_layers: Optional[Tuple[int, ...]] = None
     dp_replicate: int = 1
+    #: ``parallel.offload``: ``states`` keeps the shard's fp32 model states in host memory.
+    offload: str = "none"
+    offload_activations: bool = False
 
     @classmethod
     def from_config(cls, config: RunConfig, *, dp: int) -> "Layout":
@@ -77,6 +80,7 @@ class Layout:
             schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages, recompute=p.recompute,
             recompute_every=p.recompute_every, micro_batch=config.train.micro_batch_size,
             pp_layers=tuple(p.pp_layers) if p.pp_layers else None, dp_replicate=p.dp_replicate,
+            offload=p.offload, offload_activations=p.offload_activations,
         )
 
     @property
@@ -115,14 +119,21 @@ class Layout:
         ]
         if self.pp > 1:
             parts += [f"parallel.pp_schedule={self.schedule}", f"parallel.pp_virtual_stages={self.virtual_stages}"]
+        if self.offload != "none":
+            parts.append(f"parallel.offload={self.offload}")
+        if self.offload_activations:
+            parts.append("parallel.offload_activations=true")
         parts.append(f"train.micro_batch_size={self.micro_batch}")
         return " ".join(parts)
 
 
-def world_and_dp(config: RunConfig) -> Tuple[int, int]:
-    """World size and data-parallel degree (``parallel.dp=auto``: what the devices leave)."""
+def world_and_dp(config: RunConfig, *, world: Optional[int] = None) -> Tuple[int, int]:
+    """World size and data-parallel degree (``parallel.dp=auto``: what the devices leave);
+    ``world``: the ranks an elastic run got (llmforge.elastic) instead of nodes x devices_per_node."""
     p, c = config.parallel, config.cluster
     model_parallel = p.tp * p.pp * p.cp
+    if world is not None:
+        return world, world // model_parallel if p.dp == "auto" else int(p.dp)
     if c.devices_per_node is None:
         dp = 1 if p.dp == "auto" else int(p.dp)
         return dp * model_parallel, dp
@@ -274,4 +285,23 @@ def check_backend(config: RunConfig) -> List[Problem]:
         out.append(Problem("parallel.cp", p.cp, f"context parallelism is not supported with pipeline parallelism (parallel.pp={p.pp})", "set parallel.cp=1 or parallel.pp=1"))
     if config.model.moe.num_experts > 0:
         out.append(Problem("parallel.cp", p.cp, "context parallelism is not supported with MoE models (model.moe.num_experts > 0): routing and the router losses would see only a slice of each sequence", "set parallel.cp=1 or model.moe.num_experts=0"))
+    return out
+
+
+def check_offload(config: RunConfig) -> List[Problem]:
+    """CPU offload runs on FSDP2 (ZeRO 1-3) and not with float8 training or compiled blocks' saved activations."""
+    p, out = config.parallel, []
+    if p.offload == "states" and p.zero == 0:
+        out.append(Problem("parallel.offload", p.offload, "offloaded states are FSDP2's CPUOffloadPolicy, and parallel.zero=0 does not shard with FSDP2",
+                           "set parallel.zero=1 (compute weights and gradients stay whole on the device: one copy each way per step) or 3 (least device memory)"))
+    dp = _dp(config)
+    if p.offload == "states" and p.zero > 0 and dp is not None and ints(p.cp) and dp * p.cp == 1 and world_and_dp(config)[0] > 1:
+        out.append(Problem("parallel.offload", p.offload, "FSDP2 shards over the data-parallel ranks, and this layout has dp x cp = 1 on several ranks, so nothing carries the offload",
+                           "use data parallelism (parallel.dp > 1) with ZeRO, or parallel.offload=none"))
+    if p.offload == "states" and config.precision.fp8:
+        out.append(Problem("parallel.offload", p.offload, "is not combined with precision.fp8 (float8 weight scales are computed on the device from the sharded weights)",
+                           "set parallel.offload=none or precision.fp8=false"))
+    if p.offload_activations and config.train.compile:
+        out.append(Problem("parallel.offload_activations", True, "saved-tensor hooks and torch.compile'd blocks are not combined",
+                           "set train.compile=false or parallel.offload_activations=false"))
     return out

@@ -18,12 +18,13 @@ from typing import Any, Dict, List, Optional
 
 from llmforge.config.dtypes import DTYPES
 from llmforge.config.ranges import INT64_MAX, range_problems
-from llmforge.config.schema import ANOMALY_POLICIES, RECOMPUTE_MODES, SCHEDULES, RunConfig
+from llmforge.config.schema import ANOMALY_POLICIES, OFFLOAD_MODES, RECOMPUTE_MODES, SCHEDULES, RunConfig
 from llmforge.config.train_rules import check_training
+from llmforge.elastic import check_elastic, world_problems
 from llmforge.errors import Problem, UserError, fail
 from llmforge.hardware import get_profile, is_known, unknown_problem
 from llmforge.layout import (
-    Layout, check_backend, check_batch, check_ep, check_hsdp, check_pipeline, check_tp, check_world, ints, world_and_dp,
+    Layout, check_backend, check_batch, check_ep, check_hsdp, check_offload, check_pipeline, check_tp, check_world, ints, world_and_dp,
 )
 
 CHOICES: Dict[str, tuple] = {
@@ -33,6 +34,7 @@ CHOICES: Dict[str, tuple] = {
     "model.moe.balance": ("aux", "bias", "none"),
     "parallel.pp_schedule": SCHEDULES,
     "parallel.recompute": RECOMPUTE_MODES,
+    "parallel.offload": OFFLOAD_MODES,
     "precision.param_dtype": DTYPES,
     "precision.reduce_dtype": DTYPES,
     "precision.fp8_recipe": ("tensorwise", "rowwise"),
@@ -94,16 +96,24 @@ class RunPlan:
         return Path(self.config.run.dir)
 
     @classmethod
-    def build(cls, config: RunConfig) -> "RunPlan":
+    def build(cls, config: RunConfig, *, world: Optional[int] = None) -> "RunPlan":
+        """The validated plan; ``world``: the ranks torchrun started for an elastic run
+        (a node count of its range), which sets the world size and ``parallel.dp: auto``."""
         problems = _validate(config)
+        if world is not None:
+            problems += world_problems(config, world)
         if problems:
             raise UserError(problems, title="the run plan is not valid")
-        return cls._derive(config)
+        return cls._derive(config, world=world)
+
+    def at_world(self, world: int) -> "RunPlan":
+        """This plan on the ``world`` ranks an elastic run got (itself when unchanged)."""
+        return self if world == self.world_size else RunPlan.build(self.config, world=world)
 
     @classmethod
-    def _derive(cls, config: RunConfig) -> "RunPlan":
+    def _derive(cls, config: RunConfig, *, world: Optional[int] = None) -> "RunPlan":
         m, p = config.model, config.parallel
-        world, dp = world_and_dp(config)
+        world, dp = world_and_dp(config, world=world)
         chunks = p.pp * p.pp_virtual_stages
         layers = list(p.pp_layers) if p.pp_layers else [m.num_layers // chunks] * chunks
         moe_layers = [i for i in range(m.num_layers) if m.moe.num_experts > 0 and (i + 1) % m.moe.every == 0]
@@ -154,7 +164,7 @@ def _validate(config: RunConfig) -> List[Problem]:
     problems: List[Problem] = []
     checks = (
         _check_choices, _check_ranges, _check_model, check_world, check_tp, check_pipeline, check_batch, _check_moe, check_ep,
-        _check_data, _check_accelerator, _check_fp8, check_hsdp, check_backend, check_training,
+        _check_data, _check_accelerator, _check_fp8, check_hsdp, check_backend, check_offload, check_elastic, check_training,
     )
     for check in checks:
         problems.extend(check(config))

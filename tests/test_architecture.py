@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "llmforge"
 #: Modules (and packages, by prefix) that must stay light: no torch, nothing below.
-LIGHT = ("llmforge.estimate", "llmforge.config", "llmforge.plan", "llmforge.layout", "llmforge.hardware", "llmforge.errors")
+LIGHT = ("llmforge.estimate", "llmforge.config", "llmforge.plan", "llmforge.layout", "llmforge.elastic", "llmforge.hardware", "llmforge.errors")
 #: What the light layers must not import.
 HEAVY = ("torch", "llmforge.train", "llmforge.parallel", "llmforge.models", "llmforge.launch", "llmforge.commands", "llmforge.cli")
 

@@ -31,6 +31,8 @@ CP2 = ["parallel.cp=2"]
 # RoPE with grouped-query attention: positions and shared keys under context parallel.
 ROPE_GQA = ["model.position=rope", "model.num_kv_heads=2"]
 HSDP = ["parallel.dp=4", "parallel.dp_replicate=2"]
+OFFLOAD = ["parallel.offload=states"]
+ACTIVATIONS = ["parallel.offload_activations=true"]
 WORLD2 = {
     "dp2": ["parallel.dp=2"],
     "dp2_zero1": ["parallel.dp=2", "parallel.zero=1"],
@@ -52,6 +54,13 @@ WORLD2 = {
     "cp2": CP2,
     "cp2_zero1": CP2 + ["parallel.zero=1"],
     "rope_gqa_cp2_zero3": ROPE_GQA + CP2 + ["parallel.zero=3"],
+    # CPU offload (FSDP2 CPUOffloadPolicy, fused CPU AdamW; saved activations through host copies)
+    "dp2_zero1_offload": OFFLOAD + ["parallel.dp=2", "parallel.zero=1"],
+    "dp2_zero2_offload": OFFLOAD + ["parallel.dp=2", "parallel.zero=2"],
+    "dp2_zero3_offload_activations": OFFLOAD + ACTIVATIONS + ["parallel.dp=2", "parallel.zero=3"],
+    "cp2_zero1_offload": OFFLOAD + CP2 + ["parallel.zero=1"],
+    "moe_ep2_zero3_offload": EP2 + OFFLOAD + ["parallel.zero=3"],
+    "pp2_offload_activations": PP + ACTIVATIONS,
 }
 WORLD4 = {
     "dp2_tp2": ["parallel.dp=2", "parallel.tp=2"],
@@ -70,6 +79,9 @@ WORLD4 = {
     "hsdp2x2_zero3": HSDP + ["parallel.zero=3"],
     "hsdp2x2_zero1": HSDP + ["parallel.zero=1"],
     "cp2_tp2_sp_zero1": CP2 + ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=1"],
+    "dp2_tp2_zero3_offload": OFFLOAD + ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"],
+    "dp2_pp2_zero2_offload": OFFLOAD + ["parallel.dp=2", "parallel.zero=2"] + PP,
+    "hsdp2x2_zero3_offload": OFFLOAD + HSDP + ["parallel.zero=3"],
 }
 # FP8 (torchao float8, emulated on CPU; fp32 elsewhere so only float8 rounding remains):
 # every layout computes the one-process fp8 numbers; ZeRO-3 all-gathers float8 weights.
@@ -96,10 +108,11 @@ MIXED = {
 COUNT_SYNCS = ["dp2_zero3", "tp2_sp", "pp2_1f1b", "dp2_tp2_sp_zero1"]
 
 
-def run_group(tmp: Path, *, nproc: int, layouts: dict) -> dict:
+def run_group(tmp: Path, *, nproc: int, layouts: dict, mesh_of_one: bool = False) -> dict:
     spec, out = tmp / f"spec{nproc}.json", tmp / f"out{nproc}.pt"
     # overlapped ZeRO-0 reduction (off by default on CPU) over 20 kB buckets: many buckets of the tiny model
-    spec.write_text(json.dumps({"base": ["parallel.overlap_grad_reduce=true", "parallel.bucket_mb=0.02"], "layouts": layouts, "count_syncs": COUNT_SYNCS}))
+    spec.write_text(json.dumps({"base": ["parallel.overlap_grad_reduce=true", "parallel.bucket_mb=0.02"], "layouts": layouts,
+                                "count_syncs": COUNT_SYNCS, "mesh_of_one": mesh_of_one}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "llmforge.testing.harness", str(spec), str(out)]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)

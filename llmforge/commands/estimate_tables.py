@@ -13,6 +13,10 @@ from llmforge.layout import ZERO_BUBBLE_SCHEDULES
 def _state_notes(est: Estimate) -> tuple[str, str]:
     """How the weights and gradients are kept under the layout's ZeRO stage."""
     lay, c, r = est.layout, est.job.param_dtype, est.job.reduce_dtype
+    if lay.offload == "states":
+        whole = lay.zero < 3 or lay.pp > 1
+        return (f"whole {c} compute copy (fp32 shard in host memory)" if whole else "gathered block by block (fp32 shard in host memory)",
+                f"whole, in {r}, until copied to the host" if lay.zero == 1 or lay.pp > 1 else "one block's, copied to the host")
     if lay.zero == 0 or lay.dp * lay.cp == 1:
         return "fp32, replicated", "fp32, one per parameter"
     whole_grads = lay.zero == 1 or lay.pp > 1
@@ -29,11 +33,15 @@ def _memory_table(est: Estimate) -> Table:
     weights, grads = _state_notes(est)
     table.add_row("weights", gib(w.weights), f"{w.params / 1e6:,.1f}M params on this rank; ZeRO-{lay.zero}: {weights}")
     table.add_row("gradients", gib(w.grads), grads)
-    table.add_row("optimizer (AdamW)", gib(w.optimizer), "two fp32 moments per parameter")
+    table.add_row("optimizer (AdamW)", gib(w.optimizer), "two fp32 moments per parameter" + (", in host memory (stepped on the CPU)" if lay.offload == "states" else ""))
     table.add_row("activations", gib(w.activations), f"recompute={lay.recompute}; microbatches in flight per the {lay.schedule if lay.pp > 1 else 'accumulation'} schedule")
     table.add_row("transient buffers", gib(w.transient), "logits at the loss, recompute working set, gathers, buckets")
     table.add_row("allowance", gib(w.reserved), f"runtime {gib(est.job.profile.runtime_reserved_bytes)} + 10% fragmentation")
     table.add_row(Text("total", style="bold"), Text(gib(w.total), style="bold"), Text(f"of {gib(est.job.profile.memory_bytes)} ({est.job.profile.name})"))
+    if est.host is not None:
+        h = est.host
+        table.add_row("host memory / node", gib(h.node_bytes), f"offloaded: {gib(h.states_bytes)} model states + {gib(h.activations_bytes)} activations per device, "
+                      f"of {gib(h.node_capacity)} per node")
     return table
 
 
@@ -43,7 +51,8 @@ _TERM_NAMES = {
     "dp_reduce_scatter_exposed": "dp reduce-scatter (exposed)", "tp_exposed": "tensor-parallel collectives",
     "pp_exposed": "pipeline send/recv (exposed)", "cp_exposed": "context-parallel ring (exposed)",
     "ep_exposed": "expert all-to-all", "bubble": "pipeline bubble", "comm_overlap": "compute slowed by hidden communication",
-    "optimizer": "optimizer step and clip",
+    "optimizer": "optimizer step and clip", "offload_copy": "host-link copies (offload, exposed)",
+    "cpu_optimizer": "optimizer step on the CPU (offload)",
 }
 
 
@@ -83,6 +92,10 @@ def _summary_table(est: Estimate, recipe: str) -> Table:
     table.add_row("comm. / device / step", vols or "none")
     how = f"efficiency {est.job.efficiency:g} of peak" if est.job.efficiency is not None else f"kernel model of {est.job.profile.name}"
     table.add_row("throughput", f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%} ({how})")
+    if est.host is not None:
+        h = est.host
+        table.add_row("CPU offload", f"host-link copies {h.copy_s:.3g} s/step ({h.copy_s - h.exposed_copy_s:.3g} s hidden by compute), "
+                      f"CPU AdamW {h.optimizer_s:.3g} s (host memory bandwidth {est.job.profile.host_memory_bandwidth / 1e9:g} GB/s per node)")
     return table
 
 
@@ -169,6 +182,8 @@ def render_search(result, *, plan, why_text: str, console) -> None:
         for line in result.suggestions:
             console.print(f"- {line}", markup=False)
         return
+    if result.offloaded:
+        console.print(result.offloaded, markup=False, style="yellow")
     table = Table(title="Fastest layouts that fit", title_justify="left", show_lines=True)
     for col, justify in (("#", "right"), ("tokens/s", "right"), ("MFU", "right"), ("step", "right"), ("memory", "right"), ("bubble", "right"), ("layout", "left")):
         table.add_column(col, justify=justify)
@@ -195,6 +210,8 @@ def _short(layout) -> str:
     if layout.pp > 1:
         parts.append(f"{layout.schedule}" + (f" v{layout.virtual_stages}" if layout.virtual_stages > 1 else ""))
     parts += [f"mb{layout.micro_batch}", f"rc:{layout.recompute}"]
+    if layout.offload != "none" or layout.offload_activations:
+        parts.append("offload:" + "+".join(["states"] * (layout.offload == "states") + ["activations"] * layout.offload_activations))
     return " ".join(parts)
 
 

@@ -24,6 +24,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_interleaved"
 RECOMPUTE_MODES = ("none", "selective", "full")
 #: What a step with a non-finite loss or gradient norm makes the run do (``train.anomaly``).
 ANOMALY_POLICIES = ("stop", "skip", "rollback")
+#: parallel.offload: what lives in host memory.
+OFFLOAD_MODES = ("none", "states")
 
 
 def knob(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, range: Optional[str] = None) -> Any:
@@ -104,6 +106,14 @@ class ParallelConfig:
         help="ZeRO-0: all-reduce gradients in buckets during backward. null = on for GPUs (NCCL), off on CPU (gloo), where it measured slower.",
     )
     bucket_mb: float = knob(25.0, range="(0, inf)", help="ZeRO-0 gradient bucket size in MB when the reduction overlaps backward.")
+    offload: str = knob(
+        "none",
+        help="states: keep this rank's shard of the fp32 master weights, gradients and AdamW moments in host memory and "
+        "run the optimizer step on the CPU (FSDP2 CPUOffloadPolicy; needs parallel.zero 1-3); none: all on the device.",
+    )
+    offload_activations: bool = knob(
+        False, help="Copy the activations saved for backward to host memory during forward and back during backward."
+    )
 
 
 @dataclass
@@ -204,6 +214,19 @@ class OptimConfig:
 class ClusterConfig:
     accelerator: str = knob("cpu", help="Hardware profile name (llmforge estimate lists them) or a profile YAML path.")
     nodes: int = knob(1, range="[1, inf)", help="Nodes.")
+    min_nodes: Optional[int] = knob(
+        None,
+        range="[1, inf)",
+        help="Elastic training: the job goes on with as few as this many nodes (torchrun --nnodes=min_nodes:nodes); after a "
+        "node is lost the ranks restart at the smaller world, parallel.dp=auto over it, from the newest checkpoint. "
+        "null = cluster.nodes (not elastic).",
+    )
+    elastic_wait_s: int = knob(
+        30,
+        range="[1, inf)",
+        help="Elastic training: after a restart the rendezvous waits this long for more nodes to join once cluster.min_nodes "
+        "are there (torchrun's last_call_timeout); a lost node is noticed within about half of it (keep-alive).",
+    )
     devices_per_node: Optional[int] = knob(
         None, range="[1, inf)", help="Processes (GPUs) per node; world size = nodes * devices_per_node. null = as many as the layout needs."
     )

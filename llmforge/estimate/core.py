@@ -32,13 +32,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate import fp8
 from llmforge.estimate import kernels as kn
-from llmforge.estimate.memory import StageMemory, all_stages, most_loaded
+from llmforge.estimate.memory import StageMemory, all_stages, most_loaded, shard_numel, stage_activations
+from llmforge.estimate.offload import HostUse, host_use, offloads
 from llmforge.estimate.params import active_params, layout_rank_params, representative_stages, stage_counts, total_params
 from llmforge.estimate.pipeline import bubble_fraction
 from llmforge.estimate.shape import Job, Shape, from_plan
@@ -66,6 +67,8 @@ class Estimate:
     parts: Dict[str, float]
     #: The slowest stage's microbatches' compute (``parts["compute"]``) by what bounds each kernel.
     compute: kn.Cost = kn.NONE
+    #: The host side of CPU offload (llmforge.estimate.offload); None without offload.
+    host: Optional[HostUse] = None
 
     @property
     def step_s(self) -> float:
@@ -79,11 +82,12 @@ class Estimate:
         out = {"matmul": c.matmul, "attention": c.attention, "memory_bound": c.memory, "launch_floor": c.floor}
         out.update({f"{k}_exposed": kinds[k].exposed for k in cm.KINDS if k in kinds})
         out.update(bubble=self.parts["bubble"], comm_overlap=self.parts["overlap"], optimizer=self.parts["optimizer"])
+        out.update({k: self.parts[k] for k in ("offload_copy", "cpu_optimizer") if k in self.parts})
         return out
 
     @property
     def fits(self) -> bool:
-        return self.worst.total <= self.job.profile.memory_bytes
+        return self.worst.total <= self.job.profile.memory_bytes and (self.host is None or self.host.fits)
 
     @property
     def headroom(self) -> float:
@@ -265,12 +269,19 @@ def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True
         "dp_comm": comm.exposed_of("dp"), "pp_comm": comm.exposed_of("pp"), "cp_comm": comm.exposed_of("cp"),
         "overlap": job.profile.comm_sm_share * sum(t.hidden for t in comm.kinds.values()), "optimizer": optimizer_s,
     }
+    host = None
+    if offloads(layout):
+        host = host_use(shape, layout, job, stage=worst.stage, shard=shard_numel(shape, layout, worst.stage),
+                        activations=stage_activations(shape, layout, job, worst.stage, m), microbatches=m, compute_s=m * t_compute.seconds)
+        parts.update(offload_copy=host.exposed_copy_s, cpu_optimizer=host.optimizer_s)
+        if layout.offload == "states":
+            parts["optimizer"] = 0.0  # the device runs no optimizer step
     tokens = job.global_batch * shape.seq
     return Estimate(
         shape=shape, layout=layout, job=job, microbatches=m, params_total=total_params(shape),
         params_active=active_params(shape), stages=stages, worst=worst, bubble=bubble,
         model_flops=fl.model_flops(shape, tokens), hardware_flops=fl.hardware_flops(shape, layout, tokens),
-        comm=comm, parts=parts, compute=t_compute.times(m),
+        comm=comm, parts=parts, compute=t_compute.times(m), host=host,
     )
 
 

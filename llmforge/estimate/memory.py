@@ -189,7 +189,27 @@ def stage_memory(shape: Shape, layout: Layout, job: Job, stage: int, microbatche
     activations = stage_activations(shape, layout, job, stage, microbatches)
     transient = _transient(shape, layout, job, stage, params)
     reserved = job.profile.runtime_reserved_bytes + FRAGMENTATION * (activations + transient)
-    return StageMemory(stage, params, weights, grads, optimizer, activations, transient, reserved)
+    mem = StageMemory(stage, params, weights, grads, optimizer, activations, transient, reserved)
+    if layout.offload != "none" or layout.offload_activations:
+        from llmforge.estimate.offload import device_memory
+
+        return device_memory(mem, shape, layout, job, block=largest_block(shape, layout, stage))
+    return mem
+
+
+def shard_numel(shape: Shape, layout: Layout, stage: int) -> int:
+    """Elements of this rank's parameter shard under FSDP2 (the whole stage on a group of one)."""
+    params = layout_rank_params(shape, layout, stage)
+    group, expert_group = groups(layout)
+    return params.numel if group == 1 else _cached_shard(params, group, expert_group)
+
+
+def largest_block(shape: Shape, layout: Layout, stage: int) -> float:
+    """Elements of this stage's largest block on one tp rank."""
+    counts = stage_counts(shape, layout)[stage]
+    moe = _block_numel(shape, True) if counts.moe + counts.moe_ckpt else 0
+    dense = _block_numel(shape, False) if counts.dense + counts.dense_ckpt else 0
+    return max(moe, dense) / layout.tp
 
 
 def all_stages(shape: Shape, layout: Layout, job: Job, microbatches: int, *, every_stage: bool = True) -> List[StageMemory]:

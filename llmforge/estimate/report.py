@@ -49,6 +49,11 @@ def as_dict(est: Estimate, *, recipe: str = "") -> Dict[str, Any]:
         "communication": {
             kind: {"bytes": t.bytes, "seconds": t.seconds, "exposed_s": t.exposed, "hidden_s": t.hidden} for kind, t in c.kinds.items()
         },
+        "host": None if est.host is None else {
+            "states_bytes": est.host.states_bytes, "activations_bytes": est.host.activations_bytes, "node_bytes": est.host.node_bytes,
+            "node_capacity_bytes": est.host.node_capacity, "copy_s": est.host.copy_s, "exposed_copy_s": est.host.exposed_copy_s,
+            "cpu_optimizer_s": est.host.optimizer_s,
+        },
         "time": {
             "step_s": est.step_s, "tokens_per_s": est.tokens_per_s, "mfu": est.mfu,
             "efficiency": est.job.efficiency, "compile": est.job.compile, "breakdown_s": dict(est.parts), "terms_s": est.terms,
@@ -84,4 +89,5 @@ def search_dict(result: SearchResult, *, plan) -> dict:
         "top": top,
         "why": why(result.ranked[0], result.ranked[1]) if len(result.ranked) > 1 else "",
         "suggestions": result.suggestions,
+        "offloaded": result.offloaded,
     }

@@ -21,6 +21,9 @@ It prunes what cannot win, and says so:
 - layouts the backend cannot run are not proposed: cp > 1 with pp > 1 or with
   an MoE model, HSDP with cp or ep.
 
+CPU offload (``parallel.offload=states``, then also ``parallel.offload_activations``) is
+tried only when no layout fits in device memory, and the result says so.
+
 ``precision.fp8`` is part of the job, not of the layout: the search ranks layouts for
 the precision asked (run it with and without ``precision=fp8`` to compare).
 """
@@ -56,6 +59,8 @@ class SearchResult:
     world: int
     smallest: Optional[Estimate] = None
     suggestions: List[str] = field(default_factory=list)
+    #: Set when only layouts with CPU offload fit: what they offload, in words.
+    offloaded: str = ""
 
     @property
     def rate(self) -> float:
@@ -177,20 +182,48 @@ def _push(keep: list, est: Estimate, top: int, seq: int) -> None:
 
 
 def search(shape: Shape, job: Job, *, world: int, top: int = 5) -> SearchResult:
-    """Rank every valid layout of ``world`` devices that fits, fastest first (ties: less memory)."""
+    """Rank every valid layout of ``world`` devices that fits, fastest first (ties: less memory).
+    Only when none fits on the devices are layouts with CPU offload tried (``offloaded``)."""
     start = time.perf_counter()
     keep: list = []
     counters = {"evaluated": 0, "fitting": 0, "smallest": (float("inf"), None)}
     for structure in structures(shape, job, world):
         _evaluate(shape, job, structure, keep, max(top, 2), counters)
+    offloaded = ""
+    if not keep and not job.fp8:  # the plan refuses offload with precision.fp8
+        for offload in OFFLOAD_STEPS:
+            for structure in offload_structures(shape, job, world, **offload):
+                _evaluate(shape, job, structure, keep, max(top, 2), counters)
+            if keep:
+                offloaded = "the model states (fp32 weights, gradients, AdamW moments)" + (" and the saved activations" if len(offload) > 1 else "")
+                break
     ranked = [e for _, _, e in sorted(keep, key=lambda x: x[:2], reverse=True)]
     lean = counters["smallest"][1]
     result = SearchResult(ranked=ranked, evaluated=counters["evaluated"], fitting=counters["fitting"],
                           seconds=time.perf_counter() - start, world=world,
                           smallest=estimate(shape, lean, job) if lean is not None else None)
+    if offloaded:
+        result.offloaded = (f"No layout fits in device memory alone; these keep {offloaded} in host memory "
+                            f"(parallel.offload=states{' parallel.offload_activations=true' if 'activations' in offloaded else ''}) and step the optimizer on the CPU.")
     if not ranked:
         result.suggestions = suggestions(shape, job, world=world, smallest=result.smallest)
     return result
+
+
+#: What the search offloads when nothing fits on the devices, least first.
+OFFLOAD_STEPS = ({"offload": "states"}, {"offload": "states", "offload_activations": True})
+
+
+def offload_structures(shape: Shape, job: Job, world: int, *, offload: str, offload_activations: bool = False) -> Iterator[Layout]:
+    """The structures that can offload (FSDP2: ZeRO 1-3; on a data-parallel group of one, ZeRO 3's
+    code path with the same FSDP2 units), with the offload set."""
+    import dataclasses
+
+    for structure in structures(shape, job, world):
+        if structure.zero == 0 and structure.dp * structure.cp > 1:
+            continue
+        zero = structure.zero or 1
+        yield dataclasses.replace(structure, zero=zero, offload=offload, offload_activations=offload_activations)
 
 
 def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -> Optional[Tuple[int, int, Layout]]:
@@ -217,6 +250,7 @@ PART_WORDS = {
     "dp_comm": "exposed data-parallel communication", "pp_comm": "exposed pipeline transfers",
     "cp_comm": "exposed context-parallel communication", "overlap": "compute slowed by overlapped communication",
     "optimizer": "optimizer step",
+    "offload_copy": "exposed host-link copies", "cpu_optimizer": "CPU optimizer step",
 }
 
 
@@ -298,6 +332,7 @@ def plan_config(plan, layout: Layout):
         c.parallel, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, zero=layout.zero,
         sequence_parallel=layout.sequence_parallel, pp_schedule=layout.schedule, pp_virtual_stages=layout.virtual_stages,
         recompute=layout.recompute, recompute_every=layout.recompute_every, pp_layers=None, dp_replicate=layout.dp_replicate,
+        offload=layout.offload, offload_activations=layout.offload_activations,
     )
     train = dataclasses.replace(c.train, micro_batch_size=layout.micro_batch)
     cluster = c.cluster if c.cluster.devices_per_node else dataclasses.replace(c.cluster, devices_per_node=layout.world // c.cluster.nodes)

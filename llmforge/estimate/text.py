@@ -14,8 +14,12 @@ def gib(n: float) -> str:
 def verdict(est: Estimate) -> str:
     """'fits, 12.3 GiB headroom (15%)' or 'does not fit: 4.1 GiB over 80 GiB'."""
     cap = est.job.profile.memory_bytes
-    if est.fits:
-        return f"fits, {gib(est.headroom)} headroom ({est.headroom / cap:.0%} of {gib(cap)})"
+    host = est.host
+    if host is not None and not host.fits:
+        return f"does not fit: the offloaded states need {gib(host.node_bytes)} of host memory per node, {gib(host.node_bytes - host.node_capacity)} over the {gib(host.node_capacity)} of the profile's host_memory_gib"
+    offloaded = f"; host memory {gib(host.node_bytes)} of {gib(host.node_capacity)} per node" if host is not None else ""
+    if est.headroom >= 0:
+        return f"fits, {gib(est.headroom)} headroom ({est.headroom / cap:.0%} of {gib(cap)}){offloaded}"
     return f"does not fit: {gib(-est.headroom)} over the {gib(cap)} of a {est.job.profile.name}"
 
 

@@ -42,7 +42,44 @@ def _check_estimate(plan: RunPlan, *, force: bool, console: Console) -> None:
     text, fits = short_summary(plan)
     console.print(text, markup=False, highlight=False)
     if not fits and not force:
-        raise fail("the plan is estimated not to fit in device memory; change the layout (llmforge estimate --search) or pass --force")
+        raise fail("the plan is estimated not to fit in device or host memory; change the layout (llmforge estimate --search) or pass --force")
+    _check_smallest_world(plan, force=force)
+
+
+def _check_smallest_world(plan: RunPlan, *, force: bool) -> None:
+    """An elastic plan must also fit on its fewest nodes, where ZeRO shards over fewer ranks."""
+    from llmforge.elastic import smallest
+    from llmforge.estimate.core import estimate_plan
+    from llmforge.estimate.text import verdict
+
+    least = smallest(plan)
+    if least is plan or force:
+        return
+    est = estimate_plan(least)
+    if not est.fits:
+        c = plan.config.cluster
+        raise UserError([Problem("cluster.min_nodes", c.min_nodes, f"on {c.min_nodes} node(s) the layout is {least.layout}, which {verdict(est)}",
+                                 "raise cluster.min_nodes, shard more (parallel.zero=3, parallel.recompute=full), or pass --force")],
+                        title="the elastic plan does not fit its smallest world")
+
+
+def check_host_memory(plan: RunPlan) -> None:
+    """Refuse an offloaded plan whose host-side states and activations (every rank of a node
+    together) exceed this machine's memory."""
+    import os
+
+    from llmforge.estimate.core import estimate_plan
+
+    host = estimate_plan(plan).host
+    if host is None:
+        return
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if host.node_bytes > total:
+        raise UserError([Problem(
+            "parallel.offload", plan.config.parallel.offload,
+            f"the ranks of this node would keep {host.node_bytes / 2**30:.3g} GiB in host memory (offloaded states and activations) and this machine has {total / 2**30:.3g} GiB",
+            "shard over more ranks (parallel.dp, parallel.zero=3), offload less (parallel.offload_activations=false), or run on nodes with more memory",
+        )], title="not enough host memory")
 
 
 def check_space(plan: RunPlan) -> None:

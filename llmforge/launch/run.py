@@ -14,7 +14,7 @@ from typing import Optional
 
 from rich.console import Console
 
-from llmforge.launch.checks import check_devices, check_space, preflight
+from llmforge.launch.checks import check_devices, check_host_memory, check_space, preflight
 from llmforge.plan import RunPlan
 from llmforge.rundir import RunLock, check_writable, plan_path, write_plan
 
@@ -36,6 +36,7 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
         check_writable(folder, key="run.dir")
     if launcher != "slurm":
         check_space(plan)
+        check_host_memory(plan)
     with _lock(plan):
         if resume_from is None or not _holds(plan.run_dir, resume_from):
             claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
@@ -54,9 +55,10 @@ def _holds(run_dir: Path, checkpoint: Path) -> bool:
 
 
 def runs_here(plan: RunPlan) -> bool:
-    """One rank, no restarts and ``cluster.launcher=local``: train in this process."""
+    """One rank, no restarts, no offloaded states (FSDP2's, which needs a process group) and
+    ``cluster.launcher=local``: train in this process."""
     c = plan.config.cluster
-    return plan.world_size == 1 and c.launcher == "local" and c.max_restarts == 0
+    return plan.world_size == 1 and c.launcher == "local" and c.max_restarts == 0 and plan.config.parallel.offload == "none"
 
 
 def launch_distributed(plan: RunPlan, *, resume_from: Optional[Path], dry_run: bool, console: Console) -> None:

@@ -9,6 +9,7 @@ from typing import Optional
 
 from rich.console import Console
 
+from llmforge.elastic import is_elastic
 from llmforge.files import write_text_atomic
 from llmforge.launch.torchrun import procs_per_node, restart_env, torchrun_args, worker_args
 from llmforge.plan import RunPlan
@@ -26,10 +27,14 @@ def slurm_script(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path])
     # Substituted after quoting so that the shell expands them on each node.
     command = command.replace("RDZV_ENDPOINT", endpoint).replace("RDZV_ID", "$SLURM_JOB_ID")
     gpus = [] if c.accelerator == "cpu" else [f"#SBATCH --gpus-per-node={procs_per_node(plan)}"]
+    elastic = is_elastic(plan.config)
+    # elastic: any node count of the range, and a lost node ends neither the allocation nor the step
+    nodes = [f"#SBATCH --nodes={c.min_nodes}-{c.nodes}", "#SBATCH --no-kill"] if elastic else [f"#SBATCH --nodes={c.nodes}"]
+    srun = "srun --no-kill --kill-on-bad-exit=0" if elastic else "srun --kill-on-bad-exit=1"
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={plan.config.run.name}",
-        f"#SBATCH --nodes={c.nodes}",
+        *nodes,
         "#SBATCH --ntasks-per-node=1",
         *gpus,
         f"#SBATCH --output={plan.run_dir.resolve()}/slurm-%j.out",
@@ -37,7 +42,7 @@ def slurm_script(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path])
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
         *[f"export {k}={v}" for k, v in restart_env(plan).items()],
-        f"srun --kill-on-bad-exit=1 {command}",
+        f"{srun} {command}",
     ]
     return "\n".join(lines) + "\n"
 

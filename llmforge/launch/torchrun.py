@@ -19,6 +19,7 @@ from typing import Dict, Iterator, List, Optional
 
 from rich.console import Console
 
+from llmforge.elastic import is_elastic
 from llmforge.errors import Problem, UserError, error_text
 from llmforge.plan import RunPlan
 
@@ -44,15 +45,25 @@ def procs_per_node(plan: RunPlan) -> int:
 
 
 def torchrun_args(plan: RunPlan, *, endpoint: Optional[str] = None, run_id: str = "llmforge") -> List[str]:
-    """torchrun options for this plan (same on every node)."""
+    """torchrun options for this plan (same on every node); an elastic plan
+    (``cluster.min_nodes``) runs on MIN:MAX nodes."""
     c = plan.config.cluster
-    args = [f"--nnodes={c.nodes}", f"--nproc-per-node={procs_per_node(plan)}", "--monitor-interval=0.2"]
+    nodes = f"{c.min_nodes}:{c.nodes}" if is_elastic(plan.config) else str(c.nodes)
+    args = [f"--nnodes={nodes}", f"--nproc-per-node={procs_per_node(plan)}", "--monitor-interval=0.2"]
     if c.max_restarts > 0:
         args.append(f"--max-restarts={c.max_restarts}")
     endpoint = endpoint or c.rdzv_endpoint
     if c.nodes == 1 and endpoint is None:
         return args + ["--standalone"]
-    return args + ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]
+    args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]
+    return args + ([rendezvous_conf(c.elastic_wait_s)] if is_elastic(plan.config) else [])
+
+
+def rendezvous_conf(wait_s: int) -> str:
+    """The c10d rendezvous timing of an elastic run: wait ``wait_s`` for more nodes once the
+    minimum is there; a node whose agent is silent for 3 keep-alives (about half of it) is dropped."""
+    keep_alive = max(1, min(5, wait_s // 6))
+    return f"--rdzv-conf=last_call_timeout={wait_s},keep_alive_interval={keep_alive},keep_alive_max_attempt=3"
 
 
 def worker_args(*, plan_path: Path, resume_from: Optional[Path]) -> List[str]:

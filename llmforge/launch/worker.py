@@ -34,28 +34,59 @@ def attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
-def restart_point(plan, *, resume: Optional[Path], console) -> Optional[Path]:
+def restart_point(plan, *, resume: Optional[Path], console, launched=None) -> Optional[Path]:
     """Where a restarted attempt continues: the run's newest complete checkpoint (chosen by
-    rank 0 for every rank), else where the first attempt started. Collective."""
+    rank 0 for every rank), else where the first attempt started. Collective. Rank 0's
+    first line names it, and, when the world changed (an elastic run, ``launched`` its
+    plan as launched), the layouts before and after."""
     import torch.distributed as dist
 
-    if attempt() == 0:
+    if attempt() == 0 and (launched is None or launched.world_size == plan.world_size):
         return resume
     found: List[Optional[str]] = [None]
     if dist.get_rank() == 0:
         from llmforge.checkpoint.locate import newest_complete
         from llmforge.errors import UserError
 
-        try:
-            found[0] = str(newest_complete(plan.run_dir / "checkpoints").path)
-        except UserError:
-            found[0] = None
+        if attempt() > 0:
+            try:
+                found[0] = str(newest_complete(plan.run_dir / "checkpoints").path)
+            except UserError:
+                found[0] = None
         where = f"resuming from {found[0]}" if found[0] else (f"starting again from {resume}" if resume else "starting over (no checkpoint yet)")
-        from rich.text import Text
-
-        console.print(Text.assemble((f"restart {attempt()} of {plan.config.cluster.max_restarts}", "bold yellow"), f" after a failed rank: {where}"), highlight=False)
+        console.print(_restart_line(plan, launched=launched, checkpoint=found[0], where=where), highlight=False)
     dist.broadcast_object_list(found, src=0)
     return Path(found[0]) if found[0] else resume
+
+
+def _restart_line(plan, *, launched, checkpoint: Optional[str], where: str):
+    from rich.text import Text
+
+    head = f"restart {attempt()} of {plan.config.cluster.max_restarts}" if attempt() else "elastic start"
+    if launched is None or launched.world_size == plan.world_size and _saved_world(checkpoint) in (None, plan.world_size):
+        return Text.assemble((head, "bold yellow"), f" after a failed rank: {where}")
+    from llmforge.elastic import describe_change
+
+    before = _saved_plan(checkpoint) or launched
+    return Text.assemble((head, "bold yellow"), f": {describe_change(before, plan, start=attempt() == 0)}; {where}")
+
+
+def _saved_plan(checkpoint: Optional[str]):
+    """The plan a checkpoint was written under (at the world it ran on), or None."""
+    if checkpoint is None:
+        return None
+    from llmforge.plan import RunPlan, config_from_dict
+
+    try:
+        data = json.loads((Path(checkpoint) / "plan.json").read_text())
+        return RunPlan.build(config_from_dict(data["config"]), world=int(data["derived"]["world_size"]))
+    except Exception:  # noqa: BLE001 - an unreadable old plan only loses the "before" half of the line
+        return None
+
+
+def _saved_world(checkpoint: Optional[str]) -> Optional[int]:
+    saved = _saved_plan(checkpoint)
+    return None if saved is None else saved.world_size
 
 
 @contextlib.contextmanager
@@ -107,9 +138,10 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
     from llmforge.train.build import distributed_rank
     from llmforge.train.run import prepare_data, run
 
-    plan = RunPlan.load(plan_path)
-    device = init_distributed(accelerator=plan.config.cluster.accelerator, timeout_s=plan.config.cluster.timeout_s)
+    launched = RunPlan.load(plan_path)
+    device = init_distributed(accelerator=launched.config.cluster.accelerator, timeout_s=launched.config.cluster.timeout_s)
     install_from_env(device)
+    plan = launched.at_world(dist.get_world_size())  # an elastic run on fewer nodes: the layout for the world it got
     main = dist.get_rank() == 0
     if main and plan.config.cluster.nodes > 1:
         from llmforge.rundir import RunLock
@@ -117,10 +149,10 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
         RunLock(plan.run_dir).acquire()  # held until this process ends; each node's launcher shares the folder
     console = Console(stderr=True, markup=False) if main else Console(file=io.StringIO(), quiet=True)
     rank = distributed_rank(plan, device=device)
+    resume = restart_point(plan, resume=resume, console=console, launched=launched)
     if main:
         prepare_data(plan, console=console)  # fills the shared cache before the others read it
     dist.barrier()
-    resume = restart_point(plan, resume=resume, console=console)
     summary = run(plan, rank=rank, resume_from=resume, console=console, restarted=attempt() > 0)
     if main:
         console.print(summary.describe(plan))

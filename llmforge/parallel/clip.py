@@ -39,6 +39,10 @@ class GlobalClip:
     ranks_per_stage: int = 1
     skip: Set[int] = field(default_factory=set)
     distributed: bool = False
+    #: Where the norm is returned: the compute device (offloaded gradients' norm is summed on the host).
+    device: Optional[torch.device] = None
+    #: The group summing the norm (None: the default one); offloaded on GPUs: a gloo group, for host tensors.
+    group: Optional[dist.ProcessGroup] = None
     _copies_of: Dict[int, int] = field(default_factory=dict, repr=False)
 
     def __call__(self, max_norm: float, *, flags: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -51,7 +55,7 @@ class GlobalClip:
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
             for dtype, tensors in _by_dtype([local(g) for g in grads]).items():
                 torch._foreach_mul_(tensors, coef.to(dtype))
-        return norm
+        return norm if self.device is None or norm.device == self.device else norm.to(self.device)
 
     def norm(self, grads: List[torch.Tensor], *, flags: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The global L2 norm of the gradients (float64, on their device); ``flags`` as in ``__call__``."""
@@ -73,7 +77,7 @@ class GlobalClip:
             flags.copy_(both[1:])
             return both[0].sqrt()
         if self.distributed:
-            dist.all_reduce(total)
+            dist.all_reduce(total, group=self.group)
         return total.sqrt()
 
     def _copies(self, p: nn.Parameter) -> int:

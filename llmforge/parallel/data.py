@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from llmforge.parallel.dtensor import local
@@ -61,21 +61,25 @@ def mixed_precision(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> M
 
 
 def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               expert_mesh: Optional[DeviceMesh] = None) -> None:
+               expert_mesh: Optional[DeviceMesh] = None, offload: bool = False) -> None:
     """Shard ``model`` over ``dp_mesh`` with FSDP2 for ZeRO stage 1, 2 or 3.
 
     ``expert_mesh`` (the ``dp_rest`` mesh, set when experts are split over ep
     ranks) shards each MoE layer's expert weights over the replicas of the same
-    experts, with gradients divided by the whole data-parallel size."""
+    experts, with gradients divided by the whole data-parallel size. ``offload``:
+    the sharded fp32 weights and their gradients live in host memory (FSDP2's
+    ``CPUOffloadPolicy``, pinned when the mesh is on GPUs), so the optimizer steps
+    them on the CPU."""
     mp = mixed_precision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    policy = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if offload else OffloadPolicy()
     blocks = []
     for i, block in enumerate(model.layers.values()):
         # ZeRO 3 keeps the last block gathered: its backward comes right after its forward
         reshard = zero == 3 and i + 1 < len(model.layers)
         if expert_mesh is not None:
-            _shard_experts(block, mesh=expert_mesh, dp_size=dp_mesh.size(), reshard=reshard, mp=mp)
-        blocks.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp))
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp)
+            _shard_experts(block, mesh=expert_mesh, dp_size=dp_mesh.size(), reshard=reshard, mp=mp, policy=policy)
+        blocks.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy))
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp, offload_policy=policy)
     _prefetch(blocks)
     if mp.param_dtype is not None:
         _fp32_embeddings(model)
@@ -104,12 +108,12 @@ def _fp32_embeddings(model: nn.Module) -> None:
             module.register_forward_hook(_to_fp32)
 
 
-def _shard_experts(block: nn.Module, *, mesh: DeviceMesh, dp_size: int, reshard: bool, mp: MixedPrecisionPolicy) -> None:
+def _shard_experts(block: nn.Module, *, mesh: DeviceMesh, dp_size: int, reshard: bool, mp: MixedPrecisionPolicy, policy: OffloadPolicy) -> None:
     from llmforge.parallel.expert import ExpertParallelExperts
 
     for module in list(block.modules()):
         if isinstance(module, ExpertParallelExperts):
-            unit = fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+            unit = fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy)
             unit.set_gradient_divide_factor(float(dp_size))
             if mesh.device_type == "cpu" and mesh.size() > 1:
                 # gloo has no PREMUL_SUM. (On one rank FSDP2 divides without a

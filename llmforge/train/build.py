@@ -39,7 +39,8 @@ def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compo
         sampler=sampler,
         step=build_step(plan, mesh=mesh, parts=parts, ids=ids, tied=copies, scaler=scaler, device=device),
         scaler=scaler,
-        clip_grads=GlobalClip(params=params, ranks_per_stage=plan.world_size // plan.layout.pp, skip=skip, distributed=mesh is not None),
+        clip_grads=GlobalClip(params=params, ranks_per_stage=plan.world_size // plan.layout.pp, skip=skip, distributed=mesh is not None,
+                              device=device, group=_host_group(plan, device=device)),
         rank=rank,
         tokens_per_step=plan.tokens_per_step,
         guard=StepGuard(anomaly_policy(plan), device=device),
@@ -89,6 +90,16 @@ def build_parts(plan: RunPlan, *, mesh: Optional[ParallelMesh], device: torch.de
     return parts, ids
 
 
+def _host_group(plan: RunPlan, *, device: torch.device):
+    """A gloo group over every rank for the norm of offloaded (host) gradients on GPU ranks;
+    None where the default group carries host tensors already (CPU ranks) or there are none."""
+    if plan.config.parallel.offload != "states" or device.type == "cpu":
+        return None
+    import torch.distributed as dist
+
+    return dist.new_group(backend="gloo")
+
+
 def build_scaler(plan: RunPlan) -> LossScaler:
     precision = plan.config.precision
     return LossScaler(
@@ -102,7 +113,7 @@ def _optimizer(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Mo
     """AdamW over every part; the float8 scales of FSDP-gathered weights are
     recomputed after each step."""
     cfg = plan.config
-    optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr)
+    optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr, offloaded=cfg.parallel.offload == "states")
     _no_decay(optimizer, copies)
     if fp8_all_gather(plan, mesh=mesh):
         from llmforge.parallel.float8 import precompute_scales

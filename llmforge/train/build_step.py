@@ -31,8 +31,14 @@ def build_step(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Mo
     reducers = _zero0_reducers(plan, mesh=mesh, parts=parts, overlap=plan.layout.pp == 1 and plan.overlap_grad_reduce)
     finish = _finish_hooks(plan, mesh=mesh, parts=parts, tied=tied, reducers=reducers)
     if plan.layout.pp == 1:
-        return _accumulation_step(plan, mesh=mesh, model=parts[0], scaler=scaler, device=device, finish=finish, reducers=reducers)
-    return _pipeline_step(plan, mesh=mesh, parts=parts, ids=ids, scaler=scaler, device=device, finish=finish)
+        step = _accumulation_step(plan, mesh=mesh, model=parts[0], scaler=scaler, device=device, finish=finish, reducers=reducers)
+    else:
+        step = _pipeline_step(plan, mesh=mesh, parts=parts, ids=ids, scaler=scaler, device=device, finish=finish)
+    if plan.config.parallel.offload_activations:
+        from llmforge.parallel.offload import OffloadedStep
+
+        return OffloadedStep(step, device=device)
+    return step
 
 
 def _bucket_bytes(plan: RunPlan) -> tuple[int, int]:

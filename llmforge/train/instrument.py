@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator, List, Optional, Tuple
@@ -108,6 +109,27 @@ class PoisonedStep:
 
     def evaluate(self, batch: torch.Tensor) -> float:
         return self.inner.evaluate(batch)  # type: ignore[attr-defined]
+#: ``STEP``: after optimizer step STEP (first attempt only) the rank SIGKILLs its launcher, whose
+#: torchrun agent and ranks die with it: a node lost for good, for elastic drills (set it on one node).
+NODE_LOSS_ENV = "LLMFORGE_NODE_LOSS"
+
+
+def inject_node_loss(hooks: LoopHooks) -> None:
+    spec = os.environ.get(NODE_LOSS_ENV)
+    if not spec or "TORCHELASTIC_RESTART_COUNT" not in os.environ or int(os.environ["TORCHELASTIC_RESTART_COUNT"] or 0) > 0:
+        return
+    launcher = os.getppid()  # torchrun's agent runs inside the llmforge launcher, which starts the ranks
+    inner = hooks.after_step
+
+    def after_step(step: int) -> None:
+        inner(step)
+        if step == int(spec):
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.kill(launcher, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    hooks.after_step = after_step
 
 
 @contextlib.contextmanager

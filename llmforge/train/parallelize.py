@@ -46,7 +46,9 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]
         experts = mesh.dp_rest if plan.layout.ep > 1 else None
         precision = plan.config.precision
         apply_fsdp(model, dp_mesh=mesh.fsdp, zero=p.zero, param_dtype=DTYPES[precision.param_dtype],
-                   reduce_dtype=DTYPES[precision.reduce_dtype], expert_mesh=experts)
+                   reduce_dtype=DTYPES[precision.reduce_dtype], expert_mesh=experts, offload=p.offload == "states")
+    elif p.offload == "states":
+        raise RuntimeError("parallel.offload=states needs FSDP2 on a process group: a one-rank plan goes through torchrun (llmforge.launch.run.runs_here)")
 
 
 def uses_fsdp(plan: RunPlan, *, mesh: Optional[ParallelMesh]) -> bool:

@@ -167,7 +167,7 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
     started = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
     from llmforge.observe.profile import MemorySnapshots
-    from llmforge.train.instrument import add_profiler, explain_oom, inject_fault
+    from llmforge.train.instrument import add_profiler, explain_oom, inject_fault, inject_node_loss
 
     snapshots = MemorySnapshots(mode=cfg.train.memory_snapshot, device=rank.device, out_dir=plan.run_dir / "profile", rank=rank.rank)
     built: List[Components] = []
@@ -186,6 +186,7 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
     closers.append(snapshots.close)
     add_profiler(plan, hooks, closers, snapshots=snapshots, rank=rank, start_step=start_step, console=console)
     inject_fault(hooks, c, rank=rank)
+    inject_node_loss(hooks)
 
     def loop(start: int) -> LoopResult:
         return train_loop(c, start_step=start, total_steps=cfg.train.steps, grad_clip=cfg.optim.grad_clip, log_interval=cfg.train.log_interval,
