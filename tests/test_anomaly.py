@@ -103,7 +103,7 @@ def test_stop_ends_at_the_bad_step_and_names_the_way_on(results, layout):
 
 def test_fused_adamw_skips_on_the_device_without_a_host_read(monkeypatch):
     """The GPU path (fused AdamW, found_inf), on CPU: a NaN at unlogged step 3 costs no read."""
-    monkeypatch.setattr("llmforge.train.optim.implementation", lambda params: "fused")
+    monkeypatch.setattr("llmforge.train.optim.implementation", lambda params, **_: "fused")
     fused_skip_without_a_read(torch.device("cpu"))
 
 
