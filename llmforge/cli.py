@@ -255,7 +255,8 @@ def calibrate(
     from llmforge.calibrate.run import command_line
     from llmforge.commands.calibrate import calibrate_command
 
-    calibrate_command(overrides or [], config_dir=config_dir or [], quick=quick, out=out, name=name, command=command_line(), console=err)
+    calibrate_command(overrides or [], config_dir=config_dir or [], quick=quick, out=out, name=name,
+                      command=command_line(overrides or [], quick=quick, out=out, name=name), console=err)
 
 
 @data_app.command("prepare")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,9 +120,9 @@ def progress_bar(console: Console, *, label: str, enabled: bool = True) -> Itera
         yield start
 
 
-def command_line(argv: Optional[List[str]] = None) -> str:
+def command_line(overrides: List[str], *, quick: bool, out: Optional[Path], name: Optional[str]) -> str:
     """How this calibration was started, for the provenance."""
     import shlex
 
-    args = sys.argv[1:] if argv is None else argv
-    return " ".join(["llmforge", *map(shlex.quote, args)])
+    args = [*overrides] + (["--quick"] if quick else []) + (["--out", str(out)] if out else []) + (["--name", name] if name else [])
+    return shlex.join(["llmforge", "calibrate", *args])
