@@ -14,7 +14,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def seconds_per_call(fn: Callable[[], object], *, device: torch.device, budget_s: float, rounds: int = 3) -> float:
+def seconds_per_call(fn: Callable[[], object], *, device: torch.device, budget_s: float, rounds: int = 5) -> float:
     """Seconds one call of ``fn`` takes: the fastest of ``rounds`` rounds that together
     take about ``budget_s`` (the fastest, not the mean: what the machine can do, with as
     little as possible of what else ran on it at the time)."""
