@@ -232,6 +232,40 @@ def generate(
     generate_command(overrides or [], prompt=prompt, device=device, tokenizer=tokenizer, out=out, err=err)
 
 
+@app.command()
+@user_errors
+def calibrate(
+    overrides: Optional[List[str]] = OVERRIDES,
+    quick: bool = typer.Option(False, "--quick", help="Fewer and smaller shapes: a few seconds instead of a minute or two."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the profile here (a .yaml path) instead of LLMFORGE_HOME/profiles/."),
+    name: Optional[str] = typer.Option(None, "--name", help="The profile's name (default: the profile it starts from, e.g. cpu or h100-80gb)."),
+    config_dir: Optional[List[Path]] = CONFIG_DIR,
+) -> None:
+    """Measure this machine and write a hardware profile that estimate, plan, --search and
+    every run's MFU and closing line use.
+
+    Times matmuls (per dtype, transformer shapes), fused attention, memory-bound kernels,
+    the per-kernel launch floor and device memory; with several ranks (cluster.nodes,
+    cluster.devices_per_node, started through torchrun as pretrain does) also all_reduce,
+    all_gather, reduce_scatter, all_to_all and send/recv. The profile goes to
+    LLMFORGE_HOME/profiles/ (default ~/.cache/llmforge); on a CPU it becomes this machine's
+    cluster.accelerator=cpu.
+
+    [bold]Examples[/]
+
+      llmforge calibrate --quick
+
+      llmforge calibrate cluster.devices_per_node=2
+
+      llmforge calibrate cluster=h100-node --out profiles/h100-ours.yaml
+    """
+    from llmforge.calibrate.run import command_line
+    from llmforge.commands.calibrate import calibrate_command
+
+    calibrate_command(overrides or [], config_dir=config_dir or [], quick=quick, out=out, name=name,
+                      command=command_line(overrides or [], quick=quick, out=out, name=name), console=err)
+
+
 @data_app.command("prepare")
 @user_errors
 def data_prepare(

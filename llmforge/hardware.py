@@ -18,6 +18,14 @@ no FP8 tensor cores, and ``precision.fp8`` is refused there (unless emulated).
 The optional ``host_memory_gib`` (per node), ``host_link_gbs`` (per device and
 direction: PCIe or NVLink-C2C) and ``host_memory_bandwidth_gbs`` (per node) describe
 the host for CPU offload (``parallel.offload``, ``llmforge.estimate.offload``).
+``calibration`` is the provenance of a measured
+profile (device, versions, date, command): a profile with it is ``calibrated``.
+
+``llmforge calibrate`` writes its profiles to ``profiles/`` under ``LLMFORGE_HOME``
+(default ``~/.cache/llmforge``), which shadows the built-in ones as a user folder
+does. On the CPU it writes one profile per machine (``machine_profile_path``: CPU
+model, threads per rank, torch version), which ``cluster.accelerator=cpu`` uses in
+place of the built-in guess.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ SPEED_KEYS = ("matmul_efficiency", "matmul_dim", "attention_efficiency", "attent
               "comm_sm_share", "kernel_floor_us")
 #: The host side, for CPU offload (llmforge.estimate.offload); defaults in Profile.
 HOST_KEYS = ("host_memory_gib", "host_link_gbs", "host_memory_bandwidth_gbs")
-OPTIONAL = ("runtime_reserved_gib", "comm_efficiency", "comm_latency_us") + SPEED_KEYS + HOST_KEYS
+OPTIONAL = ("runtime_reserved_gib", "comm_efficiency", "comm_latency_us", "calibration") + SPEED_KEYS + HOST_KEYS
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,8 @@ class Profile:
     host_memory_bandwidth: float = 200e9
     description: str = ""
     source: str = field(default="", compare=False)
+    #: Where a measured profile came from (``llmforge calibrate``); empty for a datasheet one.
+    calibration: Mapping[str, object] = field(default_factory=dict, compare=False, hash=False)
 
     def peak(self, dtype: str) -> float:
         """Dense peak FLOP/s for matmuls in ``dtype``."""
@@ -88,14 +98,86 @@ class Profile:
         return self.host_memory if self.host_memory is not None else 2 * self.memory_bytes * self.devices_per_node
 
     @property
+    def calibrated(self) -> bool:
+        """Measured on its hardware by ``llmforge calibrate`` (else a datasheet's figures;
+        the built-in ``cpu`` profile's peak is a guess)."""
+        return bool(self.calibration)
+
+    @property
     def has_fp8(self) -> bool:
         """FP8 tensor cores (the profile gives ``peak_tflops.fp8``)."""
         return "fp8" in self.peak_flops
 
 
+def llmforge_home() -> Path:
+    """The per-user folder of measured profiles: ``LLMFORGE_HOME``, default ``~/.cache/llmforge``
+    (``$XDG_CACHE_HOME/llmforge`` where that is set)."""
+    if os.environ.get("LLMFORGE_HOME"):
+        return Path(os.environ["LLMFORGE_HOME"]).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "llmforge"
+
+
+def home_profiles() -> Path:
+    """Where ``llmforge calibrate`` writes a named profile (``cluster.accelerator=NAME`` finds it)."""
+    return llmforge_home() / "profiles"
+
+
 def _user_dirs() -> List[Path]:
     env = [p for p in os.environ.get("LLMFORGE_CONFIG_PATH", "").split(os.pathsep) if p]
-    return [Path(p).expanduser() / "profiles" for p in env]
+    return [Path(p).expanduser() / "profiles" for p in env] + [home_profiles()]
+
+
+def cpu_threads(ranks_per_node: int = 1) -> int:
+    """Threads one CPU rank computes with: ``OMP_NUM_THREADS`` where set, else this
+    process's CPUs shared by the ranks on the node (what the launcher gives torchrun's ranks,
+    and what a run in the launching process and ``llmforge calibrate`` set)."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // max(1, ranks_per_node))
+
+
+def cpu_model() -> str:
+    """This machine's CPU model name (Linux: /proc/cpuinfo), else the platform's word for it."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def torch_version() -> str:
+    """The installed torch's version, read from its metadata (torch is not imported)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "none"
+
+
+def machine_key(threads: int) -> str:
+    """What a CPU measurement holds for: CPU model, threads per rank, torch version."""
+    import re
+
+    raw = f"{cpu_model()}-{threads}t-torch{torch_version()}"
+    return re.sub(r"[^A-Za-z0-9.+]+", "-", raw).strip("-").lower()
+
+
+def machine_profile_path(threads: int) -> Path:
+    """This machine's calibrated cpu profile for ``threads`` per rank (may not exist yet)."""
+    return llmforge_home() / "profiles" / "machines" / f"cpu-{machine_key(threads)}.yaml"
+
+
+def forget_profiles() -> None:
+    """Drop the cached profile folders' contents (after ``llmforge calibrate`` wrote one)."""
+    _profiles_in.cache_clear()
 
 
 def _load_yaml(path: Path) -> dict:
@@ -143,6 +225,7 @@ def parse_profile(data: dict, *, source: str = "", description: str = "") -> Pro
             **_host_fields(data),
             description=description,
             source=source,
+            calibration=dict(_mapping(data.get("calibration") or {})),
         )
     except (TypeError, ValueError) as exc:
         raise UserError([Problem(source, "", f"a profile value has the wrong type: {exc}", "use numbers for sizes and speeds")], title="invalid hardware profile") from None
@@ -158,6 +241,12 @@ def _host_fields(data: dict) -> dict:
     if "host_memory_bandwidth_gbs" in data:
         out["host_memory_bandwidth"] = float(data["host_memory_bandwidth_gbs"]) * 1e9
     return out
+
+
+def _mapping(value: object) -> Mapping:
+    if not isinstance(value, Mapping):
+        raise TypeError("calibration must be a mapping (device, torch, date, command, ...)")
+    return value
 
 
 @lru_cache(maxsize=8)
@@ -190,8 +279,11 @@ def unknown_problem(name: str) -> Problem:
     )
 
 
-def get_profile(name: str) -> Profile:
-    """The profile for ``cluster.accelerator`` (a name or a YAML path); UserError if unknown."""
+def get_profile(name: str, *, ranks_per_node: int = 1) -> Profile:
+    """The profile for ``cluster.accelerator`` (a name or a YAML path); UserError if unknown.
+
+    ``cpu`` with no profile of the user's own is this machine's calibrated profile for the
+    threads each of ``ranks_per_node`` ranks gets, where one was measured, else the built-in guess."""
     if name.endswith((".yaml", ".yml")):
         path = Path(name).expanduser()
         if not path.is_file():
@@ -200,4 +292,9 @@ def get_profile(name: str) -> Profile:
     profiles = known_profiles()
     if name not in profiles:
         raise UserError([unknown_problem(name)])
-    return profiles[name]
+    found = profiles[name]
+    if name == "cpu" and Path(found.source).parent == BUILTIN_DIR:
+        machine = machine_profile_path(cpu_threads(ranks_per_node))
+        if machine.is_file():
+            return parse_profile(_load_yaml(machine), source=str(machine), description=_description(machine))
+    return found

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 
 import pytest
 
@@ -30,6 +31,10 @@ def small_data(data_cache) -> list[str]:
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Measured profiles (llmforge calibrate) go to a folder of this test session, never the
+# user's; the first CPU run's automatic calibration is off unless a test turns it on.
+os.environ["LLMFORGE_HOME"] = tempfile.mkdtemp(prefix="llmforge-home-")
+os.environ.setdefault("LLMFORGE_AUTO_CALIBRATE", "0")
 # Every rank the tests start checks that its collectives get tensors on its compute
 # device (llmforge.launch.guard): the mistake NCCL refuses and gloo hides.
 os.environ.setdefault("LLMFORGE_CHECK_COLLECTIVES", "1")

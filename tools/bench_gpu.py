@@ -83,14 +83,29 @@ def _batches(plan, device: torch.device, n: int = 4) -> List[torch.Tensor]:
     return [torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1), generator=gen) for _ in range(n)]
 
 
-def _timed(step: Callable[[int], None], *, warmup: int, steps: int) -> float:
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peaks(device: torch.device) -> tuple:
+    """(peak allocated, peak reserved) bytes: the CUDA allocator's, or resident memory on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)
+    from llmforge.train.meter import measured_peak_bytes, peak_memory
+
+    rss = measured_peak_bytes(peak_memory(device))
+    return rss, rss
+
+
+def _timed(step: Callable[[int], None], *, warmup: int, steps: int, device: torch.device) -> float:
     for i in range(warmup):
         step(i)
-    torch.cuda.synchronize()
+    _sync(device)
     started = time.perf_counter()
     for i in range(warmup, warmup + steps):
         step(i)
-    torch.cuda.synchronize()
+    _sync(device)
     return time.perf_counter() - started
 
 
@@ -100,14 +115,14 @@ def plain_loop(plan, *, compiled: bool, warmup: int, steps: int, device: torch.d
     if compiled:
         for block in model.blocks:
             block.compile()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.optim.weight_decay, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda")
     batches, mb = _batches(plan, device), cfg.train.micro_batch_size
 
     def step(i: int) -> None:
         batch = batches[i % len(batches)].to(device)
         micro = batch.split(mb)
         for x in micro:
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 logits = model(x[:, :-1])
             loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
             (loss / len(micro)).backward()
@@ -116,8 +131,8 @@ def plain_loop(plan, *, compiled: bool, warmup: int, steps: int, device: torch.d
         opt.zero_grad(set_to_none=True)
         loss.item()
 
-    seconds = _timed(step, warmup=warmup, steps=steps)
-    return Result(steps * plan.tokens_per_step / seconds, torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+    seconds = _timed(step, warmup=warmup, steps=steps, device=device)
+    return Result(steps * plan.tokens_per_step / seconds, *_peaks(device))
 
 
 def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Result:
@@ -137,12 +152,12 @@ def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Res
         done[0] = until
 
     run(warmup)
-    torch.cuda.synchronize()
+    _sync(device)
     started = time.perf_counter()
     run(warmup + steps)
-    torch.cuda.synchronize()
+    _sync(device)
     seconds = time.perf_counter() - started
-    result = Result(steps * plan.tokens_per_step / seconds, torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device))
+    result = Result(steps * plan.tokens_per_step / seconds, *_peaks(device))
     syncs = StepSyncs(host=c.host_tensors)
     with syncs:
         run(done[0] + 4, LoopHooks(should_stop=syncs.after_step))  # the last of these is logged
@@ -152,8 +167,9 @@ def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Res
 
 def _fresh(device: torch.device) -> None:
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def build_plan(args: argparse.Namespace, *, compiled: bool):

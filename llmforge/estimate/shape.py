@@ -120,12 +120,18 @@ def job_from_plan(plan) -> Job:
     c = plan.config
     return Job(
         global_batch=c.train.global_batch_size, param_dtype=c.precision.param_dtype,
-        reduce_dtype=c.precision.reduce_dtype, profile=get_profile(c.cluster.accelerator),
+        reduce_dtype=c.precision.reduce_dtype, profile=get_profile(c.cluster.accelerator, ranks_per_node=ranks_per_node(plan)),
         nodes=c.cluster.nodes, devices_per_node=c.cluster.devices_per_node, efficiency=c.cluster.efficiency,
         overlap_grad_reduce=plan.overlap_grad_reduce, fp8=c.precision.fp8,
         fp8_all_gather=c.precision.fp8 and c.precision.fp8_recipe == "tensorwise" and c.precision.fp8_all_gather,
         compile=c.train.compile, bucket_bytes=max(1, int(c.parallel.bucket_mb * 2**20)),
     )
+
+
+def ranks_per_node(plan) -> int:
+    """Ranks the plan starts on each node (on a CPU they share its cores)."""
+    c = plan.config.cluster
+    return c.devices_per_node or max(1, plan.world_size // c.nodes)
 
 
 def from_plan(plan) -> Tuple[Shape, Layout, Job]:

@@ -17,6 +17,10 @@ def run_here(plan: RunPlan, *, resume_from: Optional[Path], console: Console) ->
     from llmforge.train.components import RankInfo
     from llmforge.train.run import run
 
+    from llmforge.hardware import cpu_threads
+
     device = torch.device("cpu") if plan.config.cluster.accelerator == "cpu" else torch.device("cuda", 0)
+    if device.type == "cpu":  # the threads its profile was measured with (llmforge calibrate sets the same)
+        torch.set_num_threads(cpu_threads(1))
     summary = run(plan, rank=RankInfo(device=device), resume_from=resume_from, console=console)
     console.print(summary.describe(plan))

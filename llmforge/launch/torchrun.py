@@ -40,8 +40,9 @@ def check_supported(plan: RunPlan) -> List[Problem]:
 
 
 def procs_per_node(plan: RunPlan) -> int:
-    c = plan.config.cluster
-    return c.devices_per_node or plan.world_size // c.nodes
+    from llmforge.estimate.shape import ranks_per_node
+
+    return ranks_per_node(plan)
 
 
 def torchrun_args(plan: RunPlan, *, endpoint: Optional[str] = None, run_id: str = "llmforge") -> List[str]:
@@ -49,14 +50,18 @@ def torchrun_args(plan: RunPlan, *, endpoint: Optional[str] = None, run_id: str 
     (``cluster.min_nodes``) runs on MIN:MAX nodes."""
     c = plan.config.cluster
     nodes = f"{c.min_nodes}:{c.nodes}" if is_elastic(plan.config) else str(c.nodes)
-    args = [f"--nnodes={nodes}", f"--nproc-per-node={procs_per_node(plan)}", "--monitor-interval=0.2"]
-    if c.max_restarts > 0:
-        args.append(f"--max-restarts={c.max_restarts}")
-    endpoint = endpoint or c.rdzv_endpoint
-    if c.nodes == 1 and endpoint is None:
+    args = cluster_args(nodes=nodes, per_node=procs_per_node(plan), endpoint=endpoint or c.rdzv_endpoint, max_restarts=c.max_restarts, run_id=run_id)
+    return args + ([rendezvous_conf(c.elastic_wait_s)] if is_elastic(plan.config) and "--standalone" not in args else [])
+
+
+def cluster_args(*, nodes: "int | str", per_node: int, endpoint: Optional[str], max_restarts: int, run_id: str) -> List[str]:
+    """torchrun options for ``nodes`` (a count, or MIN:MAX) x ``per_node`` ranks (``llmforge calibrate`` starts its ranks so too)."""
+    args = [f"--nnodes={nodes}", f"--nproc-per-node={per_node}", "--monitor-interval=0.2"]
+    if max_restarts > 0:
+        args.append(f"--max-restarts={max_restarts}")
+    if str(nodes) == "1" and endpoint is None:
         return args + ["--standalone"]
-    args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]
-    return args + ([rendezvous_conf(c.elastic_wait_s)] if is_elastic(plan.config) else [])
+    return args + ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]
 
 
 def rendezvous_conf(wait_s: int) -> str:
@@ -103,7 +108,9 @@ def restart_env(plan: RunPlan) -> Dict[str, str]:
 
 
 def _threads(plan: RunPlan) -> int:
-    return max(1, (os.cpu_count() or 1) // procs_per_node(plan))
+    from llmforge.hardware import cpu_threads
+
+    return cpu_threads(procs_per_node(plan))
 
 
 def run_torchrun(argv: List[str], *, console: Console, threads: int = 1, hang_s: Optional[float] = None, env: Optional[Dict[str, str]] = None) -> None:

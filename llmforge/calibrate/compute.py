@@ -1,0 +1,190 @@
+"""One device's compute, timed: matmuls, fused causal attention, memory-bound kernels,
+the per-kernel launch floor and usable memory (``llmforge.calibrate.fit`` fits them).
+
+Shapes follow transformer training: for a width ``h`` and ``t`` tokens the MLP's
+forward ``[t x h] @ [h x 4h]``, its input gradient ``[t x 4h] @ [4h x h]``, its weight
+gradient ``[h x t] @ [t x 4h]`` and a projection ``[t x h] @ [h x h]``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, List, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from llmforge.calibrate.fit import AttentionSample, BandwidthSample, ComputeSamples, MatmulSample
+from llmforge.calibrate.timing import seconds_per_call
+from llmforge.config.dtypes import TORCH_NAMES
+
+Tick = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What one calibration measures (``grid_for``)."""
+
+    widths: Sequence[int]
+    tokens: Sequence[int]
+    attention: Sequence[tuple]  # (sequence length, head dim)
+    attention_tokens: int
+    elements: Sequence[int]  # memory-bound kernel sizes
+    budget_s: float  # per timing
+
+    def matmul_shapes(self) -> List[tuple]:
+        out = []
+        for h in self.widths:
+            for t in self.tokens:
+                out += [(t, h, 4 * h), (t, 4 * h, h), (h, t, 4 * h), (t, h, h)]
+        return out
+
+
+def grid_for(device: torch.device, *, quick: bool) -> Grid:
+    """Transformer-sized shapes for the device: small ones on a CPU, fewer with ``quick``."""
+    if device.type == "cpu":
+        if quick:
+            return Grid((128, 256, 512), (512, 2048), ((128, 32), (512, 64)), 2048, (2**16, 2**19, 2**22), 0.03)
+        return Grid((128, 256, 512, 1024), (512, 2048, 4096), ((128, 32), (512, 64), (1024, 64)), 4096, (2**16, 2**18, 2**20, 2**22, 2**24), 0.15)
+    if quick:
+        return Grid((1024, 4096), (4096,), ((2048, 128),), 16384, (2**22, 2**26), 0.05)
+    return Grid((768, 1024, 2048, 4096, 8192), (2048, 8192, 16384), ((1024, 64), (2048, 128), (4096, 128)), 32768, (2**20, 2**24, 2**26, 2**28), 0.2)
+
+
+def supported_dtypes(device: torch.device) -> List[str]:
+    """Precision names whose matmuls this device runs (every one on a CPU and a recent GPU)."""
+    names = ["fp32", "bf16", "fp16"]
+    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        names.remove("bf16")
+    return names
+
+
+def has_fp8(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9) and hasattr(torch, "_scaled_mm")
+
+
+def time_matmul(m: int, k: int, n: int, *, dtype: str, device: torch.device, budget_s: float) -> float:
+    if dtype == "fp8":
+        return _time_fp8(m, k, n, device=device, budget_s=budget_s)
+    tdt = getattr(torch, TORCH_NAMES[dtype])
+    a = torch.randn(m, k, device=device, dtype=tdt)
+    b = torch.randn(k, n, device=device, dtype=tdt)
+    return seconds_per_call(lambda: a @ b, device=device, budget_s=budget_s)
+
+
+def _time_fp8(m: int, k: int, n: int, *, device: torch.device, budget_s: float) -> float:
+    """A tensorwise-scaled float8 matmul (torch._scaled_mm, as torchao's Float8Linear runs it)."""
+    a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=device)
+    return seconds_per_call(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), device=device, budget_s=budget_s)
+
+
+def matmuls(grid: Grid, *, dtype: str, device: torch.device, tick: Tick) -> List[MatmulSample]:
+    """The grid's matmuls in ``dtype``; on a CPU only the reference dtype (fp32) runs the whole
+    grid, the others (often emulated, up to 100x slower) one small MLP shape."""
+    out = []
+    shapes = grid.matmul_shapes() if device.type == "cuda" or dtype == "fp32" else [(grid.tokens[0], grid.widths[0], 4 * grid.widths[0])]
+    for m, k, n in shapes:
+        out.append(MatmulSample(m, k, n, time_matmul(m, k, n, dtype=dtype, device=device, budget_s=grid.budget_s)))
+        tick(f"matmul {dtype} {m}x{k}x{n}")
+    return out
+
+
+def attention(grid: Grid, *, dtype: str, device: torch.device, tick: Tick) -> List[AttentionSample]:
+    """Causal SDPA, forward and forward + backward, at ``grid.attention_tokens`` tokens of 8 heads."""
+    tdt = getattr(torch, TORCH_NAMES[dtype])
+    out = []
+    for seq, head_dim in grid.attention:
+        batch = max(1, grid.attention_tokens // seq)
+        q, k, v = (torch.randn(batch, 8, seq, head_dim, device=device, dtype=tdt, requires_grad=True) for _ in range(3))
+        grad = torch.randn(batch, 8, seq, head_dim, device=device, dtype=tdt)
+
+        def forward():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def both():
+            forward().backward(grad)
+
+        with torch.no_grad():
+            fwd = seconds_per_call(forward, device=device, budget_s=grid.budget_s)
+        total = seconds_per_call(both, device=device, budget_s=grid.budget_s)
+        out.append(AttentionSample(batch * 8, seq, head_dim, fwd, total))
+        tick(f"attention {dtype} seq {seq} head {head_dim}")
+    return out
+
+
+def bandwidth(grid: Grid, *, device: torch.device, tick: Tick) -> List[BandwidthSample]:
+    """fp32 copies (read + write) and additions (two reads, one write) of each size."""
+    out = []
+    for n in grid.elements:
+        a, b = torch.randn(n, device=device), torch.randn(n, device=device)
+        dst = torch.empty_like(a)
+        out.append(BandwidthSample("copy", 8 * n, seconds_per_call(lambda: dst.copy_(a), device=device, budget_s=grid.budget_s)))
+        out.append(BandwidthSample("add", 12 * n, seconds_per_call(lambda: a + b, device=device, budget_s=grid.budget_s)))
+        tick(f"memory-bound {n:,} elements")
+    return out
+
+
+def launch_floor(*, device: torch.device, budget_s: float) -> float:
+    """Seconds per small eager op as training issues them: autograd recording each one."""
+    x = torch.randn(16, device=device, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(100):
+            y = y * 1.0001
+        return y
+
+    return seconds_per_call(chain, device=device, budget_s=budget_s) / 100
+
+
+def usable_memory(device: torch.device) -> tuple[int, int]:
+    """(device memory bytes, bytes the runtime already holds) of ``device``."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total, total - free
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = open("/sys/fs/cgroup/memory.max").read().strip()
+        total = min(total, int(limit)) if limit.isdigit() else total
+    except OSError:
+        pass
+    return total, 0
+
+
+def device_name(device: torch.device, *, threads: int) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    from llmforge.hardware import cpu_model
+
+    return f"{cpu_model()} ({threads} thread{'s' if threads != 1 else ''})"
+
+
+def measure(device: torch.device, *, quick: bool, threads: int, tick: Tick) -> ComputeSamples:
+    """Every compute figure of ``device`` (on a CPU with ``threads`` threads)."""
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+    grid = grid_for(device, quick=quick)
+    dtypes = supported_dtypes(device) + (["fp8"] if has_fp8(device) else [])
+    samples = ComputeSamples(device=device.type, device_name=device_name(device, threads=threads), threads=threads)
+    samples.floor_s = launch_floor(device=device, budget_s=grid.budget_s)
+    tick("launch floor")
+    samples.memory_bytes, samples.reserved_bytes = usable_memory(device)
+    for dtype in dtypes:
+        samples.matmul[dtype] = matmuls(grid, dtype=dtype, device=device, tick=tick)
+    for dtype in supported_dtypes(device):
+        samples.attention[dtype] = attention(grid, dtype=dtype, device=device, tick=tick) if dtype == samples.reference_dtype else []
+        if dtype != samples.reference_dtype:
+            tick(f"attention {dtype}: not measured")
+    samples.bandwidth = bandwidth(grid, device=device, tick=tick)
+    return samples
+
+
+def steps(device: torch.device, *, quick: bool) -> int:
+    """How many ticks ``measure`` makes (the progress bar's total)."""
+    grid = grid_for(device, quick=quick)
+    matmuls = len(grid.matmul_shapes()) * (len(supported_dtypes(device)) + has_fp8(device) if device.type == "cuda" else 1)
+    matmuls += 0 if device.type == "cuda" else len(supported_dtypes(device)) - 1
+    return 1 + matmuls + len(grid.attention) + len(supported_dtypes(device)) - 1 + len(grid.elements)

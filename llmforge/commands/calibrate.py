@@ -1,0 +1,123 @@
+"""``llmforge calibrate``: measure this machine (``llmforge.calibrate``), show the measured
+figures next to the datasheet profile they started from, and write the profile."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from llmforge.errors import UserError
+
+
+def calibrate_command(overrides: Sequence[str], *, config_dir: Sequence[Path], quick: bool, out: Optional[Path], name: Optional[str],
+                      command: str, console: Console) -> Path:
+    """Calibrate the ``cluster.*`` of the composed config and write its profile; the path."""
+    from llmforge.calibrate.run import Request, check_request
+    from llmforge.calibrate.write import check_out
+    from llmforge.config.compose import compose
+    from llmforge.hardware import cpu_threads, is_known, unknown_problem
+
+    c = compose(list(overrides), extra_dirs=list(config_dir)).cluster
+    if not is_known(c.accelerator):
+        raise UserError([unknown_problem(c.accelerator)], title="cannot calibrate")
+    req = Request(accelerator=c.accelerator, nodes=c.nodes, per_node=c.devices_per_node or 1, rdzv_endpoint=c.rdzv_endpoint,
+                  timeout_s=c.timeout_s, quick=quick, command=command)
+    threads = cpu_threads(req.per_node) if req.on_cpu else None
+    path = out or default_path(req, name=name, threads=threads)
+    check_out(path)
+    check_request(req)
+    started = time.perf_counter()
+    result = calibrate(req, threads=threads, name=name, console=console)
+    from llmforge.calibrate.write import profile_text, write_profile
+
+    write_profile(path, profile_text(result.data, description=describe(result)))
+    render(result, console=console)
+    console.print(f"calibrated in {time.perf_counter() - started:.0f}s; wrote {path}\n{how_to_use(req, path=path, name=result.data['name'], out=out)}",
+                  markup=False, highlight=False)
+    return path
+
+
+def default_path(req, *, name: Optional[str], threads: Optional[int]) -> Path:
+    """This machine's cpu profile on a CPU, else ``LLMFORGE_HOME/profiles/NAME.yaml``."""
+    from llmforge.hardware import home_profiles, machine_profile_path
+
+    if req.on_cpu and name is None:
+        return machine_profile_path(threads or 1)
+    return home_profiles() / f"{name or Path(req.accelerator).stem}.yaml"
+
+
+def calibrate(req, *, threads: Optional[int], name: Optional[str], console: Console):
+    """Measure, then fit into a profile (``Result.data``)."""
+    from llmforge.calibrate.run import Result, measure_here, measure_ranks, profile_data, progress_bar
+    from llmforge.calibrate.write import datasheet_profile, provenance
+
+    datasheet = datasheet_profile(req.accelerator)
+    comm = []
+    if req.world > 1:
+        compute, comm = measure_ranks(req, threads=threads, console=console)
+    else:
+        with progress_bar(console, label="calibrating") as start:
+            compute = measure_here(req, threads=threads, tick_total=start)
+    result = Result(datasheet=datasheet, compute=compute, comm=comm)
+    prov = provenance(device=compute.device_name, threads=threads, ranks=req.world, quick=req.quick, started_from=datasheet, command=req.command)
+    result.data = profile_data(result, name=name or datasheet.name, provenance=prov)
+    return result
+
+
+def describe(result) -> str:
+    return f"{result.compute.device_name}, measured by llmforge calibrate (from the {result.datasheet.name} profile)"
+
+
+def how_to_use(req, *, path: Path, name: str, out: Optional[Path]) -> str:
+    if req.on_cpu and out is None and name == "cpu":
+        return "cluster.accelerator=cpu uses it on this machine (estimate, pretrain, the progress bar's MFU)"
+    if out is None:
+        return f"select it with cluster.accelerator={name}"
+    return f"select it with cluster.accelerator={path}"
+
+
+def comparison_rows(result) -> List[tuple]:
+    """(figure, datasheet, measured) rows of the table."""
+    from llmforge.hardware import parse_profile
+
+    before, after = result.datasheet, parse_profile(result.data, source="calibrated")
+    rows = [(f"peak {d} TFLOP/s", f"{before.peak_flops.get(d, 0) / 1e12:.4g}", f"{after.peak_flops[d] / 1e12:.4g}") for d in after.peak_flops]
+    rows += [(f"{d} matmul TFLOP/s, large (peak x efficiency)", f"{before.peak_flops.get(d, 0) * before.matmul_efficiency / 1e12:.4g}",
+              f"{after.peak_flops[d] * after.matmul_efficiency / 1e12:.4g}") for d in after.peak_flops]
+    for key in ("matmul_efficiency", "matmul_dim", "attention_efficiency", "bandwidth_efficiency", "kernel_floor_us"):
+        rows.append((key, f"{getattr(before, key):.3g}", f"{getattr(after, key):.3g}"))
+    rows.append(("memory-bound GB/s (bandwidth x efficiency)", f"{before.memory_bandwidth * before.bandwidth_efficiency / 1e9:.4g}",
+                 f"{after.memory_bandwidth * after.bandwidth_efficiency / 1e9:.4g}"))
+    rows.append(("device memory GiB", f"{before.memory_bytes / 2**30:.4g}", f"{after.memory_bytes / 2**30:.4g}"))
+    if result.comm:
+        for link, attr in (("intra", "intra_node_bandwidth"), ("inter", "inter_node_bandwidth")):
+            rows.append((f"{link}-node bus GB/s achieved", f"{getattr(before, attr) * before.comm_efficiency / 1e9:.4g}",
+                         f"{getattr(after, attr) * after.comm_efficiency / 1e9:.4g}"))
+        rows.append(("collective latency us", f"{before.comm_latency_us:.3g}", f"{after.comm_latency_us:.3g}"))
+    return rows
+
+
+def render(result, *, console: Console) -> None:
+    table = Table(title=f"{result.compute.device_name}: measured vs the {result.datasheet.name} profile")
+    for column in ("figure", result.datasheet.name, "measured"):
+        table.add_column(column, justify="left" if column == "figure" else "right")
+    for row in comparison_rows(result):
+        table.add_row(*row)
+    console.print(table)
+    if result.comm:
+        console.print(comm_table(result.comm))
+
+
+def comm_table(samples) -> Table:
+    """The collectives, as nccl-tests prints them."""
+    table = Table(title="collectives (busbw = algbw x 2(n-1)/n all_reduce, (n-1)/n gather/scatter/all-to-all, 1 send/recv)")
+    for column in ("op", "link", "ranks", "size", "time us", "algbw GB/s", "busbw GB/s"):
+        table.add_column(column, justify="left" if column in ("op", "link") else "right")
+    for s in samples:
+        size = f"{s.nbytes / 2**20:.0f} MiB"
+        table.add_row(s.op, s.link, str(s.ranks), size, f"{s.seconds * 1e6:.1f}", f"{s.algbw / 1e9:.3g}", f"{s.busbw / 1e9:.3g}")
+    return table
