@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from llmforge.data.prepare import PreparedData
-from llmforge.data.split import open_split
+from llmforge.data.split import held_out_masks, open_split
 from llmforge.errors import Problem, UserError
 
 MIX_BLOCK = 4096
@@ -56,25 +56,25 @@ class BatchSampler:
         self.split, self.val_fraction, self.val_seed = split, float(val_fraction), int(val_seed)
         self.position = 0
         self.last_sequence_ids = np.zeros((0, 3), dtype=np.int64)
-        self._streams = [self._open(i) for i in range(len(data.streams))]
-        self.num_sequences = [(s.num_tokens - 1) // seq_len for s in self._streams]
+        opened = [data.open_stream(i) for i in range(len(data.streams))]
+        masks = held_out_masks([s.doc_ends() for s in opened], fraction=self.val_fraction, seed=self.val_seed,
+                               min_tokens=seq_len + 1) if self.val_fraction > 0 else None
+        #: Held-out documents of each stream (none when val_fraction is 0 or the data is too small).
+        self.held_out_documents = [int(m.sum()) for m in masks] if masks is not None else [0] * len(opened)
+        self._streams = [s if masks is None else open_split(s, split=split, mask=m) for s, m in zip(opened, masks or opened)]
+        self.num_sequences = [max(0, (s.num_tokens - 1) // seq_len) for s in self._streams]
         self._check_long_enough()
         self._counts = _block_counts([s.weight for s in data.streams], block=MIX_BLOCK)
         self._perms: Dict[Tuple[int, int], np.ndarray] = {}
         self._blocks: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
 
-    def _open(self, index: int):
-        stream = self.data.open_stream(index)
-        if self.val_fraction <= 0:
-            return stream
-        return open_split(stream, split=self.split, fraction=self.val_fraction, seed=self.val_seed, index=index)
-
     def _check_long_enough(self) -> None:
         if self.split == "val":
-            problems = [Problem("data.val_fraction", self.val_fraction, f"the held-out documents of dataset {info.name!r} have "
-                                f"{s.num_tokens} tokens, fewer than one sequence of model.seq_len + 1 = {self.seq_len + 1}",
-                                "raise data.val_fraction (or add documents)")
-                        for info, s, m in zip(self.data.streams, self._streams, self.num_sequences) if m == 0]
+            problems = [Problem("data.val_fraction", self.val_fraction, f"holds out no documents of dataset {info.name!r}: too few documents, "
+                                f"or too short for one sequence of model.seq_len + 1 = {self.seq_len + 1} tokens "
+                                "(llmforge keys data.val_fraction says how they are chosen)",
+                                "raise data.val_fraction, add documents, or set data.val_fraction=0")
+                        for info, m in zip(self.data.streams, self.num_sequences) if m == 0]
             if problems:
                 raise UserError(problems, title="not enough validation data")
         problems = [Problem("model.seq_len", self.seq_len, f"dataset {info.name!r} has only {s.num_tokens} tokens, "

@@ -94,12 +94,24 @@ def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
 
         raise fail(f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={plan.config.model.vocab_size}; raise model.vocab_size or set data.vocab_size lower")
     sampler = make_sampler(plan, prepared)
-    val_sampler = make_sampler(plan, prepared, split="val") if plan.config.data.val_fraction > 0 else None
     from llmforge.train.build import build_components
 
     c = build_components(plan, rank=rank, sampler=sampler)
-    c.val_sampler = val_sampler
+    c.val_sampler = _val_sampler(plan, prepared, train=sampler, console=console if rank.is_main else None)
     return c
+
+
+def _val_sampler(plan: RunPlan, prepared, *, train, console: Optional[Console]):
+    """The held-out stream, or None: validation off, or data too small to hold documents out (said once)."""
+    fraction = plan.config.data.val_fraction
+    if fraction <= 0:
+        return None
+    if all(train.held_out_documents):
+        return make_sampler(plan, prepared, split="val")
+    if console is not None:
+        console.print(f"no validation: the data is too small to hold out documents (data.val_fraction={fraction}, see "
+                      "llmforge keys data.val_fraction); data.val_fraction=0 silences this", style="yellow", markup=False, highlight=False)
+    return None
 
 
 def train_state(c: Components) -> dict:
@@ -337,7 +349,7 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
     wandb_run = WandbRun(settings=cfg.logging.wandb, run_dir=plan.run_dir, name=cfg.run.name, config=plan.to_dict(), resume_id=resume_id)
     if wandb_run.run_id:
         id_file.write_text(wandb_run.run_id)
-    progress = TrainingProgress(total_steps=cfg.train.steps, start_step=start_step, enabled=cfg.logging.console, console=console, validation=cfg.data.val_fraction > 0)
+    progress = TrainingProgress(total_steps=cfg.train.steps, start_step=start_step, enabled=cfg.logging.console, console=console, validation=c.val_sampler is not None)
 
     tensorboard = None
     if cfg.logging.tensorboard:
