@@ -30,8 +30,8 @@ app.add_typer(data_app, name="data")
 
 # Markup off: whatever a message quotes (paths, values, a rank's error) prints as written;
 # llmforge styles its own words with Text/style= instead.
-err = Console(stderr=True, markup=False)
-out = Console(markup=False)
+err = Console(stderr=True, markup=False, soft_wrap=True)
+out = Console(markup=False, soft_wrap=True)
 
 OVERRIDES = typer.Argument(None, help="Overrides: recipe=NAME, GROUP=OPTION, key.path=value.", show_default=False)
 CONFIG_DIR = typer.Option(None, "--config-dir", "-C", help="Extra folder of configs (model/, parallel/, recipe/, ...); repeatable.")

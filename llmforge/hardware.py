@@ -11,7 +11,9 @@ Bandwidths are per device and per direction, in GB/s (1e9 bytes): NVLink's
 900 GB/s "bidirectional" H100 figure is 450 here. Peak FLOP/s are dense (no
 structured sparsity). The optional ``matmul_efficiency``, ``matmul_dim``,
 ``attention_efficiency``, ``bandwidth_efficiency`` and ``kernel_floor_us`` are
-the step-time model's rates (``llmforge.estimate.kernels``). ``peak_tflops.fp8`` is optional: a profile without it has
+the step-time model's rates (``llmforge.estimate.kernels``). ``peak_approximate: true``
+marks peaks that are a rough guess (the measured MFU is then shown as approximate; a
+profile measured on its machine leaves it out). ``peak_tflops.fp8`` is optional: a profile without it has
 no FP8 tensor cores, and ``precision.fp8`` is refused there (unless emulated).
 """
 
@@ -31,7 +33,7 @@ GIB = 1024**3
 REQUIRED = ("name", "memory_gib", "peak_tflops", "memory_bandwidth_gbs", "intra_node_gbs", "inter_node_gbs", "devices_per_node")
 #: The step-time model's rates (see llmforge.estimate.kernels); defaults in Profile.
 SPEED_KEYS = ("matmul_efficiency", "matmul_dim", "attention_efficiency", "bandwidth_efficiency", "kernel_floor_us")
-OPTIONAL = ("runtime_reserved_gib", "comm_efficiency") + SPEED_KEYS
+OPTIONAL = ("runtime_reserved_gib", "comm_efficiency", "peak_approximate") + SPEED_KEYS
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,9 @@ class Profile:
     attention_efficiency: float = 0.7
     bandwidth_efficiency: float = 0.7
     kernel_floor_us: float = 5.0
+    #: The peak is a rough guess rather than a datasheet figure or a measurement (the
+    #: built-in ``cpu``): MFU measured against it is shown as approximate (``MFU ~40%``).
+    peak_approximate: bool = False
     description: str = ""
     source: str = field(default="", compare=False)
 
@@ -113,11 +118,18 @@ def parse_profile(data: dict, *, source: str = "", description: str = "") -> Pro
             runtime_reserved_bytes=int(float(data.get("runtime_reserved_gib", 0.0)) * GIB),
             comm_efficiency=float(data.get("comm_efficiency", 0.7)),
             **{k: float(data[k]) for k in SPEED_KEYS if k in data},
+            peak_approximate=_flag(data.get("peak_approximate", False), key=f"{source}:peak_approximate"),
             description=description,
             source=source,
         )
     except (TypeError, ValueError) as exc:
         raise UserError([Problem(source, "", f"a profile value has the wrong type: {exc}", "use numbers for sizes and speeds")], title="invalid hardware profile") from None
+
+
+def _flag(value: object, *, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise UserError([Problem(key, value, "must be true or false", "write peak_approximate: true (or leave it out)")], title="invalid hardware profile")
+    return value
 
 
 @lru_cache(maxsize=8)

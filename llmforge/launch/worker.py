@@ -115,7 +115,7 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
         from llmforge.rundir import RunLock
 
         RunLock(plan.run_dir).acquire()  # held until this process ends; each node's launcher shares the folder
-    console = Console(stderr=True, markup=False) if main else Console(file=io.StringIO(), quiet=True)
+    console = Console(stderr=True, markup=False, soft_wrap=True) if main else Console(file=io.StringIO(), quiet=True)
     rank = distributed_rank(plan, device=device)
     if main:
         prepare_data(plan, console=console)  # fills the shared cache before the others read it
