@@ -83,7 +83,7 @@ def fifty_steps(tmp_path_factory, small_data) -> dict:
     out = {}
     for name, extra in {"bf16": ["precision=bf16"], "fp8": EMULATED}.items():
         args = ["pretrain", *small_data, *extra, "model.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=4",
-                "train.steps=50", "train.log_interval=1", "checkpoint.save_final=false", "logging.console=false",
+                "train.steps=50", "train.log_interval=1", "checkpoint.save_final=false", "logging.console=false", "data.val_fraction=0",
                 "logging.wandb.mode=disabled", f"run.dir={tmp / name}"]
         result = runner.invoke(app, args)
         assert result.exit_code == 0, result.output
