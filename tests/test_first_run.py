@@ -100,3 +100,44 @@ def test_config_path_that_is_a_file_names_the_variable(tmp_path, monkeypatch):
 def test_search_top_below_one_is_a_usage_error():
     result = runner.invoke(app, ["estimate", "--search", "--top", "0"])
     assert result.exit_code == 2 and "--top" in result.output and "fit" not in result.output
+
+
+def test_step_time_after_a_validation_leaves_the_validation_out(monkeypatch):
+    """A fake clock: each training step takes 1 s, each validation batch 100 s."""
+    import torch
+
+    from llmforge.testing.harness import SyntheticSampler, tiny_plan
+    from llmforge.train import loop
+    from llmforge.train.build import build_components
+    from llmforge.train.components import RankInfo
+
+    plan = tiny_plan(["train.steps=4"])
+    cfg = plan.config
+
+    def synthetic(seed: int) -> SyntheticSampler:
+        return SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=seed)
+
+    torch.manual_seed(cfg.train.seed)
+    c = build_components(plan, rank=RankInfo(), sampler=synthetic(cfg.train.seed))
+    c.val_sampler = synthetic(cfg.train.seed + 1)
+    clock = [0.0]
+
+    class Clocked:
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def __call__(self, batch):
+            clock[0] += 1.0
+            return self.inner(batch)
+
+        def evaluate(self, batch):
+            clock[0] += 100.0
+            return self.inner.evaluate(batch)
+
+    c.step = Clocked(c.step)
+    monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
+    records: list = []
+    loop.train_loop(c, start_step=0, total_steps=4, grad_clip=1.0, log_interval=1, checkpoint_interval=0,
+                    hooks=loop.LoopHooks(log=records.append), eval_interval=2, eval_steps=1)
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
+    assert [r["step_time_s"] for r in records[1:]] == [1.0, 1.0, 1.0]  # the first window began on the real clock
