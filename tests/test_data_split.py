@@ -127,3 +127,13 @@ def test_every_dataset_or_none_holds_documents_out():
     masks = held_out_masks([big, big], fraction=0.05, seed=0, min_tokens=33)
     assert [int(m.sum()) for m in masks] == [5, 5]
     assert not any(m.any() for m in held_out_masks([big, small], fraction=0.05, seed=0, min_tokens=33))
+
+
+def test_resume_of_a_split_chosen_by_an_earlier_rule_is_refused(data):
+    state = sampler(data, "train").state_dict()
+    del state["split_rule"]  # what a checkpoint of the first rule holds
+    with pytest.raises(UserError, match="earlier llmforge version"):
+        sampler(data, "train").load_state_dict(state)
+    plain = BatchSampler(data, seq_len=SEQ, global_batch_size=G, seed=1).state_dict()
+    del plain["split_rule"]  # nothing held out: nothing to disagree on
+    BatchSampler(data, seq_len=SEQ, global_batch_size=G, seed=1).load_state_dict(plain)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from llmforge.data.prepare import PreparedData
-from llmforge.data.split import held_out_masks, open_split
+from llmforge.data.split import SPLIT_RULE, held_out_masks, open_split
 from llmforge.errors import Problem, UserError
 
 MIX_BLOCK = 4096
@@ -138,7 +138,7 @@ class BatchSampler:
         return {"version": STATE_VERSION, "seed": self.seed, "position": int(self.position), "epoch": self.epoch,
                 "seq_len": self.seq_len, "global_batch_size": self.global_batch_size,
                 "data": self.data.fingerprint, "num_streams": len(self._streams),
-                "split": self.split, "val_fraction": self.val_fraction, "val_seed": self.val_seed}
+                "split": self.split, "val_fraction": self.val_fraction, "val_seed": self.val_seed, "split_rule": SPLIT_RULE}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved state (the global batch size may differ; seq_len and data may not)."""
@@ -168,6 +168,10 @@ class BatchSampler:
         elif fraction > 0 and seed != self.val_seed:
             problems.append(Problem("data.val_seed", self.val_seed, f"the checkpoint held out documents with data.val_seed={seed}",
                                     f"resume with data.val_seed={seed}"))
+        elif fraction > 0 and int(state.get("split_rule", 1)) != SPLIT_RULE:
+            problems.append(Problem("data.val_fraction", self.val_fraction, "the checkpoint chose its held-out documents by the rule of an "
+                                    "earlier llmforge version, and this one would train on some of them",
+                                    "resume with the llmforge version that wrote the checkpoint, or start a new run"))
         if problems:
             raise UserError(problems, title="cannot resume the data order")
 

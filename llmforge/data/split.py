@@ -18,6 +18,9 @@ import numpy as np
 from llmforge.data.reader import TokenStream
 
 SPLITS = ("train", "val")
+#: Version of the rule choosing the held-out documents (kept in the sampler's state: a
+#: resume under another rule would train on documents held out before).
+SPLIT_RULE = 2
 
 
 #: Datasets of fewer documents hold one out only when the fraction itself asks for one.
