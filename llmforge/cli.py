@@ -30,8 +30,8 @@ app.add_typer(data_app, name="data")
 
 # Markup off: whatever a message quotes (paths, values, a rank's error) prints as written;
 # llmforge styles its own words with Text/style= instead.
-err = Console(stderr=True, markup=False)
-out = Console(markup=False)
+err = Console(stderr=True, markup=False, soft_wrap=True)
+out = Console(markup=False, soft_wrap=True)
 
 OVERRIDES = typer.Argument(None, help="Overrides: recipe=NAME, GROUP=OPTION, key.path=value.", show_default=False)
 CONFIG_DIR = typer.Option(None, "--config-dir", "-C", help="Extra folder of configs (model/, parallel/, recipe/, ...); repeatable.")
@@ -110,7 +110,7 @@ def estimate(
     timeline: bool = typer.Option(False, "--timeline", help="Draw the pipeline schedule, slot by slot."),
     measure: bool = typer.Option(False, "--measure", help="Also build the real model on CPU and print measured numbers."),
     search: bool = typer.Option(False, "--search", help="Search every valid layout and rank those that fit by speed."),
-    top: int = typer.Option(5, "--top", help="With --search, how many layouts to show."),
+    top: int = typer.Option(5, "--top", min=1, help="With --search, how many layouts to show (1 or more)."),
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="Start from a run's plan.json instead of the recipe (overrides apply on top)."),
     config_dir: Optional[List[Path]] = CONFIG_DIR,
 ) -> None:

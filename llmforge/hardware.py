@@ -15,6 +15,8 @@ structured sparsity). The optional ``matmul_efficiency``, ``matmul_dim``,
 share of the compute units a running collective holds, and ``comm_latency_us``, one collective between two
 ranks, paid once per ring hop: ``llmforge.estimate.comm``). ``peak_tflops.fp8`` is optional: a profile without it has
 no FP8 tensor cores, and ``precision.fp8`` is refused there (unless emulated).
+``peak_approximate: true`` marks peaks that are a rough guess (the built-in ``cpu``): MFU
+against them is shown as approximate, unless the profile was measured (``calibrated``).
 The optional ``host_memory_gib`` (per node), ``host_link_gbs`` (per device and
 direction: PCIe or NVLink-C2C) and ``host_memory_bandwidth_gbs`` (per node) describe
 the host for CPU offload (``parallel.offload``, ``llmforge.estimate.offload``).
@@ -47,7 +49,7 @@ SPEED_KEYS = ("matmul_efficiency", "matmul_dim", "attention_efficiency", "attent
               "comm_sm_share", "kernel_floor_us")
 #: The host side, for CPU offload (llmforge.estimate.offload); defaults in Profile.
 HOST_KEYS = ("host_memory_gib", "host_link_gbs", "host_memory_bandwidth_gbs")
-OPTIONAL = ("runtime_reserved_gib", "comm_efficiency", "comm_latency_us", "calibration") + SPEED_KEYS + HOST_KEYS
+OPTIONAL = ("runtime_reserved_gib", "comm_efficiency", "comm_latency_us", "calibration", "peak_approximate") + SPEED_KEYS + HOST_KEYS
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,9 @@ class Profile:
     host_link_bandwidth: float = 25e9
     #: Host memory bandwidth of one node (all its CPU sockets), bytes/s.
     host_memory_bandwidth: float = 200e9
+    #: The peak is a rough guess rather than a datasheet figure or a measurement (the
+    #: built-in ``cpu``): MFU measured against it is shown as approximate (``MFU ~40%``).
+    peak_approximate: bool = False
     description: str = ""
     source: str = field(default="", compare=False)
     #: Where a measured profile came from (``llmforge calibrate``); empty for a datasheet one.
@@ -223,6 +228,7 @@ def parse_profile(data: dict, *, source: str = "", description: str = "") -> Pro
             comm_latency_us=float(data.get("comm_latency_us", 0.0)),
             **{k: float(data[k]) for k in SPEED_KEYS if k in data},
             **_host_fields(data),
+            peak_approximate=_flag(data.get("peak_approximate", False), key=f"{source}:peak_approximate"),
             description=description,
             source=source,
             calibration=dict(_mapping(data.get("calibration") or {})),
@@ -246,6 +252,12 @@ def _host_fields(data: dict) -> dict:
 def _mapping(value: object) -> Mapping:
     if not isinstance(value, Mapping):
         raise TypeError("calibration must be a mapping (device, torch, date, command, ...)")
+    return value
+
+
+def _flag(value: object, *, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise UserError([Problem(key, value, "must be true or false", "write peak_approximate: true (or leave it out)")], title="invalid hardware profile")
     return value
 
 

@@ -248,13 +248,20 @@ def _check_accelerator(config: RunConfig) -> List[Problem]:
     return [unknown_problem(name)]
 
 
+def launch_problems(config: RunConfig) -> List[Problem]:
+    """What launching needs from this machine beyond a valid plan: torchao for precision.fp8.
+    Not checked by build(): planning and estimating an FP8 run need no torchao."""
+    if config.precision.fp8 and not _installed("torchao"):
+        return [Problem("precision.fp8", True, "FP8 training runs on torchao, which is not installed", "pip install 'llmforge[fp8]' (or pip install torchao), or use precision=bf16")]
+    return []
+
+
 def _check_fp8(config: RunConfig) -> List[Problem]:
-    """precision.fp8 needs torchao, bf16 (or fp32) for the rest, and FP8 tensor cores unless emulated."""
+    """precision.fp8 needs bf16 (or fp32) for the rest, and FP8 tensor cores unless emulated
+    (and torchao at launch: ``launch_problems``)."""
     pr, out = config.precision, []
     if not pr.fp8:
         return out
-    if not _installed("torchao"):
-        out.append(Problem("precision.fp8", True, "FP8 training runs on torchao, which is not installed", "pip install 'llmforge[fp8]' (or pip install torchao), or use precision=bf16"))
     if pr.param_dtype == "fp16":
         out.append(Problem("precision.param_dtype", pr.param_dtype, "fp8 is not combined with fp16 loss scaling (FP8 gradients use e5m2 with their own scales)", "use precision=fp8 (bf16 for the rest) or precision.param_dtype=bf16"))
     name = config.cluster.accelerator

@@ -12,7 +12,7 @@ import torch
 from llmforge.config.schema import DataConfig
 from llmforge.data.prepare import prepare
 from llmforge.data.sampler import BatchSampler
-from llmforge.data.split import held_out
+from llmforge.data.split import MAX_DOCUMENTS, held_out, held_out_count, held_out_masks
 from llmforge.errors import UserError
 
 SEQ, G, FRACTION = 16, 8, 0.1
@@ -48,7 +48,7 @@ def rows(s: BatchSampler, steps: int, dp_size: int = 1) -> np.ndarray:
 
 def test_each_split_reads_only_its_own_documents(data):
     docs = documents(data)
-    mask = held_out(len(docs), fraction=FRACTION, seed=3, stream=0)
+    mask = held_out(data.open_stream(0).doc_ends(), fraction=FRACTION, seed=3, stream=0, min_tokens=SEQ + 1)
     assert mask.sum() == round(FRACTION * len(docs))
     train_text = np.concatenate([d for d, m in zip(docs, mask) if not m])
     val_text = np.concatenate([d for d, m in zip(docs, mask) if m])
@@ -100,3 +100,40 @@ def test_resume_with_another_split_is_refused(data):
 def test_too_few_held_out_tokens_name_the_fraction(data):
     with pytest.raises(UserError, match="data.val_fraction"):
         BatchSampler(data, seq_len=SEQ * 40, global_batch_size=G, seed=1, split="val", val_fraction=0.005, val_seed=0)
+
+
+def test_how_many_documents_are_held_out():
+    assert [held_out_count(n, fraction=0.01) for n in (1, 9, 10, 149, 151, 557)] == [0, 0, 1, 1, 2, 6]
+    assert held_out_count(10**7, fraction=0.01) == MAX_DOCUMENTS  # a large corpus trains on the rest
+    assert [held_out_count(n, fraction=0.5) for n in (1, 2, 4)] == [0, 1, 2]  # a fraction asking for documents gets them
+    assert held_out_count(100, fraction=0.0) == 0
+
+
+def test_held_out_documents_grow_to_one_sequence_or_none_are_held_out(data):
+    ends = np.asarray(data.open_stream(0).doc_ends())
+    lengths = np.diff(ends, prepend=0)
+    grown = held_out(ends, fraction=0.005, seed=0, stream=0, min_tokens=65)
+    assert 1 < grown.sum() <= 20 and lengths[grown].sum() >= 65
+    first = held_out(ends, fraction=0.005, seed=0, stream=0, min_tokens=1)
+    assert first.sum() == 1 and grown[first].all()  # grown from the same seeded order
+    assert not held_out(ends, fraction=0.005, seed=0, stream=0, min_tokens=SEQ * 40 + 1).any()
+    # then the training side keeps every document and says none are held out
+    train = BatchSampler(data, seq_len=SEQ * 40, global_batch_size=G, seed=1, val_fraction=0.005)
+    assert train.held_out_documents == [0] and train._streams[0].num_tokens == data.num_tokens
+
+
+def test_every_dataset_or_none_holds_documents_out():
+    big, small = np.arange(1, 101) * 50, np.array([10, 20, 30])
+    masks = held_out_masks([big, big], fraction=0.05, seed=0, min_tokens=33)
+    assert [int(m.sum()) for m in masks] == [5, 5]
+    assert not any(m.any() for m in held_out_masks([big, small], fraction=0.05, seed=0, min_tokens=33))
+
+
+def test_resume_of_a_split_chosen_by_an_earlier_rule_is_refused(data):
+    state = sampler(data, "train").state_dict()
+    del state["split_rule"]  # what a checkpoint of the first rule holds
+    with pytest.raises(UserError, match="earlier llmforge version"):
+        sampler(data, "train").load_state_dict(state)
+    plain = BatchSampler(data, seq_len=SEQ, global_batch_size=G, seed=1).state_dict()
+    del plain["split_rule"]  # nothing held out: nothing to disagree on
+    BatchSampler(data, seq_len=SEQ, global_batch_size=G, seed=1).load_state_dict(plain)

@@ -24,7 +24,8 @@ TINY = [
 
 
 def _record_ids(store: dict):
-    """Patch the sampler so every rank records (global position, dp rank) -> sequence ids."""
+    """Patch the sampler so every rank records (global position, dp rank) -> sequence ids
+    of the training stream (validation reads the held-out one)."""
     from llmforge.data.sampler import BatchSampler
 
     original = BatchSampler.next_batch
@@ -32,7 +33,8 @@ def _record_ids(store: dict):
     def next_batch(sampler, *, dp_rank: int, dp_size: int):
         position = sampler.position
         out = original(sampler, dp_rank=dp_rank, dp_size=dp_size)
-        store[(position, dp_rank)] = sampler.last_sequence_ids.tolist()
+        if sampler.split == "train":
+            store[(position, dp_rank)] = sampler.last_sequence_ids.tolist()
         return out
 
     BatchSampler.next_batch = next_batch

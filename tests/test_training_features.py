@@ -43,7 +43,7 @@ def test_wsd_warms_up_holds_then_decays_in_each_shape():
 
 def test_schedule_keys_are_checked():
     with pytest.raises(UserError) as err:
-        RunPlan.build(compose(["optim.schedule=wsd", "optim.decay_fraction=0", "optim.decay_shape=square", "train.eval_interval=5"]))
+        RunPlan.build(compose(["optim.schedule=wsd", "optim.decay_fraction=0", "optim.decay_shape=square", "train.eval_interval=5", "data.val_fraction=0"]))
     text = err.value.message()
     assert "optim.decay_fraction = 0" in text and "optim.decay_shape = 'square'" in text
     assert "train.eval_interval = 5" in text and "data.val_fraction" in text

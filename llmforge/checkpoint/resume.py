@@ -71,7 +71,7 @@ def differences(old: Any, new: Any) -> List[Problem]:
 
 def plan_for_resume(overrides: List[str], *, from_other_run: bool = False, config_dir: Sequence[Path] = ()) -> Tuple[RunPlan, Path]:
     """The plan to continue with and the verified checkpoint folder to restore."""
-    console = Console(stderr=True, markup=False)
+    console = Console(stderr=True, markup=False, soft_wrap=True)
     ckpt, rest = split_ckpt(overrides)
     found = locate(ckpt)
     for note in found.notes:

@@ -16,6 +16,7 @@ SEARCH_START = {"parallel": "dp"}
 
 def plan_command(overrides: Sequence[str], *, as_json: bool, config_dir: Sequence[Path], console: Console) -> None:
     run_plan = build_plan(overrides, config_dir=config_dir)
+    note_launch_needs(run_plan)
     if as_json:
         print(run_plan.to_json())
         return
@@ -44,6 +45,21 @@ def estimate_command(overrides: Sequence[str], *, plan_file: Optional[Path], con
         run_plan = plan_from_file(plan_file, overrides, config_dir=config_dir, reset=reset)
     else:
         run_plan = build_plan(overrides, config_dir=config_dir, reset=reset)
+    note_launch_needs(run_plan, refuse=measure)
     from llmforge.commands.estimate import run_estimate
 
     run_estimate(run_plan, as_json=as_json, timeline=timeline, measure=measure, search=search, top=top, console=console)
+
+
+def note_launch_needs(run_plan, *, refuse: bool = False) -> None:
+    """One line on stderr for each thing launching will need that this machine lacks
+    (torchao for precision.fp8); ``refuse``: running the model here (``--measure``) needs it now."""
+    from llmforge.errors import UserError
+    from llmforge.plan import launch_problems
+
+    problems = launch_problems(run_plan.config)
+    if problems and refuse:
+        raise UserError(problems, title="cannot run the model on this machine")
+    for problem in problems:
+        Console(stderr=True).print(f"note: {problem.key}: {problem.rule}; launching will need it ({problem.fix})",
+                                   style="yellow", markup=False, highlight=False, soft_wrap=True)

@@ -35,11 +35,17 @@ class OptionInfo:
 def config_dirs(extra: Sequence[str | Path] = ()) -> List[Path]:
     """Config folders searched, highest priority first: explicit, environment, built-in."""
     env = [p for p in os.environ.get("LLMFORGE_CONFIG_PATH", "").split(os.pathsep) if p]
-    dirs = [Path(p).expanduser().resolve() for p in [*extra, *env]]
-    for d in dirs:
-        if not d.is_dir():
-            raise UserError([Problem("--config-dir", str(d), "is not a folder", "pass an existing folder")])
-    return [*dirs, BUILTIN_CONFIG_DIR]
+    named = [("--config-dir", Path(p)) for p in extra] + [("LLMFORGE_CONFIG_PATH", Path(p)) for p in env]
+    problems = [Problem(where, str(path), "is not a folder", _folder_fix(where)) for where, path in named if not path.expanduser().is_dir()]
+    if problems:
+        raise UserError(problems)
+    return [*(path.expanduser().resolve() for _, path in named), BUILTIN_CONFIG_DIR]
+
+
+def _folder_fix(where: str) -> str:
+    if where == "LLMFORGE_CONFIG_PATH":
+        return f"set LLMFORGE_CONFIG_PATH to existing folders (separated by {os.pathsep!r}), or unset it"
+    return "pass an existing folder"
 
 
 def available_options(dirs: Sequence[Path]) -> Dict[str, Dict[str, OptionInfo]]:

@@ -146,7 +146,11 @@ class DataConfig:
     num_proc: int = knob(1, range="[1, inf)", help="Processes used to tokenize.")
     mixture: List[str] = knob(help="Several datasets as PATH:WEIGHT entries (overrides data.path).", factory=list)
     val_fraction: float = knob(
-        0.0, range="[0, 1)", help="Fraction of documents held out for validation (never trained on; the same set for every layout). 0 = no validation."
+        0.01,
+        range="[0, 1)",
+        help="Fraction of documents held out for validation (never trained on; the same set for every layout), evaluated at the end of the run "
+        "and every train.eval_interval steps. Per dataset: round(fraction x documents), at least 1 once it has 10 documents, at most 10,000, "
+        "grown (up to a tenth of the documents) until they fill one sequence; data too small for that trains without validation. 0 = no validation.",
     )
     val_seed: int = knob(0, range="[0, inf)", help="Seed choosing the held-out documents (kept apart from train.seed so runs with other seeds share them).")
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from llmforge.data.prepare import PreparedData
-from llmforge.data.split import open_split
+from llmforge.data.split import SPLIT_RULE, held_out_masks, open_split
 from llmforge.errors import Problem, UserError
 
 MIX_BLOCK = 4096
@@ -57,25 +57,25 @@ class BatchSampler:
         self.position = 0
         self._vocab_size = data.vocab_size
         self.last_sequence_ids = np.zeros((0, 3), dtype=np.int64)
-        self._streams = [self._open(i) for i in range(len(data.streams))]
-        self.num_sequences = [(s.num_tokens - 1) // seq_len for s in self._streams]
+        opened = [data.open_stream(i) for i in range(len(data.streams))]
+        masks = held_out_masks([s.doc_ends() for s in opened], fraction=self.val_fraction, seed=self.val_seed,
+                               min_tokens=seq_len + 1) if self.val_fraction > 0 else None
+        #: Held-out documents of each stream (none when val_fraction is 0 or the data is too small).
+        self.held_out_documents = [int(m.sum()) for m in masks] if masks is not None else [0] * len(opened)
+        self._streams = [s if masks is None else open_split(s, split=split, mask=m) for s, m in zip(opened, masks or opened)]
+        self.num_sequences = [max(0, (s.num_tokens - 1) // seq_len) for s in self._streams]
         self._check_long_enough()
         self._counts = _block_counts([s.weight for s in data.streams], block=MIX_BLOCK)
         self._perms: Dict[Tuple[int, int], np.ndarray] = {}
         self._blocks: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
 
-    def _open(self, index: int):
-        stream = self.data.open_stream(index)
-        if self.val_fraction <= 0:
-            return stream
-        return open_split(stream, split=self.split, fraction=self.val_fraction, seed=self.val_seed, index=index)
-
     def _check_long_enough(self) -> None:
         if self.split == "val":
-            problems = [Problem("data.val_fraction", self.val_fraction, f"the held-out documents of dataset {info.name!r} have "
-                                f"{s.num_tokens} tokens, fewer than one sequence of model.seq_len + 1 = {self.seq_len + 1}",
-                                "raise data.val_fraction (or add documents)")
-                        for info, s, m in zip(self.data.streams, self._streams, self.num_sequences) if m == 0]
+            problems = [Problem("data.val_fraction", self.val_fraction, f"holds out no documents of dataset {info.name!r}: too few documents, "
+                                f"or too short for one sequence of model.seq_len + 1 = {self.seq_len + 1} tokens "
+                                "(llmforge keys data.val_fraction says how they are chosen)",
+                                "raise data.val_fraction, add documents, or set data.val_fraction=0")
+                        for info, m in zip(self.data.streams, self.num_sequences) if m == 0]
             if problems:
                 raise UserError(problems, title="not enough validation data")
         problems = [Problem("model.seq_len", self.seq_len, f"dataset {info.name!r} has only {s.num_tokens} tokens, "
@@ -154,7 +154,7 @@ class BatchSampler:
         return {"version": STATE_VERSION, "seed": self.seed, "position": int(self.position), "epoch": self.epoch,
                 "seq_len": self.seq_len, "global_batch_size": self.global_batch_size,
                 "data": self.data.fingerprint, "num_streams": len(self._streams),
-                "split": self.split, "val_fraction": self.val_fraction, "val_seed": self.val_seed}
+                "split": self.split, "val_fraction": self.val_fraction, "val_seed": self.val_seed, "split_rule": SPLIT_RULE}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved state (the global batch size may differ; seq_len and data may not)."""
@@ -184,6 +184,10 @@ class BatchSampler:
         elif fraction > 0 and seed != self.val_seed:
             problems.append(Problem("data.val_seed", self.val_seed, f"the checkpoint held out documents with data.val_seed={seed}",
                                     f"resume with data.val_seed={seed}"))
+        elif fraction > 0 and int(state.get("split_rule", 1)) != SPLIT_RULE:
+            problems.append(Problem("data.val_fraction", self.val_fraction, "the checkpoint chose its held-out documents by the rule of an "
+                                    "earlier llmforge version, and this one would train on some of them",
+                                    "resume with the llmforge version that wrote the checkpoint, or start a new run"))
         if problems:
             raise UserError(problems, title="cannot resume the data order")
 

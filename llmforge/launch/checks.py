@@ -34,9 +34,9 @@ def preflight(plan: RunPlan, *, force: bool, resume: bool, console: Console) -> 
 def _check_estimate(plan: RunPlan, *, force: bool, console: Console) -> None:
     """Show the short estimate; refuse a plan estimated not to fit unless forced."""
     from llmforge.estimate.report import short_summary
-    from llmforge.plan import tokenizer_problems
+    from llmforge.plan import launch_problems, tokenizer_problems
 
-    problems = tokenizer_problems(plan.config)
+    problems = tokenizer_problems(plan.config) + launch_problems(plan.config)
     if problems:
         raise UserError(problems, title="the run plan is not valid")
     text, fits = short_summary(plan)

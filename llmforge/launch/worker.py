@@ -147,7 +147,7 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
         from llmforge.rundir import RunLock
 
         RunLock(plan.run_dir).acquire()  # held until this process ends; each node's launcher shares the folder
-    console = Console(stderr=True, markup=False) if main else Console(file=io.StringIO(), quiet=True)
+    console = Console(stderr=True, markup=False, soft_wrap=True) if main else Console(file=io.StringIO(), quiet=True)
     rank = distributed_rank(plan, device=device)
     resume = restart_point(plan, resume=resume, console=console, launched=launched)
     if main:

@@ -1,44 +1,55 @@
-"""Rich progress bar with loss, throughput, MFU, peak memory and steps skipped as non-finite."""
+"""Rich progress bar with loss, throughput, MFU, peak memory, the newest checkpoint and steps skipped as non-finite."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
+#: Columns of the progress line written to a file or pipe (no terminal to fit): the whole line, unbroken.
+LOG_WIDTH = 200
+
 
 class TrainingProgress:
-    def __init__(self, *, total_steps: int, start_step: int, enabled: bool, console: Optional[Console] = None, validation: bool = False) -> None:
+    def __init__(self, *, total_steps: int, start_step: int, enabled: bool, console: Optional[Console] = None, validation: bool = False,
+                 mfu_approximate: bool = False) -> None:
+        """``mfu_approximate``: the peak MFU is measured against is a guess, so MFU shows as ``~40.1%``."""
         self.console = console or Console(stderr=True)
         self._progress: Optional[Progress] = None
+        self._mfu_prefix = "~" if mfu_approximate else ""
         if not enabled:
             return
         self._progress = Progress(
             TextColumn("[bold]step"),
             MofNCompleteColumn(),
-            BarColumn(),
+            BarColumn(bar_width=16),
             TextColumn("loss [cyan]{task.fields[loss]}"),
             *([TextColumn("val [magenta]{task.fields[val]}")] if validation else []),
             TextColumn("[green]{task.fields[tps]}[/] tok/s"),
             TextColumn("MFU {task.fields[mfu]}"),
             TextColumn("mem {task.fields[mem]}"),
+            TextColumn("ckpt {task.fields[ckpt]}"),
             TextColumn("{task.fields[skipped]}"),
             TimeElapsedColumn(),
             TimeRemainingColumn(),
-            console=self.console,
+            console=self.console if self.console.is_terminal else Console(file=self.console.file, width=LOG_WIDTH),
             transient=False,
         )
-        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-", val="-", mfu="-", mem="-", skipped="")
+        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-", val="-", mfu="-", mem="-", ckpt="-", skipped="")
         self._progress.start()
 
     def update(self, *, step: int, loss: Optional[float] = None, tokens_per_s: Optional[float] = None, val_loss: Optional[float] = None,
-               mfu: Optional[float] = None, memory_gib: Optional[float] = None, skipped: Optional[int] = None) -> None:
+               mfu: Optional[float] = None, memory_gib: Optional[float] = None, checkpoint: Optional[Tuple[int, float]] = None,
+               skipped: Optional[int] = None) -> None:
+        """``checkpoint``: (step, seconds training stalled) of the newest save."""
         if self._progress is None:
             return
         fields = {}
         if mfu is not None:
-            fields["mfu"] = f"{mfu:.1%}"
+            fields["mfu"] = f"{self._mfu_prefix}{mfu:.1%}"
+        if checkpoint is not None:
+            fields["ckpt"] = f"{checkpoint[0]} ({checkpoint[1]:.2f}s)"
         if memory_gib is not None:
             fields["mem"] = f"{memory_gib:.1f} GiB"
         if loss is not None:

@@ -92,6 +92,7 @@ def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: f
             hooks.progress(step, record["loss"], record["tokens_per_s"])
             if validate:
                 record.update(evaluate(c, steps=eval_steps))
+                window.start = time.perf_counter()  # the next window times training steps, not this validation
                 result.val_loss = record["val_loss"]
                 hooks.validated(step, result.val_loss)
             hooks.log(record)

@@ -52,6 +52,8 @@ class StepMeter:
     peak_flops: float
     world_size: int
     device: torch.device
+    #: The peak is a rough guess (``peak_approximate`` in the hardware profile): MFU is shown as approximate.
+    peak_approximate: bool = False
 
     def __call__(self, step_time_s: float) -> Dict[str, float]:
         record = {"mfu": self.mfu(step_time_s)}
@@ -75,4 +77,5 @@ def meter_for(plan, *, device: torch.device) -> StepMeter:
         peak_flops=job.profile.peak(job.param_dtype),
         world_size=layout.world,
         device=device,
+        peak_approximate=job.profile.peak_approximate and not job.profile.calibrated,
     )

@@ -94,12 +94,24 @@ def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
 
         raise fail(f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={plan.config.model.vocab_size}; raise model.vocab_size or set data.vocab_size lower")
     sampler = make_sampler(plan, prepared)
-    val_sampler = make_sampler(plan, prepared, split="val") if plan.config.data.val_fraction > 0 else None
     from llmforge.train.build import build_components
 
     c = build_components(plan, rank=rank, sampler=sampler)
-    c.val_sampler = val_sampler
+    c.val_sampler = _val_sampler(plan, prepared, train=sampler, console=console if rank.is_main else None)
     return c
+
+
+def _val_sampler(plan: RunPlan, prepared, *, train, console: Optional[Console]):
+    """The held-out stream, or None: validation off, or data too small to hold documents out (said once)."""
+    fraction = plan.config.data.val_fraction
+    if fraction <= 0:
+        return None
+    if all(train.held_out_documents):
+        return make_sampler(plan, prepared, split="val")
+    if console is not None:
+        console.print(f"no validation: the data is too small to hold out documents (data.val_fraction={fraction}, see "
+                      "llmforge keys data.val_fraction); data.val_fraction=0 silences this", style="yellow", markup=False, highlight=False)
+    return None
 
 
 def train_state(c: Components) -> dict:
@@ -162,7 +174,7 @@ def _open_run_dir(plan: RunPlan, *, resumed: bool, start_step: int, console: Con
 def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, console: Optional[Console] = None, restarted: bool = False) -> RunSummary:
     """Train this rank from scratch or from ``resume_from`` to ``train.steps`` (or a stop signal).
     ``restarted``: a later attempt of the same job, whose metrics past its starting step are dropped."""
-    console = console or Console(stderr=True, markup=False)
+    console = console or Console(stderr=True, markup=False, soft_wrap=True)
     cfg = plan.config
     started = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
@@ -296,14 +308,17 @@ class StopSignal:
 
 def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, console: Console, stop: StopSignal):
     from llmforge.observe.console import TrainingProgress
+    from llmforge.observe.events import EventLog
     from llmforge.observe.metrics import MetricsFile
     from llmforge.observe.wandb_run import WandbRun
 
     cfg = plan.config
-    closers: List[Callable[[], None]] = []
-    saver = store.CheckpointSaver(root=plan.run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, rank=rank.rank, log=lambda text: console.print(text, highlight=False, markup=False))
+    events = EventLog(plan.run_dir / "events.log")
+    closers: List[Callable[[], None]] = [events.close]
+    saver = store.CheckpointSaver(root=plan.run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, rank=rank.rank, log=events.write)
     closers.append(saver.close)
     hooks = LoopHooks(should_stop=_tighten_after_first_step(stop.requested, rank=rank, seconds=cfg.cluster.timeout_s))
+    saved: List[Callable[[store.SaveRecord], None]] = []
 
     def checkpoint(step: int) -> None:
         """Save at intervals, at the end (checkpoint.save_final) and when stopped by a signal."""
@@ -311,6 +326,8 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
         if step == cfg.train.steps and not cfg.checkpoint.save_final and not interval_hit and stop.name is None:
             return
         check_and_save(c, saver, step=step, train_state=train_state(c), plan=plan.to_dict())
+        for show in saved:
+            show(saver.records[-1])
 
     hooks.checkpoint = checkpoint
     if not rank.is_main:
@@ -321,7 +338,9 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
     wandb_run = WandbRun(settings=cfg.logging.wandb, run_dir=plan.run_dir, name=cfg.run.name, config=plan.to_dict(), resume_id=resume_id)
     if wandb_run.run_id:
         id_file.write_text(wandb_run.run_id)
-    progress = TrainingProgress(total_steps=cfg.train.steps, start_step=start_step, enabled=cfg.logging.console, console=console, validation=cfg.data.val_fraction > 0)
+    progress = TrainingProgress(total_steps=cfg.train.steps, start_step=start_step, enabled=cfg.logging.console, console=console,
+                                validation=c.val_sampler is not None, mfu_approximate=c.meter is not None and c.meter.peak_approximate)
+    saved.append(lambda record: progress.update(step=record.step, checkpoint=(record.step, record.stall_s)))
 
     tensorboard = None
     if cfg.logging.tensorboard:
