@@ -63,6 +63,11 @@ class BatchSampler:
         self._perms: Dict[Tuple[int, int], np.ndarray] = {}
         self._blocks: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
 
+    @property
+    def eos_id(self) -> int:
+        """The end-of-document token between the packed documents."""
+        return self.data.eos_id
+
     def _open(self, index: int):
         stream = self.data.open_stream(index)
         if self.val_fraction <= 0:
