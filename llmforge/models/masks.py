@@ -102,7 +102,8 @@ def block_mask(*, documents: Optional[torch.Tensor], window: int, length: int, b
         return allowed
 
     rows = batch if documents is not None else None
-    return create_block_mask(mask_mod, rows, None, length, length, device=device, _compile=True)
+    # compiled where FlexAttention runs (CUDA): the eager builder materialises the whole mask
+    return create_block_mask(mask_mod, rows, None, length, length, device=device, _compile=device.type == "cuda")
 
 
 def build_masks(config: ModelConfig, *, windowed: set, q_positions: Optional[torch.Tensor], documents: Optional[torch.Tensor],
