@@ -242,6 +242,10 @@ class GenerateConfig:
     top_p: float = knob(1.0, help="llmforge generate: sample among the most likely tokens whose probabilities sum to p (1.0 = all).")
     seed: int = knob(0, help="llmforge generate: seed of the sampling.")
     stop_at_eos: bool = knob(True, help="llmforge generate: stop at the end-of-document token.")
+    kv_cache: bool = knob(
+        True, help="llmforge generate: keep each layer's keys and values so a new token costs the same at any prefix length "
+        "(false: run the model over the whole context for every token)."
+    )
 
 
 @dataclass

@@ -25,6 +25,7 @@ from torch import nn
 
 from llmforge.config.schema import ModelConfig
 from llmforge.models.layers import MLP, Attention, make_norm, rope_tables
+from llmforge.models.kvcache import KVCache
 from llmforge.models.masks import AttentionMasks, build_masks, document_positions, windowed_layer
 from llmforge.models.moe import MoE
 
@@ -48,8 +49,8 @@ class Block(nn.Module):
         self.mlp = make_mlp(config, layer_id=layer_id)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, mask: Any = None) -> torch.Tensor:
-        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, mask))
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, mask: Any = None, cache: Any = None) -> torch.Tensor:
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, mask, cache))
         return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -74,14 +75,18 @@ class GPT(nn.Module):
         else:
             self.rope_cos = self.rope_sin = None
 
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, documents: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, documents: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
         """Token ids [b, s] -> logits [b, s, vocab]. On a pipeline stage without the
         embedding the input is the previous stage's hidden states [b, s, h]; on one
         without the output layer the result is hidden states. ``positions`` [s] are
         the global positions of the given tokens (default ``0..s-1``; context
         parallelism passes those of this rank's slice of the sequence).
         ``documents`` [b, s_window]: each token's document in the whole window
-        (``llmforge.models.masks.model_documents``; None: one document, plain causal)."""
+        (``llmforge.models.masks.model_documents``; None: one document, plain causal).
+        ``cache`` (generation, whole model): the tokens continue the cached ones."""
+        if cache is not None:
+            return self._cached_forward(tokens, cache)
         h = tokens
         masks = self.attention_masks(positions=positions, documents=documents, batch=tokens.shape[0], length=tokens.shape[1], device=tokens.device)
         positions = self.token_positions(positions=positions, documents=documents, length=tokens.shape[1], device=tokens.device)
@@ -96,6 +101,16 @@ class GPT(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.has_output else h
+
+    def _cached_forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        positions = cache.start(tokens.shape[1], device=tokens.device)
+        h = self.embed(tokens)  # type: ignore[misc]
+        if self.pos_embed is not None:
+            h = h + self.pos_embed(positions)
+        rope = (self.rope_cos[positions], self.rope_sin[positions]) if self.rope_cos is not None else None
+        for index, layer in self.layers.items():
+            h = layer(h, rope, None, cache.layers[int(index)])
+        return self.output(self.norm(h))  # type: ignore[misc]
 
     def attention_masks(self, *, positions: Optional[torch.Tensor], documents: Optional[torch.Tensor], batch: int, length: int,
                         device: torch.device) -> AttentionMasks:

@@ -69,9 +69,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_heads * self.head_dim, config.hidden_size, bias=config.bias)
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]], mask: Any = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]], mask: Any = None, cache: Any = None) -> torch.Tensor:
+        """``cache`` (generation): a ``llmforge.models.kvcache.LayerCache`` the new keys and values join."""
         b, s, _ = x.shape
         q, k, v = self.project(x, rope)
+        if cache is not None:
+            k, v, mask = cache.extend(k, v)
         out = self.core_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
