@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
+from llmforge.estimate.attention import attention_cost
 from llmforge.estimate.core import estimate_plan
 from llmforge.estimate.report import as_dict, search_dict
 from llmforge.estimate.search import search_plan, why
@@ -20,6 +21,8 @@ def run_estimate(plan, *, as_json: bool, timeline: bool, measure: bool, search: 
         return
     est = estimate_plan(plan)
     data = as_dict(est, recipe=plan.config.recipe)
+    cost = attention_cost(plan.config, data_vocab_size=plan.data_vocab_size)
+    data["attention"].update(mask=cost.mask, sliding_window=cost.sliding_window, windowed_layers=cost.windowed_layers, note=cost.note)
     measured = None
     if measure:
         from llmforge.train.measure import measure_plan

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from llmforge.estimate.attention import step_share
 from llmforge.estimate.core import Estimate, estimate_plan
 from llmforge.estimate.search import SearchResult, why
 from llmforge.estimate.text import duration, gib, verdict, where
@@ -45,6 +46,7 @@ def as_dict(est: Estimate, *, recipe: str = "") -> Dict[str, Any]:
         },
         "communication_bytes": {"dp": c.dp_bytes, "tp": c.tp_bytes, "pp": c.pp_bytes, "cp": c.cp_bytes, "ep": c.ep_bytes},
         "communication_s": {"dp": c.dp_s, "tp": c.tp_s, "pp": c.pp_s, "cp": c.cp_s, "ep": c.ep_s},
+        "attention": step_share(est),
         "time": {
             "step_s": est.step_s, "tokens_per_s": est.tokens_per_s, "mfu": est.mfu,
             "efficiency": est.job.efficiency, "breakdown_s": dict(est.parts),
