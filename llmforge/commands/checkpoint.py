@@ -17,7 +17,7 @@ from llmforge.rundir import check_writable
 def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> None:
     """``llmforge export ckpt=PATH --out DIR``: the plan saved with the checkpoint says
     which model and tokenizer to write."""
-    from llmforge.checkpoint.export import export_checkpoint, run_tokenizer_file, style_of
+    from llmforge.checkpoint.export import check_exportable, export_checkpoint, run_tokenizer_file, style_of
     from llmforge.checkpoint.locate import locate
     from llmforge.checkpoint.resume import checkpoint_plan, split_ckpt
 
@@ -31,13 +31,14 @@ def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> 
         console.print(note, style="yellow", markup=False, highlight=False)
     config = checkpoint_plan(found.path).config
     style_of(config.model)  # refuse an unsupported flavour before preparing anything
+    check_exportable(config.model)
     try:
         tokenizer: Optional[Tuple[Path, int]] = run_tokenizer_file(config, console=console)
     except UserError as exc:
         tokenizer = None
         console.print(f"the run's tokenizer is not available, so the export has none: {exc.problems[0].render()}", style="yellow", markup=False, highlight=False)
     written = export_checkpoint(found.path, model=config.model, out_dir=out_dir, tokenizer=tokenizer)
-    style = "LlamaForCausalLM" if style_of(config.model) == "llama" else "GPT2LMHeadModel"
+    style = "GPT2LMHeadModel" if style_of(config.model) == "gpt2" else ("MinistralForCausalLM" if config.model.sliding_window > 0 else "LlamaForCausalLM")
     console.print(f"exported {found.path} as {style}: " + ", ".join(str(p) for p in written), markup=False, highlight=False)
 
 
