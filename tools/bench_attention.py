@@ -10,7 +10,8 @@
 3. ``llmforge generate`` tokens/s with and without the KV cache at several prompt
    lengths (greedy, the same ids either way).
 
-    python tools/bench_attention.py [--steps 8] [--rounds 3] [--window 32] [overrides...]
+    python tools/bench_attention.py [--steps 8] [--rounds 3] [--window 32] [--new-tokens 32]
+                                    [--only train|flops|generate] [overrides...]
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def flops_against_counter(plan: RunPlan, batches, *, eos_id: int) -> None:
     seq = cfg.seq_len
     stream = torch.cat([b[:, :-1].reshape(-1) for b in batches])
     ends = (torch.nonzero(stream == eos_id).flatten() + 1).tolist() + [stream.numel()]
-    windows = stream.numel() // seq
+    windows = (stream.numel() - 1) // seq  # as the sampler and the estimator cut the stream
     cuts = sorted({e for e in ends if e < windows * seq} | set(range(0, windows * seq + 1, seq)))
     model = GPT(cfg).eval()
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
@@ -111,6 +112,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--window", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--only", choices=["all", "train", "flops", "generate"], default="all")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     plan = RunPlan.build(compose(["recipe=tiny", "logging.wandb.mode=disabled", *args.overrides]))
@@ -118,10 +121,13 @@ def main() -> None:
     sampler = make_sampler(plan, prepared)
     batches = [sampler.next_batch(dp_rank=0, dp_size=1) for _ in range(args.steps)]
     torch.manual_seed(0)
-    mask_speeds(plan, batches, eos_id=prepared.eos_id, rounds=args.rounds, window=args.window)
-    flops_against_counter(plan, batches, eos_id=prepared.eos_id)
-    seq = plan.config.model.seq_len
-    generate_speeds(plan, lengths=[8, seq // 4, seq // 2, seq - 33], new_tokens=32)
+    if args.only in ("all", "train"):
+        mask_speeds(plan, batches, eos_id=prepared.eos_id, rounds=args.rounds, window=args.window)
+    if args.only in ("all", "flops"):
+        flops_against_counter(plan, batches, eos_id=prepared.eos_id)
+    if args.only in ("all", "generate"):
+        seq = plan.config.model.seq_len
+        generate_speeds(plan, lengths=[8, seq // 4, seq // 2, seq - 1 - args.new_tokens], new_tokens=args.new_tokens)
 
 
 if __name__ == "__main__":

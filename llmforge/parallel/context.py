@@ -10,6 +10,9 @@
   reduce-scatters their gradients back to the rank that computed them), and the
   local queries attend to the whole sequence under a causal mask built from global
   positions. Everything else (norms, MLP, the loss) is per token and stays local.
+- Document masks and sliding windows: the model builds a dense mask of its local
+  queries against the whole window in sequence order (``llmforge.models.masks``);
+  the gathered keys and values are put back in that order before attention.
 - Each rank's loss is the mean over its tokens, which are as many on every rank,
   so the mean over dp x cp ranks is the global mean; gradients are averaged over
   the flattened dp x cp mesh (ZeRO 0 all-reduce or the FSDP mesh).
