@@ -39,7 +39,6 @@ MASKED = ["model.attention_mask=document", "model.position_reset=true", "model.p
 WINDOW = ["model.sliding_window=6"]
 MASKED_WORLD2 = {
     "masked_dp2_zero1": MASKED + ["parallel.dp=2", "parallel.zero=1"],
-    "masked_dp2_zero2": MASKED + ["parallel.dp=2", "parallel.zero=2"],
     "masked_dp2_zero3": MASKED + ["parallel.dp=2", "parallel.zero=3"],
     "masked_tp2_sp": MASKED + ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "masked_cp2": MASKED + ["parallel.cp=2"],
@@ -56,7 +55,6 @@ MASKED_WORLD2 = {
 MASKED_WORLD4 = {
     "masked_dp2_tp2_sp_zero3": MASKED + ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=3"],
     "masked_tp2_pp2": MASKED + ["parallel.tp=2"] + PP,
-    "masked_dp2_cp2": MASKED + ["parallel.dp=2"] + CP2,
 }
 WORLD2 = {
     "dp2": ["parallel.dp=2"],
