@@ -91,19 +91,22 @@ def flops_against_counter(plan: RunPlan, batches, *, eos_id: int) -> None:
           f"share of causal {fraction:.3f}")
 
 
-def generate_speeds(plan: RunPlan, *, lengths, new_tokens: int) -> None:
+def generate_speeds(plan: RunPlan, *, lengths, new_tokens: int, repeats: int) -> None:
     model = GPT(plan.config.model).eval()
     model.init_weights(seed=0)
-    print(f"generate, greedy, {new_tokens} new tokens:")
+    print(f"generate, greedy, {new_tokens} new tokens, median of {repeats} alternating runs:")
     print(f"  {'prompt':>6s} {'no cache tok/s':>15s} {'KV cache tok/s':>15s} {'speed-up':>9s}  same ids")
     for length in lengths:
         prompt = torch.randint(1, plan.config.model.vocab_size, (length,), generator=torch.Generator().manual_seed(length)).tolist()
-        rates, ids = [], []
-        for cache in (False, True):
-            settings = GenerateConfig(max_tokens=new_tokens, temperature=0.0, stop_at_eos=False, kv_cache=cache)
-            start = time.perf_counter()
-            ids.append(generate_ids(model, prompt, settings=settings, seq_len=plan.config.model.seq_len, eos_id=None, device=torch.device("cpu")))
-            rates.append(new_tokens / (time.perf_counter() - start))
+        seconds, ids = {False: [], True: []}, {}
+        for _ in range(repeats):  # alternating, so load bursts hit both alike
+            for cache in (False, True):
+                settings = GenerateConfig(max_tokens=new_tokens, temperature=0.0, stop_at_eos=False, kv_cache=cache)
+                start = time.perf_counter()
+                ids[cache] = generate_ids(model, prompt, settings=settings, seq_len=plan.config.model.seq_len, eos_id=None, device=torch.device("cpu"))
+                seconds[cache].append(time.perf_counter() - start)
+        rates = [new_tokens / statistics.median(seconds[cache]) for cache in (False, True)]
+        ids = [ids[False], ids[True]]
         print(f"  {length:6d} {rates[0]:15,.1f} {rates[1]:15,.1f} {rates[1] / rates[0]:8.1f}x  {ids[0] == ids[1]}")
 
 
@@ -127,7 +130,7 @@ def main() -> None:
         flops_against_counter(plan, batches, eos_id=prepared.eos_id)
     if args.only in ("all", "generate"):
         seq = plan.config.model.seq_len
-        generate_speeds(plan, lengths=[8, seq // 4, seq // 2, seq - 1 - args.new_tokens], new_tokens=args.new_tokens)
+        generate_speeds(plan, lengths=[8, seq // 4, seq // 2, seq - 1 - args.new_tokens], new_tokens=args.new_tokens, repeats=args.rounds)
 
 
 if __name__ == "__main__":
