@@ -50,7 +50,8 @@ class Block(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, mask: Any = None, cache: Any = None) -> torch.Tensor:
-        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, mask, cache))
+        # mask and cache by keyword: tensor parallelism prepares the positional inputs (x, rope) only
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, mask=mask, cache=cache))
         return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
 
 
