@@ -213,23 +213,28 @@ def export(
 @user_errors
 def generate(
     overrides: Optional[List[str]] = OVERRIDES,
-    prompt: str = typer.Option(..., "--prompt", "-p", help="Text to continue."),
+    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text to continue."),
+    prompts: Optional[Path] = typer.Option(None, "--prompts", help="A text file of prompts, one a line (instead of --prompt)."),
+    out_file: Optional[Path] = typer.Option(None, "--out", help="Write one JSON object a line ({prompt, completion}) to this file instead of stdout."),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N, or auto (the first GPU if there is one)."),
     tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="A tokenizer.json to use instead of the run's own."),
 ) -> None:
     """Continue a prompt with a checkpoint's model and the run's tokenizer: ckpt=PATH, plus
     generate.* keys (llmforge keys generate.) for length, temperature (0 = greedy), top-k,
-    top-p and seed. The text goes to stdout.
+    top-p, seed and the KV cache. The text goes to stdout (or --out FILE as JSONL); the
+    speed in tokens/s to stderr.
 
     [bold]Examples[/]
 
       llmforge generate ckpt=runs/tiny --prompt "def main(" generate.temperature=0
 
       llmforge generate ckpt=runs/tiny/checkpoints/latest --prompt "import " generate.top_k=40 generate.top_p=0.9 generate.seed=1
+
+      llmforge generate ckpt=runs/tiny --prompts prompts.txt --out completions.jsonl
     """
     from llmforge.commands.checkpoint import generate_command
 
-    generate_command(overrides or [], prompt=prompt, device=device, tokenizer=tokenizer, out=out, err=err)
+    generate_command(overrides or [], prompt=prompt, prompts=prompts, out_file=out_file, device=device, tokenizer=tokenizer, out=out, err=err)
 
 
 @app.command()

@@ -5,9 +5,14 @@ on the CPU or one GPU, in fp32. Each new token is sampled from the logits of the
 last position: greedy when ``generate.temperature=0``, else softmax at the
 temperature restricted to the ``top_k`` most likely tokens and to the smallest set
 whose probabilities reach ``top_p``, drawn with a generator seeded by
-``generate.seed``. There is no KV cache: every step runs the model over the
-sequence so far (its last ``model.seq_len`` tokens), which is exact and plenty
-fast for checking what a run learned.
+``generate.seed``.
+
+With ``generate.kv_cache`` (the default) the prompt runs once and every new token
+runs alone against each layer's cached keys and values (``llmforge.models.kvcache``),
+the same ids as recomputing the whole context. The model has ``model.seq_len``
+positions: when the cache holds that many, it is rebuilt from the last half of the
+text, so the context stays between half a window and a window. Without the cache,
+every step runs the model over the last ``model.seq_len`` tokens.
 """
 
 from __future__ import annotations
@@ -58,6 +63,8 @@ def next_token(logits: torch.Tensor, *, settings: GenerateConfig, generator: tor
 def generate_ids(model: torch.nn.Module, prompt: List[int], *, settings: GenerateConfig, seq_len: int, eos_id: Optional[int], device: torch.device) -> List[int]:
     """The generated token ids (without the prompt)."""
     model.eval()
+    if settings.kv_cache:
+        return _cached_ids(model, prompt, settings=settings, seq_len=seq_len, eos_id=eos_id, device=device)
     generator = torch.Generator().manual_seed(settings.seed)
     ids = list(prompt)
     out: List[int] = []
@@ -68,6 +75,26 @@ def generate_ids(model: torch.nn.Module, prompt: List[int], *, settings: Generat
             break
         ids.append(token)
         out.append(token)
+    return out
+
+
+def _cached_ids(model: torch.nn.Module, prompt: List[int], *, settings: GenerateConfig, seq_len: int, eos_id: Optional[int], device: torch.device) -> List[int]:
+    from llmforge.models.kvcache import KVCache
+
+    generator = torch.Generator().manual_seed(settings.seed)
+    ids, out = list(prompt), []
+    cache, pending = KVCache(model.config), ids[-seq_len:]
+    for _ in range(settings.max_tokens):
+        logits = model(torch.tensor([pending], dtype=torch.long, device=device), cache=cache)[0, -1]
+        token = next_token(logits, settings=settings, generator=generator)
+        if settings.stop_at_eos and token == eos_id:
+            break
+        ids.append(token)
+        out.append(token)
+        if cache.length >= seq_len:  # no position left: start again from the last half window
+            cache, pending = KVCache(model.config), ids[-max(1, seq_len // 2):]
+        else:
+            pending = [token]
     return out
 
 

@@ -31,6 +31,7 @@ CHOICES: Dict[str, tuple] = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.activation": ("gelu", "swiglu"),
     "model.position": ("learned", "rope"),
+    "model.attention_mask": ("causal", "document"),
     "model.moe.balance": ("aux", "bias", "none"),
     "parallel.pp_schedule": SCHEDULES,
     "parallel.recompute": RECOMPUTE_MODES,
@@ -200,6 +201,20 @@ def _check_model(config: RunConfig) -> List[Problem]:
         out.append(Problem("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads={m.num_heads}", "use a divisor of num_heads (GQA groups)"))
     if m.position == "rope" and m.num_heads > 0 and (m.hidden_size // m.num_heads) % 2:
         out.append(Problem("model.position", m.position, "RoPE needs an even head dimension", "change hidden_size or num_heads"))
+    return out + _check_window(m)
+
+
+def _check_window(m) -> List[Problem]:
+    """The sliding-window keys: a size, and which layers use it."""
+    out = []
+    if m.sliding_window < 0:
+        out.append(Problem("model.sliding_window", m.sliding_window, "must be 0 (off) or a window size in tokens", "set model.sliding_window=0 or e.g. 4096"))
+    if m.sliding_window_every < 1:
+        out.append(Problem("model.sliding_window_every", m.sliding_window_every, "must be 1 or more", "1: every layer; 2: every second layer"))
+    bad = [i for i in m.sliding_window_layers if not 0 <= i < m.num_layers]
+    if bad:
+        out.append(Problem("model.sliding_window_layers", list(m.sliding_window_layers), f"layers {bad} do not exist (model.num_layers={m.num_layers})",
+                           f"use indices 0..{m.num_layers - 1}"))
     return out
 
 

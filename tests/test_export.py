@@ -39,7 +39,12 @@ def checkpoint_of(tmp_path: Path, **flavour) -> tuple[GPT, Path]:
     return model, path
 
 
-@pytest.mark.parametrize("flavour,architecture", [(GPT_STYLE, "GPT2LMHeadModel"), (LLAMA_STYLE, "LlamaForCausalLM")])
+# sliding windows of 5 on layers 0 (of 2), document masks and position reset (nothing at inference)
+WINDOWED = dict(LLAMA_STYLE, sliding_window=5, sliding_window_every=2, attention_mask="document", position_reset=True)
+
+
+@pytest.mark.parametrize("flavour,architecture", [(GPT_STYLE, "GPT2LMHeadModel"), (LLAMA_STYLE, "LlamaForCausalLM"),
+                                                  (WINDOWED, "MinistralForCausalLM")])
 def test_exported_model_gives_the_same_logits(tmp_path, flavour, architecture):
     from rich.console import Console
 
@@ -66,3 +71,7 @@ def test_unsupported_flavour_and_extra_overrides_are_refused(tmp_path):
     with pytest.raises(UserError, match="export takes no overrides"):
         export_command([f"ckpt={path}", "train.steps=3"], out_dir=tmp_path / "x", console=None)  # type: ignore[arg-type]
     assert not (tmp_path / "x").exists()
+    _, path = checkpoint_of(tmp_path / "w", **dict(GPT_STYLE, sliding_window=4))
+    with pytest.raises(UserError, match="GPT-2 has no sliding-window attention"):
+        export_command([f"ckpt={path}"], out_dir=tmp_path / "y", console=None)  # type: ignore[arg-type]
+    assert not (tmp_path / "y").exists()

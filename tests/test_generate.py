@@ -92,3 +92,52 @@ def test_bad_settings_and_overrides_exit_2(trained):
     assert result.exit_code == 2 and "generate.top_p" in result.output and "generate.temperature" in result.output
     result = runner.invoke(app, ["generate", f"ckpt={run}", "--prompt", "x", "train.steps=3"])
     assert result.exit_code == 2 and "generate takes only" in result.output
+
+
+def test_the_kv_cache_generates_the_ids_of_full_recomputation(loaded):
+    """Greedy: the prompt and 40 new tokens overrun the 32 positions, so the cache is rebuilt once
+    (from the last half window): the ids agree up to there."""
+    within = 32 - len(loaded[1].encode(PROMPT).ids)
+    cached = ours(loaded, GenerateConfig(max_tokens=within, temperature=0.0, stop_at_eos=False))[1]
+    full = ours(loaded, GenerateConfig(max_tokens=within, temperature=0.0, stop_at_eos=False, kv_cache=False))[1]
+    assert cached == full and len(cached) == within
+    longer = ours(loaded, GenerateConfig(max_tokens=40, temperature=0.0, stop_at_eos=False))[1]
+    assert len(longer) == 40 and longer[:within] == cached
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_cached_logits_equal_the_whole_sequence_forward_and_a_window_bounds_the_cache(window):
+    from llmforge.models.gpt import GPT
+    from llmforge.models.kvcache import KVCache
+    from llmforge.testing.harness import tiny_plan
+
+    config = tiny_plan(["model.position=rope", "model.num_kv_heads=2", f"model.sliding_window={window}", "model.sliding_window_every=2"]).config.model
+    model = GPT(config).eval()
+    model.init_weights(seed=1)
+    tokens = torch.randint(0, config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(tokens)[0]
+        cache = KVCache(config)
+        steps = [model(tokens[:, :6], cache=cache)[0]] + [model(tokens[:, i : i + 1], cache=cache)[0] for i in range(6, 24)]
+    torch.testing.assert_close(torch.cat(steps), full, rtol=1e-5, atol=1e-5)
+    held = [0 if layer.keys is None else layer.keys.shape[2] for layer in cache.layers]
+    assert held == ([window - 1, 24, window - 1, 24] if window else [24] * 4)
+    assert all(layer.keys.shape[1] == 2 for layer in cache.layers)  # grouped-query heads stored once
+
+
+def test_prompts_file_writes_one_json_line_each(trained, tmp_path):
+    import json
+
+    run, _ = trained
+    (tmp_path / "prompts.txt").write_text("def main(\n\nimport os\n", encoding="utf-8")
+    out = tmp_path / "out" / "completions.jsonl"
+    result = runner.invoke(app, ["generate", f"ckpt={run}", "--prompts", str(tmp_path / "prompts.txt"), "--out", str(out),
+                                 "generate.temperature=0", "generate.max_tokens=5"])
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["def main(", "import os"] and all(isinstance(r["completion"], str) for r in rows)
+    assert "tokens/s" in result.stderr
+    single = runner.invoke(app, ["generate", f"ckpt={run}", "--prompt", "import os", "generate.temperature=0", "generate.max_tokens=5"])
+    assert single.stdout.rstrip("\n") == "import os" + rows[1]["completion"]
+    both = runner.invoke(app, ["generate", f"ckpt={run}", "--prompt", "x", "--prompts", str(tmp_path / "prompts.txt")])
+    assert both.exit_code == 2 and "exactly one of --prompt" in both.output

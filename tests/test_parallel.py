@@ -33,6 +33,31 @@ ROPE_GQA = ["model.position=rope", "model.num_kv_heads=2"]
 HSDP = ["parallel.dp=4", "parallel.dp_replicate=2"]
 OFFLOAD = ["parallel.offload=states"]
 ACTIVATIONS = ["parallel.offload_activations=true"]
+# Document masks with positions restarting at each document, RoPE, GQA and a sliding
+# window on every second layer (the harness plants end-of-document tokens), and a
+# sliding window alone (causal, learned positions): each schedule, cp, ZeRO, tp+sp.
+MASKED = ["model.attention_mask=document", "model.position_reset=true", "model.position=rope", "model.num_kv_heads=2",
+          "model.sliding_window=6", "model.sliding_window_every=2"]
+WINDOW = ["model.sliding_window=6"]
+MASKED_WORLD2 = {
+    "masked_dp2_zero1": MASKED + ["parallel.dp=2", "parallel.zero=1"],
+    "masked_dp2_zero3": MASKED + ["parallel.dp=2", "parallel.zero=3"],
+    "masked_tp2_sp": MASKED + ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "masked_cp2": MASKED + ["parallel.cp=2"],
+    "masked_pp2_gpipe": MASKED + PP + ["parallel.pp_schedule=gpipe"],
+    "masked_pp2_1f1b": MASKED + PP + ["parallel.pp_schedule=1f1b"],
+    "masked_pp2_interleaved_v2": MASKED + PP + V2 + ["parallel.pp_schedule=interleaved_1f1b"],
+    "masked_pp2_looped_bfs": MASKED + PP + V2 + ["parallel.pp_schedule=looped_bfs"],
+    "masked_pp2_zb_interleaved": MASKED + PP + V2 + ["parallel.pp_schedule=zb_interleaved"],
+    "masked_pp2_zbv": MASKED + PP + V2 + ["parallel.pp_schedule=zbv"],
+    "masked_moe_ep2": MASKED + EP2,
+    "window_cp2_zero1": WINDOW + CP2 + ["parallel.zero=1"],
+    "window_pp2_zbv": WINDOW + PP + V2 + ["parallel.pp_schedule=zbv"],
+}
+MASKED_WORLD4 = {
+    "masked_dp2_tp2_sp_zero3": MASKED + ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=3"],
+    "masked_tp2_pp2": MASKED + ["parallel.tp=2"] + PP,
+}
 WORLD2 = {
     "dp2": ["parallel.dp=2"],
     "dp2_zero1": ["parallel.dp=2", "parallel.zero=1"],
@@ -123,10 +148,12 @@ def run_group(tmp: Path, *, nproc: int, layouts: dict, mesh_of_one: bool = False
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("parallel")
-    return {**run_group(tmp, nproc=2, layouts={**WORLD2, **MIXED, **FP8_LAYOUTS}), **run_group(tmp, nproc=4, layouts={**WORLD4, **FP8_WORLD4})}
+    return {**run_group(tmp, nproc=2, layouts={**WORLD2, **MIXED, **FP8_LAYOUTS, **MASKED_WORLD2}),
+            **run_group(tmp, nproc=4, layouts={**WORLD4, **FP8_WORLD4, **MASKED_WORLD4})}
 
 
-REFERENCES = {"dense": [], "untied": ["model.tie_embeddings=false"], "moe": MOE, "moe_bias": MOE_BIAS, "rope_gqa": ROPE_GQA}
+REFERENCES = {"dense": [], "untied": ["model.tie_embeddings=false"], "moe": MOE, "moe_bias": MOE_BIAS, "rope_gqa": ROPE_GQA,
+              "masked": MASKED, "masked_moe": MASKED + MOE, "window": WINDOW}
 
 
 @pytest.fixture(scope="module")
@@ -135,6 +162,8 @@ def reference():
 
 
 def reference_of(layout: str) -> str:
+    if layout.startswith(("masked_", "window_")):
+        return "masked_moe" if layout.startswith("masked_moe") else layout.split("_")[0]
     if layout.startswith("moe_bias_"):
         return "moe_bias"
     if layout.startswith("moe_"):
@@ -148,7 +177,7 @@ def max_rel(a, b) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("layout", list(WORLD2) + list(WORLD4))
+@pytest.mark.parametrize("layout", list(WORLD2) + list(WORLD4) + list(MASKED_WORLD2) + list(MASKED_WORLD4))
 def test_layout_matches_single_process(layout, results, reference):
     got = results[layout]
     ref = reference[reference_of(layout)]

@@ -2,7 +2,7 @@
 
 Writes ``model.safetensors`` and ``config.json`` that ``transformers`` loads as
 ``LlamaForCausalLM`` for Llama-style models (rmsnorm, swiglu, rope; GQA and
-biases allowed) or ``GPT2LMHeadModel`` for GPT-style models (layernorm, gelu,
+biases allowed; ``MinistralForCausalLM`` with sliding-window layers) or ``GPT2LMHeadModel`` for GPT-style models (layernorm, gelu,
 learned positions, biases, no GQA); the names follow ``llmforge.checkpoint.hf_names``.
 
 With the run's tokenizer (from the prepared-data cache) it also writes
@@ -25,9 +25,10 @@ from rich.console import Console
 
 from llmforge.checkpoint.hf_names import style_of, to_hf
 from llmforge.config.schema import ModelConfig, RunConfig
+from llmforge.errors import Problem, UserError
 from llmforge.files import write_json_atomic
 
-__all__ = ["export_checkpoint", "hf_config", "read_model_weights", "run_tokenizer_file", "style_of"]
+__all__ = ["check_exportable", "export_checkpoint", "hf_config", "read_model_weights", "run_tokenizer_file", "style_of"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -55,16 +56,38 @@ def hf_config(m: ModelConfig, *, style: str, dtype: torch.dtype, eos_id: Optiona
     """config.json for the exported model."""
     common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"), "bos_token_id": eos_id, "eos_token_id": eos_id}
     if style == "llama":
-        return {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden_size,
+        llama = {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden_size,
                 "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
                 "num_key_value_heads": m.num_kv_heads or m.num_heads, "head_dim": m.hidden_size // m.num_heads,
                 "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "hidden_act": "silu",
                 "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
                 "attention_bias": m.bias, "mlp_bias": m.bias, "attention_dropout": m.dropout}
+        return llama if m.sliding_window <= 0 else {**llama, **_windowed(m)}
     return {**common, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": m.hidden_size, "n_layer": m.num_layers,
             "n_head": m.num_heads, "n_inner": m.ffn_hidden_size, "n_positions": m.seq_len, "n_ctx": m.seq_len,
             "activation_function": "gelu_new", "layer_norm_epsilon": m.norm_eps, "resid_pdrop": m.dropout,
             "embd_pdrop": m.dropout, "attn_pdrop": m.dropout, "scale_attn_weights": True}
+
+
+def _windowed(m: ModelConfig) -> dict:
+    """A Llama with sliding-window layers is a Ministral (per-layer ``layer_types``; same weight names)."""
+    from llmforge.models.masks import windowed_layer
+
+    kinds = ["sliding_attention" if windowed_layer(m, i) else "full_attention" for i in range(m.num_layers)]
+    return {"architectures": ["MinistralForCausalLM"], "model_type": "ministral", "sliding_window": m.sliding_window, "layer_types": kinds}
+
+
+def check_exportable(m: ModelConfig) -> None:
+    """Refuse what the exported architecture cannot express (the style itself: ``style_of``).
+    Document masks and position reset need nothing at inference (one document)."""
+    if m.sliding_window <= 0:
+        return
+    if style_of(m) == "gpt2":
+        raise UserError([Problem("model.sliding_window", m.sliding_window, "GPT-2 has no sliding-window attention",
+                                 "export a Llama-style model (rmsnorm, swiglu, rope) for sliding windows")], title="no Hugging Face format for this model")
+    if m.bias:
+        raise UserError([Problem("model.bias", m.bias, "Hugging Face's sliding-window Llama (Ministral) has no biases",
+                                 "train with model.bias=false to export sliding windows")], title="no Hugging Face format for this model")
 
 
 def tokenizer_files(tokenizer: Path, *, eos_id: int, seq_len: int) -> Dict[str, object]:

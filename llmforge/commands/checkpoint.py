@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import json
+import os
+import time
 from pathlib import Path
 from typing import List, Optional, Tuple
 
 from rich.console import Console
 
 from llmforge.errors import Problem, UserError
+from llmforge.rundir import check_writable
 
 
 def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> None:
     """``llmforge export ckpt=PATH --out DIR``: the plan saved with the checkpoint says
     which model and tokenizer to write."""
-    from llmforge.checkpoint.export import export_checkpoint, run_tokenizer_file, style_of
+    from llmforge.checkpoint.export import check_exportable, export_checkpoint, run_tokenizer_file, style_of
     from llmforge.checkpoint.locate import locate
     from llmforge.checkpoint.resume import checkpoint_plan, split_ckpt
-    from llmforge.rundir import check_writable
 
     ckpt, rest = split_ckpt(overrides)
     if rest:
@@ -28,32 +31,72 @@ def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> 
         console.print(note, style="yellow", markup=False, highlight=False)
     config = checkpoint_plan(found.path).config
     style_of(config.model)  # refuse an unsupported flavour before preparing anything
+    check_exportable(config.model)
     try:
         tokenizer: Optional[Tuple[Path, int]] = run_tokenizer_file(config, console=console)
     except UserError as exc:
         tokenizer = None
         console.print(f"the run's tokenizer is not available, so the export has none: {exc.problems[0].render()}", style="yellow", markup=False, highlight=False)
     written = export_checkpoint(found.path, model=config.model, out_dir=out_dir, tokenizer=tokenizer)
-    style = "LlamaForCausalLM" if style_of(config.model) == "llama" else "GPT2LMHeadModel"
+    style = "GPT2LMHeadModel" if style_of(config.model) == "gpt2" else ("MinistralForCausalLM" if config.model.sliding_window > 0 else "LlamaForCausalLM")
     console.print(f"exported {found.path} as {style}: " + ", ".join(str(p) for p in written), markup=False, highlight=False)
 
 
-def generate_command(overrides: List[str], *, prompt: str, device: str, tokenizer: Optional[Path], out: Console, err: Console) -> str:
-    """``llmforge generate ckpt=PATH --prompt TEXT [generate.*=...]``; returns the completion."""
+def generate_command(overrides: List[str], *, prompt: Optional[str], prompts: Optional[Path], out_file: Optional[Path], device: str,
+                     tokenizer: Optional[Path], out: Console, err: Console) -> List[str]:
+    """``llmforge generate ckpt=PATH --prompt TEXT | --prompts FILE [--out FILE] [generate.*=...]``;
+    returns the completions. Texts go to stdout, or with ``--out`` one JSON object a line to FILE."""
     from llmforge.generate import check_settings, checkpoint_config, generate_ids, load_model, pick_device, run_tokenizer
 
+    texts = _prompts(prompt=prompt, prompts=prompts, out_file=out_file)
     found, config = checkpoint_config(overrides)
     settings = config.generate
     check_settings(settings)
     tok, eos_id = run_tokenizer(config, tokenizer=tokenizer, console=err)
+    encoded = [tok.encode(text).ids for text in texts]
+    empty = [i for i, ids in enumerate(encoded) if not ids]
+    if empty:
+        key = "--prompt" if prompts is None else f"--prompts line {empty[0] + 1}"
+        raise UserError([Problem(key, texts[empty[0]], "encodes to no tokens", "give a non-empty prompt")], title="bad prompt")
     where = pick_device(device)
     model = load_model(found, config=config, device=where)
-    prompt_ids = tok.encode(prompt).ids
-    if not prompt_ids:
-        raise UserError([Problem("--prompt", prompt, "encodes to no tokens", "give a non-empty prompt")], title="bad prompt")
     mode = "greedy" if settings.temperature == 0 else f"temperature {settings.temperature:g}, top-k {settings.top_k or 'off'}, top-p {settings.top_p:g}, seed {settings.seed}"
-    err.print(f"generating up to {settings.max_tokens} tokens from {found} on {where} ({mode})", highlight=False, markup=False)
-    ids = generate_ids(model, prompt_ids, settings=settings, seq_len=config.model.seq_len, eos_id=eos_id, device=where)
-    completion = tok.decode(ids)
-    out.print(prompt + completion, highlight=False, markup=False, soft_wrap=True)
-    return completion
+    cache = "KV cache" if settings.kv_cache else "no KV cache"
+    err.print(f"generating up to {settings.max_tokens} tokens for {len(texts)} prompt(s) from {found} on {where} ({mode}, {cache})", highlight=False, markup=False)
+    start, completions, generated = time.perf_counter(), [], 0
+    for text, ids in zip(texts, encoded):
+        new = generate_ids(model, ids, settings=settings, seq_len=config.model.seq_len, eos_id=eos_id, device=where)
+        generated += len(new)
+        completions.append(tok.decode(new))
+        if out_file is None:
+            out.print(text + completions[-1], highlight=False, markup=False, soft_wrap=True)
+    seconds = time.perf_counter() - start
+    if out_file is not None:
+        _write_jsonl(out_file, [{"prompt": t, "completion": c} for t, c in zip(texts, completions)])
+    err.print(f"{generated} tokens in {seconds:.2f} s: {generated / max(seconds, 1e-9):,.1f} tokens/s", highlight=False, markup=False)
+    return completions
+
+
+def _prompts(*, prompt: Optional[str], prompts: Optional[Path], out_file: Optional[Path]) -> List[str]:
+    """The prompts to continue: ``--prompt`` or the lines of ``--prompts`` (exactly one of them)."""
+    if (prompt is None) == (prompts is None):
+        raise UserError([Problem("--prompt", prompt, "give exactly one of --prompt TEXT and --prompts FILE", "pass one of them")], title="bad prompt")
+    if out_file is not None:
+        check_writable(Path(out_file).parent, key="--out")
+    if prompts is None:
+        return [prompt]  # type: ignore[list-item]
+    try:
+        lines = [line for line in Path(prompts).read_text(encoding="utf-8").splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError([Problem("--prompts", str(prompts), f"cannot be read: {exc}", "give a UTF-8 text file with one prompt a line")], title="bad prompts") from None
+    if not lines:
+        raise UserError([Problem("--prompts", str(prompts), "has no prompts", "write one prompt a line")], title="bad prompts")
+    return lines
+
+
+def _write_jsonl(path: Path, rows: List[dict]) -> None:
+    """All rows or nothing: written beside the target, then moved over it."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, path)

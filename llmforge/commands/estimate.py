@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
+from llmforge.estimate.attention import attention_cost
 from llmforge.estimate.core import estimate_plan
 from llmforge.estimate.report import as_dict, search_dict
 from llmforge.estimate.search import search_plan, why
@@ -20,6 +21,8 @@ def run_estimate(plan, *, as_json: bool, timeline: bool, measure: bool, search: 
         return
     est = estimate_plan(plan)
     data = as_dict(est, recipe=plan.config.recipe)
+    cost = attention_cost(plan.config, data_vocab_size=plan.data_vocab_size)
+    data["attention"].update(mask=cost.mask, sliding_window=cost.sliding_window, windowed_layers=cost.windowed_layers, note=cost.note)
     measured = None
     if measure:
         from llmforge.train.measure import measure_plan
@@ -32,6 +35,10 @@ def run_estimate(plan, *, as_json: bool, timeline: bool, measure: bool, search: 
     from llmforge.commands.estimate_tables import render_estimate, render_measured, render_timeline
 
     render_estimate(est, recipe=plan.config.recipe, console=console)
+    if cost.fraction < 1.0 or cost.mask != "causal":
+        share = data["attention"]
+        console.print(f"Attention: {cost.fraction:.3f} of causal attention's work ({cost.note}); "
+                      f"{share['flops_share']:.1%} of the step's FLOPs, {share['time_share']:.1%} of its time.", markup=False, highlight=False)
     if timeline:
         render_timeline(est, console=console)
     if measured is not None:

@@ -72,6 +72,20 @@ class ModelConfig:
     activation: str = knob("gelu", help="MLP activation: gelu (2-matrix MLP) or swiglu (gated, 3 matrices).")
     position: str = knob("learned", help="Position encoding: learned (absolute embedding) or rope.")
     rope_theta: float = knob(10000.0, range="(0, inf)", help="RoPE base frequency.")
+    attention_mask: str = knob(
+        "causal", help="causal: every token attends to all earlier tokens of its window (the fastest path). document: "
+        "only to earlier tokens of its own document, the documents delimited by the end-of-document token the data "
+        "preparation writes after each one (block-causal)."
+    )
+    position_reset: bool = knob(False, help="Restart positions (learned and RoPE) at 0 at each document start (needs the end-of-document token in the data).")
+    sliding_window: int = knob(0, range="[0, inf)", help="Each token attends to itself and at most N-1 earlier tokens (Mistral/Gemma-2 style); 0 = off.")
+    sliding_window_every: int = knob(
+        1, range="[1, inf)", help="With sliding_window: layer i uses the window when i % every == 0 (1: every layer; 2: layers 0, 2, 4, ... as Gemma-2), the others attend to the whole window."
+    )
+    sliding_window_layers: List[int] = knob(
+        help="With sliding_window: exactly these layer indices (0-based) use the window (overrides sliding_window_every); empty = use sliding_window_every.",
+        factory=list,
+    )
     tie_embeddings: bool = knob(True, help="Share the input embedding with the output projection.")
     bias: bool = knob(True, help="Biases in the linear layers and norms.")
     dropout: float = knob(0.0, range="[0, 1)", help="Dropout probability on attention and residual branches.")
@@ -278,6 +292,10 @@ class GenerateConfig:
     top_p: float = knob(1.0, range="(0, 1]", help="llmforge generate: sample among the most likely tokens whose probabilities sum to p (1.0 = all).")
     seed: int = knob(0, range="[0, inf)", help="llmforge generate: seed of the sampling.")
     stop_at_eos: bool = knob(True, help="llmforge generate: stop at the end-of-document token.")
+    kv_cache: bool = knob(
+        True, help="llmforge generate: keep each layer's keys and values so a new token costs the same at any prefix length "
+        "(false: run the model over the whole context for every token)."
+    )
 
 
 @dataclass

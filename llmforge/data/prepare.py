@@ -87,8 +87,7 @@ def prepare(*, data: DataConfig, vocab_size: int, seed: int, console=None, force
         load_tokenizer(data.tokenizer, vocab_size=vocab_size)  # refused before anything is created
     inputs = resolve_inputs(data)
     spec = request_spec(data, inputs=inputs, vocab_size=vocab_size)
-    name = inputs[0][0].name if len(inputs) == 1 else "mixture"
-    root = cache.entry_folder(data.cache_dir, name=name, spec=spec)
+    root = _entry_root(data, inputs=inputs, spec=spec)
     with cache.preparing(root, input_bytes=sum(_input_bytes(s) for s, _ in inputs)):
         fingerprints = _fingerprint_inputs(root, inputs, tokenizer=data.tokenizer)
         manifest = None if force else cache.read_manifest(root)
@@ -112,6 +111,31 @@ def prepare(*, data: DataConfig, vocab_size: int, seed: int, console=None, force
 def _input_bytes(source: Source) -> int:
     """Bytes of text a source reads (0 for a hub dataset, whose size is not known here)."""
     return sum(Path(f).stat().st_size for f in source.files)
+
+
+def prepared_document_ends(data: DataConfig, *, vocab_size: int) -> Optional[List[Tuple[object, float]]]:
+    """(doc_ends, mixture weight) of every stream of the cache entry for ``data``, memory-mapped,
+    without preparing or checking anything; None when there is no entry (or the input is missing)."""
+    import numpy as np
+
+    try:
+        inputs = resolve_inputs(data)
+    except UserError:
+        return None
+    root = _entry_root(data, inputs=inputs, spec=request_spec(data, inputs=inputs, vocab_size=vocab_size))
+    manifest = cache.read_manifest(root)
+    if manifest is None:
+        return None
+    try:
+        return [(np.load(root / s["folder"] / "doc_ends.npy", mmap_mode="r"), float(w))
+                for s, (_, w) in zip(manifest["streams"], inputs)]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _entry_root(data: DataConfig, *, inputs: Sequence[Tuple[Source, float]], spec: dict) -> Path:
+    """The cache folder of a preparation request."""
+    return cache.entry_folder(data.cache_dir, name=inputs[0][0].name if len(inputs) == 1 else "mixture", spec=spec)
 
 
 def resolve_inputs(data: DataConfig) -> List[Tuple[Source, float]]:

@@ -69,6 +69,11 @@ class BatchSampler:
         self._perms: Dict[Tuple[int, int], np.ndarray] = {}
         self._blocks: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
 
+    @property
+    def eos_id(self) -> int:
+        """The end-of-document token between the packed documents."""
+        return self.data.eos_id
+
     def _check_long_enough(self) -> None:
         if self.split == "val":
             problems = [Problem("data.val_fraction", self.val_fraction, f"holds out no documents of dataset {info.name!r}: too few documents, "

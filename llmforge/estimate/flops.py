@@ -4,7 +4,9 @@
 Conventions:
 
 - attention scores are counted in full (s x s), not halved for the causal mask,
-  as Narayanan et al. 2021 and the flop counter do;
+  as Narayanan et al. 2021 and the flop counter do; a document mask or sliding
+  window scales them by the share of causal pairs it keeps (``Shape.attention_span``,
+  llmforge.estimate.attention);
 - *model* FLOPs are forward + backward = 3x forward (the MFU convention of
   PaLM / Megatron); embeddings, norms, softmax and elementwise ops are not counted;
 - *hardware* FLOPs are what the kernels execute: the fused attention backward
@@ -52,7 +54,7 @@ def block_flops(shape: Shape, *, moe: bool) -> TokenFlops:
         ffn = 2 * h * shape.num_experts + (routed + shape.shared_experts) * _mlp(shape, shape.moe_ffn)
     else:
         ffn = _mlp(shape, shape.ffn)
-    return TokenFlops(weights=proj + ffn, attention=4 * shape.seq * h)
+    return TokenFlops(weights=proj + ffn, attention=4 * shape.attention_span * h)
 
 
 def head_flops(shape: Shape) -> float:

@@ -216,7 +216,7 @@ def block_kernels(shape: Shape, *, t: float, tp: int, sp: int, ep: int, c: int, 
         extra = t * (shape.top_k * h * (c + FP32) * 2 + 16 * shape.num_experts)
         fwd, fwd_k, bwd, bwd_k = fwd + extra, fwd_k + 12, bwd + 2 * extra, bwd_k + 16
     weights = tuple(_local_numel(x, tp=tp, ep=ep) for x in block_tensors(shape, moe) if _cast(x))
-    return Kernels(tuple(gemms), 4 * shape.seq * h / tp * t, fwd, fwd_k, bwd, bwd_k, weights, shape.head_dim)
+    return Kernels(tuple(gemms), 4 * shape.attention_span * h / tp * t, fwd, fwd_k, bwd, bwd_k, weights, shape.head_dim)
 
 
 def _cast(t: Tensor) -> bool:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+from llmforge.estimate import kernels as kn
 from llmforge.estimate.core import Estimate, estimate_plan
+from llmforge.estimate.params import stage_counts
 from llmforge.estimate.search import SearchResult, why
 from llmforge.estimate.text import duration, gib, verdict, where
 
@@ -54,11 +56,31 @@ def as_dict(est: Estimate, *, recipe: str = "") -> Dict[str, Any]:
             "node_capacity_bytes": est.host.node_capacity, "copy_s": est.host.copy_s, "exposed_copy_s": est.host.exposed_copy_s,
             "cpu_optimizer_s": est.host.optimizer_s,
         },
+        "attention": step_share(est),
         "time": {
             "step_s": est.step_s, "tokens_per_s": est.tokens_per_s, "mfu": est.mfu,
             "efficiency": est.job.efficiency, "compile": est.job.compile, "breakdown_s": dict(est.parts), "terms_s": est.terms,
         },
     }
+
+
+def step_share(est) -> dict:
+    """The attention core's share of an estimate's step: of the hardware FLOPs (every device,
+    forward, backward and recomputation) and of the step time (the most-loaded pipeline rank)."""
+    shape, layout, job = est.shape, est.layout, est.job
+    tokens = job.global_batch * shape.seq
+    per_layer = 4 * shape.attention_span * shape.hidden  # forward, per token
+    full = layout.recompute == "full"
+    recomputed = sum(c.dense_ckpt + c.moe_ckpt for c in stage_counts(shape, layout)) if full else 0
+    flops = tokens * per_layer * (3.5 * shape.num_layers + recomputed)
+    local = layout.micro_batch * shape.seq / layout.cp * per_layer / layout.tp  # one block, one microbatch
+    sp = kn.speeds(job)
+    block_s = sp.attention(local, 1, head_dim=shape.head_dim) + sp.attention(2.5 * local, 3, head_dim=shape.head_dim)
+    worst = max(stage_counts(shape, layout), key=lambda c: c.blocks)
+    again = (worst.dense_ckpt + worst.moe_ckpt) * sp.attention(local, 1, head_dim=shape.head_dim) if full else 0.0
+    seconds = est.microbatches * (worst.blocks * block_s + again)
+    return {"fraction_of_causal": shape.attention_fraction, "flops_share": flops / est.hardware_flops,
+            "time_share": seconds / est.step_s if est.step_s > 0 else 0.0}
 
 
 def short_summary(plan) -> tuple[str, bool]:

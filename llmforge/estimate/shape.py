@@ -40,6 +40,8 @@ class Shape:
     shared_experts: int = 0
     capacity_factor: Optional[float] = None
     moe_every: int = 1
+    #: share of causal attention's (query, key) pairs the attention mask keeps (llmforge.estimate.attention)
+    attention_fraction: float = 1.0
 
     def __hash__(self) -> int:
         # hashed on every cache lookup of the estimator: computed once
@@ -52,6 +54,11 @@ class Shape:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def attention_span(self) -> float:
+        """Keys per query in the full-score FLOP convention: ``seq``, less what the mask saves."""
+        return self.seq * self.attention_fraction
 
     @property
     def kv_dim(self) -> int:
@@ -102,8 +109,11 @@ class Job:
         return self.devices_per_node or self.profile.devices_per_node
 
 
-def shape_from_config(model) -> Shape:
-    """A Shape from a ``ModelConfig``."""
+def shape_from_config(model, *, attention_fraction: Optional[float] = None) -> Shape:
+    """A Shape from a ``ModelConfig``; ``attention_fraction`` None: from the config alone
+    (sliding windows; a document mask counted as one document per window)."""
+    from llmforge.estimate.attention import mask_fraction
+
     moe = model.moe
     return Shape(
         num_layers=model.num_layers, hidden=model.hidden_size, heads=model.num_heads,
@@ -112,6 +122,7 @@ def shape_from_config(model) -> Shape:
         tie_embeddings=model.tie_embeddings, bias=model.bias, dropout=model.dropout,
         num_experts=moe.num_experts, top_k=moe.top_k, moe_ffn=moe.ffn_hidden_size or model.ffn_hidden_size,
         shared_experts=moe.num_shared_experts, capacity_factor=moe.capacity_factor, moe_every=moe.every,
+        attention_fraction=mask_fraction(model, streams=None) if attention_fraction is None else attention_fraction,
     )
 
 
@@ -136,4 +147,7 @@ def ranks_per_node(plan) -> int:
 
 def from_plan(plan) -> Tuple[Shape, Layout, Job]:
     """Shape, Layout and Job of a built RunPlan."""
-    return shape_from_config(plan.config.model), plan.layout, job_from_plan(plan)
+    from llmforge.estimate.attention import attention_cost
+
+    fraction = attention_cost(plan.config, data_vocab_size=plan.data_vocab_size).fraction
+    return shape_from_config(plan.config.model, attention_fraction=fraction), plan.layout, job_from_plan(plan)

@@ -17,7 +17,7 @@ parallelism is applied from outside (``llmforge.parallel``), which is why
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,8 @@ from torch import nn
 
 from llmforge.config.schema import ModelConfig
 from llmforge.models.layers import MLP, Attention, make_norm, rope_tables
+from llmforge.models.kvcache import KVCache
+from llmforge.models.masks import AttentionMasks, build_masks, document_positions, windowed_layer
 from llmforge.models.moe import MoE
 
 
@@ -40,14 +42,16 @@ class Block(nn.Module):
 
     def __init__(self, config: ModelConfig, *, layer_id: int) -> None:
         super().__init__()
+        self.windowed = windowed_layer(config, layer_id)
         self.attn_norm = make_norm(config)
-        self.attn = Attention(config)
+        self.attn = Attention(config, windowed=self.windowed)
         self.mlp_norm = make_norm(config)
         self.mlp = make_mlp(config, layer_id=layer_id)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
-        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope))
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, mask: Any = None, cache: Any = None) -> torch.Tensor:
+        # mask and cache by keyword: tensor parallelism prepares the positional inputs (x, rope) only
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, mask=mask, cache=cache))
         return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -72,15 +76,21 @@ class GPT(nn.Module):
         else:
             self.rope_cos = self.rope_sin = None
 
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, documents: Optional[torch.Tensor] = None,
+                cache: Optional[KVCache] = None) -> torch.Tensor:
         """Token ids [b, s] -> logits [b, s, vocab]. On a pipeline stage without the
         embedding the input is the previous stage's hidden states [b, s, h]; on one
         without the output layer the result is hidden states. ``positions`` [s] are
         the global positions of the given tokens (default ``0..s-1``; context
-        parallelism passes those of this rank's slice of the sequence)."""
+        parallelism passes those of this rank's slice of the sequence).
+        ``documents`` [b, s_window]: each token's document in the whole window
+        (``llmforge.models.masks.model_documents``; None: one document, plain causal).
+        ``cache`` (generation, whole model): the tokens continue the cached ones."""
+        if cache is not None:
+            return self._cached_forward(tokens, cache)
         h = tokens
-        if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        masks = self.attention_masks(positions=positions, documents=documents, batch=tokens.shape[0], length=tokens.shape[1], device=tokens.device)
+        positions = self.token_positions(positions=positions, documents=documents, length=tokens.shape[1], device=tokens.device)
         if self.embed is not None:
             h = self.embed(tokens)
             if self.pos_embed is not None:
@@ -88,10 +98,38 @@ class GPT(nn.Module):
             h = self.embed_dropout(h)
         rope = (self.rope_cos[positions], self.rope_sin[positions]) if self.rope_cos is not None else None
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope, masks.for_layer(layer.windowed))
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.has_output else h
+
+    def _cached_forward(self, tokens: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        positions = cache.start(tokens.shape[1], device=tokens.device)
+        h = self.embed(tokens)  # type: ignore[misc]
+        if self.pos_embed is not None:
+            h = h + self.pos_embed(positions)
+        rope = (self.rope_cos[positions], self.rope_sin[positions]) if self.rope_cos is not None else None
+        for index, layer in self.layers.items():
+            h = layer(h, rope, None, cache.layers[int(index)])
+        return self.output(self.norm(h))  # type: ignore[misc]
+
+    def attention_masks(self, *, positions: Optional[torch.Tensor], documents: Optional[torch.Tensor], batch: int, length: int,
+                        device: torch.device) -> AttentionMasks:
+        """This microbatch's masks, built once for all of this model's layers: FlexAttention block
+        masks on CUDA (dense ones under context parallelism and with dropout), dense ones elsewhere."""
+        kinds = {layer.windowed for layer in self.layers.values()}
+        flex = device.type == "cuda" and not (self.training and self.config.dropout > 0)
+        return build_masks(self.config, windowed=kinds, q_positions=positions, documents=documents,
+                           length=length, batch=batch, device=device, flex=flex)
+
+    def token_positions(self, *, positions: Optional[torch.Tensor], documents: Optional[torch.Tensor], length: int,
+                        device: torch.device) -> torch.Tensor:
+        """Positions for the embedding and RoPE: [s] global ones, or [b, s] inside each document (``model.position_reset``)."""
+        if positions is None:
+            positions = torch.arange(length, device=device)
+        if self.config.position_reset and documents is not None:
+            return document_positions(documents).index_select(1, positions)
+        return positions
 
     @property
     def has_output(self) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,16 +44,23 @@ def rope_tables(*, head_dim: int, seq_len: int, theta: float) -> tuple[torch.Ten
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [b, heads, s, d] by position (the 'rotate half' convention of Llama/GPT-NeoX)."""
+    """Rotate [b, heads, s, d] by position (the 'rotate half' convention of Llama/GPT-NeoX).
+    ``cos``/``sin``: [s, d/2] shared by the rows, or [b, s, d/2] per row (positions restarting at documents)."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
-    cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
+    if cos.dim() == 3:
+        cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
+    else:
+        cos, sin = cos[: x.shape[-2]].to(x.dtype), sin[: x.shape[-2]].to(x.dtype)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Multi-head attention; ``windowed``: this layer uses ``model.sliding_window``."""
+
+    def __init__(self, config: ModelConfig, *, windowed: bool = False) -> None:
         super().__init__()
+        self.windowed = windowed
         self.head_dim = config.hidden_size // config.num_heads
         kv_heads = config.num_kv_heads or config.num_heads
         self.q_proj = nn.Linear(config.hidden_size, config.num_heads * self.head_dim, bias=config.bias)
@@ -62,23 +69,49 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_heads * self.head_dim, config.hidden_size, bias=config.bias)
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]], mask: Any = None, cache: Any = None) -> torch.Tensor:
+        """``cache`` (generation): a ``llmforge.models.kvcache.LayerCache`` the new keys and values join."""
+        b, s, _ = x.shape
+        q, k, v = self.project(x, rope)
+        if cache is not None:
+            k, v, mask = cache.extend(k, v)
+        out = self.core_attention(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+    def project(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Queries, keys and values [b, heads, s, head_dim], rotated when ``rope`` is given."""
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = self.core_attention(q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return q, k, v
 
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal softmax attention; grouped-query heads share keys and values."""
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None) -> torch.Tensor:
+        """Softmax attention; grouped-query heads share keys and values. ``mask``: None (causal),
+        a boolean tensor (True = attend) or a FlexAttention block mask (``llmforge.models.masks``)."""
+        if mask is not None and not isinstance(mask, torch.Tensor):
+            return flex_attention(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
         if k.shape[1] != q.shape[1]:
             groups = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         dropout = self.dropout if self.training else 0.0
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+
+
+_COMPILED_FLEX: list = []
+
+
+def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """FlexAttention compiled once per process (eager FlexAttention materialises the scores)."""
+    if not _COMPILED_FLEX:
+        from torch.nn.attention.flex_attention import flex_attention as flex
+
+        _COMPILED_FLEX.append(torch.compile(flex, dynamic=False))
+    return _COMPILED_FLEX[0](q, k, v, **kwargs)
 
 
 class MLP(nn.Module):

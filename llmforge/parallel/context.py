@@ -10,6 +10,9 @@
   reduce-scatters their gradients back to the rank that computed them), and the
   local queries attend to the whole sequence under a causal mask built from global
   positions. Everything else (norms, MLP, the loss) is per token and stays local.
+- Document masks and sliding windows: the model builds a dense mask of its local
+  queries against the whole window in sequence order (``llmforge.models.masks``);
+  the gathered keys and values are put back in that order before attention.
 - Each rank's loss is the mean over its tokens, which are as many on every rank,
   so the mean over dp x cp ranks is the global mean; gradients are averaged over
   the flattened dp x cp mesh (ZeRO 0 all-reduce or the FSDP mesh).
@@ -70,17 +73,23 @@ def gather_sequence(x: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tenso
     return _GatherSeq.apply(x, group)
 
 
-def cp_core_attention(self: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Local queries against the whole sequence's keys and values, causal by global position."""
+def cp_core_attention(self: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None) -> torch.Tensor:
+    """Local queries against the whole sequence's keys and values, causal by global position.
+    ``mask`` (document or sliding-window attention): the model's dense mask of the local
+    queries against the keys in global order, into which the gathered keys are put back."""
     group, cp, rank = self.cp_group, self.cp_size, self.cp_rank
     seq = q.shape[2] * cp
     k, v = gather_sequence(k, group=group), gather_sequence(v, group=group)
     if k.shape[1] != q.shape[1]:
         groups = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    q_pos = cp_positions(seq_len=seq, cp_rank=rank, cp=cp, device=q.device)
     k_pos = torch.cat([cp_positions(seq_len=seq, cp_rank=r, cp=cp, device=q.device) for r in range(cp)])
-    mask = q_pos[:, None] >= k_pos[None, :]
+    if mask is not None:
+        order = torch.argsort(k_pos)
+        k, v = k.index_select(2, order), v.index_select(2, order)
+    else:
+        q_pos = cp_positions(seq_len=seq, cp_rank=rank, cp=cp, device=q.device)
+        mask = q_pos[:, None] >= k_pos[None, :]
     dropout = self.dropout if self.training else 0.0
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
 

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from llmforge.models.masks import needs_eos
 from llmforge.parallel.dtensor import local_numel
 from llmforge.plan import RunPlan, config_from_dict
 from llmforge.train.components import Components, RankInfo
@@ -43,23 +44,30 @@ TINY = [
 ]
 
 EVAL_INTERVAL = 4
+DOCUMENT_EOS_RATE = 0.1  # about three documents per tiny window when masks follow documents
 SYNC_STEP = 3  # the step whose host synchronisations are counted: logged, not validated, not the first after an evaluation (a pipeline schedule exchanges its shapes again then)
 
 
 @dataclass
 class SyntheticSampler:
     """The global batch of step k depends only on (seed, k); each data-parallel rank
-    takes its contiguous share of rows, as the real sampler does."""
+    takes its contiguous share of rows, as the real sampler does. ``eos_rate`` > 0
+    makes that share of the tokens the end-of-document token ``eos_id`` (documents
+    for the document masks)."""
 
     vocab_size: int
     seq_len: int
     global_batch_size: int
     seed: int
     step: int = 0
+    eos_rate: float = 0.0
+    eos_id: int = 0
 
     def next_batch(self, *, dp_rank: int, dp_size: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed * 7919 + self.step)
         rows = torch.randint(0, self.vocab_size, (self.global_batch_size, self.seq_len + 1), generator=gen)
+        if self.eos_rate > 0:
+            rows[torch.rand(rows.shape, generator=gen) < self.eos_rate] = self.eos_id
         self.step += 1
         share = self.global_batch_size // dp_size
         return rows[dp_rank * share : (dp_rank + 1) * share]
@@ -110,11 +118,12 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), m
 
     cfg = plan.config
     torch.manual_seed(cfg.train.seed)
-    sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed)
+    eos_rate = DOCUMENT_EOS_RATE if needs_eos(cfg.model) else 0.0
+    sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed, eos_rate=eos_rate)
     rank = rank_info(plan, device=device, mesh_of_one=mesh_of_one)
     c = build_components(plan, rank=rank, sampler=sampler)
     # validation on other synthetic rows mid-run and at the end: training must continue unchanged after it
-    c.val_sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed + 1)
+    c.val_sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed + 1, eos_rate=eos_rate)
     records: List[dict] = []
     syncs = StepSyncs(host=c.host_tensors, enabled=count_syncs, skip=SYNC_STEP - 1, count=1)
     hooks = LoopHooks(log=records.append, should_stop=syncs.after_step)

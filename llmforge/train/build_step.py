@@ -4,6 +4,7 @@ gradient reductions and tied-embedding sync that run after its backward."""
 
 from __future__ import annotations
 
+import functools
 from typing import List, Optional
 
 import torch
@@ -14,6 +15,7 @@ from llmforge.parallel.data import FIRST_BUCKET_BYTES, BucketedGradReduce, GradA
 from llmforge.parallel.expert import expert_parameters
 from llmforge.parallel.mesh import ParallelMesh
 from llmforge.layout import chunk_rank
+from llmforge.models.masks import model_documents, needs_eos
 from llmforge.parallel.pipeline import build_schedule
 from llmforge.parallel.tensor import align_grads, loss_context, sharded_cross_entropy
 from llmforge.parallel.tied import TiedEmbeddingSync, tied_group
@@ -25,20 +27,33 @@ from llmforge.train.step import GradAccumulationStep, StepRunner, cross_entropy
 
 
 def build_step(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Module], ids: List[int],
-               tied: List[nn.Parameter], scaler: LossScaler, device: torch.device) -> StepRunner:
+               tied: List[nn.Parameter], scaler: LossScaler, device: torch.device, eos_id: Optional[int] = None) -> StepRunner:
     """The step seam for this rank's layout (``mesh`` None in one process); ``tied``:
-    this rank's copies of a tied embedding that pipeline stages keep equal."""
+    this rank's copies of a tied embedding that pipeline stages keep equal; ``eos_id``:
+    the data's end-of-document token (document masks and positions)."""
+    documents_of = documents_function(plan, eos_id=eos_id)
     reducers = _zero0_reducers(plan, mesh=mesh, parts=parts, overlap=plan.layout.pp == 1 and plan.overlap_grad_reduce)
     finish = _finish_hooks(plan, mesh=mesh, parts=parts, tied=tied, reducers=reducers)
     if plan.layout.pp == 1:
         step = _accumulation_step(plan, mesh=mesh, model=parts[0], scaler=scaler, device=device, finish=finish, reducers=reducers)
     else:
         step = _pipeline_step(plan, mesh=mesh, parts=parts, ids=ids, scaler=scaler, device=device, finish=finish)
+    step.documents_of = documents_of
     if plan.config.parallel.offload_activations:
         from llmforge.parallel.offload import OffloadedStep
 
         return OffloadedStep(step, device=device)
     return step
+
+
+def documents_function(plan: RunPlan, *, eos_id: Optional[int]):
+    """What computes the model's ``documents`` from a microbatch's inputs (None under plain causal attention)."""
+    model = plan.config.model
+    if not needs_eos(model) and model.sliding_window == 0:
+        return None
+    if needs_eos(model) and eos_id is None:
+        raise ValueError("the data has no end-of-document token for model.attention_mask=document / model.position_reset")
+    return functools.partial(model_documents, model, eos_id=eos_id)
 
 
 def _bucket_bytes(plan: RunPlan) -> tuple[int, int]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -69,6 +69,7 @@ class PipelineStep:
     context: Callable = field(default=lambda: torch.enable_grad())
     finish: Optional[Callable[[], None]] = None
     modules: List[nn.Module] = field(default_factory=list)
+    documents_of: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None
 
     def scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.scaler.scaled(self.loss_fn(output, target))
@@ -76,8 +77,7 @@ class PipelineStep:
     def __call__(self, batch: torch.Tensor) -> StepOutput:
         batch = to_device(batch, self.device)
         losses: List[torch.Tensor] = []
-        args = (batch[:, :-1],) if self.has_first else ()
-        kwargs: Dict[str, object] = {"target": batch[:, 1:], "losses": losses} if self.has_last else {}
+        args, kwargs = self._inputs(batch, losses)
         with self.context():
             self.schedule.step(*args, **kwargs)
         if self.finish is not None:
@@ -88,11 +88,20 @@ class PipelineStep:
         """Forward only through the stages (the schedule's eval path): the mean loss."""
         batch = batch.to(self.device, non_blocking=True)
         losses: List[torch.Tensor] = []
-        args = (batch[:, :-1],) if self.has_first else ()
-        kwargs: Dict[str, object] = {"target": batch[:, 1:], "losses": losses} if self.has_last else {}
+        args, kwargs = self._inputs(batch, losses)
         with eval_mode(self.modules), self.context(), _forward_only_order(self.schedule):
             self.schedule.eval(*args, **kwargs)
         return float(self._mean(losses))
+
+    def _inputs(self, batch: torch.Tensor, losses: List[torch.Tensor]) -> Tuple[tuple, Dict[str, object]]:
+        """The schedule's arguments: the tokens for the first stage, targets for the last, and
+        ``documents`` for every stage (the schedule splits them into microbatches as the tokens)."""
+        args = (batch[:, :-1],) if self.has_first else ()
+        kwargs: Dict[str, object] = {"target": batch[:, 1:], "losses": losses} if self.has_last else {}
+        documents = self.documents_of(batch[:, :-1]) if self.documents_of is not None else None
+        if documents is not None:
+            kwargs["documents"] = documents
+        return args, kwargs
 
     def _mean(self, losses: List[torch.Tensor]) -> torch.Tensor:
         """The last stage's mean microbatch loss, sent to every stage and averaged over dp

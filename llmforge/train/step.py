@@ -74,7 +74,8 @@ class GradAccumulationStep:
     it); ``finish`` runs once after the last backward (gradient reductions);
     ``positions`` (context parallelism) are the global positions of this rank's
     slice of each sequence: inputs and targets are taken at them after the
-    next-token shift and the model is told them."""
+    next-token shift and the model is told them; ``documents_of`` (document or
+    sliding-window attention) gives the model's ``documents`` of the whole inputs."""
 
     model: nn.Module
     micro_batch_size: int
@@ -87,6 +88,7 @@ class GradAccumulationStep:
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     finish: Optional[Callable[[], None]] = None
     positions: Optional[torch.Tensor] = None
+    documents_of: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None
 
     def __call__(self, batch: torch.Tensor) -> StepOutput:
         micro = to_device(batch, self.device).split(self.micro_batch_size)
@@ -95,9 +97,9 @@ class GradAccumulationStep:
             last = i == len(micro) - 1
             sync = self.no_sync(last) if self.no_sync is not None else contextlib.nullcontext()
             with sync, self.loss_context():
-                inputs, targets = self._split(mb)
+                inputs, targets, extra = self._split(mb)
                 with autocast(param_dtype=self.param_dtype, device=self.device):
-                    logits = self.model(inputs) if self.positions is None else self.model(inputs, positions=self.positions)
+                    logits = self.model(inputs, **extra)
                 loss = self.loss_fn(logits, targets)
                 self.scaler.scaled(loss / len(micro)).backward()
             total += loss.detach()
@@ -114,19 +116,25 @@ class GradAccumulationStep:
         with eval_mode([self.model]):
             for mb in micro:
                 with self.loss_context():
-                    inputs, targets = self._split(mb)
+                    inputs, targets, extra = self._split(mb)
                     with autocast(param_dtype=self.param_dtype, device=self.device):
-                        logits = self.model(inputs) if self.positions is None else self.model(inputs, positions=self.positions)
+                        logits = self.model(inputs, **extra)
                     total += self.loss_fn(logits, targets).detach().float()
         mean = total / len(micro)
         if self.reduce_loss is not None:
             mean = self.reduce_loss(mean)
         return float(mean)
 
-    def _split(self, mb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and next-token targets of a microbatch (this rank's positions only)."""
+    def _split(self, mb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+        """Inputs and next-token targets of a microbatch (this rank's positions only), and
+        the model's other arguments (``positions``, ``documents``)."""
         inputs, targets = mb[:, :-1], mb[:, 1:]
+        extra: Dict[str, torch.Tensor] = {}
+        documents = self.documents_of(inputs) if self.documents_of is not None else None
+        if documents is not None:
+            extra["documents"] = documents
         if self.positions is None:
-            return inputs, targets
+            return inputs, targets, extra
         index = self.positions.to(mb.device)
-        return inputs.index_select(1, index), targets.index_select(1, index)
+        extra["positions"] = index
+        return inputs.index_select(1, index), targets.index_select(1, index), extra
