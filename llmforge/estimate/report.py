@@ -75,9 +75,9 @@ def step_share(est) -> dict:
     flops = tokens * per_layer * (3.5 * shape.num_layers + recomputed)
     local = layout.micro_batch * shape.seq / layout.cp * per_layer / layout.tp  # one block, one microbatch
     sp = kn.speeds(job)
-    block_s = sp.attention(local, 1, head_dim=shape.head_dim) + sp.attention(2.5 * local, 3, head_dim=shape.head_dim)
+    block_s = sp.attention(local, 1, head_dim=shape.head_dim).seconds + sp.attention(2.5 * local, 3, head_dim=shape.head_dim, backward=True).seconds
     worst = max(stage_counts(shape, layout), key=lambda c: c.blocks)
-    again = (worst.dense_ckpt + worst.moe_ckpt) * sp.attention(local, 1, head_dim=shape.head_dim) if full else 0.0
+    again = (worst.dense_ckpt + worst.moe_ckpt) * sp.attention(local, 1, head_dim=shape.head_dim).seconds if full else 0.0
     seconds = est.microbatches * (worst.blocks * block_s + again)
     return {"fraction_of_causal": shape.attention_fraction, "flops_share": flops / est.hardware_flops,
             "time_share": seconds / est.step_s if est.step_s > 0 else 0.0}
