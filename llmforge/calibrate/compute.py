@@ -116,15 +116,35 @@ def attention(grid: Grid, *, dtype: str, device: torch.device, tick: Tick) -> Li
 
 
 def bandwidth(grid: Grid, *, device: torch.device, tick: Tick) -> List[BandwidthSample]:
-    """fp32 copies (read + write) and additions (two reads, one write) of each size."""
+    """The memory-bound kernels of a training step, fp32, at each size: copies (read + write),
+    additions (two reads, one write), and the elementwise kernels a block and the loss run
+    forward and backward (GELU, layer norm over rows of 128, log-softmax over rows of 4096),
+    each counted as the kernel model counts it: a forward reads and writes the tensor once,
+    a backward reads two and writes one (20 bytes per element for both). On a GPU all of them
+    run at the memory's speed; on a CPU the transcendentals make GELU and softmax slower than
+    their bytes, and the fit's time-weighted rate follows what a step spends there."""
     out = []
     for n in grid.elements:
         a, b = torch.randn(n, device=device), torch.randn(n, device=device)
         dst = torch.empty_like(a)
         out.append(BandwidthSample("copy", 8 * n, seconds_per_call(lambda: dst.copy_(a), device=device, budget_s=grid.budget_s)))
         out.append(BandwidthSample("add", 12 * n, seconds_per_call(lambda: a + b, device=device, budget_s=grid.budget_s)))
+        for kind, run in _training_kernels(n, device=device).items():
+            out.append(BandwidthSample(kind, 20 * n, seconds_per_call(run, device=device, budget_s=grid.budget_s)))
         tick(f"memory-bound {n:,} elements")
     return out
+
+
+def _training_kernels(n: int, *, device: torch.device) -> dict:
+    """Forward-and-backward closures of the elementwise kernels over ``n`` fp32 elements."""
+    x = torch.randn(n, device=device, requires_grad=True)
+    grad = torch.randn(n, device=device)
+    forwards = {"gelu": lambda: F.gelu(x)}
+    if n % 128 == 0:
+        forwards["layer_norm"] = lambda: F.layer_norm(x.view(-1, 128), (128,)).view(-1)
+    if n % 4096 == 0:
+        forwards["log_softmax"] = lambda: F.log_softmax(x.view(-1, 4096), dim=-1).view(-1)
+    return {kind: (lambda forward=forward: forward().backward(grad)) for kind, forward in forwards.items()}
 
 
 def launch_floor(*, device: torch.device, budget_s: float) -> float:

@@ -128,10 +128,10 @@ def fit_attention(samples: Sequence[AttentionSample], *, peak: float, matmul_dim
 
 
 def fit_bandwidth(samples: Sequence[BandwidthSample], *, floor_s: float) -> float:
-    """Achieved bytes/s of memory-bound kernels (geometric mean over those above the floor)."""
+    """Achieved bytes/s of memory-bound kernels: all their bytes over all their time (those
+    above three launch floors), so the slow kernels weigh by the time a step spends in them."""
     used = [s for s in samples if s.seconds > 3 * floor_s] or list(samples)
-    logs = [math.log(s.nbytes / s.seconds) for s in used]
-    return math.exp(sum(logs) / len(logs))
+    return sum(s.nbytes for s in used) / sum(s.seconds for s in used)
 
 
 def fit_latency_bandwidth(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
