@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from llmforge.cli import app
 from llmforge.errors import UserError
 from llmforge.rundir import LOCK_NAME, RunLock, check_writable
+from llmforge.testing.faults import file_size_limit
 
 runner = CliRunner()
 
@@ -170,22 +171,12 @@ def test_a_checkpoint_the_manifest_does_not_account_for_is_damaged(checkpoint, h
 
 
 def test_a_refused_save_removes_its_folder_and_keeps_latest(checkpoint):
-    import resource
-    import signal
-
     from llmforge.checkpoint.locate import locate
     from test_checkpoint_store import save
 
     s, model, optimizer, folder = checkpoint
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # files past 4 KiB fail, as on a full disk
-    try:
-        with pytest.raises(UserError) as info:
-            save(s, model, optimizer, 3)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
+    with file_size_limit(4096), pytest.raises(UserError) as info:  # files past 4 KiB fail, as on a full disk
+        save(s, model, optimizer, 3)
     message = info.value.message()
     assert "step 3" in message and str(folder.parent) in message and str(folder) in message
     assert sorted(p.name for p in folder.parent.iterdir()) == ["step_1", "step_2"]

@@ -22,6 +22,7 @@ from llmforge.observe.metrics import read_metrics, tidy_metrics
 from llmforge.plan import RunPlan
 from llmforge.train.components import RankInfo
 from llmforge.train.run import run
+from llmforge.testing.faults import file_size_limit
 
 TINY = [
     "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.seq_len=16",
@@ -155,23 +156,13 @@ def test_generate_names_its_tokenizer_option(runs):
 
 def _refused_save(root: Path, *, earlier_checkpoint: bool) -> str:
     """Save a tiny model's checkpoint under a 4 KiB file-size limit; the error's message."""
-    import resource
-    import signal
-
     from test_checkpoint_store import save, saver, tiny
 
     model, optimizer = tiny()
     s = saver(root)
     earlier = [save(s, model, optimizer, 1)] if earlier_checkpoint else []
-    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
-    try:
-        with pytest.raises(UserError) as info:
-            save(s, model, optimizer, 2)
-    finally:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
-        signal.signal(signal.SIGXFSZ, previous)
+    with file_size_limit(4096), pytest.raises(UserError) as info:  # files past 4 KiB fail, as on a full disk
+        save(s, model, optimizer, 2)
     assert [p.name for p in root.iterdir()] == [p.name for p in earlier]
     return " ".join(info.value.message().split())
 
