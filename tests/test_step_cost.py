@@ -76,3 +76,16 @@ def test_cpu_runs_torch_default_adamw():
     c = _components(tiny_plan(["model.num_layers=1"]), torch.device("cpu"))
     defaults = c.optimizer.defaults
     assert not defaults["foreach"] and not defaults["fused"]
+
+
+def test_a_cpu_rank_reuses_freed_host_memory_without_page_faults():
+    """After building a CPU rank, a freed step-sized buffer (16 MiB, as the default recipe's
+    logits) comes back from the heap: writing it again faults in no fresh pages."""
+    import resource
+
+    _components(tiny_plan(["model.num_layers=1"]), torch.device("cpu"))
+    torch.empty(4 * 2**20).fill_(1.0)  # allocated, written and freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    torch.empty(4 * 2**20).fill_(2.0)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    assert faults < 256, f"{faults} page faults for a buffer of 4096 pages"

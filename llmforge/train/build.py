@@ -17,6 +17,7 @@ from llmforge.plan import RunPlan
 from llmforge.train.anomaly import AnomalyPolicy, StepGuard
 from llmforge.train.build_step import build_step
 from llmforge.train.components import Components, RankInfo
+from llmforge.train.host_memory import keep_freed_memory
 from llmforge.train.optim import build_optimizer, build_scheduler
 from llmforge.train.parallelize import fp8_all_gather, parallelize
 from llmforge.train.precision import LossScaler
@@ -26,6 +27,8 @@ def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compo
     """This rank's components: ``rank.mesh`` is None in one process, the run's
     ParallelMesh on a distributed rank. The loop runs every layout the same way."""
     cfg, mesh, device = plan.config, rank.mesh, rank.device
+    if device.type == "cpu":
+        keep_freed_memory()
     parts, ids = build_parts(plan, mesh=mesh, device=device)
     copies = _tied_copies(plan, parts=parts, ids=ids, num_stages=len(plan.layers_per_stage))
     optimizer = _optimizer(plan, mesh=mesh, parts=parts, copies=copies)
