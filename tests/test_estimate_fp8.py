@@ -92,7 +92,7 @@ def test_float8_all_gather_moves_fewer_bytes_under_zero3():
     gathers = 4 + 3
     # ZeRO-3 gathers the bf16 compute copy (2 bytes an element), float8 gathers 1 byte
     saved = gathers * fp8.converted_numel(shape, moe=False) * 7 / 8 * 1
-    assert wide.comm.dp_bytes - narrow.comm.dp_bytes == pytest.approx(saved)
+    assert wide.comm.bytes_of("dp") - narrow.comm.bytes_of("dp") == pytest.approx(saved)
 
 
 def test_hsdp_keeps_gathers_on_nvlink_and_pays_in_memory():

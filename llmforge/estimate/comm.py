@@ -78,26 +78,6 @@ class Comm:
     def exposed_of(self, dim: str) -> float:
         return self._sum(dim, "exposed")
 
-    @property
-    def total_bytes(self) -> float:
-        return sum(t.bytes for t in self.kinds.values())
-
-    @property
-    def dp_bytes(self) -> float:
-        return self.bytes_of("dp")
-
-    @property
-    def ep_bytes(self) -> float:
-        return self.bytes_of("ep")
-
-    @property
-    def dp_s(self) -> float:
-        return self.seconds_of("dp")
-
-    @property
-    def dp_exposed_s(self) -> float:
-        return self.exposed_of("dp")
-
 
 def _bandwidth(job: Job, span: int, group: int) -> float:
     """Achieved per-device bandwidth of a group of ``group`` ranks spanning ``span`` consecutive
