@@ -54,6 +54,8 @@ class Suite:
 
 GPU = Suite((("gpt-125m", 8), ("gpt-1b", 4)), ("eager", "compiled"), ("bf16", "fp8"), ("none", "selective", "full"), (), True)
 SMOKE = Suite((("gpt-tiny", 2),), ("eager",), ("bf16",), ("none", "full"), ("--quick",), False)
+#: A short session's subset: the plain-loop comparison, the selective-recompute cost and fp8.
+QUICK = Suite((("gpt-125m", 8), ("gpt-1b", 4)), ("eager", "compiled"), ("bf16", "fp8"), ("none", "selective"), ("--quick",), False)
 
 
 @dataclass
@@ -106,8 +108,9 @@ def rows_for(suite: Suite, *, accelerator: str) -> List[Row]:
     return out
 
 
-def measure(rows: List[Row], *, device, steps: int, warmup: int, log) -> None:
-    """Train each row's plan (and the plain loop once per shape and mode) on ``device``."""
+def measure(rows: List[Row], *, device, steps: int, warmup: int, log, done=lambda: None) -> None:
+    """Train each row's plan (and the plain loop once per shape and mode) on ``device``;
+    ``done()`` after each row, so a run cut short keeps the rows it measured."""
     import bench_gpu
 
     from llmforge.estimate import flops
@@ -126,6 +129,7 @@ def measure(rows: List[Row], *, device, steps: int, warmup: int, log) -> None:
         row.tokens_per_s, row.peak_bytes, row.plain_tokens_per_s = result.tokens_per_s, result.peak_reserved, plain.get(key)
         row.mfu = result.tokens_per_s * flops.model_flops(shape, 1) / job.profile.peak(job.param_dtype)
         log(f"{row.name}: {row.tokens_per_s:,.0f} tokens/s, {row.peak_bytes / GIB:.2f} GiB")
+        done()
 
 
 def estimate(rows: List[Row], *, before: str, after: Path) -> None:
@@ -212,13 +216,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU: exercise the pipeline and the report")
+    parser.add_argument("--quick", action="store_true", help="a subset (eager/compiled, bf16/fp8, recompute none/selective; quick calibration; "
+                        "no GPU tests) for a short session on the GPU")
+    parser.add_argument("--skip", nargs="*", default=[], help="leave out rows whose name contains any of these words (e.g. fp8 gpt-1b)")
     args = parser.parse_args(argv)
     import torch
 
     smoke = args.cpu_smoke
     if not smoke and not torch.cuda.is_available():
         raise SystemExit("tools/gpu_report.py needs a CUDA GPU (or --cpu-smoke)")
-    suite, accelerator = (SMOKE, "cpu") if smoke else (GPU, args.accelerator)
+    suite, accelerator = (SMOKE, "cpu") if smoke else (QUICK if args.quick else GPU, args.accelerator)
     device = torch.device("cpu") if smoke else torch.device("cuda", 0)
     steps, warmup = (min(args.steps, 3), min(args.warmup, 1)) if smoke else (args.steps, args.warmup)
     device_name = "CPU" if smoke else torch.cuda.get_device_name(device)
@@ -228,17 +235,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                "--out", str(calibrated), *suite.calibrate_args], log=log)
     if cal.returncode != 0:
         raise SystemExit(f"llmforge calibrate failed:\n{cal.stderr[-3000:]}")
-    rows = rows_for(suite, accelerator=accelerator)
-    measure(rows, device=device, steps=steps, warmup=warmup, log=log)
+    rows = [r for r in rows_for(suite, accelerator=accelerator) if not any(word in r.name for word in args.skip)]
     from llmforge.hardware import BUILTIN_DIR
 
     builtin = BUILTIN_DIR / f"{accelerator}.yaml"  # the datasheet, even where an earlier calibration shadows its name
     estimate(rows, before=str(builtin) if builtin.is_file() else accelerator, after=calibrated)
-    tests = "not run (--cpu-smoke)"
+    calibration = cal.stdout + cal.stderr
+    tests = "not run (--cpu-smoke)" if smoke else "not run (--quick)"
+
+    def write() -> None:
+        measured = [r for r in rows if r.tokens_per_s]
+        args.out.write_text(report(rows=measured, device_name=device_name, smoke=smoke, calibration=calibration, tests=tests))
+
+    measure(rows, device=device, steps=steps, warmup=warmup, log=log, done=write)
     if suite.gpu_tests:
         done = run([sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-q"], log=log)
         tests = f"exit code {done.returncode}:\n\n```\n" + "\n".join(done.stdout.strip().splitlines()[-15:]) + "\n```"
-    args.out.write_text(report(rows=rows, device_name=device_name, smoke=smoke, calibration=cal.stdout + cal.stderr, tests=tests))
+    write()
     log(f"wrote {args.out} (profile: {calibrated})")
 
 

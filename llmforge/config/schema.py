@@ -136,6 +136,11 @@ class PrecisionConfig:
     reduce_dtype: str = knob("fp32", help="Dtype of gradient reduction across data-parallel ranks (and of ZeRO-1's accumulated gradients).")
     initial_loss_scale: float = knob(65536.0, range="(0, inf)", help="fp16 only: starting dynamic loss scale.")
     loss_scale_growth_interval: int = knob(2000, range="[1, inf)", help="fp16 only: steps without overflow before the scale doubles.")
+    fp32_residual: bool = knob(
+        False,
+        help="Keep the residual stream (and the block inputs that recompute saves) in fp32 under bf16/fp16 compute, "
+        "like Megatron's --fp32-residual-connection; by default it is in param_dtype, as torchtitan and Megatron run it.",
+    )
     fp8: bool = knob(
         False,
         help="FP8 training (torchao float8) of the transformer blocks' linear layers; the rest computes in param_dtype (bf16). "
