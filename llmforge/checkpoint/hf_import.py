@@ -205,15 +205,22 @@ def hf_state_dict(folder: Path | str, m: ModelConfig, *, wanted: Optional[List[s
 
 
 def load_hf_weights(model_parts: List[nn.Module], *, folder: Path | str, model: ModelConfig) -> None:
-    """Replace the parts' weights with the folder's, in whatever layout the parts have."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    from llmforge.checkpoint.state import apply_model_state
+    """Replace the parts' weights with the folder's, in whatever layout the parts have:
+    one tensor is read at a time and only this rank's slice of it is kept."""
+    from llmforge.parallel.materialize import fill
 
     check_folder(folder, model)
-    own = {k: v for part in model_parts for k, v in get_model_state_dict(part).items()}
-    state = hf_state_dict(folder, model, wanted=list(own))
-    missing = sorted(set(own) - set(state))
-    if missing:
-        raise fail(f"{folder}: nothing maps to {', '.join(missing[:5])}", title="cannot start from these weights")
-    apply_model_state(model_parts, {k: v.to(own[k].dtype) for k, v in state.items()}, full=True)
+    folder = Path(folder).expanduser()
+    with open_tensors(folder) as (_, get):
+        def read(name: str) -> torch.Tensor:
+            tensor = get(name)
+            return tensor[: model.seq_len] if name == _WPE else tensor
+
+        def whole(name: str, shape: torch.Size) -> torch.Tensor:
+            found = from_hf(read, model, wanted=[name])
+            if name not in found:
+                raise fail(f"{folder}: nothing maps to {name}", title="cannot start from these weights")
+            return found[name]
+
+        for part in model_parts:
+            fill(part, values=whole)

@@ -21,18 +21,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from llmforge.files import write_json_atomic
+from llmforge.parallel.materialize import model_name
 
 RNG_DIR = "rng"
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-def clean_fqn(name: str) -> str:
-    """A parameter's name without the prefixes wrappers (recompute, compile) insert."""
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state tensors (a zero-gradient, zero-lr step) so DCP can load into them."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
@@ -54,7 +45,7 @@ def tensor_state(model_parts: List[nn.Module], optimizer: torch.optim.Optimizer,
         for name, param in part.named_parameters():
             for key, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
-                    optim_state[f"{clean_fqn(name)}.{key}"] = value
+                    optim_state[f"{model_name(name)}.{key}"] = value
     return {"model": model_state, "optim": optim_state}
 
 

@@ -143,19 +143,37 @@ class GPT(nn.Module):
     def init_weights(self, *, seed: int) -> None:
         """Initialise every parameter from a generator seeded by (seed, parameter name),
         so the values do not depend on construction order or on which stage holds them."""
-        residual_std = self.config.init_std / math.sqrt(2 * self.config.num_layers)
         for name, param in self.named_parameters():
-            gen = torch.Generator().manual_seed(_name_seed(seed, name))
-            if name.endswith("bias"):
-                param.zero_()
-            elif "norm" in name:
-                param.fill_(1.0)
-            else:
-                std = residual_std if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w_down")) else self.config.init_std
-                param.copy_(torch.randn(param.shape, generator=gen, dtype=torch.float32) * std)
-        for module in self.modules():  # buffers holding training state (the MoE routing bias)
+            param.copy_(initial_value(self.config, name=name, shape=param.shape, seed=seed))
+        self.init_buffers(device=next(self.parameters()).device)
+
+    @torch.no_grad()
+    def init_buffers(self, *, device: torch.device) -> None:
+        """Give the buffers their fresh values on ``device``: the RoPE tables, and the
+        training state some layers keep (the MoE routing bias). A model built on the meta
+        device and allocated with ``to_empty`` has none of them yet."""
+        if self.config.position == "rope":
+            cos, sin = rope_tables(head_dim=self.config.hidden_size // self.config.num_heads, seq_len=self.config.seq_len,
+                                   theta=self.config.rope_theta)
+            self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        for module in self.modules():
             if hasattr(module, "reset_state"):
-                module.reset_state()
+                module.reset_state(device=device)
+
+
+def initial_value(config: ModelConfig, *, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
+    """The whole initial value (fp32, on the host) of the parameter ``name`` of a model
+    with ``config``: zero biases, unit norm weights, and normal weights drawn from a
+    generator seeded by (seed, name), scaled down on the projections into the residual stream."""
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if "norm" in name:
+        return torch.ones(shape)
+    std = config.init_std
+    if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w_down")):
+        std = config.init_std / math.sqrt(2 * config.num_layers)
+    gen = torch.Generator().manual_seed(_name_seed(seed, name))
+    return torch.randn(shape, generator=gen, dtype=torch.float32).mul_(std)
 
 
 def _name_seed(seed: int, name: str) -> int:

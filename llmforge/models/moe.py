@@ -251,11 +251,13 @@ class MoE(nn.Module):
             out = AuxLossInjector.apply(out, total, float(self.aux_loss_scale()))
         return out
 
-    def reset_state(self) -> None:
-        """Zero the routing bias and load count (a fresh model's values)."""
+    def reset_state(self, *, device: Optional[torch.device] = None) -> None:
+        """Zero the routing bias and load count (a fresh model's values), on ``device``
+        (default: where they are)."""
         if self.expert_bias is not None:
-            self.expert_bias.zero_()
-            self.expert_load.zero_()  # type: ignore[union-attr]
+            device = device or self.expert_bias.device
+            self.expert_bias = torch.zeros(self.num_experts, device=device)
+            self.expert_load = torch.zeros(self.num_experts, dtype=torch.int64, device=device)
 
     def _dispatch_combine(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Sort kept assignments by expert, run the experts, sum back with the routing weights."""

@@ -29,7 +29,6 @@ from torch.distributed.pipelining.schedules import (
 from llmforge.config.schema import ModelConfig
 from llmforge.layout import SINGLE_STAGE_SCHEDULES
 from llmforge.models.gpt import GPT
-from llmforge.models.layers import rope_tables
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -41,44 +40,36 @@ SCHEDULES = {
 }
 
 
-def build_stage_model(config: ModelConfig, *, stage: int, layers_per_stage: List[int], seed: int, device: torch.device) -> GPT:
-    """Chunk ``stage`` of the model, with exactly the initial weights it has in the full model.
+def stage_skeleton(config: ModelConfig, *, stage: int, layers_per_stage: List[int]) -> GPT:
+    """Chunk ``stage`` of the model on the meta device (no memory): the full model's
+    parameter names, only the blocks, embedding and output layer this chunk holds.
 
     With tied embeddings the last chunk gets ``head``, a copy of the embedding
-    table that ``TiedEmbeddingSync`` keeps equal to it."""
+    table that ``TiedEmbeddingSync`` keeps equal to it (initialised as the embedding:
+    ``tied_copy_source``)."""
     with torch.device("meta"):
         model = GPT(config)
-    start = sum(layers_per_stage[:stage])
-    keep = {str(i) for i in range(start, start + layers_per_stage[stage])}
-    for name in list(model.layers.keys()):
-        if name not in keep:
-            del model.layers[name]
-    first, last = stage == 0, stage == len(layers_per_stage) - 1
-    if not first:
-        model.embed, model.pos_embed = None, None
-    if not last:
-        model.norm, model.head = None, None
-    tied_copy = last and not first and config.tie_embeddings
-    if tied_copy:
-        with torch.device("meta"):
+        start = sum(layers_per_stage[:stage])
+        keep = {str(i) for i in range(start, start + layers_per_stage[stage])}
+        for name in list(model.layers.keys()):
+            if name not in keep:
+                del model.layers[name]
+        first, last = stage == 0, stage == len(layers_per_stage) - 1
+        if not first:
+            model.embed, model.pos_embed = None, None
+        if not last:
+            model.norm, model.head = None, None
+        if last and not first and config.tie_embeddings:
             model.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-    model.to_empty(device=device)
-    if config.position == "rope":
-        cos, sin = rope_tables(head_dim=config.hidden_size // config.num_heads, seq_len=config.seq_len, theta=config.rope_theta)
-        model.rope_cos, model.rope_sin = cos.to(device), sin.to(device)
-    model.init_weights(seed=seed)
-    if tied_copy:
-        _copy_embedding_init(model, seed=seed)
     return model
 
 
-@torch.no_grad()
-def _copy_embedding_init(model: GPT, *, seed: int) -> None:
-    holder = nn.Module()
-    holder.config = model.config
-    holder.embed = nn.Embedding(model.config.vocab_size, model.config.hidden_size)
-    GPT.init_weights(holder, seed=seed)  # type: ignore[arg-type]  # seeds by the name "embed.weight"
-    model.head.weight.copy_(holder.embed.weight)  # type: ignore[union-attr]
+def tied_copy_source(config: ModelConfig, *, stage: int, num_stages: int) -> dict:
+    """Parameter names of chunk ``stage`` whose initial value is another parameter's:
+    the last chunk's copy of a tied embedding starts as the embedding."""
+    if config.tie_embeddings and stage == num_stages - 1 and stage > 0:
+        return {"head.weight": "embed.weight"}
+    return {}
 
 
 def build_schedule(*, name: str, modules: List[nn.Module], ids: List[int], num_stages: int, group: dist.ProcessGroup, device: torch.device, microbatches: int, loss_fn: Callable):

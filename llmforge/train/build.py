@@ -11,7 +11,8 @@ from torch import nn
 from llmforge.models.gpt import GPT
 from llmforge.parallel.clip import GlobalClip
 from llmforge.parallel.mesh import ParallelMesh
-from llmforge.parallel.pipeline import build_stage_model
+from llmforge.parallel.materialize import materialize, seeded_values
+from llmforge.parallel.pipeline import stage_skeleton, tied_copy_source
 from llmforge.parallel.tied import tied_params
 from llmforge.plan import RunPlan
 from llmforge.train.anomaly import AnomalyPolicy, StepGuard
@@ -71,27 +72,35 @@ def distributed_rank(plan: RunPlan, *, device: torch.device) -> RankInfo:
 
 
 def build_model(plan: RunPlan, *, device: torch.device) -> GPT:
-    """The full model with its seeded initial weights (identical for every layout)."""
-    model = GPT(plan.config.model)
-    model.init_weights(seed=plan.config.train.seed)
-    return model.to(device)
+    """The whole model, unsharded, with its seeded initial weights (identical for every layout)."""
+    with torch.device("meta"):
+        model = GPT(plan.config.model)
+    materialize(model, device=device, values=seeded_values(model, seed=plan.config.train.seed))
+    return model
 
 
 def build_parts(plan: RunPlan, *, mesh: Optional[ParallelMesh], device: torch.device) -> tuple[List[nn.Module], List[int]]:
-    """This rank's model parts (the whole model, or its pipeline chunks) and their
-    chunk ids, parallelized."""
-    cfg = plan.config
-    if plan.layout.pp == 1:
-        ids, parts = [0], [build_model(plan, device=device)]
-    else:
-        ids = plan.layout.stage_ids(mesh.local_rank("pp"))
-        parts = [
-            build_stage_model(cfg.model, stage=s, layers_per_stage=plan.layers_per_stage, seed=cfg.train.seed, device=device)
-            for s in ids
-        ]
-    for part in parts:
+    """This rank's model parts (the whole model, or its pipeline chunks) and their chunk
+    ids, parallelized. Each part is built on the meta device and sharded there; only
+    this rank's shards are then allocated and given their initial values."""
+    ids = [0] if plan.layout.pp == 1 else plan.layout.stage_ids(mesh.local_rank("pp"))
+    parts = []
+    for stage in ids:
+        part = model_skeleton(plan, stage=stage)
         parallelize(part, plan=plan, mesh=mesh)
+        aliases = tied_copy_source(plan.config.model, stage=stage, num_stages=len(plan.layers_per_stage))
+        materialize(part, device=device, values=seeded_values(part, seed=plan.config.train.seed, aliases=aliases),
+                    param_device=torch.device("cpu") if plan.config.parallel.offload == "states" else device)
+        parts.append(part)
     return parts, ids
+
+
+def model_skeleton(plan: RunPlan, *, stage: int) -> GPT:
+    """Pipeline chunk ``stage`` (the whole model without pipeline parallelism) on the meta device."""
+    if plan.layout.pp == 1:
+        with torch.device("meta"):
+            return GPT(plan.config.model)
+    return stage_skeleton(plan.config.model, stage=stage, layers_per_stage=plan.layers_per_stage)
 
 
 def _host_group(plan: RunPlan, *, device: torch.device):

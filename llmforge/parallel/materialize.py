@@ -1,0 +1,71 @@
+"""Give a model built on the meta device its memory and values, this rank's shards only.
+
+A rank builds its model (or pipeline chunks) on the meta device, where nothing is
+allocated, and applies every parallel transform there: the parameters become DTensors
+that know their mesh and placements, or stay plain tensors where nothing shards them.
+``materialize`` then allocates only what this rank holds (``to_empty``) and fills it
+one parameter at a time from a source of whole values: the seeded initialisation, or
+a Hugging Face folder. Each whole value lives on the host only while its slice is cut
+(``distribute_tensor`` with ``src_data_rank=None``: every rank holds the same whole
+value, so no collective is needed), so a rank's peak during the build is its shards
+plus the largest single parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from llmforge.models.gpt import GPT, initial_value
+
+#: The whole value of a parameter, by its name in the full model and its global shape.
+WholeValue = Callable[[str, torch.Size], torch.Tensor]
+
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def model_name(name: str) -> str:
+    """A parameter's name in the plain model, without the prefixes wrappers (recompute,
+    compile) insert."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def seeded_values(model: GPT, *, seed: int, aliases: Optional[Mapping[str, str]] = None) -> WholeValue:
+    """The seeded initial values of ``model``'s parameters (``llmforge.models.gpt.initial_value``);
+    ``aliases`` maps a parameter to the one whose initial value it copies."""
+    aliases = aliases or {}
+    return lambda name, shape: initial_value(model.config, name=aliases.get(name, name), shape=shape, seed=seed)
+
+
+@torch.no_grad()
+def materialize(model: GPT, *, device: torch.device, values: WholeValue, param_device: Optional[torch.device] = None) -> None:
+    """Allocate ``model``'s local shards (on ``param_device``, default ``device``; the
+    host for offloaded states) and buffers (on ``device``), and fill them from ``values``."""
+    model.to_empty(device=param_device or device)
+    fill(model, values=values)
+    model.init_buffers(device=device)
+
+
+@torch.no_grad()
+def fill(model: nn.Module, *, values: WholeValue) -> None:
+    """Copy this rank's slice of each parameter's whole value into it, one parameter at a time."""
+    for name, param in model.named_parameters():
+        whole = values(model_name(name), param.shape)
+        copy_slice(param, whole)
+        del whole
+
+
+def copy_slice(param: torch.Tensor, whole: torch.Tensor) -> None:
+    """Write the part of ``whole`` (the unsharded value) that ``param`` holds on this rank."""
+    if isinstance(param, DTensor):
+        local = param.to_local()
+        whole = whole.to(device=local.device, dtype=local.dtype)
+        piece = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        local.copy_(piece)
+    else:
+        param.copy_(whole.to(dtype=param.dtype))
