@@ -8,10 +8,10 @@ needs (names from ``llmforge.checkpoint.hf_names``, read backwards). All
 differences are reported at once.
 
 On each rank, :func:`load_hf_weights` reads only the tensors its model parts hold
-(safetensors are memory-mapped), renames/splits them into llmforge names and
-hands full tensors to ``set_model_state_dict(full_state_dict=True)``, which
-shards them into whatever layout the parts have (tensor parallel, FSDP,
-pipeline chunks): the resharding path a resume takes.
+(safetensors are memory-mapped), one at a time, renames/splits each into its
+llmforge name and keeps only this rank's slice of it, in whatever layout the parts
+have (tensor parallel, FSDP, pipeline chunks; ``llmforge.parallel.materialize``):
+a rank holds its shards and one whole tensor, never the whole state dict.
 """
 
 from __future__ import annotations

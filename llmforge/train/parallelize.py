@@ -1,10 +1,11 @@
 """Apply every parallelism to a model (or pipeline chunk) in the documented order.
 
 Order (as in torchtitan): float8 -> tensor parallel -> expert parallel -> context
-parallel -> activation recompute -> compile -> FSDP (over dp x cp). The model is
-built whole (or as its pipeline chunks) with the seeded initial weights first and
-sharded afterwards, so every layout starts from the same numbers. A single
-process goes through the same function with every degree 1 (no mesh).
+parallel -> activation recompute -> compile -> FSDP (over dp x cp). The model (or
+its pipeline chunks) arrives on the meta device and is sharded there; the builder
+(``llmforge.train.build``) then allocates only this rank's shards and cuts each one
+from the parameter's whole seeded value, so every layout starts from the same
+numbers. A single process goes through the same function with every degree 1 (no mesh).
 """
 
 from __future__ import annotations
