@@ -26,5 +26,6 @@ def profile_warning(*, ratio: float, mfu: float, accelerator: str, source: str, 
     target = "" if accelerator == "cpu" else f" cluster.accelerator={accelerator}"
     if accelerator.endswith((".yaml", ".yml")):
         target += f" --out {accelerator}"
-    return (f"; the hardware profile looks wrong ({why}; {source}): measure this machine again with "
+    again = " again" if calibration else ""
+    return (f"; the hardware profile looks wrong ({why}; {source}): measure this machine{again} with "
             f"`llmforge calibrate{target}` while nothing else runs on it (unless other work slowed this run itself)")
