@@ -180,6 +180,11 @@ def machine_profile_path(threads: int) -> Path:
     return llmforge_home() / "profiles" / "machines" / f"cpu-{machine_key(threads)}.yaml"
 
 
+#: A cpu profile this run's launcher measured but could not cache (``llmforge.calibrate.auto``):
+#: ``cpu`` means it for this run and its ranks, in place of the built-in guess.
+UNCACHED_ENV = "LLMFORGE_UNCACHED_CPU_PROFILE"
+
+
 def forget_profiles() -> None:
     """Drop the cached profile folders' contents (after ``llmforge calibrate`` wrote one)."""
     _profiles_in.cache_clear()
@@ -306,7 +311,7 @@ def get_profile(name: str, *, ranks_per_node: int = 1) -> Profile:
         raise UserError([unknown_problem(name)])
     found = profiles[name]
     if name == "cpu" and Path(found.source).parent == BUILTIN_DIR:
-        machine = machine_profile_path(cpu_threads(ranks_per_node))
+        machine = Path(os.environ.get(UNCACHED_ENV) or machine_profile_path(cpu_threads(ranks_per_node)))
         if machine.is_file():
             return parse_profile(_load_yaml(machine), source=str(machine), description=_description(machine))
     return found

@@ -88,3 +88,30 @@ def test_cpu_means_this_machines_profile_for_the_threads_of_a_rank(tmp_path, mon
     assert get_profile("cpu").calibrated
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert not get_profile("cpu").calibrated
+
+
+@pytest.mark.parametrize("name", ["cpu", "h100-80gb", "a100-80gb", "b200", "l4-24gb", "h200-141gb", "a100-40gb"])
+def test_a_profile_written_back_is_the_profile_it_was_read_from(name):
+    from llmforge.calibrate.write import as_mapping
+    from llmforge.hardware import BUILTIN_DIR
+    import dataclasses
+
+    p = get_profile(str(BUILTIN_DIR / f"{name}.yaml"))
+    again = parse_profile(as_mapping(p), source=p.source, description=p.description)
+    assert dataclasses.asdict(again) == dataclasses.asdict(p)
+
+
+def test_a_gpu_calibration_measures_the_host_link_and_memory_and_keeps_the_rest():
+    from llmforge.calibrate.fit import BandwidthSample, ComputeSamples, fit_compute
+    from llmforge.calibrate.write import as_mapping
+
+    samples = ComputeSamples(device="cuda", device_name="card", threads=1, floor_s=5e-6, memory_bytes=80 * 2**30, host_memory_bytes=1000 * 2**30)
+    samples.matmul["bf16"] = _matmuls(7e14, 48.0)
+    samples.bandwidth = [BandwidthSample("copy", 2**30, 2**30 / 2.4e12)]
+    samples.host_copies = [BandwidthSample("h2d", 2**28, 2**28 / 53e9), BandwidthSample("d2h", 2**28, 2**28 / 48e9)]
+    datasheet = as_mapping(get_profile("h100-80gb"))
+    p = parse_profile({**fit.compute_keys(fit_compute(samples), datasheet), "calibration": {"device": "card"}})
+    assert p.host_memory_bytes == 1000 * 2**30  # measured: the datasheet says 2048
+    assert p.host_link_bandwidth == pytest.approx(48e9, rel=5e-3)  # the slower direction
+    assert p.host_memory_bandwidth == 600e9 and p.comm_sm_share == 0.24 and p.comm_latency_us == 5  # not measured: the datasheet's
+    assert p.matmul_efficiency == pytest.approx(7e14 / 989.4e12, rel=5e-3)

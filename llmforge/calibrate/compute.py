@@ -8,15 +8,18 @@ gradient ``[h x t] @ [t x 4h]`` and a projection ``[t x h] @ [h x h]``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from llmforge.calibrate.fit import AttentionSample, BandwidthSample, ComputeSamples, MatmulSample
+from llmforge.calibrate.probe import CpuLoad
 from llmforge.calibrate.timing import seconds_per_call
+from llmforge.calibrate.trust import PASSES, combine
 from llmforge.config.dtypes import TORCH_NAMES
 
 Tick = Callable[[str], None]
@@ -160,18 +163,35 @@ def launch_floor(*, device: torch.device, budget_s: float) -> float:
     return seconds_per_call(chain, device=device, budget_s=budget_s) / 100
 
 
-def usable_memory(device: torch.device) -> tuple[int, int]:
-    """(device memory bytes, bytes the runtime already holds) of ``device``."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return total, total - free
+def host_memory_bytes() -> int:
+    """This machine's memory, or its container's limit where lower (cgroup v2 ``memory.max``)."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         limit = open("/sys/fs/cgroup/memory.max").read().strip()
         total = min(total, int(limit)) if limit.isdigit() else total
     except OSError:
         pass
-    return total, 0
+    return total
+
+
+def usable_memory(device: torch.device) -> tuple[int, int]:
+    """(device memory bytes, bytes the runtime already holds) of ``device``."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total, total - free
+    return host_memory_bytes(), 0
+
+
+def host_copies(*, device: torch.device, quick: bool, budget_s: float) -> List[BandwidthSample]:
+    """Copies between pinned host memory and a GPU, each way (``h2d``, ``d2h``): what CPU offload
+    moves over the host link. None on a CPU, whose host is the device."""
+    if device.type != "cuda":
+        return []
+    numel = (64 if quick else 256) * 2**20 // 4
+    host, dev = torch.empty(numel, pin_memory=True), torch.empty(numel, device=device)
+    up = seconds_per_call(lambda: dev.copy_(host, non_blocking=True), device=device, budget_s=budget_s)
+    down = seconds_per_call(lambda: host.copy_(dev, non_blocking=True), device=device, budget_s=budget_s)
+    return [BandwidthSample("h2d", 4 * numel, up), BandwidthSample("d2h", 4 * numel, down)]
 
 
 def device_name(device: torch.device, *, threads: int) -> str:
@@ -182,29 +202,63 @@ def device_name(device: torch.device, *, threads: int) -> str:
     return f"{cpu_model()} ({threads} thread{'s' if threads != 1 else ''})"
 
 
-def measure(device: torch.device, *, quick: bool, threads: int, tick: Tick) -> ComputeSamples:
-    """Every compute figure of ``device`` (on a CPU with ``threads`` threads)."""
+def measure(device: torch.device, *, quick: bool, threads: int, tick: Tick, passes: int = PASSES,
+            load: Optional[Callable[[], object]] = None) -> ComputeSamples:
+    """Every compute figure of ``device`` (on a CPU with ``threads`` threads): ``passes`` passes
+    over the grid, every other one in reverse order, each with the CPU load of other processes
+    during it (``load``: a ``CpuLoad`` maker), combined into their medians (``trust.combine``)."""
     if device.type == "cpu":
         torch.set_num_threads(threads)
-    grid = grid_for(device, quick=quick)
+    full = grid_for(device, quick=quick)
+    grid = dataclasses.replace(full, budget_s=full.budget_s / passes)
+    runs = []
+    for index in range(passes):
+        probe = load() if load else CpuLoad(threads=threads if device.type == "cpu" else 1)
+        probe.start()
+        samples = one_pass(device, grid=grid, quick=quick, threads=threads, tick=tick, reverse=index % 2 == 1)
+        reading = probe.stop()
+        samples.load = [reading] if reading else []
+        runs.append(samples)
+    return combine(runs)
+
+
+def one_pass(device: torch.device, *, grid: Grid, quick: bool, threads: int, tick: Tick, reverse: bool) -> ComputeSamples:
+    """One pass over the grid, its sections in order or (``reverse``) the other way round."""
     dtypes = supported_dtypes(device) + (["fp8"] if has_fp8(device) else [])
-    samples = ComputeSamples(device=device.type, device_name=device_name(device, threads=threads), threads=threads)
-    samples.floor_s = launch_floor(device=device, budget_s=grid.budget_s)
-    tick("launch floor")
-    samples.memory_bytes, samples.reserved_bytes = usable_memory(device)
-    for dtype in dtypes:
-        samples.matmul[dtype] = matmuls(grid, dtype=dtype, device=device, tick=tick)
-    for dtype in supported_dtypes(device):
-        samples.attention[dtype] = attention(grid, dtype=dtype, device=device, tick=tick) if dtype == samples.reference_dtype else []
-        if dtype != samples.reference_dtype:
-            tick(f"attention {dtype}: not measured")
-    samples.bandwidth = bandwidth(grid, device=device, tick=tick)
+    samples = ComputeSamples(device=device.type, device_name=device_name(device, threads=threads), threads=threads,
+                             matmul={d: [] for d in dtypes})  # its keys decide the reference dtype
+
+    def floor() -> None:
+        samples.floor_s = launch_floor(device=device, budget_s=grid.budget_s)
+        samples.memory_bytes, samples.reserved_bytes = usable_memory(device)
+        samples.host_memory_bytes = host_memory_bytes()
+        tick("launch floor")
+
+    def attention_all() -> None:
+        for dtype in supported_dtypes(device):
+            samples.attention[dtype] = attention(grid, dtype=dtype, device=device, tick=tick) if dtype == samples.reference_dtype else []
+            if dtype != samples.reference_dtype:
+                tick(f"attention {dtype}: not measured")
+
+    def memory_bound() -> None:
+        samples.bandwidth = bandwidth(grid, device=device, tick=tick)
+        samples.host_copies = host_copies(device=device, quick=quick, budget_s=grid.budget_s)
+        if samples.host_copies:
+            tick("host copies")
+
+    def matmuls_in(dtype: str) -> Callable[[], None]:
+        return lambda: samples.matmul.update({dtype: matmuls(grid, dtype=dtype, device=device, tick=tick)})
+
+    sections = [floor, *(matmuls_in(d) for d in dtypes), attention_all, memory_bound]
+    for section in reversed(sections) if reverse else sections:
+        section()
     return samples
 
 
-def steps(device: torch.device, *, quick: bool) -> int:
+def steps(device: torch.device, *, quick: bool, passes: int = PASSES) -> int:
     """How many ticks ``measure`` makes (the progress bar's total)."""
     grid = grid_for(device, quick=quick)
     matmuls = len(grid.matmul_shapes()) * (len(supported_dtypes(device)) + has_fp8(device) if device.type == "cuda" else 1)
     matmuls += 0 if device.type == "cuda" else len(supported_dtypes(device)) - 1
-    return 1 + matmuls + len(grid.attention) + len(supported_dtypes(device)) - 1 + len(grid.elements)
+    host = 1 if device.type == "cuda" else 0
+    return passes * (1 + matmuls + len(grid.attention) + len(supported_dtypes(device)) - 1 + len(grid.elements) + host)

@@ -99,6 +99,13 @@ class ComputeSamples:
     matmul: Dict[str, List[MatmulSample]] = field(default_factory=dict)
     attention: Dict[str, List[AttentionSample]] = field(default_factory=dict)
     bandwidth: List[BandwidthSample] = field(default_factory=list)
+    #: The host: its memory (one node's) and, on a GPU, copies to and from the device ("h2d", "d2h").
+    host_memory_bytes: int = 0
+    host_copies: List[BandwidthSample] = field(default_factory=list)
+    #: The interleaved passes these samples are the medians of (``llmforge.calibrate.trust``).
+    passes: List["ComputeSamples"] = field(default_factory=list)
+    #: CPU load from other processes during each pass (``llmforge.calibrate.probe``).
+    load: List["LoadReading"] = field(default_factory=list)
 
     @property
     def reference_dtype(self) -> str:
@@ -164,6 +171,11 @@ class Fitted:
     reserved_bytes: int
     device: str
     reference_dtype: str
+    host_memory_bytes: int = 0
+    #: bytes/s one way over the host link (the slower direction); 0: not measured
+    host_link: float = 0.0
+    #: bytes/s of host memory copies (read + write); 0: not measured
+    host_bandwidth: float = 0.0
 
 
 def fit_compute(samples: ComputeSamples) -> Fitted:
@@ -176,7 +188,19 @@ def fit_compute(samples: ComputeSamples) -> Fitted:
     attention = fit_attention(samples.attention[ref], peak=1.0, matmul_dim=dim) if samples.attention.get(ref) else 0.0
     return Fitted(rates=rates, matmul_dim=dim, attention_flops=attention, bandwidth=fit_bandwidth(samples.bandwidth, floor_s=samples.floor_s),
                   floor_s=samples.floor_s, memory_bytes=samples.memory_bytes, reserved_bytes=samples.reserved_bytes,
-                  device=samples.device, reference_dtype=ref)
+                  device=samples.device, reference_dtype=ref, host_memory_bytes=samples.host_memory_bytes, **_host_rates(samples))
+
+
+def _host_rates(samples: ComputeSamples) -> dict:
+    """The host link (GPU: the slower of the timed directions; CPU: the host is the device, a
+    copy's one-way rate) and host memory bandwidth (CPU: the copies' read + write rate)."""
+    copies = [s for s in samples.bandwidth if s.kind == "copy"]
+    if samples.device == "cpu":
+        rate = fit_bandwidth(copies, floor_s=samples.floor_s) if copies else 0.0
+        return {"host_link": rate / 2, "host_bandwidth": rate}
+    directions = {s.kind for s in samples.host_copies}
+    rates = [fit_bandwidth([s for s in samples.host_copies if s.kind == d], floor_s=0.0) for d in directions]
+    return {"host_link": min(rates) if rates else 0.0}
 
 
 def latency_hops(op: str, n: int) -> int:
@@ -224,6 +248,21 @@ def compute_keys(fitted: Fitted, datasheet: dict) -> dict:
     if fitted.attention_flops:
         out["attention_efficiency"] = _round(fitted.attention_flops / peak)
     out["kernel_floor_us"] = _round(fitted.floor_s * 1e6)
+    if fitted.attention_flops:
+        out.pop("attention_backward_efficiency", None)  # the fit covers forward and backward
+    return {**out, **host_keys(fitted)}
+
+
+def host_keys(fitted: Fitted) -> dict:
+    """The host keys measured (the others stay the datasheet's): host memory, and the host link
+    and host memory bandwidth where they were timed."""
+    out = {}
+    if fitted.host_memory_bytes:
+        out["host_memory_gib"] = round(fitted.host_memory_bytes / 1024**3, 2)
+    if fitted.host_link:
+        out["host_link_gbs"] = _round(fitted.host_link / 1e9)
+    if fitted.host_bandwidth:
+        out["host_memory_bandwidth_gbs"] = _round(fitted.host_bandwidth / 1e9)
     return out
 
 
@@ -273,11 +312,19 @@ def samples_to_dict(compute: ComputeSamples, comm: Sequence[CommSample]) -> dict
 
 
 def samples_from_dict(data: dict) -> Tuple[ComputeSamples, List[CommSample]]:
-    c = dict(data["compute"])
-    compute = ComputeSamples(
-        **{k: v for k, v in c.items() if k not in ("matmul", "attention", "bandwidth")},
+    return compute_from_dict(data["compute"]), [CommSample(**s) for s in data["comm"]]
+
+
+def compute_from_dict(c: dict) -> ComputeSamples:
+    from llmforge.calibrate.probe import LoadReading
+
+    lists = ("matmul", "attention", "bandwidth", "host_copies", "passes", "load")
+    return ComputeSamples(
+        **{k: v for k, v in c.items() if k not in lists},
         matmul={d: [MatmulSample(**s) for s in v] for d, v in c["matmul"].items()},
         attention={d: [AttentionSample(**s) for s in v] for d, v in c["attention"].items()},
         bandwidth=[BandwidthSample(**s) for s in c["bandwidth"]],
+        host_copies=[BandwidthSample(**s) for s in c.get("host_copies", [])],
+        passes=[compute_from_dict(p) for p in c.get("passes", [])],
+        load=[LoadReading(**r) for r in c.get("load", [])],
     )
-    return compute, [CommSample(**s) for s in data["comm"]]

@@ -6,14 +6,16 @@ from __future__ import annotations
 import contextlib
 import json
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, Tuple
 
 from rich.console import Console
 
-from llmforge.calibrate import fit
+from llmforge.calibrate import fit, trust
 from llmforge.calibrate.fit import CommSample, ComputeSamples
+from llmforge.calibrate.trust import Verdict
 from llmforge.errors import Problem, UserError
 from llmforge.hardware import Profile
 
@@ -47,6 +49,7 @@ class Result:
     compute: ComputeSamples
     comm: List[CommSample] = field(default_factory=list)
     data: dict = field(default_factory=dict)  # the calibrated profile's YAML keys
+    verdict: Verdict = field(default_factory=Verdict)
 
 
 def check_request(req: Request) -> None:
@@ -76,6 +79,12 @@ def measure_here(req: Request, *, threads: Optional[int], tick_total: Callable[[
     return compute.measure(device, quick=req.quick, threads=threads or 1, tick=tick)
 
 
+def untrusted_note(verdict: Verdict) -> str:
+    """What a flagged calibration says (after its retries)."""
+    return (f"these figures were measured on a busy machine ({'; '.join(verdict.reasons)}) and may be too low: "
+            "run llmforge calibrate again when the machine is quiet")
+
+
 def measure_ranks(req: Request, *, threads: Optional[int], console: Console) -> tuple[ComputeSamples, List[CommSample]]:
     """Compute (rank 0) and collectives (every rank) through torchrun, the way pretrain launches."""
     from llmforge.launch.torchrun import cluster_args, run_torchrun
@@ -91,15 +100,43 @@ def measure_ranks(req: Request, *, threads: Optional[int], console: Console) -> 
         return fit.samples_from_dict(json.loads(out.read_text()))
 
 
+Measure = Callable[[], Tuple[ComputeSamples, List[CommSample]]]
+#: Seconds between a busy machine's attempts (a burst of other work may pass).
+PAUSE_S = 3.0
+
+
+def measure_trusted(measure: Measure, *, attempts: int, say: Callable[[str], None]) -> Tuple[ComputeSamples, List[CommSample], Verdict]:
+    """Measure until ``trust.judge`` trusts the figures, at most ``attempts`` times (saying why
+    each retry); where none is trusted, the fastest attempt (the least disturbed) and its verdict."""
+    best = None
+    for attempt in range(1, attempts + 1):
+        compute, comm = measure()
+        verdict = trust.judge(compute)
+        if verdict.trusted:
+            return compute, comm, verdict
+        if best is None or _reference_rate(compute) > _reference_rate(best[0]):
+            best = (compute, comm, verdict)
+        if attempt < attempts:
+            say(f"the machine looks busy ({'; '.join(verdict.reasons)}): measuring again in {PAUSE_S:.0f}s (try {attempt + 1} of {attempts})")
+            time.sleep(PAUSE_S)
+    return best
+
+
+def _reference_rate(samples: ComputeSamples) -> float:
+    fitted = fit.fit_compute(samples)
+    return fitted.rates[fitted.reference_dtype]
+
+
 def profile_data(result: Result, *, name: str, provenance: dict) -> dict:
-    """The calibrated profile's keys: the datasheet's, with the fitted ones on top."""
+    """The calibrated profile's keys: the datasheet's, with the fitted ones on top, and in its
+    provenance whether the figures can be trusted."""
     from llmforge.calibrate.write import as_mapping
 
     data = fit.compute_keys(fit.fit_compute(result.compute), as_mapping(result.datasheet))
     if result.comm:
         data = fit.comm_keys(fit.fit_comm(result.comm), data)
     data["name"] = name
-    data["calibration"] = provenance
+    data["calibration"] = {**provenance, **result.verdict.provenance()}
     return data
 
 

@@ -12,30 +12,37 @@ from rich.table import Table
 
 from llmforge.errors import UserError
 
+#: Calibrations tried before a busy machine's figures are written, flagged.
+ATTEMPTS = 3
+
 
 def calibrate_command(overrides: Sequence[str], *, config_dir: Sequence[Path], quick: bool, out: Optional[Path], name: Optional[str],
                       command: str, console: Console) -> Path:
-    """Calibrate the ``cluster.*`` of the composed config and write its profile; the path."""
-    from llmforge.calibrate.run import Request, check_request
-    from llmforge.calibrate.write import check_out
+    """Calibrate the ``cluster.*`` of the composed config and write its profile; the path.
+    One calibration at a time on a machine (``llmforge.calibrate.lock``), from measuring to writing."""
+    from llmforge.calibrate.lock import calibration_lock
+    from llmforge.calibrate.run import Request, check_request, untrusted_note
+    from llmforge.calibrate.write import check_name, check_out, profile_text, write_profile
     from llmforge.config.compose import compose
     from llmforge.hardware import cpu_threads, is_known, unknown_problem
 
     c = compose(list(overrides), extra_dirs=list(config_dir)).cluster
     if not is_known(c.accelerator):
         raise UserError([unknown_problem(c.accelerator)], title="cannot calibrate")
+    check_name(name)
     req = Request(accelerator=c.accelerator, nodes=c.nodes, per_node=c.devices_per_node or 1, rdzv_endpoint=c.rdzv_endpoint,
                   timeout_s=c.timeout_s, quick=quick, command=command)
     threads = cpu_threads(req.per_node) if req.on_cpu else None
     path = out or default_path(req, name=name, threads=threads)
-    check_out(path)
+    check_out(path, given=out is not None)
     check_request(req)
     started = time.perf_counter()
-    result = calibrate(req, threads=threads, name=name, console=console)
-    from llmforge.calibrate.write import profile_text, write_profile
-
-    write_profile(path, profile_text(result.data, description=describe(result)))
+    with calibration_lock(say=lambda text: console.print(text, style="yellow", markup=False, highlight=False)):
+        result = calibrate(req, threads=threads, name=name, console=console)
+        write_profile(path, profile_text(result.data, description=describe(result)))
     render(result, console=console)
+    if not result.verdict.trusted:
+        console.print(f"{untrusted_note(result.verdict)} (the profile says so: calibration.trusted: false)", style="yellow", markup=False, highlight=False)
     console.print(f"calibrated in {time.perf_counter() - started:.0f}s; wrote {path}\n{how_to_use(req, path=path, name=result.data['name'], out=out)}",
                   markup=False, highlight=False)
     return path
@@ -52,17 +59,20 @@ def default_path(req, *, name: Optional[str], threads: Optional[int]) -> Path:
 
 def calibrate(req, *, threads: Optional[int], name: Optional[str], console: Console):
     """Measure, then fit into a profile (``Result.data``)."""
-    from llmforge.calibrate.run import Result, measure_here, measure_ranks, profile_data, progress_bar
+    from llmforge.calibrate.run import Result, measure_here, measure_ranks, measure_trusted, profile_data, progress_bar
     from llmforge.calibrate.write import datasheet_profile, provenance
 
     datasheet = datasheet_profile(req.accelerator)
-    comm = []
-    if req.world > 1:
-        compute, comm = measure_ranks(req, threads=threads, console=console)
-    else:
+
+    def measure():
+        if req.world > 1:
+            return measure_ranks(req, threads=threads, console=console)
         with progress_bar(console, label="calibrating") as start:
-            compute = measure_here(req, threads=threads, tick_total=start)
-    result = Result(datasheet=datasheet, compute=compute, comm=comm)
+            return measure_here(req, threads=threads, tick_total=start), []
+
+    say = lambda text: console.print(text, style="yellow", markup=False, highlight=False)  # noqa: E731
+    compute, comm, verdict = measure_trusted(measure, attempts=ATTEMPTS, say=say)
+    result = Result(datasheet=datasheet, compute=compute, comm=comm, verdict=verdict)
     prov = provenance(device=compute.device_name, threads=threads, ranks=req.world, quick=req.quick, started_from=datasheet, command=req.command)
     result.data = profile_data(result, name=name or datasheet.name, provenance=prov)
     return result
@@ -77,7 +87,9 @@ def how_to_use(req, *, path: Path, name: str, out: Optional[Path]) -> str:
         return "cluster.accelerator=cpu uses it on this machine (estimate, pretrain, the progress bar's MFU)"
     if out is None:
         return f"select it with cluster.accelerator={name}"
-    return f"select it with cluster.accelerator={path}"
+    import shlex
+
+    return f"select it with {shlex.quote(f'cluster.accelerator={path}')}"
 
 
 def comparison_rows(result) -> List[tuple]:

@@ -66,7 +66,12 @@ class RunSummary:
         if self.peak_memory_bytes:
             expected = est.worst.total - (est.job.profile.runtime_reserved_bytes if plan.config.cluster.accelerator != "cpu" else 0)
             parts.append(f"peak memory {self.peak_memory_bytes / expected:.2f}x ({gib(self.peak_memory_bytes)} vs {gib(expected)})")
-        return "; measured/estimate: " + ", ".join(parts)
+        from llmforge.calibrate.advice import profile_warning
+
+        p = est.job.profile
+        warning = profile_warning(ratio=self.step_time_s / est.step_s, mfu=est.mfu * est.step_s / self.step_time_s,
+                                  accelerator=plan.config.cluster.accelerator, source=p.source, calibration=dict(p.calibration))
+        return "; measured/estimate: " + ", ".join(parts) + warning
 
 
 def prepare_data(plan: RunPlan, *, console: Console):
