@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -27,11 +28,11 @@ GIB = 1024**3
 
 def run(*, overrides: list, run_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "llmforge", "pretrain", *overrides, f"run.dir={run_dir}", "logging.wandb.mode=disabled", "--force"]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "COLUMNS": "400"})
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    closing = next((line for line in proc.stdout.splitlines()[::-1] if "peak memory" in line), "")
+    closing = next((line for line in (proc.stdout + proc.stderr).splitlines()[::-1] if "peak memory" in line), "")
     return {"peak_gib": max(r.get("peak_rss_gib", 0.0) for r in rows), "closing": closing.strip()}
 
 
