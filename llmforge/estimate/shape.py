@@ -16,6 +16,8 @@ from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.hardware import Profile, get_profile
 from llmforge.layout import Layout
 
+FP32 = 4
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -94,10 +96,18 @@ class Job:
     compile: bool = False
     #: parallel.bucket_mb in bytes: ZeRO 0's gradient bucket cap (llmforge.parallel.data)
     bucket_bytes: int = 25 * 2**20
+    #: precision.fp32_residual: the residual stream stays fp32 under 16-bit compute
+    fp32_residual: bool = False
 
     @property
     def compute_bytes(self) -> int:
         return DTYPE_BYTES[self.param_dtype]
+
+    @property
+    def residual_bytes(self) -> int:
+        """Bytes of one element of the residual stream (and of the block inputs recompute saves):
+        the compute dtype, or fp32 under fp32 compute or ``precision.fp32_residual``."""
+        return FP32 if self.fp32_residual else self.compute_bytes
 
     @property
     def mixed(self) -> bool:
@@ -136,6 +146,7 @@ def job_from_plan(plan) -> Job:
         overlap_grad_reduce=plan.overlap_grad_reduce, fp8=c.precision.fp8,
         fp8_all_gather=c.precision.fp8 and c.precision.fp8_recipe == "tensorwise" and c.precision.fp8_all_gather,
         compile=c.train.compile, bucket_bytes=max(1, int(c.parallel.bucket_mb * 2**20)),
+        fp32_residual=c.precision.fp32_residual,
     )
 
 
