@@ -35,7 +35,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator, List, Optional, Tuple
 
-from llmforge.estimate.core import Estimate, estimate, peak_memory, stage_peaks, step_floor
+from llmforge.estimate.core import Estimate, estimate, node_fits, stage_peaks, step_floor
+from llmforge.estimate.memory import most_loaded
 from llmforge.estimate.shape import Job, Shape
 from llmforge.estimate.text import gib
 from llmforge.layout import Layout
@@ -154,11 +155,12 @@ def _evaluate(shape: Shape, job: Job, structure: Layout, keep: list, top: int, c
         for recompute in ("none", "selective", "full"):
             layout = Layout(**{**base, "micro_batch": mb, "recompute": recompute})
             stages = stage_peaks(shape, layout, job)
-            peak = max(st.total for st in stages)
+            worst = most_loaded(stages)
+            peak = worst.total
             counters["evaluated"] += 1
             if peak < counters["smallest"][0]:
                 counters["smallest"] = (peak, layout)
-            if peak <= capacity:
+            if peak <= capacity and node_fits(shape, layout, job, worst):
                 counters["fitting"] += 1
                 fitted = True
                 if len(keep) >= top and tokens / step_floor(shape, layout, job) < keep[0][0][0]:
@@ -239,7 +241,8 @@ def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -
                 continue
             for mb in list(_micro_batches(scaled, structure.dp, structure.pp, structure.schedule))[:1]:
                 layout = Layout(**{**{f: getattr(structure, f) for f in _FIELDS}, "micro_batch": mb, "recompute": "full"})
-                if peak_memory(shape, layout, scaled) <= scaled.profile.memory_bytes:
+                worst = most_loaded(stage_peaks(shape, layout, scaled))
+                if worst.total <= scaled.profile.memory_bytes and node_fits(shape, layout, scaled, worst):
                     return n, batch, layout
         n *= 2
     return None
