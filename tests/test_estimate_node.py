@@ -138,3 +138,12 @@ def test_job_defaults_use_the_profile_host_memory():
     shape = from_plan(_plan("recipe=gpt-1b"))[0]
     est = estimate(shape, Layout(dp=8, zero=3), job)
     assert est.node.capacity == get_profile("h100-80gb").host_memory_bytes
+
+
+def test_when_only_the_node_is_short_the_search_says_so(machine_24gib):
+    shape, _, job = from_plan(_plan("recipe=gpt-1b", "cluster=cpu"))
+    result = search(shape, job, world=8, top=3)
+    assert not result.ranked
+    leanest = result.suggestions[0]
+    assert "which its device holds" in leanest and "of host memory together" in leanest and "more than it has" not in leanest
+    assert not any(s.startswith("A larger device") for s in result.suggestions)

@@ -289,12 +289,7 @@ def suggestions(shape: Shape, job: Job, *, world: int, smallest: Optional[Estima
 
     out: List[str] = []
     if smallest is not None:
-        w = smallest.worst
-        states = w.weights + w.grads + w.optimizer
-        out.append(
-            f"The leanest layout on {world} x {job.profile.name} ({smallest.layout.overrides()}) needs {gib(w.total)} per device, "
-            f"{gib(-smallest.headroom)} more than it has; model states alone are {gib(states)} and activations {gib(w.activations)}."
-        )
+        out.append(_leanest(smallest, world=world))
     found = minimum_devices(shape, job, world=world)
     if found is not None:
         n, batch, layout = found
@@ -307,11 +302,23 @@ def suggestions(shape: Shape, job: Job, *, world: int, smallest: Optional[Estima
         )
     else:
         out.append("More devices alone do not make it fit within 16384 devices: lower model.seq_len or the micro batch.")
-    if smallest is not None:
+    if smallest is not None and not smallest.fits_device:
         bigger = [p.name for p in known_profiles().values() if p.memory_bytes >= smallest.worst.total - job.profile.runtime_reserved_bytes + p.runtime_reserved_bytes]
         if bigger:
             out.append(f"A larger device: the leanest layout would fit on {', '.join(sorted(bigger))}.")
     return out
+
+
+def _leanest(smallest: Estimate, *, world: int) -> str:
+    """What the layout needing the least device memory misses: the device, or its node's host memory."""
+    w, name = smallest.worst, smallest.job.profile.name
+    head = f"The leanest layout on {world} x {name} ({smallest.layout.overrides()}) needs {gib(w.total)} per device"
+    if not smallest.fits_device:
+        states = w.weights + w.grads + w.optimizer
+        return f"{head}, {gib(-smallest.headroom)} more than it has; model states alone are {gib(states)} and activations {gib(w.activations)}."
+    node = smallest.node
+    return (f"{head}, which its device holds, but the {node.ranks} ranks of a node need {gib(node.total)} of host memory together, "
+            f"{gib(node.total - node.capacity)} over the node's {gib(node.capacity)}.")
 
 
 def search_plan(plan, *, top: int) -> SearchResult:
