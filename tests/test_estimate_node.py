@@ -106,7 +106,7 @@ def test_gpu_ranks_keep_the_process_the_build_buffer_and_staging():
     items = est.node.items
     assert items["process"] == RANK_BASE_BYTES
     assert items["build buffer"] == 4 * shape.vocab * shape.hidden == 4 * largest_parameter(shape)  # the embedding, whole, fp32
-    assert "checkpoint staging" not in items and est.node.ranks == min(layout.world, job.node_size)
+    assert "checkpoint staging" not in items and est.node.ranks == min(layout.world, job.devices_per_node or layout.world)
     staged = estimate(shape, layout, dataclasses.replace(job, async_checkpoint=True))
     assert staged.node.items["checkpoint staging"] == CHECKPOINT_BYTES * shard_numel(shape, layout, staged.worst.stage)
 
@@ -147,3 +147,9 @@ def test_when_only_the_node_is_short_the_search_says_so(machine_24gib):
     leanest = result.suggestions[0]
     assert "which its device holds" in leanest and "of host memory together" in leanest and "more than it has" not in leanest
     assert not any(s.startswith("A larger device") for s in result.suggestions)
+
+
+def test_ranks_split_over_nodes_count_per_node(machine_24gib):
+    one = estimate_plan(_plan(*GPT_1B_4_RANKS))
+    two = estimate_plan(_plan(*GPT_1B_4_RANKS, "cluster.nodes=2"))
+    assert two.node.ranks == 2 and two.node.total == pytest.approx(one.node.total / 2) and two.fits

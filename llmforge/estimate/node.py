@@ -1,6 +1,6 @@
 """Host memory of a node: what all the ranks on it keep in host memory, added up.
 
-A node runs ``min(world, node size)`` ranks; each is counted as the most-loaded one (an
+A node runs ``cluster.devices_per_node`` ranks (else the world split over the nodes); each is counted as the most-loaded one (an
 upper bound under a pipeline, whose stages differ). Per rank:
 
 - CPU ranks (``cluster.accelerator=cpu``: the device is the host): the rank's whole
@@ -95,7 +95,13 @@ def node_memory(shape: Shape, layout: Layout, job: Job, *, device_total: float, 
                 offloaded: float = 0.0) -> NodeMemory:
     """The most-loaded node's host memory (see the module docstring)."""
     items = rank_items(shape, layout, job, device_total=device_total, shard=shard, offloaded=offloaded)
-    return NodeMemory(ranks=min(layout.world, job.node_size), items=items, capacity=host_capacity(job), cpu=job.on_cpu)
+    return NodeMemory(ranks=ranks_per_node(layout, job), items=items, capacity=host_capacity(job), cpu=job.on_cpu)
+
+
+def ranks_per_node(layout: Layout, job: Job) -> int:
+    """Ranks on one node: ``cluster.devices_per_node``, else the world split over the nodes."""
+    per_node = job.devices_per_node or -(-layout.world // max(1, job.nodes))
+    return max(1, min(layout.world, per_node))
 
 
 def words(node: NodeMemory) -> str:
