@@ -143,6 +143,20 @@ def test_activations_against_korthikanti_table2():
     assert _per_token(shape, Layout(tp=8, sequence_parallel=True), fp32_residual, "full") == 4 * h / 8
 
 
+def test_rmsnorm_keeps_its_input_on_a_gpu_and_fp32_copies_on_a_cpu():
+    """CUDA's fused rms_norm keeps the input (residual dtype) and an fp32 statistic (measured on
+    an H200, torch 2.11); torch's composite one on a CPU an fp32 upcast and the fp32 normalised
+    input: 6h more per norm under bf16, two norms per block."""
+    h = 4096
+    llama = replace(gpt(hidden=h, heads=32), norm="rmsnorm", activation="swiglu", position="rope", bias=False)
+    gpu, cpu = job(dtype="bf16"), job(dtype="bf16", accel="cpu")
+    assert _per_token(llama, Layout(), cpu, "none") - _per_token(llama, Layout(), gpu, "none") == 2 * 6 * h
+    # with an fp32 residual stream the CPU keeps the same norm tensors, and autocast's casts of the
+    # norm outputs besides: two more for q, k, v and one more for SwiGLU's gate and up (2h each)
+    assert _per_token(llama, Layout(), replace(cpu, fp32_residual=True), "none") - _per_token(llama, Layout(), cpu, "none") == 3 * 2 * h
+    assert replace(gpu, fp32_residual=True).residual_bytes == 4 and gpu.residual_bytes == 2
+
+
 ZERO_PAPER = {0: lambda n, d: 16 * n, 1: lambda n, d: 4 * n + 12 * n / d, 2: lambda n, d: 2 * n + 14 * n / d, 3: lambda n, d: 16 * n / d}
 
 

@@ -157,7 +157,7 @@ def test_an_fp32_residual_stream_misses_the_70b_memory():
     est, _ = per_gpu(row)
     fp32 = estimate(row.shape, row.layout, dataclasses.replace(job(row), fp32_residual=True), every_stage=False)
     blocks = row.layout.micro_batch * row.shape.seq * row.shape.hidden / row.layout.tp * row.shape.num_layers
-    assert fp32.worst.activations - est.worst.activations == pytest.approx(2 * blocks, rel=1e-5)  # and the norm weight copies
+    assert 2 * blocks <= fp32.worst.activations - est.worst.activations <= 1.02 * 2 * blocks  # and the final norm's input
     assert fp32.worst.total / 2**30 > 1.2 * row.memory_gib
 
 

@@ -5,8 +5,9 @@
 Prints torchtitan's Llama 3.1 H100 rows: per row, llmforge's estimate (tokens/s per GPU), the
 same with torchtitan's recompute policy and loss added, the published figure (and the one held,
 without async TP), their ratio; then the memory of the most-loaded GPU with an fp32 residual
-stream (``precision.fp32_residual=true``, the estimate before the residual stream followed
-the compute dtype), with the default bf16 one, and the published figure; then the responses
+stream (``precision.fp32_residual=true``), with the default bf16 one, and the published
+figure (docs/estimator.md has the estimate before the residual stream followed the compute
+dtype next to them); then the responses
 (compile, Float8, schedule, 128 vs 8 GPUs), estimated against published; last Megatron-LM's
 462B row (README model table, H100 80 GB: TP 8, PP 16, DP 48), which ran on 80 GB GPUs.
 """

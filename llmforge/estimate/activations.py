@@ -8,8 +8,9 @@ transformer. What matters about llmforge's GPT:
   input that recompute saves, the norm inputs and LayerNorm's statistics) is in the
   compute dtype, r bytes per element (``Job.residual_bytes``), or fp32 with
   ``precision.fp32_residual``; matmul inputs and outputs are 16-bit;
-- RMSNorm keeps an fp32 upcast of its input and its fp32 normalised input whatever
-  the residual dtype (torch's composite ``rms_norm``; CUDA's fused kernel keeps less);
+- RMSNorm on a CPU keeps an fp32 upcast of its input and its fp32 normalised input
+  whatever the residual dtype (torch's composite ``rms_norm``); on a GPU its fused
+  kernel keeps the input (in the residual dtype) and an fp32 statistic;
 - with an fp32 residual stream autocast casts a norm output once per consuming
   linear (q, k, v: three copies); with a 16-bit one the linears share the norm's
   16-bit output;
@@ -56,13 +57,15 @@ class BlockActivations:
         return self.per_token * tokens + self.fixed
 
 
-def _norm_bytes(shape: Shape, *, consumers: int, c: int, r: int, sp: float, shard: bool = False) -> tuple[float, float]:
+def _norm_bytes(shape: Shape, *, consumers: int, c: int, r: int, sp: float, shard: bool = False, cpu: bool = True) -> tuple[float, float]:
     """(replicated-or-SP-split bytes, bytes of the output the linears save) per token
     of one pre-norm over a residual stream of ``r`` bytes. The linears save the whole
     output (once per linear when autocast casts an fp32 one), or with ``shard``
     (sequence parallel) only its sequence shard, once, in the compute dtype."""
     h = shape.hidden
-    if shape.norm == "rmsnorm":  # fp32 input (upcast) and statistic, the normalised input for the weight gradient
+    if shape.norm == "rmsnorm" and not cpu:  # CUDA's fused kernel: the input and the fp32 statistic
+        kept = h * r + FP32
+    elif shape.norm == "rmsnorm":  # fp32 input (upcast) and statistic, the normalised input for the weight gradient
         kept = 2 * h * FP32 + FP32
     else:
         kept = h * r + 2 * r  # input, mean and inverse deviation
@@ -114,8 +117,8 @@ def block_activations(shape: Shape, layout: Layout, job: Job, *, moe: bool, reco
     attn_consumers, mlp_consumers = 3, 2 if shape.activation == "swiglu" else 1
     if moe:
         mlp_consumers = 1 + (mlp_consumers if shape.shared_experts else 0)  # router, shared MLP
-    kept1, out1 = _norm_bytes(shape, consumers=attn_consumers, c=c, r=r, sp=sp, shard=sp > 1)
-    kept2, out2 = _norm_bytes(shape, consumers=mlp_consumers, c=c, r=r, sp=sp, shard=sp > 1 and not moe)
+    kept1, out1 = _norm_bytes(shape, consumers=attn_consumers, c=c, r=r, sp=sp, shard=sp > 1, cpu=job.on_cpu)
+    kept2, out2 = _norm_bytes(shape, consumers=mlp_consumers, c=c, r=r, sp=sp, shard=sp > 1 and not moe, cpu=job.on_cpu)
     per_token = kept1 + out1 + kept2 + out2 + _attention_bytes(shape, c=c, tp=tp)
     per_token += _ffn_bytes(shape, layout, job, moe=moe)
     return BlockActivations(per_token=per_token, fixed=_fixed_bytes(shape, layout, job, moe=moe))
@@ -213,7 +216,7 @@ def output_bytes(shape: Shape, layout: Layout, job: Job) -> float:
     b, s, tp = layout.micro_batch, shape.seq // layout.cp, layout.tp
     sp = tp if layout.sequence_parallel else 1
     r = job.residual_bytes
-    kept, out = _norm_bytes(shape, consumers=1, c=job.compute_bytes, r=r, sp=sp)
+    kept, out = _norm_bytes(shape, consumers=1, c=job.compute_bytes, r=r, sp=sp, cpu=job.on_cpu)
     loss = shape.vocab * job.compute_bytes if tp == 1 else shape.vocab * FP32 / tp
     per_token = kept + out + loss + INT64
     gathered = weights_gathered(layout, job)
@@ -266,7 +269,7 @@ def _keys(layout: Layout, job: Job) -> tuple[tuple, tuple]:
     """The layout and job fields activations depend on (cheap cache keys)."""
     gathered = layout.zero > 0 and layout.dp * layout.cp > 1
     return (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch, gathered), (
-        job.compute_bytes, job.mixed, job.fp8, job.residual_bytes)
+        job.compute_bytes, job.mixed, job.fp8, job.residual_bytes, job.on_cpu)
 
 
 def _layout_of(key: tuple) -> Layout:
@@ -289,6 +292,7 @@ class _JobView:
     mixed: bool
     fp8: bool
     residual_bytes: int
+    on_cpu: bool
 
 
 def stage_bytes_per_microbatch(shape: Shape, layout: Layout, job: Job, counts: StageCounts) -> float:
