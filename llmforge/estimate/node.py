@@ -110,11 +110,18 @@ def words(node: NodeMemory) -> str:
             f"{node.total / 2**30:,.2f} GiB of the node's {node.capacity / 2**30:,.2f} GiB host memory")
 
 
-def fix(node: NodeMemory) -> str:
-    """What makes a node's ranks fit its host memory."""
+def fix(node: NodeMemory, layout: Layout) -> str:
+    """What makes a node's ranks fit its host memory (only the changes the layout lacks)."""
+    most = int(node.capacity // node.per_rank) if node.per_rank else node.ranks
+    size = f"{node.per_rank / 2**30:,.2f} GiB"
+    fewer = f"a node holds at most {most} rank{'s' if most != 1 else ''} of {size}" if most else f"a node holds no rank of {size}"
+    lighter = [k for k, wanted in (("parallel.zero=3", layout.zero < 3), ("parallel.recompute=full", layout.recompute != "full"),
+                                   ("a smaller train.micro_batch_size", layout.micro_batch > 1)) if wanted]
     if node.cpu:
-        return ("start fewer ranks on the machine (a smaller parallel.dp or cluster.devices_per_node, more cluster.nodes), "
-                "shard and recompute more per rank (parallel.zero=3, parallel.recompute=full, a smaller train.micro_batch_size), "
-                "or pass --force")
-    return ("use nodes with more host memory (the profile's host_memory_gib), fewer ranks per node (cluster.devices_per_node), "
-            "offload less (parallel.offload, parallel.offload_activations), checkpoint.async_save=false, or pass --force")
+        out = f"start fewer ranks on each machine ({fewer}: a smaller parallel.dp or cluster.devices_per_node, or more cluster.nodes)"
+    else:
+        out = (f"use nodes with more host memory (the profile's host_memory_gib) or fewer ranks per node ({fewer}: "
+               "cluster.devices_per_node), offload less (parallel.offload, parallel.offload_activations) or set checkpoint.async_save=false")
+    if lighter:
+        out += f", make each rank lighter ({', '.join(lighter)})"
+    return out + ", or pass --force"

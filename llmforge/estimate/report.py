@@ -124,7 +124,7 @@ def fit_problems(est: Estimate) -> List[Problem]:
             f"the {node.ranks} ranks of a node need {gib(node.total)} of host memory together ({node.ranks} x {gib(node.per_rank)}: {items}), "
             f"{gib(node.total - node.capacity)} over the node's {gib(node.capacity)} "
             f"({'this machine' if est.job.host_memory is not None else 'the profile' + chr(39) + 's host_memory_gib'}); layout {overrides}",
-            fix(node)))
+            fix(node, est.layout)))
     return out
 
 
