@@ -315,3 +315,15 @@ def get_profile(name: str, *, ranks_per_node: int = 1) -> Profile:
         if machine.is_file():
             return parse_profile(_load_yaml(machine), source=str(machine), description=_description(machine))
     return found
+
+
+def machine_memory() -> int:
+    """This machine's memory in bytes: physical, or the cgroup's limit where that is lower
+    (what CPU ranks share when their profile gives no ``host_memory_gib``)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+    except OSError:
+        return total
+    return min(total, int(limit)) if limit.isdigit() else total

@@ -115,25 +115,46 @@ def test_activations_against_korthikanti_table2():
     """Korthikanti et al. 2022: s b h (10 + 24/t + 5 a s/(h t)) bytes per layer with TP (16-bit).
 
     llmforge keeps exactly the 24/t part (with the fused kernel's 4a-byte log-sum-exp in
-    place of the 5as/h score matrices); its replicated part is 16h + 16 instead of 10h:
-    fp32 norm inputs (+4h), autocast's three casts of the first norm's output (+4h),
-    no dropout masks at dropout 0 (-2h), fp32 norm statistics (+16 bytes)."""
+    place of the 5as/h score matrices). Its replicated part, with the residual stream in
+    bf16 (the default), is 8h + 8 instead of 10h: the paper's 16-bit norm inputs and the
+    linears' shared inputs, no dropout masks at dropout 0 (-2h), 16-bit LayerNorm
+    statistics (+8 bytes). With ``precision.fp32_residual`` it is 16h + 16: fp32 norm
+    inputs (+4h) and autocast's three casts of the first norm's output (+4h)."""
     h, a = 12288, 96
     shape = gpt(layers=96, hidden=h, heads=a)
-    jb = job(dtype="bf16")
+    bf16, fp32_residual = job(dtype="bf16"), replace(job(dtype="bf16"), fp32_residual=True)
     for t in (1, 2, 4, 8):
-        got = _per_token(shape, Layout(tp=t), jb, "none")
-        assert got == pytest.approx(16 * h + 16 + (24 * h + 4 * a) / t, rel=1e-12)
+        got = _per_token(shape, Layout(tp=t), bf16, "none")
+        assert got == pytest.approx(8 * h + 8 + (24 * h + 4 * a) / t, rel=1e-12)
+        assert _per_token(shape, Layout(tp=t), fp32_residual, "none") == pytest.approx(16 * h + 16 + (24 * h + 4 * a) / t, rel=1e-12)
         korthikanti = 10 * h + 24 * h / t + 5 * a * shape.seq / t
         assert got < korthikanti  # no s x s term
     # sequence parallel: everything is split over t, as Megatron's 34/t; the column-parallel
     # linears keep the 16-bit sequence shard of their input (2 x 2h / t), gathered again in backward
     for t in (2, 4, 8):
-        got = _per_token(shape, Layout(tp=t, sequence_parallel=True), jb, "none")
+        got = _per_token(shape, Layout(tp=t, sequence_parallel=True), bf16, "none")
+        assert got == pytest.approx((4 * h + 8 + 4 * h + 24 * h + 4 * a) / t, rel=1e-12)
+        got = _per_token(shape, Layout(tp=t, sequence_parallel=True), fp32_residual, "none")
         assert got == pytest.approx((8 * h + 16 + 4 * h + 24 * h + 4 * a) / t, rel=1e-12)
-    # full recompute: the block input only; 2 s b h in 16 bits, 4 s b h here (fp32 residual stream)
-    assert _per_token(shape, Layout(), jb, "full") == 4 * h
-    assert _per_token(shape, Layout(tp=8, sequence_parallel=True), jb, "full") == 4 * h / 8
+    # full recompute: the block input only, the paper's 2 s b h in 16 bits; 4 s b h with an fp32 residual stream
+    assert _per_token(shape, Layout(), bf16, "full") == 2 * h
+    assert _per_token(shape, Layout(tp=8, sequence_parallel=True), bf16, "full") == 2 * h / 8
+    assert _per_token(shape, Layout(), fp32_residual, "full") == 4 * h
+    assert _per_token(shape, Layout(tp=8, sequence_parallel=True), fp32_residual, "full") == 4 * h / 8
+
+
+def test_rmsnorm_keeps_its_input_on_a_gpu_and_fp32_copies_on_a_cpu():
+    """CUDA's fused rms_norm keeps the input (residual dtype) and an fp32 statistic (measured on
+    an H200, torch 2.11); torch's composite one on a CPU an fp32 upcast and the fp32 normalised
+    input: 6h more per norm under bf16, two norms per block."""
+    h = 4096
+    llama = replace(gpt(hidden=h, heads=32), norm="rmsnorm", activation="swiglu", position="rope", bias=False)
+    gpu, cpu = job(dtype="bf16"), job(dtype="bf16", accel="cpu")
+    assert _per_token(llama, Layout(), cpu, "none") - _per_token(llama, Layout(), gpu, "none") == 2 * 6 * h
+    # with an fp32 residual stream the CPU keeps the same norm tensors, and autocast's casts of the
+    # norm outputs besides: two more for q, k, v and one more for SwiGLU's gate and up (2h each)
+    assert _per_token(llama, Layout(), replace(cpu, fp32_residual=True), "none") - _per_token(llama, Layout(), cpu, "none") == 3 * 2 * h
+    assert replace(gpu, fp32_residual=True).residual_bytes == 4 and gpu.residual_bytes == 2
 
 
 ZERO_PAPER = {0: lambda n, d: 16 * n, 1: lambda n, d: 4 * n + 12 * n / d, 2: lambda n, d: 2 * n + 14 * n / d, 3: lambda n, d: 16 * n / d}

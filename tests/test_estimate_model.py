@@ -28,7 +28,8 @@ CONFIGS = {"gpt": GPT_TINY, "llama": LLAMA_TINY, "gelu-rope-gqa": GELU_ROPE_NOBI
 
 
 def _job(dtype: str) -> Job:
-    return Job(global_batch=2, param_dtype=dtype, reduce_dtype="fp32", profile=get_profile("cpu"))
+    """``measure`` runs autocast over fp32 weights: an fp32 residual stream."""
+    return Job(global_batch=2, param_dtype=dtype, reduce_dtype="fp32", profile=get_profile("cpu"), fp32_residual=True)
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -91,3 +92,37 @@ def test_fake_tensors_and_layer_reduced_copies_measure_what_real_ones_do():
         ms.REAL_LIMIT = original
     assert "scaled to 6" in how
     assert (scaled.saved_bytes, scaled.forward_flops, scaled.backward_flops) == (real.saved_bytes, real.forward_flops, real.backward_flops)
+
+
+def _measure_bf16_model(cfg, *, recompute: str):
+    """Saved bytes of one microbatch of 2 with 16-bit compute copies of every weight and a bf16
+    residual stream: the model cast to bf16, as FSDP2's MixedPrecisionPolicy gathers it."""
+    from llmforge.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(cfg).to(torch.bfloat16)
+    model.train()
+    caches = ms._recompute_wrap(model, mode=recompute, every=1)
+    return ms.run_once(model, micro_batch=2, param_dtype="bf16", vocab=cfg.vocab_size, seq=cfg.seq_len, caches=caches)
+
+
+@pytest.mark.parametrize("name,recompute", [(n, r) for n in sorted(CONFIGS) for r in ("none", "selective", "full")])
+def test_bf16_residual_stream_activations_match_measurement(name, recompute, balanced_routing):
+    """The default under bf16 (``precision.fp32_residual=false``): the block inputs recompute
+    saves, the norms' inputs and the linears' shared input are bf16; measured with 16-bit
+    weights (ZeRO 1-3's gathered copies: the layout below gathers them)."""
+    from llmforge.estimate import activations as act
+    from llmforge.layout import Layout
+
+    cfg = CONFIGS[name]
+    got = _measure_bf16_model(cfg, recompute=recompute)
+    shape = shape_from_config(cfg)
+    job = dataclasses.replace(_job("bf16"), fp32_residual=False)
+    layout = Layout(dp=2, zero=3, micro_batch=2, recompute=recompute)
+    est = sum(act.layer_bytes(shape, layout, job, i) for i in range(shape.num_layers))
+    est += act.embedding_bytes(shape, layout) + act.output_bytes(shape, layout, job)
+    assert est == pytest.approx(got.saved_bytes, rel=0.10)
+    fp32_residual = dataclasses.replace(job, fp32_residual=True)
+    if recompute == "full":  # the block input alone tells the two apart
+        blocks = sum(act.layer_bytes(shape, layout, fp32_residual, i) for i in range(shape.num_layers))
+        assert blocks == 2 * sum(act.layer_bytes(shape, layout, job, i) for i in range(shape.num_layers))

@@ -22,10 +22,13 @@ the expected gap is named, computed by the model where it can be:
   405B rows: the published figure is above the estimate without it by what the 70B pair
   measures (876 / 829 = +5.7%).
 
-Memory is reported (docs/estimator.md), not held: no row keeps what llmforge keeps. llmforge's
-residual stream, and with it full recompute's saved block input, is fp32 (autocast over fp32
-weights), torchtitan's bf16 (FSDP casts the inputs); llmforge's selective keeps every matmul
-output. The 8B rows on 128 GPUs run 2-3% slower than on 8 in the published table; the model
+Memory is held on the 70B rows (full recompute, no pipeline: both trainers keep the same set,
+the bf16 block inputs) within 10%, each against its own published figure (async TP's 67.6 GiB,
+its symmetric-memory buffers aside, is what the 71.9 GiB plan measures without them); the
+others are reported (docs/estimator.md, ``python tools/published_runs.py``): llmforge's
+selective keeps every matmul output, where theirs recomputes every second one, and the
+405B rows depend on their pipeline's microbatching (torchtitan splits the local batch into
+as many microbatches as there are stages by default) and the schedule's buffers. The 8B rows on 128 GPUs run 2-3% slower than on 8 in the published table; the model
 hides FSDP's traffic behind the blocks there too (every NIC of a node carries the gathers) and
 charges what the hiding costs: FSDP2's copy out of the gather buffer on the compute stream, the
 SMs NCCL's kernels hold while they run (``comm_sm_share``), longer on 16 nodes, and a latency per
@@ -71,8 +74,9 @@ class Row(NamedTuple):
     compile: bool
     fp8: bool
     tokens_per_s_per_gpu: float
-    memory_gib: float  # reported, not held: see the module docstring
+    memory_gib: float
     async_tp: bool = False
+    memory_held: bool = False  # see the module docstring
 
 
 ROWS = {
@@ -82,8 +86,8 @@ ROWS = {
     "8B 128 GPUs": Row(LLAMA_8B, FSDP128, 256, False, False, 5605, 67.0),
     "8B 128 GPUs compile": Row(LLAMA_8B, FSDP128, 256, True, False, 6514, 62.0),
     "8B 128 GPUs compile float8": Row(LLAMA_8B, FSDP128, 256, True, True, 8380, 61.8),
-    "70B 256 GPUs": Row(LLAMA_70B, TP8, 512, True, True, 829, 71.9),
-    "70B 256 GPUs async TP": Row(LLAMA_70B, TP8, 512, True, True, 876, 67.6, async_tp=True),
+    "70B 256 GPUs": Row(LLAMA_70B, TP8, 512, True, True, 829, 71.9, memory_held=True),
+    "70B 256 GPUs async TP": Row(LLAMA_70B, TP8, 512, True, True, 876, 67.6, async_tp=True, memory_held=True),
     "405B 512 GPUs 1F1B": Row(LLAMA_405B, PP8, 256, True, True, 100, 82.5, async_tp=True),
     "405B 512 GPUs interleaved": Row(LLAMA_405B, PP8_INTERLEAVED, 256, True, True, 128, 72.7, async_tp=True),
 }
@@ -125,12 +129,36 @@ def per_gpu(row: Row) -> tuple[Estimate, float]:
     return est, est.tokens_per_step / step / row.layout.world
 
 
-@pytest.mark.parametrize("name", list(ROWS))
+#: Rows whose step the estimate holds: the 70B async TP row is the 70B row's plan, and its
+#: published gain defines ASYNC_TP_GAIN, so its throughput would assert what the 70B row does.
+TIMED = [name for name in ROWS if name != "70B 256 GPUs async TP"]
+
+
+@pytest.mark.parametrize("name", TIMED)
 def test_published_tokens_per_gpu_within_15_percent(name):
     row = ROWS[name]
     _, tokens = per_gpu(row)
     published = row.tokens_per_s_per_gpu / (ASYNC_TP_GAIN if row.async_tp else 1.0)
     assert tokens == pytest.approx(published, rel=0.15)
+
+
+@pytest.mark.parametrize("name", [name for name, row in ROWS.items() if row.memory_held])
+def test_published_memory_of_full_recompute_without_pipeline_within_10_percent(name):
+    """The most-loaded GPU against the published maximum over GPUs (bf16 residual stream)."""
+    row = ROWS[name]
+    est, _ = per_gpu(row)
+    assert est.worst.total / 2**30 == pytest.approx(row.memory_gib, rel=0.10)
+
+
+def test_an_fp32_residual_stream_misses_the_70b_memory():
+    """What the bf16 residual stream changes: with it in fp32 (``precision.fp32_residual``) the
+    saved block inputs double and the 70B plan needs far more than torchtitan measured."""
+    row = ROWS["70B 256 GPUs"]
+    est, _ = per_gpu(row)
+    fp32 = estimate(row.shape, row.layout, dataclasses.replace(job(row), fp32_residual=True), every_stage=False)
+    blocks = row.layout.micro_batch * row.shape.seq * row.shape.hidden / row.layout.tp * row.shape.num_layers
+    assert 2 * blocks <= fp32.worst.activations - est.worst.activations <= 1.02 * 2 * blocks  # and the final norm's input
+    assert fp32.worst.total / 2**30 > 1.2 * row.memory_gib
 
 
 def ratio(a: str, b: str) -> tuple[float, float]:

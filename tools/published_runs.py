@@ -1,35 +1,80 @@
-"""The estimate next to torchtitan's published Llama 3.1 H100 runs, as tests/test_estimate_published.py holds it.
+"""The estimate next to published runs, as tests/test_estimate_published.py and tests/test_search.py hold it.
 
     python tools/published_runs.py
 
-Prints, per row: llmforge's estimate (tokens/s per GPU), the same with torchtitan's recompute
-policy and loss added, the published figure (and the one held, without async TP), their
-ratio, and the estimated against the published memory; then the responses (compile, Float8,
-schedule, 128 vs 8 GPUs), estimated against published.
+Prints torchtitan's Llama 3.1 H100 rows: per row, llmforge's estimate (tokens/s per GPU), the
+same with torchtitan's recompute policy and loss added, the published figure (and the one held,
+without async TP), their ratio; then the memory of the most-loaded GPU with an fp32 residual
+stream (``precision.fp32_residual=true``), with the default bf16 one, and the published
+figure (docs/estimator.md has the estimate before the residual stream followed the compute
+dtype next to them); then the responses
+(compile, Float8, schedule, 128 vs 8 GPUs), estimated against published; last Megatron-LM's
+462B row (README model table, H100 80 GB: TP 8, PP 16, DP 48), which ran on 80 GB GPUs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 import test_estimate_published as published  # noqa: E402
+import test_search as megatron  # noqa: E402
+
+from llmforge.estimate.core import estimate  # noqa: E402
+from llmforge.layout import Layout  # noqa: E402
+
+GIB = 2**30
 
 
-def main() -> None:
-    print(f"{'row':28s} {'estimate':>9s} {'+theirs':>8s} {'published':>9s} {'held':>6s} {'ratio':>6s} {'GiB est':>8s} {'GiB pub':>8s}")
+def _throughput() -> None:
+    print(f"{'row':28s} {'estimate':>9s} {'+theirs':>8s} {'published':>9s} {'held':>6s} {'ratio':>6s}")
     for name, row in published.ROWS.items():
         est, tokens = published.per_gpu(row)
         held = row.tokens_per_s_per_gpu / (published.ASYNC_TP_GAIN if row.async_tp else 1.0)
         print(f"{name:28s} {est.tokens_per_s / row.layout.world:9,.0f} {tokens:8,.0f} {row.tokens_per_s_per_gpu:9,.0f} "
-              f"{held:6,.0f} {tokens / held:6.3f} {est.worst.total / 2**30:8.1f} {row.memory_gib:8.1f}")
+              f"{held:6,.0f} {tokens / held:6.3f}")
+
+
+def _memory() -> None:
+    print(f"\n{'row (GiB per GPU)':28s} {'fp32 res':>8s} {'bf16 res':>8s} {'published':>9s} {'ratio':>6s} {'held':>5s}")
+    for name, row in published.ROWS.items():
+        est, _ = published.per_gpu(row)
+        before = estimate(row.shape, row.layout, dataclasses.replace(published.job(row), fp32_residual=True), every_stage=False)
+        print(f"{name:28s} {before.worst.total / GIB:8.1f} {est.worst.total / GIB:8.1f} {row.memory_gib:9.1f} "
+              f"{est.worst.total / GIB / row.memory_gib:6.3f} {'yes' if row.memory_held else 'no':>5s}")
+
+
+def _responses() -> None:
     pairs = [("8B 8 GPUs compile", "8B 8 GPUs"), ("8B 8 GPUs compile float8", "8B 8 GPUs compile"),
              ("405B 512 GPUs interleaved", "405B 512 GPUs 1F1B"), ("8B 128 GPUs", "8B 8 GPUs"), ("8B 128 GPUs compile", "8B 8 GPUs compile")]
+    print()
     for faster, slower in pairs:
         estimated, reported = published.ratio(faster, slower)
         print(f"{faster} / {slower}: estimate {estimated:.3f}, published {reported:.3f}")
+
+
+def _megatron_462b() -> None:
+    """GPT 462B (144 heads, 18432 wide, 112 layers, vocab 131072, seq 4096), batch 3072 on 6144 H100s,
+    as llmforge runs Megatron's layout: distributed optimizer (ZeRO 1), sequence parallel, micro batch 1."""
+    shape = dataclasses.replace(megatron.gpt(heads=144, hidden=18432, layers=112, vocab=131072, seq=4096), tie_embeddings=False)
+    jb = megatron.job("h100-80gb", batch=3072, world=6144)
+    print(f"\nMegatron-LM 462B, TP 8 x PP 16 x DP 48 on h100-80gb ({jb.profile.memory_bytes / GIB:.1f} GiB), ran there:")
+    for recompute in ("none", "selective", "full"):
+        layout = Layout(dp=48, tp=8, pp=16, zero=1, sequence_parallel=True, micro_batch=1, recompute=recompute)
+        now = estimate(shape, layout, jb, every_stage=False)
+        before = estimate(shape, layout, dataclasses.replace(jb, fp32_residual=True), every_stage=False)
+        print(f"  recompute {recompute:9s} fp32 res {before.worst.total / GIB:5.1f}  bf16 res {now.worst.total / GIB:5.1f} GiB  "
+              f"{'fits' if now.fits else 'does not fit'}")
+
+
+def main() -> None:
+    _throughput()
+    _memory()
+    _responses()
+    _megatron_462b()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from rich.table import Table
 from rich.text import Text
 
 from llmforge.estimate.core import Estimate
+from llmforge.estimate.node import words
 from llmforge.estimate.pipeline import simulate, simulated_bubble
 from llmforge.estimate.text import gib, verdict, where
 from llmforge.layout import ZERO_BUBBLE_SCHEDULES
@@ -92,11 +93,22 @@ def _summary_table(est: Estimate, recipe: str) -> Table:
     table.add_row("comm. / device / step", vols or "none")
     how = f"efficiency {est.job.efficiency:g} of peak" if est.job.efficiency is not None else f"kernel model of {est.job.profile.name}"
     table.add_row("throughput", f"{est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%} ({how})")
+    if est.node is not None:
+        table.add_row("host memory / node", _node_text(est))
     if est.host is not None:
         h = est.host
         table.add_row("CPU offload", f"host-link copies {h.copy_s:.3g} s/step ({h.copy_s - h.exposed_copy_s:.3g} s hidden by compute), "
                       f"CPU AdamW {h.optimizer_s:.3g} s (host memory bandwidth {est.job.profile.host_memory_bandwidth / 1e9:g} GB/s per node)")
     return table
+
+
+def _node_text(est: Estimate) -> str:
+    """The node's host memory: its ranks, what each keeps, the capacity and whether it fits."""
+    node = est.node
+    items = ", ".join(f"{name} {gib(value)}" for name, value in node.items.items())
+    where_from = "this machine's memory" if est.job.host_memory is not None else "the profile's host_memory_gib"
+    state = "fits" if node.fits else f"does not fit: {gib(node.total - node.capacity)} over"
+    return f"{words(node)} ({where_from}); per rank {items}; {state}"
 
 
 def render_estimate(est: Estimate, *, recipe: str, console) -> None:

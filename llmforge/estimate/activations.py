@@ -4,20 +4,27 @@ The accounting follows the tensors the real model saves (checked in
 tests/test_estimate_model.py with ``saved_tensors_hooks``), not a textbook
 transformer. What matters about llmforge's GPT:
 
-- weights are fp32 and bf16/fp16 runs use autocast, so the residual stream, the
-  norm inputs and statistics stay fp32 while matmul inputs and outputs are 16-bit;
-- autocast casts a norm output once per consuming linear (q, k, v: three copies)
-  and keeps a 16-bit copy of every matmul weight for backward, per microbatch
-  (not of the weights of float8 linear layers under ``precision.fp8``, which keep
-  their fp32 master weight and cast it again in backward);
+- the master weights are fp32; under bf16/fp16 the residual stream (and so the block
+  input that recompute saves, the norm inputs and LayerNorm's statistics) is in the
+  compute dtype, r bytes per element (``Job.residual_bytes``), or fp32 with
+  ``precision.fp32_residual``; matmul inputs and outputs are 16-bit;
+- RMSNorm on a CPU keeps an fp32 upcast of its input and its fp32 normalised input
+  whatever the residual dtype (torch's composite ``rms_norm``); on a GPU its fused
+  kernel keeps the input (in the residual dtype) and an fp32 statistic;
+- with an fp32 residual stream autocast casts a norm output once per consuming
+  linear (q, k, v: three copies); with a 16-bit one the linears share the norm's
+  16-bit output;
+- under ZeRO 0 autocast keeps a 16-bit copy of every matmul weight for backward, per
+  microbatch (not of the weights of float8 linear layers under ``precision.fp8``,
+  which keep their fp32 master weight and cast it again in backward);
 - attention is ``scaled_dot_product_attention`` (a fused kernel): it keeps q, k, v
   (k and v at full head count after the GQA repeat), its output and the
   log-sum-exp, never the s x s score matrix;
 - with RoPE the attention output is copied when heads are merged back;
 - under ZeRO 1-3 (FSDP over more than one rank) with 16-bit compute the gathered
-  weights are already 16-bit: autocast keeps no copies of them (expert weights
-  excepted: they pass through fp32 on their way into the batched matmuls), and each
-  norm keeps fp32 copies of its 16-bit weight (and bias) instead.
+  weights are already 16-bit: autocast keeps no copies of them; with an fp32 residual
+  stream expert weights pass through fp32 on their way into the batched matmuls, and
+  each norm keeps fp32 copies of its 16-bit weight (and bias).
 
 Tensor parallelism (DTensor, torchtitan style) splits everything between the
 column- and row-parallel linears over tp; the norm region stays replicated unless
@@ -50,19 +57,22 @@ class BlockActivations:
         return self.per_token * tokens + self.fixed
 
 
-def _norm_bytes(shape: Shape, *, consumers: int, c: int, mixed: bool, sp: float, shard: bool = False) -> tuple[float, float]:
+def _norm_bytes(shape: Shape, *, consumers: int, c: int, r: int, sp: float, shard: bool = False, cpu: bool = True) -> tuple[float, float]:
     """(replicated-or-SP-split bytes, bytes of the output the linears save) per token
-    of one pre-norm. The linears save the whole output (once per linear under
-    autocast), or with ``shard`` (sequence parallel) only its sequence shard, once,
-    in the compute dtype."""
+    of one pre-norm over a residual stream of ``r`` bytes. The linears save the whole
+    output (once per linear when autocast casts an fp32 one), or with ``shard``
+    (sequence parallel) only its sequence shard, once, in the compute dtype."""
     h = shape.hidden
-    kept = h * FP32 + (FP32 if shape.norm == "rmsnorm" else 2 * FP32)  # input and statistics
-    if shape.norm == "rmsnorm":
-        kept += h * FP32  # the normalised input, kept for the weight gradient
+    if shape.norm == "rmsnorm" and not cpu:  # CUDA's fused kernel: the input and the fp32 statistic
+        kept = h * r + FP32
+    elif shape.norm == "rmsnorm":  # fp32 input (upcast) and statistic, the normalised input for the weight gradient
+        kept = 2 * h * FP32 + FP32
+    else:
+        kept = h * r + 2 * r  # input, mean and inverse deviation
     if shard:
         return kept / sp, h * c / sp
-    out = consumers * h * c if mixed else h * FP32  # the output each linear saves
-    return kept / sp, out
+    casts = consumers if r != c else 1
+    return kept / sp, casts * h * c  # the output the linears save
 
 
 def _attention_bytes(shape: Shape, *, c: int, tp: int) -> float:
@@ -77,7 +87,7 @@ def _mlp_bytes(shape: Shape, ffn: int, *, c: int, tp: int) -> float:
     return (4 if shape.activation == "swiglu" else 2) * ffn * c / tp
 
 
-def _selective_bytes(shape: Shape, *, c: int, tp: int, sp: int, moe: bool) -> float:
+def _selective_bytes(shape: Shape, *, c: int, r: int, tp: int, sp: int, moe: bool) -> float:
     """Selective recompute keeps the block input, every matmul and collective output,
     and the fused attention's output and log-sum-exp.
 
@@ -90,7 +100,7 @@ def _selective_bytes(shape: Shape, *, c: int, tp: int, sp: int, moe: bool) -> fl
     h, kv = shape.hidden, shape.kv_dim
     collective = 0.0 if tp == 1 else (h / tp * c if sp > 1 else h * c)
     attention = (h * c + shape.heads * FP32) / tp
-    attn = h * FP32 / sp + ((h + 2 * kv) / tp + h) * c + attention + collective
+    attn = h * r / sp + ((h + 2 * kv) / tp + h) * c + attention + collective
     if moe:
         return attn + _moe_selective_bytes(shape, c=c) / sp
     return attn + ((2 if shape.activation == "swiglu" else 1) * shape.ffn / tp + h) * c + collective
@@ -98,17 +108,17 @@ def _selective_bytes(shape: Shape, *, c: int, tp: int, sp: int, moe: bool) -> fl
 
 def block_activations(shape: Shape, layout: Layout, job: Job, *, moe: bool, recompute: str) -> BlockActivations:
     """What one block saves for backward under ``recompute`` (none, selective or full)."""
-    c, mixed, tp = job.compute_bytes, job.mixed, layout.tp
+    c, r, tp = job.compute_bytes, job.residual_bytes, layout.tp
     sp = tp if layout.sequence_parallel else 1
     if recompute == "full":
-        return BlockActivations(per_token=shape.hidden * FP32 / sp, fixed=0.0)
+        return BlockActivations(per_token=shape.hidden * r / sp, fixed=0.0)
     if recompute == "selective":
-        return BlockActivations(per_token=_selective_bytes(shape, c=c, tp=tp, sp=sp, moe=moe), fixed=4 * shape.num_experts if moe else 0.0)
+        return BlockActivations(per_token=_selective_bytes(shape, c=c, r=r, tp=tp, sp=sp, moe=moe), fixed=4 * shape.num_experts if moe else 0.0)
     attn_consumers, mlp_consumers = 3, 2 if shape.activation == "swiglu" else 1
     if moe:
         mlp_consumers = 1 + (mlp_consumers if shape.shared_experts else 0)  # router, shared MLP
-    kept1, out1 = _norm_bytes(shape, consumers=attn_consumers, c=c, mixed=mixed, sp=sp, shard=sp > 1)
-    kept2, out2 = _norm_bytes(shape, consumers=mlp_consumers, c=c, mixed=mixed, sp=sp, shard=sp > 1 and not moe)
+    kept1, out1 = _norm_bytes(shape, consumers=attn_consumers, c=c, r=r, sp=sp, shard=sp > 1, cpu=job.on_cpu)
+    kept2, out2 = _norm_bytes(shape, consumers=mlp_consumers, c=c, r=r, sp=sp, shard=sp > 1 and not moe, cpu=job.on_cpu)
     per_token = kept1 + out1 + kept2 + out2 + _attention_bytes(shape, c=c, tp=tp)
     per_token += _ffn_bytes(shape, layout, job, moe=moe)
     return BlockActivations(per_token=per_token, fixed=_fixed_bytes(shape, layout, job, moe=moe))
@@ -119,7 +129,7 @@ def _ffn_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) -> float:
     if not moe:
         return _mlp_bytes(shape, shape.ffn, c=c, tp=tp)
     sp = tp if layout.sequence_parallel else 1
-    return moe_bytes(shape, c=c, mixed=job.mixed) / sp
+    return moe_bytes(shape, c=c, r=job.residual_bytes) / sp
 
 
 def _routed(shape: Shape) -> float:
@@ -127,15 +137,17 @@ def _routed(shape: Shape) -> float:
     return shape.top_k * min(1.0, shape.capacity_factor or 1.0)
 
 
-def moe_bytes(shape: Shape, *, c: int, mixed: bool) -> float:
-    """Per token of an MoE layer (replicated over tp): routing, dispatch buffer, experts, combine, shared MLP.
+def moe_bytes(shape: Shape, *, c: int, r: int) -> float:
+    """Per token of an MoE layer (replicated over tp) over a residual stream of ``r`` bytes:
+    routing, dispatch buffer, experts, combine, shared MLP.
 
     Balanced routing: each expert's padded batch holds tokens x top_k / E rows."""
+    mixed = c != FP32
     h, e, k, f = shape.hidden, shape.num_experts, _routed(shape), shape.moe_ffn
     swiglu = shape.activation == "swiglu"
     routing = 8 * e + 4 + 4 + (8 + 4 + 1 + 4 * INT64) * shape.top_k  # probs, logits, lse, norm sum, ids, weights, masks, indices
     if mixed:
-        dispatch = (2 if swiglu else 1) * k * h * c  # the fp32 buffer cast once per bmm
+        dispatch = (2 if swiglu and r != c else 1) * k * h * c  # an fp32 buffer is cast once per bmm
         combine = k * (h * c + h * FP32 + c)
     else:
         dispatch = k * h * FP32
@@ -170,20 +182,20 @@ def weights_gathered(layout: Layout, job: Job) -> bool:
 
 
 def _fixed_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) -> float:
-    """Per-microbatch bytes independent of the micro batch: autocast weight copies
-    (or, with gathered 16-bit weights, fp32 copies of the norm weights), RoPE tables."""
+    """Per-microbatch bytes independent of the micro batch: autocast weight copies,
+    copies of the norm weights in the residual dtype where it is not theirs, RoPE tables."""
     rope = 4 * shape.seq * (shape.head_dim // 2) * job.compute_bytes if shape.position == "rope" and job.mixed else 0
     share = 4 * shape.num_experts if moe else 0  # the aux loss's per-expert load
     if not job.mixed:
         return share
-    gathered = weights_gathered(layout, job)
-    norms = 2 * _norm_params(shape) * FP32 if gathered else 0.0
+    gathered, r = weights_gathered(layout, job), job.residual_bytes
+    norms = 2 * _norm_params(shape) * r if gathered == (r == FP32) else 0.0
     weights = 0.0
     for t in block_tensors(shape, moe):
         if len(t.shape) < 2 or (job.fp8 and converted(t)):  # Float8Linear keeps the fp32 master for backward
             continue
         if t.expert:
-            weights += t.numel / layout.ep
+            weights += t.numel / layout.ep if not gathered or r == FP32 else 0.0
         elif not gathered and not _sp_linear(t, layout, moe=moe):
             weights += t.numel / (layout.tp if t.split != "rep" else 1)
     return weights * job.compute_bytes + norms + rope + share
@@ -203,14 +215,14 @@ def output_bytes(shape: Shape, layout: Layout, job: Job) -> float:
     log-probabilities of its vocabulary shard."""
     b, s, tp = layout.micro_batch, shape.seq // layout.cp, layout.tp
     sp = tp if layout.sequence_parallel else 1
-    kept, out = _norm_bytes(shape, consumers=1, c=job.compute_bytes, mixed=job.mixed, sp=sp)
+    r = job.residual_bytes
+    kept, out = _norm_bytes(shape, consumers=1, c=job.compute_bytes, r=r, sp=sp, cpu=job.on_cpu)
     loss = shape.vocab * job.compute_bytes if tp == 1 else shape.vocab * FP32 / tp
     per_token = kept + out + loss + INT64
-    if weights_gathered(layout, job):
-        head_copy = _norm_params(shape) * FP32  # the final norm's weight (and bias) in fp32
-    else:
-        head_copy = shape.vocab * shape.hidden * job.compute_bytes / tp if job.mixed else 0
-    return b * s * per_token + head_copy + (0 if tp == 1 else FP32)
+    gathered = weights_gathered(layout, job)
+    norm_copy = _norm_params(shape) * r if job.mixed and gathered == (r == FP32) else 0  # the final norm's weight (and bias)
+    head_copy = shape.vocab * shape.hidden * job.compute_bytes / tp if job.mixed and not gathered else 0
+    return b * s * per_token + norm_copy + head_copy + (0 if tp == 1 else FP32)
 
 
 LOSS_CHUNK_ELEMENTS = 2**26  # llmforge.train.loss.CHUNK_ELEMENTS
@@ -256,7 +268,8 @@ def _kind_fixed(shape: Shape, layout_key: tuple, job_key: tuple, moe: bool, mode
 def _keys(layout: Layout, job: Job) -> tuple[tuple, tuple]:
     """The layout and job fields activations depend on (cheap cache keys)."""
     gathered = layout.zero > 0 and layout.dp * layout.cp > 1
-    return (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch, gathered), (job.compute_bytes, job.mixed, job.fp8)
+    return (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch, gathered), (
+        job.compute_bytes, job.mixed, job.fp8, job.residual_bytes, job.on_cpu)
 
 
 def _layout_of(key: tuple) -> Layout:
@@ -278,6 +291,8 @@ class _JobView:
     compute_bytes: int
     mixed: bool
     fp8: bool
+    residual_bytes: int
+    on_cpu: bool
 
 
 def stage_bytes_per_microbatch(shape: Shape, layout: Layout, job: Job, counts: StageCounts) -> float:

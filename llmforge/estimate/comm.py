@@ -258,7 +258,7 @@ def pp_bytes(shape: Shape, layout: Layout, job: Job, *, microbatches: int) -> tu
     if layout.pp == 1:
         return 0.0, 0.0
     sp = layout.tp if layout.sequence_parallel else 1
-    one = layout.micro_batch * shape.seq / layout.cp * shape.hidden * job.compute_bytes / sp
+    one = layout.micro_batch * shape.seq / layout.cp * shape.hidden * job.residual_bytes / sp  # the residual stream
     return 2 * microbatches * layout.virtual_stages * one, one
 
 

@@ -39,6 +39,7 @@ from llmforge.estimate import flops as fl
 from llmforge.estimate import fp8
 from llmforge.estimate import kernels as kn
 from llmforge.estimate.memory import StageMemory, all_stages, most_loaded, shard_numel, stage_activations
+from llmforge.estimate.node import NodeMemory, node_memory
 from llmforge.estimate.offload import HostUse, host_use, offloads
 from llmforge.estimate.params import active_params, layout_rank_params, representative_stages, stage_counts, total_params
 from llmforge.estimate.pipeline import bubble_fraction
@@ -69,6 +70,8 @@ class Estimate:
     compute: kn.Cost = kn.NONE
     #: The host side of CPU offload (llmforge.estimate.offload); None without offload.
     host: Optional[HostUse] = None
+    #: Host memory of the most-loaded node, all its ranks together (llmforge.estimate.node).
+    node: Optional[NodeMemory] = None
 
     @property
     def step_s(self) -> float:
@@ -86,8 +89,13 @@ class Estimate:
         return out
 
     @property
+    def fits_device(self) -> bool:
+        return self.worst.total <= self.job.profile.memory_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.worst.total <= self.job.profile.memory_bytes and (self.host is None or self.host.fits)
+        """On the most-loaded device and in the host memory of the most-loaded node."""
+        return self.fits_device and (self.host is None or self.host.fits) and (self.node is None or self.node.fits)
 
     @property
     def headroom(self) -> float:
@@ -277,12 +285,27 @@ def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True
         if layout.offload == "states":
             parts["optimizer"] = 0.0  # the device runs no optimizer step
     tokens = job.global_batch * shape.seq
+    node = node_memory(shape, layout, job, device_total=worst.total, shard=shard_numel(shape, layout, worst.stage),
+                       offloaded=0.0 if host is None else host.states_bytes + host.activations_bytes)
     return Estimate(
         shape=shape, layout=layout, job=job, microbatches=m, params_total=total_params(shape),
         params_active=active_params(shape), stages=stages, worst=worst, bubble=bubble,
         model_flops=fl.model_flops(shape, tokens), hardware_flops=fl.hardware_flops(shape, layout, tokens),
-        comm=comm, parts=parts, compute=t_compute.times(m), host=host,
+        comm=comm, parts=parts, compute=t_compute.times(m), host=host, node=node,
     )
+
+
+def node_fits(shape: Shape, layout: Layout, job: Job, worst: StageMemory) -> bool:
+    """Whether the most-loaded node's ranks fit its host memory (``worst``: the most-loaded
+    device), without the rest of the estimate (the search)."""
+    shard = shard_numel(shape, layout, worst.stage)
+    offloaded = 0.0
+    if offloads(layout):
+        m = job.global_batch // (layout.micro_batch * layout.dp)
+        host = host_use(shape, layout, job, stage=worst.stage, shard=shard, activations=stage_activations(shape, layout, job, worst.stage, m),
+                        microbatches=m, compute_s=0.0)
+        offloaded = host.states_bytes + host.activations_bytes
+    return node_memory(shape, layout, job, device_total=worst.total, shard=shard, offloaded=offloaded).fits
 
 
 def _stage_seconds(compute: kn.Cost, collective: float) -> float:

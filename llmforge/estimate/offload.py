@@ -34,6 +34,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from llmforge.config.dtypes import DTYPE_BYTES
+from llmforge.estimate.node import host_capacity
 from llmforge.estimate.params import stage_counts
 from llmforge.estimate.pipeline import inflight_microbatches
 from llmforge.estimate.shape import Job, Shape
@@ -125,5 +126,5 @@ def host_use(shape: Shape, layout: Layout, job: Job, *, stage: int, shard: int, 
     per_device = STATE_BYTES * shard + held
     return HostUse(
         states_bytes=STATE_BYTES * shard, activations_bytes=held, node_bytes=devices * per_device,
-        node_capacity=job.profile.host_memory_bytes, copy_s=copy_s, exposed_copy_s=exposed, optimizer_s=optimizer_s,
+        node_capacity=host_capacity(job), copy_s=copy_s, exposed_copy_s=exposed, optimizer_s=optimizer_s,
     )

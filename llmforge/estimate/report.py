@@ -7,10 +7,12 @@ the ``--search --json`` one. The Rich tables are ``llmforge.commands.estimate_ta
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, List
 
+from llmforge.errors import Problem
 from llmforge.estimate import kernels as kn
 from llmforge.estimate.core import Estimate, estimate_plan
+from llmforge.estimate.node import fix
 from llmforge.estimate.params import stage_counts
 from llmforge.estimate.search import SearchResult, why
 from llmforge.estimate.text import duration, gib, verdict, where
@@ -56,6 +58,10 @@ def as_dict(est: Estimate, *, recipe: str = "") -> Dict[str, Any]:
             "node_capacity_bytes": est.host.node_capacity, "copy_s": est.host.copy_s, "exposed_copy_s": est.host.exposed_copy_s,
             "cpu_optimizer_s": est.host.optimizer_s,
         },
+        "node": None if est.node is None else {
+            "ranks": est.node.ranks, "host_bytes": est.node.total, "host_capacity_bytes": est.node.capacity,
+            "per_rank_bytes": est.node.per_rank, "per_rank_items": dict(est.node.items), "fits": est.node.fits,
+        },
         "attention": step_share(est),
         "time": {
             "step_s": est.step_s, "tokens_per_s": est.tokens_per_s, "mfu": est.mfu,
@@ -86,13 +92,40 @@ def step_share(est) -> dict:
 def short_summary(plan) -> tuple[str, bool]:
     """One paragraph for ``pretrain`` before launch, and whether the plan fits."""
     est = estimate_plan(plan)
-    text = (
+    return summary_text(est), est.fits
+
+
+def summary_text(est: Estimate) -> str:
+    """The paragraph ``pretrain`` shows before launch."""
+    return (
         f"Estimate on {est.layout.world} x {est.job.profile.name}: {est.params_total / 1e9:.3g}B parameters, "
         f"{gib(est.worst.total)} on the most-loaded device ({where(est)}) -> {verdict(est)}. "
         f"Step ~{duration(est.step_s)}, {est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.0%}"
         + (f", pipeline bubble {est.bubble:.1%}" if est.layout.pp > 1 else "") + "."
     )
-    return text, est.fits
+
+
+def fit_problems(est: Estimate) -> List[Problem]:
+    """Why a plan does not fit, each with its fix: the device, the offloaded states, the node."""
+    out: List[Problem] = []
+    overrides = est.layout.overrides()
+    if not est.fits_device:
+        out.append(Problem("cluster.accelerator", est.job.profile.name,
+                           f"the most-loaded device ({where(est)}) needs {gib(est.worst.total)}, {gib(-est.headroom)} over its {gib(est.job.profile.memory_bytes)}",
+                           "change the layout (llmforge estimate --search lists the ones that fit), or pass --force"))
+    if est.host is not None and not est.host.fits:
+        out.append(Problem("parallel.offload", est.layout.offload, verdict(est).removeprefix("does not fit: "),
+                           "shard over more ranks (parallel.dp, parallel.zero=3), offload less, or pass --force"))
+    node = est.node
+    if node is not None and not node.fits:
+        items = ", ".join(f"{name} {gib(value)}" for name, value in node.items.items())
+        out.append(Problem(
+            "cluster.devices_per_node", node.ranks,
+            f"the {node.ranks} ranks of a node need {gib(node.total)} of host memory together ({node.ranks} x {gib(node.per_rank)}: {items}), "
+            f"{gib(node.total - node.capacity)} over the node's {gib(node.capacity)} "
+            f"({'this machine' if est.job.host_memory is not None else 'the profile' + chr(39) + 's host_memory_gib'}); layout {overrides}",
+            fix(node, est.layout)))
+    return out
 
 
 def search_dict(result: SearchResult, *, plan) -> dict:

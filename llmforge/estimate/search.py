@@ -35,7 +35,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator, List, Optional, Tuple
 
-from llmforge.estimate.core import Estimate, estimate, peak_memory, stage_peaks, step_floor
+from llmforge.estimate.core import Estimate, estimate, node_fits, stage_peaks, step_floor
+from llmforge.estimate.memory import most_loaded
 from llmforge.estimate.shape import Job, Shape
 from llmforge.estimate.text import gib
 from llmforge.layout import Layout
@@ -154,11 +155,12 @@ def _evaluate(shape: Shape, job: Job, structure: Layout, keep: list, top: int, c
         for recompute in ("none", "selective", "full"):
             layout = Layout(**{**base, "micro_batch": mb, "recompute": recompute})
             stages = stage_peaks(shape, layout, job)
-            peak = max(st.total for st in stages)
+            worst = most_loaded(stages)
+            peak = worst.total
             counters["evaluated"] += 1
             if peak < counters["smallest"][0]:
                 counters["smallest"] = (peak, layout)
-            if peak <= capacity:
+            if peak <= capacity and node_fits(shape, layout, job, worst):
                 counters["fitting"] += 1
                 fitted = True
                 if len(keep) >= top and tokens / step_floor(shape, layout, job) < keep[0][0][0]:
@@ -239,7 +241,8 @@ def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -
                 continue
             for mb in list(_micro_batches(scaled, structure.dp, structure.pp, structure.schedule))[:1]:
                 layout = Layout(**{**{f: getattr(structure, f) for f in _FIELDS}, "micro_batch": mb, "recompute": "full"})
-                if peak_memory(shape, layout, scaled) <= scaled.profile.memory_bytes:
+                worst = most_loaded(stage_peaks(shape, layout, scaled))
+                if worst.total <= scaled.profile.memory_bytes and node_fits(shape, layout, scaled, worst):
                     return n, batch, layout
         n *= 2
     return None
@@ -286,12 +289,7 @@ def suggestions(shape: Shape, job: Job, *, world: int, smallest: Optional[Estima
 
     out: List[str] = []
     if smallest is not None:
-        w = smallest.worst
-        states = w.weights + w.grads + w.optimizer
-        out.append(
-            f"The leanest layout on {world} x {job.profile.name} ({smallest.layout.overrides()}) needs {gib(w.total)} per device, "
-            f"{gib(-smallest.headroom)} more than it has; model states alone are {gib(states)} and activations {gib(w.activations)}."
-        )
+        out.append(_leanest(smallest, world=world))
     found = minimum_devices(shape, job, world=world)
     if found is not None:
         n, batch, layout = found
@@ -304,11 +302,23 @@ def suggestions(shape: Shape, job: Job, *, world: int, smallest: Optional[Estima
         )
     else:
         out.append("More devices alone do not make it fit within 16384 devices: lower model.seq_len or the micro batch.")
-    if smallest is not None:
+    if smallest is not None and not smallest.fits_device:
         bigger = [p.name for p in known_profiles().values() if p.memory_bytes >= smallest.worst.total - job.profile.runtime_reserved_bytes + p.runtime_reserved_bytes]
         if bigger:
             out.append(f"A larger device: the leanest layout would fit on {', '.join(sorted(bigger))}.")
     return out
+
+
+def _leanest(smallest: Estimate, *, world: int) -> str:
+    """What the layout needing the least device memory misses: the device, or its node's host memory."""
+    w, name = smallest.worst, smallest.job.profile.name
+    head = f"The leanest layout on {world} x {name} ({smallest.layout.overrides()}) needs {gib(w.total)} per device"
+    if not smallest.fits_device:
+        states = w.weights + w.grads + w.optimizer
+        return f"{head}, {gib(-smallest.headroom)} more than it has; model states alone are {gib(states)} and activations {gib(w.activations)}."
+    node = smallest.node
+    return (f"{head}, which its device holds, but the {node.ranks} ranks of a node need {gib(node.total)} of host memory together, "
+            f"{gib(node.total - node.capacity)} over the node's {gib(node.capacity)}.")
 
 
 def search_plan(plan, *, top: int) -> SearchResult:

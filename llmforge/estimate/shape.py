@@ -13,8 +13,10 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from llmforge.config.dtypes import DTYPE_BYTES
-from llmforge.hardware import Profile, get_profile
+from llmforge.hardware import Profile, get_profile, machine_memory
 from llmforge.layout import Layout
+
+FP32 = 4
 
 
 @dataclass(frozen=True)
@@ -94,15 +96,32 @@ class Job:
     compile: bool = False
     #: parallel.bucket_mb in bytes: ZeRO 0's gradient bucket cap (llmforge.parallel.data)
     bucket_bytes: int = 25 * 2**20
+    #: precision.fp32_residual: the residual stream stays fp32 under 16-bit compute
+    fp32_residual: bool = False
+    #: Host memory of one node, bytes (None: the profile's ``host_memory_gib``; llmforge.estimate.node)
+    host_memory: Optional[int] = None
+    #: checkpoint.async_save: each rank stages a copy of its states in host memory
+    async_checkpoint: bool = False
 
     @property
     def compute_bytes(self) -> int:
         return DTYPE_BYTES[self.param_dtype]
 
     @property
+    def residual_bytes(self) -> int:
+        """Bytes of one element of the residual stream (and of the block inputs recompute saves):
+        the compute dtype, or fp32 under fp32 compute or ``precision.fp32_residual``."""
+        return FP32 if self.fp32_residual else self.compute_bytes
+
+    @property
     def mixed(self) -> bool:
         """Autocast mixed precision: fp32 weights, 16-bit compute."""
         return self.param_dtype != "fp32"
+
+    @property
+    def on_cpu(self) -> bool:
+        """The ranks run on the host's CPU (the ``cpu`` profile): device memory is host memory."""
+        return self.profile.name == "cpu"
 
     @property
     def node_size(self) -> int:
@@ -129,14 +148,23 @@ def shape_from_config(model, *, attention_fraction: Optional[float] = None) -> S
 def job_from_plan(plan) -> Job:
     """The Job of a built RunPlan (hardware profile resolved)."""
     c = plan.config
+    profile = get_profile(c.cluster.accelerator, ranks_per_node=ranks_per_node(plan))
     return Job(
         global_batch=c.train.global_batch_size, param_dtype=c.precision.param_dtype,
-        reduce_dtype=c.precision.reduce_dtype, profile=get_profile(c.cluster.accelerator, ranks_per_node=ranks_per_node(plan)),
+        reduce_dtype=c.precision.reduce_dtype, profile=profile,
         nodes=c.cluster.nodes, devices_per_node=c.cluster.devices_per_node, efficiency=c.cluster.efficiency,
         overlap_grad_reduce=plan.overlap_grad_reduce, fp8=c.precision.fp8,
         fp8_all_gather=c.precision.fp8 and c.precision.fp8_recipe == "tensorwise" and c.precision.fp8_all_gather,
         compile=c.train.compile, bucket_bytes=max(1, int(c.parallel.bucket_mb * 2**20)),
+        fp32_residual=c.precision.fp32_residual, async_checkpoint=c.checkpoint.async_save, host_memory=_host_memory(profile),
     )
+
+
+def _host_memory(profile: Profile) -> Optional[int]:
+    """CPU ranks whose profile gives no ``host_memory_gib`` share this machine's memory."""
+    if profile.name != "cpu" or profile.host_memory is not None:
+        return None
+    return machine_memory()
 
 
 def ranks_per_node(plan) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from llmforge.errors import Problem, UserError, fail
+from llmforge.errors import Problem, UserError
 from llmforge.plan import RunPlan
 
 #: Bytes a checkpoint holds per parameter: fp32 weights and AdamW's two fp32 moments.
@@ -32,17 +32,19 @@ def preflight(plan: RunPlan, *, force: bool, resume: bool, console: Console) -> 
 
 
 def _check_estimate(plan: RunPlan, *, force: bool, console: Console) -> None:
-    """Show the short estimate; refuse a plan estimated not to fit unless forced."""
-    from llmforge.estimate.report import short_summary
+    """Show the short estimate; refuse a plan estimated not to fit (on its devices, or in the
+    host memory of its nodes, every rank of a node together) unless forced."""
+    from llmforge.estimate.core import estimate_plan
+    from llmforge.estimate.report import fit_problems, summary_text
     from llmforge.plan import launch_problems, tokenizer_problems
 
     problems = tokenizer_problems(plan.config) + launch_problems(plan.config)
     if problems:
         raise UserError(problems, title="the run plan is not valid")
-    text, fits = short_summary(plan)
-    console.print(text, markup=False, highlight=False)
-    if not fits and not force:
-        raise fail("the plan is estimated not to fit in device or host memory; change the layout (llmforge estimate --search) or pass --force")
+    est = estimate_plan(plan)
+    console.print(summary_text(est), markup=False, highlight=False)
+    if not est.fits and not force:
+        raise UserError(fit_problems(est), title="the plan is estimated not to fit in device or host memory")
     _check_smallest_world(plan, force=force)
 
 
