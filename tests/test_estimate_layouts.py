@@ -130,13 +130,19 @@ def _saved_bytes(plan: RunPlan, caches: list) -> int:
     return sum(saved.values())
 
 
+# The estimator's activations model an fp32 residual stream under 16-bit compute (autocast
+# over fp32 weights): the backend runs that with precision.fp32_residual=true until the
+# estimator follows the default (the stream in the compute dtype).
+FP32_RESIDUAL = ["precision.fp32_residual=true"]
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("layout", ["tp2", "tp2sp"])
 def test_tensor_parallel_activations_match_the_backend(layout, recompute, dtype):
     from llmforge.estimate import activations as act
 
-    plan = RunPlan.build(compose([f"parallel={layout}", f"precision={dtype}", f"parallel.recompute={recompute}",
+    plan = RunPlan.build(compose([f"parallel={layout}", f"precision={dtype}", f"parallel.recompute={recompute}", *FP32_RESIDUAL,
                                   "train.micro_batch_size=2", "train.global_batch_size=16"]))
     shape, lay, job = from_plan(plan)
     est = sum(act.layer_bytes(shape, lay, job, i) for i in range(shape.num_layers))
@@ -158,7 +164,7 @@ def test_model_states_and_saved_bytes_during_the_step_are_exact(zero, sp, recomp
     from llmforge.estimate import activations as act
 
     layout = ["parallel=dp2tp2", "parallel.sequence_parallel=true"] if sp else ["parallel=dp2"]
-    plan = RunPlan.build(compose(layout + SMALL + [f"parallel.zero={zero}", f"parallel.recompute={recompute}", "precision=bf16"]))
+    plan = RunPlan.build(compose(layout + SMALL + [f"parallel.zero={zero}", f"parallel.recompute={recompute}", "precision=bf16", *FP32_RESIDUAL]))
     from llmforge.train.footprint import measure_step
 
     (weights, grads, states), saved = measure_step(plan)
