@@ -13,6 +13,10 @@ from llmforge.testing.harness import tiny_plan, train_layout
 ONE_STEP = ["train.steps=1", "parallel.recompute=full"]
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("overrides,expected", [
     (["precision.param_dtype=bf16"], torch.bfloat16),
     (["precision.param_dtype=fp16"], torch.float16),
@@ -20,10 +24,10 @@ ONE_STEP = ["train.steps=1", "parallel.recompute=full"]
     (["precision.param_dtype=bf16", "model.norm=rmsnorm", "model.activation=swiglu", "model.position=rope"], torch.bfloat16),
     ([], torch.float32),
 ])
-def test_blocks_receive_and_return_the_residual_stream_in_its_dtype(overrides, expected):
+def test_blocks_receive_and_return_the_residual_stream_in_its_dtype(overrides, expected, device):
     """What reaches each block (before any hook casts it: the embedding's output) and what
     it returns (after its residual adds), and the loss, in one process under full recompute."""
-    (dtypes,) = train_layout(tiny_plan(ONE_STEP + overrides)).dtypes
+    (dtypes,) = train_layout(tiny_plan(ONE_STEP + overrides), device=torch.device(device)).dtypes
     assert dtypes["block_inputs"] == dtypes["block_outputs"] == [str(expected)]
     assert dtypes["losses"] == ["torch.float32"]
 
@@ -41,9 +45,6 @@ def test_full_recompute_keeps_the_block_inputs_in_bf16(layout):
     m = plan.config.model
     block_inputs = m.num_layers * plan.config.train.micro_batch_size * m.seq_len * m.hidden_size
     assert saved[True] - saved[False] >= 2 * block_inputs
-
-
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))]
 
 
 @pytest.mark.parametrize("device", DEVICES)
