@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     parser.add_argument("--precision", default="bf16", choices=["bf16", "fp16"])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--saved-only", action="store_true", help="measure the saved bytes only, no training runs")
     parser.add_argument("--child", choices=["true", "false"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -68,12 +69,15 @@ def main() -> None:
     print(f"{'residual stream':>16} | {'saved / microbatch':>18} | {peak_name:>14} | losses")
     for fp32_residual in (True, False):
         saved = measure_step(RunPlan.build(compose(overrides(args, fp32_residual=fp32_residual))))[1] if args.device == "cpu" else None
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--child", str(fp32_residual).lower()]
-        run = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
+        run = {"peak": None, "losses": []}
+        if not args.saved_only:
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--child", str(fp32_residual).lower()]
+            run = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])
         name = "fp32" if fp32_residual else args.precision
         losses = " ".join(f"{x:.4f}" for x in run["losses"])
         cell = f"{saved / 2**20:14.1f} MiB" if saved is not None else f"{'-':>18}"
-        print(f"{name:>16} | {cell} | {run['peak'] / 2**20:10.1f} MiB | {losses}")
+        peak = f"{run['peak'] / 2**20:10.1f} MiB" if run["peak"] is not None else f"{'-':>14}"
+        print(f"{name:>16} | {cell} | {peak} | {losses}")
 
 
 if __name__ == "__main__":
