@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -15,19 +16,30 @@ def _like(weight: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Ten
     return weight if weight is None or weight.dtype == x.dtype else weight.to(x.dtype)
 
 
+def _in_input_dtype(x: torch.Tensor):
+    """No autocast for a 16-bit input: the norm kernels take it as it is and
+    accumulate in fp32, return its dtype and keep it (not an fp32 copy) for backward."""
+    if x.dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(x.device.type, enabled=False)
+
+
 class LayerNorm(nn.LayerNorm):
-    """LayerNorm in the input's dtype: 16-bit weights (gathered by FSDP in the
-    compute dtype) are cast to the fp32 residual stream."""
+    """LayerNorm in the residual stream's dtype (the input's): the weights are cast
+    to it (16-bit weights gathered by FSDP to an fp32 stream, fp32 weights to a
+    16-bit one) and the output has it."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.normalized_shape, _like(self.weight, x), _like(self.bias, x), self.eps)
+        with _in_input_dtype(x):
+            return F.layer_norm(x, self.normalized_shape, _like(self.weight, x), _like(self.bias, x), self.eps)
 
 
 class RMSNorm(nn.RMSNorm):
     """RMSNorm in the input's dtype (see ``LayerNorm``)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.normalized_shape, _like(self.weight, x), self.eps)
+        with _in_input_dtype(x):
+            return F.rms_norm(x, self.normalized_shape, _like(self.weight, x), self.eps)
 
 
 def make_norm(config: ModelConfig) -> nn.Module:

@@ -12,7 +12,9 @@
   sharded with the AdamW moments in every stage. Forward and backward use
   compute copies in ``precision.param_dtype`` (``MixedPrecisionPolicy``): the
   all-gathers move that dtype and gradients are reduce-scattered in
-  ``precision.reduce_dtype``. As the ZeRO paper's stages:
+  ``precision.reduce_dtype``; the blocks' inputs, the residual stream, are cast
+  to it too unless ``precision.fp32_residual`` (``llmforge.parallel.residual``).
+  As the ZeRO paper's stages:
   - 1: the compute weights stay whole through the step's microbatches and
     gradients accumulate whole (in the reduce dtype), reduce-scattered once,
     during the last microbatch's backward;
@@ -51,17 +53,20 @@ from torch.distributed.tensor import DTensor
 from llmforge.parallel.dtensor import local
 
 
-def mixed_precision(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype) -> MixedPrecisionPolicy:
+def mixed_precision(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype, fp32_residual: bool = False) -> MixedPrecisionPolicy:
     """Gather weights in ``param_dtype`` and reduce gradients in ``reduce_dtype``.
 
-    Inputs are not cast: the residual stream stays fp32 and autocast decides the
-    dtype of each op (norms in fp32, matmuls in the compute dtype), as with ZeRO 0."""
+    Each unit's floating-point inputs (a block's residual stream, a pipeline
+    stage's received activations) are cast to ``param_dtype``, as torchtitan
+    does, unless ``fp32_residual``: then the stream stays fp32 and the compute
+    copies meet it in autocast (``llmforge.parallel.residual`` casts the
+    embedding lookups up)."""
     compute = None if param_dtype == torch.float32 else param_dtype
-    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce_dtype, cast_forward_inputs=compute is not None and not fp32_residual)
 
 
 def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               expert_mesh: Optional[DeviceMesh] = None, offload: bool = False) -> None:
+               expert_mesh: Optional[DeviceMesh] = None, offload: bool = False, fp32_residual: bool = False) -> None:
     """Shard ``model`` over ``dp_mesh`` with FSDP2 for ZeRO stage 1, 2 or 3.
 
     ``expert_mesh`` (the ``dp_rest`` mesh, set when experts are split over ep
@@ -70,7 +75,7 @@ def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype:
     the sharded fp32 weights and their gradients live in host memory (FSDP2's
     ``CPUOffloadPolicy``, pinned when the mesh is on GPUs), so the optimizer steps
     them on the CPU."""
-    mp = mixed_precision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    mp = mixed_precision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, fp32_residual=fp32_residual)
     policy = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if offload else OffloadPolicy()
     blocks = []
     for i, block in enumerate(model.layers.values()):
@@ -81,8 +86,6 @@ def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype:
         blocks.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy))
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp, offload_policy=policy)
     _prefetch(blocks)
-    if mp.param_dtype is not None:
-        _fp32_embeddings(model)
 
 
 def _prefetch(blocks: List[FSDPModule]) -> None:
@@ -93,19 +96,6 @@ def _prefetch(blocks: List[FSDPModule]) -> None:
             block.set_modules_to_forward_prefetch([blocks[i + 1]])
         if i > 0:
             block.set_modules_to_backward_prefetch([blocks[i - 1]])
-
-
-def _to_fp32(_module: nn.Module, _inputs: object, output: torch.Tensor) -> torch.Tensor:
-    return output.float()
-
-
-def _fp32_embeddings(model: nn.Module) -> None:
-    """Embedding lookups of 16-bit gathered tables return fp32, so the residual
-    stream is fp32 as when autocast computes from fp32 weights."""
-    for name in ("embed", "pos_embed"):
-        module = getattr(model, name, None)
-        if module is not None:
-            module.register_forward_hook(_to_fp32)
 
 
 def _shard_experts(block: nn.Module, *, mesh: DeviceMesh, dp_size: int, reshard: bool, mp: MixedPrecisionPolicy, policy: OffloadPolicy) -> None:

@@ -13,7 +13,8 @@ its GPU, under NCCL; ``mesh_of_one`` sends a one-rank layout through the distrib
 OUT.pt (written by rank 0): per layout the losses, validation losses (every
 EVAL_INTERVAL steps and at the end, forward only), grad norms, step times, the
 host synchronisations of the counted step on rank 0 (``llmforge.train.syncs``), the
-intra-op thread count of each rank, rank 0's local element count of each
+intra-op thread count of each rank, the dtypes each rank's blocks received and
+returned (the residual stream) and its losses had, rank 0's local element count of each
 parameter (what it holds of its shard), the full (gathered) parameters after the
 last step and every rank's persistent buffers (the MoE routing bias).
 """
@@ -92,6 +93,7 @@ class LayoutResult:
     step_times: List[float] = field(default_factory=list)
     syncs: List[int] = field(default_factory=list)
     threads: List[int] = field(default_factory=list)
+    dtypes: List[Dict[str, List[str]]] = field(default_factory=list)
     local_numel: Dict[str, int] = field(default_factory=dict)
     params: Dict[str, torch.Tensor] = field(default_factory=dict)
     buffers: List[Dict[str, torch.Tensor]] = field(default_factory=list)
@@ -122,6 +124,7 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), m
     sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed, eos_rate=eos_rate)
     rank = rank_info(plan, device=device, mesh_of_one=mesh_of_one)
     c = build_components(plan, rank=rank, sampler=sampler)
+    dtypes = record_dtypes(c)
     # validation on other synthetic rows mid-run and at the end: training must continue unchanged after it
     c.val_sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed + 1, eos_rate=eos_rate)
     records: List[dict] = []
@@ -139,6 +142,7 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), m
     out.params = full_parameters(c)  # reshards first: ZeRO 1/2 keep the compute copy gathered
     out.local_numel = {n: local_numel(p) for part in c.model_parts for n, p in part.named_parameters()}
     out.threads = rank_threads()
+    out.dtypes = per_rank({k: sorted(v) for k, v in dtypes.items()})
     out.buffers = rank_buffers(c)
     return out
 
@@ -158,12 +162,36 @@ def rank_buffers(c: Components) -> List[Dict[str, torch.Tensor]]:
 
 def rank_threads() -> List[int]:
     """torch's intra-op thread count on every rank (collective when distributed)."""
-    mine = torch.get_num_threads()
+    return [int(c) for c in per_rank(torch.get_num_threads())]
+
+
+def per_rank(mine: object) -> list:
+    """``mine`` from every rank, in rank order (collective when distributed)."""
     if not dist.is_initialized():
         return [mine]
-    counts: List[Optional[int]] = [None] * dist.get_world_size()
-    dist.all_gather_object(counts, mine)
-    return [int(c) for c in counts if c is not None]
+    gathered: List[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def record_dtypes(c: Components) -> Dict[str, set]:
+    """Collect, as the run goes, the dtypes of the residual stream as it reaches each
+    block (before any hook casts it), of each block's output and of the losses."""
+    seen: Dict[str, set] = {"block_inputs": set(), "block_outputs": set(), "losses": set()}
+    for part in c.model_parts:
+        for block in part.layers.values():
+            block.register_forward_pre_hook(lambda _m, args: seen["block_inputs"].add(str(args[0].dtype)), prepend=True)
+            block.register_forward_hook(lambda _m, _args, out: seen["block_outputs"].add(str(out.dtype)))
+    step = getattr(c.step, "inner", c.step)  # an OffloadedStep wraps the runner
+    loss_fn = step.loss_fn
+
+    def recorded(*args, **kwargs):
+        loss = loss_fn(*args, **kwargs)
+        seen["losses"].add(str(loss.dtype))
+        return loss
+
+    step.loss_fn = recorded
+    return seen
 
 
 def full_parameters(c: Components) -> Dict[str, torch.Tensor]:

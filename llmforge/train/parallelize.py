@@ -1,11 +1,12 @@
 """Apply every parallelism to a model (or pipeline chunk) in the documented order.
 
 Order (as in torchtitan): float8 -> tensor parallel -> expert parallel -> context
-parallel -> activation recompute -> compile -> FSDP (over dp x cp). The model (or
-its pipeline chunks) arrives on the meta device and is sharded there; the builder
-(``llmforge.train.build``) then allocates only this rank's shards and cuts each one
-from the parameter's whole seeded value, so every layout starts from the same
-numbers. A single process goes through the same function with every degree 1 (no mesh).
+parallel -> the residual stream's dtype (16-bit compute) -> activation recompute ->
+compile -> FSDP (over dp x cp). The model (or its pipeline chunks) arrives on the meta
+device and is sharded there; the builder (``llmforge.train.build``) then allocates only
+this rank's shards and cuts each one from the parameter's whole seeded value, so every
+layout starts from the same numbers. A single process goes through the same function
+with every degree 1 (no mesh).
 """
 
 from __future__ import annotations
@@ -20,14 +21,15 @@ from llmforge.parallel.context import apply_cp
 from llmforge.parallel.data import apply_fsdp
 from llmforge.parallel.expert import apply_ep
 from llmforge.parallel.mesh import ParallelMesh
+from llmforge.parallel.residual import apply_residual_dtype
 from llmforge.parallel.tensor import apply_tp
 from llmforge.plan import RunPlan
-from llmforge.train.precision import DTYPES
+from llmforge.train.precision import DTYPES, residual_dtype
 
 
 def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]) -> None:
-    """Shard one model (or pipeline chunk) in place: float8 -> TP -> EP -> CP -> recompute -> compile -> FSDP.
-    ``mesh`` may be None in one process, where only float8, recompute and compile apply."""
+    """Shard one model (or pipeline chunk) in place: float8 -> TP -> EP -> CP -> residual dtype -> recompute -> compile -> FSDP.
+    ``mesh`` may be None in one process, where only float8, the residual dtype, recompute and compile apply."""
     p = plan.config.parallel
     if plan.config.precision.fp8:
         from llmforge.parallel.float8 import apply_float8
@@ -39,15 +41,17 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]
         apply_ep(model, ep_mesh=mesh.ep)
     if plan.layout.cp > 1:
         apply_cp(model, cp_mesh=mesh.cp)
+    precision = plan.config.precision
+    if precision.param_dtype != "fp32":
+        apply_residual_dtype(model, dtype=residual_dtype(param_dtype=precision.param_dtype, fp32_residual=precision.fp32_residual))
     if p.recompute != "none":
         apply_recompute(model, mode=p.recompute, every=p.recompute_every)
     if plan.config.train.compile:
         apply_compile(model)
     if uses_fsdp(plan, mesh=mesh):
         experts = mesh.dp_rest if plan.layout.ep > 1 else None
-        precision = plan.config.precision
-        apply_fsdp(model, dp_mesh=mesh.fsdp, zero=p.zero, param_dtype=DTYPES[precision.param_dtype],
-                   reduce_dtype=DTYPES[precision.reduce_dtype], expert_mesh=experts, offload=p.offload == "states")
+        apply_fsdp(model, dp_mesh=mesh.fsdp, zero=p.zero, param_dtype=DTYPES[precision.param_dtype], reduce_dtype=DTYPES[precision.reduce_dtype],
+                   expert_mesh=experts, offload=p.offload == "states", fp32_residual=precision.fp32_residual)
     elif p.offload == "states":
         raise RuntimeError("parallel.offload=states needs FSDP2 on a process group: a one-rank plan goes through torchrun (llmforge.launch.run.runs_here)")
 

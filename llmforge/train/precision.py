@@ -1,4 +1,6 @@
-"""Mixed precision: autocast for bf16/fp16 compute, dynamic loss scaling for fp16."""
+"""Mixed precision: autocast for bf16/fp16 compute, the residual stream's dtype,
+dynamic loss scaling for fp16. The loss is computed in fp32 from 16-bit logits
+(``llmforge.train.loss``)."""
 
 from __future__ import annotations
 
@@ -17,10 +19,17 @@ DTYPES = {name: getattr(torch, torch_name) for name, torch_name in TORCH_NAMES.i
 
 
 def autocast(*, param_dtype: str, device: torch.device):
-    """Autocast context for the forward pass; a no-op in fp32. Master weights stay fp32."""
+    """Autocast context for the forward pass; a no-op in fp32. Master weights stay fp32:
+    autocast casts them for each matmul (the compute copies where FSDP2 does not gather them)."""
     if param_dtype == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=DTYPES[param_dtype])
+
+
+def residual_dtype(*, param_dtype: str, fp32_residual: bool) -> torch.dtype:
+    """The residual stream's dtype: the compute dtype, or fp32 under fp32 compute or
+    ``precision.fp32_residual`` (``llmforge.parallel.residual``)."""
+    return torch.float32 if fp32_residual else DTYPES[param_dtype]
 
 
 @dataclass
