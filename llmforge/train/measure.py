@@ -146,9 +146,13 @@ def run_once(model, *, micro_batch: int, param_dtype: str, vocab: int, seq: int,
     return Measurement(saved_bytes=sum(saved.values()), forward_flops=forward, backward_flops=counter.get_total_flops() - forward)
 
 
-def measure_config(model_cfg, *, micro_batch: int, param_dtype: str, recompute: str = "none", every: int = 1, fake: Optional[bool] = None) -> Measurement:
-    """Build ``GPT(model_cfg)`` and measure one microbatch (real or fake CPU tensors)."""
+def measure_config(model_cfg, *, micro_batch: int, param_dtype: str, recompute: str = "none", every: int = 1, fake: Optional[bool] = None,
+                   fp32_residual: bool = False) -> Measurement:
+    """Build ``GPT(model_cfg)`` and measure one microbatch (real or fake CPU tensors), with
+    the residual stream in the dtype a run keeps it in."""
     from llmforge.models.gpt import GPT
+    from llmforge.parallel.residual import apply_residual_dtype
+    from llmforge.train.precision import residual_dtype
 
     if fake is None:
         fake = total_params(shape_from_config(model_cfg)) * micro_batch * model_cfg.seq_len > REAL_LIMIT
@@ -161,6 +165,8 @@ def measure_config(model_cfg, *, micro_batch: int, param_dtype: str, recompute: 
         torch.manual_seed(0)
         model = GPT(model_cfg)
         model.train()
+        if param_dtype != "fp32":
+            apply_residual_dtype(model, dtype=residual_dtype(param_dtype=param_dtype, fp32_residual=fp32_residual))
         caches = _recompute_wrap(model, mode=recompute, every=every)
         return run_once(model, micro_batch=micro_batch, param_dtype=param_dtype, vocab=model_cfg.vocab_size, seq=model_cfg.seq_len, caches=caches)
 
@@ -190,14 +196,14 @@ class MeasuredReport:
         return {"rows": [dataclasses.asdict(r) for r in self.rows], "notes": list(self.notes)}
 
 
-def _scaled(model_cfg, *, micro_batch: int, param_dtype: str, recompute: str, every: int) -> tuple[Measurement, str]:
+def _scaled(model_cfg, *, micro_batch: int, param_dtype: str, recompute: str, every: int, fp32_residual: bool = False) -> tuple[Measurement, str]:
     """Measure the full depth directly, or two shallow copies and extrapolate per block group."""
     group = max(model_cfg.moe.every, every)
     small = total_params(shape_from_config(model_cfg)) * micro_batch * model_cfg.seq_len <= REAL_LIMIT
     if small or model_cfg.num_layers <= 2 * group:
-        m = measure_config(model_cfg, micro_batch=micro_batch, param_dtype=param_dtype, recompute=recompute, every=every)
+        m = measure_config(model_cfg, micro_batch=micro_batch, param_dtype=param_dtype, recompute=recompute, every=every, fp32_residual=fp32_residual)
         return m, f"all {model_cfg.num_layers} blocks measured"
-    kw = dict(micro_batch=micro_batch, param_dtype=param_dtype, recompute=recompute, every=every)
+    kw = dict(micro_batch=micro_batch, param_dtype=param_dtype, recompute=recompute, every=every, fp32_residual=fp32_residual)
     one = measure_config(dataclasses.replace(model_cfg, num_layers=group), **kw)
     two = measure_config(dataclasses.replace(model_cfg, num_layers=2 * group), **kw)
     reps = model_cfg.num_layers // group - 1
@@ -230,7 +236,8 @@ def measure_plan(plan, est) -> MeasuredReport:
     mb = cfg.train.micro_batch_size
     names = count_parameters(cfg.model)
     measured_params = sum(_numel(s) for s in names.values())
-    m, how = _scaled(cfg.model, micro_batch=mb, param_dtype=cfg.precision.param_dtype, recompute=p.recompute, every=p.recompute_every)
+    m, how = _scaled(cfg.model, micro_batch=mb, param_dtype=cfg.precision.param_dtype, recompute=p.recompute, every=p.recompute_every,
+                      fp32_residual=cfg.precision.fp32_residual)
     ref = single_process_estimate(est.shape, est.job, micro_batch=mb, recompute=p.recompute, every=p.recompute_every)
     report = MeasuredReport(rows=[
         Row("parameters", ref["params"], measured_params),
