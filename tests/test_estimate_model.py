@@ -28,8 +28,8 @@ CONFIGS = {"gpt": GPT_TINY, "llama": LLAMA_TINY, "gelu-rope-gqa": GELU_ROPE_NOBI
 
 
 def _job(dtype: str) -> Job:
-    """``measure`` runs autocast over fp32 weights: an fp32 residual stream."""
-    return Job(global_batch=2, param_dtype=dtype, reduce_dtype="fp32", profile=get_profile("cpu"), fp32_residual=True)
+    """``measure`` runs autocast over fp32 weights with the residual stream in the compute dtype, as a run does."""
+    return Job(global_batch=2, param_dtype=dtype, reduce_dtype="fp32", profile=get_profile("cpu"))
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
