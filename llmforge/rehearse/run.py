@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List
 
@@ -25,12 +26,14 @@ DIFFERENCES = (
 
 @dataclass
 class Rehearsal:
-    """What one rehearsal measured (bytes): the step's peak by category, the build's peak."""
+    """What one rehearsal measured (bytes): the peak of the steady step (the second: AdamW
+    makes its states in the first) by category, and the peaks of the build and the first step."""
 
     rank: int
     where: str
     peak_bytes: int
     step_peak_bytes: int
+    first_step_peak_bytes: int
     build_peak_bytes: int
     categories: Dict[str, int]
     seconds: float
@@ -52,10 +55,21 @@ class Rehearsal:
     def as_dict(self, *, whole_compute_copy: bool) -> dict:
         return {
             "rank": self.rank, "most_loaded": self.where, "peak_bytes": self.peak_bytes,
-            "step_peak_bytes": self.step_peak_bytes, "build_peak_bytes": self.build_peak_bytes,
+            "step_peak_bytes": self.step_peak_bytes, "first_step_peak_bytes": self.first_step_peak_bytes,
+            "build_peak_bytes": self.build_peak_bytes,
             "memory_bytes": self.as_estimate_items(whole_compute_copy=whole_compute_copy),
             "categories": dict(self.categories), "seconds": self.seconds, "differences": list(self.differences),
         }
+
+
+def unsupported(plan: RunPlan) -> str:
+    """Why the rehearsal cannot run ``plan`` yet ("" when it can)."""
+    if plan.layout.pp > 1:
+        return ("pipeline stages exchange their tensors' shapes with their neighbours before the first step "
+                "(torch.distributed.pipelining), which a fake process group cannot answer")
+    if plan.config.model.moe.num_experts > 0:
+        return "MoE routing decides tensor shapes from the data (tokens per expert), which fake tensors do not have"
+    return ""
 
 
 def most_loaded_rank(plan: RunPlan, *, stage: int) -> int:
@@ -78,26 +92,32 @@ def rehearse(plan: RunPlan, *, stage: int, where: str = "") -> Rehearsal:
     rank = most_loaded_rank(plan, stage=stage)
     start = time.perf_counter()
     with fake_process_group(rank=rank, world_size=plan.world_size):
-        build, step = _program(plan)
-    return Rehearsal(rank=rank, where=where, peak_bytes=max(build.peak_bytes, step.peak_bytes), step_peak_bytes=step.peak_bytes,
-                     build_peak_bytes=build.peak_bytes, categories=step.peak_by_category(), seconds=time.perf_counter() - start)
+        build, first, step = _program(plan)
+    return Rehearsal(rank=rank, where=where, peak_bytes=max(build.peak_bytes, first.peak_bytes, step.peak_bytes), step_peak_bytes=step.peak_bytes,
+                     first_step_peak_bytes=first.peak_bytes, build_peak_bytes=build.peak_bytes, categories=step.peak_by_category(),
+                     seconds=time.perf_counter() - start)
 
 
-def _program(plan: RunPlan) -> tuple[PeakTracker, PeakTracker]:
+def _program(plan: RunPlan) -> tuple[PeakTracker, PeakTracker, PeakTracker]:
     from llmforge.models.masks import needs_eos
     from llmforge.train.build import build_components, distributed_rank
 
     device = torch.device("cpu")
-    rank = distributed_rank(plan, device=device)  # the mesh reads real rank tables: made before the fake tensors
+    with warnings.catch_warnings():  # the fake group keeps no collective timeout, and says so
+        warnings.filterwarnings("ignore", message="Set timeout is now only supported")
+        rank = distributed_rank(plan, device=device)  # the mesh reads real rank tables: made before the fake tensors
     cfg = plan.config
     batches = FakeBatches(global_batch=cfg.train.global_batch_size, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size,
                           eos_id=0 if needs_eos(cfg.model) else None)
     with fake_tensors(), _fused_adamw():
         with PeakTracker() as build:
             c = build_components(plan, rank=rank, sampler=batches)
-        with PeakTracker(modules=c.model_parts, optimizer=c.optimizer) as step:
-            _one_step(c, tracker=step, grad_clip=cfg.optim.grad_clip)
-    return build, step
+        trackers = [build]
+        for _ in range(2):
+            with PeakTracker(modules=c.model_parts, optimizer=c.optimizer) as step:
+                _one_step(c, tracker=step, grad_clip=cfg.optim.grad_clip)
+            trackers.append(step)
+    return tuple(trackers)  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
@@ -114,7 +134,8 @@ def _fused_adamw() -> Iterator[None]:
 
 
 def _one_step(c, *, tracker: PeakTracker, grad_clip: float) -> None:
-    """The loop's step (``llmforge.train.loop.train_loop``) without its reads of the device."""
+    """The loop's step (``llmforge.train.loop.train_loop``) without its reads of the device
+    (the guard's read, the meter, logging)."""
     from llmforge.train.loop import _unscale_and_clip
 
     batch = c.sampler.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size)
