@@ -86,30 +86,38 @@ def rehearsal_plan(plan: RunPlan) -> RunPlan:
     return RunPlan.build(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False)))
 
 
-def rehearse(plan: RunPlan, *, stage: int, where: str = "") -> Rehearsal:
-    """Run the build and one training step of pipeline rank ``stage``'s first rank on fake tensors."""
+def rehearse(plan: RunPlan, *, stage: int, where: str = "", fake: bool = True) -> Rehearsal:
+    """Run the build and two training steps of pipeline rank ``stage``'s first rank on fake
+    tensors (``fake=False``: on real ones, for a tiny plan, to check the fake run against it)."""
+    from llmforge.launch.run import runs_here
+
     plan = rehearsal_plan(plan)
     rank = most_loaded_rank(plan, stage=stage)
     start = time.perf_counter()
-    with fake_process_group(rank=rank, world_size=plan.world_size):
-        build, first, step = _program(plan)
+    group = contextlib.nullcontext() if runs_here(plan) else fake_process_group(rank=rank, world_size=plan.world_size)
+    with group:
+        build, first, step = _program(plan, distributed=not runs_here(plan), fake=fake)
     return Rehearsal(rank=rank, where=where, peak_bytes=max(build.peak_bytes, first.peak_bytes, step.peak_bytes), step_peak_bytes=step.peak_bytes,
                      first_step_peak_bytes=first.peak_bytes, build_peak_bytes=build.peak_bytes, categories=step.peak_by_category(),
                      seconds=time.perf_counter() - start)
 
 
-def _program(plan: RunPlan) -> tuple[PeakTracker, PeakTracker, PeakTracker]:
+def _program(plan: RunPlan, *, distributed: bool, fake: bool) -> tuple[PeakTracker, PeakTracker, PeakTracker]:
+    """The build and two steps of this process's rank, each under its own tracker."""
     from llmforge.models.masks import needs_eos
     from llmforge.train.build import build_components, distributed_rank
+    from llmforge.train.components import RankInfo
 
     device = torch.device("cpu")
-    with warnings.catch_warnings():  # the fake group keeps no collective timeout, and says so
-        warnings.filterwarnings("ignore", message="Set timeout is now only supported")
-        rank = distributed_rank(plan, device=device)  # the mesh reads real rank tables: made before the fake tensors
+    rank = RankInfo(device=device)
+    if distributed:
+        with warnings.catch_warnings():  # the fake group keeps no collective timeout, and says so
+            warnings.filterwarnings("ignore", message="Set timeout is now only supported")
+            rank = distributed_rank(plan, device=device)  # the mesh reads real rank tables: made before the fake tensors
     cfg = plan.config
     batches = FakeBatches(global_batch=cfg.train.global_batch_size, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size,
                           eos_id=0 if needs_eos(cfg.model) else None)
-    with fake_tensors(), _fused_adamw():
+    with fake_tensors() if fake else contextlib.nullcontext(), _fused_adamw():
         with PeakTracker() as build:
             c = build_components(plan, rank=rank, sampler=batches)
         trackers = [build]
