@@ -106,3 +106,11 @@ def test_train_rehearse_key():
     assert not should_rehearse(build_plan(["recipe=llama-70b", "train.rehearse=never"]))
     with pytest.raises(UserError, match="train.rehearse"):
         build_plan(["recipe=tiny", "train.rehearse=yes"])
+
+
+def test_pretrain_rehearses_before_launch_when_asked():
+    result = runner.invoke(app, ["pretrain", *FSDP4, "train.rehearse=always", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "Rehearsed rank 0: peak" in result.output
+    quiet = runner.invoke(app, ["pretrain", *FSDP4, "--dry-run"])  # auto: a tiny plan on CPU is not rehearsed
+    assert quiet.exit_code == 0 and "Rehearsed" not in quiet.output
