@@ -29,7 +29,7 @@ def rehearse_estimate(plan: RunPlan, est: Estimate):
 
     reason = unsupported(plan)
     if reason:
-        raise UserError([Problem("--rehearse", plan.layout, reason, "rehearse a layout without it, or leave out --rehearse")],
+        raise UserError([Problem("--rehearse", str(plan.layout), reason, "rehearse a layout without it, or leave out --rehearse")],
                         title="cannot rehearse this plan")
     return rehearse(plan, stage=est.worst.stage, where=where(est))
 
