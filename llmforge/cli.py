@@ -109,7 +109,7 @@ def estimate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in docs/estimator.md)."),
     timeline: bool = typer.Option(False, "--timeline", help="Draw the pipeline schedule, slot by slot."),
     measure: bool = typer.Option(False, "--measure", help="Also build the real model on CPU and print measured numbers."),
-    rehearse: bool = typer.Option(False, "--rehearse", help="Also run the most-loaded rank's build and one step at full scale on fake tensors (CPU) and print its peak memory."),
+    rehearse: bool = typer.Option(False, "--rehearse", help="Also run the most-loaded rank's build and two steps at full scale on fake tensors (CPU) and print its peak memory."),
     search: bool = typer.Option(False, "--search", help="Search every valid layout and rank those that fit by speed."),
     top: int = typer.Option(5, "--top", min=1, help="With --search, how many layouts to show (1 or more)."),
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="Start from a run's plan.json instead of the recipe (overrides apply on top)."),

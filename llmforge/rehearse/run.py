@@ -1,4 +1,4 @@
-"""Rehearse the most-loaded rank of a plan: build, parallelize and one step on fake tensors."""
+"""Rehearse the most-loaded rank of a plan: build, parallelize and two steps on fake tensors."""
 
 from __future__ import annotations
 
