@@ -4,12 +4,12 @@ torch's fake process group (tiny plans only: the full-scale rehearsals are in do
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.utils
-import weakref
 from typer.testing import CliRunner
 
 from llmforge.cli import app
@@ -20,7 +20,10 @@ from llmforge.estimate.core import estimate_plan
 from llmforge.rehearse.run import rehearse
 from llmforge.rehearse.tracker import PeakTracker
 
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
 runner = CliRunner()
+RESIZE, PROPAGATE = torch.UntypedStorage.resize_, ShardingPropagator._propagate_tensor_meta_non_cached
 SMALL = ["recipe=tiny", "model.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=2"]
 FSDP4 = [*SMALL, "parallel=fsdp", "cluster.devices_per_node=4"]
 
@@ -67,7 +70,8 @@ def test_rehearsal_leaves_no_group_and_no_patch_behind(fsdp4):
     assert not dist.is_initialized()
     assert torch.utils.weakref is weakref
     assert optim.implementation.__module__ == "llmforge.train.optim"
-    assert torch.UntypedStorage.resize_.__qualname__ == "UntypedStorage.resize_" or "PeakTracker" not in repr(torch.UntypedStorage.resize_)
+    assert torch.UntypedStorage.resize_ is RESIZE
+    assert ShardingPropagator._propagate_tensor_meta_non_cached is PROPAGATE
 
 
 def test_tracker_tags_gradients_and_states_after_the_fact():
@@ -114,3 +118,24 @@ def test_pretrain_rehearses_before_launch_when_asked():
     assert "Rehearsed rank 0: peak" in result.output
     quiet = runner.invoke(app, ["pretrain", *FSDP4, "--dry-run"])  # auto: a tiny plan on CPU is not rehearsed
     assert quiet.exit_code == 0 and "Rehearsed" not in quiet.output
+
+
+def test_tracker_leaves_out_dtensor_shape_propagation():
+    """DTensor finds an op's output shape by running it on global-shape fake tensors, in the
+    active fake mode: a rank holds none of them. An AdamW step over a parameter sharded 4 ways
+    holds the shard, its gradient and two moments, nothing of the global size."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from llmforge.rehearse.fake import fake_process_group, fake_tensors
+
+    with fake_process_group(rank=0, world_size=4):
+        mesh = init_device_mesh("cpu", (4,))
+        with fake_tensors():
+            param = torch.nn.Parameter(distribute_tensor(torch.randn(1024, 1024), mesh, [Shard(0)]))
+            param.grad = distribute_tensor(torch.randn(1024, 1024), mesh, [Shard(0)])
+            opt = torch.optim.AdamW([param], fused=True)
+            with PeakTracker() as t:
+                opt.step()
+    shard = 1024 * 1024 * 4 // 4
+    assert t.peak_bytes <= 2 * shard + 1024  # the two moments (and the step counter)
