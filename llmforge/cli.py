@@ -109,6 +109,7 @@ def estimate(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in docs/estimator.md)."),
     timeline: bool = typer.Option(False, "--timeline", help="Draw the pipeline schedule, slot by slot."),
     measure: bool = typer.Option(False, "--measure", help="Also build the real model on CPU and print measured numbers."),
+    rehearse: bool = typer.Option(False, "--rehearse", help="Also run the most-loaded rank's build and two steps at full scale on fake tensors (CPU) and print its peak memory."),
     search: bool = typer.Option(False, "--search", help="Search every valid layout and rank those that fit by speed."),
     top: int = typer.Option(5, "--top", min=1, help="With --search, how many layouts to show (1 or more)."),
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="Start from a run's plan.json instead of the recipe (overrides apply on top)."),
@@ -127,11 +128,13 @@ def estimate(
       llmforge estimate recipe=llama-70b cluster.nodes=8 --search --top 5
 
       llmforge estimate --plan runs/tiny/plan.json
+
+      llmforge estimate recipe=llama-8b parallel=fsdp cluster.nodes=1 --rehearse
     """
     from llmforge.commands.inspect import estimate_command
 
     estimate_command(overrides or [], plan_file=plan_file, config_dir=config_dir or [], as_json=as_json, timeline=timeline,
-                     measure=measure, search=search, top=top, console=out)
+                     measure=measure, search=search, top=top, console=out, rehearse=rehearse)
 
 
 @app.command()

@@ -45,6 +45,7 @@ CHOICES: Dict[str, tuple] = {
     "optim.decay_shape": ("linear", "cosine", "sqrt"),
     "train.memory_snapshot": ("off", "oom", "profile"),
     "train.anomaly": ANOMALY_POLICIES,
+    "train.rehearse": ("auto", "always", "never"),
     "cluster.launcher": ("local", "torchrun", "slurm"),
     "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
 }

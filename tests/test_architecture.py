@@ -15,7 +15,7 @@ PACKAGE = ROOT / "llmforge"
 #: Modules (and packages, by prefix) that must stay light: no torch, nothing below.
 LIGHT = ("llmforge.estimate", "llmforge.config", "llmforge.plan", "llmforge.layout", "llmforge.elastic", "llmforge.hardware", "llmforge.errors")
 #: What the light layers must not import.
-HEAVY = ("torch", "llmforge.train", "llmforge.parallel", "llmforge.models", "llmforge.launch", "llmforge.commands", "llmforge.cli")
+HEAVY = ("torch", "llmforge.train", "llmforge.parallel", "llmforge.models", "llmforge.launch", "llmforge.commands", "llmforge.cli", "llmforge.rehearse")
 
 
 def _module_name(path: Path) -> str:
@@ -110,7 +110,8 @@ FORBIDDEN = {
     "llmforge.models": ("llmforge.parallel", "llmforge.train", "llmforge.plan", "torch.distributed"),
     "llmforge.parallel": ("llmforge.train", "llmforge.plan", "llmforge.launch", "llmforge.checkpoint", "llmforge.estimate",
                           "llmforge.commands", "llmforge.rundir"),
-    "llmforge.train": ("llmforge.launch", "llmforge.commands", "llmforge.cli", "llmforge.testing"),
+    "llmforge.train": ("llmforge.launch", "llmforge.commands", "llmforge.cli", "llmforge.testing", "llmforge.rehearse"),
+    "llmforge.rehearse": ("llmforge.commands", "llmforge.cli"),
     "llmforge.launch": ("llmforge.commands", "llmforge.cli", "llmforge.testing"),
     "llmforge.checkpoint": ("llmforge.train", "llmforge.launch", "llmforge.commands"),
     "llmforge.data": ("llmforge.train", "llmforge.parallel", "llmforge.launch", "llmforge.commands"),

@@ -1,6 +1,7 @@
 """``llmforge estimate``: the estimate of a plan, or the layout search, as JSON or tables.
 
-Only ``--measure`` imports torch (``llmforge.train.measure``), and only when asked.
+Only ``--measure`` (``llmforge.train.measure``) and ``--rehearse`` (``llmforge.rehearse``)
+import torch, and only when asked.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from llmforge.estimate.report import as_dict, search_dict
 from llmforge.estimate.search import search_plan, why
 
 
-def run_estimate(plan, *, as_json: bool, timeline: bool, measure: bool, search: bool, top: int, console) -> None:
+def run_estimate(plan, *, as_json: bool, timeline: bool, measure: bool, search: bool, top: int, console, rehearse: bool = False) -> None:
     """The ``llmforge estimate`` command: print the estimate (or the layout search) of ``plan``."""
     if search:
         run_search(plan, as_json=as_json, top=top, console=console)
@@ -29,6 +30,12 @@ def run_estimate(plan, *, as_json: bool, timeline: bool, measure: bool, search: 
 
         measured = measure_plan(plan, est)
         data["measured"] = measured.as_dict()
+    rehearsal = None
+    if rehearse:
+        from llmforge.commands.rehearsal import rehearsal_dict, rehearse_estimate
+
+        rehearsal = rehearse_estimate(plan, est)
+        data["rehearsal"] = rehearsal_dict(rehearsal, est)
     if as_json:
         sys.stdout.write(json.dumps(data, indent=2) + "\n")
         return
@@ -43,6 +50,10 @@ def run_estimate(plan, *, as_json: bool, timeline: bool, measure: bool, search: 
         render_timeline(est, console=console)
     if measured is not None:
         render_measured(measured, console=console)
+    if rehearsal is not None:
+        from llmforge.commands.rehearsal import render_rehearsal
+
+        render_rehearsal(rehearsal, est, console=console)
 
 
 def run_search(plan, *, as_json: bool, top: int, console) -> None:

@@ -39,16 +39,16 @@ def keys_command(prefix: str, *, console: Console) -> None:
 
 
 def estimate_command(overrides: Sequence[str], *, plan_file: Optional[Path], config_dir: Sequence[Path], as_json: bool, timeline: bool,
-                     measure: bool, search: bool, top: int, console: Console) -> None:
+                     measure: bool, search: bool, top: int, console: Console, rehearse: bool = False) -> None:
     reset = SEARCH_START if search else None
     if plan_file is not None:
         run_plan = plan_from_file(plan_file, overrides, config_dir=config_dir, reset=reset)
     else:
         run_plan = build_plan(overrides, config_dir=config_dir, reset=reset)
-    note_launch_needs(run_plan, refuse=measure)
+    note_launch_needs(run_plan, refuse=measure or rehearse)
     from llmforge.commands.estimate import run_estimate
 
-    run_estimate(run_plan, as_json=as_json, timeline=timeline, measure=measure, search=search, top=top, console=console)
+    run_estimate(run_plan, as_json=as_json, timeline=timeline, measure=measure, search=search, top=top, console=console, rehearse=rehearse)
 
 
 def note_launch_needs(run_plan, *, refuse: bool = False) -> None:

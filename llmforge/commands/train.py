@@ -12,7 +12,10 @@ from llmforge.commands.plans import build_plan
 
 def pretrain_command(overrides: Sequence[str], *, config_dir: Sequence[Path], force: bool, dry_run: bool, overwrite: bool, console: Console) -> None:
     run_plan = build_plan(overrides, config_dir=config_dir)
+    from llmforge.commands.rehearsal import rehearse_before_launch
     from llmforge.launch import launch
+
+    rehearse_before_launch(run_plan, force=force, console=console)
 
     launch(run_plan, resume_from=None, force=force, dry_run=dry_run, console=console, overwrite=overwrite)
 

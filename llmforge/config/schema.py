@@ -216,6 +216,11 @@ class TrainConfig:
     loss_spike_window: int = knob(128, range="[0, inf)", help="Loss spikes: a step whose loss exceeds the mean of the previous N steps' finite losses by loss_spike_sigma standard deviations is logged as loss_spike (tested once N steps ran). 0 = off.")
     loss_spike_sigma: float = knob(6.0, range="(0, inf)", help="Loss spikes: standard deviations above the window's mean that make a spike.")
     loss_spike_skip: bool = knob(False, help="Treat a loss spike like a non-finite step (skipped, and counted by train.anomaly).")
+    rehearse: str = knob(
+        "auto",
+        help="Before launch, run the most-loaded rank's build and one step on fake tensors on this CPU (llmforge estimate --rehearse) "
+        "and refuse a plan whose rehearsed peak does not fit the device: always, never, or auto (plans of 1B parameters or more on accelerators).",
+    )
 
 
 @dataclass

@@ -1,0 +1,97 @@
+"""``llmforge estimate --rehearse`` and the rehearsal ``pretrain`` runs before launch
+(``train.rehearse``): the most-loaded rank's program on fake tensors, next to the estimate."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from llmforge.estimate.core import Estimate
+from llmforge.estimate.text import gib, where
+from llmforge.plan import RunPlan
+
+ITEMS = ("weights", "grads", "optimizer", "activations", "transient")
+#: ``train.rehearse=auto`` rehearses plans of at least this many parameters on accelerators.
+AUTO_MIN_PARAMS = 1e9
+
+
+def whole_compute_copy(est: Estimate) -> bool:
+    """Whether the estimate keeps a whole compute copy of the weights (ZeRO 1-2, pipelines)
+    rather than gathered blocks (ZeRO 3): where the rehearsal's gathered copies go."""
+    lay = est.layout
+    return lay.dp * lay.cp > 1 and lay.zero > 0 and (lay.zero < 3 or lay.pp > 1)
+
+
+def rehearse_estimate(plan: RunPlan, est: Estimate):
+    """Rehearse the estimate's most-loaded rank (torch imported here only)."""
+    from llmforge.errors import Problem, UserError
+    from llmforge.rehearse.run import rehearse, unsupported
+
+    reason = unsupported(plan)
+    if reason:
+        raise UserError([Problem("--rehearse", str(plan.layout), reason, "rehearse a layout without it, or leave out --rehearse")],
+                        title="cannot rehearse this plan")
+    return rehearse(plan, stage=est.worst.stage, where=where(est))
+
+
+def rehearsal_dict(rehearsal, est: Estimate) -> dict:
+    """The ``rehearsal`` object of ``estimate --json`` (bytes; docs/estimator.md)."""
+    out = rehearsal.as_dict(whole_compute_copy=whole_compute_copy(est))
+    estimated = sum(getattr(est.worst, k) for k in ITEMS)
+    out["estimate_bytes"] = estimated
+    out["ratio"] = rehearsal.step_peak_bytes / estimated if estimated else None
+    return out
+
+
+def render_rehearsal(rehearsal, est: Estimate, *, console: Console) -> None:
+    """The rehearsed peak item by item next to the estimate's."""
+    items = rehearsal.as_estimate_items(whole_compute_copy=whole_compute_copy(est))
+    table = Table(title=f"Rehearsal of rank {rehearsal.rank} ({rehearsal.where}): fake tensors, the build and two steps (the second shown), {rehearsal.seconds:.0f} s")
+    for name in ("", "estimate", "rehearsed", "rehearsed / estimate"):
+        table.add_column(name, justify="left" if not name else "right")
+    for name in ITEMS:
+        e, r = getattr(est.worst, name), items[name]
+        table.add_row(name, gib(e), gib(r), f"{r / e:.2f}" if e else "-")
+    e_total = sum(getattr(est.worst, k) for k in ITEMS)
+    table.add_row("total (tensors)", gib(e_total), gib(rehearsal.step_peak_bytes), f"{rehearsal.step_peak_bytes / e_total:.2f}" if e_total else "-", style="bold")
+    table.add_row("reserved", gib(est.worst.reserved), "not rehearsed", "")
+    console.print(table)
+    console.print(f"Build peak: {gib(rehearsal.build_peak_bytes)}"
+                  + (" (above the step's: the build holds more than the rank keeps)" if rehearsal.build_peak_bytes > rehearsal.step_peak_bytes else ""),
+                  markup=False, highlight=False)
+    for note in rehearsal.differences:
+        console.print(f"note: {note}", style="dim", markup=False, highlight=False)
+
+
+def should_rehearse(plan: RunPlan) -> bool:
+    """``train.rehearse``: always, never, or auto (plans of ``AUTO_MIN_PARAMS`` parameters or more
+    on accelerators, whose launch a rehearsal on this CPU can save)."""
+    choice = plan.config.train.rehearse
+    if choice != "auto":
+        return choice == "always"
+    from llmforge.estimate.params import total_params
+    from llmforge.estimate.shape import shape_from_config
+
+    return plan.config.cluster.accelerator != "cpu" and total_params(shape_from_config(plan.config.model)) >= AUTO_MIN_PARAMS
+
+
+def rehearse_before_launch(plan: RunPlan, *, force: bool, console: Console) -> None:
+    """``pretrain``'s rehearsal (``train.rehearse``): refuse a plan whose rehearsed peak, with the
+    estimate's reserved bytes, does not fit the device, unless forced."""
+    if not should_rehearse(plan):
+        return
+    from llmforge.errors import fail
+    from llmforge.estimate.core import estimate_plan
+    from llmforge.rehearse.run import unsupported
+
+    est = estimate_plan(plan)
+    if unsupported(plan):
+        console.print(f"note: no rehearsal before launch: {unsupported(plan)}", style="yellow", markup=False, highlight=False)
+        return
+    rehearsal = rehearse_estimate(plan, est)
+    need, have = rehearsal.peak_bytes + est.worst.reserved, est.job.profile.memory_bytes
+    console.print(f"Rehearsed rank {rehearsal.rank}: peak {gib(rehearsal.peak_bytes)} + reserved {gib(est.worst.reserved)} "
+                  f"= {gib(need)} of {gib(have)} ({rehearsal.seconds:.0f} s on fake tensors)", markup=False, highlight=False)
+    if need > have and not force:
+        raise fail(f"the rehearsed rank {rehearsal.rank} needs {gib(need)} of the device's {gib(have)}; change the layout "
+                   "(llmforge estimate --search), set train.rehearse=false, or pass --force")

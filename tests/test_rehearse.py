@@ -1,0 +1,141 @@
+"""``llmforge estimate --rehearse``: the most-loaded rank's build and steps on fake tensors over
+torch's fake process group (tiny plans only: the full-scale rehearsals are in docs/estimator.md)."""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.utils
+from typer.testing import CliRunner
+
+from llmforge.cli import app
+from llmforge.commands.plans import build_plan
+from llmforge.commands.rehearsal import should_rehearse
+from llmforge.errors import UserError
+from llmforge.estimate.core import estimate_plan
+from llmforge.rehearse.run import rehearse
+from llmforge.rehearse.tracker import PeakTracker
+
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+runner = CliRunner()
+RESIZE, PROPAGATE = torch.UntypedStorage.resize_, ShardingPropagator._propagate_tensor_meta_non_cached
+SMALL = ["recipe=tiny", "model.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=2"]
+FSDP4 = [*SMALL, "parallel=fsdp", "cluster.devices_per_node=4"]
+
+
+@pytest.fixture(scope="module")
+def fsdp4():
+    plan = build_plan(FSDP4)
+    est = estimate_plan(plan)
+    return plan, est, rehearse(plan, stage=est.worst.stage)
+
+
+def test_zero3_rank_keeps_the_shards_the_estimate_counts(fsdp4):
+    """FSDP2 shards every parameter along dim 0 over the 4 ranks, and AdamW keeps two fp32
+    moments of the shard: the rehearsed rank holds exactly the estimate's bytes of both."""
+    _, est, r = fsdp4
+    assert r.categories["weights"] == est.worst.weights
+    assert r.categories["optimizer"] == pytest.approx(est.worst.optimizer, abs=1024)  # + AdamW's step counters
+    assert r.categories["compute_copies"] > 0  # a gathered block at the peak
+    assert sum(r.categories.values()) == r.step_peak_bytes
+
+
+def test_rehearsed_peak_is_near_the_estimate(fsdp4):
+    """The tensors the estimate counts (reserved bytes aside) against the rehearsed steady step:
+    on this plan 0.94; a model that missed a whole item (the logits, the activations) would be
+    off by far more than the bound."""
+    _, est, r = fsdp4
+    estimated = sum(getattr(est.worst, k) for k in ("weights", "grads", "optimizer", "activations", "transient"))
+    assert 0.75 < r.step_peak_bytes / estimated < 1.25
+    assert r.step_peak_bytes > r.first_step_peak_bytes  # AdamW's states appear in the first step
+
+
+def test_fake_tensors_rehearse_the_bytes_real_tensors_hold():
+    """The same program on real tensors (tiny, over the same fake group) holds the same bytes at
+    every peak, item by item: fake tensors change no allocation."""
+    plan = build_plan([*SMALL, "parallel=dp2tp2"])
+    fake, real = rehearse(plan, stage=0), rehearse(plan, stage=0, fake=False)
+    assert (fake.build_peak_bytes, fake.first_step_peak_bytes, fake.step_peak_bytes) == (real.build_peak_bytes, real.first_step_peak_bytes, real.step_peak_bytes)
+    assert fake.categories == real.categories
+
+
+def test_rehearsal_leaves_no_group_and_no_patch_behind(fsdp4):
+    from llmforge.train import optim
+
+    assert not dist.is_initialized()
+    assert torch.utils.weakref is weakref
+    assert optim.implementation.__module__ == "llmforge.train.optim"
+    assert torch.UntypedStorage.resize_ is RESIZE
+    assert ShardingPropagator._propagate_tensor_meta_non_cached is PROPAGATE
+
+
+def test_tracker_tags_gradients_and_states_after_the_fact():
+    model = torch.nn.Linear(64, 64, bias=False)
+    opt = torch.optim.AdamW(model.parameters())
+    with PeakTracker(modules=[model], optimizer=opt) as t:
+        model(torch.randn(8, 64)).sum().backward()
+        t.tag_grads(model.parameters())
+        opt.step()
+        t.tag_optimizer(opt)
+    cats = t.peak_by_category()
+    assert cats["weights"] == 64 * 64 * 4
+    assert cats["grads"] == 64 * 64 * 4  # tagged after backward, counted at the optimizer step's peak
+    assert cats["optimizer"] >= 2 * 64 * 64 * 4
+
+
+def test_estimate_rehearse_json_has_the_peak():
+    result = runner.invoke(app, ["estimate", *FSDP4, "--rehearse", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)["rehearsal"]
+    assert data["peak_bytes"] >= data["step_peak_bytes"] > 0
+    assert set(data["memory_bytes"]) == {"weights", "grads", "optimizer", "activations", "transient"}
+    assert sum(data["memory_bytes"].values()) == data["step_peak_bytes"]
+
+
+def test_a_plan_the_rehearsal_cannot_run_is_refused_by_name():
+    result = runner.invoke(app, ["estimate", *SMALL, "parallel=dp2pp2", "--rehearse"])
+    assert result.exit_code == 2
+    assert "--rehearse" in result.output and "Traceback" not in result.output
+
+
+def test_train_rehearse_key():
+    assert not should_rehearse(build_plan(["recipe=tiny"]))  # auto: small, on CPU
+    assert should_rehearse(build_plan(["recipe=llama-70b"]))  # auto: 70B on H100s
+    assert should_rehearse(build_plan(["recipe=tiny", "train.rehearse=always"]))
+    assert not should_rehearse(build_plan(["recipe=llama-70b", "train.rehearse=never"]))
+    with pytest.raises(UserError, match="train.rehearse"):
+        build_plan(["recipe=tiny", "train.rehearse=yes"])
+
+
+def test_pretrain_rehearses_before_launch_when_asked():
+    result = runner.invoke(app, ["pretrain", *FSDP4, "train.rehearse=always", "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert "Rehearsed rank 0: peak" in result.output
+    quiet = runner.invoke(app, ["pretrain", *FSDP4, "--dry-run"])  # auto: a tiny plan on CPU is not rehearsed
+    assert quiet.exit_code == 0 and "Rehearsed" not in quiet.output
+
+
+def test_tracker_leaves_out_dtensor_shape_propagation():
+    """DTensor finds an op's output shape by running it on global-shape fake tensors, in the
+    active fake mode: a rank holds none of them. An AdamW step over a parameter sharded 4 ways
+    holds the shard, its gradient and two moments, nothing of the global size."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from llmforge.rehearse.fake import fake_process_group, fake_tensors
+
+    with fake_process_group(rank=0, world_size=4):
+        mesh = init_device_mesh("cpu", (4,))
+        with fake_tensors():
+            param = torch.nn.Parameter(distribute_tensor(torch.randn(1024, 1024), mesh, [Shard(0)]))
+            param.grad = distribute_tensor(torch.randn(1024, 1024), mesh, [Shard(0)])
+            opt = torch.optim.AdamW([param], fused=True)
+            with PeakTracker() as t:
+                opt.step()
+    shard = 1024 * 1024 * 4 // 4
+    assert t.peak_bytes <= 2 * shard + 1024  # the two moments (and the step counter)
