@@ -142,3 +142,35 @@ def write_plan(plan: "RunPlan") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, plan.to_json())
     return path
+
+
+# What a run writes in its folder: no output command may replace one of them.
+RUN_FILE_NAMES = (PLAN_NAME, "metrics.jsonl", "events.log", "checkpoints", LOCK_NAME, "wandb_run_id", "launch.sbatch", "profile", "tensorboard")
+_MANIFEST = "manifest.json"  # llmforge.checkpoint.manifest.MANIFEST (that module is not imported here)
+
+
+def refuse_run_outputs(path: Path, *, key: str, example: str) -> None:
+    """Refuse an output inside a run's checkpoints (a checkpoint that gains files is taken as
+    damaged by the next resume, which then trains its steps again) or over one of its run files.
+    ``example``: a name in the run folder to suggest instead."""
+    target = Path(os.path.realpath(Path(path).expanduser()))
+    for folder in [target, *target.parents]:
+        if _is_checkpoint_folder(folder):
+            run = folder.parent if folder.name == "checkpoints" else _run_of(folder)
+            raise UserError([Problem(key, str(path), f"is inside the checkpoints of the run in {run}, which only training may write",
+                                     f"choose a {key} outside {run / 'checkpoints'}, e.g. {run / example}")], title="cannot write the output")
+    if (target.parent / PLAN_NAME).is_file() and target.name in RUN_FILE_NAMES:
+        raise UserError([Problem(key, str(path), f"is the run's own {target.name} in {target.parent}",
+                                 f"choose a {key} that is not one of the run's files, e.g. {target.parent / example}")], title="cannot write the output")
+
+
+def _is_checkpoint_folder(folder: Path) -> bool:
+    """A step folder (it has a manifest) or a run's ``checkpoints`` folder."""
+    if (folder / _MANIFEST).is_file():
+        return True
+    return folder.name == "checkpoints" and ((folder.parent / PLAN_NAME).is_file() or any(folder.glob(f"step_*/{_MANIFEST}")))
+
+
+def _run_of(step_dir: Path) -> Path:
+    root = step_dir.parent
+    return root.parent if root.name == "checkpoints" else root
