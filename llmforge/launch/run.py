@@ -14,7 +14,7 @@ from typing import Optional
 
 from rich.console import Console
 
-from llmforge.launch.checks import check_devices, check_host_memory, check_space, preflight
+from llmforge.launch.checks import check_devices, check_fault, check_host_memory, check_space, preflight
 from llmforge.plan import RunPlan
 from llmforge.rundir import RunLock, check_writable, plan_path, write_plan
 
@@ -22,6 +22,7 @@ from llmforge.rundir import RunLock, check_writable, plan_path, write_plan
 def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
     """Check, then run ``plan`` here or through torchrun, holding the run folder's lock.
     The first CPU run on a machine measures it first (``llmforge.calibrate.auto``)."""
+    check_fault(plan, resume_from=resume_from, here=runs_here(plan), console=console)
     if not dry_run:
         from llmforge.calibrate.auto import ensure_cpu_profile
 
