@@ -111,7 +111,8 @@ def test_cached_logits_equal_the_whole_sequence_forward_and_a_window_bounds_the_
     from llmforge.models.kvcache import KVCache
     from llmforge.testing.harness import tiny_plan
 
-    config = tiny_plan(["model.position=rope", "model.num_kv_heads=2", f"model.sliding_window={window}", "model.sliding_window_every=2"]).config.model
+    every = ["model.sliding_window_every=2"] if window else []
+    config = tiny_plan(["model.position=rope", "model.num_kv_heads=2", f"model.sliding_window={window}", *every]).config.model
     model = GPT(config).eval()
     model.init_weights(seed=1)
     tokens = torch.randint(0, config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))
