@@ -107,7 +107,7 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
     with an earlier run's."""
     import shutil
 
-    from llmforge.errors import fail
+    from llmforge.errors import fail, pasteable
 
     found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
     if not found:
@@ -116,7 +116,7 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
         names = ", ".join(p.name for p in found)
         if any((run_dir / "checkpoints").glob("step_*/manifest.json")):
             raise fail(
-                f"run.dir={run_dir} already holds a run ({names}); continue it with `llmforge resume ckpt={run_dir}`, "
+                f"run.dir={run_dir} already holds a run ({names}); continue it with `llmforge resume {pasteable('ckpt', run_dir, override=False)}`, "
                 "choose another run.dir=..., or pass --overwrite to start over"
             )
         raise fail(

@@ -22,6 +22,7 @@ from rich.text import Text
 
 from llmforge.checkpoint import store
 from llmforge.checkpoint.state import load_rng
+from llmforge.errors import pasteable
 from llmforge.plan import RunPlan
 from llmforge.rundir import write_plan
 from llmforge.train.components import Components, RankInfo
@@ -251,9 +252,9 @@ def _stopped_text(signal_name: Optional[str], *, step: int, run_dir: Path, saved
     """What a stopped run prints: how to continue, or how to start again without a checkpoint."""
     head = (f"stopped by {signal_name} after step {step}", "bold yellow")
     if saved:
-        return Text.assemble(head, f"; continue with:\n  llmforge resume ckpt={run_dir}")
+        return Text.assemble(head, f"; continue with:\n  llmforge resume {pasteable('ckpt', run_dir, override=False)}")
     return Text.assemble(head, f"; no checkpoint was saved, so there is nothing to resume: start again with "
-                         f"`llmforge pretrain ... run.dir={run_dir} --overwrite`")
+                         f"`llmforge pretrain ... {pasteable('run.dir', run_dir)} --overwrite`")
 
 
 def _typical(times: List[float]) -> Optional[float]:
