@@ -75,6 +75,8 @@ def test_generate_out_that_is_the_prompts_file_or_a_folder_is_refused(trained, t
 def test_export_and_generate_beside_the_run_still_work(trained, tmp_path):
     result = runner.invoke(app, ["export", f"ckpt={trained}", "--out", str(trained / "export")])
     assert result.exit_code == 0, result.output
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (trained / "export").iterdir()}
+    assert len(set(modes.values())) == 1 and modes["model.safetensors"] == (trained / "plan.json").stat().st_mode & 0o777, modes
     out = tmp_path / "with space é" / "out.jsonl"
     result = runner.invoke(app, ["generate", f"ckpt={trained}", "--prompt", "x", "--out", str(out), "generate.max_tokens=2"])
     assert result.exit_code == 0, result.output
