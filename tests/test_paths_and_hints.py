@@ -36,3 +36,18 @@ def test_a_run_in_a_folder_with_spaces_and_accents_resumes_and_its_hint_is_accep
     result = runner.invoke(app, [*shlex.split(hint)[1:], "train.steps=4"])
     assert result.exit_code == 0, result.output
     assert (run_dir / "checkpoints" / "step_4").is_dir()
+
+
+def test_a_path_of_the_wrong_kind_is_named_as_such(tmp_path):
+    (tmp_path / "run").mkdir()
+    plan = runner.invoke(app, ["plan", "--json", *TINY])
+    (tmp_path / "run" / "plan.json").write_text(plan.stdout, encoding="utf-8")
+    assert runner.invoke(app, ["estimate", "--plan", str(tmp_path / "run")]).exit_code == 0  # a run folder: its plan.json
+    (tmp_path / "empty").mkdir()
+    cases = [(["estimate", "--plan", str(tmp_path / "empty")], "is a folder without a plan.json"),
+             (["pretrain", f"data.tokenizer={tmp_path / 'empty'}", f"run.dir={tmp_path / 'r'}"], "is a folder, not a file"),
+             (["pretrain", f"model.init_from={tmp_path / 'run' / 'plan.json'}", f"run.dir={tmp_path / 'r'}"], "is a file, not a folder")]
+    for args, words in cases:
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and words in " ".join(result.output.split()), result.output
+    assert not (tmp_path / "r").exists()
