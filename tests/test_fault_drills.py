@@ -48,3 +48,14 @@ def test_a_fault_that_never_comes_is_said_at_start_up(monkeypatch):
 def test_an_exit_fault_on_a_run_in_this_process_says_it_ends_the_command(monkeypatch):
     assert "this command itself ends after step 2 with exit code 1" in said("0:2", monkeypatch, here=True)
     assert said("0:2:nan-loss", monkeypatch, here=True) == ""
+
+
+def test_the_closing_line_counts_the_skipped_steps(monkeypatch, tmp_path, small_data):
+    monkeypatch.setenv("LLMFORGE_FAULT", "0:2:nan-loss")
+    result = runner.invoke(app, ["pretrain", *TINY, *small_data, f"run.dir={tmp_path / 'run'}", "train.anomaly=skip"])
+    assert result.exit_code == 0, result.output
+    closing = " ".join(result.output.split()).split("done ")[-1]
+    assert "1 step(s) skipped on non-finite numbers" in closing, closing
+    monkeypatch.delenv("LLMFORGE_FAULT")
+    clean = runner.invoke(app, ["pretrain", *TINY, *small_data, f"run.dir={tmp_path / 'clean'}"])
+    assert clean.exit_code == 0 and "skipped" not in clean.output.split("done ")[-1]

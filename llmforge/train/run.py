@@ -44,6 +44,9 @@ class RunSummary:
     step_time_s: Optional[float] = None
     peak_memory_bytes: Optional[float] = None
     val_loss: Optional[float] = None
+    #: Steps skipped on non-finite numbers (train.anomaly; the run's whole count, across resumes) and rollbacks in this launch.
+    skipped_steps: int = 0
+    rollbacks: int = 0
 
     def describe(self, plan: RunPlan) -> Text:
         """The closing line a launcher prints (only "done" is styled; paths print as written):
@@ -51,6 +54,10 @@ class RunSummary:
         losses = f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}" if self.first_loss is not None else "no steps left to train"
         if self.val_loss is not None:
             losses += f", val_loss {self.val_loss:.4f}"
+        if self.skipped_steps:
+            losses += f"; {self.skipped_steps} step(s) skipped on non-finite numbers (train.anomaly, the skipped_steps column of metrics.jsonl)"
+        if self.rollbacks:
+            losses += f"; {self.rollbacks} rollback(s)"
         where = f"; checkpoint {self.checkpoint}" if self.checkpoint else ""
         rest = f" {plan.layout} step {self.last_step}: {losses} in {self.wall_s:.1f}s; metrics in {plan.run_dir / 'metrics.jsonl'}{where}"
         return Text.assemble(("done", "bold green"), rest + self.against_estimate(plan))
@@ -224,6 +231,8 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         step_time_s=_typical(result.step_times),
         peak_memory_bytes=measured_peak_bytes(result.measured),
         val_loss=result.val_loss,
+        skipped_steps=c.guard.skipped,
+        rollbacks=c.guard.rollbacks,
     )
 
 
