@@ -112,20 +112,22 @@ def _first_missing(path: Path) -> Optional[Path]:
     return missing
 
 
-def check_writable(path: Path, *, key: str) -> None:
+def check_writable(path: Path, *, key: str, given: Optional[Path] = None) -> None:
     """Refuse a folder that cannot be created or written (a file in the way, no
-    permission, a read-only file system) before any work starts; nothing is left behind."""
+    permission, a read-only file system) before any work starts; nothing is left behind.
+    ``given``: what the user named, when ``path`` is the folder it goes in."""
     path = Path(path).expanduser()
+    shown = str(given if given is not None else path)
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise UserError([Problem(key, str(path), f"{existing} is a file, not a folder", f"remove the file or choose another {key}")], title="cannot write the output")
+        raise UserError([Problem(key, shown, f"{existing} is a file, not a folder", f"remove the file or choose another {key}")], title="cannot write the output")
     try:
         with tempfile.TemporaryFile(dir=existing, prefix=".llmforge-probe-"):
             pass
     except OSError as exc:
-        raise UserError([Problem(key, str(path), f"cannot write in {existing} ({exc.strerror or exc})",
+        raise UserError([Problem(key, shown, f"cannot write in {existing} ({exc.strerror or exc})",
                                  f"choose a {key} on a writable file system, or fix the folder's permissions")],
                         title="cannot write the output") from None
 

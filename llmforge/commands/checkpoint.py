@@ -90,7 +90,7 @@ def _check_out_file(out_file: Path, *, inputs: Dict[str, Optional[Path]]) -> Non
     path = Path(out_file).expanduser()
     if path.is_dir():
         raise UserError([Problem("--out", str(out_file), "is a folder", "name a file, e.g. --out completions.jsonl")], title="cannot write the output")
-    check_writable(path.parent, key="--out")
+    check_writable(path.parent, key="--out", given=Path(out_file))
     for key, given in inputs.items():
         if given is not None and _same_file(Path(given).expanduser(), path):
             raise UserError([Problem("--out", str(out_file), f"is the {key} file this command reads", "write the output to another file")], title="cannot write the output")
