@@ -112,7 +112,7 @@ def estimate(
     rehearse: bool = typer.Option(False, "--rehearse", help="Also run the most-loaded rank's build and two steps at full scale on fake tensors (CPU) and print its peak memory."),
     search: bool = typer.Option(False, "--search", help="Search every valid layout and rank those that fit by speed."),
     top: int = typer.Option(5, "--top", min=1, help="With --search, how many layouts to show (1 or more)."),
-    plan_file: Optional[Path] = typer.Option(None, "--plan", help="Start from a run's plan.json instead of the recipe (overrides apply on top)."),
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="Start from a run's plan.json (or its run folder) instead of the recipe (overrides apply on top)."),
     config_dir: Optional[List[Path]] = CONFIG_DIR,
 ) -> None:
     """Estimate memory per device, pipeline bubble, FLOPs, communication and step time.

@@ -63,3 +63,26 @@ def error_text(message: str, *, label: str = "error:"):
     from rich.text import Text
 
     return Text.assemble((label, "bold red"), " ", message)
+
+
+def override_arg(key: str, value: object) -> str:
+    """``key=value`` as the override parser reads it back unchanged (quoted where it has spaces,
+    non-ASCII letters, commas, brackets, quotes, ...)."""
+    import re
+
+    text = str(value)
+    if not re.fullmatch(r"[\w./+-]*", text, flags=re.ASCII):
+        text = "'" + text.replace("'", "\\'") + "'"
+    return f"{key}={text}"
+
+
+def pasteable(key: str, value: object, *, override: bool = True) -> str:
+    """``key=value`` as a user pastes it into a shell: quoted for the override parser (``override``:
+    a Hydra override such as ``run.dir=``; ``ckpt=`` is not one) and for the shell, where needed."""
+    import re
+    import shlex
+
+    arg = override_arg(key, value) if override else f"{key}={value}"
+    if re.fullmatch(r"[\w@%+=:,./-]*", arg, flags=re.ASCII) or re.search(r"[\"$`\\!]", arg):
+        return shlex.quote(arg)
+    return f'"{arg}"'  # the shell leaves it as written: easier to read than shlex's '"'"' quoting

@@ -45,16 +45,18 @@ def filter_logits(logits: torch.Tensor, *, top_k: int, top_p: float) -> torch.Te
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = sorted_logits.softmax(-1)
         outside = probs.cumsum(-1) - probs >= top_p  # the mass before a token already reaches p
+        outside[0] = False  # the most likely token stays, however small p is
         logits = logits.masked_fill(torch.zeros_like(outside).scatter(0, order, outside), float("-inf"))
     return logits
 
 
 def next_token(logits: torch.Tensor, *, settings: GenerateConfig, generator: torch.Generator) -> int:
     """One token id from the last position's [vocab] logits."""
-    logits = logits.float()
+    logits = logits.double()  # float64: a temperature or top_p near 0 stays apart from 0
     if settings.temperature == 0:
         return int(torch.argmax(logits))
-    logits = filter_logits(logits / settings.temperature, top_k=settings.top_k, top_p=settings.top_p)
+    scaled = (logits - logits.max()) / settings.temperature  # <= 0: a tiny temperature gives -inf, never inf - inf
+    logits = filter_logits(scaled, top_k=settings.top_k, top_p=settings.top_p)
     probs = logits.softmax(-1).cpu()
     return int(torch.multinomial(probs, 1, generator=generator))
 

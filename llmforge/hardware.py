@@ -195,28 +195,76 @@ def _load_yaml(path: Path) -> dict:
 
     loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     try:
-        data = yaml.load(path.read_text(), Loader=loader)
-    except (OSError, yaml.YAMLError) as exc:
-        raise UserError([Problem("cluster.accelerator", str(path), f"cannot read the profile: {exc}", "fix or remove the file")]) from None
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=loader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UserError([Problem("cluster.accelerator", str(path), f"cannot read the profile: {exc}", _remedy(str(path)))],
+                        title="invalid hardware profile") from None
     if not isinstance(data, dict):
-        raise UserError([Problem("cluster.accelerator", str(path), "a profile must be a YAML mapping", "see llmforge/hardware_profiles/h100-80gb.yaml")])
+        raise UserError([Problem("cluster.accelerator", str(path), "a profile must be a YAML mapping",
+                                 f"{_remedy(str(path))} (see llmforge/hardware_profiles/h100-80gb.yaml)")], title="invalid hardware profile")
     return data
 
 
 def _description(path: Path) -> str:
-    for line in path.read_text().splitlines():
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         if line.startswith("#"):
             return line.lstrip("# ").strip()
     return ""
 
 
+def _remedy(source: str) -> str:
+    """How to repair a bad profile: a measured one is measured again or deleted, any other fixed."""
+    if source and Path(source).parent == BUILTIN_DIR:
+        return "reinstall llmforge (a built-in profile was changed)"
+    try:
+        cached = Path(source).resolve().is_relative_to(llmforge_home().resolve())
+    except (OSError, ValueError):
+        cached = False
+    if cached:
+        builtin = Path(source).parent.name == "machines" or (BUILTIN_DIR / Path(source).name).is_file()
+        return f"measure it again with `llmforge calibrate`, or delete {source}" + (" (the built-in profile is used then)" if builtin else "")
+    return f"correct {source or 'the profile'}, or measure this machine with `llmforge calibrate`"
+
+
+#: Each numeric key's rule: (lowest, lowest allowed itself, highest or None). Every value must be a finite number.
+_BOUNDS = {
+    "memory_gib": (0.0, False, None), "memory_bandwidth_gbs": (0.0, False, None), "intra_node_gbs": (0.0, False, None),
+    "inter_node_gbs": (0.0, False, None), "devices_per_node": (1.0, True, None), "runtime_reserved_gib": (0.0, True, None),
+    "comm_efficiency": (0.0, False, 1.0), "comm_latency_us": (0.0, True, None), "matmul_efficiency": (0.0, False, None),
+    "matmul_dim": (0.0, True, None), "attention_efficiency": (0.0, False, None), "attention_backward_efficiency": (0.0, True, None),
+    "bandwidth_efficiency": (0.0, False, None), "comm_sm_share": (0.0, True, 0.99), "kernel_floor_us": (0.0, True, None),
+    "host_memory_gib": (0.0, False, None), "host_link_gbs": (0.0, False, None), "host_memory_bandwidth_gbs": (0.0, False, None),
+}
+
+
+def _value_problems(data: dict, *, source: str) -> List[Problem]:
+    """Every numeric value that is not a number, not finite, or out of its range (a zero or negative
+    peak or bandwidth would divide by zero or give a negative step time)."""
+    import math
+
+    peaks = data.get("peak_tflops")
+    if not isinstance(peaks, Mapping):
+        return [Problem(f"{source}:peak_tflops", peaks, "must be a mapping of dtype to TFLOP/s", _remedy(source))]
+    values = [(k, data[k], _BOUNDS[k]) for k in _BOUNDS if k in data] + [(f"peak_tflops.{d}", v, (0.0, False, None)) for d, v in peaks.items()]
+    problems = []
+    for key, value, (low, low_ok, high) in values:
+        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        whole = key != "devices_per_node" or (number is not None and float(number).is_integer())
+        inside = number is not None and math.isfinite(number) and (number >= low if low_ok else number > low) and (high is None or number <= high)
+        if not (inside and whole):
+            rule = f"must be {'a whole number' if key == 'devices_per_node' else 'a number'} {'>=' if low_ok else '>'} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+            problems.append(Problem(f"{source}:{key}", value, rule, _remedy(source)))
+    return problems
+
+
 def parse_profile(data: dict, *, source: str = "", description: str = "") -> Profile:
     """Check a profile mapping and turn it into a Profile (UserError listing every problem)."""
     problems = [Problem(f"{source}:{k}", None, "missing", f"add `{k}:`") for k in REQUIRED if k not in data]
-    peaks = data.get("peak_tflops") or {}
+    peaks = data.get("peak_tflops") if isinstance(data.get("peak_tflops"), Mapping) else {}
     problems += [Problem(f"{source}:peak_tflops.{d}", None, "missing", f"add the dense {d} TFLOP/s") for d in DTYPES if d not in peaks]
     unknown = set(data) - set(REQUIRED) - set(OPTIONAL)
     problems += [Problem(f"{source}:{k}", data[k], "unknown profile key", f"use only {', '.join(REQUIRED + OPTIONAL)}") for k in sorted(unknown)]
+    problems = problems or _value_problems(data, source=source)
     if problems:
         raise UserError(problems, title="invalid hardware profile")
     try:

@@ -212,6 +212,11 @@ def _check_window(m) -> List[Problem]:
         out.append(Problem("model.sliding_window", m.sliding_window, "must be 0 (off) or a window size in tokens", "set model.sliding_window=0 or e.g. 4096"))
     if m.sliding_window_every < 1:
         out.append(Problem("model.sliding_window_every", m.sliding_window_every, "must be 1 or more", "1: every layer; 2: every second layer"))
+    if m.sliding_window == 0:
+        idle = [(k, v) for k, v in (("model.sliding_window_every", m.sliding_window_every), ("model.sliding_window_layers", list(m.sliding_window_layers)))
+                if v not in (1, [])]
+        out += [Problem(k, v, "chooses the layers of a sliding window, and model.sliding_window is 0 (off), so it does nothing",
+                        f"also set model.sliding_window=N (tokens), e.g. model.sliding_window={max(1, m.seq_len // 2)}, or remove {k}") for k, v in idle]
     bad = [i for i in m.sliding_window_layers if not 0 <= i < m.num_layers]
     if bad:
         out.append(Problem("model.sliding_window_layers", list(m.sliding_window_layers), f"layers {bad} do not exist (model.num_layers={m.num_layers})",

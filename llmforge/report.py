@@ -22,19 +22,50 @@ def show_plan(plan: RunPlan, *, console: Console) -> None:
     rows = [
         ("model", f"{m.num_layers} layers x {m.hidden_size}, {m.num_heads} heads{kv}, ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_len}{moe}"),
         ("flavour", f"{m.norm}, {m.activation}, {m.position} positions, {'tied' if m.tie_embeddings else 'untied'} embeddings"),
-        ("cluster", f"{cfg.cluster.nodes} node(s) x {plan.world_size // max(cfg.cluster.nodes, 1)} {cfg.cluster.accelerator} = world size {plan.world_size}"),
+        ("cluster", f"{cfg.cluster.nodes} node(s) x {plan.world_size // max(cfg.cluster.nodes, 1)} {cfg.cluster.accelerator} = world size {plan.world_size}"
+                    + (f"; elastic: {cfg.cluster.min_nodes}-{cfg.cluster.nodes} nodes" if cfg.cluster.min_nodes is not None else "")),
         ("layout", f"dp {plan.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp}, ep {p.ep}; ZeRO-{p.zero}{', sequence parallel' if p.sequence_parallel else ''}"),
         ("pipeline", f"{p.pp_schedule}, {p.pp_virtual_stages} virtual stage(s), layers per stage {plan.layers_per_stage}" if p.pp > 1 else "none"),
         ("recompute", p.recompute + (f" (every {p.recompute_every} blocks)" if p.recompute_every > 1 else "")),
-        ("precision", f"compute {cfg.precision.param_dtype}, gradient reduction {cfg.precision.reduce_dtype}"),
+        ("attention", _attention(m)),
+        ("offload", _offload(p)),
+        ("precision", f"compute {cfg.precision.param_dtype}, gradient reduction {cfg.precision.reduce_dtype}"
+                      + (f", FP8 {cfg.precision.fp8_recipe}{' (emulated)' if cfg.precision.fp8_emulate else ''}" if cfg.precision.fp8 else "")),
         ("batch", f"global {t.global_batch_size} seqs = {plan.tokens_per_step:,} tokens/step; micro {t.micro_batch_size} x {plan.microbatches} microbatches per dp rank"),
         ("schedule", f"{t.steps} steps, lr {t.lr:g} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}), seed {t.seed}"),
+        ("anomaly", _anomaly(t)),
         ("data", cfg.data.source if cfg.data.source == "builtin" else f"{cfg.data.path or cfg.data.mixture}"),
         ("run dir", cfg.run.dir),
     ]
     for key, value in rows:
         table.add_row(key, Text(value))
     console.print(table)
+
+
+def _attention(m) -> str:
+    """The mask, the sliding window and its layers, and the positions."""
+    text = f"{m.attention_mask} mask"
+    if m.sliding_window:
+        layers = list(m.sliding_window_layers) or [i for i in range(m.num_layers) if i % m.sliding_window_every == 0]
+        which = "every layer" if len(layers) == m.num_layers else f"layers {', '.join(map(str, layers))}"
+        text += f", sliding window {m.sliding_window} on {which}"
+    return text + (", positions restart at each document" if m.position_reset else "")
+
+
+def _offload(p) -> str:
+    parts = (["states (master weights, gradients, AdamW moments; CPU AdamW)"] if p.offload == "states" else []) + (
+        ["saved activations"] if p.offload_activations else [])
+    return " + ".join(parts) + " in host memory" if parts else "none"
+
+
+def _anomaly(t) -> str:
+    """train.anomaly and the limits it uses."""
+    if t.anomaly == "stop":
+        return "a non-finite step stops the run"
+    rollback = f", at most {t.max_rollbacks} rollback(s)" if t.anomaly == "rollback" else ""
+    then = "stop" if t.anomaly == "skip" else "roll back"
+    return f"{t.anomaly}: a non-finite step is skipped; more than {t.max_skipped_steps} in a row {then}{rollback}" + (
+        ", loss spikes too" if t.loss_spike_skip else "")
 
 
 def show_options(options: Dict[str, Dict[str, object]], *, console: Console) -> None:

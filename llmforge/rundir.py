@@ -112,20 +112,22 @@ def _first_missing(path: Path) -> Optional[Path]:
     return missing
 
 
-def check_writable(path: Path, *, key: str) -> None:
+def check_writable(path: Path, *, key: str, given: Optional[Path] = None) -> None:
     """Refuse a folder that cannot be created or written (a file in the way, no
-    permission, a read-only file system) before any work starts; nothing is left behind."""
+    permission, a read-only file system) before any work starts; nothing is left behind.
+    ``given``: what the user named, when ``path`` is the folder it goes in."""
     path = Path(path).expanduser()
+    shown = str(given if given is not None else path)
     existing = path
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise UserError([Problem(key, str(path), f"{existing} is a file, not a folder", f"remove the file or choose another {key}")], title="cannot write the output")
+        raise UserError([Problem(key, shown, f"{existing} is a file, not a folder", f"remove the file or choose another {key}")], title="cannot write the output")
     try:
         with tempfile.TemporaryFile(dir=existing, prefix=".llmforge-probe-"):
             pass
     except OSError as exc:
-        raise UserError([Problem(key, str(path), f"cannot write in {existing} ({exc.strerror or exc})",
+        raise UserError([Problem(key, shown, f"cannot write in {existing} ({exc.strerror or exc})",
                                  f"choose a {key} on a writable file system, or fix the folder's permissions")],
                         title="cannot write the output") from None
 
@@ -142,3 +144,35 @@ def write_plan(plan: "RunPlan") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, plan.to_json())
     return path
+
+
+# What a run writes in its folder: no output command may replace one of them.
+RUN_FILE_NAMES = (PLAN_NAME, "metrics.jsonl", "events.log", "checkpoints", LOCK_NAME, "wandb_run_id", "launch.sbatch", "profile", "tensorboard")
+_MANIFEST = "manifest.json"  # llmforge.checkpoint.manifest.MANIFEST (that module is not imported here)
+
+
+def refuse_run_outputs(path: Path, *, key: str, example: str) -> None:
+    """Refuse an output inside a run's checkpoints (a checkpoint that gains files is taken as
+    damaged by the next resume, which then trains its steps again) or over one of its run files.
+    ``example``: a name in the run folder to suggest instead."""
+    target = Path(os.path.realpath(Path(path).expanduser()))
+    for folder in [target, *target.parents]:
+        if _is_checkpoint_folder(folder):
+            run = folder.parent if folder.name == "checkpoints" else _run_of(folder)
+            raise UserError([Problem(key, str(path), f"is inside the checkpoints of the run in {run}, which only training may write",
+                                     f"choose a {key} outside {run / 'checkpoints'}, e.g. {run / example}")], title="cannot write the output")
+    if (target.parent / PLAN_NAME).is_file() and target.name in RUN_FILE_NAMES:
+        raise UserError([Problem(key, str(path), f"is the run's own {target.name} in {target.parent}",
+                                 f"choose a {key} that is not one of the run's files, e.g. {target.parent / example}")], title="cannot write the output")
+
+
+def _is_checkpoint_folder(folder: Path) -> bool:
+    """A step folder (it has a manifest) or a run's ``checkpoints`` folder."""
+    if (folder / _MANIFEST).is_file():
+        return True
+    return folder.name == "checkpoints" and ((folder.parent / PLAN_NAME).is_file() or any(folder.glob(f"step_*/{_MANIFEST}")))
+
+
+def _run_of(step_dir: Path) -> Path:
+    root = step_dir.parent
+    return root.parent if root.name == "checkpoints" else root

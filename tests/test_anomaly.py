@@ -4,7 +4,8 @@ process, dp2 ZeRO-3, tp2 and pp2, each against a reference that skips the same b
 - skip: a NaN injected at step 3 on one rank gives the final weights of a run without step 3's update;
 - rollback: a clean step 3, NaN at steps 4-5 (one skip allowed) rolls back to step_2 at step 5: the
   final weights of a run resumed from step_2 past batches 3-5, at half the learning rate;
-- stop: NaN at step 4 ends the run at step 4 naming the step, with step_2 intact.
+- stop: NaN at step 4 ends the run at step 4 naming the step, with step_2 intact and the weights
+  of step 3 (step 4's update withheld).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def drills(layout: list, *, rank: str, kind: str, folder: Path) -> dict:
                      "fault": f"{rank}:4-5:{kind}", "checkpoints": str(folder / "rollback")},
         "rollback_ref": {"overrides": base, "skip": [3, 5], "lr_factor": 0.5},
         "stop": {"overrides": base + ["train.anomaly=stop"], "fault": f"{rank}:4:{kind}", "checkpoints": str(folder / "stop")},
+        "stop_ref": {"overrides": base, "skip": [4, 7]},  # the weights after step 3: step 4's update withheld
     }
 
 
@@ -99,6 +101,7 @@ def test_stop_ends_at_the_bad_step_and_names_the_way_on(results, layout):
     assert f"llmforge resume ckpt={folder}/step_2" in error
     assert sorted(p.name for p in folder.iterdir()) == ["step_2"]
     assert [r["step"] for r in runs[f"{layout}/stop"]["records"]] == [1, 2, 3, 4]
+    assert_same_params(runs[f"{layout}/stop"]["params"], runs[f"{layout}/stop_ref"]["params"])  # step 4 updated nothing
 
 
 def test_fused_adamw_skips_on_the_device_without_a_host_read(monkeypatch):

@@ -105,13 +105,40 @@ def test_the_kv_cache_generates_the_ids_of_full_recomputation(loaded):
     assert len(longer) == 40 and longer[:within] == cached
 
 
+def test_the_cache_rebuild_continues_from_the_last_half_window():
+    """Past model.seq_len positions the cached generation must equal a cache-free one whose
+    context restarts, at the same tokens, from the last half window: a rebuild from anything
+    else (the last token alone, the whole text) gives other ids on a random model."""
+    from llmforge.models.gpt import GPT
+    from llmforge.testing.harness import tiny_plan
+
+    config = tiny_plan(["model.init_std=0.5"]).config.model
+    model = GPT(config).eval()
+    model.init_weights(seed=3)
+    seq_len, prompt = config.seq_len, torch.randint(0, config.vocab_size, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    ids, start, want = list(prompt), 0, []
+    with torch.no_grad():
+        for _ in range(3 * seq_len):  # several rebuilds
+            context = ids[start:]
+            token = int(torch.argmax(model(torch.tensor([context]))[0, -1]))
+            ids.append(token)
+            want.append(token)
+            if len(context) >= seq_len:
+                start = len(ids) - seq_len // 2
+    settings = GenerateConfig(max_tokens=3 * seq_len, temperature=0.0, stop_at_eos=False)
+    got = generate_ids(model, prompt, settings=settings, seq_len=seq_len, eos_id=None, device=torch.device("cpu"))
+    assert got == want
+    assert len(set(want)) > 20  # the model's ids follow its context, so a wrong one shows
+
+
 @pytest.mark.parametrize("window", [0, 5])
 def test_cached_logits_equal_the_whole_sequence_forward_and_a_window_bounds_the_cache(window):
     from llmforge.models.gpt import GPT
     from llmforge.models.kvcache import KVCache
     from llmforge.testing.harness import tiny_plan
 
-    config = tiny_plan(["model.position=rope", "model.num_kv_heads=2", f"model.sliding_window={window}", "model.sliding_window_every=2"]).config.model
+    every = ["model.sliding_window_every=2"] if window else []
+    config = tiny_plan(["model.position=rope", "model.num_kv_heads=2", f"model.sliding_window={window}", *every]).config.model
     model = GPT(config).eval()
     model.init_weights(seed=1)
     tokens = torch.randint(0, config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(0))

@@ -33,6 +33,11 @@ def test_one_rank_offload_matches_training_on_the_device(tmp_path):
     got = run_group(tmp_path, nproc=1, layouts=WORLD1, mesh_of_one=True)
     ref = train_layout(tiny_plan([]))
     for layout in WORLD1:
+        # the states are FSDP2-offloaded (on a CPU the numbers alone cannot tell): every parameter
+        # group has CPUOffloadPolicy, every sharded parameter is kept in host memory, AdamW is fused
+        facts = got[layout]["offload"]
+        assert facts["fsdp_policies"] == ["CPUOffloadPolicy"] and facts["params_on_host"] and all(facts["params_on_host"]), (layout, facts)
+        assert facts["fused_adamw"], layout
         # fused CPU AdamW against the one process's for-loop AdamW: the same update up to rounding
         assert len(got[layout]["losses"]) == 5
         assert max_rel(got[layout]["losses"], ref.losses) < 1e-5, layout
@@ -46,6 +51,10 @@ def test_activation_offload_in_one_process_matches():
     ref = train_layout(tiny_plan([]))
     got = train_layout(tiny_plan(ACTS))
     assert got.losses == ref.losses and got.grad_norms == ref.grad_norms
+    # the hooks were in place: activations were copied to host memory in forward and read back in backward
+    copied, back = got.offload["activations_to_host"], got.offload["activations_back"]
+    assert copied > 0 and back > 0, got.offload
+    assert ref.offload["activations_to_host"] == 0
 
 
 def problems_of(*overrides: str) -> str:

@@ -120,6 +120,7 @@ def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path, tokenize
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_json_atomic(tmp / "config.json", hf_config(model, style=style, dtype=dtype, eos_id=tokenizer[1] if tokenizer else None), durable=True)
+        shutil.copymode(tmp / "config.json", tmp / "model.safetensors")  # safetensors creates its file 0600; the others get the umask's mode
         extra = tokenizer_files(tokenizer[0], eos_id=tokenizer[1], seq_len=model.seq_len) if tokenizer else {}
         for name, content in extra.items():
             if isinstance(content, Path):

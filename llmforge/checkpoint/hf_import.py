@@ -37,7 +37,7 @@ _SHOWN = 20
 
 def _read_config(folder: Path) -> Dict[str, Any]:
     if not folder.is_dir():
-        raise UserError([Problem(KEY, str(folder), "no such folder", "point it at a folder holding config.json and model.safetensors")], title="cannot start from these weights")
+        raise UserError([Problem(KEY, str(folder), "is a file, not a folder" if folder.exists() else "no such folder", "point it at a folder holding config.json and model.safetensors")], title="cannot start from these weights")
     try:
         data = json.loads((folder / "config.json").read_text())
         if not isinstance(data, dict):

@@ -26,7 +26,7 @@ from llmforge.checkpoint.locate import Located, locate
 from llmforge.checkpoint.manifest import read_train_state
 from llmforge.config.saved import compose_saved
 from llmforge.config.schema import values_by_key
-from llmforge.errors import Problem, UserError, fail
+from llmforge.errors import Problem, UserError, fail, override_arg, pasteable
 from llmforge.plan import RunPlan
 
 #: Keys (or key prefixes ending in ".") whose change invalidates the saved state.
@@ -77,7 +77,7 @@ def plan_for_resume(overrides: List[str], *, from_other_run: bool = False, confi
     for note in found.notes:
         console.print(note, style="yellow", markup=False, highlight=False)
     if not any(o.split("=", 1)[0] == "run.dir" for o in rest):
-        rest = [*rest, f"run.dir={found.run_dir}"]
+        rest = [*rest, override_arg("run.dir", found.run_dir)]
     old, new = saved_config(found.path), saved_config(found.path, rest, extra_dirs=config_dir)
     check_same_run(found, saved=old, run_dir=Path(new.run.dir), from_other_run=from_other_run)
     step = read_train_state(found.path)["step"]
@@ -130,5 +130,5 @@ def check_same_run(found: Located, *, saved: Any, run_dir: Path, from_other_run:
     if changes:
         title = f"{found.path} is a checkpoint of another run than {found.run_dir} (whose plan is {home})"
         fix = (f"resume the run the checkpoint came from, or start a new run from it: "
-               f"`llmforge resume ckpt={found.path} run.dir=NEW --from-other-run`")
+               f"`llmforge resume {pasteable('ckpt', found.path, override=False)} run.dir=NEW --from-other-run`")
         raise UserError([Problem(key, theirs, f"the checkpoint has {theirs!r}, {home} has {ours!r}", fix) for key, ours, theirs, _ in changes], title=title)

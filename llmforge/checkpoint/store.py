@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from llmforge.checkpoint.manifest import MANIFEST, read_train_state, verify, write_manifest
 from llmforge.checkpoint.safe_reader import SafeReader, load_metadata
 from llmforge.checkpoint.state import apply_model_state, save_rng, tensor_state
-from llmforge.errors import UserError, fail
+from llmforge.errors import UserError, fail, pasteable
 from llmforge.files import fsync_dir, write_json_atomic
 
 TRAIN_STATE = "train_state.json"
@@ -161,9 +161,9 @@ class CheckpointSaver:
         kept = complete(self.root)
         run_dir = self.root.parent if self.root.name == "checkpoints" else self.root
         if kept:
-            then = f"the newest complete checkpoint, {kept[0]}, is kept. Fix: {fix}, then resume: `llmforge resume ckpt={run_dir}`"
+            then = f"the newest complete checkpoint, {kept[0]}, is kept. Fix: {fix}, then resume: `llmforge resume {pasteable('ckpt', run_dir, override=False)}`"
         else:
-            then = f"no earlier checkpoint was saved, so there is nothing to resume. Fix: {fix}, then start again: `llmforge pretrain ... run.dir={run_dir} --overwrite`"
+            then = f"no earlier checkpoint was saved, so there is nothing to resume. Fix: {fix}, then start again: `llmforge pretrain ... {pasteable('run.dir', run_dir)} --overwrite`"
         return fail(f"cannot save the checkpoint of step {step} into {tmp}: {why}; {then}", title="checkpoint not saved")
 
     def _write(self, state: Dict[str, Any], *, tmp: Path, final: Path, step: int) -> None:

@@ -6,12 +6,12 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from rich.console import Console
 
 from llmforge.errors import Problem, UserError
-from llmforge.rundir import check_writable
+from llmforge.rundir import check_writable, refuse_run_outputs
 
 
 def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> None:
@@ -26,6 +26,7 @@ def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> 
         raise UserError([Problem(o.split("=", 1)[0], o, "export takes no overrides besides ckpt=", "remove it") for o in rest], title="bad overrides")
     for folder in (Path(out_dir), Path(out_dir).parent):  # the files, and the temporary folder beside them
         check_writable(folder, key="--out")
+    refuse_run_outputs(Path(out_dir), key="--out", example="export")
     found = locate(ckpt)
     for note in found.notes:
         console.print(note, style="yellow", markup=False, highlight=False)
@@ -48,7 +49,9 @@ def generate_command(overrides: List[str], *, prompt: Optional[str], prompts: Op
     returns the completions. Texts go to stdout, or with ``--out`` one JSON object a line to FILE."""
     from llmforge.generate import check_settings, checkpoint_config, generate_ids, load_model, pick_device, run_tokenizer
 
-    texts = _prompts(prompt=prompt, prompts=prompts, out_file=out_file)
+    texts = _prompts(prompt=prompt, prompts=prompts)
+    if out_file is not None:
+        _check_out_file(out_file, inputs={"--prompts": prompts, "--tokenizer": tokenizer})
     found, config = checkpoint_config(overrides)
     settings = config.generate
     check_settings(settings)
@@ -58,6 +61,11 @@ def generate_command(overrides: List[str], *, prompt: Optional[str], prompts: Op
     if empty:
         key = "--prompt" if prompts is None else f"--prompts line {empty[0] + 1}"
         raise UserError([Problem(key, texts[empty[0]], "encodes to no tokens", "give a non-empty prompt")], title="bad prompt")
+    for i, ids in enumerate(encoded):
+        if len(ids) > config.model.seq_len:
+            which = "--prompt" if prompts is None else f"--prompts line {i + 1}"
+            err.print(f"{which} is {len(ids)} tokens, longer than the model's {config.model.seq_len} positions (model.seq_len): "
+                      f"it continues from the last {config.model.seq_len} tokens", style="yellow", highlight=False, markup=False)
     where = pick_device(device)
     model = load_model(found, config=config, device=where)
     mode = "greedy" if settings.temperature == 0 else f"temperature {settings.temperature:g}, top-k {settings.top_k or 'off'}, top-p {settings.top_p:g}, seed {settings.seed}"
@@ -77,12 +85,29 @@ def generate_command(overrides: List[str], *, prompt: Optional[str], prompts: Op
     return completions
 
 
-def _prompts(*, prompt: Optional[str], prompts: Optional[Path], out_file: Optional[Path]) -> List[str]:
+def _check_out_file(out_file: Path, *, inputs: Dict[str, Optional[Path]]) -> None:
+    """Before any work: ``--out`` is a file that can be written, none of the inputs, and none of a run's files."""
+    path = Path(out_file).expanduser()
+    if path.is_dir():
+        raise UserError([Problem("--out", str(out_file), "is a folder", "name a file, e.g. --out completions.jsonl")], title="cannot write the output")
+    check_writable(path.parent, key="--out", given=Path(out_file))
+    for key, given in inputs.items():
+        if given is not None and _same_file(Path(given).expanduser(), path):
+            raise UserError([Problem("--out", str(out_file), f"is the {key} file this command reads", "write the output to another file")], title="cannot write the output")
+    refuse_run_outputs(path, key="--out", example="completions.jsonl")
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """The same file, through links and hard links too."""
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _prompts(*, prompt: Optional[str], prompts: Optional[Path]) -> List[str]:
     """The prompts to continue: ``--prompt`` or the lines of ``--prompts`` (exactly one of them)."""
     if (prompt is None) == (prompts is None):
         raise UserError([Problem("--prompt", prompt, "give exactly one of --prompt TEXT and --prompts FILE", "pass one of them")], title="bad prompt")
-    if out_file is not None:
-        check_writable(Path(out_file).parent, key="--out")
     if prompts is None:
         return [prompt]  # type: ignore[list-item]
     try:

@@ -190,7 +190,8 @@ def render_search(result, *, plan, why_text: str, console) -> None:
             f"{result.seconds:.2f} s ({result.rate:,.0f} layouts/s); {result.fitting:,} fit.")
     console.print(head, markup=False)
     if not result.ranked:
-        console.print(Text("Nothing fits.", style="bold red"))
+        none = "Nothing fits." if not result.fitting else f"None of the {result.fitting:,} that fit is a valid plan with the other settings (llmforge plan names why)."
+        console.print(Text(none, style="bold red"))
         for line in result.suggestions:
             console.print(f"- {line}", markup=False)
         return
@@ -210,7 +211,7 @@ def render_search(result, *, plan, why_text: str, console) -> None:
         console.print(why_text, markup=False)
     console.print("Overrides, ready to paste:")
     for i, est in enumerate(result.ranked, 1):
-        console.print(f"  #{i}: {_paste(est.layout)}", soft_wrap=True, markup=False)
+        console.print(f"  #{i}: {_paste(est.layout, elastic=plan.config.cluster.min_nodes is not None)}", soft_wrap=True, markup=False)
 
 
 def _short(layout) -> str:
@@ -227,11 +228,13 @@ def _short(layout) -> str:
     return " ".join(parts)
 
 
-def _paste(layout) -> str:
-    """Overrides without the defaults a user need not type."""
+def _paste(layout, *, elastic: bool = False) -> str:
+    """Overrides without the defaults a user need not type (an elastic plan keeps parallel.dp=auto)."""
     keep = []
     for part in layout.overrides().split():
         key, value = part.split("=", 1)
+        if key == "parallel.dp" and elastic:
+            part = "parallel.dp=auto"
         if (key, value) in (("parallel.cp", "1"), ("parallel.ep", "1"), ("parallel.pp_virtual_stages", "1")):
             continue
         keep.append(part)

@@ -22,6 +22,10 @@ def plan_from_file(path: Path, overrides: Sequence[str], *, config_dir: Sequence
     """A run's plan.json, with overrides applied on top of it (group options also from ``config_dir``)."""
     from llmforge.config.saved import compose_saved
 
+    if path.is_dir():  # a run folder: its plan.json
+        if not (path / "plan.json").is_file():
+            raise UserError([Problem("--plan", str(path), "is a folder without a plan.json", "point --plan at a run folder or its plan.json")], title="missing plan")
+        path = path / "plan.json"
     try:
         saved = json.loads(path.read_text())["config"]
     except FileNotFoundError:

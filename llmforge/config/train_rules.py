@@ -37,6 +37,31 @@ def parse_steps(text: str) -> Tuple[int, int]:
     return first, last
 
 
+#: ``RANK:STEP[:KIND]``, on the first attempt of a job only: how restarts and the anomaly
+#: policies are drilled (tests, drills). STEP is one optimizer step N or a range N-M. KIND:
+#: ``exit`` (the default): that rank exits abruptly (exit code 1) after step N;
+#: ``nan-loss``: that rank's loss of those steps is NaN (its gradients stay finite);
+#: ``nan-grad``: one element of that rank's gradients of those steps is NaN.
+FAULT_ENV = "LLMFORGE_FAULT"
+FAULT_KINDS = ("exit", "nan-loss", "nan-grad")
+
+
+def parse_fault(spec: str) -> Tuple[int, int, int, str]:
+    """``RANK:STEP[:KIND]`` -> (rank, first step, last step, kind); ValueError if malformed."""
+    parts = spec.strip().split(":")
+    kind = parts[2] if len(parts) == 3 else "exit"
+    if len(parts) not in (2, 3) or kind not in FAULT_KINDS or not parts[0].isdigit():
+        raise ValueError(spec)
+    first, last = parse_steps(parts[1])
+    return int(parts[0]), first, last, kind
+
+
+def fault_problem(spec: str) -> Problem:
+    """The message for a ``LLMFORGE_FAULT`` that ``parse_fault`` refuses."""
+    return Problem(FAULT_ENV, spec, "not a fault to inject", f"write RANK:STEP[:KIND], STEP being N or N-M (N <= M, from 1) and KIND one of "
+                   f"{', '.join(FAULT_KINDS)}, e.g. {FAULT_ENV}=0:3 or {FAULT_ENV}=1:4:nan-grad; or unset it")
+
+
 def _check_profile(config: RunConfig) -> List[Problem]:
     t, out = config.train, []
     if t.profile is not None:

@@ -47,9 +47,44 @@ def entry_folder(cache_dir: str, *, name: str, spec: dict) -> Path:
 @contextmanager
 def locked(root: Path) -> Iterator[None]:
     """Hold an inter-process lock on a cache entry (concurrent prepare calls wait for the first)."""
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root.parent / f".{root.name}.lock")):
+    lock = FileLock(str(root.parent / f".{root.name}.lock"))
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except OSError as exc:
+        raise cache_write_error(root, exc) from None
+    try:
         yield
+    finally:
+        lock.release()
+
+
+_UNWRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST)
+
+
+class CacheNotWritable(UserError):
+    """The cache folder cannot be written (a prepared entry there can still be read)."""
+
+
+def leftovers(root: Path) -> List[Path]:
+    """Temporary and replaced folders an earlier preparation of the entry left."""
+    return [p for pattern in (f".{root.name}.tmp-*", f".{root.name}.old-*") for p in root.parent.glob(pattern)]
+
+
+def cache_write_error(root: Path, exc: OSError) -> UserError:
+    """One message for a cache folder that cannot be written: a file in the way, a folder where
+    the lock file goes, no permission or a read-only file system."""
+    folder, lock = root.parent.parent, root.parent / f".{root.name}.lock"
+    blocker = next((p for p in [root.parent, *root.parent.parents] if p.exists() and not p.is_dir()), None)
+    if blocker is not None:
+        rule, fix = f"{blocker} is a file, not a folder", "remove that file, or set data.cache_dir to a folder"
+    elif lock.is_dir():
+        rule, fix = f"the lock file's place, {lock}, is taken by a folder", "remove that folder (it holds no data)"
+    else:
+        rule = f"cannot write in {root.parent} ({exc.strerror or exc}) to prepare {root.name}"
+        fix = ("set data.cache_dir to a writable folder, or have a user who can write there prepare it once "
+               "(`llmforge data prepare` with the same data settings): a prepared cache is then only read")
+    return CacheNotWritable([Problem("data.cache_dir", str(folder), rule, fix)], title="cannot use the data cache")
 
 
 @contextmanager
@@ -66,6 +101,8 @@ def preparing(root: Path, *, input_bytes: int) -> Iterator[None]:
         os.kill(os.getpid(), signal.SIGTERM)
         raise
     except Exception as exc:
+        if isinstance(exc, OSError) and exc.errno in _UNWRITABLE and str(exc.filename or "").startswith(str(root.parent)):
+            raise cache_write_error(root, exc) from None
         if not disk_full(exc):
             raise
         raise disk_full_error(root, need_bytes=2 * input_bytes) from None
@@ -73,7 +110,7 @@ def preparing(root: Path, *, input_bytes: int) -> Iterator[None]:
 
 def remove_stale_temporaries(root: Path) -> List[Path]:
     """Delete the entry's temporary and replaced folders; call only while holding its lock."""
-    stale = [p for pattern in (f".{root.name}.tmp-*", f".{root.name}.old-*") for p in root.parent.glob(pattern)]
+    stale = leftovers(root)
     for path in stale:
         shutil.rmtree(path, ignore_errors=True)
     return stale

@@ -88,6 +88,20 @@ def prepare(*, data: DataConfig, vocab_size: int, seed: int, console=None, force
     inputs = resolve_inputs(data)
     spec = request_spec(data, inputs=inputs, vocab_size=vocab_size)
     root = _entry_root(data, inputs=inputs, spec=spec)
+    ready = None if force else _reuse_unlocked(root, inputs, spec=spec, tokenizer=data.tokenizer)
+    if ready is not None and not cache.leftovers(root):
+        return ready
+    try:
+        return _prepare_locked(root, data=data, inputs=inputs, spec=spec, vocab_size=vocab_size, console=console, force=force)
+    except cache.CacheNotWritable:
+        if ready is None:
+            raise
+        return ready  # the leftovers of a dead preparation stay where nobody can remove them
+
+
+def _prepare_locked(root: Path, *, data: DataConfig, inputs: Sequence[Tuple[Source, float]], spec: dict, vocab_size: int,
+                    console, force: bool) -> PreparedData:
+    """Check, and rebuild if needed, the entry under its lock."""
     with cache.preparing(root, input_bytes=sum(_input_bytes(s) for s, _ in inputs)):
         fingerprints = _fingerprint_inputs(root, inputs, tokenizer=data.tokenizer)
         manifest = None if force else cache.read_manifest(root)
@@ -106,6 +120,24 @@ def prepare(*, data: DataConfig, vocab_size: int, seed: int, console=None, force
             manifest.update(spec=spec, inputs=fingerprints, created=time.time())
             cache.write_manifest(tmp, manifest)
     return from_manifest(root, manifest, weights=[w for _, w in inputs], reused=False)
+
+
+def _reuse_unlocked(root: Path, inputs: Sequence[Tuple[Source, float]], *, spec: dict, tokenizer: Optional[str]) -> Optional[PreparedData]:
+    """A valid entry, read without taking its lock: a prepared cache stays usable where it is
+    read-only (shared by many users). None (then prepare under the lock) when the entry is
+    missing, stale, being replaced, or reads a hub dataset (whose check may write its cache)."""
+    if any(source.kind == "hub" for source, _ in inputs):
+        return None
+    manifest = cache.read_manifest(root)
+    if manifest is None:
+        return None
+    try:
+        fingerprints = _fingerprint_inputs(root, inputs, tokenizer=tokenizer)
+        if cache.stale_reason(root, manifest, spec=spec, inputs=fingerprints):
+            return None
+        return from_manifest(root, manifest, weights=[w for _, w in inputs], reused=True)
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def _input_bytes(source: Source) -> int:

@@ -80,7 +80,9 @@ def load_tokenizer(path_text: str, *, vocab_size: int, key: str = "data.tokenize
     path = Path(path_text).expanduser()
     unset = "leave it unset to train one" if key == "data.tokenizer" else "leave it out to use the run's own"
     if not path.is_file():
-        raise UserError([Problem(key, path_text, "no such file", f"point {key} at a tokenizer.json, or {unset}")],
+        what = "is a folder, not a file" if path.is_dir() else "no such file"
+        hint = f" (perhaps {key}={path / 'tokenizer.json'})" if (path / "tokenizer.json").is_file() else ""
+        raise UserError([Problem(key, path_text, what, f"point {key} at a tokenizer.json{hint}, or {unset}")],
                         title="missing tokenizer")
     try:
         tokenizer = Tokenizer.from_file(str(path))

@@ -338,8 +338,9 @@ def plan_config(plan, layout: Layout):
     import dataclasses
 
     c = plan.config
+    elastic = c.cluster.min_nodes is not None  # an elastic plan's dp follows the world it gets
     parallel = dataclasses.replace(
-        c.parallel, dp=layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, zero=layout.zero,
+        c.parallel, dp="auto" if elastic else layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, zero=layout.zero,
         sequence_parallel=layout.sequence_parallel, pp_schedule=layout.schedule, pp_virtual_stages=layout.virtual_stages,
         recompute=layout.recompute, recompute_every=layout.recompute_every, pp_layers=None, dp_replicate=layout.dp_replicate,
         offload=layout.offload, offload_activations=layout.offload_activations,

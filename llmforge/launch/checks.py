@@ -3,6 +3,9 @@ devices of this machine and the space on run.dir's file system."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Optional
+
 from rich.console import Console
 
 from llmforge.errors import Problem, UserError
@@ -116,3 +119,32 @@ def check_devices(plan: RunPlan) -> None:
             "run it on the GPU nodes (or write a SLURM script with cluster.launcher=slurm), "
             "or train on this machine's CPU with cluster=cpu and a layout that fits it",
         )], title="this machine cannot run the plan")
+
+
+def check_fault(plan: RunPlan, *, resume_from: Optional[Path], here: bool, console: Console) -> None:
+    """``LLMFORGE_FAULT``, before anything is written: a malformed one is refused, and one whose
+    rank or step never comes, or that will end this very command, is said at start-up."""
+    import os
+    import re
+
+    from llmforge.config.train_rules import FAULT_ENV, fault_problem, parse_fault
+
+    spec = os.environ.get(FAULT_ENV, "")
+    if not spec:
+        return
+    try:
+        rank, first, last, kind = parse_fault(spec)
+    except ValueError:
+        raise UserError([fault_problem(spec)], title="bad fault drill") from None
+    done = re.fullmatch(r"step_(\d+)", resume_from.name) if resume_from is not None else None
+    resumed_at = int(done.group(1)) if done else 0
+    steps = plan.config.train.steps
+    never = (f"rank {rank} does not exist (this run has {plan.world_size} rank(s), 0-{plan.world_size - 1})" if rank >= plan.world_size else
+             f"step {first} comes after the last step ({steps})" if first > steps else
+             f"step{'s' if last > first else ''} {first}{'-' + str(last) if last > first else ''} came before this resume from step {resumed_at}"
+             if (first if kind == "exit" else last) <= resumed_at else "")
+    if never:
+        console.print(f"{FAULT_ENV}={spec} injects nothing: {never}, so this drill tests nothing", style="yellow", markup=False, highlight=False)
+    elif kind == "exit" and here:
+        console.print(f"{FAULT_ENV}={spec}: this run trains in this process with no restarts (cluster.max_restarts=0), "
+                      f"so this command itself ends after step {first} with exit code 1", style="yellow", markup=False, highlight=False)

@@ -14,7 +14,7 @@ from typing import Optional
 
 from rich.console import Console
 
-from llmforge.launch.checks import check_devices, check_host_memory, check_space, preflight
+from llmforge.launch.checks import check_devices, check_fault, check_host_memory, check_space, preflight
 from llmforge.plan import RunPlan
 from llmforge.rundir import RunLock, check_writable, plan_path, write_plan
 
@@ -22,6 +22,7 @@ from llmforge.rundir import RunLock, check_writable, plan_path, write_plan
 def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
     """Check, then run ``plan`` here or through torchrun, holding the run folder's lock.
     The first CPU run on a machine measures it first (``llmforge.calibrate.auto``)."""
+    check_fault(plan, resume_from=resume_from, here=runs_here(plan), console=console)
     if not dry_run:
         from llmforge.calibrate.auto import ensure_cpu_profile
 
@@ -106,7 +107,7 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
     with an earlier run's."""
     import shutil
 
-    from llmforge.errors import fail
+    from llmforge.errors import fail, pasteable
 
     found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
     if not found:
@@ -115,7 +116,7 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
         names = ", ".join(p.name for p in found)
         if any((run_dir / "checkpoints").glob("step_*/manifest.json")):
             raise fail(
-                f"run.dir={run_dir} already holds a run ({names}); continue it with `llmforge resume ckpt={run_dir}`, "
+                f"run.dir={run_dir} already holds a run ({names}); continue it with `llmforge resume {pasteable('ckpt', run_dir, override=False)}`, "
                 "choose another run.dir=..., or pass --overwrite to start over"
             )
         raise fail(

@@ -97,6 +97,8 @@ class LayoutResult:
     local_numel: Dict[str, int] = field(default_factory=dict)
     params: Dict[str, torch.Tensor] = field(default_factory=dict)
     buffers: List[Dict[str, torch.Tensor]] = field(default_factory=list)
+    #: Where the offloaded tensors went (``offload_facts``): the tests check the offload was in place.
+    offload: Dict[str, object] = field(default_factory=dict)
 
 
 def rank_info(plan: RunPlan, *, device: torch.device, mesh_of_one: bool = False) -> RankInfo:
@@ -127,6 +129,7 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), m
     dtypes = record_dtypes(c)
     # validation on other synthetic rows mid-run and at the end: training must continue unchanged after it
     c.val_sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed + 1, eos_rate=eos_rate)
+    copies = _count_activation_copies(c)
     records: List[dict] = []
     syncs = StepSyncs(host=c.host_tensors, enabled=count_syncs, skip=SYNC_STEP - 1, count=1)
     hooks = LoopHooks(log=records.append, should_stop=syncs.after_step)
@@ -144,7 +147,49 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), m
     out.threads = rank_threads()
     out.dtypes = per_rank({k: sorted(v) for k, v in dtypes.items()})
     out.buffers = rank_buffers(c)
+    out.offload = {**offload_facts(c), **copies}
     return out
+
+
+def offload_facts(c: Components) -> Dict[str, object]:
+    """The offload policy of every FSDP2 parameter group, whether each sharded parameter is kept
+    in host memory (FSDP2's ``offload_to_cpu``), and whether AdamW is torch's fused one."""
+    groups = [m._get_fsdp_state()._fsdp_param_group for part in c.model_parts for m in part.modules() if isinstance(m, FSDPModule)]
+    groups = [g for g in groups if g is not None]
+    return {
+        "fsdp_policies": sorted({type(g.offload_policy).__name__ for g in groups}),
+        "params_on_host": [bool(p.offload_to_cpu) for g in groups for p in g.fsdp_params],
+        "fused_adamw": bool(c.optimizer.defaults.get("fused")),
+    }
+
+
+def _count_activation_copies(c: Components) -> Dict[str, int]:
+    """Count the activations the step's offload hooks copy to host memory and back (a dict
+    filled while training; empty counts when no offload hook is in place)."""
+    from llmforge.parallel.offload import OffloadedStep
+
+    counts = {"activations_to_host": 0, "activations_back": 0}
+    step = c.step
+    while step is not None and not isinstance(step, OffloadedStep):
+        step = getattr(step, "inner", None)
+    if step is None:
+        return counts
+    offload = step.offload
+    pack, unpack = offload.pack, offload.unpack
+
+    def counting_pack(tensor: torch.Tensor):
+        packed = pack(tensor)
+        if isinstance(packed, tuple) and packed[1].data_ptr() != tensor.data_ptr():  # a copy, not the tensor itself
+            counts["activations_to_host"] += 1
+        return packed
+
+    def counting_unpack(packed):
+        if isinstance(packed, tuple):
+            counts["activations_back"] += 1
+        return unpack(packed)
+
+    offload.pack, offload.unpack = counting_pack, counting_unpack
+    return counts
 
 
 def rank_buffers(c: Components) -> List[Dict[str, torch.Tensor]]:

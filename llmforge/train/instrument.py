@@ -8,11 +8,12 @@ import os
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional
 
 import torch
 from rich.console import Console
 
+from llmforge.config.train_rules import FAULT_ENV, parse_fault  # the spec is checked before launch (llmforge.launch.checks)
 from llmforge.parallel.dtensor import local
 from llmforge.plan import RunPlan
 from llmforge.train.components import Components, RankInfo
@@ -40,27 +41,6 @@ def add_profiler(plan: RunPlan, hooks: LoopHooks, closers: List[Callable[[], Non
     hooks.after_step = after_step
 
 
-#: ``RANK:STEP[:KIND]``, on the first attempt of a job only: how restarts and the anomaly
-#: policies are drilled (tests, drills). STEP is one optimizer step N or a range N-M. KIND:
-#: ``exit`` (the default): that rank exits abruptly (exit code 1) after step N;
-#: ``nan-loss``: that rank's loss of those steps is NaN (its gradients stay finite);
-#: ``nan-grad``: one element of that rank's gradients of those steps is NaN.
-FAULT_ENV = "LLMFORGE_FAULT"
-FAULT_KINDS = ("exit", "nan-loss", "nan-grad")
-
-
-def parse_fault(spec: str) -> Tuple[int, int, int, str]:
-    """``RANK:STEP[:KIND]`` -> (rank, first step, last step, kind); ValueError if malformed."""
-    from llmforge.config.train_rules import parse_steps
-
-    parts = spec.strip().split(":")
-    kind = parts[2] if len(parts) == 3 else "exit"
-    if len(parts) not in (2, 3) or kind not in FAULT_KINDS or not parts[0].isdigit():
-        raise ValueError(f"{FAULT_ENV}={spec!r}: write RANK:STEP[:KIND], STEP being N or N-M and KIND one of {', '.join(FAULT_KINDS)}")
-    first, last = parse_steps(parts[1])
-    return int(parts[0]), first, last, kind
-
-
 def inject_fault(hooks: LoopHooks, c: Components, *, rank: RankInfo, spec: Optional[str] = None) -> None:
     """Arm ``spec`` (default: ``$LLMFORGE_FAULT``) on this rank."""
     spec = spec if spec is not None else os.environ.get(FAULT_ENV)
@@ -78,7 +58,7 @@ def inject_fault(hooks: LoopHooks, c: Components, *, rank: RankInfo, spec: Optio
         inner(step)
         if step == first:
             sys.stdout.flush()
-            sys.stderr.flush()
+            print(f"{FAULT_ENV}={spec}: rank {rank.rank} exits after step {step} (exit code 1), as the drill asks", file=sys.stderr, flush=True)
             os._exit(1)
 
     hooks.after_step = after_step

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Optional
 import torch.distributed as dist
 
 from llmforge.checkpoint import store
-from llmforge.errors import UserError, fail
+from llmforge.errors import UserError, fail, pasteable
 from llmforge.train.anomaly import Anomaly, check_weights
 from llmforge.train.components import Components
 from llmforge.train.loop import LoopResult
@@ -72,9 +72,9 @@ def stop_error(anomaly: Anomaly, *, root: Path, why: str = "") -> UserError:
     good = store.newest_before(root, step=anomaly.first_step)
     run_dir = root.parent
     if good is not None:
-        way = f"the newest checkpoint before step {anomaly.first_step} is {good}; continue from it (perhaps with a lower train.lr) with:\n  llmforge resume ckpt={good}"
+        way = f"the newest checkpoint before step {anomaly.first_step} is {good}; continue from it (perhaps with a lower train.lr) with:\n  llmforge resume {pasteable('ckpt', good, override=False)}"
     else:
-        way = f"no checkpoint was saved before step {anomaly.first_step}: start again (perhaps with a lower train.lr) with `llmforge pretrain ... run.dir={run_dir} --overwrite`"
+        way = f"no checkpoint was saved before step {anomaly.first_step}: start again (perhaps with a lower train.lr) with `llmforge pretrain ... {pasteable('run.dir', run_dir)} --overwrite`"
     because = f", and {why}" if why else ""
     return fail(f"stopped at step {anomaly.step}: {anomaly}{because}. No update of a non-finite step was applied and no checkpoint holds one; {way}",
                 title="training stopped on non-finite numbers")

@@ -22,6 +22,7 @@ from rich.text import Text
 
 from llmforge.checkpoint import store
 from llmforge.checkpoint.state import load_rng
+from llmforge.errors import pasteable
 from llmforge.plan import RunPlan
 from llmforge.rundir import write_plan
 from llmforge.train.components import Components, RankInfo
@@ -43,6 +44,9 @@ class RunSummary:
     step_time_s: Optional[float] = None
     peak_memory_bytes: Optional[float] = None
     val_loss: Optional[float] = None
+    #: Steps skipped on non-finite numbers (train.anomaly; the run's whole count, across resumes) and rollbacks in this launch.
+    skipped_steps: int = 0
+    rollbacks: int = 0
 
     def describe(self, plan: RunPlan) -> Text:
         """The closing line a launcher prints (only "done" is styled; paths print as written):
@@ -50,6 +54,10 @@ class RunSummary:
         losses = f"loss {self.first_loss:.4f} -> {self.last_loss:.4f}" if self.first_loss is not None else "no steps left to train"
         if self.val_loss is not None:
             losses += f", val_loss {self.val_loss:.4f}"
+        if self.skipped_steps:
+            losses += f"; {self.skipped_steps} step(s) skipped on non-finite numbers (train.anomaly, the skipped_steps column of metrics.jsonl)"
+        if self.rollbacks:
+            losses += f"; {self.rollbacks} rollback(s)"
         where = f"; checkpoint {self.checkpoint}" if self.checkpoint else ""
         rest = f" {plan.layout} step {self.last_step}: {losses} in {self.wall_s:.1f}s; metrics in {plan.run_dir / 'metrics.jsonl'}{where}"
         return Text.assemble(("done", "bold green"), rest + self.against_estimate(plan))
@@ -228,6 +236,8 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         step_time_s=_typical(result.step_times),
         peak_memory_bytes=measured_peak_bytes(result.measured),
         val_loss=result.val_loss,
+        skipped_steps=c.guard.skipped,
+        rollbacks=c.guard.rollbacks,
     )
 
 
@@ -256,9 +266,9 @@ def _stopped_text(signal_name: Optional[str], *, step: int, run_dir: Path, saved
     """What a stopped run prints: how to continue, or how to start again without a checkpoint."""
     head = (f"stopped by {signal_name} after step {step}", "bold yellow")
     if saved:
-        return Text.assemble(head, f"; continue with:\n  llmforge resume ckpt={run_dir}")
+        return Text.assemble(head, f"; continue with:\n  llmforge resume {pasteable('ckpt', run_dir, override=False)}")
     return Text.assemble(head, f"; no checkpoint was saved, so there is nothing to resume: start again with "
-                         f"`llmforge pretrain ... run.dir={run_dir} --overwrite`")
+                         f"`llmforge pretrain ... {pasteable('run.dir', run_dir)} --overwrite`")
 
 
 def _typical(times: List[float]) -> Optional[float]:
