@@ -15,6 +15,7 @@ of its mesh, the simple and correct fallback.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -163,6 +164,8 @@ def _scatter_from_owner(m: Matrix):
 
 
 def _everywhere(m: Matrix, *, steps: int, dtype: torch.dtype) -> torch.Tensor:
+    # gathering FSDP2's strided shards under TP takes two all-gathers, which DTensor warns of each time
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     like = m.like
     sharded = DTensor.from_local(m.local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
     whole = newton_schulz(sharded.full_tensor(), steps=steps, dtype=dtype)
