@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,25 @@ def test_muon_resumes_exactly_and_reshards(tmp_path, small_data):
     full, resumed, resharded = losses(z), losses(tmp_path / "r1"), losses(tmp_path / "r2")
     assert [resumed[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]
     assert all(abs(resharded[s] - full[s]) / full[s] < 1e-5 for s in (4, 5, 6)), (resharded, full)
+
+
+def test_estimate_counts_one_momentum_buffer_and_the_newton_schulz_step():
+    from llmforge.estimate.core import estimate
+    from llmforge.estimate.muon import step_seconds
+    from llmforge.estimate.shape import Job, Shape
+    from llmforge.hardware import get_profile
+    from llmforge.layout import Layout
+
+    shape = Shape(num_layers=8, hidden=2048, heads=16, kv_heads=16, ffn=8192, vocab=32000, seq=2048)
+    adamw = Job(global_batch=64, param_dtype="bf16", reduce_dtype="fp32", profile=get_profile("h100-80gb"))
+    muon = Job(global_batch=64, param_dtype="bf16", reduce_dtype="fp32", profile=get_profile("h100-80gb"), optimizer="muon")
+    layout = Layout(dp=8, zero=1)
+    a, m = estimate(shape, layout, adamw), estimate(shape, layout, muon)
+    blocks = 8 * (4 * 2048 * 2048 + 2 * 2048 * 8192)
+    assert m.worst.optimizer == pytest.approx(a.worst.optimizer - 4 * blocks / 8, rel=1e-3)  # 4 bytes less per block matrix element
+    assert m.parts["optimizer"] > a.parts["optimizer"]
+    # ZeRO over 8 ranks: each orthogonalises an eighth, after a gather; held whole (ZeRO 0), all of them
+    sharded, whole = step_seconds(shape, layout, muon, 0), step_seconds(shape, Layout(dp=8), muon, 0)
+    assert whole / 8 < sharded < whole
+    assert step_seconds(shape, layout, adamw, 0) == 0
+    assert step_seconds(shape, layout, replace(muon, muon_ns_dtype="bf16"), 0) < sharded  # bf16 matmuls are faster

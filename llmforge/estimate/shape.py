@@ -94,6 +94,10 @@ class Job:
     compile: bool = False
     #: parallel.bucket_mb in bytes: ZeRO 0's gradient bucket cap (llmforge.parallel.data)
     bucket_bytes: int = 25 * 2**20
+    #: optim.name, and Muon's Newton-Schulz iterations and their dtype (llmforge.estimate.muon)
+    optimizer: str = "adamw"
+    muon_ns_steps: int = 5
+    muon_ns_dtype: str = "fp32"
 
     @property
     def compute_bytes(self) -> int:
@@ -136,6 +140,7 @@ def job_from_plan(plan) -> Job:
         overlap_grad_reduce=plan.overlap_grad_reduce, fp8=c.precision.fp8,
         fp8_all_gather=c.precision.fp8 and c.precision.fp8_recipe == "tensorwise" and c.precision.fp8_all_gather,
         compile=c.train.compile, bucket_bytes=max(1, int(c.parallel.bucket_mb * 2**20)),
+        optimizer=c.optim.name, muon_ns_steps=c.optim.muon_ns_steps, muon_ns_dtype=c.optim.muon_ns_dtype,
     )
 
 
