@@ -128,3 +128,19 @@ def test_estimate_counts_one_momentum_buffer_and_the_newton_schulz_step():
     assert whole / 8 < sharded < whole
     assert step_seconds(shape, layout, adamw, 0) == 0
     assert step_seconds(shape, layout, replace(muon, muon_ns_dtype="bf16"), 0) < sharded  # bf16 matmuls are faster
+
+
+@pytest.mark.parametrize("layout", [["parallel=dp2", "parallel.zero=1"], ["parallel=dp2tp2", "parallel.zero=3"]], ids=["dp2_zero1", "dp2tp2_zero3"])
+def test_estimated_muon_state_is_what_rank_0_holds(layout):
+    """Rank 0's real program on a fake process group: its optimizer-state bytes against the estimate."""
+    from llmforge.config.compose import compose
+    from llmforge.estimate.memory import stage_memory
+    from llmforge.estimate.shape import from_plan
+    from llmforge.plan import RunPlan
+    from llmforge.train.footprint import measure_step
+
+    small = ["model.num_layers=2", "model.vocab_size=512", "model.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=8"]
+    plan = RunPlan.build(compose(layout + small + ["optim=muon", "precision=bf16"]))
+    (_, _, states), _ = measure_step(plan)
+    shape, lay, job = from_plan(plan)
+    assert stage_memory(shape, lay, job, 0, plan.microbatches).optimizer == pytest.approx(states, rel=1e-9)

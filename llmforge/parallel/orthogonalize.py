@@ -51,25 +51,29 @@ class Matrix:
 
     local: torch.Tensor
     like: torch.Tensor  # the parameter (a DTensor when sharded): its mesh, placements, global shape
-    owner: int = -1  # group rank that orthogonalises it (owner path only)
+    owner: int = -1  # group rank that orthogonalises it (owner route only)
     received: List[torch.Tensor] = field(default_factory=list)
     result: Optional[torch.Tensor] = None
+    #: ``local`` (whole matrices here), ``owner`` (sharded over one mesh dimension) or ``gather_all``
+    route: str = field(init=False)
+    #: the mesh dimension that shards it (owner route)
+    mesh_dim: int = field(init=False, default=-1)
 
-    @property
-    def route(self) -> str:
-        """``local`` (whole matrices here), ``owner`` (one sharded mesh dimension) or ``gather_all``."""
-        if not isinstance(self.like, DTensor):
-            return "local"
-        sharded = [p for p in self.like.placements if not isinstance(p, Replicate)]
-        if all(isinstance(p, Shard) and p.dim % self.like.ndim < self.like.ndim - 2 for p in sharded):  # whole experts
-            return "local"
-        if len(sharded) == 1 and type(sharded[0]) is Shard and self._even_chunks():
-            return "owner"
-        return "gather_all"
+    def __post_init__(self) -> None:
+        self.route = self._route()
 
-    @property
-    def mesh_dim(self) -> int:
-        return next(i for i, p in enumerate(self.like.placements) if not isinstance(p, Replicate))
+    def _route(self) -> str:
+        like = self.like
+        if not isinstance(like, DTensor):
+            return "local"
+        mesh = like.device_mesh
+        sharded = [i for i, p in enumerate(like.placements) if not isinstance(p, Replicate) and mesh.size(i) > 1]
+        if all(isinstance(like.placements[i], Shard) and like.placements[i].dim % like.ndim < like.ndim - 2 for i in sharded):
+            return "local"  # not sharded, or split over whole experts only
+        if len(sharded) > 1 or type(like.placements[sharded[0]]) is not Shard:
+            return "gather_all"
+        self.mesh_dim = sharded[0]
+        return "owner" if self._chunked() else "gather_all"
 
     @property
     def dim(self) -> int:
@@ -79,13 +83,11 @@ class Matrix:
     def group(self) -> dist.ProcessGroup:
         return self.like.device_mesh.get_group(self.mesh_dim)
 
-    def _even_chunks(self) -> bool:
+    def _chunked(self) -> bool:
         """The shards are torch.chunk's pieces (as DTensor and FSDP2 cut them)."""
-        mesh_dim = self.mesh_dim
-        dim = self.like.placements[mesh_dim].dim % self.like.ndim
-        size, n = self.like.shape[dim], self.like.device_mesh.size(mesh_dim)
-        rank = self.like.device_mesh.get_local_rank(mesh_dim)
-        return self.local.size(dim) == chunk_size(size, n=n, rank=rank)
+        mesh = self.like.device_mesh
+        size, n, rank = self.like.shape[self.dim], mesh.size(self.mesh_dim), mesh.get_local_rank(self.mesh_dim)
+        return self.local.size(self.dim) == chunk_size(size, n=n, rank=rank)
 
 
 def chunk_size(size: int, *, n: int, rank: int) -> int:
