@@ -11,7 +11,9 @@ traffic that brings each matrix whole to one rank (llmforge.parallel.orthogonali
   the group's matrices; the gather to the owners and the scatter back move
   ``(n - 1) / n^2`` of the matrices' fp32 bytes per rank each way, plus two
   latencies per matrix;
-- sharded over both (ZeRO with TP): every rank all-gathers and orthogonalises all.
+- sharded over both (ZeRO with TP): all-gathered over one of the two groups (the data-
+  parallel one for column-parallel weights, the smaller for row-parallel ones), then as
+  above over the other.
 
 Imports no torch.
 """
@@ -101,10 +103,13 @@ def step_seconds(shape: Shape, layout: Layout, job: Job, stage: int) -> float:
             compute += _ns_seconds(sp, t, job.muon_ns_steps, count) / groups[0]
             traffic += 2 * FP32 * t.numel * (groups[0] - 1) / groups[0] ** 2
             ops += 2
-        else:
-            compute += _ns_seconds(sp, t, job.muon_ns_steps, count)
-            gathered += FP32 * t.numel * (1 - 1 / (groups[0] * groups[1]))
-            ops += 2
+        else:  # ZeRO with TP: gathered over one dimension, owned over the other
+            kept = layout.tp if t.split == "col" else max(groups)  # FSDP2 strides its shards of column-parallel weights
+            other = layout.tp * zero_group // kept
+            compute += _ns_seconds(sp, t, job.muon_ns_steps, count) / kept
+            gathered += FP32 * t.numel / kept * (other - 1) / other
+            traffic += 2 * FP32 * t.numel * (kept - 1) / kept**2
+            ops += 3
     span = layout.tp * zero_group
     moved = cm.seconds(job, traffic + gathered, span, max(layout.tp, zero_group))
     return compute + moved + cm.hops_seconds(job, ops)

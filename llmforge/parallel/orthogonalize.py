@@ -9,8 +9,9 @@ scatters the result's shards back (``scatter``). A rank receives whole only the
 matrices it owns. Matrices held whole (one process, ZeRO 0, pipeline stages,
 expert weights split over experts) are orthogonalised where they are; expert
 weights ``[E, ...]`` are a batch of E matrices. A matrix sharded over more than one
-mesh dimension (FSDP + TP, 2-D) is all-gathered and orthogonalised by every rank
-of its mesh, the simple and correct fallback.
+mesh dimension (ZeRO with TP) is first all-gathered over all but the largest
+dimension that cuts it by plain ``Shard``, then takes the owner route over that one;
+where none does, every rank of its mesh gathers it whole and orthogonalises it.
 """
 
 from __future__ import annotations
@@ -100,19 +101,48 @@ def orthogonalize(matrices: List[Matrix], *, steps: int, dtype: torch.dtype) -> 
     """Each matrix's orthogonalised update, as this rank's shard of it (collective over
     the groups the matrices are sharded over: every rank of a group passes the same
     matrices in the same order)."""
-    owned = [m for m in matrices if m.route == "owner"]
+    narrowed = {id(m): _narrowed(m) for m in matrices if m.route == "gather_all"}
+    owned = [m for m in matrices if m.route == "owner"] + [n for n in narrowed.values() if n is not None]
     _assign_owners(owned)
     _wait([_send_to_owner(m) for m in owned])
     for m in matrices:
         if m.route == "local":
             m.result = newton_schulz(m.local, steps=steps, dtype=dtype)
-        elif m.route == "gather_all":
+        elif m.route == "gather_all" and narrowed[id(m)] is None:
             m.result = _everywhere(m, steps=steps, dtype=dtype)
-        elif _is_owner(m):
+    for m in owned:
+        if _is_owner(m):
             whole = torch.cat(m.received, dim=m.dim).narrow(m.dim, 0, m.like.shape[m.dim])
             m.received = [newton_schulz(whole, steps=steps, dtype=dtype)]
     _wait([_scatter_from_owner(m) for m in owned])
+    for m in matrices:
+        if narrowed.get(id(m)) is not None:
+            m.result = _reshard(narrowed[id(m)].result, like=narrowed[id(m)].like, to=m.like)
     return [m.result for m in matrices]  # type: ignore[misc]
+
+
+def _narrowed(m: Matrix) -> Optional[Matrix]:
+    """A matrix sharded over several mesh dimensions (ZeRO with TP), all-gathered over all but
+    the largest that splits it by plain ``Shard``: a matrix for the owner route over that one
+    (each of the other dimensions' coordinates repeats it). None where no dimension qualifies."""
+    like = m.like
+    mesh = like.device_mesh
+    keep = [i for i, p in enumerate(like.placements) if type(p) is Shard and mesh.size(i) > 1]
+    if not keep:
+        return None
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)  # strided shards: two gathers, warned of each time
+    kept = max(keep, key=lambda i: (mesh.size(i), -i))
+    target = [p if i == kept else Replicate() for i, p in enumerate(like.placements)]
+    sharded = DTensor.from_local(m.local, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+    partial = sharded.redistribute(mesh, target)
+    out = Matrix(local=partial.to_local(), like=partial)
+    return out if out.route == "owner" else None
+
+
+def _reshard(local: torch.Tensor, *, like: torch.Tensor, to: torch.Tensor) -> torch.Tensor:
+    """This rank's shard under ``to``'s placements of what is laid out as ``like`` (a local slice: no communication)."""
+    moved = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
+    return moved.redistribute(to.device_mesh, to.placements).to_local()
 
 
 def _assign_owners(owned: List[Matrix]) -> None:
@@ -166,13 +196,12 @@ def _scatter_from_owner(m: Matrix):
 
 
 def _everywhere(m: Matrix, *, steps: int, dtype: torch.dtype) -> torch.Tensor:
-    # gathering FSDP2's strided shards under TP takes two all-gathers, which DTensor warns of each time
     logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
     like = m.like
     sharded = DTensor.from_local(m.local, like.device_mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
     whole = newton_schulz(sharded.full_tensor(), steps=steps, dtype=dtype)
     replicated = DTensor.from_local(whole, like.device_mesh, [Replicate()] * like.device_mesh.ndim, run_check=False)
-    return replicated.redistribute(like.device_mesh, like.placements).to_local()
+    return _reshard(whole, like=replicated, to=like)
 
 
 def _wait(works) -> None:
