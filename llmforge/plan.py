@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional
 
 from llmforge.config.dtypes import DTYPES
 from llmforge.config.ranges import INT64_MAX, range_problems
-from llmforge.config.schema import ANOMALY_POLICIES, OFFLOAD_MODES, RECOMPUTE_MODES, SCHEDULES, RunConfig
+from llmforge.config.schema import ANOMALY_POLICIES, OFFLOAD_MODES, OPTIMIZERS, RECOMPUTE_MODES, SCHEDULES, RunConfig
 from llmforge.config.train_rules import check_training
 from llmforge.elastic import check_elastic, world_problems
 from llmforge.errors import Problem, UserError, fail
@@ -40,7 +40,8 @@ CHOICES: Dict[str, tuple] = {
     "precision.reduce_dtype": DTYPES,
     "precision.fp8_recipe": ("tensorwise", "rowwise"),
     "data.source": ("builtin", "files"),
-    "optim.name": ("adamw",),
+    "optim.name": OPTIMIZERS,
+    "optim.muon_ns_dtype": ("fp32", "bf16"),
     "optim.schedule": ("cosine", "linear", "constant", "wsd"),
     "optim.decay_shape": ("linear", "cosine", "sqrt"),
     "train.memory_snapshot": ("off", "oom", "profile"),

@@ -108,6 +108,8 @@ WORLD4 = {
     "dp2_tp2_zero3_offload": OFFLOAD + ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"],
     "dp2_pp2_zero2_offload": OFFLOAD + ["parallel.dp=2", "parallel.zero=2"] + PP,
     "hsdp2x2_zero3_offload": OFFLOAD + HSDP + ["parallel.zero=3"],
+    # Muon with ZeRO and TP: matrices gathered over dp, orthogonalised by an owner of the tp (or dp) group
+    "muon_dp2_tp2_zero3": ["optim.name=muon", "parallel.dp=2", "parallel.tp=2", "parallel.zero=3"],
 }
 # FP8 (torchao float8, emulated on CPU; fp32 elsewhere so only float8 rounding remains):
 # every layout computes the one-process fp8 numbers; ZeRO-3 all-gathers float8 weights.
@@ -161,7 +163,7 @@ def results(tmp_path_factory) -> dict:
 
 
 REFERENCES = {"dense": [], "untied": ["model.tie_embeddings=false"], "moe": MOE, "moe_bias": MOE_BIAS, "rope_gqa": ROPE_GQA,
-              "masked": MASKED, "masked_moe": MASKED + MOE, "window": WINDOW}
+              "masked": MASKED, "masked_moe": MASKED + MOE, "window": WINDOW, "muon": ["optim.name=muon"]}
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +174,8 @@ def reference():
 def reference_of(layout: str) -> str:
     if layout.startswith(("masked_", "window_")):
         return "masked_moe" if layout.startswith("masked_moe") else layout.split("_")[0]
+    if layout.startswith("muon_"):
+        return "muon"
     if layout.startswith("moe_bias_"):
         return "moe_bias"
     if layout.startswith("moe_"):
@@ -202,6 +206,8 @@ def test_layout_matches_single_process(layout, results, reference):
     if layout.startswith("moe_"):
         held = [n for n in got["local_numel"] if n.endswith("mlp.experts.w_up")]
         assert held and all(2 * got["local_numel"][n] <= ref.params[n].numel() for n in held), "experts were not split over ep ranks"
+    if layout.startswith("muon_"):
+        return "muon"
     if layout.startswith("moe_bias_"):
         bias = {n: b for n, b in ref.buffers[0].items() if n.endswith("expert_bias")}
         assert bias and all(b.abs().sum() > 0 for b in bias.values()), "the routing bias did not move"

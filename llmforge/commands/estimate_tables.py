@@ -34,7 +34,10 @@ def _memory_table(est: Estimate) -> Table:
     weights, grads = _state_notes(est)
     table.add_row("weights", gib(w.weights), f"{w.params / 1e6:,.1f}M params on this rank; ZeRO-{lay.zero}: {weights}")
     table.add_row("gradients", gib(w.grads), grads)
-    table.add_row("optimizer (AdamW)", gib(w.optimizer), "two fp32 moments per parameter" + (", in host memory (stepped on the CPU)" if lay.offload == "states" else ""))
+    if est.job.optimizer == "muon":
+        table.add_row("optimizer (Muon)", gib(w.optimizer), "one fp32 momentum per block matrix, two fp32 AdamW moments per other parameter")
+    else:
+        table.add_row("optimizer (AdamW)", gib(w.optimizer), "two fp32 moments per parameter" + (", in host memory (stepped on the CPU)" if lay.offload == "states" else ""))
     table.add_row("activations", gib(w.activations), f"recompute={lay.recompute}; microbatches in flight per the {lay.schedule if lay.pp > 1 else 'accumulation'} schedule")
     table.add_row("transient buffers", gib(w.transient), "logits at the loss, recompute working set, gathers, buckets")
     table.add_row("allowance", gib(w.reserved), f"runtime {gib(est.job.profile.runtime_reserved_bytes)} + 10% fragmentation")

@@ -26,6 +26,8 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 ANOMALY_POLICIES = ("stop", "skip", "rollback")
 #: parallel.offload: what lives in host memory.
 OFFLOAD_MODES = ("none", "states")
+#: optim.name: the optimizers a run can use.
+OPTIMIZERS = ("adamw", "muon")
 
 
 def knob(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, range: Optional[str] = None) -> Any:
@@ -225,7 +227,11 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = knob("adamw", help="Optimizer (adamw).")
+    name: str = knob(
+        "adamw",
+        help="Optimizer: adamw, or muon (Newton-Schulz orthogonalised momentum for the blocks' weight matrices, "
+        "AdamW for embeddings, output layer, norms, biases and routers; see docs/muon.md).",
+    )
     weight_decay: float = knob(0.1, range="[0, inf)", help="Decoupled weight decay (not applied to biases, norms, embeddings).")
     beta1: float = knob(0.9, range="[0, 1)", help="AdamW beta1.")
     beta2: float = knob(0.95, range="[0, 1)", help="AdamW beta2.")
@@ -236,6 +242,15 @@ class OptimConfig:
     min_lr_ratio: float = knob(0.1, range="[0, 1]", help="Final learning rate as a fraction of train.lr.")
     decay_fraction: float = knob(0.2, range="(0, 1]", help="wsd only: fraction of train.steps spent decaying to min_lr_ratio at the end.")
     decay_shape: str = knob("sqrt", help="wsd only: shape of the decay: linear, cosine or sqrt (1 - sqrt(progress)).")
+    muon_momentum: float = knob(0.95, range="[0, 1)", help="muon only: momentum of the matrices' gradient buffer.")
+    muon_nesterov: bool = knob(True, help="muon only: orthogonalise the Nesterov look-ahead (gradient + momentum x buffer) instead of the buffer.")
+    muon_ns_steps: int = knob(5, range="[1, 99]", help="muon only: Newton-Schulz iterations per matrix and step.")
+    muon_ns_dtype: str = knob("fp32", help="muon only: dtype of the Newton-Schulz iterations: fp32, or bf16 (faster on GPUs, as torch.optim.Muon does).")
+    adamw_lr: Optional[float] = knob(
+        None, range="(0, inf)",
+        help="muon only: peak learning rate of the AdamW parameters (embeddings, output layer, norms, biases, routers); "
+        "null = train.lr (the Muon updates are scaled by 0.2*sqrt(max(rows, cols)) to AdamW's update size, so one rate suits both).",
+    )
 
 
 @dataclass

@@ -14,7 +14,7 @@ from llmforge.errors import Problem
 
 def check_training(config: RunConfig) -> List[Problem]:
     out: List[Problem] = []
-    for check in (_check_validation, _check_profile, _check_spikes):
+    for check in (_check_validation, _check_profile, _check_spikes, _check_optimizer):
         out.extend(check(config))
     return out
 
@@ -80,6 +80,13 @@ def _check_spikes(config: RunConfig) -> List[Problem]:
     t = config.train
     if t.loss_spike_skip and t.loss_spike_window == 0:
         return [Problem("train.loss_spike_skip", True, "needs spike detection, and train.loss_spike_window is 0", "set train.loss_spike_window=128")]
+    return []
+
+
+def _check_optimizer(config: RunConfig) -> List[Problem]:
+    if config.optim.name == "muon" and config.parallel.offload != "none":
+        return [Problem("parallel.offload", config.parallel.offload, "optim.name=muon steps on the device: its gathers and scatters do not run on host-resident weights",
+                        "set parallel.offload=none, or use optim.name=adamw")]
     return []
 
 

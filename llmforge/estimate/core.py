@@ -36,7 +36,7 @@ from typing import Dict, List, Optional
 
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
-from llmforge.estimate import fp8
+from llmforge.estimate import fp8, muon
 from llmforge.estimate import kernels as kn
 from llmforge.estimate.memory import StageMemory, all_stages, most_loaded, shard_numel, stage_activations
 from llmforge.estimate.node import NodeMemory, node_memory
@@ -271,7 +271,8 @@ def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True
     comm = _communication(shape, layout, job, m, slowest, t_mb)
     t_compute = t_compute.plus(_fsdp_copy_out(layout, job, comm).times(1 / m))
     worst = most_loaded(stages)
-    optimizer_s = _optimizer_time(job, worst.optimizer / 8, stage_counts(shape, layout)[worst.stage].blocks)
+    state_params = worst.optimizer / muon.state_bytes_per_param(shape, layout, job, worst.stage)
+    optimizer_s = _optimizer_time(job, state_params, stage_counts(shape, layout)[worst.stage].blocks) + muon.step_seconds(shape, layout, job, worst.stage)
     parts = {
         "compute": m * t_compute.seconds, "tp_ep_comm": m * t_collective, "bubble": m * t_mb * bubble / (1 - bubble),
         "dp_comm": comm.exposed_of("dp"), "pp_comm": comm.exposed_of("pp"), "cp_comm": comm.exposed_of("cp"),

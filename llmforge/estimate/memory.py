@@ -18,7 +18,7 @@ from typing import List, Tuple
 
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate import activations as act
-from llmforge.estimate import fp8
+from llmforge.estimate import fp8, muon
 from llmforge.estimate.params import RankParams, block_tensors, layout_rank_params, representative_stages, stage_counts
 from llmforge.estimate.pipeline import inflight_microbatches
 from llmforge.estimate.shape import Job, Shape
@@ -186,6 +186,7 @@ def _gathered_bytes(shape: Shape, layout: Layout, job: Job, block: float) -> flo
 def stage_memory(shape: Shape, layout: Layout, job: Job, stage: int, microbatches: int) -> StageMemory:
     """Full breakdown for pipeline ``stage`` (tp rank 0, ep rank 0, dp rank 0: the fullest shards)."""
     params, weights, grads, optimizer = model_states(shape, layout, stage, job)
+    optimizer = muon.optimizer_bytes(optimizer, shape, layout, job, stage)
     activations = stage_activations(shape, layout, job, stage, microbatches)
     transient = _transient(shape, layout, job, stage, params)
     reserved = job.profile.runtime_reserved_bytes + FRAGMENTATION * (activations + transient)

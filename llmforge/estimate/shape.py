@@ -102,6 +102,10 @@ class Job:
     host_memory: Optional[int] = None
     #: checkpoint.async_save: each rank stages a copy of its states in host memory
     async_checkpoint: bool = False
+    #: optim.name, and Muon's Newton-Schulz iterations and their dtype (llmforge.estimate.muon)
+    optimizer: str = "adamw"
+    muon_ns_steps: int = 5
+    muon_ns_dtype: str = "fp32"
 
     @property
     def compute_bytes(self) -> int:
@@ -157,6 +161,7 @@ def job_from_plan(plan) -> Job:
         fp8_all_gather=c.precision.fp8 and c.precision.fp8_recipe == "tensorwise" and c.precision.fp8_all_gather,
         compile=c.train.compile, bucket_bytes=max(1, int(c.parallel.bucket_mb * 2**20)),
         fp32_residual=c.precision.fp32_residual, async_checkpoint=c.checkpoint.async_save, host_memory=_host_memory(profile),
+        optimizer=c.optim.name, muon_ns_steps=c.optim.muon_ns_steps, muon_ns_dtype=c.optim.muon_ns_dtype,
     )
 
 

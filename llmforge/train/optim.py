@@ -1,4 +1,4 @@
-"""AdamW with decoupled weight decay and a warm-up + decay learning-rate schedule."""
+"""The optimizer (AdamW with decoupled weight decay, or Muon) and a warm-up + decay learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -52,7 +52,13 @@ def _split_by_mesh(groups: List[dict]) -> List[dict]:
 
 def build_optimizer(model: nn.Module, *, optim: OptimConfig, lr: float, offloaded: bool = False) -> torch.optim.Optimizer:
     """AdamW over ``model``'s parameters (``implementation`` picks fused or for-loop;
-    ``offloaded``: the parameters are FSDP2-offloaded to host memory)."""
+    ``offloaded``: the parameters are FSDP2-offloaded to host memory), or with
+    ``optim.name=muon`` Muon for the blocks' matrices and AdamW for the rest
+    (llmforge.train.muon)."""
+    if optim.name == "muon":
+        from llmforge.train.muon import build_muon
+
+        return build_muon(model, optim=optim, lr=lr)
     groups = [g for g in parameter_groups(model, weight_decay=optim.weight_decay) if g["params"]]
     kind = implementation([p for g in groups for p in g["params"]], offloaded=offloaded)
     options = {"fused": True} if kind == "fused" else {"foreach": False}

@@ -1,0 +1,116 @@
+"""Muon in the estimate (``optim.name=muon``, llmforge.train.muon): its state and its step.
+
+State: one fp32 momentum buffer per Muon matrix (4 bytes per element) instead of
+AdamW's two moments (8); the other parameters keep AdamW's. Step: the Newton-Schulz
+iterations (``steps`` x (4 m^2 n + 2 m^3) FLOPs per m x n matrix, m <= n) and the
+traffic that brings each matrix whole to one rank (llmforge.parallel.orthogonalize):
+
+- held whole (no ZeRO shard, no TP split; expert weights split over experts): no
+  traffic, every rank orthogonalises its own matrices;
+- sharded over one group of n ranks (ZeRO or TP): each rank orthogonalises 1/n of
+  the group's matrices; the gather to the owners and the scatter back move
+  ``(n - 1) / n^2`` of the matrices' fp32 bytes per rank each way, plus two
+  latencies per matrix;
+- sharded over both (ZeRO with TP): all-gathered over one of the two groups (the data-
+  parallel one for column-parallel weights, the smaller for row-parallel ones), then as
+  above over the other.
+
+Imports no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+from typing import Tuple
+
+from llmforge.estimate import comm as cm
+from llmforge.estimate import kernels as kn
+from llmforge.estimate.params import Tensor, stage_tensors
+from llmforge.estimate.shape import Job, Shape
+from llmforge.layout import Layout
+
+ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
+MUON_STATE_BYTES = 4  # momentum_buffer, fp32
+FP32 = 4
+
+
+def is_muon(t: Tensor) -> bool:
+    """A block's weight matrix (as llmforge.train.muon.is_muon_matrix): not an embedding, the head, a norm or a router."""
+    return len(t.shape) >= 2 and not t.name.startswith(("embed", "pos_embed", "head")) and "norm" not in t.name and "router" not in t.name
+
+
+@lru_cache(maxsize=1024)
+def _muon_tensors(shape: Shape, key: Tuple) -> Tuple[Tensor, ...]:
+    return tuple(t for t in stage_tensors(shape, key) if is_muon(t))
+
+
+def _tensors(shape: Shape, layout: Layout, stage: int) -> Tuple[Tensor, ...]:
+    return _muon_tensors(shape, (layout.pp, layout.virtual_stages, layout.pp_layers, stage, layout.v_shape))
+
+
+def _local_numel(t: Tensor, layout: Layout) -> float:
+    n = 1
+    for d in t.local_shape(layout.tp):
+        n *= d
+    return n / layout.ep if t.expert else n
+
+
+@lru_cache(maxsize=1024)
+def _muon_share(shape: Shape, layout: Layout, stage: int) -> float:
+    """Share of the stage rank's parameters that Muon steps."""
+    key = (layout.pp, layout.virtual_stages, layout.pp_layers, stage, layout.v_shape)
+    total = sum(_local_numel(t, layout) for t in stage_tensors(shape, key))
+    return sum(_local_numel(t, layout) for t in _tensors(shape, layout, stage)) / total if total else 0.0
+
+
+def state_bytes_per_param(shape: Shape, layout: Layout, job: Job, stage: int) -> float:
+    """Optimizer-state bytes per parameter of pipeline rank ``stage`` (8 under AdamW)."""
+    if job.optimizer != "muon":
+        return ADAM_STATE_BYTES
+    share = _muon_share(shape, layout, stage)
+    return MUON_STATE_BYTES * share + ADAM_STATE_BYTES * (1 - share)
+
+
+def optimizer_bytes(adam_bytes: float, shape: Shape, layout: Layout, job: Job, stage: int) -> float:
+    """The optimizer state of ``stage``'s rank, from what AdamW would keep there."""
+    return adam_bytes * state_bytes_per_param(shape, layout, job, stage) / ADAM_STATE_BYTES
+
+
+def _ns_seconds(sp: kn.Speeds, t: Tensor, steps: int, matrices: float) -> float:
+    m, n = sorted(t.shape[-2:])
+    one = sp.gemm(m, n, m).plus(sp.gemm(m, m, m)).plus(sp.gemm(m, m, n)).seconds
+    return steps * one * matrices
+
+
+def step_seconds(shape: Shape, layout: Layout, job: Job, stage: int) -> float:
+    """Newton-Schulz and its gathers and scatters per step on ``stage``'s rank (0 under AdamW)."""
+    if job.optimizer != "muon":
+        return 0.0
+    sp = kn.speeds(dataclasses.replace(job, param_dtype=job.muon_ns_dtype))
+    zero_group = layout.dp_shard * layout.cp if layout.zero > 0 else 1
+    compute, traffic, gathered, ops = 0.0, 0.0, 0.0, 0
+    for t in _tensors(shape, layout, stage):
+        count = t.shape[0] if len(t.shape) == 3 else 1
+        if t.expert:  # whole experts on each rank, ZeRO splits them over the expert group
+            expert_group = max(1, zero_group // layout.ep)
+            compute += _ns_seconds(sp, t, job.muon_ns_steps, -(-(count // layout.ep) // expert_group))
+            continue
+        groups = [g for g in (layout.tp if t.split != "rep" else 1, zero_group) if g > 1]
+        if not groups:
+            compute += _ns_seconds(sp, t, job.muon_ns_steps, count)
+        elif len(groups) == 1:
+            compute += _ns_seconds(sp, t, job.muon_ns_steps, count) / groups[0]
+            traffic += 2 * FP32 * t.numel * (groups[0] - 1) / groups[0] ** 2
+            ops += 2
+        else:  # ZeRO with TP: gathered over one dimension, owned over the other
+            kept = layout.tp if t.split == "col" else max(groups)  # FSDP2 strides its shards of column-parallel weights
+            other = layout.tp * zero_group // kept
+            compute += _ns_seconds(sp, t, job.muon_ns_steps, count) / kept
+            gathered += FP32 * t.numel / kept * (other - 1) / other
+            traffic += 2 * FP32 * t.numel * (kept - 1) / kept**2
+            ops += 3
+    span = layout.tp * zero_group
+    moved = cm.seconds(job, traffic + gathered, span, max(layout.tp, zero_group))
+    return compute + moved + cm.hops_seconds(job, ops)
+
