@@ -104,11 +104,13 @@ def recomputed_matmul_seconds(est: Estimate) -> float:
     FP8 peak)."""
     if est.layout.recompute != "selective":
         return 0.0
-    lay, job_ = est.layout, est.job
+    lay, job_, shape = est.layout, est.job, est.shape
     sp = kn.speeds(job_)
-    block = kn.block_kernels(est.shape, t=lay.micro_batch * est.shape.seq, tp=lay.tp, sp=1, ep=1, c=2, mixed=True, moe=False)
-    recomputed = range(len(block.gemms)) if job_.fp8 else (1, 3, 5)
-    seconds = sum(sp.gemm(*block.gemms[i]).seconds for i in recomputed)
+    t, h, kv, f = lay.micro_batch * shape.seq, shape.hidden, shape.kv_dim / lay.tp, shape.ffn / lay.tp
+    # torchtitan's matmuls, unfused, in the order they run: wq, wk, wv, wo, w1, w3, w2
+    gemms = [(t, h, h / lay.tp), (t, h, kv), (t, h, kv), (t, h / lay.tp, h), (t, h, f), (t, h, f), (t, f, h)]
+    recomputed = range(len(gemms)) if job_.fp8 else (1, 3, 5)
+    seconds = sum(sp.gemm(*gemms[i]).seconds for i in recomputed)
     if job_.fp8:
         seconds *= job_.profile.peak("bf16") / job_.profile.peak("fp8")
     return est.microbatches * stage_counts(est.shape, lay)[0].blocks * seconds

@@ -67,7 +67,7 @@ def test_only_the_blocks_linear_layers_become_float8():
     assert kinds["head"] == "Linear"  # output layer
     assert kinds["layers.1.mlp.router"] == "Linear"  # MoE router
     assert kinds["layers.1.mlp.shared.up_proj"] == "Float8Linear"  # shared experts are an MLP
-    for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj"):
+    for name in ("attn.qkv_proj", "attn.o_proj", "mlp.up_proj", "mlp.down_proj"):
         assert kinds[f"layers.0.{name}"] == "Float8Linear"
     assert [n for n, _ in model.named_parameters()] == names_before  # checkpoints keep their keys
     assert type(model.embed).__name__ == "Embedding"

@@ -31,6 +31,8 @@ DP4_EP2 = MOE + ["parallel.dp=4", "parallel.ep=2"]
 CP2 = ["parallel.cp=2"]
 # RoPE with grouped-query attention: positions and shared keys under context parallel.
 ROPE_GQA = ["model.position=rope", "model.num_kv_heads=2"]
+# Llama-style blocks: the fused q/k/v (2 KV groups of 2 q heads per tp rank) and gate/up projections split over tp.
+LLAMA = ["model.norm=rmsnorm", "model.activation=swiglu", "model.position=rope", "model.num_heads=8", "model.num_kv_heads=4", "model.bias=false"]
 HSDP = ["parallel.dp=4", "parallel.dp_replicate=2"]
 OFFLOAD = ["parallel.offload=states"]
 ACTIVATIONS = ["parallel.offload_activations=true"]
@@ -66,6 +68,7 @@ WORLD2 = {
     "dp2_zero3": ["parallel.dp=2", "parallel.zero=3"],
     "tp2": ["parallel.tp=2"],
     "tp2_sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+    "llama_tp2_sp": LLAMA + ["parallel.tp=2", "parallel.sequence_parallel=true"],
     "pp2_gpipe": PP + ["parallel.pp_schedule=gpipe"],
     "pp2_1f1b": PP + ["parallel.pp_schedule=1f1b"],
     "pp2_interleaved_v2": PP + V2 + ["parallel.pp_schedule=interleaved_1f1b"],
@@ -163,7 +166,7 @@ def results(tmp_path_factory) -> dict:
 
 
 REFERENCES = {"dense": [], "untied": ["model.tie_embeddings=false"], "moe": MOE, "moe_bias": MOE_BIAS, "rope_gqa": ROPE_GQA,
-              "masked": MASKED, "masked_moe": MASKED + MOE, "window": WINDOW, "muon": ["optim.name=muon"]}
+              "masked": MASKED, "masked_moe": MASKED + MOE, "window": WINDOW, "muon": ["optim.name=muon"], "llama": LLAMA}
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +185,8 @@ def reference_of(layout: str) -> str:
         return "moe"
     if layout.startswith("rope_gqa_"):
         return "rope_gqa"
+    if layout.startswith("llama_"):
+        return "llama"
     return "untied" if "untied" in layout else "dense"
 
 
@@ -202,7 +207,7 @@ def test_layout_matches_single_process(layout, results, reference):
         rel = float((got["params"][name] - value).norm() / value.norm())
         assert rel < 1e-5, f"{name}: relative difference {rel:.2e}"
     if layout.startswith("hsdp2x2"):  # sharded over the 2 ranks of a shard group, not all 4
-        assert got["local_numel"]["layers.0.attn.q_proj.weight"] == ref.params["layers.0.attn.q_proj.weight"].numel() // 2
+        assert got["local_numel"]["layers.0.attn.qkv_proj.weight"] == ref.params["layers.0.attn.qkv_proj.weight"].numel() // 2
     if layout.startswith("moe_"):
         held = [n for n in got["local_numel"] if n.endswith("mlp.experts.w_up")]
         assert held and all(2 * got["local_numel"][n] <= ref.params[n].numel() for n in held), "experts were not split over ep ranks"

@@ -27,6 +27,7 @@ from llmforge.checkpoint.hf_names import style_of, to_hf
 from llmforge.config.schema import ModelConfig, RunConfig
 from llmforge.errors import Problem, UserError
 from llmforge.files import write_json_atomic
+from llmforge.models.fused import fuse_saved
 
 __all__ = ["check_exportable", "export_checkpoint", "hf_config", "read_model_weights", "run_tokenizer_file", "style_of"]
 
@@ -110,7 +111,7 @@ def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path, tokenize
     from safetensors.torch import save_file
 
     style = style_of(model)
-    weights = read_model_weights(path)
+    weights = fuse_saved(read_model_weights(path), model)  # checkpoints of unfused models too
     tensors = to_hf(weights, model)
     dtype = next(iter(weights.values())).dtype
     out_dir = Path(out_dir)

@@ -1,7 +1,7 @@
 """What goes into a checkpoint: tensors keyed by parameter name, RNG states, JSON.
 
 Model and optimizer tensors are keyed by fully qualified parameter name
-(``model.layers.3.attn.q_proj.weight``, ``optim.layers.3.attn.q_proj.weight.exp_avg``),
+(``model.layers.3.attn.qkv_proj.weight``, ``optim.layers.3.attn.qkv_proj.weight.exp_avg``),
 whatever the layout: DTensor shards of tensor parallelism and FSDP, pipeline
 chunks holding a subset of the layers, or one plain module. DCP stores each
 tensor once with its global shape, so any other layout can read it back.

@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from llmforge.checkpoint.manifest import MANIFEST, read_train_state, verify, write_manifest
 from llmforge.checkpoint.safe_reader import SafeReader, load_metadata
 from llmforge.checkpoint.state import apply_model_state, save_rng, tensor_state
-from llmforge.errors import UserError, fail, pasteable
+from llmforge.errors import Problem, UserError, fail, pasteable
+from llmforge.models.fused import unfused_parts
 from llmforge.files import fsync_dir, write_json_atomic
 
 TRAIN_STATE = "train_state.json"
@@ -225,6 +226,7 @@ def load(*, path: Path, model_parts: List[nn.Module], optimizer: torch.optim.Opt
     path = Path(path)
     verify(path, checksums=False)
     saved_keys = set(load_metadata(path).state_dict_metadata)
+    refuse_unfused(path, saved_keys)
     state = tensor_state(model_parts, optimizer, for_load=True)
     primary, aliased = split_tied(state, saved_keys)
     try:
@@ -238,6 +240,18 @@ def load(*, path: Path, model_parts: List[nn.Module], optimizer: torch.optim.Opt
         raise fail(f"{path}: the saved model/optimizer do not fit this model ({_first_line(exc)})", title="cannot load checkpoint") from None
     apply_model_state(model_parts, state["model"])
     return read_train_state(path)
+
+
+def refuse_unfused(path: Path, saved_keys: set) -> None:
+    """A checkpoint of a model saved before llmforge fused its projections (q/k/v and
+    gate/up as separate tensors) cannot resume: its optimizer state is per part."""
+    model = [k[len("model."):] for k in saved_keys if k.startswith("model.")]
+    stale = unfused_parts(model)
+    if stale:
+        example = sorted(stale)[0]
+        raise UserError([Problem("ckpt", str(path), f"saved before llmforge fused its projections ({', '.join(stale[example])} are now {example})",
+                                 f"export it with `llmforge export ckpt={path} --out DIR` and start a new run from it with model.init_from=DIR (the optimizer state starts afresh)")],
+                        title="cannot load checkpoint")
 
 
 def _dcp_load(state: Dict[str, Any], path: Path) -> None:

@@ -12,7 +12,8 @@ transformer. What matters about llmforge's GPT:
   whatever the residual dtype (torch's composite ``rms_norm``); on a GPU its fused
   kernel keeps the input (in the residual dtype) and an fp32 statistic;
 - with an fp32 residual stream autocast casts a norm output once per consuming
-  linear (q, k, v: three copies); with a 16-bit one the linears share the norm's
+  linear (one for the fused q/k/v, one for the MLP's fused gate/up or up; an MoE layer's
+  router and shared MLP: two); with a 16-bit one the linears share the norm's
   16-bit output;
 - under ZeRO 0 autocast keeps a 16-bit copy of every matmul weight for backward, per
   microbatch (not of the weights of float8 linear layers under ``precision.fp8``,
@@ -91,7 +92,7 @@ def _selective_bytes(shape: Shape, *, c: int, r: int, tp: int, sp: int, moe: boo
     """Selective recompute keeps the block input, every matmul and collective output,
     and the fused attention's output and log-sum-exp.
 
-    Column-parallel outputs (q, k, v, gate, up) are split over tp; row-parallel
+    Column-parallel outputs (fused q/k/v, fused gate/up or up) are split over tp; row-parallel
     outputs (o, down) are partial sums of full width before their reduction. Under
     tp the reductions' outputs are kept too: all-reduced sums (full width), or with
     sequence parallel the reduce-scattered shard (the gather is inside the
@@ -114,9 +115,9 @@ def block_activations(shape: Shape, layout: Layout, job: Job, *, moe: bool, reco
         return BlockActivations(per_token=shape.hidden * r / sp, fixed=0.0)
     if recompute == "selective":
         return BlockActivations(per_token=_selective_bytes(shape, c=c, r=r, tp=tp, sp=sp, moe=moe), fixed=4 * shape.num_experts if moe else 0.0)
-    attn_consumers, mlp_consumers = 3, 2 if shape.activation == "swiglu" else 1
+    attn_consumers, mlp_consumers = 1, 1  # the fused projections
     if moe:
-        mlp_consumers = 1 + (mlp_consumers if shape.shared_experts else 0)  # router, shared MLP
+        mlp_consumers = 1 + (1 if shape.shared_experts else 0)  # router, shared MLP
     kept1, out1 = _norm_bytes(shape, consumers=attn_consumers, c=c, r=r, sp=sp, shard=sp > 1, cpu=job.on_cpu)
     kept2, out2 = _norm_bytes(shape, consumers=mlp_consumers, c=c, r=r, sp=sp, shard=sp > 1 and not moe, cpu=job.on_cpu)
     per_token = kept1 + out1 + kept2 + out2 + _attention_bytes(shape, c=c, tp=tp)

@@ -139,7 +139,7 @@ def _elementwise(shape: Shape, *, t: float, tp: int, sp: int, c: int, mixed: boo
     """(forward bytes, kernels, backward bytes, kernels) of a block's non-matmul work."""
     h, kv = shape.hidden, shape.kv_dim / tp
     q, f = h / tp, ffn / tp
-    attn_in, mlp_in = 3, mlp_mats
+    attn_in, mlp_in = 1, 1  # the fused projections: one linear consumes each norm output
     norm_fwd, norm_bwd = 8 * h / sp, 20 * h / sp  # fp32 in/out; backward: input grad + weight grads
     cast = (FP32 + c) * h if mixed else 0  # one cast of a norm output per consuming linear
     fwd = 2 * norm_fwd + (attn_in + mlp_in) * cast + 2 * (FP32 + c + FP32) * h / sp  # norms, casts, residual adds
@@ -147,6 +147,8 @@ def _elementwise(shape: Shape, *, t: float, tp: int, sp: int, c: int, mixed: boo
     bwd = 2 * norm_bwd + 2 * 12 * h / sp + 2 * (FP32 + c) * h / sp  # norms, residual grad sums, grads cast for the branches
     bwd += (attn_in + mlp_in) * cast + (attn_in + mlp_in - 2) * 12 * h  # casts back, sums of the consumers' grads
     bwd_k = 4 + 2 + 2 + ((attn_in + mlp_in) if mixed else 0) + attn_in + mlp_in - 2
+    # the fused outputs' gradients are put together from their parts' (q, k, v; gate, up)
+    bwd, bwd_k = bwd + 2 * c * (q + 2 * kv) + (4 * c * f if mlp_mats == 2 else 0), bwd_k + mlp_mats
     if shape.activation == "swiglu":
         fwd, fwd_k, bwd, bwd_k = fwd + 5 * c * f, fwd_k + 2, bwd + 9 * c * f, bwd_k + 3
     else:
@@ -155,8 +157,10 @@ def _elementwise(shape: Shape, *, t: float, tp: int, sp: int, c: int, mixed: boo
         fwd, fwd_k, bwd, bwd_k = fwd + 9 * c * (q + kv) + 2 * c * q, fwd_k + 15, bwd + 14 * c * (q + kv) + 2 * c * q, bwd_k + 20
     if kv < q:  # grouped-query attention repeats k and v to every head
         fwd, fwd_k, bwd, bwd_k = fwd + 2 * c * (kv + q), fwd_k + 2, bwd + 2 * c * (kv + q), bwd_k + 2
+    if kv < q and shape.kv_heads > tp:  # q heads of several KV groups are copied out of the fused output
+        fwd, fwd_k = fwd + 2 * c * q, fwd_k + 1
     if shape.bias:
-        bwd, bwd_k = bwd + c * (2 * q + 2 * kv + mlp_mats * f + h), bwd_k + 4 + mlp_mats
+        bwd, bwd_k = bwd + c * (2 * q + 2 * kv + mlp_mats * f + h), bwd_k + 3
     return fwd * t, fwd_k, bwd * t, bwd_k
 
 
@@ -166,8 +170,8 @@ def _fused(shape: Shape, *, t: float, tp: int, sp: int, c: int, ffn: float, mlp_
     and writes its outputs once. Per token, the residual stream in fp32 (r), matmul operands in
     the compute dtype (c), forward and backward:
 
-    - norm 1 and its cast: reads x, writes the normed input of q, k, v once ((r + c) h); backward
-      reads x, the three linears' input gradients and the residual gradient, writes x's;
+    - norm 1 and its cast: reads x, writes the normed input of the fused q/k/v once ((r + c) h);
+      backward reads x, that linear's input gradient and the residual gradient, writes x's;
     - RoPE and the GQA repeat (if any): reads q, k, v, writes them rotated and repeated;
     - the residual add, norm 2 and its cast after the attention projection ((2r + 2c) h);
     - the activation between the MLP matmuls (SwiGLU reads 2f, writes f);
@@ -176,7 +180,7 @@ def _fused(shape: Shape, *, t: float, tp: int, sp: int, c: int, ffn: float, mlp_
     The norm region is split over tp with sequence parallel (``sp``)."""
     r, h, kv = FP32, shape.hidden / sp, shape.kv_dim / tp
     q, f = shape.hidden / tp, ffn / tp
-    fwd, bwd = (r + c) * h + (2 * r + 2 * c) * h + (2 * r + c) * h, (3 * r + 3 * c) * h + (3 * r + (mlp_mats + 1) * c) * h + (r + c) * h
+    fwd, bwd = (r + c) * h + (2 * r + 2 * c) * h + (2 * r + c) * h, (3 * r + c) * h + (3 * r + 2 * c) * h + (r + c) * h
     fwd_k, bwd_k = 3, 6
     act_in = mlp_mats * c * f
     fwd, bwd = fwd + act_in + c * f, bwd + 2 * act_in + c * f
@@ -186,7 +190,7 @@ def _fused(shape: Shape, *, t: float, tp: int, sp: int, c: int, ffn: float, mlp_
         fwd, bwd = fwd + c * (q + 2 * kv) + c * heads_out, bwd + c * heads_out + c * (q + 2 * kv)
         fwd_k, bwd_k = fwd_k + 1, bwd_k + 1
     if shape.bias:
-        bwd, bwd_k = bwd + c * (2 * q + 2 * kv + mlp_mats * f + shape.hidden), bwd_k + 4 + mlp_mats
+        bwd, bwd_k = bwd + c * (2 * q + 2 * kv + mlp_mats * f + shape.hidden), bwd_k + 3
     return fwd * t, fwd_k, bwd * t, bwd_k
 
 
@@ -195,7 +199,7 @@ def block_kernels(shape: Shape, *, t: float, tp: int, sp: int, ep: int, c: int, 
     """One block's kernels for ``t`` local tokens (after context splitting); ``fused``: the
     block is compiled (``_fused``), else eager (``_elementwise``)."""
     h, kv = shape.hidden, shape.kv_dim
-    gemms: List[Tuple[float, float, float]] = [(t, h, h / tp), (t, h, kv / tp), (t, h, kv / tp), (t, h / tp, h)]
+    gemms: List[Tuple[float, float, float]] = [(t, h, (h + 2 * kv) / tp), (t, h / tp, h)]  # fused q/k/v, o
     mats = 2 if shape.activation == "swiglu" else 1
     if moe:
         rows = t * shape.top_k * min(1.0, shape.capacity_factor or 1.0)  # routed rows this rank's experts see (balanced)
@@ -203,10 +207,11 @@ def block_kernels(shape: Shape, *, t: float, tp: int, sp: int, ep: int, c: int, 
         per_expert = rows * ep / shape.num_experts
         gemms.append((t, h, shape.num_experts))
         gemms += [(per_expert, h, shape.moe_ffn)] * (mats * local) + [(per_expert, shape.moe_ffn, h)] * local
-        gemms += [(t, h, shape.moe_ffn)] * (mats * shape.shared_experts) + [(t, shape.moe_ffn, h)] * shape.shared_experts
+        shared = shape.shared_experts * shape.moe_ffn  # one MLP, gate and up fused
+        gemms += [(t, h, mats * shared), (t, shared, h)] if shared else []
         ffn = (shape.top_k + shape.shared_experts) * shape.moe_ffn * tp  # elementwise MLP work per token (not split over tp)
     else:
-        gemms += [(t, h, shape.ffn / tp)] * mats + [(t, shape.ffn / tp, h)]
+        gemms += [(t, h, mats * shape.ffn / tp), (t, shape.ffn / tp, h)]  # fused gate/up (or up), down
         ffn = shape.ffn
     if fused:
         fwd, fwd_k, bwd, bwd_k = _fused(shape, t=t, tp=tp, sp=sp, c=c, ffn=ffn, mlp_mats=mats)

@@ -57,19 +57,17 @@ def _linear(name: str, out_f: int, in_f: int, split: str, bias: bool, expert: bo
 
 
 def mlp_tensors(shape: Shape, name: str, ffn: int, *, expert: bool = False) -> List[Tensor]:
-    """The MLP: gelu (fc1, fc2) or swiglu (gate, up, down)."""
+    """The MLP: gelu (up, down) or swiglu (gate and up fused in one linear, down)."""
     h, b = shape.hidden, shape.bias
     if shape.activation == "swiglu":
-        return (_linear(f"{name}.gate_proj", ffn, h, "col", b, expert) + _linear(f"{name}.up_proj", ffn, h, "col", b, expert)
-                + _linear(f"{name}.down_proj", h, ffn, "row", b, expert))
+        return _linear(f"{name}.gate_up_proj", 2 * ffn, h, "col", b, expert) + _linear(f"{name}.down_proj", h, ffn, "row", b, expert)
     return _linear(f"{name}.up_proj", ffn, h, "col", b, expert) + _linear(f"{name}.down_proj", h, ffn, "row", b, expert)
 
 
 def attention_tensors(shape: Shape, name: str) -> List[Tensor]:
-    """q, k, v (column-parallel) and o (row-parallel) projections."""
+    """q, k and v fused in one column-parallel projection, o row-parallel."""
     h, kv, b = shape.hidden, shape.kv_dim, shape.bias
-    return (_linear(f"{name}.q_proj", h, h, "col", b) + _linear(f"{name}.k_proj", kv, h, "col", b)
-            + _linear(f"{name}.v_proj", kv, h, "col", b) + _linear(f"{name}.o_proj", h, h, "row", b))
+    return _linear(f"{name}.qkv_proj", h + 2 * kv, h, "col", b) + _linear(f"{name}.o_proj", h, h, "row", b)
 
 
 def moe_tensors(shape: Shape) -> List[Tensor]:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmforge.config.schema import ModelConfig
+from llmforge.models.fused import fuse, gate_up_groups, layout_of, parts_of
 from llmforge.models.layers import MLP, Attention, make_norm, rope_tables
 from llmforge.models.kvcache import KVCache
 from llmforge.models.masks import AttentionMasks, build_masks, document_positions, windowed_layer
@@ -34,7 +35,8 @@ def make_mlp(config: ModelConfig, *, layer_id: int) -> nn.Module:
     moe = config.moe
     if moe.num_experts > 0 and (layer_id + 1) % moe.every == 0:
         return MoE(config)
-    return MLP(hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size, activation=config.activation, bias=config.bias)
+    return MLP(hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size, activation=config.activation, bias=config.bias,
+               groups=gate_up_groups(config, ffn=config.ffn_hidden_size))
 
 
 class Block(nn.Module):
@@ -164,7 +166,14 @@ class GPT(nn.Module):
 def initial_value(config: ModelConfig, *, name: str, shape: torch.Size, seed: int) -> torch.Tensor:
     """The whole initial value (fp32, on the host) of the parameter ``name`` of a model
     with ``config``: zero biases, unit norm weights, and normal weights drawn from a
-    generator seeded by (seed, name), scaled down on the projections into the residual stream."""
+    generator seeded by (seed, name), scaled down on the projections into the residual stream.
+    A fused projection is made of its parts' values (``llmforge.models.fused``), as drawn for
+    the unfused model."""
+    parts = parts_of(name)
+    if parts is not None:
+        sizes, groups = layout_of(config, name=name, rows=shape[0])
+        values = [initial_value(config, name=part, shape=torch.Size([rows, *shape[1:]]), seed=seed) for part, rows in zip(parts, sizes)]
+        return fuse(values, groups=groups)
     if name.endswith("bias"):
         return torch.zeros(shape)
     if "norm" in name:

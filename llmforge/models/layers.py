@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmforge.config.schema import ModelConfig
+from llmforge.models.fused import kv_groups
 
 
 def _like(weight: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -68,16 +69,20 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Multi-head attention; ``windowed``: this layer uses ``model.sliding_window``."""
+    """Multi-head attention; ``windowed``: this layer uses ``model.sliding_window``.
+    q, k and v are one linear, its rows grouped by KV head (``llmforge.models.fused``)."""
+
+    #: Linears that tensor parallelism splits by output rows, and by input columns.
+    column_parallel = ("qkv_proj",)
+    row_parallel = ("o_proj",)
 
     def __init__(self, config: ModelConfig, *, windowed: bool = False) -> None:
         super().__init__()
         self.windowed = windowed
         self.head_dim = config.hidden_size // config.num_heads
-        kv_heads = config.num_kv_heads or config.num_heads
-        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * self.head_dim, bias=config.bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=config.bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_heads * self.head_dim, bias=config.bias)
+        self.q_per_group = config.num_heads // kv_groups(config)
+        rows = (config.num_heads + 2 * kv_groups(config)) * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, rows, bias=config.bias)
         self.o_proj = nn.Linear(config.num_heads * self.head_dim, config.hidden_size, bias=config.bias)
         self.dropout = config.dropout
 
@@ -92,10 +97,11 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values [b, heads, s, head_dim], rotated when ``rope`` is given."""
-        b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+        # [b, s, local KV groups, q heads of a group + k + v, head_dim]
+        groups = self.qkv_proj(x).unflatten(-1, (-1, self.q_per_group + 2, self.head_dim))
+        q, k, v = groups.split([self.q_per_group, 1, 1], dim=-2)
+        q = q.flatten(2, 3).transpose(1, 2)
+        k, v = k.squeeze(-2).transpose(1, 2), v.squeeze(-2).transpose(1, 2)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         return q, k, v
@@ -127,15 +133,22 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: 
 
 
 class MLP(nn.Module):
-    """GELU: down(gelu(up x)). SwiGLU: down(silu(gate x) * up x)."""
+    """GELU: down(gelu(up x)). SwiGLU: down(silu(gate x) * up x), gate and up one linear
+    whose rows alternate in ``groups`` blocks (``llmforge.models.fused``)."""
 
-    def __init__(self, *, hidden_size: int, ffn_hidden_size: int, activation: str, bias: bool) -> None:
+    row_parallel = ("down_proj",)
+
+    def __init__(self, *, hidden_size: int, ffn_hidden_size: int, activation: str, bias: bool, groups: int = 1) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=bias) if activation == "swiglu" else None
-        self.up_proj = nn.Linear(hidden_size, ffn_hidden_size, bias=bias)
+        swiglu = activation == "swiglu"
+        self.block = ffn_hidden_size // groups
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * ffn_hidden_size, bias=bias) if swiglu else None
+        self.up_proj = None if swiglu else nn.Linear(hidden_size, ffn_hidden_size, bias=bias)
         self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
+        self.column_parallel = ("gate_up_proj",) if swiglu else ("up_proj",)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_proj is not None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).unflatten(-1, (-1, 2, self.block)).unbind(-2)
+            return self.down_proj((F.silu(gate) * up).flatten(-2))
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmforge.config.schema import ModelConfig
+from llmforge.models.fused import gate_up_groups
 from llmforge.models.layers import MLP
 
 
@@ -226,7 +227,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(num_experts=moe.num_experts, hidden_size=config.hidden_size, ffn_hidden_size=ffn, activation=config.activation)
         self.shared: Optional[MLP] = None
         if moe.num_shared_experts > 0:
-            self.shared = MLP(hidden_size=config.hidden_size, ffn_hidden_size=ffn * moe.num_shared_experts, activation=config.activation, bias=config.bias)
+            width = ffn * moe.num_shared_experts
+            self.shared = MLP(hidden_size=config.hidden_size, ffn_hidden_size=width, activation=config.activation, bias=config.bias,
+                              groups=gate_up_groups(config, ffn=width))
         self.aux_loss_scale: Callable[[], float] = _one
         self.stats = MoEStats(moe.num_experts)
 

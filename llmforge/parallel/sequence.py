@@ -1,8 +1,8 @@
 """Sequence-parallel column-parallel linears that keep only their input's sequence shard.
 
 Under sequence parallel the attention and MLP inputs arrive split over the sequence
-([b, s/t, h] per tensor-parallel rank) and the column-parallel linears (q, k, v;
-up, gate) need the whole sequence. Gathering it before the linears, as torch's
+([b, s/t, h] per tensor-parallel rank) and the column-parallel linears (the fused
+q/k/v and gate/up projections, or up) need the whole sequence. Gathering it before the linears, as torch's
 ``PrepareModuleInput`` does, leaves the gathered [b, s, h] input saved for backward
 by every linear. As Megatron-LM does (Korthikanti et al. 2022, §4.2.2), one op
 here gathers the input once for all the linears of a sublayer, keeps only the

@@ -1,7 +1,8 @@
 """Tensor parallelism with DTensor (Megatron-style), applied to a GPT from outside.
 
-- attention: q/k/v column-parallel (each rank owns ``heads / tp`` heads), o row-parallel;
-- MLP: up/gate column-parallel, down row-parallel;
+- attention: the fused q/k/v projection column-parallel (each rank owns ``heads / tp``
+  q heads and the k/v heads of their groups: ``llmforge.models.fused``), o row-parallel;
+- MLP: the fused gate/up (or up) projection column-parallel, down row-parallel;
 - MoE MLP (router, experts, shared experts): not sharded. Every tp rank routes
   the same tokens and runs the same experts (split over the ep ranks, if any).
   With sequence parallel the layer gathers the whole sequence on entry and each
@@ -77,21 +78,25 @@ def _sp_groups(block: nn.Module) -> Dict[str, List[str]]:
     """The column-parallel linears that ``apply_sp_linears`` runs under sequence
     parallel, by parent module: plain ``nn.Linear`` layers only (float8 linears keep
     torch's styles, which gather the input before them)."""
-    groups = {"attn": ["q_proj", "k_proj", "v_proj"]}
-    if isinstance(block.mlp, MLP):
-        groups["mlp"] = ["up_proj"] + (["gate_proj"] if block.mlp.gate_proj is not None else [])
-    return {parent: names for parent, names in groups.items()
+    return {parent: names for parent, names in _column_linears(block).items()
             if all(type(getattr(getattr(block, parent), n)) is nn.Linear for n in names)}
+
+
+def _column_linears(block: nn.Module) -> Dict[str, List[str]]:
+    """The column-parallel linears of a block by parent module, as the modules name them
+    (an MoE layer has none: it is not sharded)."""
+    groups = {"attn": list(block.attn.column_parallel)}
+    if isinstance(block.mlp, MLP):
+        groups["mlp"] = list(block.mlp.column_parallel)
+    return groups
 
 
 def _block_plan(block: nn.Module, *, seq, sequence_parallel: bool, own: Dict[str, List[str]]) -> Dict[str, ParallelStyle]:
     """Row-parallel outputs, and the column-parallel linears that ``own`` (run by
     ``apply_sp_linears``) does not name, their inputs gathered first under sequence parallel."""
-    plan: Dict[str, ParallelStyle] = {"attn.o_proj": RowwiseParallel(output_layouts=seq)}
-    columns = {"attn": ["q_proj", "k_proj", "v_proj"]}
-    if isinstance(block.mlp, MLP):
-        plan["mlp.down_proj"] = RowwiseParallel(output_layouts=seq)
-        columns["mlp"] = ["up_proj"] + (["gate_proj"] if block.mlp.gate_proj is not None else [])
+    columns = _column_linears(block)
+    plan: Dict[str, ParallelStyle] = {f"{parent}.{name}": RowwiseParallel(output_layouts=seq)
+                                      for parent in columns for name in getattr(block, parent).row_parallel}
     for parent, names in columns.items():
         if parent in own:
             continue

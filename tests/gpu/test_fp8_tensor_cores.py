@@ -64,7 +64,7 @@ def test_fp8_layers_are_float8_on_the_device(pair):
     plan = tiny_plan(["precision.fp8=true", "precision.param_dtype=bf16", "cluster.accelerator=h100-80gb"])
     model = build_model(plan, device=torch.device("cuda"))
     parallelize(model, plan=plan, mesh=None)
-    linear = model.layers["0"].attn.q_proj
+    linear = model.layers["0"].attn.qkv_proj
     assert type(linear).__name__ == "Float8Linear" and not linear.config.emulate
     x = torch.randn(2, 32, 32, device="cuda", requires_grad=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
