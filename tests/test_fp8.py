@@ -105,3 +105,25 @@ def test_fp8_losses_stay_within_tolerance_of_bf16_over_50_steps(fifty_steps):
         window_fp8, window_bf16 = sum(fp8[start : start + 10]), sum(bf16[start : start + 10])
         assert abs(window_fp8 - window_bf16) / window_bf16 < 5e-2, start
     assert abs(sum(fp8[30:]) - sum(bf16[30:])) / sum(bf16[30:]) < 1.5e-2
+
+
+def test_the_weights_check_before_a_save_reads_float8_all_gather_weights():
+    """Under FSDP, tensorwise float8 weights are torchao subclasses that support only what training
+    needs: the finite check before a checkpoint reads their values, and still sees a NaN in them."""
+    from llmforge.parallel.dtensor import local_values
+    from llmforge.parallel.float8 import apply_float8
+    from llmforge.train.anomaly import Anomaly, StepGuard, check_weights
+    from llmforge.train.build import anomaly_policy
+
+    plan = tiny_plan([])
+    model = build_model(plan, device=torch.device("cpu"))
+    apply_float8(model, recipe="tensorwise", emulate=True, fsdp_all_gather=True)
+    params = list(model.parameters())
+    wrapped = [p for p in params if type(p.data) is not torch.Tensor]
+    assert wrapped, "no float8 all-gather weight: the check would prove nothing"
+    guard = StepGuard(anomaly_policy(plan), device=torch.device("cpu"))
+    check_weights(guard, params, step=1, distributed=False, device=torch.device("cpu"))
+    with torch.no_grad():
+        local_values(wrapped[0])[0, 0] = float("nan")
+    with pytest.raises(Anomaly):
+        check_weights(guard, params, step=1, distributed=False, device=torch.device("cpu"))

@@ -16,3 +16,12 @@ def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def local_numel(t: torch.Tensor) -> int:
     """Elements this rank holds of ``t``."""
     return local(t).numel()
+
+
+def local_values(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` as a plain tensor: also unwraps the tensor subclasses that
+    keep their values in an inner tensor (torchao's float8 weights under FSDP), which
+    support only the ops their training needs."""
+    t = local(t)
+    inner = getattr(t, "_tensor", None)
+    return inner if type(t) is not torch.Tensor and isinstance(inner, torch.Tensor) else t

@@ -22,7 +22,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from llmforge.parallel.dtensor import local
+from llmforge.parallel.dtensor import local_values
 
 
 @dataclass(frozen=True)
@@ -251,7 +251,7 @@ def _what(*, loss: float, norm: float, flags: List[float], spike: bool) -> str:
 def check_weights(guard: StepGuard, params: List[torch.nn.Parameter], *, step: int, distributed: bool, device: torch.device) -> None:
     """Raise the guard's anomaly unless every rank's parameters are all finite (collective when
     ``distributed``): run before a checkpoint is written."""
-    flags = [local(p.detach()).isfinite().all() for p in params]
+    flags = [local_values(p.detach()).isfinite().all() for p in params]
     bad = torch.stack(flags).logical_not().any().double().reshape(1) if flags else torch.zeros(1, dtype=torch.float64, device=device)
     if distributed:
         import torch.distributed as dist
