@@ -94,7 +94,7 @@ def test_each_rank_cuts_the_slice_distribute_tensor_gives_it(shape):
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from llmforge.parallel.materialize import local_piece
-    from llmforge.rehearse.fake import fake_process_group
+    from llmforge.rehearse.fake import fake_process_group, fake_tensors
 
     whole = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
     for placements in ([_StridedShard(0, split_factor=2), Shard(0)], [Shard(0), Shard(1)], [Replicate(), Shard(0)]):
@@ -104,3 +104,5 @@ def test_each_rank_cuts_the_slice_distribute_tensor_gives_it(shape):
                 param = distribute_tensor(torch.empty(shape), mesh, placements, src_data_rank=None)
                 expected = distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local()
                 assert torch.equal(local_piece(param, whole), expected), (placements, rank)
+                with fake_tensors():  # as a rehearsal cuts it
+                    assert local_piece(param, torch.empty(shape)).shape == expected.shape
