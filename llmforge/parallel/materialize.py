@@ -17,8 +17,8 @@ from typing import Callable, Mapping, Optional
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils._python_dispatch import _disable_current_modes
 
 from llmforge.models.gpt import GPT, initial_value
 
@@ -74,7 +74,7 @@ def local_piece(param: DTensor, whole: torch.Tensor) -> torch.Tensor:
     """This rank's block of ``whole``, a view where the shard is one block (as checkpoints
     read it). ``distribute_tensor`` cuts every rank's piece, and under FSDP over TP on one
     dimension (``_StridedShard``) concatenates each: a second whole copy at the build's peak."""
-    with unset_fake_temporarily():  # index arithmetic (a rehearsal's fake tensors cannot give offsets)
+    with _disable_current_modes():  # index arithmetic on real tensors, outside a rehearsal's modes
         shape, offset = compute_local_shape_and_global_offset(whole.shape, param.device_mesh, param.placements)
     piece = whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
     if piece.shape == param.to_local().shape:
