@@ -82,3 +82,27 @@ def test_a_model_built_on_meta_has_the_seeded_values_of_a_whole_one():
     for (name, a), (_, b) in zip(built.named_parameters(), reference.named_parameters()):
         assert torch.equal(a, b), name
     assert torch.equal(built.rope_cos, reference.rope_cos) and torch.equal(built.rope_sin, reference.rope_sin)
+
+
+@pytest.mark.parametrize("shape", [(16, 6), (10, 6)])
+def test_each_rank_cuts_the_slice_distribute_tensor_gives_it(shape):
+    """``copy_slice`` takes this rank's block of the whole value as a view (no copy of every
+    rank's piece, which FSDP over TP on one dimension would concatenate): the same values as
+    ``distribute_tensor``, for every rank of a 2 x 2 mesh, even and uneven sizes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from llmforge.parallel.materialize import local_piece
+    from llmforge.rehearse.fake import fake_process_group, fake_tensors
+
+    whole = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
+    for placements in ([_StridedShard(0, split_factor=2), Shard(0)], [Shard(0), Shard(1)], [Replicate(), Shard(0)]):
+        for rank in range(4):
+            with fake_process_group(rank=rank, world_size=4):
+                mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+                param = distribute_tensor(torch.empty(shape), mesh, placements, src_data_rank=None)
+                expected = distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local()
+                assert torch.equal(local_piece(param, whole), expected), (placements, rank)
+                with fake_tensors():  # as a rehearsal cuts it
+                    assert local_piece(param, torch.empty(shape)).shape == expected.shape

@@ -55,6 +55,21 @@ def test_rehearsed_peak_is_near_the_estimate(fsdp4):
     assert r.step_peak_bytes > r.first_step_peak_bytes  # AdamW's states appear in the first step
 
 
+def test_sharded_build_holds_the_shards_and_one_whole_parameter():
+    """The build makes the model on the meta device (no bytes) and fills this rank's shards from
+    one whole value at a time: its peak is the shards plus the largest parameter (its whole value
+    and this rank's slice of it), far below the whole model (here eight blocks of equal size).
+    Counting the meta skeleton as held bytes would put the whole model at the peak."""
+    from llmforge.train.build import model_skeleton
+
+    plan = build_plan([*FSDP4, "model.num_layers=8", "model.vocab_size=1024"])
+    est, r = estimate_plan(plan), rehearse(plan, stage=0)
+    sizes = [p.numel() * 4 for p in model_skeleton(plan, stage=0).parameters()]  # whole fp32 values
+    largest, whole_model = max(sizes), sum(sizes)
+    assert r.build_peak_bytes <= est.worst.weights + largest + largest // 4 + 64 * 1024
+    assert r.build_peak_bytes < whole_model / 2
+
+
 def test_fake_tensors_rehearse_the_bytes_real_tensors_hold():
     """The same program on real tensors (tiny, over the same fake group) holds the same bytes at
     every peak, item by item: fake tensors change no allocation."""

@@ -5,10 +5,9 @@ allocated, and applies every parallel transform there: the parameters become DTe
 that know their mesh and placements, or stay plain tensors where nothing shards them.
 ``materialize`` then allocates only what this rank holds (``to_empty``) and fills it
 one parameter at a time from a source of whole values: the seeded initialisation, or
-a Hugging Face folder. Each whole value lives on the host only while its slice is cut
-(``distribute_tensor`` with ``src_data_rank=None``: every rank holds the same whole
-value, so no collective is needed), so a rank's peak during the build is its shards
-plus the largest single parameter.
+a Hugging Face folder. Each whole value lives on the host only while this rank's block
+is cut from it (a view: every rank holds the same whole value, so no collective is
+needed), so a rank's peak during the build is its shards plus the largest single parameter.
 """
 
 from __future__ import annotations
@@ -18,6 +17,8 @@ from typing import Callable, Mapping, Optional
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils._python_dispatch import _disable_current_modes
 
 from llmforge.models.gpt import GPT, initial_value
 
@@ -64,8 +65,18 @@ def copy_slice(param: torch.Tensor, whole: torch.Tensor) -> None:
     """Write the part of ``whole`` (the unsharded value) that ``param`` holds on this rank."""
     if isinstance(param, DTensor):
         local = param.to_local()
-        whole = whole.to(device=local.device, dtype=local.dtype)
-        piece = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        local.copy_(piece)
+        local.copy_(local_piece(param, whole.to(device=local.device, dtype=local.dtype)))
     else:
         param.copy_(whole.to(dtype=param.dtype))
+
+
+def local_piece(param: DTensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's block of ``whole``, a view where the shard is one block (as checkpoints
+    read it). ``distribute_tensor`` cuts every rank's piece, and under FSDP over TP on one
+    dimension (``_StridedShard``) concatenates each: a second whole copy at the build's peak."""
+    with _disable_current_modes():  # index arithmetic on real tensors, outside a rehearsal's modes
+        shape, offset = compute_local_shape_and_global_offset(whole.shape, param.device_mesh, param.placements)
+    piece = whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
+    if piece.shape == param.to_local().shape:
+        return piece
+    return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()

@@ -3,6 +3,8 @@
 A ``TorchDispatchMode`` (as torch's ``MemTracker``, whose storage bookkeeping it follows):
 every storage an op returns is counted once until it is freed (its Python storage object is
 collected) or resized (FSDP2 frees and refills its buffers with ``UntypedStorage.resize_``).
+Tensors on the meta device hold no bytes and are not counted (the build makes each model part
+there before it allocates this rank's shards; a fake tensor reports the device it stands for).
 Each storage gets a category when first seen and may be re-tagged once its role is known:
 
 - ``weights``: parameters and buffers as built (this rank's shards), tagged at the start;
@@ -113,6 +115,8 @@ class PeakTracker(TorchDispatchMode):
             self._rising = False
 
     def _track(self, t: torch.Tensor, category: str) -> None:
+        if t.device.type == "meta":
+            return
         for st in get_untyped_storages(t):
             info = self._seen(st)
             if not info.category:
@@ -121,6 +125,8 @@ class PeakTracker(TorchDispatchMode):
                 self._resize(info, st.nbytes())
 
     def _tag(self, t: torch.Tensor, category: str) -> None:
+        if t.device.type == "meta":
+            return
         for st in get_untyped_storages(t):
             info = self._seen(st)
             info.category = category
