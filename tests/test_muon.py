@@ -50,7 +50,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     names = {id(p): n for n, p in model.named_parameters()}
     muon = {names[id(p)] for g in optimizer.param_groups if g["muon"] for p in g["params"]}
     adamw = {names[id(p)] for g in optimizer.param_groups if not g["muon"] for p in g["params"]}
-    assert "layers.0.attn.q_proj.weight" in muon and "layers.0.mlp.experts.w_up" in muon and "layers.0.mlp.shared.down_proj.weight" in muon
+    assert "layers.0.attn.qkv_proj.weight" in muon and "layers.0.mlp.experts.w_up" in muon and "layers.0.mlp.shared.down_proj.weight" in muon
     assert {"embed.weight", "head.weight", "layers.0.attn_norm.weight", "layers.0.mlp.router.weight", "norm.weight"} <= adamw
     assert not muon & adamw and len(muon | adamw) == len(names)
     assert {g["lr"] for g in optimizer.param_groups if not g["muon"]} == {3e-3}
