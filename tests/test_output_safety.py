@@ -14,6 +14,7 @@ from llmforge.config.compose import compose
 from llmforge.plan import RunPlan
 from llmforge.train.components import RankInfo
 from llmforge.train.run import run
+from test_run_safety import invoke as refused, snapshot
 
 TINY = [
     "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.seq_len=16",
@@ -21,17 +22,6 @@ TINY = [
     "logging.wandb.mode=disabled", "optim.warmup_steps=1", "train.steps=2", "checkpoint.interval=1",
 ]
 runner = CliRunner()
-
-
-def refused(*args: str) -> str:
-    """Run the CLI; it must end in one user error (exit 2, no traceback). Returns its output on one line."""
-    result = runner.invoke(app, list(args))
-    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
-    return " ".join(result.output.split())
-
-
-def snapshot(folder: Path) -> dict:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
