@@ -178,7 +178,7 @@ def reference_of(layout: str) -> str:
     if layout.startswith(("masked_", "window_")):
         return "masked_moe" if layout.startswith("masked_moe") else layout.split("_")[0]
     if layout.startswith("muon_"):
-        return "muon"
+        return  # Muon's run is held to its own one-process reference above; the checks below are AdamW layouts'
     if layout.startswith("moe_bias_"):
         return "moe_bias"
     if layout.startswith("moe_"):
@@ -212,7 +212,7 @@ def test_layout_matches_single_process(layout, results, reference):
         held = [n for n in got["local_numel"] if n.endswith("mlp.experts.w_up")]
         assert held and all(2 * got["local_numel"][n] <= ref.params[n].numel() for n in held), "experts were not split over ep ranks"
     if layout.startswith("muon_"):
-        return "muon"
+        return  # Muon's run is held to its own one-process reference above; the checks below are AdamW layouts'
     if layout.startswith("moe_bias_"):
         bias = {n: b for n, b in ref.buffers[0].items() if n.endswith("expert_bias")}
         assert bias and all(b.abs().sum() > 0 for b in bias.values()), "the routing bias did not move"
