@@ -178,7 +178,7 @@ def reference_of(layout: str) -> str:
     if layout.startswith(("masked_", "window_")):
         return "masked_moe" if layout.startswith("masked_moe") else layout.split("_")[0]
     if layout.startswith("muon_"):
-        return  # Muon's run is held to its own one-process reference above; the checks below are AdamW layouts'
+        return "muon"
     if layout.startswith("moe_bias_"):
         return "moe_bias"
     if layout.startswith("moe_"):
