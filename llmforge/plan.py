@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from llmforge.config.dtypes import DTYPES
+from llmforge.config.launchers import KUBERNETES_KINDS, LAUNCHERS
 from llmforge.config.ranges import INT64_MAX, range_problems
 from llmforge.config.schema import ANOMALY_POLICIES, OFFLOAD_MODES, OPTIMIZERS, RECOMPUTE_MODES, SCHEDULES, RunConfig
 from llmforge.config.train_rules import check_training
@@ -47,7 +48,8 @@ CHOICES: Dict[str, tuple] = {
     "train.memory_snapshot": ("off", "oom", "profile"),
     "train.anomaly": ANOMALY_POLICIES,
     "train.rehearse": ("auto", "always", "never"),
-    "cluster.launcher": ("local", "torchrun", "slurm"),
+    "cluster.launcher": LAUNCHERS,
+    "cluster.kubernetes.kind": KUBERNETES_KINDS,
     "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
 }
 

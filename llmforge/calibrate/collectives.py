@@ -102,3 +102,11 @@ def groups(*, nodes: int, per_node: int):
     if nodes > 1:
         out.append(("inter", dist.group.WORLD))
     return out
+
+
+def best_bus_bandwidth(op: str, *, group, device: torch.device, byte_sizes: Sequence[int], iters: int = 5) -> float:
+    """The best bus bandwidth (bytes/s) of ``op`` on ``group`` over ``byte_sizes``, each timed on
+    the slowest rank: the pre-flight network check (``llmforge.launch.netcheck``). Every rank calls it."""
+    n = dist.get_world_size(group)
+    times = [(nbytes, time_op(_collective(op, nbytes, group=group, device=device), group=group, device=device, iters=iters)) for nbytes in byte_sizes]
+    return max(CommSample(op, "inter", n, nbytes, seconds).busbw for nbytes, seconds in times)

@@ -13,10 +13,11 @@ This module imports no torch.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from llmforge.config.ranges import Range
+from llmforge.config.fields import knob
+from llmforge.config.launchers import KubernetesConfig, SkyPilotConfig
 
 #: Pipeline schedule names (``parallel.pp_schedule``), as torch.distributed.pipelining runs them.
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_interleaved", "zbv")
@@ -28,17 +29,6 @@ ANOMALY_POLICIES = ("stop", "skip", "rollback")
 OFFLOAD_MODES = ("none", "states")
 #: optim.name: the optimizers a run can use.
 OPTIMIZERS = ("adamw", "muon")
-
-
-def knob(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, range: Optional[str] = None) -> Any:
-    """A dataclass field with a help text and, for a number, its allowed range in interval
-    notation (``"[0, 1)"``; checked by llmforge.config.ranges.range_problems)."""
-    metadata: Dict[str, Any] = {"help": help}
-    if range is not None:
-        metadata["range"] = Range.parse(range)
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -277,8 +267,21 @@ class ClusterConfig:
         "local",
         help="local: torchrun on this node (a one-rank plan trains in this process); torchrun: torchrun even "
         "for one rank, through the process group, device mesh and NCCL as multi-GPU runs go (checks that path "
-        "on one GPU); slurm: write an sbatch script.",
+        "on one GPU); slurm: write an sbatch script; kubernetes: a TrainJob or JobSet (cluster.kubernetes); "
+        "skypilot: a SkyPilot task (cluster.skypilot). See docs/launch.md.",
     )
+    image: Optional[str] = knob(None, help="kubernetes, skypilot: the container image with llmforge and torch installed (required on kubernetes).")
+    network_check: Optional[bool] = knob(
+        None, help="Before training, time an all-reduce across the nodes and refuse the run when its bus bandwidth is below "
+        "cluster.network_min_fraction of the profile's inter-node rate; null = on for multi-node runs on accelerators (a CPU "
+        "profile describes no network)."
+    )
+    network_min_fraction: float = knob(
+        0.5, range="(0, 1]", help="The network check refuses a run whose measured all-reduce bus bandwidth is below this fraction of the "
+        "profile's inter_node_gbs x comm_efficiency (what the estimate assumes)."
+    )
+    kubernetes: KubernetesConfig = knob(help="cluster.launcher=kubernetes: the TrainJob or JobSet.", factory=KubernetesConfig)
+    skypilot: SkyPilotConfig = knob(help="cluster.launcher=skypilot: the SkyPilot task.", factory=SkyPilotConfig)
     rdzv_endpoint: Optional[str] = knob(None, help="host:port of the rendezvous for multi-node runs.")
     efficiency: Optional[float] = knob(
         None, range="(0, 1]",

@@ -1,6 +1,7 @@
 """``launch(plan)``: check the plan and the machine, take the run folder, then train in
 this process (one rank, ``cluster.launcher=local``), through torchrun
-(``llmforge.launch.torchrun``) or as a SLURM script (``llmforge.launch.slurm``).
+(``llmforge.launch.torchrun``), as a SLURM script (``llmforge.launch.slurm``) or as a
+Kubernetes or SkyPilot job (``llmforge.launch.platform``).
 
 plan.json is written by ``llmforge.rundir.write_plan`` alone: here before the ranks
 start (they read it), and by the trainer once a run in this process is under way (a
@@ -14,6 +15,7 @@ from typing import Optional
 
 from rich.console import Console
 
+from llmforge.config.launchers import PLATFORM_LAUNCHERS
 from llmforge.launch.checks import check_devices, check_fault, check_host_memory, check_space, preflight
 from llmforge.plan import RunPlan
 from llmforge.rundir import RunLock, check_writable, plan_path, write_plan
@@ -23,6 +25,9 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
     """Check, then run ``plan`` here or through torchrun, holding the run folder's lock.
     The first CPU run on a machine measures it first (``llmforge.calibrate.auto``)."""
     check_fault(plan, resume_from=resume_from, here=runs_here(plan), console=console)
+    if plan.config.cluster.launcher in PLATFORM_LAUNCHERS:
+        _launch_on_platform(plan, resume_from=resume_from, force=force, dry_run=dry_run, console=console)
+        return
     if not dry_run:
         from llmforge.calibrate.auto import ensure_cpu_profile
 
@@ -52,6 +57,20 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
             run_here(plan, resume_from=resume_from, console=console)
             return
         launch_distributed(plan, resume_from=resume_from, dry_run=False, console=console)
+
+
+def _launch_on_platform(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console) -> None:
+    """Kubernetes or SkyPilot: check the plan, then print or submit its manifest; nothing is
+    written here (run.dir is on the platform's storage)."""
+    from llmforge.errors import fail
+    from llmforge.launch.platform import check_platform, launch_on_platform
+
+    if resume_from is not None:
+        raise fail(f"cluster.launcher={plan.config.cluster.launcher}: a job there always continues from the newest complete checkpoint in run.dir; "
+                   "submit it again with `llmforge pretrain` and the same run.dir instead of `llmforge resume`")
+    check_platform(plan)
+    preflight(plan, force=force, resume=False, console=console)
+    launch_on_platform(plan, dry_run=dry_run, console=console)
 
 
 def _holds(run_dir: Path, checkpoint: Path) -> bool:

@@ -1,7 +1,8 @@
 """The program torchrun starts on every rank: join the group, build the mesh, run.
 
-    python -m torch.distributed.run ... -m llmforge.launch.worker --plan RUN/plan.json [--resume CKPT]
+    python -m torch.distributed.run ... -m llmforge.launch.worker --plan RUN/plan.json [--resume CKPT] [--resume-newest]
 
+Before anything is built, a multi-node run times its network (``llmforge.launch.netcheck``).
 Rank 0 alone prints and logs. When torchrun restarts the ranks after a failure
 (``cluster.max_restarts``), they continue from the run's newest complete checkpoint. An error on a rank is written to
 ``$LLMFORGE_ERROR_DIR/rank<N>.json`` (the launcher shows the first one, once)
@@ -128,11 +129,31 @@ def describe_exception(exc: BaseException) -> str:
     return f"{text}\n  (in {frame.name}, {frame.filename}:{frame.lineno})" if frame else text
 
 
-def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
+def newest_checkpoint(plan, *, console) -> Optional[Path]:
+    """The newest complete checkpoint in run.dir (rank 0 looks, for every rank), or None: where a
+    platform's job starts (``--resume-newest``), so that one it restarts continues the run. Collective."""
+    import torch.distributed as dist
+
+    found: List[Optional[str]] = [None]
+    if dist.get_rank() == 0 and (plan.run_dir / "checkpoints").is_dir():
+        from llmforge.checkpoint.locate import newest_complete
+        from llmforge.errors import UserError
+
+        try:
+            found[0] = str(newest_complete(plan.run_dir / "checkpoints").path)
+            console.print(f"resuming from {found[0]}, the newest complete checkpoint in run.dir", highlight=False)
+        except UserError:
+            pass
+    dist.broadcast_object_list(found, src=0)
+    return Path(found[0]) if found[0] else None
+
+
+def run_rank(*, plan_path: Path, resume: Optional[Path], resume_newest: bool = False) -> None:
     import torch.distributed as dist
     from rich.console import Console
 
     from llmforge.launch.guard import install_from_env
+    from llmforge.launch.netcheck import check_network
     from llmforge.parallel.mesh import init_distributed
     from llmforge.plan import RunPlan
     from llmforge.train.build import distributed_rank
@@ -148,6 +169,9 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
 
         RunLock(plan.run_dir).acquire()  # held until this process ends; each node's launcher shares the folder
     console = Console(stderr=True, markup=False, soft_wrap=True) if main else Console(file=io.StringIO(), quiet=True)
+    check_network(plan, device=device, console=console)
+    if resume_newest and resume is None and attempt() == 0:
+        resume = newest_checkpoint(plan, console=console)
     rank = distributed_rank(plan, device=device)
     resume = restart_point(plan, resume=resume, console=console, launched=launched)
     if main:
@@ -164,10 +188,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="llmforge.launch.worker")
     parser.add_argument("--plan", type=Path, required=True)
     parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--resume-newest", action="store_true", help="continue from run.dir's newest complete checkpoint when there is one")
     args = parser.parse_args(argv)
     guard_rank(_rank())
     with report_errors():
-        run_rank(plan_path=args.plan, resume=args.resume)
+        run_rank(plan_path=args.plan, resume=args.resume, resume_newest=args.resume_newest)
 
 
 if __name__ == "__main__":
