@@ -46,3 +46,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture
+def cpu_profile_claiming(tmp_path):
+    """A folder for LLMFORGE_CONFIG_PATH whose `cpu` profile claims ``inter_node_gbs`` GB/s
+    between nodes (the pre-flight network check compares loopback gloo against it)."""
+    import yaml
+
+    from llmforge.hardware import BUILTIN_DIR
+
+    def make(inter_node_gbs: float):
+        data = yaml.safe_load((BUILTIN_DIR / "cpu.yaml").read_text())
+        data["inter_node_gbs"] = inter_node_gbs
+        folder = tmp_path / f"conf-{inter_node_gbs:g}"
+        (folder / "profiles").mkdir(parents=True)
+        (folder / "profiles" / "cpu.yaml").write_text(yaml.safe_dump(data))
+        return folder
+
+    return make

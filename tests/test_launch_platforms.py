@@ -1,6 +1,11 @@
 """Kubernetes (TrainJob, JobSet) and SkyPilot launches: the manifests of a 4-node x 8-GPU plan
 validate with the platforms' own SDK models and schema (no cluster), and the script every
-node runs gives torchrun the right rendezvous from the platform's variables."""
+node runs gives torchrun the right rendezvous from the platform's variables.
+
+tests/data/skypilot-0.14.1-schemas.json holds SkyPilot's own task, resources and storage schemas,
+written from a throwaway environment (SkyPilot pulls ~60 packages, too many for the test extra):
+``pip install skypilot==0.14.1`` then ``json.dump({"task": get_task_schema(), "resources":
+get_resources_schema(), "storage": get_storage_schema()}, ...)`` from ``sky.utils.schemas``."""
 
 from __future__ import annotations
 
@@ -112,16 +117,32 @@ def test_jobset_validates_and_meets_at_the_leader_pod(tmp_path):
     assert_rendezvous(args, master="pretrain-run-node-0-0.pretrain-run", port=29500, node_rank=3)
 
 
+def skypilot_validator(schema: dict):
+    """SkyPilot's validator (sky.utils.validator): JSON Schema draft 7 with its two enum keywords."""
+    import jsonschema
+
+    def enum(*, fold):
+        def check(validator, enums, instance, schema):
+            if (instance.lower() if fold else instance) not in [e.lower() if fold else e for e in enums]:
+                yield jsonschema.ValidationError(f"{instance!r} is not one of {enums!r}")
+        return check
+
+    keywords = {"case_insensitive_enum": enum(fold=True), "case_sensitive_enum": enum(fold=False)}
+    return jsonschema.validators.extend(jsonschema.Draft7Validator, validators=keywords)(schema)
+
+
 def test_skypilot_task_validates_against_skypilots_schema_and_ranks_by_its_variables(tmp_path):
     import jsonschema
 
-    schemas = json.loads(SKYPILOT_SCHEMAS.read_text())
+    schemas = json.loads(SKYPILOT_SCHEMAS.read_text())  # sky.utils.schemas' task, resources and storage schemas (SkyPilot 0.14.1)
     plan = plan_for("skypilot", tmp_path, "cluster.max_restarts=2")
     task = skypilot_task(plan)
-    jsonschema.validate(task, schemas["task"])
-    jsonschema.validate(task["resources"], schemas["resources"])
+    skypilot_validator(schemas["task"]).validate(task)
+    skypilot_validator(schemas["resources"]).validate(task["resources"])
     for mount in task["file_mounts"].values():
-        jsonschema.validate(mount, schemas["storage"])
+        skypilot_validator(schemas["storage"]).validate(mount)
+    with pytest.raises(jsonschema.ValidationError):  # the schema does check: a misspelt mode is refused
+        skypilot_validator(schemas["storage"]).validate({**mount, "mode": "MOUNTED"})
     assert (task["num_nodes"], task["resources"]["accelerators"]) == (4, "H100:8")
     assert task["resources"]["job_recovery"] == {"max_restarts_on_errors": 2}  # restarts: a managed job
     env = {"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.0.0.7\n10.0.0.8\n10.0.0.9\n10.0.0.10", "SKYPILOT_NUM_NODES": "4",

@@ -17,8 +17,6 @@ import re
 import shlex
 from typing import List, Optional
 
-from rich.console import Console
-
 from llmforge.elastic import is_elastic
 from llmforge.errors import Problem, UserError
 from llmforge.plan import RunPlan
@@ -134,18 +132,3 @@ def to_yaml(manifest: dict) -> str:
 
     Dumper.add_representer(str, text)
     return yaml.dump(manifest, Dumper=Dumper, sort_keys=False, width=200)
-
-
-def launch_on_platform(plan: RunPlan, *, dry_run: bool, console: Console) -> None:
-    """Write the plan's manifest for its platform; print it (``dry_run``) or submit it."""
-    check_platform(plan)
-    if plan.config.cluster.launcher == "kubernetes":
-        from llmforge.launch import kubernetes as platform
-    else:
-        from llmforge.launch import skypilot as platform  # type: ignore[no-redef]
-    manifest = platform.manifest(plan)
-    if dry_run:
-        print(to_yaml(manifest), end="", flush=True)
-        console.print(f"(--dry-run submits nothing; {platform.SUBMIT_HINT})", markup=False, highlight=False, soft_wrap=True)
-        return
-    platform.submit(plan, manifest, console=console)

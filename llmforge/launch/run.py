@@ -63,14 +63,23 @@ def _launch_on_platform(plan: RunPlan, *, resume_from: Optional[Path], force: bo
     """Kubernetes or SkyPilot: check the plan, then print or submit its manifest; nothing is
     written here (run.dir is on the platform's storage)."""
     from llmforge.errors import fail
-    from llmforge.launch.platform import check_platform, launch_on_platform
+    from llmforge.launch.platform import check_platform, to_yaml
 
     if resume_from is not None:
         raise fail(f"cluster.launcher={plan.config.cluster.launcher}: a job there always continues from the newest complete checkpoint in run.dir; "
                    "submit it again with `llmforge pretrain` and the same run.dir instead of `llmforge resume`")
     check_platform(plan)
     preflight(plan, force=force, resume=False, console=console)
-    launch_on_platform(plan, dry_run=dry_run, console=console)
+    if plan.config.cluster.launcher == "kubernetes":
+        from llmforge.launch import kubernetes as platform
+    else:
+        from llmforge.launch import skypilot as platform  # type: ignore[no-redef]
+    manifest = platform.manifest(plan)
+    if dry_run:  # the manifest alone on stdout (`> job.yaml`), the notes on the console
+        print(to_yaml(manifest), end="", flush=True)
+        console.print(f"(--dry-run submits nothing; {platform.SUBMIT_HINT})", markup=False, highlight=False, soft_wrap=True)
+        return
+    platform.submit(plan, manifest, console=console)
 
 
 def _holds(run_dir: Path, checkpoint: Path) -> bool:
