@@ -191,3 +191,24 @@ def test_dry_run_prints_the_manifest_and_submitting_without_a_cluster_says_what_
     real = CliRunner().invoke(app, args)
     assert real.exit_code == 2 and "no Kubernetes cluster is configured" in real.output
     assert not Path("/runs/tiny").exists()
+
+
+@pytest.mark.slow
+def test_a_restarted_platform_job_continues_from_the_newest_checkpoint(tmp_path, small_data):
+    """What every node of a platform job runs (worker --resume-newest) after a restart: the run
+    goes on from run.dir's newest complete checkpoint with the losses of an uninterrupted run."""
+    import shutil
+    import sys
+
+    run_dir = tmp_path / "run"
+    args = [*small_data, "train.steps=4", "checkpoint.interval=2", "train.log_interval=1", "logging=quiet", f"run.dir={run_dir}"]
+    assert CliRunner().invoke(app, ["pretrain", *args]).exit_code == 0
+    losses = {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    shutil.rmtree(run_dir / "checkpoints" / "step_4")  # the job was lost after its step-2 checkpoint
+    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "llmforge.launch.worker",
+              "--plan", str(run_dir / "plan.json"), "--resume-newest"]
+    done = subprocess.run(worker, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"resuming from {run_dir / 'checkpoints' / 'step_2'}" in done.stderr
+    again = {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    assert again[4] == pytest.approx(losses[4], rel=1e-6) and (run_dir / "checkpoints" / "step_4").is_dir()
