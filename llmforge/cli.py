@@ -142,7 +142,7 @@ def estimate(
 def pretrain(
     overrides: Optional[List[str]] = OVERRIDES,
     force: bool = typer.Option(False, "--force", help="Launch even if the estimate says the plan does not fit."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch command (or SLURM script) and stop."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch command (or SLURM script, Kubernetes job or SkyPilot task) and stop."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start over in a run.dir that already holds a run."),
     config_dir: Optional[List[Path]] = CONFIG_DIR,
 ) -> None:
@@ -159,6 +159,8 @@ def pretrain(
       llmforge pretrain parallel=tp2 train.steps=50
 
       llmforge pretrain recipe=gpt-1b parallel=tp4pp2 cluster.nodes=2 --dry-run
+
+      llmforge pretrain recipe=gpt-1b cluster=h100-node cluster.nodes=4 cluster.launcher=kubernetes cluster.image=IMAGE cluster.kubernetes.runs_claim=runs run.dir=/runs/gpt-1b --dry-run
     """
     from llmforge.commands.train import pretrain_command
 
