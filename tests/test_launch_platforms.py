@@ -13,6 +13,7 @@ import json
 import os
 import stat
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,7 @@ def torchrun_args(script: str, env: dict, tmp_path: Path):
     bin_dir, out = tmp_path / "bin", tmp_path / "argv.json"
     bin_dir.mkdir(exist_ok=True)
     fake = bin_dir / "python"
-    fake.write_text(f'#!/bin/sh\nexec {json.dumps(os.sys.executable)} -c \'import json,sys; json.dump(sys.argv[1:], open("{out}", "w"))\' "$@"\n')
+    fake.write_text(f'#!/bin/sh\nexec {json.dumps(sys.executable)} -c \'import json,sys; json.dump(sys.argv[1:], open("{out}", "w"))\' "$@"\n')
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     full = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOSTNAME": "node-x", **env}
     subprocess.run(["bash", "-c", script], env=full, check=True, timeout=30)
@@ -198,7 +199,6 @@ def test_a_restarted_platform_job_continues_from_the_newest_checkpoint(tmp_path,
     """What every node of a platform job runs (worker --resume-newest) after a restart: the run
     goes on from run.dir's newest complete checkpoint with the losses of an uninterrupted run."""
     import shutil
-    import sys
 
     run_dir = tmp_path / "run"
     args = [*small_data, "train.steps=4", "checkpoint.interval=2", "train.log_interval=1", "logging=quiet", f"run.dir={run_dir}"]
@@ -212,3 +212,15 @@ def test_a_restarted_platform_job_continues_from_the_newest_checkpoint(tmp_path,
     assert f"resuming from {run_dir / 'checkpoints' / 'step_2'}" in done.stderr
     again = {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
     assert again[4] == pytest.approx(losses[4], rel=1e-6) and (run_dir / "checkpoints" / "step_4").is_dir()
+
+
+def test_launching_on_skypilot_without_it_says_what_to_install(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    from llmforge.launch import skypilot
+
+    plan = plan_for("skypilot", tmp_path)
+    monkeypatch.setattr(skypilot.shutil, "which", lambda name: None)
+    with pytest.raises(UserError) as err:
+        skypilot.submit(plan, skypilot_task(plan), console=Console(quiet=True))
+    assert "pip install 'skypilot[aws]'" in err.value.message() and "sky check" in err.value.message()
