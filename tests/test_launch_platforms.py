@@ -210,7 +210,9 @@ def test_a_restarted_platform_job_continues_from_the_newest_checkpoint(tmp_path,
     done = subprocess.run(worker, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert f"resuming from {run_dir / 'checkpoints' / 'step_2'}" in done.stderr
-    again = {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    again = {r["step"]: r["loss"] for r in records}
     assert again[4] == pytest.approx(losses[4], rel=1e-6) and (run_dir / "checkpoints" / "step_4").is_dir()
 
 

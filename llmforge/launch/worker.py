@@ -177,7 +177,8 @@ def run_rank(*, plan_path: Path, resume: Optional[Path], resume_newest: bool = F
     if main:
         prepare_data(plan, console=console)  # fills the shared cache before the others read it
     dist.barrier()
-    summary = run(plan, rank=rank, resume_from=resume, console=console, restarted=attempt() > 0)
+    # a platform's job may be a restart of itself: metrics past its starting step are dropped
+    summary = run(plan, rank=rank, resume_from=resume, console=console, restarted=attempt() > 0 or resume_newest)
     if main:
         console.print(summary.describe(plan))
     dist.barrier()
