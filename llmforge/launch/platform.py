@@ -62,15 +62,15 @@ def platform_problems(plan: RunPlan) -> List[Problem]:
         out.append(Problem("cluster.image", None, "the pods need a container image with llmforge and torch installed", "set cluster.image=REGISTRY/IMAGE:TAG"))
     found = mounts(plan)
     if "runs" not in found:
-        what = "PersistentVolumeClaim (ReadWriteMany)" if launcher == "kubernetes" else "bucket (s3://, gs://, ...)"
-        out.append(Problem(key, None, f"run.dir and its checkpoints must be on storage every node shares and that outlives the job", f"set {key}= a {what}"))
+        example = "NAME (a ReadWriteMany PersistentVolumeClaim)" if launcher == "kubernetes" else "s3://BUCKET/runs (or gs://, r2://, ...)"
+        out.append(Problem(key, None, "run.dir and its checkpoints must be on storage every node shares and that outlives the job", f"set {key}={example}"))
     elif not _inside(plan.config.run.dir, found["runs"][1]):
         mount = found["runs"][1]
         out.append(Problem("run.dir", plan.config.run.dir, f"is not on the runs volume, which is mounted at {mount_key}={mount}",
                            f"set run.dir={posixpath.join(mount, job_name(plan))}"))
     if c.nodes > 1 and not any(_inside(plan.config.data.cache_dir, m) for _, m in found.values()):
         out.append(Problem("data.cache_dir", plan.config.data.cache_dir, "rank 0 prepares the data there and the other nodes read it, so it must be on a shared mount",
-                           f"set data.cache_dir= a folder under {' or '.join(m for _, m in found.values()) or 'a mounted volume'}"))
+                           f"set data.cache_dir={posixpath.join(found.get('data', found.get('runs', ('', '/data')))[1], 'cache')} (a folder on a mounted volume or bucket)"))
     return out + _elastic_problems(plan)
 
 
