@@ -122,3 +122,24 @@ def test_the_estimate_exposes_the_collectives_no_compute_covers(trace):
     schedule = cm.fsdp_exposed_units(Layout(dp=2, zero=1), blocks=LAYERS)
     assert {k: sorted(v) for k, v in exposed.items()} == {k: sorted(v) for k, v in schedule.items()}
     assert schedule["dp_all_gather"] == ("root", "first block")
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+@pytest.mark.parametrize("change", ["none", "bf16", "offload", "hsdp", "ep", "pp", "no_overlap"])
+def test_the_estimate_defers_the_reduce_scatters_the_backend_defers_on_gloo(zero, change):
+    """On CPU the estimate hides FSDP2's reduce-scatters only where the backend launches them
+    without waiting; the two decisions agree."""
+    from llmforge.estimate.shape import Job
+    from llmforge.hardware import get_profile
+    from llmforge.layout import Layout
+    from llmforge.parallel.data import can_defer_reduce
+
+    layout = Layout(dp=4 if change == "hsdp" else 2, zero=zero, pp=2 if change == "pp" else 1, ep=2 if change == "ep" else 1,
+                    dp_replicate=2 if change == "hsdp" else 1, offload="states" if change == "offload" else "none")
+    job = Job(global_batch=8, param_dtype="fp32", reduce_dtype="bf16" if change == "bf16" else "fp32", profile=get_profile("cpu"),
+              overlap_grad_reduce=change != "no_overlap")
+    backend = job.overlap_grad_reduce and layout.pp == 1 and can_defer_reduce(
+        device_type="cpu", zero=zero, reduce_dtype=torch.bfloat16 if change == "bf16" else torch.float32, offload=change == "offload",
+        replicated=change == "hsdp", experts=change == "ep")
+    assert cm.gloo_defers_reduce(layout, job) == backend
+    assert backend == (zero == 1 and change == "none")

@@ -144,6 +144,8 @@ def fsdp_traffic(layout: Layout, job: Job, *, numel: float, microbatches: int, b
     after backward ends.
 
     ``float8`` of the ``dense`` elements are gathered as float8 (precision.fp8_all_gather).
+    On CPU (gloo) FSDP2 calls its collectives synchronously: every gather is exposed, and
+    every reduce-scatter unless the backend defers them (``gloo_defers_reduce``).
     HSDP (``layout.dp_replicate`` = R > 1): gathers and reduce-scatters run inside a shard
     group of dp / R consecutive ranks (NVLink when it is a node), and each reduce-scatter
     is followed by an all-reduce of the gradient shard over the R replicas (the network
@@ -181,10 +183,21 @@ def fsdp_traffic(layout: Layout, job: Job, *, numel: float, microbatches: int, b
     gathers_s = forward_gathers * t_ag + backward_gathers * units.ag * (n - 1)
     block_bytes = (gathered - root * c) / n
     gathers_b = forward_gathers * gathered + backward_gathers * block_bytes * (n - 1)
+    if job.on_cpu:  # gloo: FSDP2 waits on the host for every gather, and every reduce-scatter it does not defer
+        ag_exposed = gathers_s
+        rs_exposed = rs_exposed if gloo_defers_reduce(layout, job) else scatters * t_rs
     return {
         "dp_all_gather": Traffic(gathers_b, gathers_s, ag_exposed),
         "dp_reduce_scatter": Traffic(scatters * (numel * rb + allreduce), scatters * t_rs, rs_exposed),
     }
+
+
+def gloo_defers_reduce(layout: Layout, job: Job) -> bool:
+    """Whether the backend launches FSDP2's reduce-scatters without waiting on gloo
+    (``llmforge.parallel.data.can_defer_reduce``): ZeRO 1, fp32 reduction,
+    ``parallel.overlap_grad_reduce``, no pipeline, no HSDP, no offload, no expert units."""
+    return (layout.zero == 1 and job.reduce_dtype == "fp32" and job.overlap_grad_reduce and layout.pp == 1
+            and layout.dp_replicate == 1 and layout.offload == "none" and layout.ep == 1)
 
 
 def fsdp_exposed_units(layout: Layout, *, blocks: int) -> Dict[str, tuple]:
