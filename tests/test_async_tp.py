@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -112,7 +113,7 @@ def test_the_async_tp_styles_compute_what_the_sequence_parallel_op_does(one_rank
 
 
 def _megatron(async_tp: bool):
-    sys.path.insert(0, "tests")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from test_search import gpt, job
 
     shape = gpt(heads=48, hidden=6144, layers=40, vocab=131072, seq=4096)
