@@ -59,6 +59,8 @@ class Layout:
     ep: int = 1
     zero: int = 0
     sequence_parallel: bool = False
+    #: ``parallel.async_tp``: the sequence-parallel collectives overlap the matmuls they feed.
+    async_tp: bool = False
     schedule: str = "1f1b"
     virtual_stages: int = 1
     recompute: str = "none"
@@ -76,7 +78,7 @@ class Layout:
         """The layout ``config`` asks for, with the data-parallel degree resolved."""
         p = config.parallel
         return cls(
-            dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sequence_parallel=p.sequence_parallel,
+            dp=dp, tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, zero=p.zero, sequence_parallel=p.sequence_parallel, async_tp=p.async_tp,
             schedule=p.pp_schedule, virtual_stages=p.pp_virtual_stages, recompute=p.recompute,
             recompute_every=p.recompute_every, micro_batch=config.train.micro_batch_size,
             pp_layers=tuple(p.pp_layers) if p.pp_layers else None, dp_replicate=p.dp_replicate,
@@ -123,6 +125,8 @@ class Layout:
             parts.append(f"parallel.offload={self.offload}")
         if self.offload_activations:
             parts.append("parallel.offload_activations=true")
+        if self.async_tp:
+            parts.append("parallel.async_tp=true")
         parts.append(f"train.micro_batch_size={self.micro_batch}")
         return " ".join(parts)
 
@@ -285,6 +289,25 @@ def check_backend(config: RunConfig) -> List[Problem]:
         out.append(Problem("parallel.cp", p.cp, f"context parallelism is not supported with pipeline parallelism (parallel.pp={p.pp})", "set parallel.cp=1 or parallel.pp=1"))
     if config.model.moe.num_experts > 0:
         out.append(Problem("parallel.cp", p.cp, "context parallelism is not supported with MoE models (model.moe.num_experts > 0): routing and the router losses would see only a slice of each sequence", "set parallel.cp=1 or model.moe.num_experts=0"))
+    return out
+
+
+def check_async_tp(config: RunConfig) -> List[Problem]:
+    """parallel.async_tp runs torch's micro-pipelined TP: symmetric memory on CUDA, found in
+    compiled graphs, over the sequence-parallel all-gathers and reduce-scatters."""
+    p, out = config.parallel, []
+    if not p.async_tp:
+        return out
+    needs = [
+        (config.cluster.accelerator == "cpu", "runs on CUDA symmetric memory, and cluster.accelerator=cpu runs gloo on CPU", "set parallel.async_tp=false on CPU"),
+        (not config.train.compile, "is a torch.compile pass, and train.compile=false", "set train.compile=true or parallel.async_tp=false"),
+        (ints(p.tp) and p.tp == 1, "overlaps tensor-parallel collectives, and parallel.tp=1", "set parallel.tp>1 or parallel.async_tp=false"),
+        (not p.sequence_parallel, "overlaps sequence parallel's all-gathers and reduce-scatters, and parallel.sequence_parallel=false",
+         "set parallel.sequence_parallel=true or parallel.async_tp=false"),
+    ]
+    reasons = [(why, fix) for failed, why, fix in needs if failed]
+    if reasons:
+        out.append(Problem("parallel.async_tp", True, "; ".join(why for why, _ in reasons), "; ".join(fix for _, fix in reasons)))
     return out
 
 

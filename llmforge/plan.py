@@ -25,7 +25,8 @@ from llmforge.elastic import check_elastic, world_problems
 from llmforge.errors import Problem, UserError, fail
 from llmforge.hardware import get_profile, is_known, unknown_problem
 from llmforge.layout import (
-    Layout, check_backend, check_batch, check_ep, check_hsdp, check_offload, check_pipeline, check_tp, check_world, ints, world_and_dp,
+    Layout, check_async_tp, check_backend, check_batch, check_ep, check_hsdp, check_offload, check_pipeline, check_tp, check_world, ints,
+    world_and_dp,
 )
 
 CHOICES: Dict[str, tuple] = {
@@ -169,7 +170,8 @@ def _validate(config: RunConfig) -> List[Problem]:
     problems: List[Problem] = []
     checks = (
         _check_choices, _check_ranges, _check_model, check_world, check_tp, check_pipeline, check_batch, _check_moe, check_ep,
-        _check_data, _check_accelerator, _check_fp8, check_hsdp, check_backend, check_offload, check_elastic, check_training,
+        _check_data, _check_accelerator, _check_fp8, check_hsdp, check_backend, check_async_tp, check_offload, check_elastic,
+        check_training,
     )
     for check in checks:
         problems.extend(check(config))

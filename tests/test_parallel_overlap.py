@@ -128,3 +128,31 @@ def test_a_gradient_missing_on_one_rank_is_averaged_on_both(tmp_path: Path, free
         assert g["never"] is None
         for name, value in expected.items():
             torch.testing.assert_close(g[name], value)
+
+
+def test_the_estimate_leaves_exposed_the_bucket_the_last_gradient_launches(one_rank):
+    """ZeRO 0: the bucket launched by the last gradient of the backward (nothing computes after
+    it) is the last one, the one holding the embedding; every other bucket is launched while
+    backward still computes. The estimate charges exactly that bucket when backward is long."""
+    from llmforge.estimate import comm as cm
+    from llmforge.estimate.shape import Job
+    from llmforge.hardware import get_profile
+    from llmforge.layout import Layout
+
+    model, trace = build_model(tiny_plan([]), device=torch.device("cpu")), []
+    reducer = BucketedGradReduce(params=list(model.parameters()), group=one_rank, size=1, dtype=torch.float32,
+                                 bucket_bytes=SMALL, first_bucket_bytes=SMALL, trace=trace)
+    with grad_sync([reducer], sync=True):
+        _backward(model)
+    reducer()
+    last_ready = max(i for i, (kind, _) in enumerate(trace) if kind == "ready")
+    assert [b for kind, b in trace[last_ready:] if kind == "launch"] == [len(reducer.buckets) - 1]
+    names = [n for n, _ in model.named_parameters()]
+    assert names.index("embed.weight") in reducer.buckets[-1]
+    job = Job(global_batch=8, param_dtype="fp32", reduce_dtype="fp32", profile=get_profile("h100-80gb"), nodes=1, devices_per_node=2,
+              bucket_bytes=2**20)
+    dense, embedding = 10 * 2**20, 3 * 2**20  # elements: the embedding's bucket is larger than bucket_bytes
+    kinds = cm.dp_traffic(Layout(dp=2), job, dense=dense, expert=0, microbatches=4, blocks=4, t_fwd=1e9, t_bwd=2e9, span=2,
+                          last_bucket=embedding)
+    traffic = kinds["dp_all_reduce"]
+    assert traffic.exposed == pytest.approx(traffic.seconds * embedding / dense)

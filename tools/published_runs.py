@@ -8,8 +8,11 @@ without async TP), their ratio; then the memory of the most-loaded GPU with an f
 stream (``precision.fp32_residual=true``), with the default bf16 one, and the published
 figure (docs/estimator.md has the estimate before the residual stream followed the compute
 dtype next to them); then the responses
-(compile, Float8, schedule, 128 vs 8 GPUs), estimated against published; last Megatron-LM's
-462B row (README model table, H100 80 GB: TP 8, PP 16, DP 48), which ran on 80 GB GPUs.
+(compile, Float8, schedule, 128 vs 8 GPUs), estimated against published; then Megatron-LM's
+462B row (README model table, H100 80 GB: TP 8, PP 16, DP 48), which ran on 80 GB GPUs; last
+Megatron-style layouts of 18B-175B GPTs (TP 8 + SP, ZeRO 1, micro batch 1, compiled) without
+and with ``parallel.async_tp``, term by term, and the async-TP gain the estimate gives
+torchtitan's 70B row next to the published one.
 """
 
 from __future__ import annotations
@@ -70,11 +73,55 @@ def _megatron_462b() -> None:
               f"{'fits' if now.fits else 'does not fit'}")
 
 
+#: name, (heads, hidden, layers), tp, pp, GPUs, global batch: Narayanan et al.'s GPT shapes, seq 4096, vocab 131072
+MEGATRON_STYLE = [
+    ("18B", (48, 6144, 40), 8, 1, 256, 512), ("39B", (64, 8192, 48), 8, 1, 512, 512), ("39B", (64, 8192, 48), 8, 2, 512, 512),
+    ("76B", (80, 10240, 60), 8, 4, 1024, 512), ("175B", (96, 12288, 96), 8, 8, 1024, 512),
+]
+
+
+def megatron_style(name, dims, t, p, world, batch, *, async_tp: bool, reduce_dtype: str = "fp32"):
+    """The estimate of one MEGATRON_STYLE row with the least recompute that fits."""
+    heads, hidden, layers = dims
+    shape = megatron.gpt(heads=heads, hidden=hidden, layers=layers, vocab=131072, seq=4096)
+    jb = dataclasses.replace(megatron.job("h100-80gb", batch=batch, world=world), compile=True, reduce_dtype=reduce_dtype)
+    for recompute in ("none", "selective", "full"):
+        layout = Layout(dp=world // (t * p), tp=t, pp=p, zero=1, sequence_parallel=True, micro_batch=1, recompute=recompute, async_tp=async_tp)
+        est = estimate(shape, layout, jb, every_stage=False)
+        if est.fits:
+            break
+    return est
+
+
+def _megatron_style() -> None:
+    keys = ("matmul", "attention", "memory_bound", "launch_floor", "tp_exposed", "dp_all_gather_exposed", "dp_reduce_scatter_exposed",
+            "pp_exposed", "bubble", "comm_overlap", "optimizer")
+    print("\nMegatron-style layouts on h100-80gb (TP 8 + SP, ZeRO 1, micro batch 1, compiled), seconds per step:")
+    print(f"{'row':22s} {'async':>5s} " + " ".join(f"{k.replace('_exposed', ''):>9.9s}" for k in keys) + f" {'step':>6s} {'MFU':>6s}")
+    for name, dims, t, p, world, batch in MEGATRON_STYLE:
+        for async_tp in (False, True):
+            est = megatron_style(name, dims, t, p, world, batch, async_tp=async_tp)
+            row = f"{name} tp{t} pp{p} dp{world // (t * p)} {est.layout.recompute[:3]}"
+            print(f"{row:22s} {'on' if async_tp else 'off':>5s} " + " ".join(f"{est.terms.get(k, 0.0):9.3f}" for k in keys)
+                  + f" {est.step_s:6.3f} {100 * est.mfu:5.1f}%")
+
+
+def _async_tp_pair() -> None:
+    """torchtitan's 70B pair (829 -> 876 tokens/s per GPU with async TP) against the estimate's model of it."""
+    row = published.ROWS["70B 256 GPUs"]
+    _, off = published.per_gpu(row)
+    _, on = published.per_gpu(row._replace(layout=dataclasses.replace(row.layout, async_tp=True)))
+    print(f"\nasync TP on torchtitan's 70B row: estimate {off:,.0f} -> {on:,.0f} tokens/s per GPU ({on / off:.3f}x), "
+          f"published 829 -> 876 ({876 / 829:.3f}x)")
+
+
 def main() -> None:
     _throughput()
     _memory()
     _responses()
     _megatron_462b()
+    _megatron_style()
+    _async_tp_pair()
 
 
 if __name__ == "__main__":

@@ -102,6 +102,12 @@ class ParallelConfig:
         "inside a node) and all-reduce gradients across groups. 1 = shard over all of dp.",
     )
     sequence_parallel: bool = knob(False, help="Shard norm and dropout activations along the sequence over tp ranks; the linears keep only the shard.")
+    async_tp: bool = knob(
+        False,
+        help="Async tensor parallel: torch's micro-pipelined TP (symmetric memory, under torch.compile) splits each "
+        "sequence-parallel all-gather and reduce-scatter into chunks that overlap the matmuls they feed. Needs CUDA "
+        "(not cluster.accelerator=cpu), train.compile=true, parallel.tp>1 and parallel.sequence_parallel=true.",
+    )
     pp_schedule: str = knob("1f1b", help=f"Pipeline schedule: {', '.join(SCHEDULES)}.")
     pp_virtual_stages: int = knob(1, range="[1, inf)", help="Model chunks per pipeline rank (interleaved schedules).")
     pp_layers: Optional[List[int]] = knob(None, help="Layers per pipeline stage for an uneven split (length pp*virtual stages).")
@@ -109,9 +115,16 @@ class ParallelConfig:
     recompute_every: int = knob(1, range="[1, inf)", help="With full recompute, checkpoint every N-th block only.")
     overlap_grad_reduce: Optional[bool] = knob(
         None,
-        help="ZeRO-0: all-reduce gradients in buckets during backward. null = on for GPUs (NCCL), off on CPU (gloo), where it measured slower.",
+        help="Overlap the gradient reduction with the last microbatch's backward: ZeRO-0 all-reduces in buckets "
+        "(parallel.bucket_mb) as their gradients are ready; ZeRO-1 on CPU (gloo, fp32 reduce_dtype) launches FSDP2's "
+        "per-block reduce-scatters without waiting (on GPUs FSDP2 always overlaps them). null = on for GPUs (NCCL), "
+        "off on CPU (gloo), where it measured slower.",
     )
-    bucket_mb: float = knob(25.0, range="(0, inf)", help="ZeRO-0 gradient bucket size in MB when the reduction overlaps backward.")
+    bucket_mb: float = knob(
+        25.0, range="(0, inf)",
+        help="ZeRO-0 gradient bucket size in MB when the reduction overlaps backward. ZeRO 1-3 (FSDP2) reduce one "
+        "transformer block per collective (the root: embedding, final norm, output layer, is one more).",
+    )
     offload: str = knob(
         "none",
         help="states: keep this rank's shard of the fp32 master weights, gradients and AdamW moments in host memory and "

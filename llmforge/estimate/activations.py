@@ -88,7 +88,7 @@ def _mlp_bytes(shape: Shape, ffn: int, *, c: int, tp: int) -> float:
     return (4 if shape.activation == "swiglu" else 2) * ffn * c / tp
 
 
-def _selective_bytes(shape: Shape, *, c: int, r: int, tp: int, sp: int, moe: bool) -> float:
+def _selective_bytes(shape: Shape, *, c: int, r: int, tp: int, sp: int, moe: bool, gathered: bool = False) -> float:
     """Selective recompute keeps the block input, every matmul and collective output,
     and the fused attention's output and log-sum-exp.
 
@@ -96,10 +96,12 @@ def _selective_bytes(shape: Shape, *, c: int, r: int, tp: int, sp: int, moe: boo
     outputs (o, down) are partial sums of full width before their reduction. Under
     tp the reductions' outputs are kept too: all-reduced sums (full width), or with
     sequence parallel the reduce-scattered shard (the gather is inside the
-    column-parallel op, whose outputs are kept).
+    column-parallel op, whose outputs are kept; under async TP, ``gathered``, the gather
+    is torch's collective before the linears and its whole-sequence output is kept too).
     """
     h, kv = shape.hidden, shape.kv_dim
     collective = 0.0 if tp == 1 else (h / tp * c if sp > 1 else h * c)
+    collective += h * c if gathered and sp > 1 else 0.0
     attention = (h * c + shape.heads * FP32) / tp
     attn = h * r / sp + ((h + 2 * kv) / tp + h) * c + attention + collective
     if moe:
@@ -114,12 +116,14 @@ def block_activations(shape: Shape, layout: Layout, job: Job, *, moe: bool, reco
     if recompute == "full":
         return BlockActivations(per_token=shape.hidden * r / sp, fixed=0.0)
     if recompute == "selective":
-        return BlockActivations(per_token=_selective_bytes(shape, c=c, r=r, tp=tp, sp=sp, moe=moe), fixed=4 * shape.num_experts if moe else 0.0)
+        return BlockActivations(per_token=_selective_bytes(shape, c=c, r=r, tp=tp, sp=sp, moe=moe, gathered=layout.async_tp),
+                                fixed=4 * shape.num_experts if moe else 0.0)
     attn_consumers, mlp_consumers = 1, 1  # the fused projections
     if moe:
         mlp_consumers = 1 + (1 if shape.shared_experts else 0)  # router, shared MLP
-    kept1, out1 = _norm_bytes(shape, consumers=attn_consumers, c=c, r=r, sp=sp, shard=sp > 1, cpu=job.on_cpu)
-    kept2, out2 = _norm_bytes(shape, consumers=mlp_consumers, c=c, r=r, sp=sp, shard=sp > 1 and not moe, cpu=job.on_cpu)
+    shard = sp > 1 and not layout.async_tp  # async TP's linears save the gathered input
+    kept1, out1 = _norm_bytes(shape, consumers=attn_consumers, c=c, r=r, sp=sp, shard=shard, cpu=job.on_cpu)
+    kept2, out2 = _norm_bytes(shape, consumers=mlp_consumers, c=c, r=r, sp=sp, shard=shard and not moe, cpu=job.on_cpu)
     per_token = kept1 + out1 + kept2 + out2 + _attention_bytes(shape, c=c, tp=tp)
     per_token += _ffn_bytes(shape, layout, job, moe=moe)
     return BlockActivations(per_token=per_token, fixed=_fixed_bytes(shape, layout, job, moe=moe))
@@ -168,7 +172,7 @@ def _moe_selective_bytes(shape: Shape, *, c: int) -> float:
 
 def _sp_linear(t, layout: Layout, *, moe: bool) -> bool:
     """A column-parallel weight the sequence-parallel op casts itself (no autocast copy)."""
-    sp = layout.sequence_parallel and layout.tp > 1
+    sp = layout.sequence_parallel and layout.tp > 1 and not layout.async_tp
     return sp and t.split == "col" and (not moe or t.name.startswith("attn."))
 
 
@@ -269,13 +273,13 @@ def _kind_fixed(shape: Shape, layout_key: tuple, job_key: tuple, moe: bool, mode
 def _keys(layout: Layout, job: Job) -> tuple[tuple, tuple]:
     """The layout and job fields activations depend on (cheap cache keys)."""
     gathered = layout.zero > 0 and layout.dp * layout.cp > 1
-    return (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch, gathered), (
+    return (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch, gathered, layout.async_tp), (
         job.compute_bytes, job.mixed, job.fp8, job.residual_bytes, job.on_cpu)
 
 
 def _layout_of(key: tuple) -> Layout:
-    tp, sp, ep, cp, mb, gathered = key
-    return Layout(tp=tp, sequence_parallel=sp, ep=ep, cp=cp, micro_batch=mb, zero=int(gathered), dp=2 if gathered else 1)
+    tp, sp, ep, cp, mb, gathered, async_tp = key
+    return Layout(tp=tp, sequence_parallel=sp, ep=ep, cp=cp, micro_batch=mb, zero=int(gathered), dp=2 if gathered else 1, async_tp=async_tp)
 
 
 @lru_cache(maxsize=65536)

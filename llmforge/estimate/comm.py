@@ -17,7 +17,9 @@ exposed part, ``KINDS``):
   backward but for its last bucket (``dp_traffic``); FSDP2's gathers and
   reduce-scatters hide block by block behind the blocks' forward and backward
   (``fsdp_traffic``), but for the root's and the first and last blocks';
-- tensor parallel and expert all-to-all sit on the critical path: fully exposed;
+- tensor parallel and expert all-to-all sit on the critical path: fully exposed, but
+  under ``parallel.async_tp`` each TP collective hides under the matmul it feeds or
+  follows, as far as that matmul lasts (``async_tp_hidden``);
 - pipeline point-to-point overlaps in steady state; the fill and drain transfers
   (2(p-1) per chunk) are exposed;
 - context parallel ring exchange overlaps with the attention it feeds.
@@ -142,6 +144,8 @@ def fsdp_traffic(layout: Layout, job: Job, *, numel: float, microbatches: int, b
     after backward ends.
 
     ``float8`` of the ``dense`` elements are gathered as float8 (precision.fp8_all_gather).
+    On CPU (gloo) FSDP2 calls its collectives synchronously: every gather is exposed, and
+    every reduce-scatter unless the backend defers them (``gloo_defers_reduce``).
     HSDP (``layout.dp_replicate`` = R > 1): gathers and reduce-scatters run inside a shard
     group of dp / R consecutive ranks (NVLink when it is a node), and each reduce-scatter
     is followed by an all-reduce of the gradient shard over the R replicas (the network
@@ -167,20 +171,47 @@ def fsdp_traffic(layout: Layout, job: Job, *, numel: float, microbatches: int, b
     forward_gathers = m if layout.zero == 3 else 1
     backward_gathers = m if layout.zero == 3 else 0
     units = _Units(ag=(t_ag - root_ag) / n, rs=(t_rs - root_rs) / n, f=t_fwd / n, b=t_bwd / n, n=n)
-    ag_exposed = forward_gathers * (root_ag + units.forward())
+    alone = fsdp_exposed_units(layout, blocks=n)
+    whole = {"root": (root_ag, root_rs), "first block": (units.ag, units.rs)}  # the units no compute window covers
+    ag_exposed = forward_gathers * (sum(whole[u][0] for u in alone["dp_all_gather"]) + units.forward())
     both_ag, both_rs = units.backward(gather=True, scatter=True)
     alone_ag, _ = units.backward(gather=True, scatter=False)
     _, alone_rs = units.backward(gather=False, scatter=True)
     together = min(scatters, backward_gathers)  # microbatches whose backward gathers and reduce-scatters
     ag_exposed += together * both_ag + (backward_gathers - together) * alone_ag
-    rs_exposed = together * both_rs + (scatters - together) * alone_rs + scatters * (units.rs + root_rs)
+    rs_exposed = together * both_rs + (scatters - together) * alone_rs + scatters * sum(whole[u][1] for u in alone["dp_reduce_scatter"])
     gathers_s = forward_gathers * t_ag + backward_gathers * units.ag * (n - 1)
     block_bytes = (gathered - root * c) / n
     gathers_b = forward_gathers * gathered + backward_gathers * block_bytes * (n - 1)
+    if job.on_cpu:  # gloo: FSDP2 waits on the host for every gather, and every reduce-scatter it does not defer
+        ag_exposed = gathers_s
+        rs_exposed = rs_exposed if gloo_defers_reduce(layout, job) else scatters * t_rs
     return {
         "dp_all_gather": Traffic(gathers_b, gathers_s, ag_exposed),
         "dp_reduce_scatter": Traffic(scatters * (numel * rb + allreduce), scatters * t_rs, rs_exposed),
     }
+
+
+def gloo_defers_reduce(layout: Layout, job: Job) -> bool:
+    """Whether the backend launches FSDP2's reduce-scatters without waiting on gloo
+    (``llmforge.parallel.data.can_defer_reduce``): ZeRO 1, fp32 reduction,
+    ``parallel.overlap_grad_reduce``, no pipeline, no HSDP, no offload, no expert units."""
+    return (layout.zero == 1 and job.reduce_dtype == "fp32" and job.overlap_grad_reduce and layout.pp == 1
+            and layout.dp_replicate == 1 and layout.offload == "none" and layout.ep == 1)
+
+
+def fsdp_exposed_units(layout: Layout, *, blocks: int) -> Dict[str, tuple]:
+    """The FSDP2 collectives of a step that no compute window covers, by kind, as
+    ``llmforge.parallel.data`` schedules them (their whole time is exposed; every other
+    unit's is hidden as far as the compute it overlaps lasts). Gathers: the root's (its
+    forward needs it first) and the first block's, which the root prefetches before the
+    embedding (no matmul runs before the first block's forward). Reduce-scatters: the first
+    block's and the root's, issued when their backward ends, with no block's backward
+    after them. ``tests/test_zero_overlap.py`` holds this to a profiler trace."""
+    if layout.zero == 0 or layout.dp * layout.cp == 1:
+        return {}
+    ends = ("root", "first block") if blocks else ("root",)
+    return {"dp_all_gather": ends, "dp_reduce_scatter": tuple(reversed(ends))}
 
 
 @dataclass(frozen=True)
@@ -194,9 +225,10 @@ class _Units:
     n: int
 
     def forward(self) -> float:
-        """Exposed gather seconds of one forward's blocks: the first one's, and what each
-        later block's gather (prefetched during the block before) exceeds that block's compute."""
-        return self.ag + (self.n - 1) * max(0.0, self.ag - self.f)
+        """Exposed gather seconds of one forward's later blocks: what each block's gather
+        (prefetched during the block before) exceeds that block's compute (the first block's
+        has no window: ``fsdp_exposed_units``)."""
+        return (self.n - 1) * max(0.0, self.ag - self.f)
 
     def backward(self, *, gather: bool, scatter: bool) -> tuple[float, float]:
         """(gather, reduce-scatter) seconds one backward's block windows cannot hide: the
@@ -225,16 +257,48 @@ def zero0_exposed(t_allreduce: float, *, t_bwd: float, tail: float) -> float:
 def tp_bytes(shape: Shape, layout: Layout, job: Job, *, layers: int, microbatches: int) -> float:
     """Per device per step: two collectives per sublayer, forward and backward (and
     recompute); with sequence parallel one more in backward, the gather of the
-    sequence shard the column-parallel linears kept (``llmforge.parallel.sequence``)."""
+    sequence shard the column-parallel linears kept (``llmforge.parallel.sequence``), but
+    under async TP (torch's styles: the linears keep the gathered input)."""
     t = layout.tp
     if t == 1:
         return 0.0
     tokens = layout.micro_batch * shape.seq / layout.cp
     size = tokens * shape.hidden * job.compute_bytes
     per_layer = (6 if layout.recompute == "full" else 4) * 2 * (t - 1) / t * size
-    if layout.sequence_parallel:
+    if layout.sequence_parallel and not layout.async_tp:  # async TP's linears keep the gathered input
         per_layer += 2 * (t - 1) / t * size
     return microbatches * (layers * per_layer + 2 * (t - 1) / t * size)  # + vocab-parallel embedding
+
+
+def async_tp_hidden(shape: Shape, layout: Layout, job: Job, *, attention_layers: int, mlp_layers: int, microbatches: int) -> float:
+    """Seconds of tensor-parallel collectives per step that ``parallel.async_tp`` hides.
+
+    torch's micro-pipelined TP rewrites, in the compiled blocks, each all-gather followed by
+    the matmul it feeds and each matmul followed by a reduce-scatter into chunked ops whose
+    chunks' transfers run under the other chunks' matmuls. Under async TP every one of a
+    sublayer's collectives is such a pair (``llmforge.parallel.tensor``: torch's styles):
+    forward, the gather of the input into the column-parallel projection (fused q/k/v,
+    gate/up) and the reduce-scatter of the row-parallel one (o, down); backward, the gather
+    of the row-parallel output's gradient into its input-gradient matmul and the
+    reduce-scatter of the column-parallel input gradient; full recompute repeats the
+    forward pair. Each window hides min(collective, its matmul): hidden fraction
+    min(1, compute/comm), the matmul at the profile's ``matmul_efficiency`` of peak.
+    MoE MLPs are not tensor-parallel (``mlp_layers`` counts the dense ones)."""
+    t = layout.tp
+    if not (layout.async_tp and layout.sequence_parallel and t > 1):
+        return 0.0
+    tokens = layout.micro_batch * shape.seq / layout.cp
+    one = seconds(job, (t - 1) / t * tokens * shape.hidden * job.compute_bytes, spans(layout)["tp"], t)
+    rate = job.profile.peak(job.param_dtype) * job.profile.matmul_efficiency
+    pairs = 3 if layout.recompute == "full" else 2  # windows per projection: forward (again in recompute), backward
+    q = shape.heads * shape.head_dim
+    up = (2 if shape.activation == "swiglu" else 1) * shape.ffn
+    hidden = 0.0
+    for count, widths in ((attention_layers, (q + 2 * shape.kv_dim, q)), (mlp_layers, (up, shape.ffn))):
+        for width in widths:  # the column-parallel projection, then the row-parallel one
+            matmul = 2 * tokens * width / t * shape.hidden / rate
+            hidden += count * pairs * min(one, matmul)
+    return microbatches * hidden
 
 
 def critical_latency(shape: Shape, layout: Layout, job: Job, *, layers: int, moe_layers: int, microbatches: int) -> Dict[str, float]:
@@ -246,7 +310,7 @@ def critical_latency(shape: Shape, layout: Layout, job: Job, *, layers: int, moe
     out = {"tp": 0.0, "ep": 0.0}
     if t > 1:
         hops = t - 1 if layout.sequence_parallel else all_reduce_hops(t)
-        count = layers * (passes + (1 if layout.sequence_parallel else 0)) + 1
+        count = layers * (passes + (1 if layout.sequence_parallel and not layout.async_tp else 0)) + 1
         out["tp"] = microbatches * count * hops_seconds(job, hops)
     if e > 1 and moe_layers:
         out["ep"] = microbatches * moe_layers * passes * hops_seconds(job, e - 1)

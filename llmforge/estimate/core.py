@@ -134,7 +134,8 @@ def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int, m: int) -> t
     moe = counts.moe + counts.moe_ckpt
     collective += cm.seconds(job, cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=1), span["ep"], group["ep"])
     latency = cm.critical_latency(shape, layout, job, layers=counts.blocks, moe_layers=moe, microbatches=1)
-    return compute, collective + sum(latency.values())
+    hidden = cm.async_tp_hidden(shape, layout, job, attention_layers=counts.blocks, mlp_layers=counts.dense + counts.dense_ckpt, microbatches=1)
+    return compute, collective + sum(latency.values()) - hidden
 
 
 def _fp8_cost(shape: Shape, layout: Layout, job: Job, counts, tokens: float) -> kn.Cost:
@@ -199,11 +200,13 @@ def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t
         kinds["pp"] = cm.Traffic(pp_total, pp_s, min(pp_s, 2 * (layout.pp - 1) * layout.virtual_stages * one_s))
     moe = counts.moe + counts.moe_ckpt
     latency = cm.critical_latency(shape, layout, job, layers=nblocks, moe_layers=moe, microbatches=m)
+    hidden = {"tp": cm.async_tp_hidden(shape, layout, job, attention_layers=nblocks, mlp_layers=counts.dense + counts.dense_ckpt, microbatches=m),
+              "ep": 0.0}
     for kind, nbytes in (("tp", cm.tp_bytes(shape, layout, job, layers=nblocks, microbatches=m)),
                          ("ep", cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=m))):
-        if nbytes:  # on the critical path: the next op needs the result
+        if nbytes:  # on the critical path: the next op needs the result (but what async TP hides)
             t = cm.seconds(job, nbytes, span[kind], group[kind]) + latency[kind]
-            kinds[kind] = cm.Traffic(nbytes, t, t)
+            kinds[kind] = cm.Traffic(nbytes, t, t - hidden[kind])
     cp_b = cm.cp_bytes(shape, layout, job, layers=nblocks, microbatches=m)
     if cp_b:
         t_cp = cm.seconds(job, cp_b, span["cp"], group["cp"])

@@ -343,7 +343,7 @@ def plan_config(plan, layout: Layout):
         c.parallel, dp="auto" if elastic else layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, zero=layout.zero,
         sequence_parallel=layout.sequence_parallel, pp_schedule=layout.schedule, pp_virtual_stages=layout.virtual_stages,
         recompute=layout.recompute, recompute_every=layout.recompute_every, pp_layers=None, dp_replicate=layout.dp_replicate,
-        offload=layout.offload, offload_activations=layout.offload_activations,
+        offload=layout.offload, offload_activations=layout.offload_activations, async_tp=layout.async_tp,
     )
     train = dataclasses.replace(c.train, micro_batch_size=layout.micro_batch)
     cluster = c.cluster if c.cluster.devices_per_node else dataclasses.replace(c.cluster, devices_per_node=layout.world // c.cluster.nodes)

@@ -9,9 +9,23 @@ parallelism hooks in (FSDP units, pipeline stage boundaries) outside the graphs.
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 
 def apply_compile(model: nn.Module) -> None:
     """Compile every transformer block of ``model`` (a whole model or a pipeline chunk)."""
     for block in model.layers.values():
         block.compile()
+
+
+def apply_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Async tensor parallel (``parallel.async_tp``), as torchtitan enables it: Inductor's
+    micro-pipeline TP pass rewrites, in the compiled blocks, matmul + reduce-scatter and
+    all-gather + matmul into chunked ops over symmetric memory, whose chunks' transfers
+    run under the other chunks' matmuls. It needs CUDA and compiled blocks (the plan
+    refuses it elsewhere); the flag is process-wide, so it is set only when asked."""
+    import torch._inductor.config as inductor
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    inductor._micro_pipeline_tp = True
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)

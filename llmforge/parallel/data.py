@@ -27,7 +27,11 @@
   each block's reduce-scatter runs while backward goes on to the blocks before it.
   Under pipeline parallelism the pipeline schedule keeps the weights gathered and
   gradients whole until a stage's last microbatch, so stages 1 and 2 behave alike
-  there.
+  there. On CUDA FSDP2 runs every reduce-scatter on its own stream, so block i's
+  runs while blocks i-1, ... compute their backward. On gloo FSDP2 calls it
+  synchronously and the host waits for each: for ZeRO 1 with fp32 reduction
+  (``defer``, ``parallel.overlap_grad_reduce``) ``DeferredReduceScatter`` launches
+  them asynchronously instead and the step waits for all after backward.
 Expert weights (``parallel.ep`` > 1) are already split over the ep ranks, so they
 are reduced, and ZeRO-sharded, over ``dp_rest`` only: the data-parallel ranks
 that hold replicas of the same experts. Their gradient is the sum over those
@@ -40,6 +44,7 @@ gradient divide factor of dp.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -48,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
 from llmforge.parallel.dtensor import local
@@ -66,7 +72,8 @@ def mixed_precision(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype, fp32
 
 
 def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               expert_mesh: Optional[DeviceMesh] = None, offload: bool = False, fp32_residual: bool = False) -> None:
+               expert_mesh: Optional[DeviceMesh] = None, offload: bool = False, fp32_residual: bool = False,
+               defer: bool = False) -> Optional["DeferredReduceScatter"]:
     """Shard ``model`` over ``dp_mesh`` with FSDP2 for ZeRO stage 1, 2 or 3.
 
     ``expert_mesh`` (the ``dp_rest`` mesh, set when experts are split over ep
@@ -74,7 +81,9 @@ def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype:
     experts, with gradients divided by the whole data-parallel size. ``offload``:
     the sharded fp32 weights and their gradients live in host memory (FSDP2's
     ``CPUOffloadPolicy``, pinned when the mesh is on GPUs), so the optimizer steps
-    them on the CPU."""
+    them on the CPU. ``defer`` (ZeRO 1 on gloo, fp32 reduction, no offload, no HSDP:
+    ``can_defer_reduce``) launches the blocks' and the root's reduce-scatters without
+    waiting; the returned ``DeferredReduceScatter`` waits for them (after backward)."""
     mp = mixed_precision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, fp32_residual=fp32_residual)
     policy = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if offload else OffloadPolicy()
     blocks = []
@@ -84,8 +93,61 @@ def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype:
         if expert_mesh is not None:
             _shard_experts(block, mesh=expert_mesh, dp_size=dp_mesh.size(), reshard=reshard, mp=mp, policy=policy)
         blocks.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy))
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp, offload_policy=policy)
+    root = fully_shard(model, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp, offload_policy=policy)
     _prefetch(blocks)
+    if blocks:  # the root issues the first block's gather before the embedding computes
+        root.set_modules_to_forward_prefetch([blocks[0]])
+    if not defer:
+        return None
+    deferred = DeferredReduceScatter()
+    for unit in [*blocks, root]:
+        unit.set_custom_reduce_scatter(deferred)
+    _DEFERRED[model] = deferred
+    return deferred
+
+
+_DEFERRED: "weakref.WeakKeyDictionary[nn.Module, DeferredReduceScatter]" = weakref.WeakKeyDictionary()
+
+
+def deferred_reduce(model: nn.Module) -> Optional["DeferredReduceScatter"]:
+    """The deferred reduce-scatters ``apply_fsdp(defer=True)`` gave ``model``, if any."""
+    return _DEFERRED.get(model)
+
+
+def can_defer_reduce(*, device_type: str, zero: int, reduce_dtype: torch.dtype, offload: bool, replicated: bool, experts: bool) -> bool:
+    """Whether FSDP2 leaves a reduce-scatter's output untouched until the step waits for it:
+    its fp32 result becomes the sharded gradient as it is (no cast, no division after it,
+    no accumulation into an earlier gradient: ZeRO 1 reduces once per step into gradients
+    set to None; no HSDP all-reduce, no copy to the host; expert units divide after it).
+    Only gloo needs it: on CUDA FSDP2's reduce-scatter stream already overlaps."""
+    return device_type == "cpu" and zero == 1 and reduce_dtype == torch.float32 and not (offload or replicated or experts)
+
+
+class DeferredReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter launched with ``async_op`` on gloo, so the host goes on with
+    the backward of the blocks before while gloo's thread reduces; ``wait`` (after
+    backward, before anything reads the gradients) waits for every launched one.
+    ``trace``, when a list, records one entry per launched reduce-scatter (its input numel)."""
+
+    def __init__(self, trace: Optional[List[int]] = None) -> None:
+        self._pending: List[Tuple[object, torch.Tensor, torch.Tensor]] = []
+        self.trace = trace
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op, async_op: bool = False):
+        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group, async_op=True)
+        # both buffers stay referenced until the wait: FSDP2 may drop its input buffer at once
+        self._pending.append((work, output_tensor, input_tensor))
+        if self.trace is not None:
+            self.trace.append(input_tensor.numel())
+        return None
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        for work, _, _ in pending:
+            work.wait()  # type: ignore[attr-defined]
 
 
 def _prefetch(blocks: List[FSDPModule]) -> None:

@@ -16,7 +16,11 @@
   dropout run on a sequence shard; attention and MLP gather the sequence on entry
   (one gather for all their column-parallel linears, which keep only the shard for
   backward and gather it again there: ``llmforge.parallel.sequence``) and
-  reduce-scatter it on exit.
+  reduce-scatter it on exit. Under async TP (``async_tp``) the column-parallel linears
+  take torch's styles instead (the sublayer's input gathered before them, as DTensor
+  collectives in the compiled graph), so Inductor's micro-pipeline pass sees every
+  all-gather next to the matmul it feeds and every reduce-scatter next to the matmul
+  that produces it; they then save the gathered input for backward, not the shard.
 
 Between blocks (and between pipeline stages) the residual stream is a plain local
 tensor: the full sequence without sequence parallel, this rank's sequence shard with it.
@@ -50,8 +54,9 @@ from llmforge.parallel.sequence import apply_sp_linears
 from llmforge.parallel.dtensor import local
 
 
-def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    """Shard ``model`` (a whole GPT or one pipeline chunk of it) over ``tp_mesh`` in place."""
+def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool, async_tp: bool = False) -> None:
+    """Shard ``model`` (a whole GPT or one pipeline chunk of it) over ``tp_mesh`` in place
+    (``async_tp``: the column-parallel linears in torch's styles, see the module's docstring)."""
     seq = Shard(1) if sequence_parallel else Replicate()
     if model.embed is not None:
         parallelize_module(model.embed, tp_mesh, RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()))
@@ -60,7 +65,7 @@ def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool) -> Non
             to_shard = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
             parallelize_module(model.embed_dropout, tp_mesh, to_shard)
     for block in model.layers.values():
-        own = _sp_groups(block) if sequence_parallel else {}
+        own = _sp_groups(block) if sequence_parallel and not async_tp else {}
         parallelize_module(block, tp_mesh, _block_plan(block, seq=seq, sequence_parallel=sequence_parallel, own=own))
         for parent, names in own.items():
             apply_sp_linears(getattr(block, parent), names, tp_mesh=tp_mesh)

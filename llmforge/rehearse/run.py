@@ -20,6 +20,8 @@ DIFFERENCES = (
     "fake CPU tensors: bytes of every tensor the program keeps, without the CUDA caching allocator's "
     "rounding and fragmentation, NCCL's buffers, the CUDA context and kernels' workspaces (the estimate's 'reserved')",
     "torch.compile is off (the rehearsal runs eager kernels; compiled blocks may keep fewer intermediates)",
+    "parallel.async_tp is off with it (a compiler pass): the column-parallel linears keep their input's sequence shard, "
+    "where async TP's keep the gathered input (the estimate counts it)",
     "AdamW is the fused one, as on GPU ranks (CPU ranks run the for-loop one, which reads its skip flag on the host)",
 )
 
@@ -79,11 +81,12 @@ def most_loaded_rank(plan: RunPlan, *, stage: int) -> int:
 
 
 def rehearsal_plan(plan: RunPlan) -> RunPlan:
-    """The plan the rehearsal runs: ``train.compile`` off (see ``DIFFERENCES``)."""
+    """The plan the rehearsal runs: ``train.compile`` off, and ``parallel.async_tp`` with it (see ``DIFFERENCES``)."""
     cfg = plan.config
     if not cfg.train.compile:
         return plan
-    return RunPlan.build(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False)))
+    parallel = dataclasses.replace(cfg.parallel, async_tp=False)
+    return RunPlan.build(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, compile=False), parallel=parallel))
 
 
 def rehearse(plan: RunPlan, *, stage: int, where: str = "", fake: bool = True) -> Rehearsal:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from llmforge.parallel.context import cp_positions
-from llmforge.parallel.data import FIRST_BUCKET_BYTES, BucketedGradReduce, GradAllReduce, fsdp_sync, grad_sync
+from llmforge.parallel.data import FIRST_BUCKET_BYTES, BucketedGradReduce, GradAllReduce, deferred_reduce, fsdp_sync, grad_sync
 from llmforge.parallel.expert import expert_parameters
 from llmforge.parallel.mesh import ParallelMesh
 from llmforge.layout import chunk_rank
@@ -83,8 +83,10 @@ def _zero0_reducers(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[
 def _finish_hooks(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Module], tied: List[nn.Parameter], reducers: List):
     """What runs after a step's backward: the ZeRO-0 gradient reductions (the
     bucketed ones before the tensor-parallel gradient layout is fixed, which is the
-    same sum as after it: both are linear), then the tied-embedding sync."""
+    same sum as after it: both are linear) or the wait for FSDP2's deferred
+    reduce-scatters (ZeRO 1 on gloo), then the tied-embedding sync."""
     hooks = [r for r in reducers if isinstance(r, BucketedGradReduce)]
+    hooks.extend(d.wait for d in (deferred_reduce(part) for part in parts) if d is not None)
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
     if plan.layout.tp > 1:
         hooks.append(lambda: align_grads(params))

@@ -2,7 +2,8 @@
 
 Order (as in torchtitan): float8 -> tensor parallel -> expert parallel -> context
 parallel -> the residual stream's dtype (16-bit compute) -> activation recompute ->
-compile -> FSDP (over dp x cp). The model (or its pipeline chunks) arrives on the meta
+compile (with async TP's Inductor pass when ``parallel.async_tp``) -> FSDP (over dp x cp).
+The model (or its pipeline chunks) arrives on the meta
 device and is sharded there; the builder (``llmforge.train.build``) then allocates only
 this rank's shards and cuts each one from the parameter's whole seeded value, so every
 layout starts from the same numbers. A single process goes through the same function
@@ -15,10 +16,10 @@ from typing import Optional
 
 from torch import nn
 
-from llmforge.parallel.compile import apply_compile
+from llmforge.parallel.compile import apply_async_tp, apply_compile
 from llmforge.parallel.recompute import apply_recompute
 from llmforge.parallel.context import apply_cp
-from llmforge.parallel.data import apply_fsdp
+from llmforge.parallel.data import apply_fsdp, can_defer_reduce
 from llmforge.parallel.expert import apply_ep
 from llmforge.parallel.mesh import ParallelMesh
 from llmforge.parallel.residual import apply_residual_dtype
@@ -36,7 +37,7 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]
 
         apply_float8(model, recipe=plan.config.precision.fp8_recipe, emulate=plan.config.precision.fp8_emulate, fsdp_all_gather=fp8_all_gather(plan, mesh=mesh))
     if plan.layout.tp > 1:
-        apply_tp(model, tp_mesh=mesh.tp, sequence_parallel=p.sequence_parallel)
+        apply_tp(model, tp_mesh=mesh.tp, sequence_parallel=p.sequence_parallel, async_tp=p.async_tp)
     if plan.layout.ep > 1:
         apply_ep(model, ep_mesh=mesh.ep)
     if plan.layout.cp > 1:
@@ -47,11 +48,16 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]
     if p.recompute != "none":
         apply_recompute(model, mode=p.recompute, every=p.recompute_every)
     if plan.config.train.compile:
+        if p.async_tp:  # refused by the plan without compile, CUDA, tp > 1 and sequence parallel
+            apply_async_tp(mesh.tp)
         apply_compile(model)
     if uses_fsdp(plan, mesh=mesh):
         experts = mesh.dp_rest if plan.layout.ep > 1 else None
+        defer = plan.overlap_grad_reduce and plan.layout.pp == 1 and can_defer_reduce(
+            device_type=mesh.fsdp.device_type, zero=p.zero, reduce_dtype=DTYPES[precision.reduce_dtype], offload=p.offload == "states",
+            replicated=p.dp_replicate > 1, experts=experts is not None)
         apply_fsdp(model, dp_mesh=mesh.fsdp, zero=p.zero, param_dtype=DTYPES[precision.param_dtype], reduce_dtype=DTYPES[precision.reduce_dtype],
-                   expert_mesh=experts, offload=p.offload == "states", fp32_residual=precision.fp32_residual)
+                   expert_mesh=experts, offload=p.offload == "states", fp32_residual=precision.fp32_residual, defer=defer)
     elif p.offload == "states":
         raise RuntimeError("parallel.offload=states needs FSDP2 on a process group: a one-rank plan goes through torchrun (llmforge.launch.run.runs_here)")
 
