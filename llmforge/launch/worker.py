@@ -20,7 +20,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Any, Iterator, List, Optional
 
 from llmforge.launch.watch import ERROR_DIR_ENV, guard_rank
 
@@ -50,13 +50,13 @@ def restart_point(plan, *, resume: Optional[Path], console, launched=None) -> Op
 
         if attempt() > 0:
             try:
-                found[0] = str(newest_complete(plan.run_dir / "checkpoints").path)
+                found[0] = str(newest_complete(plan.checkpoint_root).path)
             except UserError:
                 found[0] = None
         where = f"resuming from {found[0]}" if found[0] else (f"starting again from {resume}" if resume else "starting over (no checkpoint yet)")
         console.print(_restart_line(plan, launched=launched, checkpoint=found[0], where=where), highlight=False)
     dist.broadcast_object_list(found, src=0)
-    return Path(found[0]) if found[0] else resume
+    return _where(found[0]) if found[0] else resume
 
 
 def _restart_line(plan, *, launched, checkpoint: Optional[str], where: str):
@@ -78,10 +78,19 @@ def _saved_plan(checkpoint: Optional[str]):
     from llmforge.plan import RunPlan, config_from_dict
 
     try:
-        data = json.loads((Path(checkpoint) / "plan.json").read_text())
+        from llmforge.checkpoint.resume import saved_plan
+
+        data = saved_plan(_where(checkpoint))
         return RunPlan.build(config_from_dict(data["config"]), world=int(data["derived"]["world_size"]))
     except Exception:  # noqa: BLE001 - an unreadable old plan only loses the "before" half of the line
         return None
+
+
+def _where(text: str) -> Any:
+    """A checkpoint location from text: an object-storage URL stays a string."""
+    from llmforge.storage import is_url
+
+    return text if is_url(text) else Path(text)
 
 
 def _saved_world(checkpoint: Optional[str]) -> Optional[int]:
@@ -163,7 +172,7 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="llmforge.launch.worker")
     parser.add_argument("--plan", type=Path, required=True)
-    parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--resume", type=_where, default=None)
     args = parser.parse_args(argv)
     guard_rank(_rank())
     with report_errors():
