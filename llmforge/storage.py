@@ -12,6 +12,7 @@ This module imports no torch.
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 from typing import Any, Tuple
@@ -84,7 +85,9 @@ def problem(exc: BaseException, *, url: str, key: str = "checkpoint.dir") -> Tup
     if "Credentials" in name or "credentials" in text.lower():
         return f"no credentials were found ({text})", f"{CREDENTIALS.get(proto, 'configure the credentials of the ' + proto + ' backend')}; a plan never holds them"
     if "Endpoint" in name or "Connect" in name or isinstance(exc, (ConnectionError, TimeoutError)) or "connect" in text.lower():
-        return f"the storage endpoint does not answer ({text})", "check AWS_ENDPOINT_URL (for an S3-compatible server) and the network"
+        endpoint = os.environ.get("AWS_ENDPOINT_URL")
+        now = f" (now {endpoint})" if endpoint else " (unset: the provider's own endpoint)"
+        return f"the storage endpoint does not answer ({text})", f"check AWS_ENDPOINT_URL{now} for an S3-compatible server, and the network"
     if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text:
         return f"the bucket {bucket(url)!r} does not exist ({text})", f"create it (e.g. `aws s3 mb {proto}://{bucket(url)}`) or fix {key}"
     if isinstance(exc, PermissionError) or "AccessDenied" in text or "Forbidden" in text:

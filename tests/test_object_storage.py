@@ -142,18 +142,32 @@ def test_a_save_killed_midway_is_skipped_and_resume_reshards_to_dp2(reference, s
 
 @pytest.mark.parametrize("case, url, extra, message", [
     ("no bucket", "s3://no-such-bucket/run", {}, "the bucket 'no-such-bucket' does not exist"),
-    ("no credentials", "s3://bucket/run", {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/credentials",
+    ("no credentials", "s3://bucket/run", {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/credentials",
                                            "AWS_CONFIG_FILE": "/nonexistent/config", "AWS_PROFILE": None}, "no credentials were found"),
     ("unreachable", "s3://bucket/run", {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{_free_port()}", "AWS_MAX_ATTEMPTS": "1"}, "the storage endpoint does not answer"),
-    ("no package", "gs://bucket/run", {}, "gs:// needs the gcsfs package"),
 ])
-def test_what_a_user_gets_wrong_is_one_message(s3, small_data, tmp_path, case, url, extra, message):
-    if case == "no package" and _has("gcsfs"):
+def test_storage_mistakes_are_named_before_any_work(s3, monkeypatch, case, url, extra, message):
+    import s3fs
+
+    from llmforge.storage import check_reachable
+
+    for key, value in extra.items():
+        monkeypatch.delenv(key, raising=False) if value is None else monkeypatch.setenv(key, value)
+    s3fs.S3FileSystem.clear_instance_cache()  # a fresh client reads the changed environment
+    try:
+        with pytest.raises(UserError, match=message) as err:
+            check_reachable(url)
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert err.value.problems[0].key == "checkpoint.dir" and err.value.problems[0].fix
+
+
+def test_a_missing_backend_package_ends_the_command_with_exit_2(small_data, tmp_path):
+    if _has("gcsfs"):
         pytest.skip("gcsfs is installed")
-    env = {k: v for k, v in {**s3, **extra}.items()}
-    got = _cli(["pretrain", *TINY, *small_data, f"run.dir={tmp_path}", f"checkpoint.dir={url}"], env=env, timeout=120)
+    got = _cli(["pretrain", *TINY, *small_data, f"run.dir={tmp_path}", "checkpoint.dir=gs://bucket/run"], env={}, timeout=120)
     assert got.returncode == 2, got.stderr[-2000:]
-    assert message in got.stderr and "checkpoint.dir" in got.stderr and "Traceback" not in got.stderr
+    assert "gs:// needs the gcsfs package" in got.stderr and "checkpoint.dir" in got.stderr and "Traceback" not in got.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

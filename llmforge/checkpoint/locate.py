@@ -18,7 +18,7 @@ from llmforge.checkpoint import objstore
 from llmforge.checkpoint.manifest import MANIFEST, verify
 from llmforge.checkpoint.store import _STEP_DIR, step_dirs
 from llmforge.errors import UserError, fail
-from llmforge.storage import basename, is_url, join, parent
+from llmforge.storage import basename, is_url, join, parent, storage_error
 
 
 @dataclass
@@ -44,7 +44,12 @@ def run_dir_of(step_dir: Path) -> Path:
 def locate(text: str) -> Located:
     """Resolve ``ckpt=`` to a checkpoint whose every file matches its manifest's checksum."""
     if is_url(text):
-        return _locate_url(text.rstrip("/"))
+        try:
+            return _locate_url(text.rstrip("/"))
+        except UserError:
+            raise
+        except Exception as exc:  # the storage backend's own errors: credentials, endpoint, bucket
+            raise storage_error(exc, url=text, doing="read the checkpoint", key="ckpt") from None
     path = Path(text).expanduser()
     if path.name == "latest":
         if str(path.parent) in ("", "."):
