@@ -111,12 +111,6 @@ def _files(folder: Path) -> Set[str]:
 
 def read_train_state(folder: Path) -> dict:
     """``train_state.json`` of a checkpoint, or a UserError naming it as damaged."""
-    from llmforge.storage import is_url
-
-    if is_url(folder):
-        from llmforge.checkpoint.objstore import read_train_state as read_remote
-
-        return read_remote(folder)  # type: ignore[arg-type]
     path = Path(folder) / TRAIN_STATE
     try:
         data = json.loads(path.read_text(encoding="utf-8"))

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 from rich.console import Console
 
 from llmforge.checkpoint.locate import Located, locate
-from llmforge.checkpoint.manifest import read_train_state
+from llmforge.checkpoint.store import train_state_of
 from llmforge.config.saved import compose_saved
 from llmforge.config.schema import values_by_key
 from llmforge.errors import Problem, UserError, fail, override_arg, pasteable
@@ -81,7 +81,7 @@ def plan_for_resume(overrides: List[str], *, from_other_run: bool = False, confi
         rest = [*rest, override_arg("run.dir", found.run_dir)]
     old, new = saved_config(found.path), saved_config(found.path, rest, extra_dirs=config_dir)
     check_same_run(found, saved=old, run_dir=Path(new.run.dir), from_other_run=from_other_run)
-    step = read_train_state(found.path)["step"]
+    step = train_state_of(found.path)["step"]
     problems = differences(old, new)
     problems += shared_storage(old, new, found=found)
     if new.train.steps <= step:

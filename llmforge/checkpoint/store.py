@@ -324,7 +324,12 @@ def load(*, path: Where, model_parts: List[nn.Module], optimizer: torch.optim.Op
     except Exception as exc:  # DCP wraps every failure (missing key, shape) in its own exception types
         raise fail(f"{path}: the saved model/optimizer do not fit this model ({_first_line(exc)})", title="cannot load checkpoint") from None
     apply_model_state(model_parts, state["model"])
-    return read_train_state(path)
+    return train_state_of(path)
+
+
+def train_state_of(path: Where) -> Dict[str, Any]:
+    """``train_state.json`` of a checkpoint on disk or in object storage."""
+    return objstore.read_train_state(path) if is_url(path) else read_train_state(path)
 
 
 def refuse_unfused(path: Where, saved_keys: set) -> None:
