@@ -182,6 +182,7 @@ def set_aside(prefix: str, *, name: str) -> str:
     """Move a checkpoint to ``parent/name`` (its manifest first, so it stops counting at once)."""
     fs = _fs(prefix)
     target = join(parent(prefix), name)
+    remove(target)  # an earlier copy set aside under the same name: never mix the two
     manifest = join(prefix, MANIFEST)
     if fs.exists(manifest):
         fs.mv(manifest, join(target, MANIFEST))
