@@ -115,6 +115,29 @@ def test_resume_from_s3_gives_the_same_losses(reference, tmp_path):
     assert [store.step_of(u) for u in store.complete("s3://bucket/resumed")] == [6]
 
 
+def test_a_save_the_storage_refuses_names_the_newest_checkpoint(reference, monkeypatch):
+    """The server fails mid-upload: one message, the step's objects gone, the older checkpoint kept."""
+    import torch
+    from torch.distributed.checkpoint import _fsspec_filesystem
+
+    from llmforge.checkpoint.state import _init_optimizer_state
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    _init_optimizer_state(optimizer)
+    saver = store.CheckpointSaver(root="s3://bucket/refused", keep=2, async_save=False, rank=0, log=lambda _: None)
+    saver.save(step=1, model_parts=[model], optimizer=optimizer, train_state={}, plan={})
+
+    def refused(self, *args, **kwargs):
+        raise OSError(121, "Internal Server Error")
+
+    monkeypatch.setattr(_fsspec_filesystem.FsspecWriter, "write_data", refused)
+    with pytest.raises(UserError, match=r"step 2 .*Internal Server Error; the newest complete checkpoint, s3://bucket/refused/step_1, is kept") as err:
+        saver.save(step=2, model_parts=[model], optimizer=optimizer, train_state={}, plan={})
+    assert err.value.problems[0].key == "checkpoint.dir"
+    assert store.step_dirs("s3://bucket/refused") == ["s3://bucket/refused/step_1"]
+
+
 def test_another_run_dir_needs_its_own_prefix(reference, tmp_path):
     with pytest.raises(UserError, match="checkpoint.dir"):
         plan_for_resume(["ckpt=s3://bucket/run/latest", f"run.dir={tmp_path}", "train.steps=8"])

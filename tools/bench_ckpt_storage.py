@@ -8,7 +8,7 @@ them: 12 bytes a parameter) and times llmforge's own path: a synchronous save
 the rename or the manifest object that publishes it), finding the checkpoint with every
 checksum checked (``locate``, what ``llmforge resume`` does before launch), and loading it
 back into the model and optimizer (``store.load``). Without ``--url`` it starts moto's S3
-server on a free localhost port (credentials and endpoint from a throw-away environment);
+server (its own process) on a free localhost port (credentials and endpoint from a throw-away environment);
 with ``--url`` it uses the storage your environment points at. Prints one line per model and
 place. Times on a busy machine vary by tens of percent: repeat, and compare lines of one run.
 """
@@ -27,17 +27,22 @@ import torch
 
 
 def _local_s3() -> tuple:
-    import logging
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
+    """moto's S3 server in its own process (as a real server is: not sharing this process's
+    interpreter lock with the hashing and serialisation measured here)."""
+    import subprocess
+    import sys
+    import urllib.request
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
     os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
                        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_EC2_METADATA_DISABLED": "true"})
     import s3fs
@@ -100,7 +105,8 @@ def main() -> None:
     finally:
         shutil.rmtree(local, ignore_errors=True)
         if server is not None:
-            server.stop()
+            server.terminate()
+            server.wait()
 
 
 if __name__ == "__main__":

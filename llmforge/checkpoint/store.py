@@ -181,7 +181,7 @@ class CheckpointSaver:
     @property
     def _failures(self) -> tuple:
         # object storage backends raise their own types (botocore, aiohttp, google-auth)
-        return (Exception,) if self.remote else (OSError, CheckpointException)
+        return (Exception, CheckpointException) if self.remote else (OSError, CheckpointException)  # CheckpointException is a BaseException
 
     def _folders(self, step: int) -> tuple[Where, Where]:
         """(final, temporary) place of step ``step``: the same prefix on object storage,
