@@ -36,7 +36,8 @@ def _local_s3() -> tuple:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log = open(os.path.join(tempfile.gettempdir(), f"bench-moto-{port}.log"), "w")
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
     for _ in range(600):
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1)
@@ -44,7 +45,10 @@ def _local_s3() -> tuple:
         except OSError:
             time.sleep(0.1)
     os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_EC2_METADATA_DISABLED": "true"})
+                       "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_EC2_METADATA_DISABLED": "true",
+                       # fsspec's own settings for s3fs: the test server joins a large multipart upload
+                       # slowly on a busy machine, past botocore's 60 s read timeout
+                       "FSSPEC_S3": '{"config_kwargs": {"read_timeout": 900}}'})
     import s3fs
 
     s3fs.S3FileSystem().mkdir("bench")
