@@ -14,7 +14,7 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from llmforge.config.dtypes import DTYPES
 from llmforge.config.launchers import KUBERNETES_KINDS, LAUNCHERS
@@ -101,6 +101,11 @@ class RunPlan:
     def run_dir(self) -> Path:
         return Path(self.config.run.dir)
 
+    @property
+    def checkpoint_root(self) -> Union[Path, str]:
+        """Where checkpoints go: ``run.dir/checkpoints``, or the object-storage URL of ``checkpoint.dir``."""
+        return self.config.checkpoint.dir.rstrip("/") if self.config.checkpoint.dir else self.run_dir / "checkpoints"
+
     @classmethod
     def build(cls, config: RunConfig, *, world: Optional[int] = None) -> "RunPlan":
         """The validated plan; ``world``: the ranks torchrun started for an elastic run
@@ -171,11 +176,26 @@ def _validate(config: RunConfig) -> List[Problem]:
     checks = (
         _check_choices, _check_ranges, _check_model, check_world, check_tp, check_pipeline, check_batch, _check_moe, check_ep,
         _check_data, _check_accelerator, _check_fp8, check_hsdp, check_backend, check_async_tp, check_offload, check_elastic,
-        check_training,
+        check_training, _check_storage,
     )
     for check in checks:
         problems.extend(check(config))
     return problems
+
+
+def _check_storage(config: RunConfig) -> List[Problem]:
+    """run.dir is a local folder (lock, plan, metrics); only checkpoints may go to object storage."""
+    from llmforge.storage import is_url
+
+    out = []
+    if is_url(config.run.dir):
+        out.append(Problem("run.dir", config.run.dir, "must be a local folder (it holds the run's lock, plan.json and metrics.jsonl)",
+                           f"set run.dir to a local folder and checkpoint.dir={config.run.dir} to put the checkpoints in object storage"))
+    where = config.checkpoint.dir
+    if where is not None and not is_url(where):
+        out.append(Problem("checkpoint.dir", where, "is not an object-storage URL",
+                           "leave it unset to keep checkpoints in run.dir/checkpoints, or give a URL such as s3://BUCKET/PREFIX"))
+    return out
 
 
 def _check_choices(config: RunConfig) -> List[Problem]:

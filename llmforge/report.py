@@ -36,6 +36,7 @@ def show_plan(plan: RunPlan, *, console: Console) -> None:
         ("anomaly", _anomaly(t)),
         ("data", cfg.data.source if cfg.data.source == "builtin" else f"{cfg.data.path or cfg.data.mixture}"),
         ("run dir", cfg.run.dir),
+        ("checkpoints", f"{plan.checkpoint_root}, keep {cfg.checkpoint.keep}" + (", async" if cfg.checkpoint.async_save else "")),
     ]
     for key, value in rows:
         table.add_row(key, Text(value))

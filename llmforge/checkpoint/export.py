@@ -39,7 +39,7 @@ def read_model_weights(path: Path) -> Dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from llmforge.checkpoint.safe_reader import SafeReader, load_metadata
+    from llmforge.checkpoint.safe_reader import load_metadata, safe_reader
     from llmforge.checkpoint.store import quiet_single_process
 
     metadata = load_metadata(path)
@@ -49,7 +49,7 @@ def read_model_weights(path: Path) -> Dict[str, torch.Tensor]:
         if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
     }
     with quiet_single_process():
-        dcp.load({"model": weights}, storage_reader=SafeReader(path), no_dist=True)
+        dcp.load({"model": weights}, storage_reader=safe_reader(path), no_dist=True)
     return weights
 
 

@@ -3,25 +3,29 @@
 A step folder named explicitly must be intact (a damaged one is an error naming
 the file). A run folder, its ``checkpoints/`` folder, or ``.../latest`` means the
 newest complete checkpoint: damaged or interrupted newer ones are skipped, and
-the notes returned say which and why.
+the notes returned say which and why. An object-storage URL (``s3://bucket/run``,
+``.../latest``, ``.../step_N``) is found the same way; its run folder is the local
+``run.dir`` of the plan saved with it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List
+from typing import Any, List
 
+from llmforge.checkpoint import objstore
 from llmforge.checkpoint.manifest import MANIFEST, verify
 from llmforge.checkpoint.store import _STEP_DIR, step_dirs
 from llmforge.errors import UserError, fail
+from llmforge.storage import basename, is_url, join, parent, storage_error
 
 
 @dataclass
 class Located:
     """A verified checkpoint folder, its run folder, and what was skipped to find it."""
 
-    path: Path
+    path: Any  # a Path, or an object-storage URL (str)
     run_dir: Path
     notes: List[str] = field(default_factory=list)
 
@@ -39,6 +43,13 @@ def run_dir_of(step_dir: Path) -> Path:
 
 def locate(text: str) -> Located:
     """Resolve ``ckpt=`` to a checkpoint whose every file matches its manifest's checksum."""
+    if is_url(text):
+        try:
+            return _locate_url(text.rstrip("/"))
+        except UserError:
+            raise
+        except Exception as exc:  # the storage backend's own errors: credentials, endpoint, bucket
+            raise storage_error(exc, url=text, doing="read the checkpoint", key="ckpt") from None
     path = Path(text).expanduser()
     if path.name == "latest":
         if str(path.parent) in ("", "."):
@@ -54,19 +65,41 @@ def locate(text: str) -> Located:
     raise fail(f"{path}: neither a checkpoint (step_N with {MANIFEST}) nor a run folder with checkpoints/", title="missing checkpoint")
 
 
-def newest_complete(root: Path) -> Located:
+def _locate_url(url: str) -> Located:
+    """``locate`` for an object-storage URL: a step prefix, ``ROOT/latest`` or ``ROOT``."""
+    if basename(url) == "latest":
+        return newest_complete(parent(url))
+    if _STEP_DIR.match(basename(url)) or objstore.exists(join(url, MANIFEST)):
+        objstore.verify(url, checksums=True)
+        return Located(path=url, run_dir=_saved_run_dir(url))
+    if objstore.step_dirs(url):
+        return newest_complete(url)
+    raise fail(f"{url}: no checkpoint (step_N/ with {MANIFEST}) and no step_N/ checkpoints under it", title="missing checkpoint")
+
+
+def _saved_run_dir(url: str) -> Path:
+    """The local run folder a checkpoint in object storage was saved from (its plan's run.dir)."""
+    try:
+        return Path(objstore.read_json(join(url, "plan.json"))["config"]["run"]["dir"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise fail(f"{join(url, 'plan.json')}: unreadable ({exc})", title="damaged checkpoint") from None
+
+
+def newest_complete(root: Any) -> Located:
     """The newest checkpoint under ``root`` that verifies; notes name every newer one skipped."""
     notes: List[str] = []
-    for junk in sorted(root.glob(".tmp-step_*")):
+    remote = is_url(root)
+    for junk in [] if remote else sorted(root.glob(".tmp-step_*")):
         notes.append(f"ignoring {junk.name}: an interrupted save (no manifest)")
     for candidate in step_dirs(root):
+        name = basename(candidate) if remote else candidate.name
         try:
-            verify(candidate, checksums=True)
+            objstore.verify(candidate, checksums=True) if remote else verify(candidate, checksums=True)
         except UserError as exc:
-            notes.append(f"skipping {candidate.name}: {exc.problems[0].rule}")
+            notes.append(f"skipping {name}: {exc.problems[0].rule}")
             continue
         if notes:
-            notes.append(f"falling back to {candidate.name}, the newest complete checkpoint")
-        return Located(path=candidate, run_dir=run_dir_of(candidate), notes=notes)
+            notes.append(f"falling back to {name}, the newest complete checkpoint")
+        return Located(path=candidate, run_dir=_saved_run_dir(candidate) if remote else run_dir_of(candidate), notes=notes)
     detail = "; ".join(notes) if notes else "no step_N folders"
     raise fail(f"{root}: no complete checkpoint to resume from ({detail})", title="missing checkpoint")

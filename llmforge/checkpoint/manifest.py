@@ -12,7 +12,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Dict, List, Set
+from typing import Callable, Dict, List, Optional, Set
 
 from llmforge.errors import UserError, fail
 from llmforge.files import sha256_file, write_json_atomic
@@ -43,15 +43,7 @@ def read_manifest(folder: Path) -> dict:
     path = folder / MANIFEST
     if not path.is_file():
         raise fail(f"{path}: the manifest is missing, so {folder} is not a complete checkpoint (the save was interrupted or files were removed)", title="damaged checkpoint")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        files = data["files"]
-        int(data["step"])
-        if data.get("format") != FORMAT or not isinstance(files, dict):
-            raise ValueError(f"unknown format {data.get('format')!r}")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise fail(f"{path}: the manifest is unreadable ({exc})", title="damaged checkpoint") from None
-    return data
+    return parse_manifest(path.read_text(encoding="utf-8"), where=str(path))
 
 
 def verify(folder: Path, *, checksums: bool) -> dict:
@@ -63,36 +55,48 @@ def verify(folder: Path, *, checksums: bool) -> dict:
     if not folder.is_dir():
         raise fail(f"{folder}: no such checkpoint folder", title="missing checkpoint")
     data = read_manifest(folder)
-    problems = _listing_problems(folder, data)
-    for rel, entry in sorted(data["files"].items()):
-        path = folder / rel
-        if not path.is_file():
-            problems.append(f"{path}: missing (listed in the manifest)")
-            continue
-        size = path.stat().st_size
-        if size != entry["size"]:
-            kind = "truncated" if size < entry["size"] else "larger than recorded"
-            problems.append(f"{path}: {kind} ({size} bytes, the manifest records {entry['size']})")
-        elif checksums and sha256_file(path) != entry["sha256"]:
-            problems.append(f"{path}: checksum mismatch (the file was modified or corrupted)")
+    present = {rel: (folder / rel).stat().st_size for rel in _files(folder)}
+    problems = file_problems(data, present=present, show=lambda rel: str(folder / rel), name=folder.name,
+                             digest=(lambda rel: sha256_file(folder / rel)) if checksums else None)
     problems = problems or _step_problems(folder, data)
     if problems:
         raise UserError([_problem(p) for p in problems], title=f"damaged checkpoint {folder}")
     return data
 
 
-def _listing_problems(folder: Path, data: dict) -> List[str]:
-    """The manifest must list every file of the folder (and the ones a checkpoint cannot
-    lack), and its step must be the folder's."""
-    manifest = folder / MANIFEST
-    listed = set(data["files"])
-    problems = [f"{folder / rel}: not listed in {manifest}" for rel in sorted(_files(folder) - listed)]
-    problems += [f"{manifest}: does not list {name}, which every checkpoint has" for name in REQUIRED if name not in listed]
-    match = re.match(r"^step_(\d+)$", folder.name)
+def file_problems(data: dict, *, present: Dict[str, int], show: Callable[[str], str], name: str, digest: Optional[Callable[[str], str]]) -> List[str]:
+    """What is wrong with a checkpoint's files (``present``: path -> size, the manifest
+    excluded) against its manifest ``data``: unlisted, missing, resized or (with ``digest``)
+    changed files, required files the manifest lacks, and a step that is not the folder's."""
+    manifest, listed = show(MANIFEST), set(data["files"])
+    problems = [f"{show(rel)}: not listed in {manifest}" for rel in sorted(set(present) - listed)]
+    problems += [f"{manifest}: does not list {req}, which every checkpoint has" for req in REQUIRED if req not in listed]
+    match = re.match(r"^step_(\d+)$", name)
     step = int(data["step"])
     if match and int(match.group(1)) != step:
-        problems.append(f"{manifest}: records step {step}, but the folder is {folder.name}")
+        problems.append(f"{manifest}: records step {step}, but the folder is {name}")
+    for rel, entry in sorted(data["files"].items()):
+        if rel not in present:
+            problems.append(f"{show(rel)}: missing (listed in the manifest)")
+        elif present[rel] != entry["size"]:
+            kind = "truncated" if present[rel] < entry["size"] else "larger than recorded"
+            problems.append(f"{show(rel)}: {kind} ({present[rel]} bytes, the manifest records {entry['size']})")
+        elif digest is not None and digest(rel) != entry["sha256"]:
+            problems.append(f"{show(rel)}: checksum mismatch (the file was modified or corrupted)")
     return problems
+
+
+def parse_manifest(text: str, *, where: str) -> dict:
+    """A manifest's content, or a UserError naming ``where`` it came from."""
+    try:
+        data = json.loads(text)
+        files = data["files"]
+        int(data["step"])
+        if data.get("format") != FORMAT or not isinstance(files, dict):
+            raise ValueError(f"unknown format {data.get('format')!r}")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise fail(f"{where}: the manifest is unreadable ({exc})", title="damaged checkpoint") from None
+    return data
 
 
 def _step_problems(folder: Path, data: dict) -> List[str]:

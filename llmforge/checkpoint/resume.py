@@ -23,11 +23,12 @@ from typing import Any, Dict, List, Sequence, Tuple
 from rich.console import Console
 
 from llmforge.checkpoint.locate import Located, locate
-from llmforge.checkpoint.manifest import read_train_state
+from llmforge.checkpoint.store import train_state_of
 from llmforge.config.saved import compose_saved
 from llmforge.config.schema import values_by_key
 from llmforge.errors import Problem, UserError, fail, override_arg, pasteable
 from llmforge.plan import RunPlan
+from llmforge.storage import is_url, join
 
 #: Keys (or key prefixes ending in ".") whose change invalidates the saved state.
 FIXED = ("model.", "data.", "train.seed", "optim.name")
@@ -69,7 +70,7 @@ def differences(old: Any, new: Any) -> List[Problem]:
             for key, saved, value, why in fixed_changes(old, new)]
 
 
-def plan_for_resume(overrides: List[str], *, from_other_run: bool = False, config_dir: Sequence[Path] = ()) -> Tuple[RunPlan, Path]:
+def plan_for_resume(overrides: List[str], *, from_other_run: bool = False, config_dir: Sequence[Path] = ()) -> Tuple[RunPlan, Any]:
     """The plan to continue with and the verified checkpoint folder to restore."""
     console = Console(stderr=True, markup=False, soft_wrap=True)
     ckpt, rest = split_ckpt(overrides)
@@ -80,8 +81,9 @@ def plan_for_resume(overrides: List[str], *, from_other_run: bool = False, confi
         rest = [*rest, override_arg("run.dir", found.run_dir)]
     old, new = saved_config(found.path), saved_config(found.path, rest, extra_dirs=config_dir)
     check_same_run(found, saved=old, run_dir=Path(new.run.dir), from_other_run=from_other_run)
-    step = read_train_state(found.path)["step"]
+    step = train_state_of(found.path)["step"]
     problems = differences(old, new)
+    problems += shared_storage(old, new, found=found)
     if new.train.steps <= step:
         problems.append(Problem("train.steps", new.train.steps, f"the checkpoint is already at step {step}", f"set train.steps above {step}"))
     if problems:
@@ -91,8 +93,28 @@ def plan_for_resume(overrides: List[str], *, from_other_run: bool = False, confi
     return plan, found.path
 
 
-def saved_plan(path: Path) -> Dict[str, Any]:
-    """The plan.json stored in a checkpoint, as a dict."""
+def shared_storage(old: Any, new: Any, *, found: Located) -> List[Problem]:
+    """A resume into another run.dir starts a new run: with the same object-storage
+    checkpoint.dir it would rotate and set aside the checkpoints of the run it came from."""
+    same_url = old.checkpoint.dir and new.checkpoint.dir and old.checkpoint.dir.rstrip("/") == new.checkpoint.dir.rstrip("/")
+    if not same_url or Path(new.run.dir).resolve() == found.run_dir.resolve():
+        return []
+    return [Problem("checkpoint.dir", new.checkpoint.dir, f"is where the run in {found.run_dir} keeps its checkpoints, and run.dir={new.run.dir} starts another run",
+                    "give the new run its own prefix, e.g. checkpoint.dir=" + new.checkpoint.dir.rstrip("/") + "-2")]
+
+
+def saved_plan(path: Any) -> Dict[str, Any]:
+    """The plan.json stored in a checkpoint (a folder or an object-storage URL), as a dict."""
+    if is_url(path):
+        from llmforge.checkpoint.objstore import read_json
+
+        try:
+            data = read_json(join(path, "plan.json"))
+        except (OSError, ValueError) as exc:
+            raise fail(f"{join(path, 'plan.json')}: unreadable ({exc})", title="damaged checkpoint") from None
+        if not isinstance(data, dict) or not isinstance(data.get("config"), dict):
+            raise fail(f"{join(path, 'plan.json')}: unreadable (no config section)", title="damaged checkpoint")
+        return data
     try:
         data = json.loads((path / "plan.json").read_text())
         if not isinstance(data.get("config"), dict):
@@ -103,13 +125,14 @@ def saved_plan(path: Path) -> Dict[str, Any]:
         raise fail(f"{path / 'plan.json'}: unreadable ({exc})", title=title) from None
 
 
-def saved_config(folder: Path, overrides: Sequence[str] = (), *, extra_dirs: Sequence[Path] = ()) -> Any:
+def saved_config(folder: Any, overrides: Sequence[str] = (), *, extra_dirs: Sequence[Path] = ()) -> Any:
     """The RunConfig in ``folder``'s plan.json (a checkpoint's or a run folder's), ``overrides``
     applied (group options also from the ``extra_dirs`` config folders)."""
-    return compose_saved(saved_plan(folder)["config"], overrides, source=folder / "plan.json", extra_dirs=extra_dirs)
+    source = join(folder, "plan.json") if is_url(folder) else folder / "plan.json"
+    return compose_saved(saved_plan(folder)["config"], overrides, source=source, extra_dirs=extra_dirs)
 
 
-def checkpoint_plan(path: Path, overrides: Sequence[str] = ()) -> RunPlan:
+def checkpoint_plan(path: Any, overrides: Sequence[str] = ()) -> RunPlan:
     """The plan a checkpoint was saved with, ``overrides`` applied (export, generate)."""
     return RunPlan.build(saved_config(path, overrides))
 
@@ -119,7 +142,7 @@ def check_same_run(found: Located, *, saved: Any, run_dir: Path, from_other_run:
     of the run folder it sits in, unless ``from_other_run``: then the run continues in a
     new folder, never in the one holding the checkpoint."""
     if from_other_run:
-        if run_dir.resolve() in found.path.resolve().parents:
+        if not is_url(found.path) and run_dir.resolve() in found.path.resolve().parents:
             raise UserError([Problem("run.dir", str(run_dir), f"--from-other-run starts a new run, but {run_dir} holds {found.path}",
                                      "pass run.dir=NEW, a folder that holds no run")], title="cannot resume into this folder")
         return

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, Tuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
 
 from llmforge.errors import fail
+from llmforge.storage import filesystem, is_url, join
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _ALLOWED = {
@@ -46,11 +47,21 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
 
 
-def load_metadata(path: Path) -> Metadata:
-    """DCP's index of a checkpoint folder, read safely; a UserError if it is not one."""
+def _open_metadata(path: Any) -> Tuple[Any, Any]:
+    """(name, binary stream) of the ``.metadata`` of a folder or an object-storage prefix."""
+    if is_url(path):
+        meta_url = join(path, ".metadata")
+        return meta_url, filesystem(meta_url).open(meta_url, "rb")
     meta_file = Path(path) / ".metadata"
+    return meta_file, meta_file.open("rb")
+
+
+def load_metadata(path: Any) -> Metadata:
+    """DCP's index of a checkpoint folder (or object prefix), read safely; a UserError if it is not one."""
+    meta_file: Any = path
     try:
-        with meta_file.open("rb") as fh:
+        meta_file, stream = _open_metadata(path)
+        with stream as fh:
             metadata = _RestrictedUnpickler(fh).load()
     except FileNotFoundError:
         raise fail(f"{meta_file}: missing; this is not a DCP checkpoint", title="damaged checkpoint") from None
@@ -71,8 +82,20 @@ class SafeReader(FileSystemReader):
         """DCP's index via the restricted unpickler."""
         if kwargs.get("rank") is not None:
             raise fail(f"{self.path}: per-rank metadata files are not supported", title="damaged checkpoint")
-        metadata = load_metadata(Path(self.path))
+        metadata = load_metadata(self.path if is_url(str(self.path)) else Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def safe_reader(path: Any) -> FileSystemReader:
+    """A DCP reader for a folder or an object-storage URL, with the safe metadata index."""
+    if is_url(path):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        class SafeFsspecReader(FsspecReader):
+            read_metadata = SafeReader.read_metadata
+
+        return SafeFsspecReader(path)
+    return SafeReader(path)

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import base64
 import json
-from pathlib import Path
 from typing import Any, Dict, List
 
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from llmforge.checkpoint import objstore
 from llmforge.files import write_json_atomic
+from llmforge.storage import is_url, join
 from llmforge.parallel.materialize import model_name
 
 RNG_DIR = "rng"
@@ -59,29 +60,41 @@ def apply_model_state(model_parts: List[nn.Module], model_state: Dict[str, Any],
         set_model_state_dict(part, {k: model_state[k] for k in own}, options=StateDictOptions(strict=True, full_state_dict=full))
 
 
-def save_rng(folder: Path, *, rank: int) -> None:
-    """Write this rank's RNG states (CPU, and CUDA when present) as JSON."""
+def save_rng(folder: Any, *, rank: int) -> None:
+    """Write this rank's RNG states (CPU, and CUDA when present) as JSON (``folder``: a path or an object-storage URL)."""
     state = {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
     if torch.cuda.is_available():
         state["cuda"] = base64.b64encode(torch.cuda.get_rng_state().numpy().tobytes()).decode()
+    if is_url(folder):
+        objstore.write_json(join(folder, RNG_DIR, _rng_name(rank)), state)
+        return
     out = folder / RNG_DIR
     out.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out / f"rank_{rank:05d}.json", state, durable=True)
+    write_json_atomic(out / _rng_name(rank), state, durable=True)
 
 
-def saved_world_size(folder: Path) -> int:
+def _rng_name(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
+def saved_world_size(folder: Any) -> int:
     """How many ranks wrote RNG states into a checkpoint."""
+    if is_url(folder):
+        return sum(1 for rel in objstore.objects(folder) if rel.startswith(f"{RNG_DIR}/rank_") and rel.endswith(".json"))
     return len(list((folder / RNG_DIR).glob("rank_*.json")))
 
 
-def load_rng(folder: Path, *, rank: int, world_size: int) -> bool:
+def load_rng(folder: Any, *, rank: int, world_size: int) -> bool:
     """Restore this rank's RNG states if the checkpoint was written by as many ranks.
 
     Returns False (states untouched) when the layout changed: the streams of
     another world size have no meaningful per-rank mapping."""
     if saved_world_size(folder) != world_size:
         return False
-    data = json.loads((folder / RNG_DIR / f"rank_{rank:05d}.json").read_text())
+    if is_url(folder):
+        data = objstore.read_json(join(folder, RNG_DIR, _rng_name(rank)))
+    else:
+        data = json.loads((folder / RNG_DIR / _rng_name(rank)).read_text())
     torch.set_rng_state(_bytes_tensor(data["torch"]))
     if "cuda" in data and torch.cuda.is_available():
         torch.cuda.set_rng_state(_bytes_tensor(data["cuda"]))

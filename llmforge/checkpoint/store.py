@@ -34,12 +34,17 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
+from llmforge.checkpoint import objstore
 from llmforge.checkpoint.manifest import MANIFEST, read_train_state, verify, write_manifest
-from llmforge.checkpoint.safe_reader import SafeReader, load_metadata
+from llmforge.checkpoint.failures import first_line as _first_line
+from llmforge.checkpoint.failures import os_error as _os_error
+from llmforge.checkpoint.failures import save_failure
+from llmforge.checkpoint.safe_reader import load_metadata, safe_reader
 from llmforge.checkpoint.state import apply_model_state, save_rng, tensor_state
 from llmforge.errors import Problem, UserError, fail, pasteable
 from llmforge.models.fused import unfused_parts
 from llmforge.files import fsync_dir, write_json_atomic
+from llmforge.storage import is_url, join, storage_error
 
 TRAIN_STATE = "train_state.json"
 PLAN = "plan.json"
@@ -47,35 +52,47 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 TIED_HEAD = "model.head.weight"
 
 
-def step_dirs(root: Path) -> List[Path]:
+#: A checkpoint location: a local folder, or an object-storage URL (``s3://bucket/run``, see ``objstore``).
+Where = Any
+
+
+def step_dirs(root: Where) -> List[Where]:
     """``step_N`` folders under a checkpoints folder, newest first (complete or not)."""
+    if is_url(root):
+        return objstore.step_dirs(root)  # type: ignore[return-value]
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), reverse=True)  # type: ignore[union-attr]
 
 
-def complete(root: Path) -> List[Path]:
+def complete(root: Where) -> List[Where]:
     """Step folders that carry a manifest, newest first."""
+    if is_url(root):
+        return objstore.complete(root)  # type: ignore[return-value]
     return [p for p in step_dirs(root) if (p / MANIFEST).is_file()]
 
 
-def step_of(path: Path) -> int:
+def step_of(path: Where) -> int:
     """N of a ``step_N`` folder."""
+    if is_url(path):
+        return objstore.step_of(path)
     return int(_STEP_DIR.match(path.name).group(1))  # type: ignore[union-attr]
 
 
-def newest_before(root: Path, *, step: int) -> Optional[Path]:
+def newest_before(root: Where, *, step: int) -> Optional[Where]:
     """The newest complete checkpoint saved before ``step``, or None."""
     return next((p for p in complete(root) if step_of(p) < step), None)
 
 
-def rotate(root: Path, *, keep: int, protect: Iterable[int] = ()) -> List[Path]:
+def rotate(root: Where, *, keep: int, protect: Iterable[int] = ()) -> List[Where]:
     """Remove complete checkpoints beyond the ``keep`` newest (``keep`` < 1 keeps all).
 
     The newest complete checkpoint is never removed, nor, for each step in ``protect``
     (the first of a run of non-finite steps), the newest one saved before it. A folder is
     renamed away before it is deleted, so an interrupted removal leaves no damaged step folder."""
+    if is_url(root):
+        return objstore.rotate(root, keep=keep, protect=protect)  # type: ignore[return-value]
     kept = {newest_before(root, step=s) for s in protect}
     removed = []
     for old in complete(root)[max(keep, 1):] if keep > 0 else []:
@@ -86,6 +103,15 @@ def rotate(root: Path, *, keep: int, protect: Iterable[int] = ()) -> List[Path]:
         shutil.rmtree(doomed, ignore_errors=True)
         removed.append(old)
     return removed
+
+
+def set_aside(path: Where, *, name: str) -> Where:
+    """Move a checkpoint out of the ``step_N`` names (``latest`` never picks it then)."""
+    if is_url(path):
+        return objstore.set_aside(path, name=name)
+    target = path.with_name(name)
+    path.rename(target)
+    return target
 
 
 @contextlib.contextmanager
@@ -116,8 +142,9 @@ class CheckpointSaver:
 
     ``log`` receives one line per save (rank 0 only)."""
 
-    def __init__(self, *, root: Path, keep: int, async_save: bool, rank: int, log: Callable[[str], None]) -> None:
-        self.root, self.keep, self.async_save, self.rank, self.log = Path(root), keep, async_save, rank, log
+    def __init__(self, *, root: Where, keep: int, async_save: bool, rank: int, log: Callable[[str], None]) -> None:
+        self.remote = is_url(root)
+        self.root, self.keep, self.async_save, self.rank, self.log = root if self.remote else Path(root), keep, async_save, rank, log
         self.records: List[SaveRecord] = []
         self._pending: Optional[Future] = None
         self._pending_tmp, self._pending_step = self.root, 0
@@ -132,19 +159,18 @@ class CheckpointSaver:
         started = time.perf_counter()
         self.wait()
         self._protect = list(protect)
-        final, tmp = self.root / f"step_{step}", self.root / f".tmp-step_{step}"
+        final, tmp = self._folders(step)
         try:
             if self.rank == 0:
-                self._clear_stale()
-                tmp.mkdir(parents=True)
-                write_json_atomic(tmp / TRAIN_STATE, {"step": step, **train_state}, durable=True)
-                write_json_atomic(tmp / PLAN, plan, durable=True)
+                self._start(tmp, final, state={"step": step, **train_state}, plan=plan)
             _barrier()
             save_rng(tmp, rank=self.rank)
             state = tensor_state(model_parts, optimizer)
             with quiet_single_process():
                 self._write(state, tmp=tmp, final=final, step=step)
-        except (OSError, CheckpointException) as exc:
+        except UserError:
+            raise
+        except self._failures as exc:
             raise self._failed(exc, tmp=tmp, step=step) from None
         stall = time.perf_counter() - started
         self.records.append(SaveRecord(step=step, path=final, stall_s=stall, mode="async" if self.async_save else "sync"))
@@ -152,10 +178,37 @@ class CheckpointSaver:
             self.log(f"checkpoint step {step} -> {final} ({self.records[-1].mode}): training stalled {stall:.3f}s")
         return final
 
-    def _failed(self, exc: BaseException, *, tmp: Path, step: int) -> UserError:
+    @property
+    def _failures(self) -> tuple:
+        # object storage backends raise their own types (botocore, aiohttp, google-auth)
+        return (Exception, CheckpointException) if self.remote else (OSError, CheckpointException)  # CheckpointException is a BaseException
+
+    def _folders(self, step: int) -> tuple[Where, Where]:
+        """(final, temporary) place of step ``step``: the same prefix on object storage,
+        where the manifest written last publishes it."""
+        if self.remote:
+            return (join(self.root, f"step_{step}"),) * 2
+        return self.root / f"step_{step}", self.root / f".tmp-step_{step}"
+
+    def _start(self, tmp: Where, final: Where, *, state: Dict[str, Any], plan: Dict[str, Any]) -> None:
+        """Rank 0: clear leftovers, then write the JSON state and the plan."""
+        if self.remote:
+            objstore.clear_stale(self.root)
+            objstore.remove(final)  # the same step saved again (after a resume): unpublish the old one first
+            objstore.write_json(join(tmp, TRAIN_STATE), state)
+            objstore.write_json(join(tmp, PLAN), plan)
+            return
+        self._clear_stale()
+        tmp.mkdir(parents=True)
+        write_json_atomic(tmp / TRAIN_STATE, state, durable=True)
+        write_json_atomic(tmp / PLAN, plan, durable=True)
+
+    def _failed(self, exc: BaseException, *, tmp: Where, step: int) -> UserError:
         """A save the file system refused (full, read-only, no permission, a file-size
         limit): its temporary folder goes, the newest complete checkpoint stays what
         ``latest`` means, and resuming is suggested only when there is one."""
+        if self.remote:
+            return self._failed_remote(exc, tmp=tmp, step=step)
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         why, fix = save_failure(exc, root=self.root)
@@ -167,23 +220,52 @@ class CheckpointSaver:
             then = f"no earlier checkpoint was saved, so there is nothing to resume. Fix: {fix}, then start again: `llmforge pretrain ... {pasteable('run.dir', run_dir)} --overwrite`"
         return fail(f"cannot save the checkpoint of step {step} into {tmp}: {why}; {then}", title="checkpoint not saved")
 
-    def _write(self, state: Dict[str, Any], *, tmp: Path, final: Path, step: int) -> None:
+    def _failed_remote(self, exc: BaseException, *, tmp: str, step: int) -> UserError:
+        """A save object storage refused: its objects go (no manifest was written), and the
+        newest complete checkpoint stays what ``latest`` means."""
+        with contextlib.suppress(Exception):
+            if self.rank == 0:
+                objstore.remove(tmp)
+        error = storage_error(_os_error(exc), url=str(self.root), doing=f"save the checkpoint of step {step} into {tmp}")
+        with contextlib.suppress(Exception):
+            kept = complete(self.root)
+            note = f"the newest complete checkpoint, {kept[0]}, is kept" if kept else "no earlier checkpoint was saved"
+            error.problems[0] = Problem(error.problems[0].key, error.problems[0].value, f"{error.problems[0].rule}; {note}", error.problems[0].fix)
+        return UserError(error.problems, title="checkpoint not saved")
+
+    def _writer(self, tmp: Where) -> FileSystemWriter:
+        if self.remote:
+            from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+            return FsspecWriter(tmp, sync_files=False)  # an object is stored once its upload completes; no fsync
+        return FileSystemWriter(tmp)
+
+    def _write(self, state: Dict[str, Any], *, tmp: Where, final: Where, step: int) -> None:
         if self.async_save:
-            future = dcp.async_save(state, storage_writer=FileSystemWriter(tmp), process_group=self._group, no_dist=not dist.is_initialized())
+            future = dcp.async_save(state, storage_writer=self._writer(tmp), process_group=self._group, no_dist=not dist.is_initialized())
             self._pending = self._pool.submit(self._finish_async, future, tmp, final, step)  # type: ignore[union-attr]
             self._pending_tmp, self._pending_step = tmp, step
         else:
-            dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+            dcp.save(state, storage_writer=self._writer(tmp), no_dist=not dist.is_initialized())
             if self.rank == 0:
                 self._finalize(tmp, final, step)
             _barrier()
 
-    def _finish_async(self, future: Future, tmp: Path, final: Path, step: int) -> None:
+    def _finish_async(self, future: Future, tmp: Where, final: Where, step: int) -> None:
         future.result()
         if self.rank == 0:
             self._finalize(tmp, final, step)
 
-    def _finalize(self, tmp: Path, final: Path, step: int) -> None:
+    def _finalize(self, tmp: Where, final: Where, step: int) -> None:
+        if self.remote:
+            objstore.write_manifest(tmp, step=step)
+        else:
+            self._publish(tmp, final, step)
+        for removed in rotate(self.root, keep=self.keep, protect=self._protect):
+            self.log(f"removed old checkpoint {_name(removed)} (checkpoint.keep={self.keep})")
+
+    def _publish(self, tmp: Path, final: Path, step: int) -> None:
+        """Manifest, then the rename that makes the folder a checkpoint."""
         write_manifest(tmp, step=step)
         if final.exists():
             old = final.with_name(f".del-{final.name}")
@@ -191,8 +273,6 @@ class CheckpointSaver:
             shutil.rmtree(old, ignore_errors=True)
         tmp.rename(final)
         fsync_dir(self.root)
-        for removed in rotate(self.root, keep=self.keep, protect=self._protect):
-            self.log(f"removed old checkpoint {removed.name} (checkpoint.keep={self.keep})")
 
     def _clear_stale(self) -> None:
         """Remove leftovers of interrupted saves and removals."""
@@ -205,7 +285,9 @@ class CheckpointSaver:
         if pending is not None:
             try:
                 pending.result()
-            except (OSError, CheckpointException) as exc:
+            except UserError:
+                raise
+            except self._failures as exc:
                 raise self._failed(exc, tmp=self._pending_tmp, step=self._pending_step) from None
             _barrier()
 
@@ -218,13 +300,16 @@ class CheckpointSaver:
                 self._pool.shutdown(wait=True)
 
 
-def load(*, path: Path, model_parts: List[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+def load(*, path: Where, model_parts: List[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """Restore model and optimizer in place, resharding to this layout; return the train state.
 
     Checks presence and sizes of every file first (the checksums are checked
     before launch); a missing or mismatched tensor is a UserError."""
-    path = Path(path)
-    verify(path, checksums=False)
+    if is_url(path):
+        objstore.verify(path, checksums=False)
+    else:
+        path = Path(path)
+        verify(path, checksums=False)
     saved_keys = set(load_metadata(path).state_dict_metadata)
     refuse_unfused(path, saved_keys)
     state = tensor_state(model_parts, optimizer, for_load=True)
@@ -239,10 +324,15 @@ def load(*, path: Path, model_parts: List[nn.Module], optimizer: torch.optim.Opt
     except Exception as exc:  # DCP wraps every failure (missing key, shape) in its own exception types
         raise fail(f"{path}: the saved model/optimizer do not fit this model ({_first_line(exc)})", title="cannot load checkpoint") from None
     apply_model_state(model_parts, state["model"])
-    return read_train_state(path)
+    return train_state_of(path)
 
 
-def refuse_unfused(path: Path, saved_keys: set) -> None:
+def train_state_of(path: Where) -> Dict[str, Any]:
+    """``train_state.json`` of a checkpoint on disk or in object storage."""
+    return objstore.read_train_state(path) if is_url(path) else read_train_state(path)
+
+
+def refuse_unfused(path: Where, saved_keys: set) -> None:
     """A checkpoint of a model saved before llmforge fused its projections (q/k/v and
     gate/up as separate tensors) cannot resume: its optimizer state is per part."""
     model = [k[len("model."):] for k in saved_keys if k.startswith("model.")]
@@ -254,8 +344,8 @@ def refuse_unfused(path: Path, saved_keys: set) -> None:
                         title="cannot load checkpoint")
 
 
-def _dcp_load(state: Dict[str, Any], path: Path) -> None:
-    dcp.load(state, storage_reader=SafeReader(path), planner=DefaultLoadPlanner(allow_partial_load=False), no_dist=not dist.is_initialized())
+def _dcp_load(state: Dict[str, Any], path: Where) -> None:
+    dcp.load(state, storage_reader=safe_reader(path), planner=DefaultLoadPlanner(allow_partial_load=False), no_dist=not dist.is_initialized())
 
 
 def split_tied(state: Dict[str, Any], saved_keys: set) -> tuple[Dict[str, Any], Dict[str, Any]]:
@@ -273,47 +363,5 @@ def split_tied(state: Dict[str, Any], saved_keys: set) -> tuple[Dict[str, Any], 
     return primary, aliased
 
 
-def _os_error(exc: BaseException) -> BaseException:
-    """The OSError inside DCP's CheckpointException (it wraps each rank's failure), else
-    the first rank's own exception."""
-    if isinstance(exc, OSError):
-        return exc
-    inner = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]  # (exception, stack) per rank
-    return next((e for e in inner if isinstance(e, OSError)), inner[0] if inner else exc)
-
-
-def save_failure(exc: BaseException, *, root: Path) -> tuple[str, str]:
-    """(what went wrong, what to do) for a save into ``root`` that failed. torch's writer
-    reports a short write as "unexpected pos", so the limits of this process and file
-    system are named too."""
-    import errno
-
-    cause = _os_error(exc)
-    if isinstance(cause, OSError):
-        why = f"{cause.filename + ': ' if cause.filename else ''}{cause.strerror or cause}"
-    else:
-        why = f"{type(cause).__name__}: {_first_line(cause)}"  # type: ignore[arg-type]
-        why = f"a write was cut short ({why})" if "unexpected pos" in why else why
-    limit = _file_size_limit()
-    if limit is not None:
-        return f"{why} (files written here may be at most {limit:,} bytes: the file-size limit, `ulimit -f`)", "raise the file-size limit (`ulimit -f unlimited`)"
-    if isinstance(cause, OSError) and cause.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return why, f"make {root} writable"
-    with contextlib.suppress(OSError):
-        why += f" ({shutil.disk_usage(root).free / 2**30:.2f} GiB free on its file system)"
-    return why, f"free space on the file system of {root}"
-
-
-def _file_size_limit() -> Optional[int]:
-    """This process's file-size limit in bytes (``ulimit -f``), or None when unlimited."""
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return None
-    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
-    return None if soft == resource.RLIM_INFINITY else int(soft)
-
-
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
+def _name(path: Where) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1] if is_url(path) else path.name

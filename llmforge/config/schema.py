@@ -187,6 +187,11 @@ class CheckpointConfig:
     keep: int = knob(3, range="[1, inf)", help="Complete checkpoints to keep; older ones are removed.")
     async_save: bool = knob(False, help="Save in the background (alias: checkpoint.async).")
     save_final: bool = knob(True, help="Save after the last step.")
+    dir: Optional[str] = knob(
+        None,
+        help="Where checkpoints go: unset = run.dir/checkpoints; an object-storage URL (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, any fsspec URL) "
+        "puts step_N/ there. Credentials come from the environment and config files (AWS_*, ~/.aws), never the plan; an S3-compatible server from AWS_ENDPOINT_URL.",
+    )
 
 
 @dataclass

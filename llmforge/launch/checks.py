@@ -136,7 +136,8 @@ def check_fault(plan: RunPlan, *, resume_from: Optional[Path], here: bool, conso
         rank, first, last, kind = parse_fault(spec)
     except ValueError:
         raise UserError([fault_problem(spec)], title="bad fault drill") from None
-    done = re.fullmatch(r"step_(\d+)", resume_from.name) if resume_from is not None else None
+    name = str(resume_from).rstrip("/").rsplit("/", 1)[-1] if resume_from is not None else ""
+    done = re.fullmatch(r"step_(\d+)", name)
     resumed_at = int(done.group(1)) if done else 0
     steps = plan.config.train.steps
     never = (f"rank {rank} does not exist (this run has {plan.world_size} rank(s), 0-{plan.world_size - 1})" if rank >= plan.world_size else

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from rich.console import Console
 
@@ -19,6 +19,7 @@ from llmforge.config.launchers import PLATFORM_LAUNCHERS
 from llmforge.launch.checks import check_devices, check_fault, check_host_memory, check_space, preflight
 from llmforge.plan import RunPlan
 from llmforge.rundir import RunLock, check_writable, plan_path, write_plan
+from llmforge.storage import check_reachable, is_url
 
 
 def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
@@ -43,13 +44,16 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
     launcher = plan.config.cluster.launcher
     if launcher != "slurm":
         check_devices(plan)
-    for folder in (plan.run_dir, plan.run_dir / "checkpoints"):
-        check_writable(folder, key="run.dir")
-    if launcher != "slurm":
+    check_writable(plan.run_dir, key="run.dir")
+    if is_url(plan.checkpoint_root):
+        check_reachable(plan.checkpoint_root, key="checkpoint.dir")
+    else:
+        check_writable(plan.checkpoint_root, key="run.dir")
+    if launcher != "slurm" and not is_url(plan.checkpoint_root):
         check_space(plan)
         check_host_memory(plan)
     with _lock(plan):
-        if resume_from is None or not _holds(plan.run_dir, resume_from):
+        if resume_from is None or not _holds(plan, resume_from):
             claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
         if here:
             from llmforge.launch.local import run_here
@@ -82,10 +86,12 @@ def _launch_on_platform(plan: RunPlan, *, resume_from: Optional[Path], force: bo
     platform.submit(plan, manifest, console=console)
 
 
-def _holds(run_dir: Path, checkpoint: Path) -> bool:
-    """Whether the checkpoint sits in ``run_dir`` (a resume that continues that run; a
+def _holds(plan: RunPlan, checkpoint: Any) -> bool:
+    """Whether the checkpoint is one of this run's (a resume that continues that run; a
     resume into another folder starts one there, and takes that folder like ``pretrain``)."""
-    return Path(run_dir).resolve() in Path(checkpoint).resolve().parents
+    if is_url(checkpoint):
+        return is_url(plan.checkpoint_root) and checkpoint.startswith(str(plan.checkpoint_root) + "/")
+    return Path(plan.run_dir).resolve() in Path(checkpoint).resolve().parents
 
 
 def runs_here(plan: RunPlan) -> bool:

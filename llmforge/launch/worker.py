@@ -21,7 +21,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import Any, Iterator, List, Optional
 
 from llmforge.launch.watch import ERROR_DIR_ENV, guard_rank
 
@@ -51,13 +51,13 @@ def restart_point(plan, *, resume: Optional[Path], console, launched=None) -> Op
 
         if attempt() > 0:
             try:
-                found[0] = str(newest_complete(plan.run_dir / "checkpoints").path)
+                found[0] = str(newest_complete(plan.checkpoint_root).path)
             except UserError:
                 found[0] = None
         where = f"resuming from {found[0]}" if found[0] else (f"starting again from {resume}" if resume else "starting over (no checkpoint yet)")
         console.print(_restart_line(plan, launched=launched, checkpoint=found[0], where=where), highlight=False)
     dist.broadcast_object_list(found, src=0)
-    return Path(found[0]) if found[0] else resume
+    return _where(found[0]) if found[0] else resume
 
 
 def _restart_line(plan, *, launched, checkpoint: Optional[str], where: str):
@@ -79,10 +79,19 @@ def _saved_plan(checkpoint: Optional[str]):
     from llmforge.plan import RunPlan, config_from_dict
 
     try:
-        data = json.loads((Path(checkpoint) / "plan.json").read_text())
+        from llmforge.checkpoint.resume import saved_plan
+
+        data = saved_plan(_where(checkpoint))
         return RunPlan.build(config_from_dict(data["config"]), world=int(data["derived"]["world_size"]))
     except Exception:  # noqa: BLE001 - an unreadable old plan only loses the "before" half of the line
         return None
+
+
+def _where(text: str) -> Any:
+    """A checkpoint location from text: an object-storage URL stays a string."""
+    from llmforge.storage import is_url
+
+    return text if is_url(text) else Path(text)
 
 
 def _saved_world(checkpoint: Optional[str]) -> Optional[int]:
@@ -130,22 +139,22 @@ def describe_exception(exc: BaseException) -> str:
 
 
 def newest_checkpoint(plan, *, console) -> Optional[Path]:
-    """The newest complete checkpoint in run.dir (rank 0 looks, for every rank), or None: where a
+    """The newest complete checkpoint of the run (rank 0 looks, for every rank), or None: where a
     platform's job starts (``--resume-newest``), so that one it restarts continues the run. Collective."""
     import torch.distributed as dist
 
     found: List[Optional[str]] = [None]
-    if dist.get_rank() == 0 and (plan.run_dir / "checkpoints").is_dir():
+    if dist.get_rank() == 0:
         from llmforge.checkpoint.locate import newest_complete
         from llmforge.errors import UserError
 
         try:
-            found[0] = str(newest_complete(plan.run_dir / "checkpoints").path)
-            console.print(f"resuming from {found[0]}, the newest complete checkpoint in run.dir", highlight=False)
+            found[0] = str(newest_complete(plan.checkpoint_root).path)
+            console.print(f"resuming from {found[0]}, the run's newest complete checkpoint", highlight=False)
         except UserError:
             pass
     dist.broadcast_object_list(found, src=0)
-    return Path(found[0]) if found[0] else None
+    return _where(found[0]) if found[0] else None
 
 
 def run_rank(*, plan_path: Path, resume: Optional[Path], resume_newest: bool = False) -> None:
@@ -188,7 +197,7 @@ def run_rank(*, plan_path: Path, resume: Optional[Path], resume_newest: bool = F
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="llmforge.launch.worker")
     parser.add_argument("--plan", type=Path, required=True)
-    parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--resume", type=_where, default=None)
     parser.add_argument("--resume-newest", action="store_true", help="continue from run.dir's newest complete checkpoint when there is one")
     args = parser.parse_args(argv)
     guard_rank(_rank())

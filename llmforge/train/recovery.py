@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from llmforge.checkpoint import store
 from llmforge.errors import UserError, fail, pasteable
+from llmforge.storage import is_url
 from llmforge.train.anomaly import Anomaly, check_weights
 from llmforge.train.components import Components
 from llmforge.train.loop import LoopResult
@@ -57,7 +58,7 @@ def roll_back(c: Components, *, anomaly: Anomaly, root: Path, saver, say: Callab
     if c.rank.is_main:
         for path in store.step_dirs(root):
             if store.step_of(path) > good:
-                path.rename(path.with_name(f"diverged-{path.name}"))
+                store.set_aside(path, name=f"diverged-step_{store.step_of(path)}")
     if dist.is_initialized() and c.rank.mesh is not None:
         dist.barrier()
     p = c.guard.policy
@@ -70,7 +71,7 @@ def roll_back(c: Components, *, anomaly: Anomaly, root: Path, saver, say: Callab
 def stop_error(anomaly: Anomaly, *, root: Path, why: str = "") -> UserError:
     """The message of a run stopped by its anomaly policy, with the way on from the newest good checkpoint."""
     good = store.newest_before(root, step=anomaly.first_step)
-    run_dir = root.parent
+    run_dir = "RUN_DIR" if is_url(root) else root.parent
     if good is not None:
         way = f"the newest checkpoint before step {anomaly.first_step} is {good}; continue from it (perhaps with a lower train.lr) with:\n  llmforge resume {pasteable('ckpt', good, override=False)}"
     else:

@@ -160,13 +160,13 @@ def _reseed(*, seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 7919 + rank) % (2**63)
 
 
-def set_aside_newer(root: Path, *, after_step: int) -> List[Path]:
-    """Rename checkpoints past the resumed step (another history) so ``latest`` never picks them."""
+def set_aside_newer(root: store.Where, *, after_step: int) -> List[str]:
+    """Rename checkpoints past the resumed step (another history) so ``latest`` never picks them; return their names."""
     moved = []
     for path in store.step_dirs(root):
-        if int(path.name.split("_")[1]) > after_step:
-            path.rename(path.with_name(path.name.replace("step_", "superseded-step_")))
-            moved.append(path)
+        if store.step_of(path) > after_step:
+            store.set_aside(path, name=f"superseded-step_{store.step_of(path)}")
+            moved.append(f"step_{store.step_of(path)}")
     return moved
 
 
@@ -180,8 +180,8 @@ def _open_run_dir(plan: RunPlan, *, resumed: bool, start_step: int, console: Con
         console.print(note, style="yellow", markup=False, highlight=False)
     if not resumed:
         return
-    for old in set_aside_newer(plan.run_dir / "checkpoints", after_step=start_step):
-        console.print(f"{old.name} is newer than the checkpoint resumed from; kept as {old.name.replace('step_', 'superseded-step_')}", style="yellow", markup=False)
+    for old in set_aside_newer(plan.checkpoint_root, after_step=start_step):
+        console.print(f"{old} is newer than the checkpoint resumed from; kept as superseded-{old}", style="yellow", markup=False)
 
 
 def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, console: Optional[Console] = None, restarted: bool = False) -> RunSummary:
@@ -219,7 +219,7 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
 
     try:
         with stop.installed(), explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
-            result = train_recovering(c, loop=loop, start_step=start_step, root=plan.run_dir / "checkpoints", saver=saver, say=_say(console, rank))
+            result = train_recovering(c, loop=loop, start_step=start_step, root=plan.checkpoint_root, saver=saver, say=_say(console, rank))
             saver.close()
     finally:
         for close in closers:
@@ -330,7 +330,7 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
     cfg = plan.config
     events = EventLog(plan.run_dir / "events.log")
     closers: List[Callable[[], None]] = [events.close]
-    saver = store.CheckpointSaver(root=plan.run_dir / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, rank=rank.rank, log=events.write)
+    saver = store.CheckpointSaver(root=plan.checkpoint_root, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, rank=rank.rank, log=events.write)
     closers.append(saver.close)
     hooks = LoopHooks(should_stop=_tighten_after_first_step(stop.requested, rank=rank, seconds=cfg.cluster.timeout_s))
     saved: List[Callable[[store.SaveRecord], None]] = []

@@ -1,0 +1,117 @@
+"""Object-storage URLs (``s3://``, ``gs://``, any fsspec protocol) for checkpoints.
+
+A checkpoint location is either a local folder (a ``Path``) or a URL (a ``str``) that
+fsspec opens. Credentials are never part of a plan: each backend reads its own usual
+sources (for S3, botocore's ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``
+and ``~/.aws``; an S3-compatible server through ``AWS_ENDPOINT_URL``). What a user can get
+wrong (the backend's package missing, no credentials, no such bucket, an endpoint that does
+not answer) becomes one UserError naming the key and the fix.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+from typing import Any, Tuple
+
+from llmforge.errors import Problem, UserError
+
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+#: The package that brings each common protocol to fsspec, and how to install it.
+PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs", "abfss": "adlfs"}
+_INSTALL = {"s3fs": "pip install 'llmforge[s3]' (or pip install s3fs)"}
+CREDENTIALS = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE with ~/.aws/credentials, or an instance role)",
+    "gs": "run `gcloud auth application-default login` or set GOOGLE_APPLICATION_CREDENTIALS",
+}
+
+
+def is_url(where: object) -> bool:
+    """Whether a location is an object-storage URL (``file://`` counts as local)."""
+    if not isinstance(where, str):
+        return False
+    match = _URL.match(where)
+    return bool(match) and match.group(1).lower() != "file"
+
+
+def protocol(url: str) -> str:
+    """``s3`` of ``s3://bucket/x``."""
+    return _URL.match(url).group(1).lower()  # type: ignore[union-attr]
+
+
+def join(url: str, *parts: str) -> str:
+    """``url/part/...`` with one slash between parts."""
+    return "/".join([url.rstrip("/"), *(p.strip("/") for p in parts)])
+
+
+def basename(url: str) -> str:
+    """The last part of a URL's path."""
+    return url.rstrip("/").rsplit("/", 1)[-1]
+
+
+def parent(url: str) -> str:
+    """The URL one level up."""
+    return url.rstrip("/").rsplit("/", 1)[0]
+
+
+def bucket(url: str) -> str:
+    """The bucket (first path part) of a URL."""
+    return _URL.match(url).group(2).split("/", 1)[0]  # type: ignore[union-attr]
+
+
+def filesystem(url: str, *, key: str = "checkpoint.dir") -> Any:
+    """The fsspec filesystem of ``url``; a UserError when its package is not installed."""
+    import fsspec
+
+    try:
+        fs, _ = fsspec.core.url_to_fs(url)
+    except ImportError as exc:
+        package = PACKAGES.get(protocol(url), str(getattr(exc, "name", "") or "the backend's package"))
+        fix = _INSTALL.get(package, f"pip install {package}")
+        raise UserError([Problem(key, url, f"{protocol(url)}:// needs the {package} package, which is not installed", fix)], title="cannot open object storage") from None
+    except ValueError as exc:
+        raise UserError([Problem(key, url, f"not a storage URL fsspec knows ({exc})", "use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or another fsspec URL")],
+                        title="cannot open object storage") from None
+    return fs
+
+
+def problem(exc: BaseException, *, url: str, key: str = "checkpoint.dir") -> Tuple[str, str]:
+    """(what went wrong, how to fix it) for a failed request to object storage."""
+    name, text = type(exc).__name__, str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+    proto = protocol(url)
+    if "Credentials" in name or "credentials" in text.lower():
+        return f"no credentials were found ({text})", f"{CREDENTIALS.get(proto, 'configure the credentials of the ' + proto + ' backend')}; a plan never holds them"
+    if "Endpoint" in name or "Connect" in name or isinstance(exc, (ConnectionError, TimeoutError)) or "connect" in text.lower():
+        endpoint = os.environ.get("AWS_ENDPOINT_URL")
+        now = f" (now {endpoint})" if endpoint else " (unset: the provider's own endpoint)"
+        return f"the storage endpoint does not answer ({text})", f"check AWS_ENDPOINT_URL{now} for an S3-compatible server, and the network"
+    if isinstance(exc, FileNotFoundError) or "NoSuchBucket" in text:
+        return f"the bucket {bucket(url)!r} does not exist ({text})", f"create it (e.g. `aws s3 mb {proto}://{bucket(url)}`) or fix {key}"
+    if isinstance(exc, PermissionError) or "AccessDenied" in text or "Forbidden" in text:
+        return f"access denied ({text})", f"grant these credentials read and write access to {url}"
+    return f"{name}: {text}", f"check {key} and the storage's credentials and endpoint"
+
+
+def storage_error(exc: BaseException, *, url: str, doing: str, key: str = "checkpoint.dir") -> UserError:
+    """One UserError for a failed request to object storage while ``doing`` something."""
+    why, fix = problem(exc, url=url, key=key)
+    return UserError([Problem(key, url, f"cannot {doing}: {why}", fix)], title="object storage failed")
+
+
+def check_reachable(url: str, *, key: str = "checkpoint.dir") -> None:
+    """Before any work: write, read back and delete a small object under ``url``, so missing
+    packages, credentials, buckets and endpoints show up now, not at the first save."""
+    fs = filesystem(url, key=key)
+    probe = join(url, f".llmforge-probe-{uuid.uuid4().hex[:12]}")
+    try:
+        fs.pipe_file(probe, b"ok")
+        if fs.cat_file(probe) != b"ok":
+            raise OSError("a probe object read back different bytes")
+        fs.rm_file(probe)
+    except UserError:
+        raise
+    except Exception as exc:  # each backend raises its own types (botocore, aiohttp, google-auth)
+        raise storage_error(exc, url=url, doing="write a test object there", key=key) from None
