@@ -64,9 +64,6 @@ class Rehearsal:
 
 def unsupported(plan: RunPlan) -> str:
     """Why the rehearsal cannot run ``plan`` yet ("" when it can)."""
-    if plan.layout.pp > 1:
-        return ("pipeline stages exchange their tensors' shapes with their neighbours before the first step "
-                "(torch.distributed.pipelining), which a fake process group cannot answer")
     if plan.config.model.moe.num_experts > 0:
         return "MoE routing decides tensor shapes from the data (tokens per expert), which fake tensors do not have"
     return ""
