@@ -34,6 +34,14 @@ assignments past it are dropped in GShard order (every token's first choice
 before any token's second choice, then token order). A dropped assignment
 contributes nothing (the token keeps its residual and the shared experts).
 
+Balanced routing (``balanced_routing()``, a context manager; ``llmforge estimate --rehearse``
+runs under it) replaces the data's routing with a fixed, perfectly balanced one: assignment
+``a = token x top_k + choice`` goes to expert ``a mod num_experts``, so every expert gets the
+same share of assignments (``tokens x top_k / num_experts``, the estimator's balanced load),
+at most ``capacity`` of them in token order. The combine weights are the router's
+probabilities of those experts, so the router still gets its gradients. Every shape then
+follows from the token count alone: the rehearsal's fake tensors (no values) can run it.
+
 Each MoE layer keeps per-step statistics; :func:`moe_metrics` reads and resets
 them. The module holds no ``torch.distributed``: expert parallelism swaps the
 experts' forward from outside (``llmforge.parallel.expert``).
@@ -41,9 +49,10 @@ experts' forward from outside (``llmforge.parallel.expert``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -69,18 +78,51 @@ class AuxLossInjector(torch.autograd.Function):
         return grad_output, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
-def expert_mlp(x: torch.Tensor, counts: torch.Tensor, *, w_up: torch.Tensor, w_gate: Optional[torch.Tensor], w_down: torch.Tensor) -> torch.Tensor:
+_BALANCED = False
+
+
+@contextlib.contextmanager
+def balanced_routing() -> Iterator[None]:
+    """Route every MoE layer's tokens to the experts in the fixed balanced pattern (module docstring)."""
+    global _BALANCED
+    before, _BALANCED = _BALANCED, True
+    try:
+        yield
+    finally:
+        _BALANCED = before
+
+
+def balanced_counts(*, tokens: int, top_k: int, num_experts: int, capacity: Optional[int]) -> List[int]:
+    """Assignments each expert keeps under balanced routing."""
+    total = tokens * top_k
+    counts = [total // num_experts + (1 if e < total % num_experts else 0) for e in range(num_experts)]
+    return counts if capacity is None else [min(c, capacity) for c in counts]
+
+
+def expert_counts(experts: torch.Tensor, *, num_experts: int) -> torch.Tensor:
+    """[E] assignments per expert in ``experts`` (``bincount`` with a shape known without the values)."""
+    flat = experts.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+Counts = Union[torch.Tensor, Sequence[int]]
+
+
+def expert_mlp(x: torch.Tensor, counts: Counts, *, w_up: torch.Tensor, w_gate: Optional[torch.Tensor], w_down: torch.Tensor) -> torch.Tensor:
     """Run every expert on its tokens with batched matmuls.
 
     ``x`` [N, h] holds tokens sorted by expert, ``counts`` [E] how many each expert
-    has (summing to N). Returns [N, h] in the same order."""
+    has (summing to N; a list of ints under balanced routing). Returns [N, h] in the same order."""
     num_experts, hidden = w_up.shape[0], x.shape[-1]
     if x.shape[0] == 0:
         return x.new_zeros(0, hidden) + 0.0 * (w_up.sum() + w_down.sum() + (w_gate.sum() if w_gate is not None else 0.0))
-    expert_ids = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts)
+    if isinstance(counts, torch.Tensor):
+        capacity = int(counts.max())
+    else:
+        capacity, counts = max(counts), torch.tensor(list(counts), device=x.device)
+    expert_ids = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts, output_size=x.shape[0])
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.arange(x.shape[0], device=x.device) - starts[expert_ids]
-    capacity = int(counts.max())
     buf = x.new_zeros(num_experts, capacity, hidden).index_put((expert_ids, slot), x)
     up = torch.bmm(buf, w_up.to(x.dtype))
     if w_gate is not None:
@@ -100,7 +142,7 @@ class GroupedExperts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.w_down = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: Counts) -> torch.Tensor:
         return expert_mlp(x, counts, w_up=self.w_up, w_gate=self.w_gate, w_down=self.w_down)
 
 
@@ -133,12 +175,31 @@ def capacity_keep(experts: torch.Tensor, *, num_experts: int, capacity: Optional
     return (position < capacity).view(experts.shape[1], experts.shape[0]).t()
 
 
+def _balanced_experts(tokens: int, top_k: int, num_experts: int, device: torch.device) -> torch.Tensor:
+    return (torch.arange(tokens * top_k, device=device) % num_experts).view(tokens, top_k)
+
+
+def _balanced_keep(tokens: int, top_k: int, num_experts: int, capacity: Optional[int], device: torch.device) -> torch.Tensor:
+    """Under balanced routing expert e's n-th assignment is ``e + n E``: kept while n < capacity."""
+    kept = torch.arange(tokens * top_k, device=device) // num_experts < (capacity if capacity is not None else tokens * top_k)
+    return kept.view(tokens, top_k)
+
+
 def route(logits: torch.Tensor, *, top_k: int, normalize: bool, capacity: Optional[int], bias: Optional[torch.Tensor] = None) -> Routing:
     """Top-k softmax routing of [T, E] logits, with capacity dropping. A per-expert
     ``bias`` [E] is added to the probabilities to choose the experts only; the
-    combine weights stay the unbiased probabilities (DeepSeek-V3)."""
+    combine weights stay the unbiased probabilities (DeepSeek-V3). Under
+    ``balanced_routing`` the experts are the fixed balanced pattern."""
     logits = logits.float()
     probs = logits.softmax(dim=-1)
+    if _BALANCED:
+        tokens, num_experts = logits.shape
+        experts = _balanced_experts(tokens, top_k, num_experts, logits.device)
+        weights = probs.gather(-1, experts)
+        if normalize and top_k > 1:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        keep = _balanced_keep(tokens, top_k, num_experts, capacity, logits.device)
+        return Routing(weights=weights, experts=experts, keep=keep, probs=probs, logits=logits)
     if bias is None:
         weights, experts = probs.topk(top_k, dim=-1)
     else:
@@ -155,7 +216,7 @@ def load_balancing_loss(routing: Routing) -> torch.Tensor:
 
     ``f_e`` counts routed assignments before capacity dropping, as Switch does."""
     num_experts = routing.probs.shape[-1]
-    counts = torch.bincount(routing.experts.flatten(), minlength=num_experts).to(routing.probs.dtype)
+    counts = expert_counts(routing.experts, num_experts=num_experts).to(routing.probs.dtype)
     share = counts / routing.experts.numel()
     return num_experts * torch.sum(share * routing.probs.mean(dim=0))
 
@@ -178,7 +239,7 @@ class MoEStats:
         self.counts: Optional[torch.Tensor] = None
 
     def add(self, *, routing: Routing, aux: torch.Tensor, z: torch.Tensor) -> None:
-        counts = torch.bincount(routing.experts.flatten(), minlength=self.num_experts).detach()
+        counts = expert_counts(routing.experts, num_experts=self.num_experts).detach()
         dropped = (~routing.keep).sum().detach()
         first = self.forwards == 0
         self.aux = aux.detach() if first else self.aux + aux.detach()
@@ -248,7 +309,7 @@ class MoE(nn.Module):
         if not _in_backward():
             self.stats.add(routing=routing, aux=aux, z=z)
             if self.expert_load is not None:
-                self.expert_load += torch.bincount(routing.experts.flatten(), minlength=self.num_experts)
+                self.expert_load += expert_counts(routing.experts, num_experts=self.num_experts)
         total = self.aux_loss_coef * aux + self.z_loss_coef * z
         if total.requires_grad:
             out = AuxLossInjector.apply(out, total, float(self.aux_loss_scale()))
@@ -264,16 +325,30 @@ class MoE(nn.Module):
 
     def _dispatch_combine(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Sort kept assignments by expert, run the experts, sum back with the routing weights."""
+        if _BALANCED:
+            return self._balanced_dispatch_combine(tokens, routing)
         keep = routing.keep.flatten()
         expert_of = routing.experts.flatten()[keep]
         token_of = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(self.top_k)[keep]
         order = torch.argsort(expert_of, stable=True)
         token_of = token_of[order]
         weight = routing.weights.flatten()[keep][order]
-        counts = torch.bincount(expert_of, minlength=self.num_experts)
+        counts = expert_counts(expert_of, num_experts=self.num_experts)
+        return self._run_experts(tokens, token_of, weight, counts)
+
+    def _run_experts(self, tokens: torch.Tensor, token_of: torch.Tensor, weight: torch.Tensor, counts: Counts) -> torch.Tensor:
         y = self.experts(tokens[token_of], counts)
         y = y * weight[:, None].to(y.dtype)
         return tokens.new_zeros(tokens.shape).index_add(0, token_of, y.to(tokens.dtype))
+
+    def _balanced_dispatch_combine(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """``_dispatch_combine`` under balanced routing: which assignments each expert keeps is
+        known from the token count, so every index is made without reading the routing."""
+        count, E, k = tokens.shape[0], self.num_experts, self.top_k
+        capacity = capacity_of(tokens=count, top_k=k, num_experts=E, capacity_factor=self.capacity_factor)
+        counts = balanced_counts(tokens=count, top_k=k, num_experts=E, capacity=capacity)
+        assignment = torch.cat([torch.arange(e, count * k, E, device=tokens.device)[:n] for e, n in enumerate(counts)])
+        return self._run_experts(tokens, assignment // k, routing.weights.flatten()[assignment], counts)
 
 
 def _one() -> float:

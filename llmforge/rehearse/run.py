@@ -11,6 +11,7 @@ from typing import Dict, Iterator, List
 
 import torch
 
+from llmforge.models.moe import balanced_routing
 from llmforge.plan import RunPlan
 from llmforge.rehearse.fake import FakeBatches, fake_process_group, fake_tensors
 from llmforge.rehearse.tracker import CATEGORIES, PeakTracker
@@ -22,6 +23,9 @@ DIFFERENCES = (
     "torch.compile is off (the rehearsal runs eager kernels; compiled blocks may keep fewer intermediates)",
     "AdamW is the fused one, as on GPU ranks (CPU ranks run the for-loop one, which reads its skip flag on the host)",
 )
+#: What differs on MoE plans.
+MOE_DIFFERENCE = ("MoE routing is balanced (llmforge.models.moe.balanced_routing): every expert gets the same share of "
+                  "the assignments, at most the capacity, as the estimate assumes; a real router's busiest expert holds more")
 
 
 @dataclass
@@ -64,9 +68,12 @@ class Rehearsal:
 
 def unsupported(plan: RunPlan) -> str:
     """Why the rehearsal cannot run ``plan`` yet ("" when it can)."""
-    if plan.config.model.moe.num_experts > 0:
-        return "MoE routing decides tensor shapes from the data (tokens per expert), which fake tensors do not have"
     return ""
+
+
+def differences(plan: RunPlan) -> List[str]:
+    """How the rehearsal of ``plan`` differs from its rank on an accelerator."""
+    return list(DIFFERENCES) + ([MOE_DIFFERENCE] if plan.config.model.moe.num_experts > 0 else [])
 
 
 def most_loaded_rank(plan: RunPlan, *, stage: int) -> int:
@@ -96,7 +103,7 @@ def rehearse(plan: RunPlan, *, stage: int, where: str = "", fake: bool = True) -
         build, first, step = _program(plan, distributed=not runs_here(plan), fake=fake)
     return Rehearsal(rank=rank, where=where, peak_bytes=max(build.peak_bytes, first.peak_bytes, step.peak_bytes), step_peak_bytes=step.peak_bytes,
                      first_step_peak_bytes=first.peak_bytes, build_peak_bytes=build.peak_bytes, categories=step.peak_by_category(),
-                     seconds=time.perf_counter() - start)
+                     seconds=time.perf_counter() - start, differences=differences(plan))
 
 
 def _program(plan: RunPlan, *, distributed: bool, fake: bool) -> tuple[PeakTracker, PeakTracker, PeakTracker]:
@@ -114,7 +121,7 @@ def _program(plan: RunPlan, *, distributed: bool, fake: bool) -> tuple[PeakTrack
     cfg = plan.config
     batches = FakeBatches(global_batch=cfg.train.global_batch_size, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size,
                           eos_id=0 if needs_eos(cfg.model) else None)
-    with fake_tensors() if fake else contextlib.nullcontext(), _fused_adamw():
+    with fake_tensors() if fake else contextlib.nullcontext(), _fused_adamw(), balanced_routing():
         with PeakTracker() as build:
             c = build_components(plan, rank=rank, sampler=batches)
         trackers = [build]
