@@ -216,3 +216,17 @@ def test_tracker_leaves_out_dtensor_shape_propagation():
                 opt.step()
     shard = 1024 * 1024 * 4 // 4
     assert t.peak_bytes <= 2 * shard + 1024  # the two moments (and the step counter)
+
+
+def test_estimate_counts_the_whole_embedding_gradient_a_first_stage_accumulates():
+    """Under tp the embedding's gradient is a Partial of the whole table (DTensor has no
+    row-sharded embedding backward), accumulated in fp32 across a pipeline's microbatches: what
+    the 405B rehearsal showed alive at the peak (docs/estimator.md). Only the first stage has it."""
+    overrides = [*SMALL, "parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=3", "model.tie_embeddings=false",
+                 "cluster.devices_per_node=8"]
+    plan = build_plan(overrides)
+    est = estimate_plan(plan)
+    first, last = (next(s for s in est.stages if s.stage == i) for i in (0, 1))
+    table = plan.config.model.vocab_size * plan.config.model.hidden_size
+    assert first.grads == 4 * (first.params + table // 2)
+    assert last.grads == 4 * last.params

@@ -126,8 +126,23 @@ def _compute_model_states(shape: Shape, layout: Layout, stage: int, job: Job) ->
     whole_copy = layout.zero < 3 or layout.pp > 1
     weights = FP32 * shard + (job.compute_bytes * full - _float8_saving(shape, layout, job, stage) if whole_copy else 0)
     whole_grads = layout.zero == 1 or layout.pp > 1
-    grads = DTYPE_BYTES[job.reduce_dtype] * full if whole_grads else FP32 * shard
+    grads = DTYPE_BYTES[job.reduce_dtype] * (full + _embedding_grad_excess(shape, layout, stage)) if whole_grads else FP32 * shard
     return full, weights, grads, ADAM_STATE_BYTES * shard
+
+
+def _embedding_grad_excess(shape: Shape, layout: Layout, stage: int) -> float:
+    """Elements the accumulated gradient of a vocab-parallel embedding holds beyond its shard.
+
+    DTensor has no row-sharded strategy for the embedding's backward: on each tp rank the
+    weight's gradient comes out as a Partial of the whole table (vocab x hidden), and FSDP2
+    accumulates it so across microbatches (in ``reduce_dtype``) until the last one reduces it
+    to the rank's rows. The rehearsal of llama-405b's first stage holds it (7.8 GiB in fp32).
+    A tied table that the same stage's output layer also uses gets its rows' gradient from
+    that matmul too, and the sum keeps the rows (llmforge.train.footprint measures it so)."""
+    counts = stage_counts(shape, layout)[stage]
+    if layout.tp == 1 or not counts.first or (shape.tie_embeddings and counts.last):
+        return 0.0
+    return shape.vocab * shape.hidden * (layout.tp - 1) / layout.tp
 
 
 def _float8_saving(shape: Shape, layout: Layout, job: Job, stage: int) -> float:
