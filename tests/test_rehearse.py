@@ -167,12 +167,12 @@ def _moe_layer(**moe):
 def test_balanced_routing_shares_the_assignments_equally(capacity_factor):
     """Every expert gets tokens x top_k / experts assignments (at most the capacity), and the
     dispatch that knows them from the token count alone computes what the general one does."""
-    from llmforge.models import moe
+    from llmforge.models import balanced, moe
 
     layer, hidden = _moe_layer(capacity_factor=capacity_factor)
     tokens = torch.randn(32, hidden)
     capacity = moe.capacity_of(tokens=32, top_k=layer.top_k, num_experts=layer.num_experts, capacity_factor=capacity_factor)
-    with moe.balanced_routing():
+    with balanced.balanced_routing():
         routing = moe.route(layer.router(tokens), top_k=layer.top_k, normalize=True, capacity=capacity)
         balanced = layer._dispatch_combine(tokens, routing)
     kept = moe.expert_counts(routing.experts[routing.keep], num_experts=layer.num_experts)

@@ -34,13 +34,8 @@ assignments past it are dropped in GShard order (every token's first choice
 before any token's second choice, then token order). A dropped assignment
 contributes nothing (the token keeps its residual and the shared experts).
 
-Balanced routing (``balanced_routing()``, a context manager; ``llmforge estimate --rehearse``
-runs under it) replaces the data's routing with a fixed, perfectly balanced one: assignment
-``a = token x top_k + choice`` goes to expert ``a mod num_experts``, so every expert gets the
-same share of assignments (``tokens x top_k / num_experts``, the estimator's balanced load),
-at most ``capacity`` of them in token order. The combine weights are the router's
-probabilities of those experts, so the router still gets its gradients. Every shape then
-follows from the token count alone: the rehearsal's fake tensors (no values) can run it.
+Balanced routing (``llmforge.models.balanced``) fixes the routing to a perfectly balanced
+pattern whose shapes follow from the token count alone (rehearsals on fake tensors).
 
 Each MoE layer keeps per-step statistics; :func:`moe_metrics` reads and resets
 them. The module holds no ``torch.distributed``: expert parallelism swaps the
@@ -49,16 +44,16 @@ experts' forward from outside (``llmforge.parallel.expert``).
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmforge.config.schema import ModelConfig
+from llmforge.models import balanced
 from llmforge.models.fused import gate_up_groups
 from llmforge.models.layers import MLP
 
@@ -76,27 +71,6 @@ class AuxLossInjector(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
         shape, dtype, device = ctx.aux_meta
         return grad_output, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
-
-
-_BALANCED = False
-
-
-@contextlib.contextmanager
-def balanced_routing() -> Iterator[None]:
-    """Route every MoE layer's tokens to the experts in the fixed balanced pattern (module docstring)."""
-    global _BALANCED
-    before, _BALANCED = _BALANCED, True
-    try:
-        yield
-    finally:
-        _BALANCED = before
-
-
-def balanced_counts(*, tokens: int, top_k: int, num_experts: int, capacity: Optional[int]) -> List[int]:
-    """Assignments each expert keeps under balanced routing."""
-    total = tokens * top_k
-    counts = [total // num_experts + (1 if e < total % num_experts else 0) for e in range(num_experts)]
-    return counts if capacity is None else [min(c, capacity) for c in counts]
 
 
 def expert_counts(experts: torch.Tensor, *, num_experts: int) -> torch.Tensor:
@@ -175,16 +149,6 @@ def capacity_keep(experts: torch.Tensor, *, num_experts: int, capacity: Optional
     return (position < capacity).view(experts.shape[1], experts.shape[0]).t()
 
 
-def _balanced_experts(tokens: int, top_k: int, num_experts: int, device: torch.device) -> torch.Tensor:
-    return (torch.arange(tokens * top_k, device=device) % num_experts).view(tokens, top_k)
-
-
-def _balanced_keep(tokens: int, top_k: int, num_experts: int, capacity: Optional[int], device: torch.device) -> torch.Tensor:
-    """Under balanced routing expert e's n-th assignment is ``e + n E``: kept while n < capacity."""
-    kept = torch.arange(tokens * top_k, device=device) // num_experts < (capacity if capacity is not None else tokens * top_k)
-    return kept.view(tokens, top_k)
-
-
 def route(logits: torch.Tensor, *, top_k: int, normalize: bool, capacity: Optional[int], bias: Optional[torch.Tensor] = None) -> Routing:
     """Top-k softmax routing of [T, E] logits, with capacity dropping. A per-expert
     ``bias`` [E] is added to the probabilities to choose the experts only; the
@@ -192,13 +156,13 @@ def route(logits: torch.Tensor, *, top_k: int, normalize: bool, capacity: Option
     ``balanced_routing`` the experts are the fixed balanced pattern."""
     logits = logits.float()
     probs = logits.softmax(dim=-1)
-    if _BALANCED:
+    if balanced.active():
         tokens, num_experts = logits.shape
-        experts = _balanced_experts(tokens, top_k, num_experts, logits.device)
+        experts = balanced.experts(tokens, top_k, num_experts, logits.device)
         weights = probs.gather(-1, experts)
         if normalize and top_k > 1:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        keep = _balanced_keep(tokens, top_k, num_experts, capacity, logits.device)
+        keep = balanced.keep(tokens, top_k, num_experts, capacity, logits.device)
         return Routing(weights=weights, experts=experts, keep=keep, probs=probs, logits=logits)
     if bias is None:
         weights, experts = probs.topk(top_k, dim=-1)
@@ -325,7 +289,7 @@ class MoE(nn.Module):
 
     def _dispatch_combine(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Sort kept assignments by expert, run the experts, sum back with the routing weights."""
-        if _BALANCED:
+        if balanced.active():
             return self._balanced_dispatch_combine(tokens, routing)
         keep = routing.keep.flatten()
         expert_of = routing.experts.flatten()[keep]
@@ -346,8 +310,7 @@ class MoE(nn.Module):
         known from the token count, so every index is made without reading the routing."""
         count, E, k = tokens.shape[0], self.num_experts, self.top_k
         capacity = capacity_of(tokens=count, top_k=k, num_experts=E, capacity_factor=self.capacity_factor)
-        counts = balanced_counts(tokens=count, top_k=k, num_experts=E, capacity=capacity)
-        assignment = torch.cat([torch.arange(e, count * k, E, device=tokens.device)[:n] for e, n in enumerate(counts)])
+        assignment, counts = balanced.assignments(tokens=count, top_k=k, num_experts=E, capacity=capacity, device=tokens.device)
         return self._run_experts(tokens, assignment // k, routing.weights.flatten()[assignment], counts)
 
 

@@ -11,7 +11,7 @@ from typing import Dict, Iterator, List
 
 import torch
 
-from llmforge.models.moe import balanced_routing
+from llmforge.models.balanced import balanced_routing
 from llmforge.plan import RunPlan
 from llmforge.rehearse.fake import FakeBatches, fake_process_group, fake_tensors
 from llmforge.rehearse.tracker import CATEGORIES, PeakTracker
@@ -24,7 +24,7 @@ DIFFERENCES = (
     "AdamW is the fused one, as on GPU ranks (CPU ranks run the for-loop one, which reads its skip flag on the host)",
 )
 #: What differs on MoE plans.
-MOE_DIFFERENCE = ("MoE routing is balanced (llmforge.models.moe.balanced_routing): every expert gets the same share of "
+MOE_DIFFERENCE = ("MoE routing is balanced (llmforge.models.balanced): every expert gets the same share of "
                   "the assignments, at most the capacity, as the estimate assumes; a real router's busiest expert holds more")
 
 
