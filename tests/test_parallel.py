@@ -96,6 +96,7 @@ WORLD4 = {
     "dp2_tp2_sp_zero1": ["parallel.dp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.zero=1"],
     "dp2_tp2_zero3": ["parallel.dp=2", "parallel.tp=2", "parallel.zero=3"],
     "tp2_pp2": ["parallel.tp=2"] + PP,
+    "llama_tp2_sp_pp2": LLAMA + ["parallel.tp=2", "parallel.sequence_parallel=true"] + PP,
     "dp2_pp2": ["parallel.dp=2"] + PP,
     "dp2_pp2_zero2": ["parallel.dp=2", "parallel.zero=2"] + PP,
     "dp2_pp2_zero3_interleaved": ["parallel.dp=2", "parallel.zero=3", "parallel.pp_schedule=interleaved_1f1b"] + PP + V2,

@@ -126,8 +126,23 @@ def _compute_model_states(shape: Shape, layout: Layout, stage: int, job: Job) ->
     whole_copy = layout.zero < 3 or layout.pp > 1
     weights = FP32 * shard + (job.compute_bytes * full - _float8_saving(shape, layout, job, stage) if whole_copy else 0)
     whole_grads = layout.zero == 1 or layout.pp > 1
-    grads = DTYPE_BYTES[job.reduce_dtype] * full if whole_grads else FP32 * shard
+    grads = DTYPE_BYTES[job.reduce_dtype] * (full + _embedding_grad_excess(shape, layout, stage)) if whole_grads else FP32 * shard
     return full, weights, grads, ADAM_STATE_BYTES * shard
+
+
+def _embedding_grad_excess(shape: Shape, layout: Layout, stage: int) -> float:
+    """Elements the accumulated gradient of a vocab-parallel embedding holds beyond its shard.
+
+    DTensor has no row-sharded strategy for the embedding's backward: on each tp rank the
+    weight's gradient comes out as a Partial of the whole table (vocab x hidden), and FSDP2
+    accumulates it so across microbatches (in ``reduce_dtype``) until the last one reduces it
+    to the rank's rows. The rehearsal of llama-405b's first stage holds it (7.8 GiB in fp32).
+    A tied table that the same stage's output layer also uses gets its rows' gradient from
+    that matmul too, and the sum keeps the rows (llmforge.train.footprint measures it so)."""
+    counts = stage_counts(shape, layout)[stage]
+    if layout.tp == 1 or not counts.first or (shape.tie_embeddings and counts.last):
+        return 0.0
+    return shape.vocab * shape.hidden * (layout.tp - 1) / layout.tp
 
 
 def _float8_saving(shape: Shape, layout: Layout, job: Job, stage: int) -> float:
@@ -147,8 +162,16 @@ def stage_activations(shape: Shape, layout: Layout, job: Job, stage: int, microb
 
 
 @lru_cache(maxsize=256)
-def _block_numel(shape: Shape, moe: bool) -> int:
-    return sum(t.numel for t in block_tensors(shape, moe))
+def _block_numel(shape: Shape, moe: bool, tp: int, ep: int) -> float:
+    """Elements of one block on a rank: each tensor's tensor-parallel shard, and of the stacked
+    experts the rank's E / ep (tensor parallelism leaves MoE layers whole)."""
+    total = 0.0
+    for t in block_tensors(shape, moe):
+        local = 1
+        for d in t.local_shape(tp):
+            local *= d
+        total += local / ep if t.expert else local
+    return total
 
 
 def _transient(shape: Shape, layout: Layout, job: Job, stage: int, params: int) -> float:
@@ -167,7 +190,7 @@ def _transient(shape: Shape, layout: Layout, job: Job, stage: int, params: int) 
         return out + params * (FP32 + (rb if rb != FP32 else 0))
     has_moe = counts.moe + counts.moe_ckpt > 0
     has_dense = counts.dense + counts.dense_ckpt > 0
-    block = max(_block_numel(shape, True) if has_moe else 0, _block_numel(shape, False) if has_dense else 0) / layout.tp
+    block = max(_block_numel(shape, True, layout.tp, layout.ep) if has_moe else 0, _block_numel(shape, False, layout.tp, layout.ep) if has_dense else 0)
     c = job.compute_bytes
     if layout.zero == 3 and layout.pp == 1:
         out += 2 * _gathered_bytes(shape, layout, job, block)  # the gathered block and the prefetched next one
@@ -208,9 +231,9 @@ def shard_numel(shape: Shape, layout: Layout, stage: int) -> int:
 def largest_block(shape: Shape, layout: Layout, stage: int) -> float:
     """Elements of this stage's largest block on one tp rank."""
     counts = stage_counts(shape, layout)[stage]
-    moe = _block_numel(shape, True) if counts.moe + counts.moe_ckpt else 0
-    dense = _block_numel(shape, False) if counts.dense + counts.dense_ckpt else 0
-    return max(moe, dense) / layout.tp
+    moe = _block_numel(shape, True, layout.tp, layout.ep) if counts.moe + counts.moe_ckpt else 0
+    dense = _block_numel(shape, False, layout.tp, layout.ep) if counts.dense + counts.dense_ckpt else 0
+    return max(moe, dense)
 
 
 def all_stages(shape: Shape, layout: Layout, job: Job, microbatches: int, *, every_stage: bool = True) -> List[StageMemory]:

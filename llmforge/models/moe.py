@@ -34,6 +34,9 @@ assignments past it are dropped in GShard order (every token's first choice
 before any token's second choice, then token order). A dropped assignment
 contributes nothing (the token keeps its residual and the shared experts).
 
+Balanced routing (``llmforge.models.balanced``) fixes the routing to a perfectly balanced
+pattern whose shapes follow from the token count alone (rehearsals on fake tensors).
+
 Each MoE layer keeps per-step statistics; :func:`moe_metrics` reads and resets
 them. The module holds no ``torch.distributed``: expert parallelism swaps the
 experts' forward from outside (``llmforge.parallel.expert``).
@@ -43,13 +46,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from llmforge.config.schema import ModelConfig
+from llmforge.models import balanced
 from llmforge.models.fused import gate_up_groups
 from llmforge.models.layers import MLP
 
@@ -69,18 +73,30 @@ class AuxLossInjector(torch.autograd.Function):
         return grad_output, torch.full(shape, ctx.scale, dtype=dtype, device=device), None
 
 
-def expert_mlp(x: torch.Tensor, counts: torch.Tensor, *, w_up: torch.Tensor, w_gate: Optional[torch.Tensor], w_down: torch.Tensor) -> torch.Tensor:
+def expert_counts(experts: torch.Tensor, *, num_experts: int) -> torch.Tensor:
+    """[E] assignments per expert in ``experts`` (``bincount`` with a shape known without the values)."""
+    flat = experts.flatten()
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+
+
+Counts = Union[torch.Tensor, Sequence[int]]
+
+
+def expert_mlp(x: torch.Tensor, counts: Counts, *, w_up: torch.Tensor, w_gate: Optional[torch.Tensor], w_down: torch.Tensor) -> torch.Tensor:
     """Run every expert on its tokens with batched matmuls.
 
     ``x`` [N, h] holds tokens sorted by expert, ``counts`` [E] how many each expert
-    has (summing to N). Returns [N, h] in the same order."""
+    has (summing to N; a list of ints under balanced routing). Returns [N, h] in the same order."""
     num_experts, hidden = w_up.shape[0], x.shape[-1]
     if x.shape[0] == 0:
         return x.new_zeros(0, hidden) + 0.0 * (w_up.sum() + w_down.sum() + (w_gate.sum() if w_gate is not None else 0.0))
-    expert_ids = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts)
+    if isinstance(counts, torch.Tensor):
+        capacity = int(counts.max())
+    else:
+        capacity, counts = max(counts), torch.tensor(list(counts), device=x.device)
+    expert_ids = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts, output_size=x.shape[0])
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.arange(x.shape[0], device=x.device) - starts[expert_ids]
-    capacity = int(counts.max())
     buf = x.new_zeros(num_experts, capacity, hidden).index_put((expert_ids, slot), x)
     up = torch.bmm(buf, w_up.to(x.dtype))
     if w_gate is not None:
@@ -100,7 +116,7 @@ class GroupedExperts(nn.Module):
         self.w_up = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.w_down = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: Counts) -> torch.Tensor:
         return expert_mlp(x, counts, w_up=self.w_up, w_gate=self.w_gate, w_down=self.w_down)
 
 
@@ -136,9 +152,18 @@ def capacity_keep(experts: torch.Tensor, *, num_experts: int, capacity: Optional
 def route(logits: torch.Tensor, *, top_k: int, normalize: bool, capacity: Optional[int], bias: Optional[torch.Tensor] = None) -> Routing:
     """Top-k softmax routing of [T, E] logits, with capacity dropping. A per-expert
     ``bias`` [E] is added to the probabilities to choose the experts only; the
-    combine weights stay the unbiased probabilities (DeepSeek-V3)."""
+    combine weights stay the unbiased probabilities (DeepSeek-V3). Under
+    ``balanced_routing`` the experts are the fixed balanced pattern."""
     logits = logits.float()
     probs = logits.softmax(dim=-1)
+    if balanced.active():
+        tokens, num_experts = logits.shape
+        experts = balanced.experts(tokens, top_k, num_experts, logits.device)
+        weights = probs.gather(-1, experts)
+        if normalize and top_k > 1:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        keep = balanced.keep(tokens, top_k, num_experts, capacity, logits.device)
+        return Routing(weights=weights, experts=experts, keep=keep, probs=probs, logits=logits)
     if bias is None:
         weights, experts = probs.topk(top_k, dim=-1)
     else:
@@ -155,7 +180,7 @@ def load_balancing_loss(routing: Routing) -> torch.Tensor:
 
     ``f_e`` counts routed assignments before capacity dropping, as Switch does."""
     num_experts = routing.probs.shape[-1]
-    counts = torch.bincount(routing.experts.flatten(), minlength=num_experts).to(routing.probs.dtype)
+    counts = expert_counts(routing.experts, num_experts=num_experts).to(routing.probs.dtype)
     share = counts / routing.experts.numel()
     return num_experts * torch.sum(share * routing.probs.mean(dim=0))
 
@@ -178,7 +203,7 @@ class MoEStats:
         self.counts: Optional[torch.Tensor] = None
 
     def add(self, *, routing: Routing, aux: torch.Tensor, z: torch.Tensor) -> None:
-        counts = torch.bincount(routing.experts.flatten(), minlength=self.num_experts).detach()
+        counts = expert_counts(routing.experts, num_experts=self.num_experts).detach()
         dropped = (~routing.keep).sum().detach()
         first = self.forwards == 0
         self.aux = aux.detach() if first else self.aux + aux.detach()
@@ -248,7 +273,7 @@ class MoE(nn.Module):
         if not _in_backward():
             self.stats.add(routing=routing, aux=aux, z=z)
             if self.expert_load is not None:
-                self.expert_load += torch.bincount(routing.experts.flatten(), minlength=self.num_experts)
+                self.expert_load += expert_counts(routing.experts, num_experts=self.num_experts)
         total = self.aux_loss_coef * aux + self.z_loss_coef * z
         if total.requires_grad:
             out = AuxLossInjector.apply(out, total, float(self.aux_loss_scale()))
@@ -264,16 +289,29 @@ class MoE(nn.Module):
 
     def _dispatch_combine(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
         """Sort kept assignments by expert, run the experts, sum back with the routing weights."""
+        if balanced.active():
+            return self._balanced_dispatch_combine(tokens, routing)
         keep = routing.keep.flatten()
         expert_of = routing.experts.flatten()[keep]
         token_of = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(self.top_k)[keep]
         order = torch.argsort(expert_of, stable=True)
         token_of = token_of[order]
         weight = routing.weights.flatten()[keep][order]
-        counts = torch.bincount(expert_of, minlength=self.num_experts)
+        counts = expert_counts(expert_of, num_experts=self.num_experts)
+        return self._run_experts(tokens, token_of, weight, counts)
+
+    def _run_experts(self, tokens: torch.Tensor, token_of: torch.Tensor, weight: torch.Tensor, counts: Counts) -> torch.Tensor:
         y = self.experts(tokens[token_of], counts)
         y = y * weight[:, None].to(y.dtype)
         return tokens.new_zeros(tokens.shape).index_add(0, token_of, y.to(tokens.dtype))
+
+    def _balanced_dispatch_combine(self, tokens: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """``_dispatch_combine`` under balanced routing: which assignments each expert keeps is
+        known from the token count, so every index is made without reading the routing."""
+        count, E, k = tokens.shape[0], self.num_experts, self.top_k
+        capacity = capacity_of(tokens=count, top_k=k, num_experts=E, capacity_factor=self.capacity_factor)
+        assignment, counts = balanced.assignments(tokens=count, top_k=k, num_experts=E, capacity=capacity, device=tokens.device)
+        return self._run_experts(tokens, assignment // k, routing.weights.flatten()[assignment], counts)
 
 
 def _one() -> float:

@@ -41,7 +41,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from llmforge.models.moe import GroupedExperts, expert_mlp
+from llmforge.models.moe import Counts, GroupedExperts, expert_mlp
 from llmforge.parallel.dtensor import local
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
@@ -52,17 +52,22 @@ class ExpertParallelExperts(GroupedExperts):
 
     ep_mesh: DeviceMesh
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: Counts) -> torch.Tensor:
         ep = self.ep_mesh.size()
         per_rank = self.num_experts // ep
         group = self.ep_mesh.get_group()
-        received = _exchange_counts(counts.view(ep, per_rank), group=group)  # [src, local expert]
-        send_splits = counts.view(ep, per_rank).sum(1).tolist()
-        recv_splits = received.sum(1).tolist()
+        if isinstance(counts, torch.Tensor):
+            received = _exchange_counts(counts.view(ep, per_rank), group=group).tolist()  # [src][local expert]
+            send_splits = counts.view(ep, per_rank).sum(1).tolist()
+        else:  # balanced routing: every rank sends each expert the same count
+            mine = self.ep_mesh.get_local_rank()
+            received = [list(counts[mine * per_rank:(mine + 1) * per_rank]) for _ in range(ep)]
+            send_splits = [sum(counts[r * per_rank:(r + 1) * per_rank]) for r in range(ep)]
+        recv_splits = [sum(row) for row in received]
         x_recv = _wait(all_to_all_single_autograd(x.contiguous(), recv_splits, send_splits, group))
-        order = _source_to_expert_order(received)
+        order = _source_to_expert_order(received, device=x.device)
         weights = {name: local(getattr(self, name)) for name in EXPERT_WEIGHTS}
-        y_sorted = expert_mlp(x_recv[order], received.sum(0), **weights)
+        y_sorted = expert_mlp(x_recv[order], [sum(column) for column in zip(*received)], **weights)
         y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
         return _wait(all_to_all_single_autograd(y.contiguous(), send_splits, recv_splits, group))
 
@@ -82,14 +87,14 @@ def _exchange_counts(counts: torch.Tensor, *, group: dist.ProcessGroup) -> torch
     return received
 
 
-def _source_to_expert_order(received: torch.Tensor) -> torch.Tensor:
+def _source_to_expert_order(received: List[List[int]], *, device: torch.device) -> torch.Tensor:
     """Indices that regroup tokens laid out by (source rank, local expert) into
-    (local expert, source rank) order."""
-    ep, per_rank = received.shape
-    flat = received.flatten()
-    starts = torch.cumsum(flat, 0) - flat
-    chunks = [torch.arange(int(starts[s * per_rank + j]), int(starts[s * per_rank + j] + flat[s * per_rank + j])) for j in range(per_rank) for s in range(ep)]
-    return torch.cat(chunks).to(received.device) if chunks else torch.zeros(0, dtype=torch.int64, device=received.device)
+    (local expert, source rank) order; ``received[s][j]``: tokens from rank s for local expert j."""
+    ep, per_rank = len(received), len(received[0])
+    flat = [n for row in received for n in row]
+    starts = [sum(flat[:i]) for i in range(len(flat))]
+    chunks = [torch.arange(starts[s * per_rank + j], starts[s * per_rank + j] + flat[s * per_rank + j]) for j in range(per_rank) for s in range(ep)]
+    return torch.cat(chunks).to(device) if chunks else torch.zeros(0, dtype=torch.int64, device=device)
 
 
 def apply_ep(model: nn.Module, *, ep_mesh: DeviceMesh) -> nn.Module:

@@ -69,6 +69,8 @@ def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool, async_
         parallelize_module(block, tp_mesh, _block_plan(block, seq=seq, sequence_parallel=sequence_parallel, own=own))
         for parent, names in own.items():
             apply_sp_linears(getattr(block, parent), names, tp_mesh=tp_mesh)
+    if sequence_parallel and model.embed is None:
+        model.register_forward_pre_hook(_whole_sequence_positions(tp_mesh.size()), with_kwargs=True)
     if model.head is not None:
         parallelize_module(model.head, tp_mesh, ColwiseParallel(output_layouts=Shard(-1), use_local_output=False))
     if model.norm is not None:
@@ -77,6 +79,19 @@ def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool, async_
         # The output layer multiplies a replicated DTensor by the vocab-sharded weight.
         gather = PrepareModuleOutput(output_layouts=seq, desired_output_layouts=Replicate(), use_local_output=False)
         parallelize_module(model.norm, tp_mesh, gather)
+
+
+def _whole_sequence_positions(tp: int):
+    """A later pipeline chunk receives this rank's shard of the sequence (``[b, s / tp, h]``) under
+    sequence parallel, and its blocks attend over the whole sequence: its positions (RoPE, masks)
+    are the whole sequence's, not the shard's length."""
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict):
+        if kwargs.get("positions") is None and args:
+            kwargs = {**kwargs, "positions": torch.arange(args[0].shape[1] * tp, device=args[0].device)}
+        return args, kwargs
+
+    return hook
 
 
 def _sp_groups(block: nn.Module) -> Dict[str, List[str]]:

@@ -1,6 +1,6 @@
 """The fake world a rehearsal runs in: torch's fake process group, fake tensors, fake batches.
 
-Two seams keep the project's own build path usable on fake tensors, each only while a
+Three seams keep the project's own build path usable on fake tensors, each only while a
 rehearsal runs (``fake_world``):
 
 - ``RehearsalMode``: ops whose tensor inputs are all real (the mesh's rank table, read
@@ -10,6 +10,10 @@ rehearsal runs (``fake_world``):
   weakly referenced by the fake mode's memo (meta tensor -> fake tensor, a cache), so
   moving a module built on fake tensors fails. While rehearsing, swap_tensors' check
   ignores those memo references (``weakref.KeyedRef``); other weak references still refuse.
+- Pipeline stages vote on whether every stage of the pipeline was given its shapes (a
+  tensor passed along the pipeline and back, read with ``item``); over the fake group no
+  neighbour answers. Every stage llmforge builds is given its shapes
+  (``llmforge.parallel.pipeline.StageShapes``), so the vote's answer is known: static.
 """
 
 from __future__ import annotations
@@ -57,6 +61,27 @@ def _movable_fake_modules() -> Iterator[None]:
         torch.utils.weakref = original
 
 
+def _static_stages(_schedule, stages, has_backward: bool, _p2p_done: bool) -> None:
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    for stage in stages:
+        if InferenceMode.needs_dynamic(stage._user_meta, has_backward):
+            raise RuntimeError(f"pipeline stage {stage.stage_index} was built without its shapes: a rehearsal cannot infer them")
+        stage._inference_mode = InferenceMode.STATIC
+
+
+@contextlib.contextmanager
+def _stages_without_vote() -> Iterator[None]:
+    from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+    original = _PipelineSchedule._warmup_p2p
+    _PipelineSchedule._warmup_p2p = _static_stages  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        _PipelineSchedule._warmup_p2p = original  # type: ignore[method-assign]
+
+
 @contextlib.contextmanager
 def fake_process_group(*, rank: int, world_size: int) -> Iterator[None]:
     """torch's fake process group as the default group: this process is ``rank`` of ``world_size``."""
@@ -73,8 +98,8 @@ def fake_process_group(*, rank: int, world_size: int) -> Iterator[None]:
 
 @contextlib.contextmanager
 def fake_tensors() -> Iterator[RehearsalMode]:
-    """Fake tensors (``RehearsalMode``) and modules that can move while on them."""
-    with _movable_fake_modules(), RehearsalMode() as mode:
+    """Fake tensors (``RehearsalMode``), modules that can move while on them, pipeline stages that do not vote."""
+    with _movable_fake_modules(), _stages_without_vote(), RehearsalMode() as mode:
         yield mode
 
 

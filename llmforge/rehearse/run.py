@@ -11,6 +11,7 @@ from typing import Dict, Iterator, List
 
 import torch
 
+from llmforge.models.balanced import balanced_routing
 from llmforge.plan import RunPlan
 from llmforge.rehearse.fake import FakeBatches, fake_process_group, fake_tensors
 from llmforge.rehearse.tracker import CATEGORIES, PeakTracker
@@ -24,6 +25,9 @@ DIFFERENCES = (
     "where async TP's keep the gathered input (the estimate counts it)",
     "AdamW is the fused one, as on GPU ranks (CPU ranks run the for-loop one, which reads its skip flag on the host)",
 )
+#: What differs on MoE plans.
+MOE_DIFFERENCE = ("MoE routing is balanced (llmforge.models.balanced): every expert gets the same share of "
+                  "the assignments, at most the capacity, as the estimate assumes; a real router's busiest expert holds more")
 
 
 @dataclass
@@ -65,13 +69,21 @@ class Rehearsal:
 
 
 def unsupported(plan: RunPlan) -> str:
-    """Why the rehearsal cannot run ``plan`` yet ("" when it can)."""
-    if plan.layout.pp > 1:
-        return ("pipeline stages exchange their tensors' shapes with their neighbours before the first step "
-                "(torch.distributed.pipelining), which a fake process group cannot answer")
-    if plan.config.model.moe.num_experts > 0:
-        return "MoE routing decides tensor shapes from the data (tokens per expert), which fake tensors do not have"
+    """Why the rehearsal cannot run ``plan`` ("" when it can): steps that read a tensor's value on
+    the host, which fake tensors do not have."""
+    cfg = plan.config
+    if cfg.precision.param_dtype == "fp16":
+        return ("fp16's dynamic loss scaling reads on the host whether the gradients are finite, every step; "
+                "rehearse the plan with precision.param_dtype=bf16 (the same bytes)")
+    if cfg.optim.name != "adamw":
+        return (f"optim.name={cfg.optim.name} steps without fused AdamW's on-device skip flag: the step guard reads "
+                "on the host whether to skip the step; rehearse the plan with optim=adamw (other optimizer states)")
     return ""
+
+
+def differences(plan: RunPlan) -> List[str]:
+    """How the rehearsal of ``plan`` differs from its rank on an accelerator."""
+    return list(DIFFERENCES) + ([MOE_DIFFERENCE] if plan.config.model.moe.num_experts > 0 else [])
 
 
 def most_loaded_rank(plan: RunPlan, *, stage: int) -> int:
@@ -102,7 +114,7 @@ def rehearse(plan: RunPlan, *, stage: int, where: str = "", fake: bool = True) -
         build, first, step = _program(plan, distributed=not runs_here(plan), fake=fake)
     return Rehearsal(rank=rank, where=where, peak_bytes=max(build.peak_bytes, first.peak_bytes, step.peak_bytes), step_peak_bytes=step.peak_bytes,
                      first_step_peak_bytes=first.peak_bytes, build_peak_bytes=build.peak_bytes, categories=step.peak_by_category(),
-                     seconds=time.perf_counter() - start)
+                     seconds=time.perf_counter() - start, differences=differences(plan))
 
 
 def _program(plan: RunPlan, *, distributed: bool, fake: bool) -> tuple[PeakTracker, PeakTracker, PeakTracker]:
@@ -120,7 +132,7 @@ def _program(plan: RunPlan, *, distributed: bool, fake: bool) -> tuple[PeakTrack
     cfg = plan.config
     batches = FakeBatches(global_batch=cfg.train.global_batch_size, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size,
                           eos_id=0 if needs_eos(cfg.model) else None)
-    with fake_tensors() if fake else contextlib.nullcontext(), _fused_adamw():
+    with fake_tensors() if fake else contextlib.nullcontext(), _fused_adamw(), balanced_routing():
         with PeakTracker() as build:
             c = build_components(plan, rank=rank, sampler=batches)
         trackers = [build]

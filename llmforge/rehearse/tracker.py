@@ -32,13 +32,33 @@ from typing import Dict, Iterable, List, Tuple
 import torch
 from torch import nn
 from torch._guards import active_fake_mode
-from torch.distributed._tools.common_utils import get_untyped_storages
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 CATEGORIES = ("weights", "compute_copies", "grads", "optimizer", "activations", "transient")
+
+
+def _inner_names(t: torch.Tensor) -> List[str]:
+    """The inner tensors of a wrapper subclass. torchao's float8 weight wrapper says whether it
+    has a scale by reading the scale as a bool, which a fake tensor cannot answer: asked by name."""
+    if type(t).__name__ == "WeightWithDynamicFloat8CastTensor":
+        return ["_tensor"] + (["_precomputed_scale"] if getattr(t, "_precomputed_scale", None) is not None else [])
+    return list(t.__tensor_flatten__()[0])
+
+
+def get_untyped_storages(t: torch.Tensor) -> set:
+    """The storages behind ``t`` and its inner tensors (torch's ``MemTracker`` helper of the same
+    name, with float8 weights: ``_inner_names``)."""
+    pending, out = [t], set()
+    while pending:
+        obj = pending.pop()
+        if is_traceable_wrapper_subclass(obj):
+            pending.extend(v for v in (getattr(obj, n) for n in _inner_names(obj)) if isinstance(v, torch.Tensor))
+        elif isinstance(obj, torch.Tensor):
+            out.add(obj.untyped_storage())
+    return out
 
 
 @dataclass

@@ -16,13 +16,13 @@ from llmforge.parallel.expert import expert_parameters
 from llmforge.parallel.mesh import ParallelMesh
 from llmforge.layout import chunk_rank
 from llmforge.models.masks import model_documents, needs_eos
-from llmforge.parallel.pipeline import build_schedule
+from llmforge.parallel.pipeline import StageShapes, build_schedule
 from llmforge.parallel.tensor import align_grads, loss_context, sharded_cross_entropy
 from llmforge.parallel.tied import TiedEmbeddingSync, tied_group
 from llmforge.plan import RunPlan
 from llmforge.train.parallelize import reduces_over_dp
 from llmforge.train.pipeline_step import PipelineStep, autocast_forward
-from llmforge.train.precision import DTYPES, LossScaler
+from llmforge.train.precision import DTYPES, LossScaler, residual_dtype
 from llmforge.train.step import GradAccumulationStep, StepRunner, cross_entropy
 
 
@@ -168,5 +168,16 @@ def _pipeline_step(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module],
         device=device,
         microbatches=plan.microbatches,
         loss_fn=step.scaled_loss,
+        shapes=stage_shapes(plan),
     )
     return step
+
+
+def stage_shapes(plan: RunPlan) -> StageShapes:
+    """What a microbatch carries between this plan's pipeline chunks (the residual stream's dtype:
+    ``llmforge.parallel.residual``)."""
+    m, p, lay = plan.config.model, plan.config.precision, plan.layout
+    return StageShapes(micro_batch=plan.config.train.micro_batch_size, seq_len=m.seq_len,
+                       stream_tokens=m.seq_len // lay.tp if plan.config.parallel.sequence_parallel else m.seq_len, hidden=m.hidden_size,
+                       stream_dtype=residual_dtype(param_dtype=p.param_dtype, fp32_residual=p.fp32_residual),
+                       logits=m.vocab_size // lay.tp, logits_dtype=DTYPES[p.param_dtype])
