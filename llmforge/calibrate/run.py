@@ -87,7 +87,7 @@ def untrusted_note(verdict: Verdict) -> str:
 
 def measure_ranks(req: Request, *, threads: Optional[int], console: Console) -> tuple[ComputeSamples, List[CommSample]]:
     """Compute (rank 0) and collectives (every rank) through torchrun, the way pretrain launches."""
-    from llmforge.launch.torchrun import cluster_args, run_torchrun
+    from llmforge.processes.torchrun import cluster_args, run_torchrun
 
     with tempfile.TemporaryDirectory(prefix="llmforge-calibrate-") as folder:
         out = Path(folder) / "samples.json"

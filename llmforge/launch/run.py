@@ -21,12 +21,8 @@ from llmforge.rundir import RunLock, check_writable, plan_path, write_plan
 
 def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
     """Check, then run ``plan`` here or through torchrun, holding the run folder's lock.
-    The first CPU run on a machine measures it first (``llmforge.calibrate.auto``)."""
+    (The first CPU run on a machine has measured it already: ``llmforge.commands.train``.)"""
     check_fault(plan, resume_from=resume_from, here=runs_here(plan), console=console)
-    if not dry_run:
-        from llmforge.calibrate.auto import ensure_cpu_profile
-
-        ensure_cpu_profile(plan, console=console)
     preflight(plan, force=force, resume=resume_from is not None, console=console)
     here = runs_here(plan)
     if dry_run:

@@ -3,35 +3,20 @@
     python -m torch.distributed.run ... -m llmforge.launch.worker --plan RUN/plan.json [--resume CKPT]
 
 Rank 0 alone prints and logs. When torchrun restarts the ranks after a failure
-(``cluster.max_restarts``), they continue from the run's newest complete checkpoint. An error on a rank is written to
-``$LLMFORGE_ERROR_DIR/rank<N>.json`` (the launcher shows the first one, once)
-or, without that variable, printed; the rank then exits at once with code 2 for
-a user error and 1 otherwise, and torchrun stops the other ranks.
+(``cluster.max_restarts``), they continue from the run's newest complete checkpoint. An error
+on a rank ends it with one record (``llmforge.processes.rank_errors``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
-import os
-import sys
-import time
-import traceback
 from pathlib import Path
-from typing import Iterator, List, Optional
+from typing import List, Optional
 
-from llmforge.launch.watch import ERROR_DIR_ENV, guard_rank
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def attempt() -> int:
-    """How many times torchrun has restarted the ranks of this job (cluster.max_restarts)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+from llmforge.processes.rank_errors import attempt, env_rank, report_errors
+from llmforge.processes.watch import guard_rank
 
 
 def restart_point(plan, *, resume: Optional[Path], console, launched=None) -> Optional[Path]:
@@ -89,45 +74,6 @@ def _saved_world(checkpoint: Optional[str]) -> Optional[int]:
     return None if saved is None else saved.world_size
 
 
-@contextlib.contextmanager
-def report_errors() -> Iterator[None]:
-    """Turn any exception on this rank into one error record and an immediate exit."""
-    from llmforge.errors import UserError
-
-    try:
-        yield
-    except BaseException as exc:  # noqa: BLE001 - every failure must end the rank
-        if isinstance(exc, SystemExit) and not exc.code:
-            raise
-        user = isinstance(exc, UserError)
-        record = {
-            "rank": _rank(),
-            "attempt": attempt(),
-            "time": time.time(),
-            "kind": "user" if user else "error",
-            "message": exc.message() if user else describe_exception(exc),
-            "traceback": "" if user else "".join(traceback.format_exception(exc)),
-        }
-        folder = os.environ.get(ERROR_DIR_ENV)
-        if folder:
-            path = Path(folder) / f"rank{_rank()}.json"
-            path.write_text(json.dumps(record))
-        else:
-            print(f"rank {_rank()}: {record['traceback'] or record['message']}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
-        os._exit(2 if user else 1)
-
-
-def describe_exception(exc: BaseException) -> str:
-    """``Type: message`` and where it was raised: the launcher's one-paragraph account
-    of an unexpected error (the whole traceback shows with LLMFORGE_TRACEBACK=1)."""
-    text = "".join(traceback.format_exception_only(exc)).strip()
-    frames = traceback.extract_tb(exc.__traceback__)
-    ours = [f for f in frames if f"{os.sep}llmforge{os.sep}" in f.filename and not f.filename.endswith(("worker.py", "harness.py"))]
-    frame = (ours or frames or [None])[-1]
-    return f"{text}\n  (in {frame.name}, {frame.filename}:{frame.lineno})" if frame else text
-
-
 def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
     import torch.distributed as dist
     from rich.console import Console
@@ -165,7 +111,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--plan", type=Path, required=True)
     parser.add_argument("--resume", type=Path, default=None)
     args = parser.parse_args(argv)
-    guard_rank(_rank())
+    guard_rank(env_rank())
     with report_errors():
         run_rank(plan_path=args.plan, resume=args.resume)
 

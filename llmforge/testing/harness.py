@@ -265,8 +265,8 @@ def full_parameters(c: Components) -> Dict[str, torch.Tensor]:
 def main(argv: List[str], *, drill: Optional[Callable[..., dict]] = None) -> None:
     """Run the spec's layouts; ``drill`` runs those given as dicts (``python -m llmforge.testing.drill``)."""
     spec = json.loads(Path(argv[0]).read_text())
-    from llmforge.launch.watch import guard_rank
-    from llmforge.launch.worker import report_errors
+    from llmforge.processes.rank_errors import report_errors
+    from llmforge.processes.watch import guard_rank
 
     guard_rank(int(os.environ.get("RANK", "0")))
     with report_errors():
