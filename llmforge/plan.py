@@ -21,7 +21,7 @@ from llmforge.config.ranges import INT64_MAX, range_problems
 from llmforge.config.schema import ANOMALY_POLICIES, OFFLOAD_MODES, OPTIMIZERS, RECOMPUTE_MODES, SCHEDULES, RunConfig
 from llmforge.config.train_rules import check_training
 from llmforge.elastic import check_elastic, world_problems
-from llmforge.errors import Problem, UserError, fail
+from llmforge.errors import Problem, UserError, fail, nearest
 from llmforge.hardware import get_profile, is_known, unknown_problem
 from llmforge.layout import (
     Layout, check_backend, check_batch, check_ep, check_hsdp, check_offload, check_pipeline, check_tp, check_world, ints, world_and_dp,
@@ -179,8 +179,6 @@ def _check_choices(config: RunConfig) -> List[Problem]:
     for key, allowed in CHOICES.items():
         value = get_key(config, key)
         if value not in allowed:
-            from llmforge.errors import nearest
-
             out.append(Problem(key, value, f"not a valid choice{nearest(str(value), allowed)}", f"use one of: {', '.join(allowed)}"))
     return out
 

@@ -195,5 +195,26 @@ def test_a_back_edge_is_found():
     assert _back_edges({"launch": {("calibrate", "m:1")}, "calibrate": {("processes", "m:2")}}) == []
 
 
+#: Where ``llmforge`` imports may sit inside functions: the CLI's start-up time is the reason
+#: (``llmforge --help`` and the light commands must not pay for the heavy packages).
+LAZY_IMPORTS_ALLOWED = ("llmforge.cli", "llmforge.commands")
+
+
+def _function_level_imports(path: Path, name: str) -> Iterator[Tuple[str, int]]:
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                    targets = [a.name for a in inner.names] if isinstance(inner, ast.Import) else [inner.module or "."]
+                    if getattr(inner, "level", 0) or any(t.startswith("llmforge") for t in targets):
+                        yield ", ".join(targets), inner.lineno
+
+
+def test_llmforge_imports_sit_at_the_top_of_modules():
+    bad = [f"{_module_name(p)}:{line} imports {what} inside a function" for p in PACKAGE.rglob("*.py")
+           if not _under(_module_name(p), LAZY_IMPORTS_ALLOWED) for what, line in _function_level_imports(p, _module_name(p))]
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from llmforge.calibrate.probe import LoadReading
 from llmforge.estimate.comm import all_reduce_hops
 
 #: Candidate matmul_dim values (the rest of the fit is closed-form).
@@ -316,8 +317,6 @@ def samples_from_dict(data: dict) -> Tuple[ComputeSamples, List[CommSample]]:
 
 
 def compute_from_dict(c: dict) -> ComputeSamples:
-    from llmforge.calibrate.probe import LoadReading
-
     lists = ("matmul", "attention", "bandwidth", "host_copies", "passes", "load")
     return ComputeSamples(
         **{k: v for k, v in c.items() if k not in lists},

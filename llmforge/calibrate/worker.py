@@ -17,6 +17,12 @@ import os
 from pathlib import Path
 from typing import List, Optional
 
+from llmforge.calibrate import collectives, compute
+from llmforge.calibrate.fit import samples_to_dict
+from llmforge.calibrate.run import progress_bar
+from llmforge.files import write_text_atomic
+from llmforge.hardware import cpu_threads
+from llmforge.parallel.mesh import init_distributed
 from llmforge.processes.rank_errors import report_errors
 from llmforge.processes.watch import guard_rank
 
@@ -24,13 +30,6 @@ from llmforge.processes.watch import guard_rank
 def run_rank(*, accelerator: str, out: Path, quick: bool, timeout_s: float) -> None:
     import torch.distributed as dist
     from rich.console import Console
-
-    from llmforge.calibrate import collectives, compute
-    from llmforge.calibrate.fit import samples_to_dict
-    from llmforge.calibrate.run import progress_bar
-    from llmforge.files import write_text_atomic
-    from llmforge.hardware import cpu_threads
-    from llmforge.parallel.mesh import init_distributed
 
     device = init_distributed(accelerator=accelerator, timeout_s=timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -27,6 +27,8 @@ from torch import nn
 from llmforge.checkpoint.hf_names import from_hf, style_of, to_hf
 from llmforge.config.schema import ModelConfig
 from llmforge.errors import Problem, UserError, fail
+from llmforge.models.gpt import GPT
+from llmforge.parallel.materialize import fill
 
 KEY = "model.init_from"
 #: Tensors some Hugging Face checkpoints carry that are not weights.
@@ -140,8 +142,6 @@ def _gpt2_view(hf: Dict[str, Any]) -> Tuple[Dict[str, Any], List[Tuple[str, Any,
 
 def expected_shapes(m: ModelConfig) -> Dict[str, List[int]]:
     """Hugging Face tensor name -> the shape this model needs (no memory allocated)."""
-    from llmforge.models.gpt import GPT
-
     with torch.device("meta"):
         weights = GPT(m).state_dict()
     return {name: list(t.shape) for name, t in to_hf(weights, m).items()}
@@ -192,8 +192,6 @@ def hf_state_dict(folder: Path | str, m: ModelConfig, *, wanted: Optional[List[s
     """Full llmforge tensors (``wanted`` names, default all) read from a checked folder."""
     folder = Path(folder).expanduser()
     if wanted is None:
-        from llmforge.models.gpt import GPT
-
         with torch.device("meta"):
             wanted = list(GPT(m).state_dict())
     with open_tensors(folder) as (_, get):
@@ -207,8 +205,6 @@ def hf_state_dict(folder: Path | str, m: ModelConfig, *, wanted: Optional[List[s
 def load_hf_weights(model_parts: List[nn.Module], *, folder: Path | str, model: ModelConfig) -> None:
     """Replace the parts' weights with the folder's, in whatever layout the parts have:
     one tensor is read at a time and only this rank's slice of it is kept."""
-    from llmforge.parallel.materialize import fill
-
     check_folder(folder, model)
     folder = Path(folder).expanduser()
     with open_tensors(folder) as (_, get):

@@ -249,8 +249,6 @@ def _explain(exc: BaseException, *, options: Dict[str, Dict[str, OptionInfo]]) -
     source = f" (in {_file_of(where.removeprefix('In ').strip(), options=options)})" if where else ""
     fix = "check the key names and value types in your YAML and overrides (`llmforge keys` lists them)"
     if key and "not in" in text:
-        from llmforge.config.schema import iter_keys
-
         fix = f"remove or rename it{nearest(key, [k for k, *_ in iter_keys()])}; `llmforge keys` lists every key"
     return Problem(key, "", text + source, fix)
 

@@ -14,7 +14,11 @@ from typing import Optional
 
 from rich.console import Console
 
+from llmforge.errors import UserError, fail, pasteable
 from llmforge.launch.checks import check_devices, check_fault, check_host_memory, check_space, preflight
+from llmforge.launch.local import run_here
+from llmforge.launch.slurm import submit_script
+from llmforge.launch.torchrun import check_supported, start
 from llmforge.plan import RunPlan
 from llmforge.rundir import RunLock, check_writable, plan_path, write_plan
 
@@ -43,8 +47,6 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
         if resume_from is None or not _holds(plan.run_dir, resume_from):
             claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
         if here:
-            from llmforge.launch.local import run_here
-
             run_here(plan, resume_from=resume_from, console=console)
             return
         launch_distributed(plan, resume_from=resume_from, dry_run=False, console=console)
@@ -65,21 +67,14 @@ def runs_here(plan: RunPlan) -> bool:
 
 def launch_distributed(plan: RunPlan, *, resume_from: Optional[Path], dry_run: bool, console: Console) -> None:
     """Run ``plan`` on all its ranks (or write/print the SLURM script)."""
-    from llmforge.errors import UserError
-    from llmforge.launch.torchrun import check_supported
-
     problems = check_supported(plan)
     if problems:
         raise UserError(problems, title="this layout cannot be launched")
     if not dry_run:
         write_plan(plan)
     if plan.config.cluster.launcher == "slurm":
-        from llmforge.launch.slurm import submit_script
-
         submit_script(plan, plan_path=plan_path(plan), resume_from=resume_from, dry_run=dry_run, console=console)
         return
-    from llmforge.launch.torchrun import start
-
     start(plan, plan_path=plan_path(plan), resume_from=resume_from, dry_run=dry_run, console=console)
 
 
@@ -102,8 +97,6 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
     """A new run (or a resume into another folder) never mixes its metrics and checkpoints
     with an earlier run's."""
     import shutil
-
-    from llmforge.errors import fail, pasteable
 
     found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
     if not found:

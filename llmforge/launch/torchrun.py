@@ -16,6 +16,8 @@ from rich.console import Console
 
 from llmforge.elastic import is_elastic
 from llmforge.errors import Problem
+from llmforge.estimate.shape import ranks_per_node
+from llmforge.hardware import cpu_threads
 from llmforge.plan import RunPlan
 from llmforge.processes.torchrun import cluster_args, run_torchrun
 
@@ -36,8 +38,6 @@ def check_supported(plan: RunPlan) -> List[Problem]:
 
 
 def procs_per_node(plan: RunPlan) -> int:
-    from llmforge.estimate.shape import ranks_per_node
-
     return ranks_per_node(plan)
 
 
@@ -94,6 +94,4 @@ def restart_env(plan: RunPlan) -> Dict[str, str]:
 
 
 def _threads(plan: RunPlan) -> int:
-    from llmforge.hardware import cpu_threads
-
     return cpu_threads(procs_per_node(plan))

@@ -15,8 +15,17 @@ import json
 from pathlib import Path
 from typing import List, Optional
 
+from llmforge.checkpoint.locate import newest_complete
+from llmforge.elastic import describe_change
+from llmforge.errors import UserError
+from llmforge.launch.guard import install_from_env
+from llmforge.parallel.mesh import init_distributed
+from llmforge.plan import RunPlan, config_from_dict
 from llmforge.processes.rank_errors import attempt, env_rank, report_errors
 from llmforge.processes.watch import guard_rank
+from llmforge.rundir import RunLock
+from llmforge.train.build import distributed_rank
+from llmforge.train.run import prepare_data, run
 
 
 def restart_point(plan, *, resume: Optional[Path], console, launched=None) -> Optional[Path]:
@@ -30,9 +39,6 @@ def restart_point(plan, *, resume: Optional[Path], console, launched=None) -> Op
         return resume
     found: List[Optional[str]] = [None]
     if dist.get_rank() == 0:
-        from llmforge.checkpoint.locate import newest_complete
-        from llmforge.errors import UserError
-
         if attempt() > 0:
             try:
                 found[0] = str(newest_complete(plan.run_dir / "checkpoints").path)
@@ -50,8 +56,6 @@ def _restart_line(plan, *, launched, checkpoint: Optional[str], where: str):
     head = f"restart {attempt()} of {plan.config.cluster.max_restarts}" if attempt() else "elastic start"
     if launched is None or launched.world_size == plan.world_size and _saved_world(checkpoint) in (None, plan.world_size):
         return Text.assemble((head, "bold yellow"), f" after a failed rank: {where}")
-    from llmforge.elastic import describe_change
-
     before = _saved_plan(checkpoint) or launched
     return Text.assemble((head, "bold yellow"), f": {describe_change(before, plan, start=attempt() == 0)}; {where}")
 
@@ -60,8 +64,6 @@ def _saved_plan(checkpoint: Optional[str]):
     """The plan a checkpoint was written under (at the world it ran on), or None."""
     if checkpoint is None:
         return None
-    from llmforge.plan import RunPlan, config_from_dict
-
     try:
         data = json.loads((Path(checkpoint) / "plan.json").read_text())
         return RunPlan.build(config_from_dict(data["config"]), world=int(data["derived"]["world_size"]))
@@ -78,20 +80,12 @@ def run_rank(*, plan_path: Path, resume: Optional[Path]) -> None:
     import torch.distributed as dist
     from rich.console import Console
 
-    from llmforge.launch.guard import install_from_env
-    from llmforge.parallel.mesh import init_distributed
-    from llmforge.plan import RunPlan
-    from llmforge.train.build import distributed_rank
-    from llmforge.train.run import prepare_data, run
-
     launched = RunPlan.load(plan_path)
     device = init_distributed(accelerator=launched.config.cluster.accelerator, timeout_s=launched.config.cluster.timeout_s)
     install_from_env(device)
     plan = launched.at_world(dist.get_world_size())  # an elastic run on fewer nodes: the layout for the world it got
     main = dist.get_rank() == 0
     if main and plan.config.cluster.nodes > 1:
-        from llmforge.rundir import RunLock
-
         RunLock(plan.run_dir).acquire()  # held until this process ends; each node's launcher shares the folder
     console = Console(stderr=True, markup=False, soft_wrap=True) if main else Console(file=io.StringIO(), quiet=True)
     rank = distributed_rank(plan, device=device)

@@ -51,6 +51,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.distributed.tensor import DTensor
 
 from llmforge.parallel.dtensor import local
+from llmforge.parallel.expert import ExpertParallelExperts
 
 
 def mixed_precision(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype, fp32_residual: bool = False) -> MixedPrecisionPolicy:
@@ -99,8 +100,6 @@ def _prefetch(blocks: List[FSDPModule]) -> None:
 
 
 def _shard_experts(block: nn.Module, *, mesh: DeviceMesh, dp_size: int, reshard: bool, mp: MixedPrecisionPolicy, policy: OffloadPolicy) -> None:
-    from llmforge.parallel.expert import ExpertParallelExperts
-
     for module in list(block.modules()):
         if isinstance(module, ExpertParallelExperts):
             unit = fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy)
