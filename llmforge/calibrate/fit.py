@@ -292,11 +292,6 @@ def _round(x: float) -> float:
     return float(f"{x:.3g}")
 
 
-def model_matmul_s(sample: MatmulSample, *, rate: float, dim: float, floor_s: float) -> float:
-    """What the fitted model says the sample takes (for the table)."""
-    return max(sample.flops / rate * (1 + dim * sample.stretch_terms), floor_s)
-
-
 def median(values: Sequence[float]) -> Optional[float]:
     ordered = sorted(values)
     if not ordered:

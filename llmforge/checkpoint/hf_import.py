@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 from torch import nn
@@ -186,20 +186,6 @@ def check_folder(folder: Path | str, m: ModelConfig) -> List[str]:
     if (folder / "tokenizer.json").is_file():
         notes.append(f"{KEY}: the folder has a tokenizer; train with it with data.tokenizer={folder / 'tokenizer.json'}")
     return notes
-
-
-def hf_state_dict(folder: Path | str, m: ModelConfig, *, wanted: Optional[List[str]] = None) -> Dict[str, torch.Tensor]:
-    """Full llmforge tensors (``wanted`` names, default all) read from a checked folder."""
-    folder = Path(folder).expanduser()
-    if wanted is None:
-        with torch.device("meta"):
-            wanted = list(GPT(m).state_dict())
-    with open_tensors(folder) as (_, get):
-        def read(name: str) -> torch.Tensor:
-            tensor = get(name)
-            return tensor[: m.seq_len] if name == _WPE else tensor
-
-        return {k: v.contiguous() for k, v in from_hf(read, m, wanted=wanted).items()}
 
 
 def load_hf_weights(model_parts: List[nn.Module], *, folder: Path | str, model: ModelConfig) -> None:

@@ -123,13 +123,6 @@ def precompute_scales(parts: List[nn.Module]) -> Callable[[], None]:
     return run
 
 
-def float8_modules(model: nn.Module) -> List[str]:
-    """Names of the Float8Linear modules of ``model`` (tests, reports)."""
-    from torchao.float8.float8_linear import Float8Linear
-
-    return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
-
-
 def has_fp8_hardware(device: torch.device) -> bool:
     """True on CUDA devices with FP8 tensor cores (compute capability 8.9 or later)."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
