@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-import llmforge.parallel.sequence
+import llmforge.parallel.sequence  # noqa: F401  (registers llmforge::sp_column_linears, which _save_ops names)
 
 MODES = ("none", "selective", "full")
 

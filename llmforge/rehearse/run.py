@@ -15,7 +15,7 @@ from llmforge.launch.run import runs_here
 from llmforge.models.masks import needs_eos
 from llmforge.plan import RunPlan
 from llmforge.rehearse.fake import FakeBatches, fake_process_group, fake_tensors
-from llmforge.rehearse.tracker import CATEGORIES, PeakTracker
+from llmforge.rehearse.tracker import PeakTracker
 from llmforge.train import optim
 from llmforge.train.build import build_components, distributed_rank
 from llmforge.train.components import RankInfo
