@@ -3,7 +3,7 @@ torchrun (one process per rank, on one node or several) or as a SLURM script.
 
 ``run``: ``launch(plan, ...)``, what every training command hands its plan to;
 ``checks``: what is refused before anything starts; ``local``: one rank in this
-process; ``torchrun`` and ``slurm``: the command lines and the torchrun agent;
+process; ``torchrun`` and ``slurm``: the command lines;
 ``worker``: what torchrun starts on each rank (torchrun's agent, the rank watch and
 the failure report are ``llmforge.processes``, shared with ``llmforge calibrate``); ``guard``: the optional check that collectives get
 tensors on the rank's device (``LLMFORGE_CHECK_COLLECTIVES``).
