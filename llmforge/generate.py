@@ -23,14 +23,19 @@ from typing import List, Optional
 import torch
 from rich.console import Console
 
+from llmforge.checkpoint.export import read_model_weights, run_tokenizer_file
+from llmforge.checkpoint.locate import locate
+from llmforge.checkpoint.resume import saved_config, split_ckpt
+from llmforge.config.ranges import range_problems
 from llmforge.config.schema import GenerateConfig, RunConfig
+from llmforge.data.tokenizer import find_eos, load_tokenizer
 from llmforge.errors import Problem, UserError
+from llmforge.models.gpt import GPT
+from llmforge.models.kvcache import KVCache
 
 
 def check_settings(g: GenerateConfig) -> None:
     """Every generate.* value out of its schema range, in one error."""
-    from llmforge.config.ranges import range_problems
-
     problems = range_problems(g, prefix="generate.")
     if problems:
         raise UserError(problems, title="bad generate settings")
@@ -81,8 +86,6 @@ def generate_ids(model: torch.nn.Module, prompt: List[int], *, settings: Generat
 
 
 def _cached_ids(model: torch.nn.Module, prompt: List[int], *, settings: GenerateConfig, seq_len: int, eos_id: Optional[int], device: torch.device) -> List[int]:
-    from llmforge.models.kvcache import KVCache
-
     generator = torch.Generator().manual_seed(settings.seed)
     ids, out = list(prompt), []
     cache, pending = KVCache(model.config), ids[-seq_len:]
@@ -102,9 +105,6 @@ def _cached_ids(model: torch.nn.Module, prompt: List[int], *, settings: Generate
 
 def load_model(path: Path, *, config: RunConfig, device: torch.device) -> torch.nn.Module:
     """The whole model with a checkpoint's weights (saved under any layout)."""
-    from llmforge.checkpoint.export import read_model_weights
-    from llmforge.models.gpt import GPT
-
     weights = read_model_weights(path)
     if config.model.tie_embeddings:
         weights.pop("head.weight", None)  # the last pipeline stage's copy of the embedding
@@ -123,9 +123,6 @@ def pick_device(name: str) -> torch.device:
 
 def checkpoint_config(overrides: List[str]):
     """The verified checkpoint folder and its saved config with ``generate.*``/``data.cache_dir`` overrides."""
-    from llmforge.checkpoint.locate import locate
-    from llmforge.checkpoint.resume import saved_config, split_ckpt
-
     ckpt, rest = split_ckpt(overrides)
     allowed = ("generate.", "data.cache_dir=")
     bad = [o for o in rest if not o.lstrip("+~").startswith(allowed)]
@@ -139,9 +136,6 @@ def run_tokenizer(config: RunConfig, *, tokenizer: Optional[Path], console: Cons
     """(tokenizer, end-of-document id): ``--tokenizer`` or the run's own, from the prepared-data
     cache (prepared again, identically, if the cache was removed)."""
     from tokenizers import Tokenizer
-
-    from llmforge.checkpoint.export import run_tokenizer_file
-    from llmforge.data.tokenizer import find_eos, load_tokenizer
 
     if tokenizer is not None:
         tok = load_tokenizer(str(tokenizer), vocab_size=config.model.vocab_size, key="--tokenizer")

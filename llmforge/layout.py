@@ -161,7 +161,8 @@ def _dp(config: RunConfig) -> Optional[int]:
 
 def check_world(config: RunConfig) -> List[Problem]:
     """dp x tp x pp x cp fills the devices; tp stays inside a node."""
-    p, c, out = config.parallel, config.cluster, []
+    p, c = config.parallel, config.cluster
+    out: List[Problem] = []
     if not ints(p.tp, p.pp, p.cp) or (p.dp != "auto" and not ints(p.dp)):
         return out
     model_parallel = p.tp * p.pp * p.cp
@@ -180,7 +181,8 @@ def check_world(config: RunConfig) -> List[Problem]:
 
 def check_tp(config: RunConfig) -> List[Problem]:
     """tp divides heads, kv heads, ffn and vocab; sequence parallel and cp split the sequence evenly."""
-    m, p, out = config.model, config.parallel, []
+    m, p = config.model, config.parallel
+    out: List[Problem] = []
     kv = m.num_kv_heads or m.num_heads
     if not ints(p.tp, p.cp) or p.tp < 1 or p.cp < 1:
         return out
@@ -204,7 +206,8 @@ def check_tp(config: RunConfig) -> List[Problem]:
 
 def check_pipeline(config: RunConfig) -> List[Problem]:
     """The layers split over pp x virtual stages; the schedule fits the virtual stages."""
-    m, p, out = config.model, config.parallel, []
+    m, p = config.model, config.parallel
+    out: List[Problem] = []
     if not ints(p.pp, p.pp_virtual_stages) or p.pp < 1 or p.pp_virtual_stages < 1:
         return out
     chunks = p.pp * p.pp_virtual_stages
@@ -225,7 +228,8 @@ def check_pipeline(config: RunConfig) -> List[Problem]:
 
 def check_batch(config: RunConfig) -> List[Problem]:
     """The global batch splits into whole microbatches per data-parallel rank, enough to fill the pipe."""
-    t, p, out = config.train, config.parallel, []
+    t, p = config.train, config.parallel
+    out: List[Problem] = []
     if not ints(t.micro_batch_size, t.global_batch_size) or t.micro_batch_size < 1:
         return out
     dp = _dp(config)
@@ -245,7 +249,8 @@ def check_batch(config: RunConfig) -> List[Problem]:
 
 def check_ep(config: RunConfig) -> List[Problem]:
     """ep needs an MoE model, divides its experts and the dp x cp ranks of a model replica."""
-    moe, p, out = config.model.moe, config.parallel, []
+    moe, p = config.model.moe, config.parallel
+    out: List[Problem] = []
     if moe.num_experts < 0 or not ints(p.ep):
         return out
     if moe.num_experts == 0:
@@ -264,7 +269,8 @@ def check_ep(config: RunConfig) -> List[Problem]:
 
 def check_hsdp(config: RunConfig) -> List[Problem]:
     """parallel.dp_replicate splits the FSDP (ZeRO 1-3) data-parallel group into replicas of a shard group."""
-    p, out = config.parallel, []
+    p = config.parallel
+    out: List[Problem] = []
     if not ints(p.dp_replicate) or p.dp_replicate <= 1 or not ints(p.tp, p.pp, p.cp) or min(p.tp, p.pp, p.cp) < 1:
         return out
     if p.zero == 0:
@@ -282,7 +288,8 @@ def check_hsdp(config: RunConfig) -> List[Problem]:
 
 def check_backend(config: RunConfig) -> List[Problem]:
     """Layouts the backend cannot run: context parallelism with pipelines or MoE models."""
-    p, out = config.parallel, []
+    p = config.parallel
+    out: List[Problem] = []
     if not ints(p.cp, p.pp) or p.cp <= 1:
         return out
     if p.pp > 1:
@@ -295,7 +302,8 @@ def check_backend(config: RunConfig) -> List[Problem]:
 def check_async_tp(config: RunConfig) -> List[Problem]:
     """parallel.async_tp runs torch's micro-pipelined TP: symmetric memory on CUDA, found in
     compiled graphs, over the sequence-parallel all-gathers and reduce-scatters."""
-    p, out = config.parallel, []
+    p = config.parallel
+    out: List[Problem] = []
     if not p.async_tp:
         return out
     needs = [
@@ -313,7 +321,8 @@ def check_async_tp(config: RunConfig) -> List[Problem]:
 
 def check_offload(config: RunConfig) -> List[Problem]:
     """CPU offload runs on FSDP2 (ZeRO 1-3) and not with float8 training or compiled blocks' saved activations."""
-    p, out = config.parallel, []
+    p = config.parallel
+    out: List[Problem] = []
     if p.offload == "states" and p.zero == 0:
         out.append(Problem("parallel.offload", p.offload, "offloaded states are FSDP2's CPUOffloadPolicy, and parallel.zero=0 does not shard with FSDP2",
                            "set parallel.zero=1 (compute weights and gradients stay whole on the device: one copy each way per step) or 3 (least device memory)"))

@@ -14,22 +14,23 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 from llmforge.config.dtypes import DTYPES
 from llmforge.config.launchers import KUBERNETES_KINDS, LAUNCHERS
 from llmforge.config.ranges import INT64_MAX, range_problems
-from llmforge.config.schema import ANOMALY_POLICIES, OFFLOAD_MODES, OPTIMIZERS, RECOMPUTE_MODES, SCHEDULES, RunConfig
+from llmforge.config.schema import ANOMALY_POLICIES, OFFLOAD_MODES, OPTIMIZERS, RECOMPUTE_MODES, SCHEDULES, ModelConfig, RunConfig
 from llmforge.config.train_rules import check_training
 from llmforge.elastic import check_elastic, world_problems
-from llmforge.errors import Problem, UserError, fail
+from llmforge.errors import Problem, UserError, fail, nearest
 from llmforge.hardware import get_profile, is_known, unknown_problem
 from llmforge.layout import (
     Layout, check_async_tp, check_backend, check_batch, check_ep, check_hsdp, check_offload, check_pipeline, check_tp, check_world, ints,
     world_and_dp,
 )
+from llmforge.storage import is_url
 
-CHOICES: Dict[str, tuple] = {
+CHOICES: Dict[str, Tuple[str, ...]] = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.activation": ("gelu", "swiglu"),
     "model.position": ("learned", "rope"),
@@ -185,7 +186,6 @@ def _validate(config: RunConfig) -> List[Problem]:
 
 def _check_storage(config: RunConfig) -> List[Problem]:
     """run.dir is a local folder (lock, plan, metrics); only checkpoints may go to object storage."""
-    from llmforge.storage import is_url
 
     out = []
     if is_url(config.run.dir):
@@ -203,8 +203,6 @@ def _check_choices(config: RunConfig) -> List[Problem]:
     for key, allowed in CHOICES.items():
         value = get_key(config, key)
         if value not in allowed:
-            from llmforge.errors import nearest
-
             out.append(Problem(key, value, f"not a valid choice{nearest(str(value), allowed)}", f"use one of: {', '.join(allowed)}"))
     return out
 
@@ -219,7 +217,8 @@ def _check_ranges(config: RunConfig) -> List[Problem]:
 
 
 def _check_model(config: RunConfig) -> List[Problem]:
-    m, out = config.model, []
+    m = config.model
+    out: List[Problem] = []
     kv = m.num_kv_heads or m.num_heads
     if m.num_heads > 0 and m.hidden_size % m.num_heads:
         out.append(Problem("model.hidden_size", m.hidden_size, f"not divisible by model.num_heads={m.num_heads}", "make hidden_size a multiple of num_heads"))
@@ -230,9 +229,9 @@ def _check_model(config: RunConfig) -> List[Problem]:
     return out + _check_window(m)
 
 
-def _check_window(m) -> List[Problem]:
+def _check_window(m: ModelConfig) -> List[Problem]:
     """The sliding-window keys: a size, and which layers use it."""
-    out = []
+    out: List[Problem] = []
     if m.sliding_window < 0:
         out.append(Problem("model.sliding_window", m.sliding_window, "must be 0 (off) or a window size in tokens", "set model.sliding_window=0 or e.g. 4096"))
     if m.sliding_window_every < 1:
@@ -258,7 +257,8 @@ def _check_moe(config: RunConfig) -> List[Problem]:
 
 
 def _check_data(config: RunConfig) -> List[Problem]:
-    d, out = config.data, []
+    d = config.data
+    out: List[Problem] = []
     if d.source == "files" and not d.path and not d.mixture:
         out.append(Problem("data.path", d.path, "data.source=files needs files to read", "set data.path=FILE_OR_FOLDER"))
     if d.vocab_size is not None and d.vocab_size > config.model.vocab_size:
@@ -305,7 +305,8 @@ def launch_problems(config: RunConfig) -> List[Problem]:
 def _check_fp8(config: RunConfig) -> List[Problem]:
     """precision.fp8 needs bf16 (or fp32) for the rest, and FP8 tensor cores unless emulated
     (and torchao at launch: ``launch_problems``)."""
-    pr, out = config.precision, []
+    pr = config.precision
+    out: List[Problem] = []
     if not pr.fp8:
         return out
     if pr.param_dtype == "fp16":

@@ -8,6 +8,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from llmforge.config.compose import compose
+from llmforge.config.schema import iter_keys, values_by_key
 from llmforge.plan import RunPlan
 
 
@@ -83,9 +85,6 @@ def show_options(options: Dict[str, Dict[str, object]], *, console: Console) -> 
 def show_keys(prefix: str, *, console: Console) -> None:
     """Every key with its type, its value in the default run (`llmforge pretrain` with no
     overrides: the schema's defaults under the default recipe) and its help."""
-    from llmforge.config.compose import compose
-    from llmforge.config.schema import iter_keys, values_by_key
-
     values = values_by_key(compose([]))
     table = Table(show_header=True, header_style="bold", caption="default: the value `llmforge pretrain` uses with no overrides")
     for col in ("key", "type", "default", "meaning"):

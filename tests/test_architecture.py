@@ -1,6 +1,7 @@
 """The package's import graph, read from the source with ``ast`` (nothing is imported):
-the light layers import no torch and nothing that runs models, and no module of them
-is part of an import cycle."""
+the light layers import no torch and nothing that runs models, no module and no package
+is part of an import cycle, packages import only the layers below them, and ``llmforge``
+imports sit at the top of modules (except in ``cli.py`` and ``commands/``)."""
 
 from __future__ import annotations
 
@@ -122,6 +123,104 @@ def test_imports_point_one_way(graph):
     bad = [f"{m}:{line} imports {target}" for layer, banned in FORBIDDEN.items()
            for m, deps in graph.items() if _under(m, (layer,)) for target, line in deps if _under(target, banned)]
     assert not bad, "\n".join(bad)
+
+
+#: The packages (and top-level modules) of llmforge, lowest layer first. A package imports
+#: only packages of the layers before its own (at module level or inside a function).
+LAYERS = (
+    ("errors", "files"),
+    ("storage",),
+    ("config",),
+    ("layout", "hardware"),
+    ("elastic",),
+    ("plan",),
+    ("data", "observe", "rundir", "report", "processes"),
+    ("estimate",),
+    ("models",),
+    ("parallel",),
+    ("checkpoint",),
+    ("calibrate",),
+    ("train",),
+    ("launch", "generate"),
+    ("rehearse", "testing"),
+    ("commands",),
+    ("cli",),
+    ("__main__",),
+)
+
+
+def _package(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def _package_edges(graph) -> Dict[str, Set[Tuple[str, str]]]:
+    """package -> {(package it imports, 'module:line'), ...} (imports within a package left out)."""
+    modules = set(graph)
+    edges: Dict[str, Set[Tuple[str, str]]] = {}
+    for m, deps in graph.items():
+        for target, line in deps:
+            if not target.startswith("llmforge."):
+                continue
+            source, dest = _package(m), _package(_resolve(target, modules))
+            if dest and dest != source:
+                edges.setdefault(source, set()).add((dest, f"{m}:{line}"))
+    return edges
+
+
+def _back_edges(edges: Dict[str, Set[Tuple[str, str]]]) -> List[str]:
+    tier = {name: i for i, names in enumerate(LAYERS) for name in names}
+    return sorted(f"{where} ({source}) imports {dest}" for source, out in edges.items() for dest, where in out
+                  if tier.get(dest, -1) >= tier.get(source, -1))
+
+
+def test_every_package_has_a_layer(graph):
+    known = {name for names in LAYERS for name in names}
+    assert {_package(m) for m in graph} - {""} <= known
+
+
+def test_no_import_cycle_between_packages(graph):
+    edges = {p: {dest for dest, _ in out} for p, out in _package_edges(graph).items()}
+    for deps in list(edges.values()):
+        for dest in deps:
+            edges.setdefault(dest, set())
+    assert not _cycles(edges)
+
+
+def test_packages_import_only_the_layers_below(graph):
+    bad = _back_edges(_package_edges(graph))
+    assert not bad, "\n".join(bad)
+
+
+def test_a_back_edge_is_found():
+    assert _back_edges({"config": {("plan", "llmforge.config.x:1")}}) == ["llmforge.config.x:1 (config) imports plan"]
+    assert _back_edges({"launch": {("calibrate", "m:1")}, "calibrate": {("processes", "m:2")}}) == []
+
+
+#: Where ``llmforge`` imports may sit inside functions: the CLI's start-up time is the reason
+#: (``llmforge --help`` and the light commands must not pay for the heavy packages).
+LAZY_IMPORTS_ALLOWED = ("llmforge.cli", "llmforge.commands")
+
+
+def _function_level_imports(source: str) -> Iterator[Tuple[str, int]]:
+    """(module, line) of each llmforge (or relative) import inside a function of ``source``."""
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for inner in ast.walk(node):
+                if isinstance(inner, (ast.Import, ast.ImportFrom)):
+                    targets = [a.name for a in inner.names] if isinstance(inner, ast.Import) else [inner.module or "."]
+                    if getattr(inner, "level", 0) or any(t.startswith("llmforge") for t in targets):
+                        yield ", ".join(targets), inner.lineno
+
+
+def test_llmforge_imports_sit_at_the_top_of_modules():
+    bad = [f"{_module_name(p)}:{line} imports {what} inside a function" for p in PACKAGE.rglob("*.py")
+           if not _under(_module_name(p), LAZY_IMPORTS_ALLOWED) for what, line in _function_level_imports(p.read_text())]
+    assert not bad, "\n".join(sorted(set(bad)))
+
+
+def test_a_function_level_import_is_found():
+    source = "import torch\nfrom llmforge.plan import RunPlan\n\ndef f():\n    import json\n    from llmforge.errors import fail\n    from . import x\n"
+    assert sorted(set(_function_level_imports(source))) == [(".", 7), ("llmforge.errors", 6)]
 
 
 def test_the_cycle_finder_finds_a_cycle():

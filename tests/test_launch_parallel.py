@@ -12,7 +12,7 @@ from rich.console import Console
 from llmforge.errors import UserError
 from llmforge.testing.harness import tiny_plan
 from llmforge.launch.run import launch_distributed
-from llmforge.launch.torchrun import run_torchrun
+from llmforge.processes.torchrun import run_torchrun
 
 
 def capture() -> tuple[Console, io.StringIO]:

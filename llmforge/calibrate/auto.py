@@ -22,6 +22,11 @@ from pathlib import Path
 
 from rich.console import Console
 
+from llmforge.calibrate.lock import calibration_lock
+from llmforge.calibrate.run import Request, Result, measure_here, measure_trusted, profile_data
+from llmforge.calibrate.write import check_out, datasheet_profile, profile_text, provenance, write_profile
+from llmforge.errors import UserError
+from llmforge.estimate.shape import ranks_per_node
 from llmforge.hardware import BUILTIN_DIR, UNCACHED_ENV, cpu_threads, get_profile, llmforge_home, machine_profile_path
 
 ENV = "LLMFORGE_AUTO_CALIBRATE"
@@ -32,8 +37,6 @@ ATTEMPTS = 2
 def needs_calibration(plan) -> bool:
     """A CPU plan that would run on the built-in guess, or on this machine's cached profile
     flagged as measured on a busy machine (no user profile of its own)."""
-    from llmforge.estimate.shape import ranks_per_node
-
     if plan.config.cluster.accelerator != "cpu" or os.environ.get(ENV, "1") == "0":
         return False
     profile = get_profile("cpu", ranks_per_node=ranks_per_node(plan))
@@ -46,8 +49,6 @@ def needs_calibration(plan) -> bool:
 def ensure_cpu_profile(plan, *, console: Console) -> None:
     """Calibrate this CPU quickly (compute only) and cache it, if the plan needs it; one line.
     One calibration at a time: a run that waited for another's re-checks what it cached."""
-    from llmforge.calibrate.lock import calibration_lock
-
     if not needs_calibration(plan):
         return
 
@@ -63,10 +64,6 @@ def ensure_cpu_profile(plan, *, console: Console) -> None:
 
 
 def _measure(plan, *, say):
-    from llmforge.calibrate.run import Request, Result, measure_here, measure_trusted, profile_data
-    from llmforge.calibrate.write import datasheet_profile, provenance
-    from llmforge.estimate.shape import ranks_per_node
-
     threads = cpu_threads(ranks_per_node(plan))
     req = Request(accelerator="cpu", quick=True, command="llmforge calibrate --quick (first CPU run on this machine)")
     silent = lambda total: (lambda what: None)  # noqa: E731
@@ -79,8 +76,6 @@ def _measure(plan, *, say):
 
 def _keep(result, *, console: Console, say, seconds: float) -> None:
     """Cache trusted figures; figures that cannot be cached or trusted serve this run alone."""
-    from llmforge.calibrate.write import profile_text, write_profile
-
     name = result.compute.device_name
     text = profile_text(result.data, description=f"{name}, measured by llmforge's first CPU run here")
     figures = f"{name}, fp32 matmuls {result.data['peak_tflops']['fp32'] * 1000:.0f} GFLOP/s"
@@ -104,9 +99,6 @@ def _keep(result, *, console: Console, say, seconds: float) -> None:
 
 def _home_problem(path: Path) -> str:
     """'' where LLMFORGE_HOME could hold ``path``, else a clause that names it."""
-    from llmforge.calibrate.write import check_out
-    from llmforge.errors import UserError
-
     try:
         check_out(path, given=False)
     except UserError as exc:

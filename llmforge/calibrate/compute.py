@@ -21,6 +21,7 @@ from llmforge.calibrate.probe import CpuLoad
 from llmforge.calibrate.timing import seconds_per_call
 from llmforge.calibrate.trust import PASSES, combine
 from llmforge.config.dtypes import TORCH_NAMES
+from llmforge.hardware import cpu_model
 
 Tick = Callable[[str], None]
 
@@ -197,8 +198,6 @@ def host_copies(*, device: torch.device, quick: bool, budget_s: float) -> List[B
 def device_name(device: torch.device, *, threads: int) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from llmforge.hardware import cpu_model
-
     return f"{cpu_model()} ({threads} thread{'s' if threads != 1 else ''})"
 
 

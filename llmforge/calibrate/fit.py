@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from llmforge.calibrate.probe import LoadReading
 from llmforge.estimate.comm import all_reduce_hops
 
 #: Candidate matmul_dim values (the rest of the fit is closed-form).
@@ -291,11 +292,6 @@ def _round(x: float) -> float:
     return float(f"{x:.3g}")
 
 
-def model_matmul_s(sample: MatmulSample, *, rate: float, dim: float, floor_s: float) -> float:
-    """What the fitted model says the sample takes (for the table)."""
-    return max(sample.flops / rate * (1 + dim * sample.stretch_terms), floor_s)
-
-
 def median(values: Sequence[float]) -> Optional[float]:
     ordered = sorted(values)
     if not ordered:
@@ -316,8 +312,6 @@ def samples_from_dict(data: dict) -> Tuple[ComputeSamples, List[CommSample]]:
 
 
 def compute_from_dict(c: dict) -> ComputeSamples:
-    from llmforge.calibrate.probe import LoadReading
-
     lists = ("matmul", "attention", "bandwidth", "host_copies", "passes", "load")
     return ComputeSamples(
         **{k: v for k, v in c.items() if k not in lists},

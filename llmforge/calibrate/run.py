@@ -13,11 +13,13 @@ from typing import Callable, Iterator, List, Optional, Tuple
 
 from rich.console import Console
 
-from llmforge.calibrate import fit, trust
+from llmforge.calibrate import compute, fit, trust
 from llmforge.calibrate.fit import CommSample, ComputeSamples
 from llmforge.calibrate.trust import Verdict
+from llmforge.calibrate.write import as_mapping
 from llmforge.errors import Problem, UserError
 from llmforge.hardware import Profile
+from llmforge.processes.torchrun import cluster_args, run_torchrun
 
 WORKER = "llmforge.calibrate.worker"
 
@@ -72,8 +74,6 @@ def measure_here(req: Request, *, threads: Optional[int], tick_total: Callable[[
     """Compute figures of this process's device (one rank: no collectives)."""
     import torch
 
-    from llmforge.calibrate import compute
-
     device = torch.device("cpu") if req.on_cpu else torch.device("cuda", 0)
     tick = tick_total(compute.steps(device, quick=req.quick))
     return compute.measure(device, quick=req.quick, threads=threads or 1, tick=tick)
@@ -87,8 +87,6 @@ def untrusted_note(verdict: Verdict) -> str:
 
 def measure_ranks(req: Request, *, threads: Optional[int], console: Console) -> tuple[ComputeSamples, List[CommSample]]:
     """Compute (rank 0) and collectives (every rank) through torchrun, the way pretrain launches."""
-    from llmforge.launch.torchrun import cluster_args, run_torchrun
-
     with tempfile.TemporaryDirectory(prefix="llmforge-calibrate-") as folder:
         out = Path(folder) / "samples.json"
         argv = cluster_args(nodes=req.nodes, per_node=req.per_node, endpoint=req.rdzv_endpoint, max_restarts=0, run_id="llmforge-calibrate")
@@ -130,8 +128,6 @@ def _reference_rate(samples: ComputeSamples) -> float:
 def profile_data(result: Result, *, name: str, provenance: dict) -> dict:
     """The calibrated profile's keys: the datasheet's, with the fitted ones on top, and in its
     provenance whether the figures can be trusted."""
-    from llmforge.calibrate.write import as_mapping
-
     data = fit.compute_keys(fit.fit_compute(result.compute), as_mapping(result.datasheet))
     if result.comm:
         data = fit.comm_keys(fit.fit_comm(result.comm), data)

@@ -5,7 +5,7 @@
 Rank 0 measures its device's compute while the others wait; then every rank runs the
 collectives inside its node and, across nodes, over the whole world; rank 0 writes
 the timings as JSON for the launcher to fit. Errors are reported as a training rank's
-are (``llmforge.launch.worker.report_errors``).
+are (``llmforge.processes.rank_errors.report_errors``).
 """
 
 from __future__ import annotations
@@ -17,20 +17,19 @@ import os
 from pathlib import Path
 from typing import List, Optional
 
-from llmforge.launch.watch import guard_rank
-from llmforge.launch.worker import report_errors
+from llmforge.calibrate import collectives, compute
+from llmforge.calibrate.fit import samples_to_dict
+from llmforge.calibrate.run import progress_bar
+from llmforge.files import write_text_atomic
+from llmforge.hardware import cpu_threads
+from llmforge.parallel.mesh import init_distributed
+from llmforge.processes.rank_errors import report_errors
+from llmforge.processes.watch import guard_rank
 
 
 def run_rank(*, accelerator: str, out: Path, quick: bool, timeout_s: float) -> None:
     import torch.distributed as dist
     from rich.console import Console
-
-    from llmforge.calibrate import collectives, compute
-    from llmforge.calibrate.fit import samples_to_dict
-    from llmforge.calibrate.run import progress_bar
-    from llmforge.files import write_text_atomic
-    from llmforge.hardware import cpu_threads
-    from llmforge.parallel.mesh import init_distributed
 
     device = init_distributed(accelerator=accelerator, timeout_s=timeout_s)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Optional
 
 from llmforge.errors import Problem, UserError
-from llmforge.hardware import BUILTIN_DIR, GIB, SPEED_KEYS, Profile, get_profile, parse_profile
+from llmforge.files import write_text_atomic
+from llmforge.hardware import BUILTIN_DIR, GIB, SPEED_KEYS, Profile, forget_profiles, get_profile, llmforge_home, parse_profile
 
 
 def datasheet_profile(name: str) -> Profile:
@@ -74,8 +75,6 @@ def check_out(path: Path, *, given: bool = True) -> None:
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             problem = f"{folder} is not a writable folder"
     if problem and not given:
-        from llmforge.hardware import llmforge_home
-
         raise UserError([Problem("LLMFORGE_HOME", str(llmforge_home()), f"cannot write the profile {path} there: {problem}",
                                  "set LLMFORGE_HOME to a writable folder (default ~/.cache/llmforge), or pass --out PATH.yaml")], title="cannot write the profile")
     if problem:
@@ -118,9 +117,6 @@ def profile_text(data: dict, *, description: str) -> str:
 
 
 def write_profile(path: Path, text: str) -> None:
-    from llmforge.files import write_text_atomic
-    from llmforge.hardware import forget_profiles
-
     path.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(path, text)
     forget_profiles()

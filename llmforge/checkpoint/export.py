@@ -24,10 +24,14 @@ import torch
 from rich.console import Console
 
 from llmforge.checkpoint.hf_names import style_of, to_hf
+from llmforge.checkpoint.safe_reader import SafeReader, load_metadata, safe_reader
+from llmforge.checkpoint.store import quiet_single_process
 from llmforge.config.schema import ModelConfig, RunConfig
+from llmforge.data.prepare import prepare
 from llmforge.errors import Problem, UserError
 from llmforge.files import write_json_atomic
 from llmforge.models.fused import fuse_saved
+from llmforge.models.masks import windowed_layer
 
 __all__ = ["check_exportable", "export_checkpoint", "hf_config", "read_model_weights", "run_tokenizer_file", "style_of"]
 
@@ -38,9 +42,6 @@ def read_model_weights(path: Path) -> Dict[str, torch.Tensor]:
     """Every ``model.*`` tensor of a checkpoint, unsharded, keyed by parameter name."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from llmforge.checkpoint.safe_reader import load_metadata, safe_reader
-    from llmforge.checkpoint.store import quiet_single_process
 
     metadata = load_metadata(path)
     weights = {
@@ -72,8 +73,6 @@ def hf_config(m: ModelConfig, *, style: str, dtype: torch.dtype, eos_id: Optiona
 
 def _windowed(m: ModelConfig) -> dict:
     """A Llama with sliding-window layers is a Ministral (per-layer ``layer_types``; same weight names)."""
-    from llmforge.models.masks import windowed_layer
-
     kinds = ["sliding_attention" if windowed_layer(m, i) else "full_attention" for i in range(m.num_layers)]
     return {"architectures": ["MinistralForCausalLM"], "model_type": "ministral", "sliding_window": m.sliding_window, "layer_types": kinds}
 
@@ -141,8 +140,6 @@ def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path, tokenize
 def run_tokenizer_file(config: RunConfig, *, console: Optional[Console]) -> Tuple[Path, int]:
     """The tokenizer.json a run trained with and its end-of-document id, from the
     prepared-data cache (prepared again, identically, if the cache was removed)."""
-    from llmforge.data.prepare import prepare
-
     vocab = config.data.vocab_size or config.model.vocab_size
     prepared = prepare(data=config.data, vocab_size=vocab, seed=config.train.seed, console=console)
     return prepared.tokenizer_path, prepared.eos_id

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import torch
 from torch import nn
@@ -27,6 +27,8 @@ from torch import nn
 from llmforge.checkpoint.hf_names import from_hf, style_of, to_hf
 from llmforge.config.schema import ModelConfig
 from llmforge.errors import Problem, UserError, fail
+from llmforge.models.gpt import GPT
+from llmforge.parallel.materialize import fill
 
 KEY = "model.init_from"
 #: Tensors some Hugging Face checkpoints carry that are not weights.
@@ -140,8 +142,6 @@ def _gpt2_view(hf: Dict[str, Any]) -> Tuple[Dict[str, Any], List[Tuple[str, Any,
 
 def expected_shapes(m: ModelConfig) -> Dict[str, List[int]]:
     """Hugging Face tensor name -> the shape this model needs (no memory allocated)."""
-    from llmforge.models.gpt import GPT
-
     with torch.device("meta"):
         weights = GPT(m).state_dict()
     return {name: list(t.shape) for name, t in to_hf(weights, m).items()}
@@ -188,27 +188,9 @@ def check_folder(folder: Path | str, m: ModelConfig) -> List[str]:
     return notes
 
 
-def hf_state_dict(folder: Path | str, m: ModelConfig, *, wanted: Optional[List[str]] = None) -> Dict[str, torch.Tensor]:
-    """Full llmforge tensors (``wanted`` names, default all) read from a checked folder."""
-    folder = Path(folder).expanduser()
-    if wanted is None:
-        from llmforge.models.gpt import GPT
-
-        with torch.device("meta"):
-            wanted = list(GPT(m).state_dict())
-    with open_tensors(folder) as (_, get):
-        def read(name: str) -> torch.Tensor:
-            tensor = get(name)
-            return tensor[: m.seq_len] if name == _WPE else tensor
-
-        return {k: v.contiguous() for k, v in from_hf(read, m, wanted=wanted).items()}
-
-
 def load_hf_weights(model_parts: List[nn.Module], *, folder: Path | str, model: ModelConfig) -> None:
     """Replace the parts' weights with the folder's, in whatever layout the parts have:
     one tensor is read at a time and only this rank's slice of it is kept."""
-    from llmforge.parallel.materialize import fill
-
     check_folder(folder, model)
     folder = Path(folder).expanduser()
     with open_tensors(folder) as (_, get):

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Set
 
-from llmforge.errors import UserError, fail
+from llmforge.errors import Problem, UserError, fail
 from llmforge.files import sha256_file, write_json_atomic
 
 MANIFEST = "manifest.json"
@@ -122,6 +122,4 @@ def read_train_state(folder: Path) -> dict:
 
 
 def _problem(text: str):
-    from llmforge.errors import Problem
-
     return Problem(key="", value="", rule=text, fix="")

@@ -21,7 +21,7 @@ import re
 from typing import Any, Dict, Iterable, List, Optional
 
 from llmforge.checkpoint.manifest import FORMAT, MANIFEST, TRAIN_STATE, file_problems, parse_manifest
-from llmforge.errors import UserError, fail
+from llmforge.errors import Problem, UserError, fail
 from llmforge.storage import basename, filesystem, join, parent, storage_error
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -131,7 +131,6 @@ def verify(prefix: str, *, checksums: bool) -> dict:
         if saved != int(data["step"]):
             problems = [f"{join(prefix, TRAIN_STATE)}: records step {saved}, but {join(prefix, MANIFEST)} records step {data['step']}"]
     if problems:
-        from llmforge.errors import Problem
 
         raise UserError([Problem("", "", p, "") for p in problems], title=f"damaged checkpoint {prefix}")
     return data

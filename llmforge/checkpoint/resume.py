@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 from rich.console import Console
 
 from llmforge.checkpoint.locate import Located, locate
+from llmforge.checkpoint.objstore import read_json
 from llmforge.checkpoint.store import train_state_of
 from llmforge.config.saved import compose_saved
 from llmforge.config.schema import values_by_key
@@ -106,7 +107,6 @@ def shared_storage(old: Any, new: Any, *, found: Located) -> List[Problem]:
 def saved_plan(path: Any) -> Dict[str, Any]:
     """The plan.json stored in a checkpoint (a folder or an object-storage URL), as a dict."""
     if is_url(path):
-        from llmforge.checkpoint.objstore import read_json
 
         try:
             data = read_json(join(path, "plan.json"))

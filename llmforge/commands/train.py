@@ -1,4 +1,5 @@
-"""``llmforge pretrain`` and ``resume``: a plan handed to ``llmforge.launch``."""
+"""``llmforge pretrain`` and ``resume``: a plan handed to ``llmforge.launch``, after the first
+CPU run on a machine has measured it (``llmforge.calibrate.auto``; not for ``--dry-run``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Sequence
 from rich.console import Console
 
 from llmforge.commands.plans import build_plan
+from llmforge.plan import RunPlan
 
 
 def pretrain_command(overrides: Sequence[str], *, config_dir: Sequence[Path], force: bool, dry_run: bool, overwrite: bool, console: Console) -> None:
@@ -16,7 +18,7 @@ def pretrain_command(overrides: Sequence[str], *, config_dir: Sequence[Path], fo
     from llmforge.launch import launch
 
     rehearse_before_launch(run_plan, force=force, console=console)
-
+    _calibrate_cpu(run_plan, dry_run=dry_run, console=console)
     launch(run_plan, resume_from=None, force=force, dry_run=dry_run, console=console, overwrite=overwrite)
 
 
@@ -26,4 +28,13 @@ def resume_command(overrides: Sequence[str], *, config_dir: Sequence[Path], forc
     from llmforge.launch import launch
 
     run_plan, checkpoint = plan_for_resume(list(overrides), from_other_run=from_other_run, config_dir=config_dir)
+    _calibrate_cpu(run_plan, dry_run=dry_run, console=console)
     launch(run_plan, resume_from=checkpoint, force=force, dry_run=dry_run, console=console, overwrite=overwrite)
+
+
+def _calibrate_cpu(run_plan: RunPlan, *, dry_run: bool, console: Console) -> None:
+    """The first CPU run on a machine measures it before the launcher's checks read its profile."""
+    if not dry_run:
+        from llmforge.calibrate.auto import ensure_cpu_profile
+
+        ensure_cpu_profile(run_plan, console=console)

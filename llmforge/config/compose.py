@@ -214,7 +214,7 @@ def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] =
     try:
         with initialize(version_base=None, config_path=None, job_name="llmforge"):
             cfg = hydra_compose(config_name=_ROOT_NAME, overrides=checked)
-        cfg = OmegaConf.masked_copy(cfg, [f for f in cfg if f != "hydra"]) if "hydra" in cfg else cfg
+        cfg = OmegaConf.masked_copy(cfg, [str(f) for f in cfg if f != "hydra"]) if "hydra" in cfg else cfg
         return OmegaConf.to_object(cfg)  # type: ignore[return-value]
     except (HydraException, OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:
         raise UserError([_explain(exc, options=options)], title="the configuration does not compose") from None
@@ -235,7 +235,7 @@ def _group_of(override: str) -> str:
 
 def _explain(exc: BaseException, *, options: Dict[str, Dict[str, OptionInfo]]) -> Problem:
     """The most specific message in the exception chain, with the key and file it names."""
-    chain = []
+    chain: List[BaseException] = []
     node: Optional[BaseException] = exc
     while node is not None and len(chain) < 10:
         chain.append(node)
@@ -249,8 +249,6 @@ def _explain(exc: BaseException, *, options: Dict[str, Dict[str, OptionInfo]]) -
     source = f" (in {_file_of(where.removeprefix('In ').strip(), options=options)})" if where else ""
     fix = "check the key names and value types in your YAML and overrides (`llmforge keys` lists them)"
     if key and "not in" in text:
-        from llmforge.config.schema import iter_keys
-
         fix = f"remove or rename it{nearest(key, [k for k, *_ in iter_keys()])}; `llmforge keys` lists every key"
     return Problem(key, "", text + source, fix)
 

@@ -13,8 +13,8 @@ This module imports no torch.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from llmforge.config.fields import knob
 from llmforge.config.launchers import KubernetesConfig, SkyPilotConfig
@@ -371,11 +371,11 @@ class RunConfig:
 GROUPS = ("model", "parallel", "precision", "data", "checkpoint", "optim", "cluster", "logging")
 
 
-def iter_keys(cls: type = RunConfig, prefix: str = ""):
+def iter_keys(cls: type = RunConfig, prefix: str = "") -> Iterator[Tuple[str, str, Any, str]]:
     """Yield (dotted key, type name, default, help) for every leaf field."""
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None):
+        if isinstance(f.type, type) and dataclasses.is_dataclass(f.type):
             yield from iter_keys(f.type, key + ".")
             continue
         sub = _nested_dataclass(cls, f.name)
@@ -390,7 +390,7 @@ def iter_keys(cls: type = RunConfig, prefix: str = ""):
 
 def values_by_key(config: Any) -> Dict[str, Any]:
     """Every leaf value of a config dataclass (or nested dict) by its dotted key."""
-    data = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else config
+    data = dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else config
     out: Dict[str, Any] = {}
 
     def walk(node: Dict[str, Any], prefix: str) -> None:
@@ -406,8 +406,8 @@ def values_by_key(config: Any) -> Dict[str, Any]:
 
 def _nested_dataclass(cls: type, name: str) -> Optional[type]:
     f = {x.name: x for x in dataclasses.fields(cls)}[name]
-    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value = f.default_factory()  # type: ignore[misc]
+    if f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
         if dataclasses.is_dataclass(value):
             return type(value)
     return None

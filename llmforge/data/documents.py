@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterator, List
 
 from llmforge.data.sources import Source, check_utf8
+from llmforge.data.text_column import describe_non_text
 from llmforge.errors import Problem, UserError
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -97,8 +98,6 @@ def _text_column(table, source: Source, *, text_key: str):
                                  f"set data.text_key to one of {columns}")], title="missing text column")
     dtype = str(table.features[text_key].dtype) if hasattr(table.features[text_key], "dtype") else ""
     if dtype not in ("string", "large_string"):
-        from llmforge.data.text_column import describe_non_text
-
         found = describe_non_text(list(source.files), kind=source.kind, text_key=text_key)
         holds = found or f"column '{text_key}' holds {dtype or table.features[text_key]} values"
         raise UserError([Problem("data.text_key", text_key, f"{holds}; every value must be a string",

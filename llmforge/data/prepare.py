@@ -21,6 +21,8 @@ from rich.text import Text
 
 from llmforge.config.schema import DataConfig
 from llmforge.data import cache
+from llmforge.data.build import build
+from llmforge.data.documents import open_documents
 from llmforge.data.reader import TokenStream
 from llmforge.data.sources import FileInfo, Source, builtin_source, file_source, fingerprint_file, parse_mixture
 from llmforge.data.tokenizer import check_vocab_size, load_tokenizer
@@ -112,8 +114,6 @@ def _prepare_locked(root: Path, *, data: DataConfig, inputs: Sequence[Tuple[Sour
             return from_manifest(root, manifest, weights=[w for _, w in inputs], reused=True)
         if console is not None:
             console.print(Text.assemble(("Preparing data", "bold"), f" in {root} ({reason})"))
-        from llmforge.data.build import build
-
         with cache.staging(root) as tmp:
             manifest = build(tmp, inputs=[s for s, _ in inputs], data=data, vocab_size=vocab_size,
                              console=console)
@@ -215,8 +215,6 @@ def _fingerprint_inputs(root: Path, inputs: Sequence[Tuple[Source, float]], *,
 
 
 def _hub_fingerprint(source: Source, *, root: Path) -> FileInfo:
-    from llmforge.data.documents import open_documents
-
     text_key = source.spec.split("|")[2]
     docs = open_documents(source, text_key=text_key, cache_dir=root.parent.parent)
     return FileInfo(path=f"hub:{source.spec}", size=docs.num_rows, mtime_ns=0, sha256=docs.fingerprint())

@@ -20,13 +20,15 @@ import multiprocessing
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Tuple
 
 import numpy as np
-from tokenizers import Tokenizer
 
 from llmforge.data.documents import Documents, split_long
 from llmforge.files import file_stamp
+
+if TYPE_CHECKING:  # imported where used: the estimator reads the data cache without `tokenizers`
+    from tokenizers import Tokenizer
 
 SHARD_TOKENS = 1 << 28  # 512 MB of uint16 per shard file
 PIECE_CHARS = 1 << 16  # long documents are encoded in pieces of about this many characters
@@ -151,6 +153,8 @@ def rows_per_batch(docs: Documents) -> int:
 
 def _encoded(batches: Iterable[List[str]], *, tokenizer_path: Path, eos_id: int, dtype: np.dtype,
              num_proc: int):
+    from tokenizers import Tokenizer
+
     if num_proc <= 1:
         tokenizer = Tokenizer.from_file(str(tokenizer_path))
         for texts in batches:
@@ -165,6 +169,8 @@ _WORKER: dict = {}
 
 
 def _init_worker(tokenizer_path: str, eos_id: int, dtype: str) -> None:
+    from tokenizers import Tokenizer
+
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     _WORKER.update(tokenizer=Tokenizer.from_file(tokenizer_path), eos_id=eos_id, dtype=np.dtype(dtype))
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Iterable, List, Optional
+from typing import TYPE_CHECKING, Iterable, List, Optional
 
 import numpy as np
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from llmforge.errors import Problem, UserError
+
+if TYPE_CHECKING:  # imported where used: the estimator reads the data cache without `tokenizers`
+    from tokenizers import Tokenizer
 
 EOS_TOKEN = "<|endoftext|>"
 KNOWN_EOS = (EOS_TOKEN, "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
@@ -60,6 +62,8 @@ def cap_runs(text: str) -> List[str]:
 
 def train_bpe(texts: Iterable[List[str]], *, vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE of at most vocab_size tokens on batches of documents."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -84,6 +88,8 @@ def load_tokenizer(path_text: str, *, vocab_size: int, key: str = "data.tokenize
         hint = f" (perhaps {key}={path / 'tokenizer.json'})" if (path / "tokenizer.json").is_file() else ""
         raise UserError([Problem(key, path_text, what, f"point {key} at a tokenizer.json{hint}, or {unset}")],
                         title="missing tokenizer")
+    from tokenizers import Tokenizer
+
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception on bad JSON

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+from llmforge.data.prepare import prepared_document_ends
+
 MAX_WINDOWS = 1 << 16  # windows of each stream read for the document statistics
 
 
@@ -118,8 +120,6 @@ def _prepared_streams(data, vocab_size: int) -> Optional[List[Tuple[Sequence[int
     """(doc_ends, weight) of each stream of the prepared data, read once per process; None when not prepared."""
     key = (repr(data), vocab_size)
     if key not in _STREAMS:
-        from llmforge.data.prepare import prepared_document_ends
-
         _STREAMS[key] = prepared_document_ends(data, vocab_size=vocab_size)
     return _STREAMS[key]
 

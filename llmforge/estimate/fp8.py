@@ -115,11 +115,6 @@ def stage_cast_seconds(shape: Shape, layout: Layout, job: Job, counts: StageCoun
     return nbytes / job.profile.memory_bandwidth
 
 
-def saved_weight_copy_numel(shape: Shape, layout: Layout, *, moe: bool) -> float:
-    """Converted weight elements of one block for which autocast keeps no 16-bit copy."""
-    return converted_numel(shape, moe=moe, tp=layout.tp)
-
-
 def working_bytes(shape: Shape, layout: Layout, job: Job) -> float:
     """The largest float8 working set of one linear layer: weight and transpose, input and transpose."""
     return _working_bytes(shape, layout.tp, layout.micro_batch * shape.seq / layout.cp)

@@ -19,6 +19,7 @@ from typing import List, Tuple
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate import activations as act
 from llmforge.estimate import fp8, muon
+from llmforge.estimate.offload import device_memory
 from llmforge.estimate.params import RankParams, block_tensors, layout_rank_params, representative_stages, stage_counts
 from llmforge.estimate.pipeline import inflight_microbatches
 from llmforge.estimate.shape import Job, Shape
@@ -215,8 +216,6 @@ def stage_memory(shape: Shape, layout: Layout, job: Job, stage: int, microbatche
     reserved = job.profile.runtime_reserved_bytes + FRAGMENTATION * (activations + transient)
     mem = StageMemory(stage, params, weights, grads, optimizer, activations, transient, reserved)
     if layout.offload != "none" or layout.offload_activations:
-        from llmforge.estimate.offload import device_memory
-
         return device_memory(mem, shape, layout, job, block=largest_block(shape, layout, stage))
     return mem
 

@@ -199,11 +199,6 @@ def layout_rank_params(shape: Shape, layout: Layout, stage: int) -> RankParams:
                        stage=stage, tp=layout.tp, ep=layout.ep, v_shape=layout.v_shape)
 
 
-def layout_stage_layers(shape: Shape, layout: Layout) -> Tuple[Tuple[int, ...], ...]:
-    """Block indices held by each pipeline rank under the layout's schedule."""
-    return stage_layers(shape, layout.pp, layout.virtual_stages, layout.pp_layers, layout.v_shape)
-
-
 def named_shapes(shape: Shape) -> dict:
     """``{parameter name: shape}`` of the whole one-process model, named as ``GPT`` names them."""
     out = {t.name: t.shape for t in embedding_tensors(shape)}
@@ -211,11 +206,6 @@ def named_shapes(shape: Shape) -> dict:
         out.update({f"layers.{i}.{t.name}": t.shape for t in block_tensors(shape, shape.is_moe_layer(i))})
     out.update({t.name: t.shape for t in head_tensors(shape, separate_copy=False)})
     return out
-
-
-def matmul_weight_numel(shape: Shape, moe: bool) -> int:
-    """Elements of the matrix weights of one block (what autocast casts to 16 bits)."""
-    return sum(t.numel for t in block_tensors(shape, moe) if len(t.shape) == 2)
 
 
 @dataclass(frozen=True)

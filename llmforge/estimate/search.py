@@ -35,11 +35,14 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Iterator, List, Optional, Tuple
 
+from llmforge.errors import UserError
 from llmforge.estimate.core import Estimate, estimate, node_fits, stage_peaks, step_floor
 from llmforge.estimate.memory import most_loaded
-from llmforge.estimate.shape import Job, Shape
+from llmforge.estimate.shape import Job, Shape, from_plan
 from llmforge.estimate.text import gib
+from llmforge.hardware import known_profiles
 from llmforge.layout import Layout
+from llmforge.plan import RunPlan
 
 MAX_VIRTUAL = 8
 
@@ -285,8 +288,6 @@ def _differences(a: Layout, b: Layout) -> str:
 
 def suggestions(shape: Shape, job: Job, *, world: int, smallest: Optional[Estimate]) -> List[str]:
     """What would make a request that fits nowhere possible."""
-    from llmforge.hardware import known_profiles
-
     out: List[str] = []
     if smallest is not None:
         out.append(_leanest(smallest, world=world))
@@ -323,8 +324,6 @@ def _leanest(smallest: Estimate, *, world: int) -> str:
 
 def search_plan(plan, *, top: int) -> SearchResult:
     """Search the cluster of a RunPlan (cluster.nodes x cluster.devices_per_node, cluster.accelerator)."""
-    from llmforge.estimate.shape import from_plan
-
     shape, _, job = from_plan(plan)
     c = plan.config.cluster
     world = c.nodes * c.devices_per_node if c.devices_per_node else plan.world_size
@@ -351,9 +350,6 @@ def plan_config(plan, layout: Layout):
 
 
 def _valid(plan, layout: Layout) -> bool:
-    from llmforge.errors import UserError
-    from llmforge.plan import RunPlan
-
     try:
         RunPlan.build(plan_config(plan, layout))
     except UserError:

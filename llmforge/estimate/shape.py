@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from llmforge.config.dtypes import DTYPE_BYTES
+from llmforge.estimate.attention import attention_cost, mask_fraction
 from llmforge.hardware import Profile, get_profile, machine_memory
 from llmforge.layout import Layout
 
@@ -135,8 +136,6 @@ class Job:
 def shape_from_config(model, *, attention_fraction: Optional[float] = None) -> Shape:
     """A Shape from a ``ModelConfig``; ``attention_fraction`` None: from the config alone
     (sliding windows; a document mask counted as one document per window)."""
-    from llmforge.estimate.attention import mask_fraction
-
     moe = model.moe
     return Shape(
         num_layers=model.num_layers, hidden=model.hidden_size, heads=model.num_heads,
@@ -180,7 +179,5 @@ def ranks_per_node(plan) -> int:
 
 def from_plan(plan) -> Tuple[Shape, Layout, Job]:
     """Shape, Layout and Job of a built RunPlan."""
-    from llmforge.estimate.attention import attention_cost
-
     fraction = attention_cost(plan.config, data_vocab_size=plan.data_vocab_size).fraction
     return shape_from_config(plan.config.model, attention_fraction=fraction), plan.layout, job_from_plan(plan)

@@ -4,11 +4,11 @@ Kubernetes or SkyPilot job.
 
 ``run``: ``launch(plan, ...)``, what every training command hands its plan to;
 ``checks``: what is refused before anything starts; ``local``: one rank in this
-process; ``torchrun`` and ``slurm``: the command lines and the torchrun agent;
+process; ``torchrun`` and ``slurm``: the command lines;
 ``kubernetes`` (TrainJob, JobSet), ``skypilot`` and what they share, ``platform``: the
 manifests and their submission; ``netcheck``: the pre-flight network check;
-``worker``: what torchrun starts on each rank; ``watch``: ranks that die with their
-launcher, and the failure report; ``guard``: the optional check that collectives get
+``worker``: what torchrun starts on each rank (torchrun's agent, the rank watch and
+the failure report are ``llmforge.processes``, shared with ``llmforge calibrate``); ``guard``: the optional check that collectives get
 tensors on the rank's device (``LLMFORGE_CHECK_COLLECTIVES``).
 """
 

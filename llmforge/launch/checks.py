@@ -8,8 +8,16 @@ from typing import Optional
 
 from rich.console import Console
 
+from llmforge.checkpoint.hf_import import check_folder
+from llmforge.config.train_rules import FAULT_ENV, fault_problem, parse_fault
+from llmforge.data.tokenizer import load_tokenizer
+from llmforge.elastic import smallest
 from llmforge.errors import Problem, UserError
-from llmforge.plan import RunPlan
+from llmforge.estimate.core import estimate_plan
+from llmforge.estimate.report import fit_problems, summary_text
+from llmforge.estimate.text import verdict
+from llmforge.observe.tensorboard import check_installed
+from llmforge.plan import RunPlan, launch_problems, tokenizer_problems
 
 #: Bytes a checkpoint holds per parameter: fp32 weights and AdamW's two fp32 moments.
 CHECKPOINT_BYTES_PER_PARAM = 12
@@ -19,17 +27,11 @@ def preflight(plan: RunPlan, *, force: bool, resume: bool, console: Console) -> 
     """Refuse what cannot start (a missing tool, a too-small or unfit tokenizer, a plan estimated
     not to fit unless forced); show the short estimate and notes on the weights to load."""
     if plan.config.data.tokenizer:  # missing, unreadable, or ids past the vocabulary: refused before any rank starts
-        from llmforge.data.tokenizer import load_tokenizer
-
         load_tokenizer(plan.config.data.tokenizer, vocab_size=plan.data_vocab_size)
     if plan.config.logging.tensorboard:
-        from llmforge.observe.tensorboard import check_installed
-
         check_installed()
     _check_estimate(plan, force=force, console=console)
     if not resume and plan.config.model.init_from:
-        from llmforge.checkpoint.hf_import import check_folder
-
         for note in check_folder(plan.config.model.init_from, plan.config.model):
             console.print(note, style="yellow", markup=False, highlight=False)
 
@@ -37,10 +39,6 @@ def preflight(plan: RunPlan, *, force: bool, resume: bool, console: Console) -> 
 def _check_estimate(plan: RunPlan, *, force: bool, console: Console) -> None:
     """Show the short estimate; refuse a plan estimated not to fit (on its devices, or in the
     host memory of its nodes, every rank of a node together) unless forced."""
-    from llmforge.estimate.core import estimate_plan
-    from llmforge.estimate.report import fit_problems, summary_text
-    from llmforge.plan import launch_problems, tokenizer_problems
-
     problems = tokenizer_problems(plan.config) + launch_problems(plan.config)
     if problems:
         raise UserError(problems, title="the run plan is not valid")
@@ -53,10 +51,6 @@ def _check_estimate(plan: RunPlan, *, force: bool, console: Console) -> None:
 
 def _check_smallest_world(plan: RunPlan, *, force: bool) -> None:
     """An elastic plan must also fit on its fewest nodes, where ZeRO shards over fewer ranks."""
-    from llmforge.elastic import smallest
-    from llmforge.estimate.core import estimate_plan
-    from llmforge.estimate.text import verdict
-
     least = smallest(plan)
     if least is plan or force:
         return
@@ -73,8 +67,6 @@ def check_host_memory(plan: RunPlan) -> None:
     together) exceed this machine's memory."""
     import os
 
-    from llmforge.estimate.core import estimate_plan
-
     host = estimate_plan(plan).host
     if host is None:
         return
@@ -90,8 +82,6 @@ def check_host_memory(plan: RunPlan) -> None:
 def check_space(plan: RunPlan) -> None:
     """Refuse a run whose first checkpoint cannot fit on run.dir's file system."""
     import shutil
-
-    from llmforge.estimate.core import estimate_plan
 
     folder = plan.run_dir
     while not folder.exists() and folder != folder.parent:
@@ -126,8 +116,6 @@ def check_fault(plan: RunPlan, *, resume_from: Optional[Path], here: bool, conso
     rank or step never comes, or that will end this very command, is said at start-up."""
     import os
     import re
-
-    from llmforge.config.train_rules import FAULT_ENV, fault_problem, parse_fault
 
     spec = os.environ.get(FAULT_ENV, "")
     if not spec:

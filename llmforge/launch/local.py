@@ -7,17 +7,15 @@ from typing import Optional
 
 from rich.console import Console
 
+from llmforge.hardware import cpu_threads
 from llmforge.plan import RunPlan
+from llmforge.train.components import RankInfo
+from llmforge.train.run import run
 
 
 def run_here(plan: RunPlan, *, resume_from: Optional[Path], console: Console) -> None:
     """Train ``plan`` on this process's device (the first GPU, or the CPU for cluster=cpu)."""
     import torch
-
-    from llmforge.train.components import RankInfo
-    from llmforge.train.run import run
-
-    from llmforge.hardware import cpu_threads
 
     device = torch.device("cpu") if plan.config.cluster.accelerator == "cpu" else torch.device("cuda", 0)
     if device.type == "cpu":  # the threads its profile was measured with (llmforge calibrate sets the same)

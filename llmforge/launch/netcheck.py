@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 from typing import List, Optional
 
+from llmforge.calibrate.collectives import best_bus_bandwidth
 from llmforge.errors import Problem, UserError
+from llmforge.hardware import get_profile
 from llmforge.plan import RunPlan
 
 MIB = 2**20
@@ -36,7 +38,6 @@ def wanted(plan: RunPlan) -> bool:
 
 def expected_bandwidth(plan: RunPlan) -> float:
     """Bytes/s of bus bandwidth the profile's inter-node link achieves."""
-    from llmforge.hardware import get_profile
 
     profile = get_profile(plan.config.cluster.accelerator)
     return profile.inter_node_bandwidth * profile.comm_efficiency
@@ -77,7 +78,6 @@ def measure_bus_bandwidth(device) -> float:
     """The best all-reduce bus bandwidth over the world at a few sizes (bytes/s). Collective."""
     import torch.distributed as dist
 
-    from llmforge.calibrate.collectives import best_bus_bandwidth
 
     return best_bus_bandwidth("all_reduce", group=dist.group.WORLD, device=device, byte_sizes=_sizes(device))
 

@@ -16,7 +16,13 @@ from typing import Any, Optional
 from rich.console import Console
 
 from llmforge.config.launchers import PLATFORM_LAUNCHERS
+from llmforge.errors import UserError, fail, pasteable
 from llmforge.launch.checks import check_devices, check_fault, check_host_memory, check_space, preflight
+from llmforge.launch import kubernetes, skypilot
+from llmforge.launch.local import run_here
+from llmforge.launch.platform import check_platform, to_yaml
+from llmforge.launch.slurm import submit_script
+from llmforge.launch.torchrun import check_supported, start
 from llmforge.plan import RunPlan
 from llmforge.rundir import RunLock, check_writable, plan_path, write_plan
 from llmforge.storage import check_reachable, is_url
@@ -24,15 +30,11 @@ from llmforge.storage import check_reachable, is_url
 
 def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
     """Check, then run ``plan`` here or through torchrun, holding the run folder's lock.
-    The first CPU run on a machine measures it first (``llmforge.calibrate.auto``)."""
+    (The first CPU run on a machine has measured it already: ``llmforge.commands.train``.)"""
     check_fault(plan, resume_from=resume_from, here=runs_here(plan), console=console)
     if plan.config.cluster.launcher in PLATFORM_LAUNCHERS:
         _launch_on_platform(plan, resume_from=resume_from, force=force, dry_run=dry_run, console=console)
         return
-    if not dry_run:
-        from llmforge.calibrate.auto import ensure_cpu_profile
-
-        ensure_cpu_profile(plan, console=console)
     preflight(plan, force=force, resume=resume_from is not None, console=console)
     here = runs_here(plan)
     if dry_run:
@@ -56,8 +58,6 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
         if resume_from is None or not _holds(plan, resume_from):
             claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
         if here:
-            from llmforge.launch.local import run_here
-
             run_here(plan, resume_from=resume_from, console=console)
             return
         launch_distributed(plan, resume_from=resume_from, dry_run=False, console=console)
@@ -66,18 +66,12 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
 def _launch_on_platform(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console) -> None:
     """Kubernetes or SkyPilot: check the plan, then print or submit its manifest; nothing is
     written here (run.dir is on the platform's storage)."""
-    from llmforge.errors import fail
-    from llmforge.launch.platform import check_platform, to_yaml
-
     if resume_from is not None:
         raise fail(f"cluster.launcher={plan.config.cluster.launcher}: a job there always continues from the newest complete checkpoint in run.dir; "
                    "submit it again with `llmforge pretrain` and the same run.dir instead of `llmforge resume`")
     check_platform(plan)
     preflight(plan, force=force, resume=False, console=console)
-    if plan.config.cluster.launcher == "kubernetes":
-        from llmforge.launch import kubernetes as platform
-    else:
-        from llmforge.launch import skypilot as platform  # type: ignore[no-redef]
+    platform = kubernetes if plan.config.cluster.launcher == "kubernetes" else skypilot
     manifest = platform.manifest(plan)
     if dry_run:  # the manifest alone on stdout (`> job.yaml`), the notes on the console
         print(to_yaml(manifest), end="", flush=True)
@@ -103,21 +97,14 @@ def runs_here(plan: RunPlan) -> bool:
 
 def launch_distributed(plan: RunPlan, *, resume_from: Optional[Path], dry_run: bool, console: Console) -> None:
     """Run ``plan`` on all its ranks (or write/print the SLURM script)."""
-    from llmforge.errors import UserError
-    from llmforge.launch.torchrun import check_supported
-
     problems = check_supported(plan)
     if problems:
         raise UserError(problems, title="this layout cannot be launched")
     if not dry_run:
         write_plan(plan)
     if plan.config.cluster.launcher == "slurm":
-        from llmforge.launch.slurm import submit_script
-
         submit_script(plan, plan_path=plan_path(plan), resume_from=resume_from, dry_run=dry_run, console=console)
         return
-    from llmforge.launch.torchrun import start
-
     start(plan, plan_path=plan_path(plan), resume_from=resume_from, dry_run=dry_run, console=console)
 
 
@@ -140,8 +127,6 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
     """A new run (or a resume into another folder) never mixes its metrics and checkpoints
     with an earlier run's."""
     import shutil
-
-    from llmforge.errors import fail, pasteable
 
     found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
     if not found:

@@ -21,7 +21,7 @@ from rich.console import Console
 
 from llmforge.elastic import is_elastic
 from llmforge.errors import Problem, UserError
-from llmforge.launch.platform import PLAN_ENV, job_name, mounts, node_script, plan_text
+from llmforge.launch.platform import PLAN_ENV, job_name, mounts, node_script, plan_text, to_yaml
 from llmforge.launch.torchrun import procs_per_node, rendezvous_conf
 from llmforge.plan import RunPlan
 
@@ -87,7 +87,6 @@ def manifest(plan: RunPlan) -> dict:
 def submit(plan: RunPlan, task: dict, *, console: Console) -> None:
     """``sky launch`` (or ``sky jobs launch``) the task from a temporary YAML file; SkyPilot
     streams its own progress and says itself when no cloud is enabled (``sky check``)."""
-    from llmforge.launch.platform import to_yaml
 
     sky = shutil.which("sky")
     if sky is None:

@@ -4,35 +4,32 @@
 
 Before anything is built, a multi-node run times its network (``llmforge.launch.netcheck``).
 Rank 0 alone prints and logs. When torchrun restarts the ranks after a failure
-(``cluster.max_restarts``), they continue from the run's newest complete checkpoint. An error on a rank is written to
-``$LLMFORGE_ERROR_DIR/rank<N>.json`` (the launcher shows the first one, once)
-or, without that variable, printed; the rank then exits at once with code 2 for
-a user error and 1 otherwise, and torchrun stops the other ranks.
+(``cluster.max_restarts``), they continue from the run's newest complete checkpoint. An error
+on a rank ends it with one record (``llmforge.processes.rank_errors``).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import io
 import json
-import os
-import sys
-import time
-import traceback
 from pathlib import Path
-from typing import Any, Iterator, List, Optional
+from typing import Any, List, Optional
 
-from llmforge.launch.watch import ERROR_DIR_ENV, guard_rank
-
-
-def _rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-def attempt() -> int:
-    """How many times torchrun has restarted the ranks of this job (cluster.max_restarts)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+from llmforge.checkpoint.locate import newest_complete
+from llmforge.checkpoint.resume import saved_plan
+from llmforge.elastic import describe_change
+from llmforge.errors import UserError
+from llmforge.launch.guard import install_from_env
+from llmforge.launch.netcheck import check_network
+from llmforge.parallel.mesh import init_distributed
+from llmforge.plan import RunPlan, config_from_dict
+from llmforge.processes.rank_errors import attempt, env_rank, report_errors
+from llmforge.processes.watch import guard_rank
+from llmforge.rundir import RunLock
+from llmforge.storage import is_url
+from llmforge.train.build import distributed_rank
+from llmforge.train.run import prepare_data, run
 
 
 def restart_point(plan, *, resume: Optional[Path], console, launched=None) -> Optional[Path]:
@@ -46,9 +43,6 @@ def restart_point(plan, *, resume: Optional[Path], console, launched=None) -> Op
         return resume
     found: List[Optional[str]] = [None]
     if dist.get_rank() == 0:
-        from llmforge.checkpoint.locate import newest_complete
-        from llmforge.errors import UserError
-
         if attempt() > 0:
             try:
                 found[0] = str(newest_complete(plan.checkpoint_root).path)
@@ -66,8 +60,6 @@ def _restart_line(plan, *, launched, checkpoint: Optional[str], where: str):
     head = f"restart {attempt()} of {plan.config.cluster.max_restarts}" if attempt() else "elastic start"
     if launched is None or launched.world_size == plan.world_size and _saved_world(checkpoint) in (None, plan.world_size):
         return Text.assemble((head, "bold yellow"), f" after a failed rank: {where}")
-    from llmforge.elastic import describe_change
-
     before = _saved_plan(checkpoint) or launched
     return Text.assemble((head, "bold yellow"), f": {describe_change(before, plan, start=attempt() == 0)}; {where}")
 
@@ -76,10 +68,7 @@ def _saved_plan(checkpoint: Optional[str]):
     """The plan a checkpoint was written under (at the world it ran on), or None."""
     if checkpoint is None:
         return None
-    from llmforge.plan import RunPlan, config_from_dict
-
     try:
-        from llmforge.checkpoint.resume import saved_plan
 
         data = saved_plan(_where(checkpoint))
         return RunPlan.build(config_from_dict(data["config"]), world=int(data["derived"]["world_size"]))
@@ -89,7 +78,6 @@ def _saved_plan(checkpoint: Optional[str]):
 
 def _where(text: str) -> Any:
     """A checkpoint location from text: an object-storage URL stays a string."""
-    from llmforge.storage import is_url
 
     return text if is_url(text) else Path(text)
 
@@ -99,45 +87,6 @@ def _saved_world(checkpoint: Optional[str]) -> Optional[int]:
     return None if saved is None else saved.world_size
 
 
-@contextlib.contextmanager
-def report_errors() -> Iterator[None]:
-    """Turn any exception on this rank into one error record and an immediate exit."""
-    from llmforge.errors import UserError
-
-    try:
-        yield
-    except BaseException as exc:  # noqa: BLE001 - every failure must end the rank
-        if isinstance(exc, SystemExit) and not exc.code:
-            raise
-        user = isinstance(exc, UserError)
-        record = {
-            "rank": _rank(),
-            "attempt": attempt(),
-            "time": time.time(),
-            "kind": "user" if user else "error",
-            "message": exc.message() if user else describe_exception(exc),
-            "traceback": "" if user else "".join(traceback.format_exception(exc)),
-        }
-        folder = os.environ.get(ERROR_DIR_ENV)
-        if folder:
-            path = Path(folder) / f"rank{_rank()}.json"
-            path.write_text(json.dumps(record))
-        else:
-            print(f"rank {_rank()}: {record['traceback'] or record['message']}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
-        os._exit(2 if user else 1)
-
-
-def describe_exception(exc: BaseException) -> str:
-    """``Type: message`` and where it was raised: the launcher's one-paragraph account
-    of an unexpected error (the whole traceback shows with LLMFORGE_TRACEBACK=1)."""
-    text = "".join(traceback.format_exception_only(exc)).strip()
-    frames = traceback.extract_tb(exc.__traceback__)
-    ours = [f for f in frames if f"{os.sep}llmforge{os.sep}" in f.filename and not f.filename.endswith(("worker.py", "harness.py"))]
-    frame = (ours or frames or [None])[-1]
-    return f"{text}\n  (in {frame.name}, {frame.filename}:{frame.lineno})" if frame else text
-
-
 def newest_checkpoint(plan, *, console) -> Optional[Path]:
     """The newest complete checkpoint of the run (rank 0 looks, for every rank), or None: where a
     platform's job starts (``--resume-newest``), so that one it restarts continues the run. Collective."""
@@ -145,9 +94,6 @@ def newest_checkpoint(plan, *, console) -> Optional[Path]:
 
     found: List[Optional[str]] = [None]
     if dist.get_rank() == 0:
-        from llmforge.checkpoint.locate import newest_complete
-        from llmforge.errors import UserError
-
         try:
             found[0] = str(newest_complete(plan.checkpoint_root).path)
             console.print(f"resuming from {found[0]}, the run's newest complete checkpoint", highlight=False)
@@ -161,21 +107,12 @@ def run_rank(*, plan_path: Path, resume: Optional[Path], resume_newest: bool = F
     import torch.distributed as dist
     from rich.console import Console
 
-    from llmforge.launch.guard import install_from_env
-    from llmforge.launch.netcheck import check_network
-    from llmforge.parallel.mesh import init_distributed
-    from llmforge.plan import RunPlan
-    from llmforge.train.build import distributed_rank
-    from llmforge.train.run import prepare_data, run
-
     launched = RunPlan.load(plan_path)
     device = init_distributed(accelerator=launched.config.cluster.accelerator, timeout_s=launched.config.cluster.timeout_s)
     install_from_env(device)
     plan = launched.at_world(dist.get_world_size())  # an elastic run on fewer nodes: the layout for the world it got
     main = dist.get_rank() == 0
     if main and plan.config.cluster.nodes > 1:
-        from llmforge.rundir import RunLock
-
         RunLock(plan.run_dir).acquire()  # held until this process ends; each node's launcher shares the folder
     console = Console(stderr=True, markup=False, soft_wrap=True) if main else Console(file=io.StringIO(), quiet=True)
     check_network(plan, device=device, console=console)
@@ -200,7 +137,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--resume", type=_where, default=None)
     parser.add_argument("--resume-newest", action="store_true", help="continue from run.dir's newest complete checkpoint when there is one")
     args = parser.parse_args(argv)
-    guard_rank(_rank())
+    guard_rank(env_rank())
     with report_errors():
         run_rank(plan_path=args.plan, resume=args.resume, resume_newest=args.resume_newest)
 

@@ -57,6 +57,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 from torch.distributed.tensor import DTensor
 
 from llmforge.parallel.dtensor import local
+from llmforge.parallel.expert import ExpertParallelExperts
 
 
 def mixed_precision(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype, fp32_residual: bool = False) -> MixedPrecisionPolicy:
@@ -161,8 +162,6 @@ def _prefetch(blocks: List[FSDPModule]) -> None:
 
 
 def _shard_experts(block: nn.Module, *, mesh: DeviceMesh, dp_size: int, reshard: bool, mp: MixedPrecisionPolicy, policy: OffloadPolicy) -> None:
-    from llmforge.parallel.expert import ExpertParallelExperts
-
     for module in list(block.modules()):
         if isinstance(module, ExpertParallelExperts):
             unit = fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy)

@@ -41,7 +41,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from llmforge.models.moe import Counts, GroupedExperts, expert_mlp
+from llmforge.models.moe import MOE_METRIC_KEYS, Counts, GroupedExperts, expert_mlp, metrics_from_sums, moe_metric_sums
 from llmforge.parallel.dtensor import local
 
 EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
@@ -148,8 +148,6 @@ def global_moe_metrics(model_parts: List[nn.Module]) -> Dict[str, float]:
     """MoE statistics averaged over every MoE layer on every rank (each pipeline
     stage holds different layers, each data-parallel rank routes different tokens).
     A collective: every rank must call it at the same step."""
-    from llmforge.models.moe import MOE_METRIC_KEYS, metrics_from_sums, moe_metric_sums
-
     sums, count, worst = moe_metric_sums(model_parts)
     device = next(p.device for part in model_parts for p in part.parameters())
     totals = torch.tensor([*(sums[k] for k in MOE_METRIC_KEYS), float(count)], dtype=torch.float64, device=device)

@@ -46,6 +46,8 @@ from typing import Callable, Iterator, List
 import torch
 from torch import nn
 
+from llmforge.errors import fail
+
 #: Modules under a block that stay in high precision, by name.
 SKIPPED = ("router",)
 
@@ -95,8 +97,6 @@ def apply_float8(model: nn.Module, *, recipe: str, emulate: bool, fsdp_all_gathe
     (a whole model or a pipeline chunk); returns how many were converted."""
     device = next(model.parameters()).device
     if not emulate and device.type != "meta" and not has_fp8_hardware(device):
-        from llmforge.errors import fail
-
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         raise fail(f"precision.fp8: this device ({name}) has no FP8 tensor cores (CUDA compute capability 8.9 or later); run on an H100/H200/B200, use precision=bf16, or precision.fp8_emulate=true (no speed-up)")
     with quiet_torchao():
@@ -121,13 +121,6 @@ def precompute_scales(parts: List[nn.Module]) -> Callable[[], None]:
             precompute_float8_dynamic_scale_for_fsdp(part)
 
     return run
-
-
-def float8_modules(model: nn.Module) -> List[str]:
-    """Names of the Float8Linear modules of ``model`` (tests, reports)."""
-    from torchao.float8.float8_linear import Float8Linear
-
-    return [name for name, m in model.named_modules() if isinstance(m, Float8Linear)]
 
 
 def has_fp8_hardware(device: torch.device) -> bool:

@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+import llmforge.parallel.sequence  # noqa: F401  (registers llmforge::sp_column_linears, which _save_ops names)
+
 MODES = ("none", "selective", "full")
 
 aten = torch.ops.aten
@@ -48,8 +50,6 @@ ATTENTION_OPS = (
 def _save_ops() -> frozenset:
     """Ops whose outputs selective recompute keeps: matmuls, fused attention and
     communication (also the sequence-parallel gather + column-parallel linears, as one op)."""
-    import llmforge.parallel.sequence  # noqa: F401  (registers llmforge::sp_column_linears)
-
     ops = [aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
            torch.ops.llmforge.sp_column_linears.default]
     ops += [getattr(aten, name).default for name in ATTENTION_OPS if hasattr(aten, name)]

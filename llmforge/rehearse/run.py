@@ -11,10 +11,16 @@ from typing import Dict, Iterator, List
 
 import torch
 
+from llmforge.launch.run import runs_here
 from llmforge.models.balanced import balanced_routing
+from llmforge.models.masks import needs_eos
 from llmforge.plan import RunPlan
 from llmforge.rehearse.fake import FakeBatches, fake_process_group, fake_tensors
-from llmforge.rehearse.tracker import CATEGORIES, PeakTracker
+from llmforge.rehearse.tracker import PeakTracker
+from llmforge.train import optim
+from llmforge.train.build import build_components, distributed_rank
+from llmforge.train.components import RankInfo
+from llmforge.train.loop import _unscale_and_clip
 
 #: How the CPU rehearsal differs from the rank it stands for on an accelerator.
 DIFFERENCES = (
@@ -104,8 +110,6 @@ def rehearsal_plan(plan: RunPlan) -> RunPlan:
 def rehearse(plan: RunPlan, *, stage: int, where: str = "", fake: bool = True) -> Rehearsal:
     """Run the build and two training steps of pipeline rank ``stage``'s first rank on fake
     tensors (``fake=False``: on real ones, for a tiny plan, to check the fake run against it)."""
-    from llmforge.launch.run import runs_here
-
     plan = rehearsal_plan(plan)
     rank = most_loaded_rank(plan, stage=stage)
     start = time.perf_counter()
@@ -119,10 +123,6 @@ def rehearse(plan: RunPlan, *, stage: int, where: str = "", fake: bool = True) -
 
 def _program(plan: RunPlan, *, distributed: bool, fake: bool) -> tuple[PeakTracker, PeakTracker, PeakTracker]:
     """The build and two steps of this process's rank, each under its own tracker."""
-    from llmforge.models.masks import needs_eos
-    from llmforge.train.build import build_components, distributed_rank
-    from llmforge.train.components import RankInfo
-
     device = torch.device("cpu")
     rank = RankInfo(device=device)
     if distributed:
@@ -146,8 +146,6 @@ def _program(plan: RunPlan, *, distributed: bool, fake: bool) -> tuple[PeakTrack
 @contextlib.contextmanager
 def _fused_adamw() -> Iterator[None]:
     """Build the fused AdamW of GPU ranks (``llmforge.train.optim.implementation``)."""
-    from llmforge.train import optim
-
     original = optim.implementation
     optim.implementation = lambda params, offloaded=False: "fused"
     try:
@@ -159,8 +157,6 @@ def _fused_adamw() -> Iterator[None]:
 def _one_step(c, *, tracker: PeakTracker, grad_clip: float) -> None:
     """The loop's step (``llmforge.train.loop.train_loop``) without its reads of the device
     (the guard's read, the meter, logging)."""
-    from llmforge.train.loop import _unscale_and_clip
-
     batch = c.sampler.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size)
     out = c.step(batch)
     tracker.tag_grads(c.parameters())

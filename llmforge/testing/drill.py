@@ -18,21 +18,22 @@ from typing import Any, Dict, List
 
 import torch
 
+from llmforge.checkpoint.store import CheckpointSaver
 from llmforge.errors import UserError
 from llmforge.plan import RunPlan
+from llmforge.testing.harness import SyntheticSampler, full_parameters, rank_info
+from llmforge.train.build import build_components
 from llmforge.train.components import Components
+from llmforge.train.instrument import inject_fault
+from llmforge.train.loop import LoopHooks, train_loop
+from llmforge.train.optim import set_lr_scale
+from llmforge.train.recovery import check_and_save, train_recovering
+from llmforge.train.run import train_state
 
 
 def run_drill(plan: RunPlan, spec: Dict[str, Any], *, device: torch.device) -> Dict[str, Any]:
     """One drill or reference run; rank 0 returns the final parameters, every logged record,
     the error a stop ended in and the lines a rollback printed."""
-    from llmforge.testing.harness import SyntheticSampler, full_parameters, rank_info
-    from llmforge.train.build import build_components
-    from llmforge.train.loop import LoopHooks, train_loop
-    from llmforge.train.instrument import inject_fault
-    from llmforge.train.optim import set_lr_scale
-    from llmforge.train.recovery import train_recovering
-
     cfg = plan.config
     torch.manual_seed(cfg.train.seed)
     sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed)
@@ -75,10 +76,6 @@ def skip_batches(c: Components, *, count: int) -> None:
 
 def _saver(plan: RunPlan, c: Components, hooks, *, root: Path):
     """A checkpoint saver under ``root`` and the loop's checkpoint hook, as a run has them."""
-    from llmforge.checkpoint.store import CheckpointSaver
-    from llmforge.train.recovery import check_and_save
-    from llmforge.train.run import train_state
-
     saver = CheckpointSaver(root=root, keep=plan.config.checkpoint.keep, async_save=False, rank=c.rank.rank, log=lambda text: None)
     hooks.checkpoint = lambda step: check_and_save(c, saver, step=step, train_state=train_state(c), plan=plan.to_dict())
     return saver

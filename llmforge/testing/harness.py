@@ -33,10 +33,19 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from llmforge.errors import fail
+from llmforge.launch.guard import install_from_env
 from llmforge.models.masks import needs_eos
 from llmforge.parallel.dtensor import local_numel
+from llmforge.parallel.mesh import backend_for
+from llmforge.parallel.offload import OffloadedStep
 from llmforge.plan import RunPlan, config_from_dict
+from llmforge.processes.rank_errors import report_errors
+from llmforge.processes.watch import guard_rank
+from llmforge.train.build import build_components, distributed_rank
 from llmforge.train.components import Components, RankInfo
+from llmforge.train.loop import LoopHooks, train_loop
+from llmforge.train.syncs import StepSyncs
 
 TINY = [
     "model.num_layers=4", "model.hidden_size=32", "model.num_heads=4", "model.ffn_hidden_size=64",
@@ -107,8 +116,6 @@ def rank_info(plan: RunPlan, *, device: torch.device, mesh_of_one: bool = False)
     it takes the distributed path with a mesh of size one, as the worker does."""
     if plan.world_size == 1 and not (mesh_of_one and dist.is_initialized()):
         return RankInfo(device=device)
-    from llmforge.train.build import distributed_rank
-
     return distributed_rank(plan, device=device)
 
 
@@ -116,10 +123,6 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), m
     """Train ``plan`` on synthetic data; return what it computed (params on rank 0).
     ``count_syncs``: count the host synchronisations of step ``SYNC_STEP`` (slow:
     every op goes through a Python dispatch mode)."""
-    from llmforge.train.build import build_components
-    from llmforge.train.loop import LoopHooks, train_loop
-    from llmforge.train.syncs import StepSyncs
-
     cfg = plan.config
     torch.manual_seed(cfg.train.seed)
     eos_rate = DOCUMENT_EOS_RATE if needs_eos(cfg.model) else 0.0
@@ -166,8 +169,6 @@ def offload_facts(c: Components) -> Dict[str, object]:
 def _count_activation_copies(c: Components) -> Dict[str, int]:
     """Count the activations the step's offload hooks copy to host memory and back (a dict
     filled while training; empty counts when no offload hook is in place)."""
-    from llmforge.parallel.offload import OffloadedStep
-
     counts = {"activations_to_host": 0, "activations_back": 0}
     step = c.step
     while step is not None and not isinstance(step, OffloadedStep):
@@ -265,9 +266,6 @@ def full_parameters(c: Components) -> Dict[str, torch.Tensor]:
 def main(argv: List[str], *, drill: Optional[Callable[..., dict]] = None) -> None:
     """Run the spec's layouts; ``drill`` runs those given as dicts (``python -m llmforge.testing.drill``)."""
     spec = json.loads(Path(argv[0]).read_text())
-    from llmforge.launch.watch import guard_rank
-    from llmforge.launch.worker import report_errors
-
     guard_rank(int(os.environ.get("RANK", "0")))
     with report_errors():
         device = _join(spec.get("device", "cpu"))
@@ -291,9 +289,6 @@ def _join(device_type: str) -> torch.device:
     """Join torchrun's process group as the worker does; this rank's compute device."""
     import os
 
-    from llmforge.launch.guard import install_from_env
-    from llmforge.parallel.mesh import backend_for
-
     device = torch.device("cpu")
     if device_type != "cpu":
         device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", "0")))
@@ -304,8 +299,6 @@ def _join(device_type: str) -> torch.device:
 
 
 def _fail(kind: str) -> None:
-    from llmforge.errors import fail
-
     if kind == "user":
         raise fail("data.path = 'missing.txt': no such file")
     raise RuntimeError("injected failure on this rank")

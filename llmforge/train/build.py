@@ -9,9 +9,12 @@ import torch
 from torch import nn
 
 from llmforge.models.gpt import GPT
+from llmforge.models.moe import moe_metrics, set_aux_loss_scale, update_expert_bias
 from llmforge.parallel.clip import GlobalClip
-from llmforge.parallel.mesh import ParallelMesh
+from llmforge.parallel.expert import global_moe_metrics, load_reducer
+from llmforge.parallel.float8 import precompute_scales
 from llmforge.parallel.materialize import materialize, seeded_values
+from llmforge.parallel.mesh import ParallelMesh, build_mesh
 from llmforge.parallel.pipeline import stage_skeleton, tied_copy_source
 from llmforge.parallel.tied import tied_params
 from llmforge.plan import RunPlan
@@ -19,6 +22,7 @@ from llmforge.train.anomaly import AnomalyPolicy, StepGuard
 from llmforge.train.build_step import build_step
 from llmforge.train.components import Components, RankInfo
 from llmforge.train.host_memory import keep_freed_memory
+from llmforge.train.meter import meter_for
 from llmforge.train.optim import build_optimizer, build_scheduler
 from llmforge.train.parallelize import fp8_all_gather, parallelize
 from llmforge.train.precision import LossScaler
@@ -63,8 +67,6 @@ def anomaly_policy(plan: RunPlan) -> AnomalyPolicy:
 def distributed_rank(plan: RunPlan, *, device: torch.device) -> RankInfo:
     """This rank of a started process group, with the run's mesh."""
     import torch.distributed as dist
-
-    from llmforge.parallel.mesh import build_mesh
 
     mesh = build_mesh(plan.layout, device_type=device.type, timeout_s=plan.config.cluster.timeout_s)
     return RankInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), dp_rank=mesh.local_rank("dp"),
@@ -129,8 +131,6 @@ def _optimizer(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Mo
     optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr, offloaded=cfg.parallel.offload == "states")
     _no_decay(optimizer, copies)
     if fp8_all_gather(plan, mesh=mesh):
-        from llmforge.parallel.float8 import precompute_scales
-
         precompute = precompute_scales(parts)
         optimizer.register_step_post_hook(lambda *_: precompute())
     return optimizer
@@ -157,8 +157,6 @@ def _no_decay(optimizer: torch.optim.Optimizer, copies: List[nn.Parameter]) -> N
 
 def wire(plan: RunPlan, c: Components) -> Components:
     """What every run's components get once built: the step meter (MFU, peak memory), MoE wiring."""
-    from llmforge.train.meter import meter_for
-
     c.meter = meter_for(plan, device=c.rank.device)
     return wire_moe(plan, c)
 
@@ -170,24 +168,16 @@ def wire_moe(plan: RunPlan, c: Components) -> Components:
     microbatch count itself; the accumulation loop divides each loss by it."""
     if not plan.moe_layers:
         return c
-    from llmforge.models.moe import moe_metrics, set_aux_loss_scale
-
     per_loss = 1.0 if plan.layout.pp > 1 else 1.0 / plan.microbatches
     scaler = c.scaler
     set_aux_loss_scale(c.model_parts, scale=lambda: (scaler.scale if scaler.enabled else 1.0) * per_loss)
     moe = plan.config.model.moe
     if moe.balance == "bias":
-        from llmforge.models.moe import update_expert_bias
-
         reduce = None
         if c.rank.mesh is not None and plan.dp * plan.layout.cp > 1:
-            from llmforge.parallel.expert import load_reducer
-
             reduce = load_reducer(c.rank.mesh)
         c.optimizer.register_step_post_hook(lambda *_: update_expert_bias(c.model_parts, rate=moe.bias_update_rate, reduce=reduce, step_scale=c.guard.gate))
     if c.rank.mesh is not None:
-        from llmforge.parallel.expert import global_moe_metrics
-
         c.extra_metrics = lambda: global_moe_metrics(c.model_parts)
     else:
         c.extra_metrics = lambda: moe_metrics(c.model_parts)

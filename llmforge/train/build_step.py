@@ -10,12 +10,15 @@ from typing import List, Optional
 import torch
 from torch import nn
 
+from llmforge.layout import chunk_rank
+from llmforge.models.masks import model_documents, needs_eos
 from llmforge.parallel.context import cp_positions
 from llmforge.parallel.data import FIRST_BUCKET_BYTES, BucketedGradReduce, GradAllReduce, deferred_reduce, fsdp_sync, grad_sync
 from llmforge.parallel.expert import expert_parameters
 from llmforge.parallel.mesh import ParallelMesh
 from llmforge.layout import chunk_rank
 from llmforge.models.masks import model_documents, needs_eos
+from llmforge.parallel.offload import OffloadedStep
 from llmforge.parallel.pipeline import StageShapes, build_schedule
 from llmforge.parallel.tensor import align_grads, loss_context, sharded_cross_entropy
 from llmforge.parallel.tied import TiedEmbeddingSync, tied_group
@@ -40,8 +43,6 @@ def build_step(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Mo
         step = _pipeline_step(plan, mesh=mesh, parts=parts, ids=ids, scaler=scaler, device=device, finish=finish)
     step.documents_of = documents_of
     if plan.config.parallel.offload_activations:
-        from llmforge.parallel.offload import OffloadedStep
-
         return OffloadedStep(step, device=device)
     return step
 

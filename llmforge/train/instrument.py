@@ -14,16 +14,16 @@ import torch
 from rich.console import Console
 
 from llmforge.config.train_rules import FAULT_ENV, parse_fault  # the spec is checked before launch (llmforge.launch.checks)
+from llmforge.observe.profile import StepProfiler, out_of_memory_error
 from llmforge.parallel.dtensor import local
 from llmforge.plan import RunPlan
+from llmforge.rundir import write_plan
 from llmforge.train.components import Components, RankInfo
 from llmforge.train.loop import LoopHooks
 
 
 def add_profiler(plan: RunPlan, hooks: LoopHooks, closers: List[Callable[[], None]], *, snapshots, rank: RankInfo, start_step: int, console: Console) -> None:
     """train.profile's trace on this rank, and the memory snapshot at its end (train.memory_snapshot=profile)."""
-    from llmforge.observe.profile import StepProfiler
-
     t, out_dir = plan.config.train, plan.run_dir / "profile"
     if t.profile is None:
         return
@@ -119,13 +119,9 @@ def explain_oom(plan: RunPlan, *, rank: RankInfo, snapshots, built: List[Compone
     try:
         yield
     except torch.OutOfMemoryError as exc:
-        from llmforge.observe.profile import out_of_memory_error
-
         step = built[0].scheduler.last_epoch + 1 if built else 0
         snapshot = snapshots.dump(f"oom_step{step}")
         plan_path = plan.run_dir / "plan.json"
         if rank.is_main and not plan_path.is_file():
-            from llmforge.rundir import write_plan
-
             write_plan(plan)
         raise out_of_memory_error(exc, rank=rank.rank, step=step, snapshot=snapshot, plan_path=plan_path) from None

@@ -29,7 +29,12 @@ from llmforge.estimate import flops as fl
 from llmforge.estimate.params import total_params
 from llmforge.estimate.shape import Job, shape_from_config
 from llmforge.layout import Layout
-from llmforge.train.precision import DTYPES
+from llmforge.models.gpt import GPT
+from llmforge.parallel.recompute import apply_recompute, checkpoint_module, selective_policy
+import llmforge.parallel.recompute as recompute
+from llmforge.parallel.residual import apply_residual_dtype
+from llmforge.train.loss import cross_entropy
+from llmforge.train.precision import DTYPES, residual_dtype
 
 REAL_LIMIT = 3e10  # parameters x tokens per microbatch beyond which fake tensors are used
 
@@ -63,7 +68,6 @@ class Measurement:
 def _recompute_wrap(model, *, mode: str, every: int) -> list:
     """Apply llmforge's recompute to the blocks; returns the list that will collect the
     selective-checkpoint caches (matmul outputs kept outside autograd's saved tensors)."""
-    from llmforge.parallel.recompute import apply_recompute, checkpoint_module, selective_policy
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     caches: list = []
@@ -86,8 +90,6 @@ def selective_caches() -> Iterator[list]:
     """While active, every selective-recompute region the backend opens
     (``llmforge.parallel.recompute.selective_context``) adds its cache of kept outputs
     to the list this yields (they are saved outside autograd's saved tensors)."""
-    import llmforge.parallel.recompute as recompute
-
     caches: list = []
     original = recompute.selective_context
 
@@ -120,8 +122,6 @@ def _storage_key(t: torch.Tensor) -> int:
 
 def run_once(model, *, micro_batch: int, param_dtype: str, vocab: int, seq: int, caches: list = ()) -> Measurement:
     """Forward + loss (llmforge's) + backward of one microbatch, counting saved bytes and FLOPs."""
-    from llmforge.train.loss import cross_entropy
-
     excluded = {_storage_key(p) for p in model.parameters()} | {_storage_key(b) for b in model.buffers()}
     saved: Dict[int, int] = {}
 
@@ -150,10 +150,6 @@ def measure_config(model_cfg, *, micro_batch: int, param_dtype: str, recompute: 
                    fp32_residual: bool = False) -> Measurement:
     """Build ``GPT(model_cfg)`` and measure one microbatch (real or fake CPU tensors), with
     the residual stream in the dtype a run keeps it in."""
-    from llmforge.models.gpt import GPT
-    from llmforge.parallel.residual import apply_residual_dtype
-    from llmforge.train.precision import residual_dtype
-
     if fake is None:
         fake = total_params(shape_from_config(model_cfg)) * micro_batch * model_cfg.seq_len > REAL_LIMIT
     mode = contextlib.nullcontext()
@@ -173,8 +169,6 @@ def measure_config(model_cfg, *, micro_batch: int, param_dtype: str, recompute: 
 
 def count_parameters(model_cfg) -> Dict[str, tuple]:
     """``{name: shape}`` of the real model, built on the meta device."""
-    from llmforge.models.gpt import GPT
-
     with torch.device("meta"):
         model = GPT(model_cfg)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}

@@ -20,6 +20,9 @@ from typing import Dict, Optional
 
 import torch
 
+from llmforge.estimate import flops as fl
+from llmforge.estimate.shape import from_plan
+
 GIB = 1024**3
 
 
@@ -68,9 +71,6 @@ class StepMeter:
 
 def meter_for(plan, *, device: torch.device) -> StepMeter:
     """The meter of a plan: model FLOPs from the estimator, peak from ``cluster.accelerator``."""
-    from llmforge.estimate import flops as fl
-    from llmforge.estimate.shape import from_plan
-
     shape, layout, job = from_plan(plan)
     return StepMeter(
         model_flops_per_step=fl.model_flops(shape, plan.tokens_per_step),

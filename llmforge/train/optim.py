@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from llmforge.config.schema import OptimConfig
+from llmforge.train.muon import build_muon
 
 
 def parameter_groups(model: nn.Module, *, weight_decay: float) -> List[dict]:
@@ -56,8 +57,6 @@ def build_optimizer(model: nn.Module, *, optim: OptimConfig, lr: float, offloade
     ``optim.name=muon`` Muon for the blocks' matrices and AdamW for the rest
     (llmforge.train.muon)."""
     if optim.name == "muon":
-        from llmforge.train.muon import build_muon
-
         return build_muon(model, optim=optim, lr=lr)
     groups = [g for g in parameter_groups(model, weight_decay=optim.weight_decay) if g["params"]]
     kind = implementation([p for g in groups for p in g["params"]], offloaded=offloaded)

@@ -21,7 +21,9 @@ from llmforge.parallel.recompute import apply_recompute
 from llmforge.parallel.context import apply_cp
 from llmforge.parallel.data import apply_fsdp, can_defer_reduce
 from llmforge.parallel.expert import apply_ep
+from llmforge.parallel.float8 import apply_float8
 from llmforge.parallel.mesh import ParallelMesh
+from llmforge.parallel.recompute import apply_recompute
 from llmforge.parallel.residual import apply_residual_dtype
 from llmforge.parallel.tensor import apply_tp
 from llmforge.plan import RunPlan
@@ -33,8 +35,6 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]
     ``mesh`` may be None in one process, where only float8, the residual dtype, recompute and compile apply."""
     p = plan.config.parallel
     if plan.config.precision.fp8:
-        from llmforge.parallel.float8 import apply_float8
-
         apply_float8(model, recipe=plan.config.precision.fp8_recipe, emulate=plan.config.precision.fp8_emulate, fsdp_all_gather=fp8_all_gather(plan, mesh=mesh))
     if plan.layout.tp > 1:
         apply_tp(model, tp_mesh=mesh.tp, sequence_parallel=p.sequence_parallel, async_tp=p.async_tp)

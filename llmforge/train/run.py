@@ -20,16 +20,31 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.text import Text
 
+from llmforge.calibrate.advice import profile_warning
 from llmforge.checkpoint import store
+from llmforge.checkpoint.hf_import import load_hf_weights
 from llmforge.checkpoint.state import load_rng
-from llmforge.errors import pasteable
+from llmforge.data.prepare import prepare
+from llmforge.data.sampler import BatchSampler
+from llmforge.errors import fail, pasteable
+from llmforge.estimate.core import estimate_plan
+from llmforge.estimate.text import gib
+from llmforge.observe.console import TrainingProgress
+from llmforge.observe.events import EventLog
+from llmforge.observe.metrics import MetricsFile, tidy_metrics
+from llmforge.observe.profile import MemorySnapshots
+from llmforge.observe.tensorboard import TensorBoardLog
+from llmforge.observe.wandb_run import WandbRun
+from llmforge.parallel.mesh import set_collective_timeout
 from llmforge.plan import RunPlan
 from llmforge.rundir import write_plan
+from llmforge.train.build import build_components
 from llmforge.train.components import Components, RankInfo
+from llmforge.train.instrument import add_profiler, explain_oom, inject_fault, inject_node_loss
 from llmforge.train.loop import LoopHooks, LoopResult, train_loop
-from llmforge.train.recovery import check_and_save, train_recovering
 from llmforge.train.meter import measured_peak_bytes
 from llmforge.train.optim import set_lr_scale
+from llmforge.train.recovery import check_and_save, train_recovering
 
 
 @dataclass
@@ -66,16 +81,11 @@ class RunSummary:
         """'; measured/estimate: step time 1.12x (...), peak memory 0.97x (...)' or ''."""
         if self.step_time_s is None:
             return ""
-        from llmforge.estimate.core import estimate_plan
-        from llmforge.estimate.text import gib
-
         est = estimate_plan(plan)
         parts = [f"step time {self.step_time_s / est.step_s:.2f}x ({self.step_time_s:.3g} s vs {est.step_s:.3g} s)"]
         if self.peak_memory_bytes:
             expected = est.worst.total - (est.job.profile.runtime_reserved_bytes if plan.config.cluster.accelerator != "cpu" else 0)
             parts.append(f"peak memory {self.peak_memory_bytes / expected:.2f}x ({gib(self.peak_memory_bytes)} vs {gib(expected)})")
-        from llmforge.calibrate.advice import profile_warning
-
         p = est.job.profile
         warning = profile_warning(ratio=self.step_time_s / est.step_s, mfu=est.mfu * est.step_s / self.step_time_s,
                                   accelerator=plan.config.cluster.accelerator, source=p.source, calibration=dict(p.calibration))
@@ -84,16 +94,12 @@ class RunSummary:
 
 def prepare_data(plan: RunPlan, *, console: Console):
     """Tokenized data for the plan (prepared once, then reused from the cache)."""
-    from llmforge.data.prepare import prepare
-
     cfg = plan.config
     return prepare(data=cfg.data, vocab_size=plan.data_vocab_size, seed=cfg.train.seed, console=console)
 
 
 def make_sampler(plan: RunPlan, prepared, *, split: str = "train") -> object:
     """The resumable sampler of the global batch order (``split="val"``: of the held-out documents)."""
-    from llmforge.data.sampler import BatchSampler
-
     cfg = plan.config
     return BatchSampler(prepared, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed,
                         split=split, val_fraction=cfg.data.val_fraction, val_seed=cfg.data.val_seed)
@@ -103,12 +109,8 @@ def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
     """Data and this rank's components (any layout)."""
     prepared = prepare_data(plan, console=console)
     if prepared.vocab_size > plan.config.model.vocab_size:
-        from llmforge.errors import fail
-
         raise fail(f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={plan.config.model.vocab_size}; raise model.vocab_size or set data.vocab_size lower")
     sampler = make_sampler(plan, prepared)
-    from llmforge.train.build import build_components
-
     c = build_components(plan, rank=rank, sampler=sampler)
     c.val_sampler = _val_sampler(plan, prepared, train=sampler, console=console if rank.is_main else None)
     return c
@@ -173,8 +175,6 @@ def set_aside_newer(root: store.Where, *, after_step: int) -> List[str]:
 def _open_run_dir(plan: RunPlan, *, resumed: bool, start_step: int, console: Console) -> None:
     """plan.json, metrics.jsonl without an incomplete last line, and after a resume:
     metrics and checkpoints past the resumed step set aside."""
-    from llmforge.observe.metrics import tidy_metrics
-
     write_plan(plan)
     for note in tidy_metrics(plan.run_dir / "metrics.jsonl", after_step=start_step if resumed else None):
         console.print(note, style="yellow", markup=False, highlight=False)
@@ -191,9 +191,6 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
     cfg = plan.config
     started = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
-    from llmforge.observe.profile import MemorySnapshots
-    from llmforge.train.instrument import add_profiler, explain_oom, inject_fault, inject_node_loss
-
     snapshots = MemorySnapshots(mode=cfg.train.memory_snapshot, device=rank.device, out_dir=plan.run_dir / "profile", rank=rank.rank)
     built: List[Components] = []
     with explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
@@ -201,8 +198,6 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
         built.append(c)
         start_step = restore(c, path=resume_from, console=console) if resume_from is not None else 0
         if resume_from is None and cfg.model.init_from:
-            from llmforge.checkpoint.hf_import import load_hf_weights
-
             load_hf_weights(c.model_parts, folder=cfg.model.init_from, model=cfg.model)
     if rank.is_main:
         _open_run_dir(plan, resumed=resume_from is not None or restarted, start_step=start_step, console=console)
@@ -253,8 +248,6 @@ def _tighten_after_first_step(should_stop: Callable[[], bool], *, rank: RankInfo
 
     def check() -> bool:
         if pending[0]:
-            from llmforge.parallel.mesh import set_collective_timeout
-
             set_collective_timeout(rank.mesh, seconds=seconds)
             pending[0] = False
         return should_stop()
@@ -322,11 +315,6 @@ class StopSignal:
 
 
 def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, console: Console, stop: StopSignal):
-    from llmforge.observe.console import TrainingProgress
-    from llmforge.observe.events import EventLog
-    from llmforge.observe.metrics import MetricsFile
-    from llmforge.observe.wandb_run import WandbRun
-
     cfg = plan.config
     events = EventLog(plan.run_dir / "events.log")
     closers: List[Callable[[], None]] = [events.close]
@@ -359,8 +347,6 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
 
     tensorboard = None
     if cfg.logging.tensorboard:
-        from llmforge.observe.tensorboard import TensorBoardLog
-
         tensorboard = TensorBoardLog(plan.run_dir)
         closers.append(tensorboard.close)
 

@@ -1,0 +1,5 @@
+"""Processes below every job that starts ranks (training and ``llmforge calibrate``
+alike): torchrun in this process and its cluster options (``torchrun``), ranks that die
+with their launcher and the failure report (``watch``), and what each rank runs under so
+that an error ends it with one record (``rank_errors``). It knows no plan.
+"""

@@ -1,0 +1,68 @@
+"""What every rank runs under: an error on the rank becomes one record and an immediate exit.
+
+An error is written to ``$LLMFORGE_ERROR_DIR/rank<N>.json`` (the launcher,
+``llmforge.processes.torchrun``, shows the first one, once) or, without that variable,
+printed; the rank then exits at once with code 2 for a user error and 1 otherwise, and
+torchrun stops the other ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Iterator
+
+from llmforge.errors import UserError
+from llmforge.processes.watch import ERROR_DIR_ENV
+
+
+def env_rank() -> int:
+    """This rank, as torchrun set it (0 outside torchrun)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def attempt() -> int:
+    """How many times torchrun has restarted the ranks of this job (cluster.max_restarts)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+@contextlib.contextmanager
+def report_errors() -> Iterator[None]:
+    """Turn any exception on this rank into one error record and an immediate exit."""
+    try:
+        yield
+    except BaseException as exc:  # noqa: BLE001 - every failure must end the rank
+        if isinstance(exc, SystemExit) and not exc.code:
+            raise
+        user = isinstance(exc, UserError)
+        record = {
+            "rank": env_rank(),
+            "attempt": attempt(),
+            "time": time.time(),
+            "kind": "user" if user else "error",
+            "message": exc.message() if user else describe_exception(exc),
+            "traceback": "" if user else "".join(traceback.format_exception(exc)),
+        }
+        folder = os.environ.get(ERROR_DIR_ENV)
+        if folder:
+            path = Path(folder) / f"rank{env_rank()}.json"
+            path.write_text(json.dumps(record))
+        else:
+            print(f"rank {env_rank()}: {record['traceback'] or record['message']}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        os._exit(2 if user else 1)
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message`` and where it was raised: the launcher's one-paragraph account
+    of an unexpected error (the whole traceback shows with LLMFORGE_TRACEBACK=1)."""
+    text = "".join(traceback.format_exception_only(exc)).strip()
+    frames = traceback.extract_tb(exc.__traceback__)
+    ours = [f for f in frames if f"{os.sep}llmforge{os.sep}" in f.filename and not f.filename.endswith(("worker.py", "harness.py"))]
+    frame = (ours or frames or [None])[-1]
+    return f"{text}\n  (in {frame.name}, {frame.filename}:{frame.lineno})" if frame else text
