@@ -156,10 +156,15 @@ def _no_decay(optimizer: torch.optim.Optimizer, copies: List[nn.Parameter]) -> N
 
 
 def wire(plan: RunPlan, c: Components) -> Components:
-    """What every run's components get once built: the step meter (MFU, peak memory), MoE wiring."""
+    """What every run's components get once built: the step meter (MFU, peak memory), QAT's start step, MoE wiring."""
     from llmforge.train.meter import meter_for
 
     c.meter = meter_for(plan, device=c.rank.device)
+    precision = plan.config.precision
+    if precision.qat != "none" and precision.qat_start_step > 1:
+        from llmforge.parallel.qat import switch_at
+
+        c.before_step = switch_at(c.model_parts, start_step=precision.qat_start_step)
     return wire_moe(plan, c)
 
 

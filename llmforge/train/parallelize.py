@@ -1,6 +1,6 @@
 """Apply every parallelism to a model (or pipeline chunk) in the documented order.
 
-Order (as in torchtitan): float8 -> tensor parallel -> expert parallel -> context
+Order (as in torchtitan): float8 or QAT fake quantization -> tensor parallel -> expert parallel -> context
 parallel -> the residual stream's dtype (16-bit compute) -> activation recompute ->
 compile -> FSDP (over dp x cp). The model (or its pipeline chunks) arrives on the meta
 device and is sharded there; the builder (``llmforge.train.build``) then allocates only
@@ -28,13 +28,17 @@ from llmforge.train.precision import DTYPES, residual_dtype
 
 
 def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]) -> None:
-    """Shard one model (or pipeline chunk) in place: float8 -> TP -> EP -> CP -> residual dtype -> recompute -> compile -> FSDP.
-    ``mesh`` may be None in one process, where only float8, the residual dtype, recompute and compile apply."""
+    """Shard one model (or pipeline chunk) in place: float8 or QAT -> TP -> EP -> CP -> residual dtype -> recompute -> compile -> FSDP.
+    ``mesh`` may be None in one process, where only float8 or QAT, the residual dtype, recompute and compile apply."""
     p = plan.config.parallel
     if plan.config.precision.fp8:
         from llmforge.parallel.float8 import apply_float8
 
         apply_float8(model, recipe=plan.config.precision.fp8_recipe, emulate=plan.config.precision.fp8_emulate, fsdp_all_gather=fp8_all_gather(plan, mesh=mesh))
+    if plan.config.precision.qat != "none":
+        from llmforge.parallel.qat import apply_qat
+
+        apply_qat(model, scheme=plan.config.precision.qat, group_size=plan.config.precision.qat_group_size)
     if plan.layout.tp > 1:
         apply_tp(model, tp_mesh=mesh.tp, sequence_parallel=p.sequence_parallel)
     if plan.layout.ep > 1:
