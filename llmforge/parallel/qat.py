@@ -98,32 +98,24 @@ def switch_at(parts: List[nn.Module], *, start_step: int) -> Callable[[int], Non
     return before_step
 
 
-def quantize(model: nn.Module, *, scheme: str, group_size: int) -> int:
-    """Quantize the blocks' linear layers of a plain (or fake-quantized) model for real, in
-    place, with the scheme's torchao config; returns how many were quantized."""
+def quantize(model: nn.Module, *, scheme: str, group_size: int) -> List[str]:
+    """Quantize the blocks' linear layers of a plain or fake-quantized model for real, in
+    place, with the scheme's torchao config; returns the names of the quantized layers."""
     with quiet_torchao():
         from torchao.quantization import quantize_
         from torchao.quantization.qat import FakeQuantizedLinear, QATConfig
 
     config = base_config(scheme=scheme, group_size=group_size)
-    keep = block_linear_filter(group_size)
-    quantized = 0
     for block in model.layers.values():
         if any(isinstance(m, FakeQuantizedLinear) for m in block.modules()):
             quantize_(block, QATConfig(config, step="convert"), filter_fn=lambda m, fqn: isinstance(m, FakeQuantizedLinear))
         else:
-            quantized += 0
-            quantize_(block, config, filter_fn=keep)
-        quantized += sum(is_quantized(m) for m in block.modules())
-    return quantized
+            quantize_(block, config, filter_fn=block_linear_filter(group_size))
+    return [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and _quantized_weight(m.weight)]
 
 
-def is_quantized(module: nn.Module) -> bool:
-    """A linear layer whose weight is a torchao quantized tensor."""
-    return isinstance(module, nn.Linear) and type(module.weight.data) is not torch.Tensor and type(module.weight) is not torch.Tensor and _subclass(module.weight)
-
-
-def _subclass(weight: torch.Tensor) -> bool:
+def _quantized_weight(weight: torch.Tensor) -> bool:
+    """A torchao quantized tensor (a tensor subclass from torchao), not a plain one."""
     data = weight.data if isinstance(weight, nn.Parameter) else weight
     return type(data).__module__.startswith("torchao")
 
