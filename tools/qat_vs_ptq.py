@@ -5,7 +5,7 @@ Takes two finished runs of the same recipe: a plain one, and one trained with
 final checkpoints are quantized the same way (the QAT run's scheme and group size, through
 ``llmforge.checkpoint.quantized``, the code ``llmforge export --quantize`` runs), and every
 model is scored on the same held-out batches (the first ``train.eval_steps`` global batches
-of the plain run's validation split, what its closing val_loss reads).
+of the plain run's validation split, what its closing val_loss reads; ``--batches N`` for more).
 
     llmforge pretrain run.dir=runs/plain
     llmforge pretrain precision.qat=int8-int4 precision.qat_start_step=241 run.dir=runs/qat
@@ -20,21 +20,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
 
 
-def held_out_batches(plan) -> List[torch.Tensor]:
-    """The first ``train.eval_steps`` global batches of the run's validation split."""
+def held_out_batches(plan, *, count: int) -> Tuple[List[torch.Tensor], int]:
+    """The first ``count`` global batches of the run's validation split, and the sequences the split holds."""
     from llmforge.train.run import make_sampler, prepare_data
 
     from rich.console import Console
 
     prepared = prepare_data(plan, console=Console(stderr=True, quiet=True))
     sampler = make_sampler(plan, prepared, split="val")
-    return [sampler.next_batch(dp_rank=0, dp_size=1) for _ in range(plan.config.train.eval_steps)]
+    return [sampler.next_batch(dp_rank=0, dp_size=1) for _ in range(count)], sum(sampler.num_sequences)
 
 
 @torch.no_grad()
@@ -67,7 +67,8 @@ def final_model(run: str, *, scheme: str, group_size: int):
     return plan, found, plain.eval(), quantized
 
 
-def compare(*, plain_run: str, qat_run: str) -> Dict[str, object]:
+def compare(*, plain_run: str, qat_run: str, batches: int = 0) -> Dict[str, object]:
+    """The three held-out losses; ``batches`` global batches of the validation split (0: the plain run's train.eval_steps)."""
     from llmforge.checkpoint.locate import locate
     from llmforge.checkpoint.resume import checkpoint_plan
 
@@ -77,12 +78,13 @@ def compare(*, plain_run: str, qat_run: str) -> Dict[str, object]:
         raise SystemExit(f"{qat_run}: trained without precision.qat; pass the QAT run as --qat")
     plan, found, plain, ptq = final_model(plain_run, scheme=pr.qat, group_size=pr.qat_group_size)
     _, qat_found, _, qat = final_model(qat_run, scheme=pr.qat, group_size=pr.qat_group_size)
-    batches = held_out_batches(plan)
+    held_out, in_split = held_out_batches(plan, count=batches or plan.config.train.eval_steps)
     return {
         "scheme": pr.qat, "group_size": pr.qat_group_size, "qat_start_step": pr.qat_start_step, "steps": qat_plan.config.train.steps,
         "plain_checkpoint": str(found.path), "qat_checkpoint": str(qat_found.path),
-        "held_out_tokens": sum(b[:, 1:].numel() for b in batches),
-        "unquantized": mean_loss(plain, batches), "ptq": mean_loss(ptq, batches), "qat": mean_loss(qat, batches),
+        "held_out_tokens": sum(b[:, 1:].numel() for b in held_out), "held_out_sequences": sum(len(b) for b in held_out),
+        "sequences_in_split": in_split,
+        "unquantized": mean_loss(plain, held_out), "ptq": mean_loss(ptq, held_out), "qat": mean_loss(qat, held_out),
     }
 
 
@@ -90,14 +92,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plain", required=True, help="the plain run (folder or checkpoint)")
     parser.add_argument("--qat", required=True, help="the same run trained with precision.qat (folder or checkpoint)")
+    parser.add_argument("--batches", type=int, default=0, help="global batches of the validation split to score (default: train.eval_steps, what the run's val_loss reads)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     torch.manual_seed(0)
-    result = compare(plain_run=args.plain, qat_run=args.qat)
+    result = compare(plain_run=args.plain, qat_run=args.qat, batches=args.batches)
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"held-out loss ({result['held_out_tokens']:,} tokens), {result['scheme']} group size {result['group_size']}, "
+    print(f"held-out loss ({result['held_out_sequences']} sequences, {result['held_out_tokens']:,} tokens; the split holds "
+          f"{result['sequences_in_split']} sequences), {result['scheme']} group size {result['group_size']}, "
           f"QAT from step {result['qat_start_step']} of {result['steps']}:")
     print(f"{'unquantized (plain run)':<34}{'PTQ (plain run, quantized)':<34}{'QAT (QAT run, quantized)':<34}")
     row = [result["unquantized"], result["ptq"], result["qat"]]
