@@ -26,7 +26,7 @@ QAT = ["precision.qat=int8-int4", "precision.qat_group_size=16"]
 RUN = [
     "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.seq_len=32",
     "model.vocab_size=512", "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=6", "train.log_interval=1",
-    "checkpoint.interval=3", "logging.console=false", "logging.wandb.mode=disabled", "optim.warmup_steps=2", "train.eval_steps=1",
+    "checkpoint.interval=2", "logging.console=false", "logging.wandb.mode=disabled", "optim.warmup_steps=2", "train.eval_steps=1",
 ]
 
 
@@ -65,7 +65,7 @@ def test_qat_trains_and_switches_on_at_its_start_step():
 
 @pytest.fixture(scope="module")
 def qat_run(tmp_path_factory, small_data) -> Path:
-    """6 steps, QAT from step 4, a checkpoint every 3 steps."""
+    """6 steps, QAT from step 4, a checkpoint every 2 steps."""
     run_dir = tmp_path_factory.mktemp("qat") / "run"
     result = runner.invoke(app, ["pretrain", *RUN, *small_data, *QAT, "precision.qat_start_step=4", f"run.dir={run_dir}"])
     assert result.exit_code == 0, result.output
@@ -77,11 +77,14 @@ def _losses(run_dir: Path) -> dict:
 
 
 def test_a_resumed_qat_run_continues_identically(qat_run, tmp_path):
-    """Resumed at step 3 (before QAT starts), steps 4-6 repeat the uninterrupted run's losses bit for bit."""
-    result = runner.invoke(app, ["resume", f"ckpt={qat_run}/checkpoints/step_3", f"run.dir={tmp_path / 'resumed'}"])
-    assert result.exit_code == 0, result.output
-    expected, got = _losses(qat_run), _losses(tmp_path / "resumed")
-    assert sorted(got) == [4, 5, 6] and all(got[s] == expected[s] for s in got), (got, expected)
+    """Resumed at step 2 (before QAT starts) and at step 4 (after), the later steps repeat the
+    uninterrupted run's losses bit for bit."""
+    expected = _losses(qat_run)
+    for step in (2, 4):
+        result = runner.invoke(app, ["resume", f"ckpt={qat_run}/checkpoints/step_{step}", f"run.dir={tmp_path / str(step)}"])
+        assert result.exit_code == 0, result.output
+        got = _losses(tmp_path / str(step))
+        assert sorted(got) == list(range(step + 1, 7)) and all(got[s] == expected[s] for s in got), (step, got, expected)
 
 
 def test_export_writes_a_quantized_model_whose_logits_match_the_fake_quantized_one(qat_run, tmp_path):
@@ -142,15 +145,32 @@ def _refused(args: list, *needles: str) -> None:
         assert needle in text, (needle, text)
 
 
+def _problems(*overrides: str) -> str:
+    from llmforge.config.compose import compose
+    from llmforge.errors import UserError
+    from llmforge.plan import RunPlan
+
+    with pytest.raises(UserError) as info:
+        RunPlan.build(compose(list(overrides)))
+    return " ".join(info.value.message().split())
+
+
 def test_layouts_torchao_has_no_qat_config_for_are_refused():
     _refused(["plan", *QAT, "precision=fp8", "precision.fp8_emulate=true"], "precision.qat = 'int8-int4'", "precision.fp8=false")
     _refused(["plan", *QAT, "parallel=tp2"], "tensor-parallel (DTensor) weights", "parallel.tp=1")
-    _refused(["plan", *QAT, "precision.qat_start_step=400"], "precision.qat_start_step = 400", "never fake-quantize")
-    _refused(["plan", "precision.qat=int2"], "precision.qat = 'int2'", "int8-int4")
-    _refused(["plan", "precision.qat_start_step=5"], "precision.qat is none")
-    _refused(["plan", "precision.qat=int4", "precision.qat_group_size=48"], "precision.qat_group_size = 48", "divides no linear layer")
-    result = runner.invoke(app, ["plan", *QAT, "parallel=fsdp", "parallel.dp=2"])  # ZeRO-3 takes QAT
-    assert result.exit_code == 0, result.output
+    checks = {
+        ("precision.qat_start_step=400",): ("precision.qat_start_step = 400", "never fake-quantize"),
+        ("precision.qat=int2",): ("precision.qat = 'int2'", "int8-int4"),
+        ("precision.qat=none", "precision.qat_start_step=5"): ("precision.qat is none",),
+        ("precision.qat=int4", "precision.qat_group_size=48"): ("precision.qat_group_size = 48", "divides no linear layer"),
+    }
+    for overrides, needles in checks.items():
+        text = _problems(*QAT, *overrides)
+        assert all(n in text for n in needles), (overrides, text)
+    from llmforge.config.compose import compose
+    from llmforge.plan import RunPlan
+
+    assert RunPlan.build(compose([*QAT, "parallel=fsdp", "parallel.dp=2"])).config.parallel.zero == 3  # ZeRO-3 takes QAT
 
 
 def test_export_refuses_a_bad_quantize_option(qat_run, tmp_path):
