@@ -16,7 +16,7 @@ the weights, and whether a step fake-quantizes follows from its number
 (``precision.qat_start_step``), so a resumed run goes on identically.
 
 After training, the same torchao base config turns the weights into real int4 ones
-(``quantize``): what ``llmforge export --quantized`` writes and post-training
+(``quantize``): what ``llmforge export`` writes (``--quantize``) and post-training
 quantization of a plain run does, with the same numbers as the fake-quantized forward.
 """
 
@@ -28,12 +28,6 @@ import torch
 from torch import nn
 
 from llmforge.parallel.float8 import SKIPPED, quiet_torchao
-
-#: precision.qat: the schemes and what they quantize.
-SCHEMES = {
-    "int8-int4": "int8 dynamic per-token activations, int4 weights per group (torchao Int8DynamicActivationIntxWeightConfig)",
-    "int4": "int4 weights per group, activations in full precision (torchao IntxWeightOnlyConfig)",
-}
 
 
 def base_config(*, scheme: str, group_size: int):
@@ -47,7 +41,7 @@ def base_config(*, scheme: str, group_size: int):
         return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size))
     if scheme == "int4":
         return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
-    raise ValueError(f"unknown QAT scheme {scheme!r}; one of {', '.join(SCHEMES)}")
+    raise ValueError(f"unknown QAT scheme {scheme!r} (llmforge.config.qat_rules.QAT_SCHEMES)")
 
 
 def block_linear_filter(group_size: int) -> Callable[[nn.Module, str], bool]:
@@ -118,10 +112,3 @@ def _quantized_weight(weight: torch.Tensor) -> bool:
     """A torchao quantized tensor (a tensor subclass from torchao), not a plain one."""
     data = weight.data if isinstance(weight, nn.Parameter) else weight
     return type(data).__module__.startswith("torchao")
-
-
-def fake_quantized_modules(model: nn.Module) -> List[str]:
-    """Names of the FakeQuantizedLinear modules of ``model`` (tests, reports)."""
-    from torchao.quantization.qat import FakeQuantizedLinear
-
-    return [name for name, m in model.named_modules() if isinstance(m, FakeQuantizedLinear)]
