@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Dict, List, Union
 
@@ -63,6 +64,7 @@ def write_quantized(net: nn.Module, *, model: ModelConfig, scheme: str, group_si
     info = {"format": FORMAT, "scheme": scheme, "group_size": group_size, "quantized_layers": layers,
             "torchao_version": torchao.__version__, "model": dataclasses.asdict(model)}
     (folder / QUANTIZATION_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    shutil.copymode(folder / QUANTIZATION_FILE, folder / QUANTIZED_FILE)  # safetensors creates its file 0600; the others get the umask's mode
     return [QUANTIZED_FILE, QUANTIZATION_FILE]
 
 
