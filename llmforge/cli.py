@@ -201,17 +201,23 @@ def resume(
 def export(
     overrides: Optional[List[str]] = OVERRIDES,
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder to write model.safetensors, config.json and the tokenizer files into."),
+    quantize: str = typer.Option("auto", "--quantize", help="Also write the torchao-quantized model (quantized.safetensors, quantization.json): "
+                                 "int8-int4, int4, none, or auto (the run's precision.qat; none for a run without QAT). See docs/qat.md."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="Input columns per int4 weight scale (default: the run's precision.qat_group_size, else 32)."),
 ) -> None:
     """Export a checkpoint's model to Hugging Face format (safetensors + config.json, and the
-    run's tokenizer), loadable with AutoModelForCausalLM and AutoTokenizer.
+    run's tokenizer), loadable with AutoModelForCausalLM and AutoTokenizer; for a QAT run
+    (precision.qat) or with --quantize also the quantized model (docs/qat.md).
 
-    [bold]Example[/]
+    [bold]Examples[/]
 
       llmforge export ckpt=runs/tiny/checkpoints/latest --out exported/tiny
+
+      llmforge export ckpt=runs/tiny --out exported/tiny-int4 --quantize int8-int4
     """
     from llmforge.commands.checkpoint import export_command
 
-    export_command(overrides or [], out_dir=out_dir, console=err)
+    export_command(overrides or [], out_dir=out_dir, console=err, quantize=quantize, group_size=group_size)
 
 
 @app.command()

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 from llmforge.config.dtypes import DTYPES
 from llmforge.config.launchers import KUBERNETES_KINDS, LAUNCHERS
 from llmforge.config.ranges import INT64_MAX, range_problems
+from llmforge.config.qat_rules import QAT_SCHEMES, check_qat
 from llmforge.config.schema import ANOMALY_POLICIES, OFFLOAD_MODES, OPTIMIZERS, RECOMPUTE_MODES, SCHEDULES, ModelConfig, RunConfig
 from llmforge.config.train_rules import check_training
 from llmforge.elastic import check_elastic, world_problems
@@ -42,6 +43,7 @@ CHOICES: Dict[str, Tuple[str, ...]] = {
     "precision.param_dtype": DTYPES,
     "precision.reduce_dtype": DTYPES,
     "precision.fp8_recipe": ("tensorwise", "rowwise"),
+    "precision.qat": QAT_SCHEMES,
     "data.source": ("builtin", "files"),
     "optim.name": OPTIMIZERS,
     "optim.muon_ns_dtype": ("fp32", "bf16"),
@@ -177,7 +179,7 @@ def _validate(config: RunConfig) -> List[Problem]:
     checks = (
         _check_choices, _check_ranges, _check_model, check_world, check_tp, check_pipeline, check_batch, _check_moe, check_ep,
         _check_data, _check_accelerator, _check_fp8, check_hsdp, check_backend, check_async_tp, check_offload, check_elastic,
-        check_training, _check_storage,
+        check_training, _check_storage, check_qat,
     )
     for check in checks:
         problems.extend(check(config))
@@ -295,10 +297,12 @@ def _check_accelerator(config: RunConfig) -> List[Problem]:
 
 
 def launch_problems(config: RunConfig) -> List[Problem]:
-    """What launching needs from this machine beyond a valid plan: torchao for precision.fp8.
+    """What launching needs from this machine beyond a valid plan: torchao for precision.fp8 and precision.qat.
     Not checked by build(): planning and estimating an FP8 run need no torchao."""
     if config.precision.fp8 and not _installed("torchao"):
         return [Problem("precision.fp8", True, "FP8 training runs on torchao, which is not installed", "pip install 'llmforge[fp8]' (or pip install torchao), or use precision=bf16")]
+    if config.precision.qat != "none" and not _installed("torchao"):
+        return [Problem("precision.qat", config.precision.qat, "quantization-aware training runs on torchao, which is not installed", "pip install 'llmforge[fp8]' (or pip install torchao), or set precision.qat=none")]
     return []
 
 

@@ -32,7 +32,8 @@ def show_plan(plan: RunPlan, *, console: Console) -> None:
         ("attention", _attention(m)),
         ("offload", _offload(p)),
         ("precision", f"compute {cfg.precision.param_dtype}, gradient reduction {cfg.precision.reduce_dtype}"
-                      + (f", FP8 {cfg.precision.fp8_recipe}{' (emulated)' if cfg.precision.fp8_emulate else ''}" if cfg.precision.fp8 else "")),
+                      + (f", FP8 {cfg.precision.fp8_recipe}{' (emulated)' if cfg.precision.fp8_emulate else ''}" if cfg.precision.fp8 else "")
+                      + _qat(cfg.precision)),
         ("batch", f"global {t.global_batch_size} seqs = {plan.tokens_per_step:,} tokens/step; micro {t.micro_batch_size} x {plan.microbatches} microbatches per dp rank"),
         ("schedule", f"{t.steps} steps, lr {t.lr:g} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}), seed {t.seed}"),
         ("anomaly", _anomaly(t)),
@@ -95,3 +96,9 @@ def show_keys(prefix: str, *, console: Console) -> None:
             table.add_row(key, kind, Text(repr(values.get(key))), Text(help_text))
     console.print(table)
 
+
+def _qat(pr) -> str:
+    """', QAT int8-int4 (group 32) from step N' or ''."""
+    if pr.qat == "none":
+        return ""
+    return f", QAT {pr.qat} (group {pr.qat_group_size})" + (f" from step {pr.qat_start_step}" if pr.qat_start_step > 1 else "")

@@ -24,6 +24,7 @@ import torch
 from rich.console import Console
 
 from llmforge.checkpoint.hf_names import style_of, to_hf
+from llmforge.checkpoint.quantized import quantized_model, write_quantized
 from llmforge.checkpoint.safe_reader import SafeReader, load_metadata, safe_reader
 from llmforge.checkpoint.store import quiet_single_process
 from llmforge.config.schema import ModelConfig, RunConfig
@@ -101,9 +102,11 @@ def tokenizer_files(tokenizer: Path, *, eos_id: int, seq_len: int) -> Dict[str, 
     return {"tokenizer.json": tokenizer, "tokenizer_config.json": config, "special_tokens_map.json": special}
 
 
-def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path, tokenizer: Optional[Tuple[Path, int]] = None) -> List[Path]:
+def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path, tokenizer: Optional[Tuple[Path, int]] = None,
+                      quantize: Optional[Tuple[str, int]] = None) -> List[Path]:
     """Write model.safetensors and config.json for the checkpoint at ``path`` into
-    ``out_dir``, and the tokenizer files when ``tokenizer`` (tokenizer.json, end-of-document id) is given.
+    ``out_dir``, and the tokenizer files when ``tokenizer`` (tokenizer.json, end-of-document id) is given;
+    with ``quantize`` (QAT scheme, group size) also the torchao-quantized model (``llmforge.checkpoint.quantized``).
 
     Files are written into a temporary folder next to ``out_dir`` and moved in
     only when complete."""
@@ -127,14 +130,22 @@ def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path, tokenize
                 shutil.copyfile(content, tmp / name)
             else:
                 write_json_atomic(tmp / name, content, durable=True)
+        quantized = _write_quantized(weights, model=model, quantize=quantize, folder=tmp) if quantize else []
         out_dir.mkdir(parents=True, exist_ok=True)
         written = []
-        for name in ("model.safetensors", "config.json", *extra):
+        for name in ("model.safetensors", "config.json", *extra, *quantized):
             os.replace(tmp / name, out_dir / name)
             written.append(out_dir / name)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return written
+
+
+def _write_quantized(weights: Dict[str, torch.Tensor], *, model: ModelConfig, quantize: Tuple[str, int], folder: Path) -> List[str]:
+
+    scheme, group_size = quantize
+    net, layers = quantized_model(dict(weights), model=model, scheme=scheme, group_size=group_size)
+    return write_quantized(net, model=model, scheme=scheme, group_size=group_size, layers=layers, folder=folder)
 
 
 def run_tokenizer_file(config: RunConfig, *, console: Optional[Console]) -> Tuple[Path, int]:

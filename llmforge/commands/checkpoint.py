@@ -14,9 +14,9 @@ from llmforge.errors import Problem, UserError
 from llmforge.rundir import check_writable, refuse_run_outputs
 
 
-def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> None:
-    """``llmforge export ckpt=PATH --out DIR``: the plan saved with the checkpoint says
-    which model and tokenizer to write."""
+def export_command(overrides: List[str], *, out_dir: Path, console: Console, quantize: str = "auto", group_size: Optional[int] = None) -> None:
+    """``llmforge export ckpt=PATH --out DIR [--quantize SCHEME] [--group-size N]``: the plan saved
+    with the checkpoint says which model and tokenizer to write, and (``auto``) how a QAT run is quantized."""
     from llmforge.checkpoint.export import check_exportable, export_checkpoint, run_tokenizer_file, style_of
     from llmforge.checkpoint.locate import locate
     from llmforge.checkpoint.resume import checkpoint_plan, split_ckpt
@@ -33,14 +33,37 @@ def export_command(overrides: List[str], *, out_dir: Path, console: Console) -> 
     config = checkpoint_plan(found.path).config
     style_of(config.model)  # refuse an unsupported flavour before preparing anything
     check_exportable(config.model)
+    quantization = export_quantization(config, quantize=quantize, group_size=group_size)
     try:
         tokenizer: Optional[Tuple[Path, int]] = run_tokenizer_file(config, console=console)
     except UserError as exc:
         tokenizer = None
         console.print(f"the run's tokenizer is not available, so the export has none: {exc.problems[0].render()}", style="yellow", markup=False, highlight=False)
-    written = export_checkpoint(found.path, model=config.model, out_dir=out_dir, tokenizer=tokenizer)
+    written = export_checkpoint(found.path, model=config.model, out_dir=out_dir, tokenizer=tokenizer, quantize=quantization)
     style = "GPT2LMHeadModel" if style_of(config.model) == "gpt2" else ("MinistralForCausalLM" if config.model.sliding_window > 0 else "LlamaForCausalLM")
+    if quantization:
+        style += f" and quantized {quantization[0]} (group size {quantization[1]}; llmforge.checkpoint.quantized.load_quantized, docs/qat.md)"
     console.print(f"exported {found.path} as {style}: " + ", ".join(str(p) for p in written), markup=False, highlight=False)
+
+
+def export_quantization(config, *, quantize: str, group_size: Optional[int]) -> Optional[Tuple[str, int]]:
+    """(scheme, group size) to quantize the export with, or None. ``auto``: the run's
+    precision.qat (None for a run without QAT); a scheme name quantizes any run (post-training)."""
+    from llmforge.config.qat_rules import QAT_SCHEMES
+
+    pr = config.precision
+    scheme = pr.qat if quantize == "auto" else quantize
+    if scheme not in QAT_SCHEMES:
+        raise UserError([Problem("--quantize", quantize, "not a quantization scheme", f"use one of: auto, {', '.join(QAT_SCHEMES)}")], title="bad option")
+    size = group_size if group_size is not None else (pr.qat_group_size if pr.qat != "none" else 32)
+    widths = (config.model.hidden_size, config.model.ffn_hidden_size)
+    if scheme != "none" and (size < 1 or all(w % size for w in widths)):
+        raise UserError([Problem("--group-size", size, f"divides no linear layer's input width (model.hidden_size={widths[0]}, model.ffn_hidden_size={widths[1]})",
+                                 "use a divisor of model.hidden_size, e.g. 32")], title="bad option")
+    if scheme != "none" and pr.qat not in ("none", scheme):
+        raise UserError([Problem("--quantize", quantize, f"the run trained with precision.qat={pr.qat}, and the export would quantize another way",
+                                 f"use --quantize {pr.qat} (or auto)")], title="bad option")
+    return None if scheme == "none" else (scheme, size)
 
 
 def generate_command(overrides: List[str], *, prompt: Optional[str], prompts: Optional[Path], out_file: Optional[Path], device: str,

@@ -156,6 +156,21 @@ class PrecisionConfig:
     fp8_all_gather: bool = knob(
         True, help="fp8 tensorwise under ZeRO 1-3: all-gather weights cast to float8 (half the bytes), scales computed once after each optimizer step."
     )
+    qat: str = knob(
+        "none",
+        help="Quantization-aware training (torchao) of the transformer blocks' linear layers: none; int8-int4 (int8 dynamic "
+        "per-token activations, int4 weights per group); int4 (int4 weights per group). The forward rounds as the "
+        "quantized model will, the master weights stay in full precision; llmforge export writes the quantized model (docs/qat.md).",
+    )
+    qat_group_size: int = knob(
+        32, range="[1, inf)",
+        help="precision.qat: input columns sharing one int4 weight scale; a linear layer whose input width is not a multiple stays in full precision.",
+    )
+    qat_start_step: int = knob(
+        0, range="[0, inf)",
+        help="precision.qat: fake-quantize from this step (1-based) onwards, earlier steps train in full precision "
+        "(QAT is often switched on for the last part of a run); 0 = from the first step.",
+    )
 
 
 @dataclass

@@ -16,6 +16,7 @@ from llmforge.parallel.float8 import precompute_scales
 from llmforge.parallel.materialize import materialize, seeded_values
 from llmforge.parallel.mesh import ParallelMesh, build_mesh
 from llmforge.parallel.pipeline import stage_skeleton, tied_copy_source
+from llmforge.parallel.qat import switch_at
 from llmforge.parallel.tied import tied_params
 from llmforge.plan import RunPlan
 from llmforge.train.anomaly import AnomalyPolicy, StepGuard
@@ -156,8 +157,12 @@ def _no_decay(optimizer: torch.optim.Optimizer, copies: List[nn.Parameter]) -> N
 
 
 def wire(plan: RunPlan, c: Components) -> Components:
-    """What every run's components get once built: the step meter (MFU, peak memory), MoE wiring."""
+    """What every run's components get once built: the step meter (MFU, peak memory), QAT's start step, MoE wiring."""
     c.meter = meter_for(plan, device=c.rank.device)
+    precision = plan.config.precision
+    if precision.qat != "none" and precision.qat_start_step > 1:
+
+        c.before_step = switch_at(c.model_parts, start_step=precision.qat_start_step)
     return wire_moe(plan, c)
 
 

@@ -54,6 +54,8 @@ class Components:
     meter: Optional[Callable[[float], dict]] = None
     #: The held-out stream (``split="val"``), or None when the run does not validate.
     val_sampler: Optional[object] = None
+    #: Run before each step with its number (1-based): QAT switched on from a step (``llmforge.parallel.qat.switch_at``).
+    before_step: Callable[[int], None] = field(default=lambda step: None)
 
     def parameters(self) -> List[nn.Parameter]:
         return [p for part in self.model_parts for p in part.parameters() if p.requires_grad]

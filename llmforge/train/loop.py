@@ -73,6 +73,7 @@ def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: f
     loss: Optional[torch.Tensor] = None
     window = _Window()
     for step in range(start_step + 1, total_steps + 1):
+        c.before_step(step)
         batch = c.sampler.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size)
         out = c.step(batch)
         flags = c.guard.local_flags(out.loss)

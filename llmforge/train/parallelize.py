@@ -1,6 +1,6 @@
 """Apply every parallelism to a model (or pipeline chunk) in the documented order.
 
-Order (as in torchtitan): float8 -> tensor parallel -> expert parallel -> context
+Order (as in torchtitan): float8 or QAT fake quantization -> tensor parallel -> expert parallel -> context
 parallel -> the residual stream's dtype (16-bit compute) -> activation recompute ->
 compile (with async TP's Inductor pass when ``parallel.async_tp``) -> FSDP (over dp x cp).
 The model (or its pipeline chunks) arrives on the meta
@@ -17,6 +17,7 @@ from typing import Optional
 from torch import nn
 
 from llmforge.parallel.compile import apply_async_tp, apply_compile
+from llmforge.parallel.qat import apply_qat
 from llmforge.parallel.recompute import apply_recompute
 from llmforge.parallel.context import apply_cp
 from llmforge.parallel.data import apply_fsdp, can_defer_reduce
@@ -31,11 +32,14 @@ from llmforge.train.precision import DTYPES, residual_dtype
 
 
 def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]) -> None:
-    """Shard one model (or pipeline chunk) in place: float8 -> TP -> EP -> CP -> residual dtype -> recompute -> compile -> FSDP.
-    ``mesh`` may be None in one process, where only float8, the residual dtype, recompute and compile apply."""
+    """Shard one model (or pipeline chunk) in place: float8 or QAT -> TP -> EP -> CP -> residual dtype -> recompute -> compile -> FSDP.
+    ``mesh`` may be None in one process, where only float8 or QAT, the residual dtype, recompute and compile apply."""
     p = plan.config.parallel
     if plan.config.precision.fp8:
         apply_float8(model, recipe=plan.config.precision.fp8_recipe, emulate=plan.config.precision.fp8_emulate, fsdp_all_gather=fp8_all_gather(plan, mesh=mesh))
+    if plan.config.precision.qat != "none":
+
+        apply_qat(model, scheme=plan.config.precision.qat, group_size=plan.config.precision.qat_group_size)
     if plan.layout.tp > 1:
         apply_tp(model, tp_mesh=mesh.tp, sequence_parallel=p.sequence_parallel, async_tp=p.async_tp)
     if plan.layout.ep > 1:
