@@ -237,17 +237,22 @@ def tp_bytes(shape: Shape, layout: Layout, job: Job, *, layers: int, microbatche
     return microbatches * (layers * per_layer + 2 * (t - 1) / t * size)  # + vocab-parallel embedding
 
 
-def critical_latency(shape: Shape, layout: Layout, job: Job, *, layers: int, moe_layers: int, microbatches: int) -> Dict[str, float]:
+def critical_latency(shape: Shape, layout: Layout, job: Job, *, layers: int, moe_layers: int, microbatches: int,
+                     first: bool = True, last: bool = True) -> Dict[str, float]:
     """The fixed part (``hops_seconds``) of the collectives on the critical path, per step: ``tp``
-    (as ``tp_bytes`` counts them: all-reduces, or with sequence parallel all-gathers and
-    reduce-scatters of n - 1 hops) and ``ep`` (two all-to-alls per MoE layer and pass)."""
+    (each collective ``llmforge.estimate.host.tp_collectives`` counts: the blocks' all-reduces, or
+    with sequence parallel all-gathers and reduce-scatters of n - 1 hops, the embedding's, the
+    output layer's and the vocab-parallel loss's on the ``first`` and ``last`` stage) and ``ep``
+    (two all-to-alls per MoE layer and pass)."""
+    from llmforge.estimate.host import tp_collectives
+
     t, e = layout.tp, layout.ep
     passes = 6 if layout.recompute == "full" else 4
     out = {"tp": 0.0, "ep": 0.0}
     if t > 1:
         hops = t - 1 if layout.sequence_parallel else all_reduce_hops(t)
-        count = layers * (passes + (1 if layout.sequence_parallel else 0)) + 1
-        out["tp"] = microbatches * count * hops_seconds(job, hops)
+        count = tp_collectives(layout, layers=layers, first=first, last=last, microbatches=microbatches)
+        out["tp"] = count * hops_seconds(job, hops)
     if e > 1 and moe_layers:
         out["ep"] = microbatches * moe_layers * passes * hops_seconds(job, e - 1)
     return out
