@@ -6,27 +6,29 @@ default AdamW. The llmforge side is the CLI, ``llmforge pretrain`` on the recipe
 ``logging=quiet``, no checkpoints: the plain loop writes neither a progress bar nor a
 checkpoint). Both run with the same ``OMP_NUM_THREADS``.
 
-Steady-state step time, without start-up and warm-up: each side runs twice, ``--short`` and
-``--long`` steps, and its step time is the difference of the two runs' times over the
-difference of their steps. Python and torch imports, data and model set-up, the first
-steps' warm-up (allocator, kernels' first calls) and the end of the run are in both runs
-and cancel. Times are the child processes' CPU seconds (``--clock cpu``, the default: on a
-machine others share, waiting for a core is left out; with one thread no spin-waiting is
-counted) or wall seconds (``--clock wall``); both are printed.
+Steady-state step time, without start-up and warm-up: each side runs ``--long`` steps in its
+own process, and the driver samples that process's CPU time (``/proc/PID/stat``: user and
+system, every thread) and the wall clock when the process reports step ``--short`` and step
+``--long`` (the plain script's ``--log`` line; llmforge's metrics.jsonl record, written every
+``train.log_interval`` steps: pick multiples of it). Python and torch imports, data and model
+set-up and the first steps' warm-up (allocator, kernels' first calls) come before the first
+sample; the end of the run after the second. ``--clock cpu`` (the default) reads the ratio on
+CPU time: on a machine others share, waiting for a core is left out (with one thread no
+spin-waiting is counted either); ``--clock wall`` on the wall clock; both are printed.
 
 Rounds alternate which side goes first, so drifting load hits both alike; the figure is the
 median of the per-round ratios plain / llmforge (1.0 = parity, above 1 llmforge is faster;
 target >= 0.97), with their spread.
 
-    python tools/bench_independent.py [--rounds 5] [--short 10] [--long 30] [--threads 1] [--clock cpu|wall] [overrides...]
+    python tools/bench_independent.py [--rounds 5] [--short 5] [--long 25] [--threads 1] [--clock cpu|wall] [overrides...]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -39,18 +41,42 @@ ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["logging=quiet", "checkpoint.interval=0", "checkpoint.save_final=false"]
 
 
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
+def _process_cpu(pid: int) -> float:
+    """CPU seconds (user + system, every thread) of process ``pid`` so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def timed(cmd: List[str], *, env: Dict[str, str]) -> Tuple[float, float]:
-    """(CPU seconds, wall seconds) of ``cmd`` and everything it waited for."""
-    cpu, wall = _children_cpu(), time.perf_counter()
-    done = subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    if done.returncode:
-        sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return _children_cpu() - cpu, time.perf_counter() - wall
+def _steps_logged(path: Path) -> List[int]:
+    """The step numbers a side has reported so far (plain: ``step N:`` lines; llmforge: metrics.jsonl)."""
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        if line.startswith("step ") and ":" in line:
+            out.append(int(line.split()[1].rstrip(":")))
+        elif line.startswith("{") and line.endswith("}"):
+            out.append(json.loads(line)["step"])
+    return out
+
+
+def steady(cmd: List[str], *, log: Path, short: int, long: int, env: Dict[str, str]) -> Tuple[float, float]:
+    """(CPU, wall) seconds per step between the end of step ``short`` and of step ``long``: the
+    process is sampled (``/proc/PID/stat``, every 5 ms) when it reports each of those steps."""
+    marks: Dict[int, Tuple[float, float]] = {}
+    console = Path(tempfile.mkstemp(suffix=".console", dir=log.parent.parent)[1])
+    with open(console, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+        while proc.poll() is None and long not in marks:
+            cpu, wall = _process_cpu(proc.pid), time.perf_counter()
+            for step in set(_steps_logged(log)) & {short, long}:
+                marks.setdefault(step, (cpu, wall))
+            time.sleep(0.005)
+        proc.wait()
+    if proc.returncode or long not in marks or short not in marks:
+        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}): {console.read_text()[-3000:]}")
+    (c0, w0), (c1, w1) = marks[short], marks[long]
+    return (c1 - c0) / (long - short), (w1 - w0) / (long - short)
 
 
 def commands(overrides: List[str], tokens: Tuple[str, str], plan, run_dir: Path):
@@ -59,24 +85,21 @@ def commands(overrides: List[str], tokens: Tuple[str, str], plan, run_dir: Path)
 
     runs = itertools.count()
 
-    def ours(steps: int) -> List[str]:  # a fresh run directory each time
-        return [sys.executable, "-m", "llmforge", "pretrain", *overrides, *QUIET, f"train.steps={steps}", f"run.dir={run_dir / str(next(runs))}"]
+    def ours(steps: int) -> Tuple[List[str], Path]:  # a fresh run directory each time
+        folder = run_dir / str(next(runs))
+        return [sys.executable, "-m", "llmforge", "pretrain", *overrides, *QUIET, f"train.steps={steps}", f"run.dir={folder}"], folder / "metrics.jsonl"
 
     def plain(steps: int) -> List[str]:
         shape = {"layers": m.num_layers, "width": m.hidden_size, "heads": m.num_heads, "ffn": m.ffn_hidden_size, "vocab": m.vocab_size,
                  "seq": m.seq_len, "micro-batch": t.micro_batch_size, "global-batch": t.global_batch_size, "warmup": o.warmup_steps,
                  "seed": t.seed, "lr": t.lr, "weight-decay": o.weight_decay, "grad-clip": o.grad_clip}
         args = [f"--{k}={v}" for k, v in shape.items()]
-        return [sys.executable, str(ROOT / "tools" / "plain_gpt.py"), f"--tokens={tokens[0]}", f"--dtype={tokens[1]}", f"--steps={steps}", *args]
+        log = run_dir / "plain" / f"{next(runs)}.log"
+        log.parent.mkdir(exist_ok=True)
+        cmd = [sys.executable, str(ROOT / "tools" / "plain_gpt.py"), f"--tokens={tokens[0]}", f"--dtype={tokens[1]}", f"--steps={steps}", f"--log={log}", *args]
+        return cmd, log
 
     return {"llmforge": ours, "plain": plain}
-
-
-def per_step(run, *, short: int, long: int, env: Dict[str, str]) -> Tuple[float, float]:
-    """(CPU, wall) seconds of one steady-state step: the long run less the short one."""
-    cpu_s, wall_s = timed(run(short), env=env)
-    cpu_l, wall_l = timed(run(long), env=env)
-    return (cpu_l - cpu_s) / (long - short), (wall_l - wall_s) / (long - short)
 
 
 def prepared_tokens(plan) -> Tuple[str, str]:
@@ -99,8 +122,8 @@ def summary(name: str, ratios: List[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--short", type=int, default=10, help="steps of the run whose time is subtracted (start-up and warm-up)")
-    parser.add_argument("--long", type=int, default=30)
+    parser.add_argument("--short", type=int, default=5, help="warm-up: timing starts when this step ends (a multiple of train.log_interval)")
+    parser.add_argument("--long", type=int, default=25, help="timing ends when this step ends (a multiple of train.log_interval)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of both sides")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="which clock the headline ratio uses")
     parser.add_argument("overrides", nargs="*", help="llmforge overrides (default recipe=tiny)")
@@ -113,12 +136,16 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled"}
     with tempfile.TemporaryDirectory(prefix="bench_independent_") as tmp:
         sides = commands(overrides, prepared_tokens(plan), plan, Path(tmp))
-        timed(sides["llmforge"](1), env=env)  # a first run here calibrates the CPU profile: not in any round
+        cmd, _ = sides["llmforge"](1)
+        subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, check=True)  # a first run here calibrates the CPU profile: not in any round
         ratios: Dict[str, List[float]] = {"cpu": [], "wall": []}
         print(f"{overrides}: {plan.tokens_per_step} tokens/step, steps {args.short + 1}-{args.long} timed, {args.threads} thread(s)")
         for r in range(args.rounds):
             order = ("llmforge", "plain") if r % 2 == 0 else ("plain", "llmforge")
-            got = {side: per_step(sides[side], short=args.short, long=args.long, env=env) for side in order}
+            got = {}
+            for side in order:
+                cmd, log = sides[side](args.long)
+                got[side] = steady(cmd, log=log, short=args.short, long=args.long, env=env)
             for i, clock in enumerate(("cpu", "wall")):
                 ratios[clock].append(got["plain"][i] / got["llmforge"][i])
             print(f"round {r + 1} ({order[0]} first): step cpu s llmforge {got['llmforge'][0]:.4f} plain {got['plain'][0]:.4f} "

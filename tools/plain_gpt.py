@@ -6,7 +6,7 @@ nanoGPT's way from a memory-mapped token file, gradient accumulation, ``clip_gra
 ``torch.optim.AdamW`` with torch's default implementation (nanoGPT asks for ``fused`` on
 CUDA only) and a warm-up + cosine learning rate set by hand every step.
 
-    python tools/plain_gpt.py --tokens FILE --dtype uint16 --steps 40 [shape options]
+    python tools/plain_gpt.py --tokens FILE --dtype uint16 --steps 40 --log FILE [shape options]
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--log", required=True, help="file the loss of every step is appended to")
     a = p.parse_args()
     torch.manual_seed(a.seed)
     model = GPT(layers=a.layers, width=a.width, heads=a.heads, ffn=a.ffn, vocab=a.vocab, seq=a.seq)
@@ -110,7 +111,8 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), a.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        print(f"step {step + 1}: loss {loss.item() * accumulation:.4f}", flush=True)
+        with open(a.log, "a") as log:
+            log.write(f"step {step + 1}: loss {loss.item() * accumulation:.4f}\n")
 
 
 if __name__ == "__main__":
