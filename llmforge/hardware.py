@@ -11,7 +11,7 @@ Bandwidths are per device and per direction, in GB/s (1e9 bytes): NVLink's
 900 GB/s "bidirectional" H100 figure is 450 here. Peak FLOP/s are dense (no
 structured sparsity). The optional ``matmul_efficiency``, ``matmul_dim``,
 ``attention_efficiency``, ``attention_backward_efficiency``, ``bandwidth_efficiency``, ``comm_sm_share`` and
-``kernel_floor_us`` are the step-time model's rates (``llmforge.estimate.kernels``; ``comm_sm_share``, the
+``kernel_floor_us`` (and ``dtensor_op_us``, the host cost of one DTensor operator call: ``llmforge.estimate.host``) are the step-time model's rates (``llmforge.estimate.kernels``; ``comm_sm_share``, the
 share of the compute units a running collective holds, and ``comm_latency_us``, one collective between two
 ranks, paid once per ring hop: ``llmforge.estimate.comm``). ``peak_tflops.fp8`` is optional: a profile without it has
 no FP8 tensor cores, and ``precision.fp8`` is refused there (unless emulated).
@@ -46,7 +46,7 @@ GIB = 1024**3
 REQUIRED = ("name", "memory_gib", "peak_tflops", "memory_bandwidth_gbs", "intra_node_gbs", "inter_node_gbs", "devices_per_node")
 #: The step-time model's rates (see llmforge.estimate.kernels); defaults in Profile.
 SPEED_KEYS = ("matmul_efficiency", "matmul_dim", "attention_efficiency", "attention_backward_efficiency", "bandwidth_efficiency",
-              "comm_sm_share", "kernel_floor_us")
+              "comm_sm_share", "kernel_floor_us", "dtensor_op_us")
 #: The host side, for CPU offload (llmforge.estimate.offload); defaults in Profile.
 HOST_KEYS = ("host_memory_gib", "host_link_gbs", "host_memory_bandwidth_gbs")
 OPTIONAL = ("runtime_reserved_gib", "comm_efficiency", "comm_latency_us", "calibration", "peak_approximate") + SPEED_KEYS + HOST_KEYS
@@ -77,6 +77,9 @@ class Profile:
     #: channel): compute that overlaps communication runs that much slower.
     comm_sm_share: float = 0.0
     kernel_floor_us: float = 5.0
+    #: Host microseconds one DTensor operator call adds to the plain one (sharding propagation,
+    #: wrapping): tensor-parallel ranks pay it per call (``llmforge.estimate.host``); 0: not measured.
+    dtensor_op_us: float = 0.0
     #: Fixed seconds-equivalent of one collective, microseconds (alpha of alpha + bytes/bandwidth).
     comm_latency_us: float = 0.0
     #: Host memory of one node, bytes (None: 2 x the node's device memory).
@@ -233,6 +236,7 @@ _BOUNDS = {
     "comm_efficiency": (0.0, False, 1.0), "comm_latency_us": (0.0, True, None), "matmul_efficiency": (0.0, False, None),
     "matmul_dim": (0.0, True, None), "attention_efficiency": (0.0, False, None), "attention_backward_efficiency": (0.0, True, None),
     "bandwidth_efficiency": (0.0, False, None), "comm_sm_share": (0.0, True, 0.99), "kernel_floor_us": (0.0, True, None),
+    "dtensor_op_us": (0.0, True, None),
     "host_memory_gib": (0.0, False, None), "host_link_gbs": (0.0, False, None), "host_memory_bandwidth_gbs": (0.0, False, None),
 }
 

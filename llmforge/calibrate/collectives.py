@@ -24,10 +24,16 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 MIB = 2**20
 
 
+#: Sizes below 1 MiB a CPU sweep starts with: gloo's fixed cost per call (``comm_latency_us``)
+#: dominates them, as it does the tensor-parallel collectives of a small model.
+CPU_SMALL = (4 * 2**10, 64 * 2**10)
+
+
 def sizes(device: torch.device, *, quick: bool) -> List[int]:
-    """1 MiB to 1 GiB on a GPU (to 64 MiB with ``quick``); to 64 MiB (4 MiB) on a CPU."""
+    """1 MiB to 1 GiB on a GPU (to 64 MiB with ``quick``); on a CPU 4 KiB and 64 KiB, then 1 MiB
+    to 64 MiB (4 MiB)."""
     top = (64 if quick else 1024) if device.type == "cuda" else (4 if quick else 64)
-    out, size = [], 1
+    out, size = [] if device.type == "cuda" else list(CPU_SMALL), 1
     while size <= top:
         out.append(size * MIB)
         size *= 4
@@ -80,7 +86,7 @@ def sweep(*, link: str, group, device: torch.device, byte_sizes: Sequence[int], 
     out = []
     for op in OPS:
         for nbytes in byte_sizes:
-            iters = max(2, min(20, (64 * MIB) // nbytes))
+            iters = max(2, min(20 if nbytes >= MIB else 100, (64 * MIB) // nbytes))
             seconds = time_op(_collective(op, nbytes, group=group, device=device), group=group, device=device, iters=iters)
             out.append(CommSample(op, link, n, nbytes, seconds))
             if tick:

@@ -1,5 +1,6 @@
 """One device's compute, timed: matmuls, fused causal attention, memory-bound kernels,
-the per-kernel launch floor and usable memory (``llmforge.calibrate.fit`` fits them).
+the per-kernel launch floor, usable memory and, on a CPU, the host cost of a DTensor call
+(``llmforge.calibrate.host_probe``; ``llmforge.calibrate.fit`` fits them).
 
 Shapes follow transformer training: for a width ``h`` and ``t`` tokens the MLP's
 forward ``[t x h] @ [h x 4h]``, its input gradient ``[t x 4h] @ [4h x h]``, its weight
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from llmforge.calibrate.fit import AttentionSample, BandwidthSample, ComputeSamples, MatmulSample
+from llmforge.calibrate.host_probe import in_subprocess
 from llmforge.calibrate.probe import CpuLoad
 from llmforge.calibrate.timing import seconds_per_call
 from llmforge.calibrate.trust import PASSES, combine
@@ -164,6 +166,14 @@ def launch_floor(*, device: torch.device, budget_s: float) -> float:
     return seconds_per_call(chain, device=device, budget_s=budget_s) / 100
 
 
+def dtensor_call(device: torch.device) -> float:
+    """Host seconds a DTensor call adds (``llmforge.calibrate.host_probe``) on a CPU; on a GPU
+    the host's dispatch runs ahead of the kernels (0: not charged)."""
+    if device.type != "cpu":
+        return 0.0
+    return in_subprocess()
+
+
 def host_memory_bytes() -> int:
     """This machine's memory, or its container's limit where lower (cgroup v2 ``memory.max``)."""
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -229,6 +239,7 @@ def one_pass(device: torch.device, *, grid: Grid, quick: bool, threads: int, tic
 
     def floor() -> None:
         samples.floor_s = launch_floor(device=device, budget_s=grid.budget_s)
+        samples.dtensor_op_s = dtensor_call(device)
         samples.memory_bytes, samples.reserved_bytes = usable_memory(device)
         samples.host_memory_bytes = host_memory_bytes()
         tick("launch floor")

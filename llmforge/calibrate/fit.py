@@ -95,6 +95,8 @@ class ComputeSamples:
     device_name: str
     threads: int
     floor_s: float = 0.0
+    #: Host seconds a DTensor operator call adds to the plain one (CPU; 0: not measured).
+    dtensor_op_s: float = 0.0
     memory_bytes: int = 0
     reserved_bytes: int = 0
     matmul: Dict[str, List[MatmulSample]] = field(default_factory=dict)
@@ -177,6 +179,8 @@ class Fitted:
     host_link: float = 0.0
     #: bytes/s of host memory copies (read + write); 0: not measured
     host_bandwidth: float = 0.0
+    #: host seconds per DTensor operator call beyond the plain one; 0: not measured
+    dtensor_op_s: float = 0.0
 
 
 def fit_compute(samples: ComputeSamples) -> Fitted:
@@ -189,7 +193,8 @@ def fit_compute(samples: ComputeSamples) -> Fitted:
     attention = fit_attention(samples.attention[ref], peak=1.0, matmul_dim=dim) if samples.attention.get(ref) else 0.0
     return Fitted(rates=rates, matmul_dim=dim, attention_flops=attention, bandwidth=fit_bandwidth(samples.bandwidth, floor_s=samples.floor_s),
                   floor_s=samples.floor_s, memory_bytes=samples.memory_bytes, reserved_bytes=samples.reserved_bytes,
-                  device=samples.device, reference_dtype=ref, host_memory_bytes=samples.host_memory_bytes, **_host_rates(samples))
+                  device=samples.device, reference_dtype=ref, host_memory_bytes=samples.host_memory_bytes,
+                  dtensor_op_s=samples.dtensor_op_s, **_host_rates(samples))
 
 
 def _host_rates(samples: ComputeSamples) -> dict:
@@ -249,6 +254,8 @@ def compute_keys(fitted: Fitted, datasheet: dict) -> dict:
     if fitted.attention_flops:
         out["attention_efficiency"] = _round(fitted.attention_flops / peak)
     out["kernel_floor_us"] = _round(fitted.floor_s * 1e6)
+    if fitted.dtensor_op_s:
+        out["dtensor_op_us"] = _round(fitted.dtensor_op_s * 1e6)
     if fitted.attention_flops:
         out.pop("attention_backward_efficiency", None)  # the fit covers forward and backward
     return {**out, **host_keys(fitted)}

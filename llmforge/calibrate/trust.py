@@ -69,6 +69,7 @@ def combine(passes: Sequence[ComputeSamples]) -> ComputeSamples:
     return dataclasses.replace(
         first,
         floor_s=_median_of([p.floor_s for p in passes]),
+        dtensor_op_s=_median_of([p.dtensor_op_s for p in passes]),
         matmul={d: _combine_list([p.matmul[d] for p in passes]) for d in first.matmul},
         attention={d: _combine_list([p.attention[d] for p in passes]) for d in first.attention},
         bandwidth=_combine_list([p.bandwidth for p in passes]),

@@ -34,7 +34,7 @@ def as_mapping(p: Profile) -> dict:
         "comm_latency_us": p.comm_latency_us,
     }
     # 0 means "as another key" (attention_backward_efficiency) or "none" (comm_sm_share): left out
-    out.update({k: getattr(p, k) for k in SPEED_KEYS if getattr(p, k) or k not in ("attention_backward_efficiency", "comm_sm_share")})
+    out.update({k: getattr(p, k) for k in SPEED_KEYS if getattr(p, k) or k not in ("attention_backward_efficiency", "comm_sm_share", "dtensor_op_us")})
     if p.host_memory is not None:
         out["host_memory_gib"] = round(p.host_memory / GIB, 2)
     out["host_link_gbs"] = p.host_link_bandwidth / 1e9

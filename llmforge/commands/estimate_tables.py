@@ -56,7 +56,7 @@ _TERM_NAMES = {
     "pp_exposed": "pipeline send/recv (exposed)", "cp_exposed": "context-parallel ring (exposed)",
     "ep_exposed": "expert all-to-all", "bubble": "pipeline bubble", "comm_overlap": "compute slowed by hidden communication",
     "optimizer": "optimizer step and clip", "offload_copy": "host-link copies (offload, exposed)",
-    "cpu_optimizer": "optimizer step on the CPU (offload)",
+    "cpu_optimizer": "optimizer step on the CPU (offload)", "tp_host": "tensor-parallel host time (DTensor calls, clip collectives)",
 }
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Dict
 
 from llmforge.config.dtypes import DTYPE_BYTES
+from llmforge.estimate.host import tp_collectives
 from llmforge.estimate.shape import Job, Shape
 from llmforge.layout import Layout
 
@@ -301,17 +302,20 @@ def async_tp_hidden(shape: Shape, layout: Layout, job: Job, *, attention_layers:
     return microbatches * hidden
 
 
-def critical_latency(shape: Shape, layout: Layout, job: Job, *, layers: int, moe_layers: int, microbatches: int) -> Dict[str, float]:
+def critical_latency(shape: Shape, layout: Layout, job: Job, *, layers: int, moe_layers: int, microbatches: int,
+                     first: bool = True, last: bool = True) -> Dict[str, float]:
     """The fixed part (``hops_seconds``) of the collectives on the critical path, per step: ``tp``
-    (as ``tp_bytes`` counts them: all-reduces, or with sequence parallel all-gathers and
-    reduce-scatters of n - 1 hops) and ``ep`` (two all-to-alls per MoE layer and pass)."""
+    (each collective ``llmforge.estimate.host.tp_collectives`` counts: the blocks' all-reduces, or
+    with sequence parallel all-gathers and reduce-scatters of n - 1 hops, the embedding's, the
+    output layer's and the vocab-parallel loss's on the ``first`` and ``last`` stage) and ``ep``
+    (two all-to-alls per MoE layer and pass)."""
     t, e = layout.tp, layout.ep
     passes = 6 if layout.recompute == "full" else 4
     out = {"tp": 0.0, "ep": 0.0}
     if t > 1:
         hops = t - 1 if layout.sequence_parallel else all_reduce_hops(t)
-        count = layers * (passes + (1 if layout.sequence_parallel and not layout.async_tp else 0)) + 1
-        out["tp"] = microbatches * count * hops_seconds(job, hops)
+        count = tp_collectives(layout, layers=layers, first=first, last=last, microbatches=microbatches)
+        out["tp"] = count * hops_seconds(job, hops)
     if e > 1 and moe_layers:
         out["ep"] = microbatches * moe_layers * passes * hops_seconds(job, e - 1)
     return out

@@ -16,10 +16,12 @@ Step time, for the slowest pipeline stage:
              + the compute lost to the hidden part (the profile's ``comm_sm_share`` of it:
                the collectives' kernels hold that share of the compute units while they run)
              + optimizer step and clip (memory-bound: 40 bytes per local parameter)
+             + tensor parallelism's host time (llmforge.estimate.host: the step's DTensor
+               calls at the profile's ``dtensor_op_us`` each, the clip's collectives)
 
 ``Estimate.terms`` lists the step term by term (matmul, attention, memory-bound,
 launch floor, each communication kind's exposed seconds, bubble, the compute the hidden
-communication slows (``comm_overlap``), optimizer).
+communication slows (``comm_overlap``), optimizer, ``tp_host``).
 
 ``cluster.efficiency`` set to a number replaces the kernel model by a flat one:
 every hardware FLOP at that share of peak, and 32 optimizer bytes per parameter.
@@ -37,6 +39,7 @@ from typing import Dict, List, Optional
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate import fp8, muon
+from llmforge.estimate import host as tph
 from llmforge.estimate import kernels as kn
 from llmforge.estimate.memory import StageMemory, all_stages, most_loaded, shard_numel, stage_activations
 from llmforge.estimate.node import NodeMemory, node_memory
@@ -85,6 +88,7 @@ class Estimate:
         out = {"matmul": c.matmul, "attention": c.attention, "memory_bound": c.memory, "launch_floor": c.floor}
         out.update({f"{k}_exposed": kinds[k].exposed for k in cm.KINDS if k in kinds})
         out.update(bubble=self.parts["bubble"], comm_overlap=self.parts["overlap"], optimizer=self.parts["optimizer"])
+        out.update(tp_host=self.parts.get("tp_host", 0.0))
         out.update({k: self.parts[k] for k in ("offload_copy", "cpu_optimizer") if k in self.parts})
         return out
 
@@ -133,7 +137,7 @@ def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int, m: int) -> t
     collective = cm.seconds(job, cm.tp_bytes(shape, layout, job, layers=counts.blocks, microbatches=1), span["tp"], group["tp"])
     moe = counts.moe + counts.moe_ckpt
     collective += cm.seconds(job, cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=1), span["ep"], group["ep"])
-    latency = cm.critical_latency(shape, layout, job, layers=counts.blocks, moe_layers=moe, microbatches=1)
+    latency = cm.critical_latency(shape, layout, job, layers=counts.blocks, moe_layers=moe, microbatches=1, first=counts.first, last=counts.last)
     hidden = cm.async_tp_hidden(shape, layout, job, attention_layers=counts.blocks, mlp_layers=counts.dense + counts.dense_ckpt, microbatches=1)
     return compute, collective + sum(latency.values()) - hidden
 
@@ -199,7 +203,7 @@ def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t
         pp_s = pp_total / pp_one * one_s
         kinds["pp"] = cm.Traffic(pp_total, pp_s, min(pp_s, 2 * (layout.pp - 1) * layout.virtual_stages * one_s))
     moe = counts.moe + counts.moe_ckpt
-    latency = cm.critical_latency(shape, layout, job, layers=nblocks, moe_layers=moe, microbatches=m)
+    latency = cm.critical_latency(shape, layout, job, layers=nblocks, moe_layers=moe, microbatches=m, first=counts.first, last=counts.last)
     hidden = {"tp": cm.async_tp_hidden(shape, layout, job, attention_layers=nblocks, mlp_layers=counts.dense + counts.dense_ckpt, microbatches=m),
               "ep": 0.0}
     for kind, nbytes in (("tp", cm.tp_bytes(shape, layout, job, layers=nblocks, microbatches=m)),
@@ -280,6 +284,7 @@ def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True
         "compute": m * t_compute.seconds, "tp_ep_comm": m * t_collective, "bubble": m * t_mb * bubble / (1 - bubble),
         "dp_comm": comm.exposed_of("dp"), "pp_comm": comm.exposed_of("pp"), "cp_comm": comm.exposed_of("cp"),
         "overlap": job.profile.comm_sm_share * sum(t.hidden for t in comm.kinds.values()), "optimizer": optimizer_s,
+        "tp_host": _tp_host_seconds(shape, layout, job, slowest, m),
     }
     host = None
     if offloads(layout):
@@ -310,6 +315,17 @@ def node_fits(shape: Shape, layout: Layout, job: Job, worst: StageMemory) -> boo
                         microbatches=m, compute_s=0.0)
         offloaded = host.states_bytes + host.activations_bytes
     return node_memory(shape, layout, job, device_total=worst.total, shard=shard, offloaded=offloaded).fits
+
+
+def _tp_host_seconds(shape: Shape, layout: Layout, job: Job, stage: int, m: int) -> float:
+    """Host time of the step's DTensor calls on ``stage``, and the gradient clip's collectives'
+    fixed part (``llmforge.estimate.host``): nothing without tensor parallelism."""
+    if layout.tp == 1:
+        return 0.0
+    counts = stage_counts(shape, layout)[stage]
+    hops = layout.tp - 1 if layout.sequence_parallel else cm.all_reduce_hops(layout.tp)
+    clip = cm.hops_seconds(job, hops) * tph.CLIP_COLLECTIVES
+    return clip + tph.dtensor_seconds(shape, layout, job.profile, counts, microbatches=m)
 
 
 def _stage_seconds(compute: kn.Cost, collective: float) -> float:

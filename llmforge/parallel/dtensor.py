@@ -6,6 +6,8 @@ from typing import Optional
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -25,3 +27,17 @@ def local_values(t: torch.Tensor) -> torch.Tensor:
     t = local(t)
     inner = getattr(t, "_tensor", None)
     return inner if type(t) is not torch.Tensor and isinstance(inner, torch.Tensor) else t
+
+
+class DTensorCalls(TorchDispatchMode):
+    """Counts the operator calls that reach it with a DTensor argument (those issued inside
+    another operator's dispatch do not reach a mode: they are that operator's work)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtensor = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(isinstance(x, DTensor) for x in tree_leaves((args, kwargs or {}))):
+            self.dtensor += 1
+        return func(*args, **(kwargs or {}))

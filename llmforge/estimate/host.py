@@ -1,0 +1,86 @@
+"""What tensor parallelism costs on the host, per call: its collectives and its DTensor calls (no torch).
+
+A tensor-parallel rank runs its sharded linears, embedding, output layer and loss as DTensor
+operators. Each call goes through DTensor's dispatch (sharding propagation, wrapping and
+unwrapping of the local tensor) before its kernel runs: the profile's ``dtensor_op_us`` per
+call, measured by ``llmforge calibrate`` as the extra host time of a DTensor operator over the
+plain one. Each collective pays ``comm_latency_us`` per hop (``llmforge.estimate.comm``), which
+the calibration fits from its smallest messages. On a CPU rank nothing hides either: the host
+is the device.
+
+The counts follow llmforge's eager, fp32, dense GPT as ``llmforge.parallel.tensor`` shards it,
+without sequence parallel; ``llmforge.rehearse.counts`` counts a real step, and the tests hold
+these numbers to it:
+
+- per microbatch, each sharded linear: ``DTENSOR_OPS_PER_LINEAR`` calls forward and backward,
+  ``DTENSOR_OPS_PER_BIAS`` more with a bias; the embedding ``DTENSOR_OPS_FIRST`` (lookup, its
+  backward, the tied gradients' sum and accumulation); the output layer and the vocab-parallel
+  loss ``DTENSOR_OPS_LAST``;
+- per step, the for-loop AdamW of CPU ranks: ``ADAMW_OPS_PER_PARAM`` calls per DTensor
+  parameter, one more where weight decay applies;
+- collectives per microbatch: four per block (the row-parallel outputs forward, the
+  column-parallel inputs' gradients backward; six with full recompute), one for the embedding's
+  partial lookups, one for the output layer's input gradient, three for the loss on
+  vocab-sharded logits (the maximum, the sum of exponentials, the target logit); per step,
+  ``CLIP_COLLECTIVES`` for the gradient norm. Sequence parallel swaps each block's all-reduces
+  for an all-gather and a reduce-scatter and gathers once more in backward.
+"""
+
+from __future__ import annotations
+
+from llmforge.estimate.shape import Shape
+from llmforge.layout import Layout
+
+DTENSOR_OPS_PER_LINEAR = 13
+DTENSOR_OPS_PER_BIAS = 3
+DTENSOR_OPS_FIRST = 4
+DTENSOR_OPS_LAST = 20
+ADAMW_OPS_PER_PARAM = 7
+LOSS_COLLECTIVES = 3
+CLIP_COLLECTIVES = 2
+
+
+def sharded_linears(shape: Shape, *, moe: bool) -> int:
+    """Sharded linears of one block: fused q/k/v and o, and (dense MLP) up (or gate/up) and down;
+    an MoE layer's MLP is not sharded (``llmforge.parallel.tensor``)."""
+    return 2 if moe else 4
+
+
+def tp_collectives(layout: Layout, *, layers: int, first: bool, last: bool, microbatches: int, per_step: bool = False) -> int:
+    """Tensor-parallel collectives of one rank over ``microbatches`` microbatches of ``layers``
+    blocks (``first``/``last``: the stage holds the embedding / the output layer and loss);
+    ``per_step``: also the gradient clip's, once."""
+    if layout.tp == 1:
+        return 0
+    passes = 6 if layout.recompute == "full" else 4
+    per_mb = layers * (passes + (1 if layout.sequence_parallel and not layout.async_tp else 0)) + int(first) + (1 + LOSS_COLLECTIVES) * int(last)
+    return microbatches * per_mb + (CLIP_COLLECTIVES if per_step else 0)
+
+
+def dtensor_ops(shape: Shape, layout: Layout, counts, *, microbatches: int) -> int:
+    """DTensor operator calls of one rank in one step over ``microbatches`` microbatches of the
+    stage ``counts`` describes (``llmforge.estimate.params.StageCounts``), and the optimizer's
+    over the rank's DTensor parameters."""
+    if layout.tp == 1:
+        return 0
+    per_linear = DTENSOR_OPS_PER_LINEAR + (DTENSOR_OPS_PER_BIAS if shape.bias else 0)
+    dense, moe = counts.dense + counts.dense_ckpt, counts.moe + counts.moe_ckpt
+    linears = dense * sharded_linears(shape, moe=False) + moe * sharded_linears(shape, moe=True)
+    if layout.recompute == "full":  # the recomputed blocks' forward calls again (about a third of theirs)
+        recomputed = counts.dense_ckpt * sharded_linears(shape, moe=False) + counts.moe_ckpt * sharded_linears(shape, moe=True)
+        linears_calls = linears * per_linear + recomputed * per_linear // 3
+    else:
+        linears_calls = linears * per_linear
+    per_mb = linears_calls + DTENSOR_OPS_FIRST * int(counts.first) + DTENSOR_OPS_LAST * int(counts.last)
+    params = linears * (1 + int(shape.bias))  # weights decay, biases do not
+    decayed = linears
+    if counts.first:
+        params += 1  # the embedding table (no decay)
+    if counts.last and not shape.tie_embeddings:
+        params, decayed = params + 1, decayed + 1
+    return microbatches * per_mb + ADAMW_OPS_PER_PARAM * params + decayed
+
+
+def dtensor_seconds(shape: Shape, layout: Layout, profile, counts, *, microbatches: int) -> float:
+    """Host seconds of one step's DTensor calls on a tensor-parallel rank (``dtensor_ops``)."""
+    return dtensor_ops(shape, layout, counts, microbatches=microbatches) * profile.dtensor_op_us * 1e-6

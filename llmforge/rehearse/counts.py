@@ -1,0 +1,73 @@
+"""What one training step of a rank issues: collectives and DTensor operations, by phase.
+
+The rank's real program (as ``llmforge.rehearse.run``: build, parallel transforms, the step
+runner, clipping, the optimizer as CPU ranks run it) on small real tensors over torch's fake
+process group. Under a dispatch mode, an operator call with a DTensor among its arguments is
+one DTensor dispatch (the host work DTensor adds: sharding propagation, wrapping and
+unwrapping); under torch.profiler, a call of one of the process group's ``c10d::`` operators
+is one collective. The estimator's host terms for CPU ranks (``llmforge.estimate.host``) are held to
+these counts by the tests.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict
+
+import torch
+
+from llmforge.parallel.dtensor import DTensorCalls
+from llmforge.plan import RunPlan
+from llmforge.rehearse.fake import FakeBatches, fake_process_group
+from llmforge.train.build import build_components, distributed_rank
+from llmforge.train.loop import _unscale_and_clip
+
+#: The process group's own operators (``c10d::``), which every collective ends in, whoever issued it
+#: (a ParallelStyle's hook, a redistribution inside an operator, loss_parallel, the clip).
+COLLECTIVES = ("allreduce_", "allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "reduce_scatter_",
+               "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_", "alltoall_base_", "broadcast_", "send", "recv_")
+
+
+@dataclass
+class StepOps:
+    """Counts of one steady step by phase (``step``: forward and backward over the microbatches;
+    ``clip``; ``optimizer``): DTensor dispatches and collectives by operator name."""
+
+    dtensor: Dict[str, int] = field(default_factory=dict)
+    collectives: Dict[str, Counter] = field(default_factory=dict)
+
+    def collective_count(self, phase: str) -> int:
+        return sum(self.collectives.get(phase, Counter()).values())
+
+
+def _counted(fn) -> tuple[int, Counter]:
+    """(top-level DTensor dispatches, collectives by name) of ``fn()``."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, DTensorCalls() as mode:
+        fn()
+    names = Counter(e.name.split("::", 1)[1] for e in prof.events() if e.name.startswith("c10d::"))
+    return mode.dtensor, Counter({n: k for n, k in names.items() if n in COLLECTIVES})
+
+
+def count_step(plan: RunPlan) -> StepOps:
+    """Build ``plan``'s rank 0 over a fake process group, run one step, then count the next."""
+    cfg = plan.config
+    torch.manual_seed(0)
+    with fake_process_group(rank=0, world_size=plan.world_size):
+        rank = distributed_rank(plan, device=torch.device("cpu"))
+        batches = FakeBatches(global_batch=cfg.train.global_batch_size, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size)
+        c = build_components(plan, rank=rank, sampler=batches)
+        out = StepOps()
+        for counted in (False, True):
+            batch = batches.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size)
+            holder = {}
+            phases = {
+                "step": lambda: holder.update(out=c.step(batch)),
+                "clip": lambda: holder.update(norm=_unscale_and_clip(c, cfg.optim.grad_clip, flags=c.guard.local_flags(holder["out"].loss))),
+                "optimizer": lambda: (c.optimizer.step(), c.optimizer.zero_grad(set_to_none=True)),
+            }
+            for phase, fn in phases.items():
+                dtensor, collectives = _counted(fn)
+                if counted:
+                    out.dtensor[phase], out.collectives[phase] = dtensor, collectives
+    return out
