@@ -75,7 +75,7 @@ def mixed_precision(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype, fp32
 
 def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                expert_mesh: Optional[DeviceMesh] = None, offload: bool = False, fp32_residual: bool = False,
-               defer: bool = False) -> Optional["DeferredReduceScatter"]:
+               defer: bool = False, release_reduce_input: bool = False) -> Optional["DeferredReduceScatter"]:
     """Shard ``model`` over ``dp_mesh`` with FSDP2 for ZeRO stage 1, 2 or 3.
 
     ``expert_mesh`` (the ``dp_rest`` mesh, set when experts are split over ep
@@ -85,7 +85,9 @@ def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype:
     ``CPUOffloadPolicy``, pinned when the mesh is on GPUs), so the optimizer steps
     them on the CPU. ``defer`` (ZeRO 1 on gloo, fp32 reduction, no offload, no HSDP:
     ``can_defer_reduce``) launches the blocks' and the root's reduce-scatters without
-    waiting; the returned ``DeferredReduceScatter`` waits for them (after backward)."""
+    waiting; the returned ``DeferredReduceScatter`` waits for them (after backward).
+    ``release_reduce_input`` (CPU ranks; a rehearsal of a GPU rank on CPU tensors keeps what
+    CUDA keeps): otherwise each reduce-scatter frees its input when it returns."""
     mp = mixed_precision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, fp32_residual=fp32_residual)
     policy = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if offload else OffloadPolicy()
     blocks = []
@@ -100,7 +102,7 @@ def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype:
     if blocks:  # the root issues the first block's gather before the embedding computes
         root.set_modules_to_forward_prefetch([blocks[0]])
     if not defer:
-        if dp_mesh.device_type == "cpu":
+        if release_reduce_input and dp_mesh.device_type == "cpu":
             for unit in [*blocks, root]:
                 unit.set_custom_reduce_scatter(ReleasingReduceScatter())
         return None
