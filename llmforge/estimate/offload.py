@@ -71,6 +71,12 @@ class HostUse:
         return self.node_bytes <= self.node_capacity
 
 
+def _slack(job: Job) -> float:
+    from llmforge.estimate.memory import slack_fraction  # memory imports this module
+
+    return slack_fraction(job)
+
+
 def device_memory(mem, shape: Shape, layout: Layout, job: Job, *, block: float):
     """``mem`` (a StageMemory) with the offloaded parts moved off the device (``block``:
     elements of the stage's largest block on one rank)."""
@@ -79,7 +85,7 @@ def device_memory(mem, shape: Shape, layout: Layout, job: Job, *, block: float):
     if layout.offload_activations:
         blocks = max(1, stage_counts(shape, layout)[mem.stage].blocks)
         kept = min(mem.activations, 2 * mem.activations / blocks)
-        mem = dataclasses.replace(mem, activations=kept, reserved=mem.reserved - 0.1 * (mem.activations - kept))
+        mem = dataclasses.replace(mem, activations=kept, reserved=mem.reserved - _slack(job) * (mem.activations - kept))
     return mem
 
 
@@ -96,7 +102,7 @@ def _states_off(mem, layout: Layout, job: Job, *, block: float):
         transient += block * (job.compute_bytes + rb) + (2 * block * job.compute_bytes if not whole_copy else 0.0)
     transient += FP32 * block / group  # one block's fp32 shard copied up for its all-gather
     return dataclasses.replace(mem, weights=weights, grads=grads, optimizer=0.0, transient=transient,
-                               reserved=mem.reserved + 0.1 * (transient - mem.transient))
+                               reserved=mem.reserved + _slack(job) * (transient - mem.transient))
 
 
 def host_use(shape: Shape, layout: Layout, job: Job, *, stage: int, shard: int, activations: float, microbatches: int, compute_s: float) -> HostUse:
