@@ -40,7 +40,7 @@ def _memory_table(est: Estimate) -> Table:
         table.add_row("optimizer (AdamW)", gib(w.optimizer), "two fp32 moments per parameter" + (", in host memory (stepped on the CPU)" if lay.offload == "states" else ""))
     table.add_row("activations", gib(w.activations), f"recompute={lay.recompute}; microbatches in flight per the {lay.schedule if lay.pp > 1 else 'accumulation'} schedule")
     table.add_row("transient buffers", gib(w.transient), "logits at the loss, recompute working set, gathers, buckets")
-    table.add_row("allowance", gib(w.reserved), f"runtime {gib(est.job.profile.runtime_reserved_bytes)} + 10% fragmentation")
+    table.add_row("allowance", gib(w.reserved), _allowance_words(est))
     table.add_row(Text("total", style="bold"), Text(gib(w.total), style="bold"), Text(f"of {gib(est.job.profile.memory_bytes)} ({est.job.profile.name})"))
     if est.host is not None:
         h = est.host
@@ -242,3 +242,12 @@ def _paste(layout, *, elastic: bool = False) -> str:
             continue
         keep.append(part)
     return " ".join(keep)
+
+
+def _allowance_words(est) -> str:
+    from llmforge.estimate import memory
+
+    if est.job.on_cpu:
+        process = max(est.job.profile.runtime_reserved_bytes, memory.CPU_PROCESS_BYTES)
+        return f"process {gib(process)} (python, torch, gloo) + {memory.CPU_HEAP_SLACK:.0%} heap slack"
+    return f"runtime {gib(est.job.profile.runtime_reserved_bytes)} + {memory.FRAGMENTATION:.0%} fragmentation"

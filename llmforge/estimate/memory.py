@@ -19,6 +19,7 @@ from typing import List, Tuple
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate import activations as act
 from llmforge.estimate import fp8, muon
+from llmforge.estimate.allocator import CPU_HEAP_SLACK, FRAGMENTATION, slack_fraction
 from llmforge.estimate.offload import device_memory
 from llmforge.estimate.params import RankParams, block_tensors, layout_rank_params, representative_stages, stage_counts
 from llmforge.estimate.pipeline import inflight_microbatches
@@ -27,7 +28,9 @@ from llmforge.layout import Layout
 
 FP32 = 4
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
-FRAGMENTATION = 0.10  # of activations and transient buffers: caching-allocator slack
+#: A CPU rank's process before its model: the interpreter, torch, llmforge, gloo and the
+#: data loader, resident (rank 0 of a tiny dp8 run peaks at 0.37 GiB, 15 MiB of it tensors).
+CPU_PROCESS_BYTES = int(0.35 * 2**30)
 
 
 @dataclass(frozen=True)
@@ -207,13 +210,23 @@ def _gathered_bytes(shape: Shape, layout: Layout, job: Job, block: float) -> flo
     return (block - low) * job.compute_bytes + low * fp8.FP8
 
 
+def allowance(job: Job, *, working: float) -> float:
+    """What a rank holds besides its tensors: on a GPU the profile's runtime reservation
+    (CUDA context, libraries) and the caching allocator's fragmentation; on a CPU rank the
+    process itself (``CPU_PROCESS_BYTES``, or the profile's reservation where larger) and
+    the slack glibc's heap keeps (``CPU_HEAP_SLACK``), ``working`` being the activations
+    and transient buffers."""
+    process = max(job.profile.runtime_reserved_bytes, CPU_PROCESS_BYTES) if job.on_cpu else job.profile.runtime_reserved_bytes
+    return process + slack_fraction(job) * working
+
+
 def stage_memory(shape: Shape, layout: Layout, job: Job, stage: int, microbatches: int) -> StageMemory:
     """Full breakdown for pipeline ``stage`` (tp rank 0, ep rank 0, dp rank 0: the fullest shards)."""
     params, weights, grads, optimizer = model_states(shape, layout, stage, job)
     optimizer = muon.optimizer_bytes(optimizer, shape, layout, job, stage)
     activations = stage_activations(shape, layout, job, stage, microbatches)
     transient = _transient(shape, layout, job, stage, params)
-    reserved = job.profile.runtime_reserved_bytes + FRAGMENTATION * (activations + transient)
+    reserved = allowance(job, working=activations + transient)
     mem = StageMemory(stage, params, weights, grads, optimizer, activations, transient, reserved)
     if layout.offload != "none" or layout.offload_activations:
         return device_memory(mem, shape, layout, job, block=largest_block(shape, layout, stage))

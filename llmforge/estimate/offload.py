@@ -34,6 +34,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from llmforge.config.dtypes import DTYPE_BYTES
+from llmforge.estimate.allocator import slack_fraction
 from llmforge.estimate.node import host_capacity
 from llmforge.estimate.params import stage_counts
 from llmforge.estimate.pipeline import inflight_microbatches
@@ -79,7 +80,7 @@ def device_memory(mem, shape: Shape, layout: Layout, job: Job, *, block: float):
     if layout.offload_activations:
         blocks = max(1, stage_counts(shape, layout)[mem.stage].blocks)
         kept = min(mem.activations, 2 * mem.activations / blocks)
-        mem = dataclasses.replace(mem, activations=kept, reserved=mem.reserved - 0.1 * (mem.activations - kept))
+        mem = dataclasses.replace(mem, activations=kept, reserved=mem.reserved - slack_fraction(job) * (mem.activations - kept))
     return mem
 
 
@@ -96,7 +97,7 @@ def _states_off(mem, layout: Layout, job: Job, *, block: float):
         transient += block * (job.compute_bytes + rb) + (2 * block * job.compute_bytes if not whole_copy else 0.0)
     transient += FP32 * block / group  # one block's fp32 shard copied up for its all-gather
     return dataclasses.replace(mem, weights=weights, grads=grads, optimizer=0.0, transient=transient,
-                               reserved=mem.reserved + 0.1 * (transient - mem.transient))
+                               reserved=mem.reserved + slack_fraction(job) * (transient - mem.transient))
 
 
 def host_use(shape: Shape, layout: Layout, job: Job, *, stage: int, shard: int, activations: float, microbatches: int, compute_s: float) -> HostUse:

@@ -31,7 +31,9 @@
   runs while blocks i-1, ... compute their backward. On gloo FSDP2 calls it
   synchronously and the host waits for each: for ZeRO 1 with fp32 reduction
   (``defer``, ``parallel.overlap_grad_reduce``) ``DeferredReduceScatter`` launches
-  them asynchronously instead and the step waits for all after backward.
+  them asynchronously instead and the step waits for all after backward. Otherwise on
+  CPU ranks ``ReleasingReduceScatter`` frees each reduce-scatter's input (a block's
+  gradients) once it returns, where FSDP2 would keep it until the next one.
 Expert weights (``parallel.ep`` > 1) are already split over the ep ranks, so they
 are reduced, and ZeRO-sharded, over ``dp_rest`` only: the data-parallel ranks
 that hold replicas of the same experts. Their gradient is the sum over those
@@ -74,7 +76,7 @@ def mixed_precision(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype, fp32
 
 def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
                expert_mesh: Optional[DeviceMesh] = None, offload: bool = False, fp32_residual: bool = False,
-               defer: bool = False) -> Optional["DeferredReduceScatter"]:
+               defer: bool = False, release_reduce_input: bool = False) -> Optional["DeferredReduceScatter"]:
     """Shard ``model`` over ``dp_mesh`` with FSDP2 for ZeRO stage 1, 2 or 3.
 
     ``expert_mesh`` (the ``dp_rest`` mesh, set when experts are split over ep
@@ -84,7 +86,9 @@ def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype:
     ``CPUOffloadPolicy``, pinned when the mesh is on GPUs), so the optimizer steps
     them on the CPU. ``defer`` (ZeRO 1 on gloo, fp32 reduction, no offload, no HSDP:
     ``can_defer_reduce``) launches the blocks' and the root's reduce-scatters without
-    waiting; the returned ``DeferredReduceScatter`` waits for them (after backward)."""
+    waiting; the returned ``DeferredReduceScatter`` waits for them (after backward).
+    ``release_reduce_input`` (CPU ranks; a rehearsal of a GPU rank on CPU tensors keeps what
+    CUDA keeps): otherwise each reduce-scatter frees its input when it returns."""
     mp = mixed_precision(param_dtype=param_dtype, reduce_dtype=reduce_dtype, fp32_residual=fp32_residual)
     policy = CPUOffloadPolicy(pin_memory=dp_mesh.device_type == "cuda") if offload else OffloadPolicy()
     blocks = []
@@ -99,6 +103,9 @@ def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype:
     if blocks:  # the root issues the first block's gather before the embedding computes
         root.set_modules_to_forward_prefetch([blocks[0]])
     if not defer:
+        if release_reduce_input and dp_mesh.device_type == "cpu":
+            for unit in [*blocks, root]:
+                unit.set_custom_reduce_scatter(ReleasingReduceScatter())
         return None
     deferred = DeferredReduceScatter()
     for unit in [*blocks, root]:
@@ -122,6 +129,23 @@ def can_defer_reduce(*, device_type: str, zero: int, reduce_dtype: torch.dtype, 
     set to None; no HSDP all-reduce, no copy to the host; expert units divide after it).
     Only gloo needs it: on CUDA FSDP2's reduce-scatter stream already overlaps."""
     return device_type == "cpu" and zero == 1 and reduce_dtype == torch.float32 and not (offload or replicated or experts)
+
+
+class ReleasingReduceScatter(ReduceScatter):
+    """FSDP2's reduce-scatter as it runs on gloo (the same collective, synchronous), which then
+    frees its input buffer. FSDP2 keeps the last unit's input (a whole block's gradients) until
+    the next unit's reduce-scatter, so that a CUDA stream cannot reuse it too early; on a CPU
+    the collective has finished when the call returns and the buffer only holds memory."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op, async_op: bool = False):
+        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op)
+        if work is not None:
+            work.wait()
+        input_tensor.untyped_storage().resize_(0)
+        return None
 
 
 class DeferredReduceScatter(ReduceScatter):

@@ -22,7 +22,7 @@ from llmforge.plan import RunPlan
 from llmforge.train.anomaly import AnomalyPolicy, StepGuard
 from llmforge.train.build_step import build_step
 from llmforge.train.components import Components, RankInfo
-from llmforge.train.host_memory import keep_freed_memory
+from llmforge.train.host_memory import keep_freed_memory, mmap_threshold
 from llmforge.train.meter import meter_for
 from llmforge.train.optim import build_optimizer, build_scheduler
 from llmforge.train.parallelize import fp8_all_gather, parallelize
@@ -34,7 +34,7 @@ def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compo
     ParallelMesh on a distributed rank. The loop runs every layout the same way."""
     cfg, mesh, device = plan.config, rank.mesh, rank.device
     if device.type == "cpu":
-        keep_freed_memory()
+        keep_freed_memory(mmap_threshold(plan))
     parts, ids = build_parts(plan, mesh=mesh, device=device)
     copies = _tied_copies(plan, parts=parts, ids=ids, num_stages=len(plan.layers_per_stage))
     optimizer = _optimizer(plan, mesh=mesh, parts=parts, copies=copies)

@@ -1,4 +1,5 @@
-"""Keep the host allocator's freed memory for reuse, so a CPU step does not page-fault.
+"""Keep the host allocator's freed memory for reuse, so a CPU step does not page-fault, and
+map whole weights and gradients on their own, so they do not fragment it.
 
 glibc returns a freed block of more than its mmap threshold (128 KiB, adapting up to
 32 MiB) to the operating system, and trims the top of its heap past twice that: the
@@ -6,8 +7,17 @@ next step's logits, activations and gradients of the same sizes then come back a
 fresh pages, each one faulted in on first write. On a CPU rank that costs from nothing
 to 10% of a step, depending on how earlier frees moved the adaptive thresholds (about
 12,000 faults a step for the default recipe in the rounds it happens). Fixing both
-thresholds at their largest keeps every block up to 32 MiB in the heap, reused from step
+thresholds keeps every block up to the mmap threshold in the heap, reused from step
 to step, as tcmalloc and jemalloc do by default.
+
+The mmap threshold is the smallest power of two above the step's largest activation
+(the logits, a feed-forward hidden state, one layer's attention scores), at most 32 MiB.
+Larger blocks are a big model's whole weights and gradients: under ZeRO-3 a block's are
+gathered and freed in every forward and backward while the activations stay, and in the
+heap the activations split the space they leave: measured on rank 0 of a 225M-parameter
+model at dp8 ZeRO-3 (``tools/attribute_memory.py``), the heap grew to 1.5 GiB around
+0.45 GiB of live blocks with a 32 MiB threshold, and to 0.6 GiB with 4 MiB, for twice
+the page faults (mapped blocks are faulted in afresh).
 """
 
 from __future__ import annotations
@@ -21,13 +31,29 @@ from functools import lru_cache
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 #: The largest mmap threshold glibc accepts on 64-bit hosts (half its 64 MiB heap size).
 MMAP_THRESHOLD_MAX = 32 * 2**20
+#: The smallest this module sets: glibc's own starting point is 128 KiB.
+MMAP_THRESHOLD_MIN = 2**20
 #: Freed memory at the heap's top kept rather than returned: far more than one step frees.
 TRIM_THRESHOLD = 2**30
+FP32 = 4
 
 
-@lru_cache(maxsize=1)
-def keep_freed_memory() -> bool:
-    """Fix glibc's thresholds for this process (once); False where the C library is not glibc."""
+def mmap_threshold(plan) -> int:
+    """The smallest power of two above the largest activation of one microbatch of ``plan``
+    (fp32, whole: an upper bound under tensor or context parallelism), within
+    [``MMAP_THRESHOLD_MIN``, ``MMAP_THRESHOLD_MAX``]."""
+    model, tokens = plan.config.model, plan.layout.micro_batch * plan.config.model.seq_len
+    widest = max(model.vocab_size, model.ffn_hidden_size, model.num_heads * model.seq_len)
+    largest = FP32 * tokens * widest
+    threshold = MMAP_THRESHOLD_MIN
+    while threshold <= largest and threshold < MMAP_THRESHOLD_MAX:
+        threshold *= 2
+    return threshold
+
+
+@lru_cache(maxsize=4)
+def keep_freed_memory(threshold: int = MMAP_THRESHOLD_MAX) -> bool:
+    """Fix glibc's thresholds for this process (mmap at ``threshold``); False where the C library is not glibc."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -36,4 +62,4 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

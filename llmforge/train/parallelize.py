@@ -61,7 +61,8 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]
             device_type=mesh.fsdp.device_type, zero=p.zero, reduce_dtype=DTYPES[precision.reduce_dtype], offload=p.offload == "states",
             replicated=p.dp_replicate > 1, experts=experts is not None)
         apply_fsdp(model, dp_mesh=mesh.fsdp, zero=p.zero, param_dtype=DTYPES[precision.param_dtype], reduce_dtype=DTYPES[precision.reduce_dtype],
-                   expert_mesh=experts, offload=p.offload == "states", fp32_residual=precision.fp32_residual, defer=defer)
+                   expert_mesh=experts, offload=p.offload == "states", fp32_residual=precision.fp32_residual, defer=defer,
+                   release_reduce_input=plan.config.cluster.accelerator == "cpu")
     elif p.offload == "states":
         raise RuntimeError("parallel.offload=states needs FSDP2 on a process group: a one-rank plan goes through torchrun (llmforge.launch.run.runs_here)")
 
