@@ -188,7 +188,6 @@ def _validate(config: RunConfig) -> List[Problem]:
 
 def _check_storage(config: RunConfig) -> List[Problem]:
     """run.dir is a local folder (lock, plan, metrics); only checkpoints may go to object storage."""
-
     out = []
     if is_url(config.run.dir):
         out.append(Problem("run.dir", config.run.dir, "must be a local folder (it holds the run's lock, plan.json and metrics.jsonl)",

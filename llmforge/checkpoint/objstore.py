@@ -131,7 +131,6 @@ def verify(prefix: str, *, checksums: bool) -> dict:
         if saved != int(data["step"]):
             problems = [f"{join(prefix, TRAIN_STATE)}: records step {saved}, but {join(prefix, MANIFEST)} records step {data['step']}"]
     if problems:
-
         raise UserError([Problem("", "", p, "") for p in problems], title=f"damaged checkpoint {prefix}")
     return data
 

@@ -42,7 +42,6 @@ FORMAT = "llmforge-torchao-1"
 def quantized_model(weights: Dict[str, torch.Tensor], *, model: ModelConfig, scheme: str, group_size: int) -> tuple[nn.Module, List[str]]:
     """The whole model with ``weights`` (a checkpoint's, by parameter name) and its blocks'
     linear layers quantized; and the names of those layers."""
-
     if model.tie_embeddings:
         weights = {k: v for k, v in weights.items() if k != "head.weight"}  # the last pipeline stage's copy of the embedding
     net = GPT(model)

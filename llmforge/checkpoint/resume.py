@@ -107,7 +107,6 @@ def shared_storage(old: Any, new: Any, *, found: Located) -> List[Problem]:
 def saved_plan(path: Any) -> Dict[str, Any]:
     """The plan.json stored in a checkpoint (a folder or an object-storage URL), as a dict."""
     if is_url(path):
-
         try:
             data = read_json(join(path, "plan.json"))
         except (OSError, ValueError) as exc:

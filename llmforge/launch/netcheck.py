@@ -38,7 +38,6 @@ def wanted(plan: RunPlan) -> bool:
 
 def expected_bandwidth(plan: RunPlan) -> float:
     """Bytes/s of bus bandwidth the profile's inter-node link achieves."""
-
     profile = get_profile(plan.config.cluster.accelerator)
     return profile.inter_node_bandwidth * profile.comm_efficiency
 

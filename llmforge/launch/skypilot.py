@@ -87,7 +87,6 @@ def manifest(plan: RunPlan) -> dict:
 def submit(plan: RunPlan, task: dict, *, console: Console) -> None:
     """``sky launch`` (or ``sky jobs launch``) the task from a temporary YAML file; SkyPilot
     streams its own progress and says itself when no cloud is enabled (``sky check``)."""
-
     sky = shutil.which("sky")
     if sky is None:
         raise UserError([Problem("cluster.launcher", "skypilot", "launching needs SkyPilot's `sky` command, which is not installed",

@@ -43,15 +43,19 @@ def restart_point(plan, *, resume: Optional[Path], console, launched=None) -> Op
         return resume
     found: List[Optional[str]] = [None]
     if dist.get_rank() == 0:
-        if attempt() > 0:
-            try:
-                found[0] = str(newest_complete(plan.checkpoint_root).path)
-            except UserError:
-                found[0] = None
+        found[0] = _newest_complete_or_none(plan) if attempt() > 0 else None
         where = f"resuming from {found[0]}" if found[0] else (f"starting again from {resume}" if resume else "starting over (no checkpoint yet)")
         console.print(_restart_line(plan, launched=launched, checkpoint=found[0], where=where), highlight=False)
     dist.broadcast_object_list(found, src=0)
     return _where(found[0]) if found[0] else resume
+
+
+def _newest_complete_or_none(plan) -> Optional[str]:
+    """The run's newest complete checkpoint, or None when it has none yet."""
+    try:
+        return str(newest_complete(plan.checkpoint_root).path)
+    except UserError:
+        return None
 
 
 def _restart_line(plan, *, launched, checkpoint: Optional[str], where: str):
@@ -69,7 +73,6 @@ def _saved_plan(checkpoint: Optional[str]):
     if checkpoint is None:
         return None
     try:
-
         data = saved_plan(_where(checkpoint))
         return RunPlan.build(config_from_dict(data["config"]), world=int(data["derived"]["world_size"]))
     except Exception:  # noqa: BLE001 - an unreadable old plan only loses the "before" half of the line
@@ -78,7 +81,6 @@ def _saved_plan(checkpoint: Optional[str]):
 
 def _where(text: str) -> Any:
     """A checkpoint location from text: an object-storage URL stays a string."""
-
     return text if is_url(text) else Path(text)
 
 
@@ -94,11 +96,9 @@ def newest_checkpoint(plan, *, console) -> Optional[Path]:
 
     found: List[Optional[str]] = [None]
     if dist.get_rank() == 0:
-        try:
-            found[0] = str(newest_complete(plan.checkpoint_root).path)
+        found[0] = _newest_complete_or_none(plan)
+        if found[0]:
             console.print(f"resuming from {found[0]}, the run's newest complete checkpoint", highlight=False)
-        except UserError:
-            pass
     dist.broadcast_object_list(found, src=0)
     return _where(found[0]) if found[0] else None
 

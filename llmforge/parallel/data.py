@@ -131,14 +131,18 @@ def can_defer_reduce(*, device_type: str, zero: int, reduce_dtype: torch.dtype, 
     return device_type == "cpu" and zero == 1 and reduce_dtype == torch.float32 and not (offload or replicated or experts)
 
 
-class ReleasingReduceScatter(ReduceScatter):
+class _GlooReduceScatter(ReduceScatter):
+    """FSDP2's custom reduce-scatter hook on gloo: plain buffers, the collective in ``__call__``."""
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+
+class ReleasingReduceScatter(_GlooReduceScatter):
     """FSDP2's reduce-scatter as it runs on gloo (the same collective, synchronous), which then
     frees its input buffer. FSDP2 keeps the last unit's input (a whole block's gradients) until
     the next unit's reduce-scatter, so that a CUDA stream cannot reuse it too early; on a CPU
     the collective has finished when the call returns and the buffer only holds memory."""
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op, async_op: bool = False):
         work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group, async_op=async_op)
@@ -148,7 +152,7 @@ class ReleasingReduceScatter(ReduceScatter):
         return None
 
 
-class DeferredReduceScatter(ReduceScatter):
+class DeferredReduceScatter(_GlooReduceScatter):
     """FSDP2's reduce-scatter launched with ``async_op`` on gloo, so the host goes on with
     the backward of the blocks before while gloo's thread reduces; ``wait`` (after
     backward, before anything reads the gradients) waits for every launched one.
@@ -157,9 +161,6 @@ class DeferredReduceScatter(ReduceScatter):
     def __init__(self, trace: Optional[List[int]] = None) -> None:
         self._pending: List[Tuple[object, torch.Tensor, torch.Tensor]] = []
         self.trace = trace
-
-    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        return torch.empty(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op, async_op: bool = False):
         work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, op=op, group=group, async_op=True)

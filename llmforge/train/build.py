@@ -161,7 +161,6 @@ def wire(plan: RunPlan, c: Components) -> Components:
     c.meter = meter_for(plan, device=c.rank.device)
     precision = plan.config.precision
     if precision.qat != "none" and precision.qat_start_step > 1:
-
         c.before_step = switch_at(c.model_parts, start_step=precision.qat_start_step)
     return wire_moe(plan, c)
 

@@ -38,7 +38,6 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]
     if plan.config.precision.fp8:
         apply_float8(model, recipe=plan.config.precision.fp8_recipe, emulate=plan.config.precision.fp8_emulate, fsdp_all_gather=fp8_all_gather(plan, mesh=mesh))
     if plan.config.precision.qat != "none":
-
         apply_qat(model, scheme=plan.config.precision.qat, group_size=plan.config.precision.qat_group_size)
     if plan.layout.tp > 1:
         apply_tp(model, tp_mesh=mesh.tp, sequence_parallel=p.sequence_parallel, async_tp=p.async_tp)
