@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, List, Optional
 
 import typer
 from rich.console import Console
@@ -57,9 +57,9 @@ def user_errors(fn: Callable) -> Callable:
 @app.command()
 @user_errors
 def plan(
-    overrides: Optional[List[str]] = OVERRIDES,
+    overrides: list[str] | None = OVERRIDES,
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
-    config_dir: Optional[List[Path]] = CONFIG_DIR,
+    config_dir: list[Path] | None = CONFIG_DIR,
 ) -> None:
     """Compose and validate a run plan, and show it. Nothing is started.
 
@@ -76,7 +76,7 @@ def plan(
 
 @app.command()
 @user_errors
-def recipes(config_dir: Optional[List[Path]] = CONFIG_DIR) -> None:
+def recipes(config_dir: list[Path] | None = CONFIG_DIR) -> None:
     """List recipes and the options of every config group, with one-line descriptions.
 
     [bold]Example[/]
@@ -105,15 +105,21 @@ def keys(prefix: str = typer.Argument("", help="Show only keys starting with thi
 @app.command()
 @user_errors
 def estimate(
-    overrides: Optional[List[str]] = OVERRIDES,
+    overrides: list[str] | None = OVERRIDES,
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object (schema in docs/estimator.md)."),
     timeline: bool = typer.Option(False, "--timeline", help="Draw the pipeline schedule, slot by slot."),
     measure: bool = typer.Option(False, "--measure", help="Also build the real model on CPU and print measured numbers."),
-    rehearse: bool = typer.Option(False, "--rehearse", help="Also run the most-loaded rank's build and two steps at full scale on fake tensors (CPU) and print its peak memory."),
+    rehearse: bool = typer.Option(
+        False,
+        "--rehearse",
+        help="Also run the most-loaded rank's build and two steps at full scale on fake tensors (CPU) and print its peak memory.",
+    ),
     search: bool = typer.Option(False, "--search", help="Search every valid layout and rank those that fit by speed."),
     top: int = typer.Option(5, "--top", min=1, help="With --search, how many layouts to show (1 or more)."),
-    plan_file: Optional[Path] = typer.Option(None, "--plan", help="Start from a run's plan.json (or its run folder) instead of the recipe (overrides apply on top)."),
-    config_dir: Optional[List[Path]] = CONFIG_DIR,
+    plan_file: Path | None = typer.Option(
+        None, "--plan", help="Start from a run's plan.json (or its run folder) instead of the recipe (overrides apply on top)."
+    ),
+    config_dir: list[Path] | None = CONFIG_DIR,
 ) -> None:
     """Estimate memory per device, pipeline bubble, FLOPs, communication and step time.
 
@@ -133,18 +139,30 @@ def estimate(
     """
     from llmforge.commands.inspect import estimate_command
 
-    estimate_command(overrides or [], plan_file=plan_file, config_dir=config_dir or [], as_json=as_json, timeline=timeline,
-                     measure=measure, search=search, top=top, console=out, rehearse=rehearse)
+    estimate_command(
+        overrides or [],
+        plan_file=plan_file,
+        config_dir=config_dir or [],
+        as_json=as_json,
+        timeline=timeline,
+        measure=measure,
+        search=search,
+        top=top,
+        console=out,
+        rehearse=rehearse,
+    )
 
 
 @app.command()
 @user_errors
 def pretrain(
-    overrides: Optional[List[str]] = OVERRIDES,
+    overrides: list[str] | None = OVERRIDES,
     force: bool = typer.Option(False, "--force", help="Launch even if the estimate says the plan does not fit."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch command (or SLURM script, Kubernetes job or SkyPilot task) and stop."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Print the launch command (or SLURM script, Kubernetes job or SkyPilot task) and stop."
+    ),
     overwrite: bool = typer.Option(False, "--overwrite", help="Start over in a run.dir that already holds a run."),
-    config_dir: Optional[List[Path]] = CONFIG_DIR,
+    config_dir: list[Path] | None = CONFIG_DIR,
 ) -> None:
     """Validate, estimate and launch a pretraining run.
 
@@ -170,12 +188,16 @@ def pretrain(
 @app.command()
 @user_errors
 def resume(
-    overrides: Optional[List[str]] = OVERRIDES,
+    overrides: list[str] | None = OVERRIDES,
     force: bool = typer.Option(False, "--force", help="Launch even if the estimate says the plan does not fit."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch command and stop."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Start over in a run.dir (other than the checkpoint's) that already holds a run."),
-    from_other_run: bool = typer.Option(False, "--from-other-run", help="Accept a checkpoint whose plan is not its run folder's; the run continues in a new run.dir."),
-    config_dir: Optional[List[Path]] = CONFIG_DIR,
+    overwrite: bool = typer.Option(
+        False, "--overwrite", help="Start over in a run.dir (other than the checkpoint's) that already holds a run."
+    ),
+    from_other_run: bool = typer.Option(
+        False, "--from-other-run", help="Accept a checkpoint whose plan is not its run folder's; the run continues in a new run.dir."
+    ),
+    config_dir: list[Path] | None = CONFIG_DIR,
 ) -> None:
     """Continue a run from a checkpoint: ckpt=PATH, where PATH is a step folder, a run
     folder or a run's checkpoints/latest. Other overrides (train.steps, train.lr, a new
@@ -192,18 +214,31 @@ def resume(
     """
     from llmforge.commands.train import resume_command
 
-    resume_command(overrides or [], config_dir=config_dir or [], force=force, dry_run=dry_run, overwrite=overwrite, from_other_run=from_other_run,
-                   console=err)
+    resume_command(
+        overrides or [],
+        config_dir=config_dir or [],
+        force=force,
+        dry_run=dry_run,
+        overwrite=overwrite,
+        from_other_run=from_other_run,
+        console=err,
+    )
 
 
 @app.command()
 @user_errors
 def export(
-    overrides: Optional[List[str]] = OVERRIDES,
+    overrides: list[str] | None = OVERRIDES,
     out_dir: Path = typer.Option(..., "--out", "-o", help="Folder to write model.safetensors, config.json and the tokenizer files into."),
-    quantize: str = typer.Option("auto", "--quantize", help="Also write the torchao-quantized model (quantized.safetensors, quantization.json): "
-                                 "int8-int4, int4, none, or auto (the run's precision.qat; none for a run without QAT). See docs/qat.md."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", help="Input columns per int4 weight scale (default: the run's precision.qat_group_size, else 32)."),
+    quantize: str = typer.Option(
+        "auto",
+        "--quantize",
+        help="Also write the torchao-quantized model (quantized.safetensors, quantization.json): "
+        "int8-int4, int4, none, or auto (the run's precision.qat; none for a run without QAT). See docs/qat.md.",
+    ),
+    group_size: int | None = typer.Option(
+        None, "--group-size", help="Input columns per int4 weight scale (default: the run's precision.qat_group_size, else 32)."
+    ),
 ) -> None:
     """Export a checkpoint's model to Hugging Face format (safetensors + config.json, and the
     run's tokenizer), loadable with AutoModelForCausalLM and AutoTokenizer; for a QAT run
@@ -223,12 +258,14 @@ def export(
 @app.command()
 @user_errors
 def generate(
-    overrides: Optional[List[str]] = OVERRIDES,
-    prompt: Optional[str] = typer.Option(None, "--prompt", "-p", help="Text to continue."),
-    prompts: Optional[Path] = typer.Option(None, "--prompts", help="A text file of prompts, one a line (instead of --prompt)."),
-    out_file: Optional[Path] = typer.Option(None, "--out", help="Write one JSON object a line ({prompt, completion}) to this file instead of stdout."),
+    overrides: list[str] | None = OVERRIDES,
+    prompt: str | None = typer.Option(None, "--prompt", "-p", help="Text to continue."),
+    prompts: Path | None = typer.Option(None, "--prompts", help="A text file of prompts, one a line (instead of --prompt)."),
+    out_file: Path | None = typer.Option(
+        None, "--out", help="Write one JSON object a line ({prompt, completion}) to this file instead of stdout."
+    ),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N, or auto (the first GPU if there is one)."),
-    tokenizer: Optional[Path] = typer.Option(None, "--tokenizer", help="A tokenizer.json to use instead of the run's own."),
+    tokenizer: Path | None = typer.Option(None, "--tokenizer", help="A tokenizer.json to use instead of the run's own."),
 ) -> None:
     """Continue a prompt with a checkpoint's model and the run's tokenizer: ckpt=PATH, plus
     generate.* keys (llmforge keys generate.) for length, temperature (0 = greedy), top-k,
@@ -245,17 +282,21 @@ def generate(
     """
     from llmforge.commands.checkpoint import generate_command
 
-    generate_command(overrides or [], prompt=prompt, prompts=prompts, out_file=out_file, device=device, tokenizer=tokenizer, out=out, err=err)
+    generate_command(
+        overrides or [], prompt=prompt, prompts=prompts, out_file=out_file, device=device, tokenizer=tokenizer, out=out, err=err
+    )
 
 
 @app.command()
 @user_errors
 def calibrate(
-    overrides: Optional[List[str]] = OVERRIDES,
+    overrides: list[str] | None = OVERRIDES,
     quick: bool = typer.Option(False, "--quick", help="Fewer and smaller shapes: a few seconds instead of a minute or two."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write the profile here (a .yaml path) instead of LLMFORGE_HOME/profiles/."),
-    name: Optional[str] = typer.Option(None, "--name", help="The profile's name (default: the profile it starts from, e.g. cpu or h100-80gb)."),
-    config_dir: Optional[List[Path]] = CONFIG_DIR,
+    out: Path | None = typer.Option(None, "--out", "-o", help="Write the profile here (a .yaml path) instead of LLMFORGE_HOME/profiles/."),
+    name: str | None = typer.Option(
+        None, "--name", help="The profile's name (default: the profile it starts from, e.g. cpu or h100-80gb)."
+    ),
+    config_dir: list[Path] | None = CONFIG_DIR,
 ) -> None:
     """Measure this machine and write a hardware profile that estimate, plan, --search and
     every run's MFU and closing line use.
@@ -278,16 +319,23 @@ def calibrate(
     from llmforge.calibrate.run import command_line
     from llmforge.commands.calibrate import calibrate_command
 
-    calibrate_command(overrides or [], config_dir=config_dir or [], quick=quick, out=out, name=name,
-                      command=command_line(overrides or [], quick=quick, out=out, name=name), console=err)
+    calibrate_command(
+        overrides or [],
+        config_dir=config_dir or [],
+        quick=quick,
+        out=out,
+        name=name,
+        command=command_line(overrides or [], quick=quick, out=out, name=name),
+        console=err,
+    )
 
 
 @data_app.command("prepare")
 @user_errors
 def data_prepare(
-    overrides: Optional[List[str]] = OVERRIDES,
+    overrides: list[str] | None = OVERRIDES,
     force: bool = typer.Option(False, "--force", help="Rebuild even if a valid cache exists."),
-    config_dir: Optional[List[Path]] = CONFIG_DIR,
+    config_dir: list[Path] | None = CONFIG_DIR,
 ) -> None:
     """Train (or load) the tokenizer and write token shards for data.* settings.
 

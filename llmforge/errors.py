@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable, List
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,7 @@ class UserError(Exception):
     def __init__(self, problems: Iterable[Problem] | str, *, title: str = "invalid input") -> None:
         if isinstance(problems, str):
             problems = [Problem(key="", value="", rule=problems, fix="")]
-        self.problems: List[Problem] = list(problems)
+        self.problems: list[Problem] = list(problems)
         self.title = title
         super().__init__(self.message())
 
@@ -44,7 +45,7 @@ class UserError(Exception):
         return "\n".join(lines)
 
 
-def fail(message: str, *, title: str = "") -> "UserError":
+def fail(message: str, *, title: str = "") -> UserError:
     """A single-message user error (a missing file, a corrupted checkpoint, ...)."""
     return UserError([Problem(key="", value="", rule=message, fix="")], title=title)
 

@@ -18,7 +18,6 @@ every step runs the model over the last ``model.seq_len`` tokens.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import torch
 from rich.console import Console
@@ -67,14 +66,16 @@ def next_token(logits: torch.Tensor, *, settings: GenerateConfig, generator: tor
 
 
 @torch.no_grad()
-def generate_ids(model: torch.nn.Module, prompt: List[int], *, settings: GenerateConfig, seq_len: int, eos_id: Optional[int], device: torch.device) -> List[int]:
+def generate_ids(
+    model: torch.nn.Module, prompt: list[int], *, settings: GenerateConfig, seq_len: int, eos_id: int | None, device: torch.device
+) -> list[int]:
     """The generated token ids (without the prompt)."""
     model.eval()
     if settings.kv_cache:
         return _cached_ids(model, prompt, settings=settings, seq_len=seq_len, eos_id=eos_id, device=device)
     generator = torch.Generator().manual_seed(settings.seed)
     ids = list(prompt)
-    out: List[int] = []
+    out: list[int] = []
     for _ in range(settings.max_tokens):
         window = torch.tensor([ids[-seq_len:]], dtype=torch.long, device=device)
         token = next_token(model(window)[0, -1], settings=settings, generator=generator)
@@ -85,7 +86,9 @@ def generate_ids(model: torch.nn.Module, prompt: List[int], *, settings: Generat
     return out
 
 
-def _cached_ids(model: torch.nn.Module, prompt: List[int], *, settings: GenerateConfig, seq_len: int, eos_id: Optional[int], device: torch.device) -> List[int]:
+def _cached_ids(
+    model: torch.nn.Module, prompt: list[int], *, settings: GenerateConfig, seq_len: int, eos_id: int | None, device: torch.device
+) -> list[int]:
     generator = torch.Generator().manual_seed(settings.seed)
     ids, out = list(prompt), []
     cache, pending = KVCache(model.config), ids[-seq_len:]
@@ -97,7 +100,7 @@ def _cached_ids(model: torch.nn.Module, prompt: List[int], *, settings: Generate
         ids.append(token)
         out.append(token)
         if cache.length >= seq_len:  # no position left: start again from the last half window
-            cache, pending = KVCache(model.config), ids[-max(1, seq_len // 2):]
+            cache, pending = KVCache(model.config), ids[-max(1, seq_len // 2) :]
         else:
             pending = [token]
     return out
@@ -121,18 +124,24 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def checkpoint_config(overrides: List[str]):
+def checkpoint_config(overrides: list[str]):
     """The verified checkpoint folder and its saved config with ``generate.*``/``data.cache_dir`` overrides."""
     ckpt, rest = split_ckpt(overrides)
     allowed = ("generate.", "data.cache_dir=")
     bad = [o for o in rest if not o.lstrip("+~").startswith(allowed)]
     if bad:
-        raise UserError([Problem(o.split("=", 1)[0], o, "generate takes only ckpt=, generate.* and data.cache_dir overrides", "remove it") for o in bad], title="bad overrides")
+        raise UserError(
+            [
+                Problem(o.split("=", 1)[0], o, "generate takes only ckpt=, generate.* and data.cache_dir overrides", "remove it")
+                for o in bad
+            ],
+            title="bad overrides",
+        )
     found = locate(ckpt)
     return found.path, saved_config(found.path, rest)
 
 
-def run_tokenizer(config: RunConfig, *, tokenizer: Optional[Path], console: Console):
+def run_tokenizer(config: RunConfig, *, tokenizer: Path | None, console: Console):
     """(tokenizer, end-of-document id): ``--tokenizer`` or the run's own, from the prepared-data
     cache (prepared again, identically, if the cache was removed)."""
     from tokenizers import Tokenizer

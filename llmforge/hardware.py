@@ -33,10 +33,10 @@ place of the built-in guess.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional
 
 from llmforge.config.dtypes import DTYPES
 from llmforge.errors import Problem, UserError, nearest
@@ -45,8 +45,16 @@ BUILTIN_DIR = Path(__file__).resolve().parent / "hardware_profiles"
 GIB = 1024**3
 REQUIRED = ("name", "memory_gib", "peak_tflops", "memory_bandwidth_gbs", "intra_node_gbs", "inter_node_gbs", "devices_per_node")
 #: The step-time model's rates (see llmforge.estimate.kernels); defaults in Profile.
-SPEED_KEYS = ("matmul_efficiency", "matmul_dim", "attention_efficiency", "attention_backward_efficiency", "bandwidth_efficiency",
-              "comm_sm_share", "kernel_floor_us", "dtensor_op_us")
+SPEED_KEYS = (
+    "matmul_efficiency",
+    "matmul_dim",
+    "attention_efficiency",
+    "attention_backward_efficiency",
+    "bandwidth_efficiency",
+    "comm_sm_share",
+    "kernel_floor_us",
+    "dtensor_op_us",
+)
 #: The host side, for CPU offload (llmforge.estimate.offload); defaults in Profile.
 HOST_KEYS = ("host_memory_gib", "host_link_gbs", "host_memory_bandwidth_gbs")
 OPTIONAL = ("runtime_reserved_gib", "comm_efficiency", "comm_latency_us", "calibration", "peak_approximate") + SPEED_KEYS + HOST_KEYS
@@ -83,7 +91,7 @@ class Profile:
     #: Fixed seconds-equivalent of one collective, microseconds (alpha of alpha + bytes/bandwidth).
     comm_latency_us: float = 0.0
     #: Host memory of one node, bytes (None: 2 x the node's device memory).
-    host_memory: Optional[int] = None
+    host_memory: int | None = None
     #: Host link per device and direction (PCIe 5.0 x16 ~ 50 GB/s achieved, Grace C2C 450), bytes/s.
     host_link_bandwidth: float = 25e9
     #: Host memory bandwidth of one node (all its CPU sockets), bytes/s.
@@ -131,7 +139,7 @@ def home_profiles() -> Path:
     return llmforge_home() / "profiles"
 
 
-def _user_dirs() -> List[Path]:
+def _user_dirs() -> list[Path]:
     env = [p for p in os.environ.get("LLMFORGE_CONFIG_PATH", "").split(os.pathsep) if p]
     return [Path(p).expanduser() / "profiles" for p in env] + [home_profiles()]
 
@@ -200,11 +208,22 @@ def _load_yaml(path: Path) -> dict:
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=loader)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise UserError([Problem("cluster.accelerator", str(path), f"cannot read the profile: {exc}", _remedy(str(path)))],
-                        title="invalid hardware profile") from None
+        raise UserError(
+            [Problem("cluster.accelerator", str(path), f"cannot read the profile: {exc}", _remedy(str(path)))],
+            title="invalid hardware profile",
+        ) from None
     if not isinstance(data, dict):
-        raise UserError([Problem("cluster.accelerator", str(path), "a profile must be a YAML mapping",
-                                 f"{_remedy(str(path))} (see llmforge/hardware_profiles/h100-80gb.yaml)")], title="invalid hardware profile")
+        raise UserError(
+            [
+                Problem(
+                    "cluster.accelerator",
+                    str(path),
+                    "a profile must be a YAML mapping",
+                    f"{_remedy(str(path))} (see llmforge/hardware_profiles/h100-80gb.yaml)",
+                )
+            ],
+            title="invalid hardware profile",
+        )
     return data
 
 
@@ -225,23 +244,37 @@ def _remedy(source: str) -> str:
         cached = False
     if cached:
         builtin = Path(source).parent.name == "machines" or (BUILTIN_DIR / Path(source).name).is_file()
-        return f"measure it again with `llmforge calibrate`, or delete {source}" + (" (the built-in profile is used then)" if builtin else "")
+        return f"measure it again with `llmforge calibrate`, or delete {source}" + (
+            " (the built-in profile is used then)" if builtin else ""
+        )
     return f"correct {source or 'the profile'}, or measure this machine with `llmforge calibrate`"
 
 
 #: Each numeric key's rule: (lowest, lowest allowed itself, highest or None). Every value must be a finite number.
 _BOUNDS = {
-    "memory_gib": (0.0, False, None), "memory_bandwidth_gbs": (0.0, False, None), "intra_node_gbs": (0.0, False, None),
-    "inter_node_gbs": (0.0, False, None), "devices_per_node": (1.0, True, None), "runtime_reserved_gib": (0.0, True, None),
-    "comm_efficiency": (0.0, False, 1.0), "comm_latency_us": (0.0, True, None), "matmul_efficiency": (0.0, False, None),
-    "matmul_dim": (0.0, True, None), "attention_efficiency": (0.0, False, None), "attention_backward_efficiency": (0.0, True, None),
-    "bandwidth_efficiency": (0.0, False, None), "comm_sm_share": (0.0, True, 0.99), "kernel_floor_us": (0.0, True, None),
+    "memory_gib": (0.0, False, None),
+    "memory_bandwidth_gbs": (0.0, False, None),
+    "intra_node_gbs": (0.0, False, None),
+    "inter_node_gbs": (0.0, False, None),
+    "devices_per_node": (1.0, True, None),
+    "runtime_reserved_gib": (0.0, True, None),
+    "comm_efficiency": (0.0, False, 1.0),
+    "comm_latency_us": (0.0, True, None),
+    "matmul_efficiency": (0.0, False, None),
+    "matmul_dim": (0.0, True, None),
+    "attention_efficiency": (0.0, False, None),
+    "attention_backward_efficiency": (0.0, True, None),
+    "bandwidth_efficiency": (0.0, False, None),
+    "comm_sm_share": (0.0, True, 0.99),
+    "kernel_floor_us": (0.0, True, None),
     "dtensor_op_us": (0.0, True, None),
-    "host_memory_gib": (0.0, False, None), "host_link_gbs": (0.0, False, None), "host_memory_bandwidth_gbs": (0.0, False, None),
+    "host_memory_gib": (0.0, False, None),
+    "host_link_gbs": (0.0, False, None),
+    "host_memory_bandwidth_gbs": (0.0, False, None),
 }
 
 
-def _value_problems(data: dict, *, source: str) -> List[Problem]:
+def _value_problems(data: dict, *, source: str) -> list[Problem]:
     """Every numeric value that is not a number, not finite, or out of its range (a zero or negative
     peak or bandwidth would divide by zero or give a negative step time)."""
     import math
@@ -249,14 +282,23 @@ def _value_problems(data: dict, *, source: str) -> List[Problem]:
     peaks = data.get("peak_tflops")
     if not isinstance(peaks, Mapping):
         return [Problem(f"{source}:peak_tflops", peaks, "must be a mapping of dtype to TFLOP/s", _remedy(source))]
-    values = [(k, data[k], _BOUNDS[k]) for k in _BOUNDS if k in data] + [(f"peak_tflops.{d}", v, (0.0, False, None)) for d, v in peaks.items()]
+    values = [(k, data[k], _BOUNDS[k]) for k in _BOUNDS if k in data] + [
+        (f"peak_tflops.{d}", v, (0.0, False, None)) for d, v in peaks.items()
+    ]
     problems = []
     for key, value, (low, low_ok, high) in values:
         number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         whole = key != "devices_per_node" or (number is not None and float(number).is_integer())
-        inside = number is not None and math.isfinite(number) and (number >= low if low_ok else number > low) and (high is None or number <= high)
+        inside = (
+            number is not None
+            and math.isfinite(number)
+            and (number >= low if low_ok else number > low)
+            and (high is None or number <= high)
+        )
         if not (inside and whole):
-            rule = f"must be {'a whole number' if key == 'devices_per_node' else 'a number'} {'>=' if low_ok else '>'} {low:g}" + (f" and <= {high:g}" if high is not None else "")
+            rule = f"must be {'a whole number' if key == 'devices_per_node' else 'a number'} {'>=' if low_ok else '>'} {low:g}" + (
+                f" and <= {high:g}" if high is not None else ""
+            )
             problems.append(Problem(f"{source}:{key}", value, rule, _remedy(source)))
     return problems
 
@@ -267,7 +309,9 @@ def parse_profile(data: dict, *, source: str = "", description: str = "") -> Pro
     peaks = data.get("peak_tflops") if isinstance(data.get("peak_tflops"), Mapping) else {}
     problems += [Problem(f"{source}:peak_tflops.{d}", None, "missing", f"add the dense {d} TFLOP/s") for d in DTYPES if d not in peaks]
     unknown = set(data) - set(REQUIRED) - set(OPTIONAL)
-    problems += [Problem(f"{source}:{k}", data[k], "unknown profile key", f"use only {', '.join(REQUIRED + OPTIONAL)}") for k in sorted(unknown)]
+    problems += [
+        Problem(f"{source}:{k}", data[k], "unknown profile key", f"use only {', '.join(REQUIRED + OPTIONAL)}") for k in sorted(unknown)
+    ]
     problems = problems or _value_problems(data, source=source)
     if problems:
         raise UserError(problems, title="invalid hardware profile")
@@ -291,7 +335,10 @@ def parse_profile(data: dict, *, source: str = "", description: str = "") -> Pro
             calibration=dict(_mapping(data.get("calibration") or {})),
         )
     except (TypeError, ValueError) as exc:
-        raise UserError([Problem(source, "", f"a profile value has the wrong type: {exc}", "use numbers for sizes and speeds")], title="invalid hardware profile") from None
+        raise UserError(
+            [Problem(source, "", f"a profile value has the wrong type: {exc}", "use numbers for sizes and speeds")],
+            title="invalid hardware profile",
+        ) from None
 
 
 def _host_fields(data: dict) -> dict:
@@ -314,20 +361,23 @@ def _mapping(value: object) -> Mapping:
 
 def _flag(value: object, *, key: str) -> bool:
     if not isinstance(value, bool):
-        raise UserError([Problem(key, value, "must be true or false", "write peak_approximate: true (or leave it out)")], title="invalid hardware profile")
+        raise UserError(
+            [Problem(key, value, "must be true or false", "write peak_approximate: true (or leave it out)")],
+            title="invalid hardware profile",
+        )
     return value
 
 
 @lru_cache(maxsize=8)
-def _profiles_in(dirs: tuple) -> Dict[str, Profile]:
-    found: Dict[str, Profile] = {}
+def _profiles_in(dirs: tuple) -> dict[str, Profile]:
+    found: dict[str, Profile] = {}
     for d in reversed(dirs):  # earlier folders take priority
         for path in sorted(Path(d).glob("*.yaml")):
             found[path.stem] = parse_profile(_load_yaml(path), source=str(path), description=_description(path))
     return found
 
 
-def known_profiles() -> Dict[str, Profile]:
+def known_profiles() -> dict[str, Profile]:
     """Every profile by name: the user's folders first, then the built-in ones."""
     return dict(_profiles_in(tuple(str(d) for d in [*_user_dirs(), BUILTIN_DIR])))
 
@@ -343,7 +393,9 @@ def unknown_problem(name: str) -> Problem:
     """The validation problem for an accelerator that names no profile."""
     names = known_profiles()
     return Problem(
-        "cluster.accelerator", name, f"no such hardware profile{nearest(name, names)}",
+        "cluster.accelerator",
+        name,
+        f"no such hardware profile{nearest(name, names)}",
         f"use one of {', '.join(sorted(names))}, or a path to a profile .yaml (see docs/estimator.md)",
     )
 
@@ -356,7 +408,9 @@ def get_profile(name: str, *, ranks_per_node: int = 1) -> Profile:
     if name.endswith((".yaml", ".yml")):
         path = Path(name).expanduser()
         if not path.is_file():
-            raise UserError([Problem("cluster.accelerator", name, "profile file not found", "pass an existing .yaml path or a profile name")])
+            raise UserError(
+                [Problem("cluster.accelerator", name, "profile file not found", "pass an existing .yaml path or a profile name")]
+            )
         return parse_profile(_load_yaml(path), source=str(path), description=_description(path))
     profiles = known_profiles()
     if name not in profiles:

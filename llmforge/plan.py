@@ -14,24 +14,34 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any
 
 from llmforge.config.dtypes import DTYPES
 from llmforge.config.launchers import KUBERNETES_KINDS, LAUNCHERS
-from llmforge.config.ranges import INT64_MAX, range_problems
 from llmforge.config.qat_rules import QAT_SCHEMES, check_qat
+from llmforge.config.ranges import INT64_MAX, range_problems
 from llmforge.config.schema import ANOMALY_POLICIES, OFFLOAD_MODES, OPTIMIZERS, RECOMPUTE_MODES, SCHEDULES, ModelConfig, RunConfig
 from llmforge.config.train_rules import check_training
 from llmforge.elastic import check_elastic, world_problems
 from llmforge.errors import Problem, UserError, fail, nearest
 from llmforge.hardware import get_profile, is_known, unknown_problem
 from llmforge.layout import (
-    Layout, check_async_tp, check_backend, check_batch, check_ep, check_hsdp, check_offload, check_pipeline, check_tp, check_world, ints,
+    Layout,
+    check_async_tp,
+    check_backend,
+    check_batch,
+    check_ep,
+    check_hsdp,
+    check_offload,
+    check_pipeline,
+    check_tp,
+    check_world,
+    ints,
     world_and_dp,
 )
 from llmforge.storage import is_url
 
-CHOICES: Dict[str, Tuple[str, ...]] = {
+CHOICES: dict[str, tuple[str, ...]] = {
     "model.norm": ("layernorm", "rmsnorm"),
     "model.activation": ("gelu", "swiglu"),
     "model.position": ("learned", "rope"),
@@ -74,8 +84,8 @@ class RunPlan:
     dp: int
     num_kv_heads: int
     microbatches: int
-    layers_per_stage: List[int]
-    moe_layers: List[int]
+    layers_per_stage: list[int]
+    moe_layers: list[int]
     tokens_per_step: int
     data_vocab_size: int
 
@@ -105,12 +115,12 @@ class RunPlan:
         return Path(self.config.run.dir)
 
     @property
-    def checkpoint_root(self) -> Union[Path, str]:
+    def checkpoint_root(self) -> Path | str:
         """Where checkpoints go: ``run.dir/checkpoints``, or the object-storage URL of ``checkpoint.dir``."""
         return self.config.checkpoint.dir.rstrip("/") if self.config.checkpoint.dir else self.run_dir / "checkpoints"
 
     @classmethod
-    def build(cls, config: RunConfig, *, world: Optional[int] = None) -> "RunPlan":
+    def build(cls, config: RunConfig, *, world: int | None = None) -> RunPlan:
         """The validated plan; ``world``: the ranks torchrun started for an elastic run
         (a node count of its range), which sets the world size and ``parallel.dp: auto``."""
         problems = _validate(config)
@@ -120,12 +130,12 @@ class RunPlan:
             raise UserError(problems, title="the run plan is not valid")
         return cls._derive(config, world=world)
 
-    def at_world(self, world: int) -> "RunPlan":
+    def at_world(self, world: int) -> RunPlan:
         """This plan on the ``world`` ranks an elastic run got (itself when unchanged)."""
         return self if world == self.world_size else RunPlan.build(self.config, world=world)
 
     @classmethod
-    def _derive(cls, config: RunConfig, *, world: Optional[int] = None) -> "RunPlan":
+    def _derive(cls, config: RunConfig, *, world: int | None = None) -> RunPlan:
         m, p = config.model, config.parallel
         world, dp = world_and_dp(config, world=world)
         chunks = p.pp * p.pp_virtual_stages
@@ -143,17 +153,17 @@ class RunPlan:
             data_vocab_size=config.data.vocab_size or m.vocab_size,
         )
 
-    def derived(self) -> Dict[str, Any]:
+    def derived(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"}
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         return {"config": dataclasses.asdict(self.config), "derived": self.derived()}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
     @classmethod
-    def load(cls, path: Path) -> "RunPlan":
+    def load(cls, path: Path) -> RunPlan:
         try:
             data = json.loads(Path(path).read_text())
             config = config_from_dict(data["config"])
@@ -164,7 +174,7 @@ class RunPlan:
         return cls.build(config)
 
 
-def config_from_dict(data: Dict[str, Any], overrides: Optional[List[str]] = None) -> RunConfig:
+def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
     """Rebuild a typed RunConfig from its dict form (plan.json), applying dotted overrides."""
     from omegaconf import OmegaConf
 
@@ -174,32 +184,61 @@ def config_from_dict(data: Dict[str, Any], overrides: Optional[List[str]] = None
     return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
-def _validate(config: RunConfig) -> List[Problem]:
-    problems: List[Problem] = []
+def _validate(config: RunConfig) -> list[Problem]:
+    problems: list[Problem] = []
     checks = (
-        _check_choices, _check_ranges, _check_model, check_world, check_tp, check_pipeline, check_batch, _check_moe, check_ep,
-        _check_data, _check_accelerator, _check_fp8, check_hsdp, check_backend, check_async_tp, check_offload, check_elastic,
-        check_training, _check_storage, check_qat,
+        _check_choices,
+        _check_ranges,
+        _check_model,
+        check_world,
+        check_tp,
+        check_pipeline,
+        check_batch,
+        _check_moe,
+        check_ep,
+        _check_data,
+        _check_accelerator,
+        _check_fp8,
+        check_hsdp,
+        check_backend,
+        check_async_tp,
+        check_offload,
+        check_elastic,
+        check_training,
+        _check_storage,
+        check_qat,
     )
     for check in checks:
         problems.extend(check(config))
     return problems
 
 
-def _check_storage(config: RunConfig) -> List[Problem]:
+def _check_storage(config: RunConfig) -> list[Problem]:
     """run.dir is a local folder (lock, plan, metrics); only checkpoints may go to object storage."""
     out = []
     if is_url(config.run.dir):
-        out.append(Problem("run.dir", config.run.dir, "must be a local folder (it holds the run's lock, plan.json and metrics.jsonl)",
-                           f"set run.dir to a local folder and checkpoint.dir={config.run.dir} to put the checkpoints in object storage"))
+        out.append(
+            Problem(
+                "run.dir",
+                config.run.dir,
+                "must be a local folder (it holds the run's lock, plan.json and metrics.jsonl)",
+                f"set run.dir to a local folder and checkpoint.dir={config.run.dir} to put the checkpoints in object storage",
+            )
+        )
     where = config.checkpoint.dir
     if where is not None and not is_url(where):
-        out.append(Problem("checkpoint.dir", where, "is not an object-storage URL",
-                           "leave it unset to keep checkpoints in run.dir/checkpoints, or give a URL such as s3://BUCKET/PREFIX"))
+        out.append(
+            Problem(
+                "checkpoint.dir",
+                where,
+                "is not an object-storage URL",
+                "leave it unset to keep checkpoints in run.dir/checkpoints, or give a URL such as s3://BUCKET/PREFIX",
+            )
+        )
     return out
 
 
-def _check_choices(config: RunConfig) -> List[Problem]:
+def _check_choices(config: RunConfig) -> list[Problem]:
     out = []
     for key, allowed in CHOICES.items():
         value = get_key(config, key)
@@ -208,7 +247,7 @@ def _check_choices(config: RunConfig) -> List[Problem]:
     return out
 
 
-def _check_ranges(config: RunConfig) -> List[Problem]:
+def _check_ranges(config: RunConfig) -> list[Problem]:
     """Every number against its schema field's range (llmforge.config.ranges); parallel.dp is a number or auto."""
     out = range_problems(config)
     dp = config.parallel.dp
@@ -217,39 +256,81 @@ def _check_ranges(config: RunConfig) -> List[Problem]:
     return out
 
 
-def _check_model(config: RunConfig) -> List[Problem]:
+def _check_model(config: RunConfig) -> list[Problem]:
     m = config.model
-    out: List[Problem] = []
+    out: list[Problem] = []
     kv = m.num_kv_heads or m.num_heads
     if m.num_heads > 0 and m.hidden_size % m.num_heads:
-        out.append(Problem("model.hidden_size", m.hidden_size, f"not divisible by model.num_heads={m.num_heads}", "make hidden_size a multiple of num_heads"))
+        out.append(
+            Problem(
+                "model.hidden_size",
+                m.hidden_size,
+                f"not divisible by model.num_heads={m.num_heads}",
+                "make hidden_size a multiple of num_heads",
+            )
+        )
     if kv >= 1 and m.num_heads > 0 and m.num_heads % kv:  # kv < 1: a range problem
-        out.append(Problem("model.num_kv_heads", m.num_kv_heads, f"must divide model.num_heads={m.num_heads}", "use a divisor of num_heads (GQA groups)"))
+        out.append(
+            Problem(
+                "model.num_kv_heads",
+                m.num_kv_heads,
+                f"must divide model.num_heads={m.num_heads}",
+                "use a divisor of num_heads (GQA groups)",
+            )
+        )
     if m.position == "rope" and m.num_heads > 0 and (m.hidden_size // m.num_heads) % 2:
         out.append(Problem("model.position", m.position, "RoPE needs an even head dimension", "change hidden_size or num_heads"))
     return out + _check_window(m)
 
 
-def _check_window(m: ModelConfig) -> List[Problem]:
+def _check_window(m: ModelConfig) -> list[Problem]:
     """The sliding-window keys: a size, and which layers use it."""
-    out: List[Problem] = []
+    out: list[Problem] = []
     if m.sliding_window < 0:
-        out.append(Problem("model.sliding_window", m.sliding_window, "must be 0 (off) or a window size in tokens", "set model.sliding_window=0 or e.g. 4096"))
+        out.append(
+            Problem(
+                "model.sliding_window",
+                m.sliding_window,
+                "must be 0 (off) or a window size in tokens",
+                "set model.sliding_window=0 or e.g. 4096",
+            )
+        )
     if m.sliding_window_every < 1:
-        out.append(Problem("model.sliding_window_every", m.sliding_window_every, "must be 1 or more", "1: every layer; 2: every second layer"))
+        out.append(
+            Problem("model.sliding_window_every", m.sliding_window_every, "must be 1 or more", "1: every layer; 2: every second layer")
+        )
     if m.sliding_window == 0:
-        idle = [(k, v) for k, v in (("model.sliding_window_every", m.sliding_window_every), ("model.sliding_window_layers", list(m.sliding_window_layers)))
-                if v not in (1, [])]
-        out += [Problem(k, v, "chooses the layers of a sliding window, and model.sliding_window is 0 (off), so it does nothing",
-                        f"also set model.sliding_window=N (tokens), e.g. model.sliding_window={max(1, m.seq_len // 2)}, or remove {k}") for k, v in idle]
+        idle = [
+            (k, v)
+            for k, v in (
+                ("model.sliding_window_every", m.sliding_window_every),
+                ("model.sliding_window_layers", list(m.sliding_window_layers)),
+            )
+            if v not in (1, [])
+        ]
+        out += [
+            Problem(
+                k,
+                v,
+                "chooses the layers of a sliding window, and model.sliding_window is 0 (off), so it does nothing",
+                f"also set model.sliding_window=N (tokens), e.g. model.sliding_window={max(1, m.seq_len // 2)}, or remove {k}",
+            )
+            for k, v in idle
+        ]
     bad = [i for i in m.sliding_window_layers if not 0 <= i < m.num_layers]
     if bad:
-        out.append(Problem("model.sliding_window_layers", list(m.sliding_window_layers), f"layers {bad} do not exist (model.num_layers={m.num_layers})",
-                           f"use indices 0..{m.num_layers - 1}"))
+        out.append(
+            Problem(
+                "model.sliding_window_layers",
+                list(m.sliding_window_layers),
+                f"layers {bad} do not exist (model.num_layers={m.num_layers})",
+                f"use indices 0..{m.num_layers - 1}",
+            )
+        )
     return out
 
 
-def _check_moe(config: RunConfig) -> List[Problem]:
+def _check_moe(config: RunConfig) -> list[Problem]:
     """top_k against the number of experts (ranges: the schema; expert parallelism: llmforge.layout.check_ep)."""
     moe = config.model.moe
     if moe.num_experts > 0 and moe.top_k > moe.num_experts:
@@ -257,13 +338,20 @@ def _check_moe(config: RunConfig) -> List[Problem]:
     return []
 
 
-def _check_data(config: RunConfig) -> List[Problem]:
+def _check_data(config: RunConfig) -> list[Problem]:
     d = config.data
-    out: List[Problem] = []
+    out: list[Problem] = []
     if d.source == "files" and not d.path and not d.mixture:
         out.append(Problem("data.path", d.path, "data.source=files needs files to read", "set data.path=FILE_OR_FOLDER"))
     if d.vocab_size is not None and d.vocab_size > config.model.vocab_size:
-        out.append(Problem("data.vocab_size", d.vocab_size, f"larger than model.vocab_size={config.model.vocab_size}", "lower data.vocab_size or raise model.vocab_size"))
+        out.append(
+            Problem(
+                "data.vocab_size",
+                d.vocab_size,
+                f"larger than model.vocab_size={config.model.vocab_size}",
+                "lower data.vocab_size or raise model.vocab_size",
+            )
+        )
     return out
 
 
@@ -274,18 +362,25 @@ AUTO_MIN_INTERVAL = 10
 MIN_TRAINED_VOCAB = 257
 
 
-def tokenizer_problems(config: RunConfig) -> List[Problem]:
+def tokenizer_problems(config: RunConfig) -> list[Problem]:
     """A trained byte-level BPE needs its 256 byte tokens and the end-of-document token.
     Checked before data is prepared (not by build(): plans on synthetic data may be
     smaller); the key named is the one that set the size."""
     d = config.data
     key, size = ("data.vocab_size", d.vocab_size) if d.vocab_size is not None else ("model.vocab_size", config.model.vocab_size)
     if d.tokenizer is None and ints(size) and size < MIN_TRAINED_VOCAB:
-        return [Problem(key, size, f"a trained byte-level BPE needs at least {MIN_TRAINED_VOCAB} tokens (256 bytes and the end-of-document token)", f"set {key} to {MIN_TRAINED_VOCAB} or more (4096 for the built-in corpus)")]
+        return [
+            Problem(
+                key,
+                size,
+                f"a trained byte-level BPE needs at least {MIN_TRAINED_VOCAB} tokens (256 bytes and the end-of-document token)",
+                f"set {key} to {MIN_TRAINED_VOCAB} or more (4096 for the built-in corpus)",
+            )
+        ]
     return []
 
 
-def _check_accelerator(config: RunConfig) -> List[Problem]:
+def _check_accelerator(config: RunConfig) -> list[Problem]:
     """cluster.accelerator must name a hardware profile (llmforge.hardware) or a profile file."""
     name = config.cluster.accelerator
     if is_known(name):
@@ -295,28 +390,56 @@ def _check_accelerator(config: RunConfig) -> List[Problem]:
     return [unknown_problem(name)]
 
 
-def launch_problems(config: RunConfig) -> List[Problem]:
+def launch_problems(config: RunConfig) -> list[Problem]:
     """What launching needs from this machine beyond a valid plan: torchao for precision.fp8 and precision.qat.
     Not checked by build(): planning and estimating an FP8 run need no torchao."""
     if config.precision.fp8 and not _installed("torchao"):
-        return [Problem("precision.fp8", True, "FP8 training runs on torchao, which is not installed", "pip install 'llmforge[fp8]' (or pip install torchao), or use precision=bf16")]
+        return [
+            Problem(
+                "precision.fp8",
+                True,
+                "FP8 training runs on torchao, which is not installed",
+                "pip install 'llmforge[fp8]' (or pip install torchao), or use precision=bf16",
+            )
+        ]
     if config.precision.qat != "none" and not _installed("torchao"):
-        return [Problem("precision.qat", config.precision.qat, "quantization-aware training runs on torchao, which is not installed", "pip install 'llmforge[fp8]' (or pip install torchao), or set precision.qat=none")]
+        return [
+            Problem(
+                "precision.qat",
+                config.precision.qat,
+                "quantization-aware training runs on torchao, which is not installed",
+                "pip install 'llmforge[fp8]' (or pip install torchao), or set precision.qat=none",
+            )
+        ]
     return []
 
 
-def _check_fp8(config: RunConfig) -> List[Problem]:
+def _check_fp8(config: RunConfig) -> list[Problem]:
     """precision.fp8 needs bf16 (or fp32) for the rest, and FP8 tensor cores unless emulated
     (and torchao at launch: ``launch_problems``)."""
     pr = config.precision
-    out: List[Problem] = []
+    out: list[Problem] = []
     if not pr.fp8:
         return out
     if pr.param_dtype == "fp16":
-        out.append(Problem("precision.param_dtype", pr.param_dtype, "fp8 is not combined with fp16 loss scaling (FP8 gradients use e5m2 with their own scales)", "use precision=fp8 (bf16 for the rest) or precision.param_dtype=bf16"))
+        out.append(
+            Problem(
+                "precision.param_dtype",
+                pr.param_dtype,
+                "fp8 is not combined with fp16 loss scaling (FP8 gradients use e5m2 with their own scales)",
+                "use precision=fp8 (bf16 for the rest) or precision.param_dtype=bf16",
+            )
+        )
     name = config.cluster.accelerator
     if is_known(name) and not pr.fp8_emulate and not get_profile(name).has_fp8:
-        out.append(Problem("cluster.accelerator", name, "has no FP8 tensor cores (its profile gives no peak_tflops.fp8), so precision.fp8 cannot run there", "use an H100, H200 or B200 (cluster=h100-node), precision=bf16, or precision.fp8_emulate=true to test the numerics without a speed-up"))
+        out.append(
+            Problem(
+                "cluster.accelerator",
+                name,
+                "has no FP8 tensor cores (its profile gives no peak_tflops.fp8), so precision.fp8 cannot run there",
+                "use an H100, H200 or B200 (cluster=h100-node), precision=bf16, or precision.fp8_emulate=true to test the numerics without a speed-up",
+            )
+        )
     return out
 
 
@@ -328,4 +451,3 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):
         return False
-

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Dict
-
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -22,19 +20,37 @@ def show_plan(plan: RunPlan, *, console: Console) -> None:
     kv = "" if plan.num_kv_heads == m.num_heads else f", {plan.num_kv_heads} kv heads (GQA)"
     moe = f", MoE {m.moe.num_experts} experts top-{m.moe.top_k} on {len(plan.moe_layers)} layers" if m.moe.num_experts else ""
     rows = [
-        ("model", f"{m.num_layers} layers x {m.hidden_size}, {m.num_heads} heads{kv}, ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_len}{moe}"),
+        (
+            "model",
+            f"{m.num_layers} layers x {m.hidden_size}, {m.num_heads} heads{kv}, ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_len}{moe}",
+        ),
         ("flavour", f"{m.norm}, {m.activation}, {m.position} positions, {'tied' if m.tie_embeddings else 'untied'} embeddings"),
-        ("cluster", f"{cfg.cluster.nodes} node(s) x {plan.world_size // max(cfg.cluster.nodes, 1)} {cfg.cluster.accelerator} = world size {plan.world_size}"
-                    + (f"; elastic: {cfg.cluster.min_nodes}-{cfg.cluster.nodes} nodes" if cfg.cluster.min_nodes is not None else "")),
-        ("layout", f"dp {plan.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp}, ep {p.ep}; ZeRO-{p.zero}{', sequence parallel' if p.sequence_parallel else ''}"),
-        ("pipeline", f"{p.pp_schedule}, {p.pp_virtual_stages} virtual stage(s), layers per stage {plan.layers_per_stage}" if p.pp > 1 else "none"),
+        (
+            "cluster",
+            f"{cfg.cluster.nodes} node(s) x {plan.world_size // max(cfg.cluster.nodes, 1)} {cfg.cluster.accelerator} = world size {plan.world_size}"
+            + (f"; elastic: {cfg.cluster.min_nodes}-{cfg.cluster.nodes} nodes" if cfg.cluster.min_nodes is not None else ""),
+        ),
+        (
+            "layout",
+            f"dp {plan.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp}, ep {p.ep}; ZeRO-{p.zero}{', sequence parallel' if p.sequence_parallel else ''}",
+        ),
+        (
+            "pipeline",
+            f"{p.pp_schedule}, {p.pp_virtual_stages} virtual stage(s), layers per stage {plan.layers_per_stage}" if p.pp > 1 else "none",
+        ),
         ("recompute", p.recompute + (f" (every {p.recompute_every} blocks)" if p.recompute_every > 1 else "")),
         ("attention", _attention(m)),
         ("offload", _offload(p)),
-        ("precision", f"compute {cfg.precision.param_dtype}, gradient reduction {cfg.precision.reduce_dtype}"
-                      + (f", FP8 {cfg.precision.fp8_recipe}{' (emulated)' if cfg.precision.fp8_emulate else ''}" if cfg.precision.fp8 else "")
-                      + _qat(cfg.precision)),
-        ("batch", f"global {t.global_batch_size} seqs = {plan.tokens_per_step:,} tokens/step; micro {t.micro_batch_size} x {plan.microbatches} microbatches per dp rank"),
+        (
+            "precision",
+            f"compute {cfg.precision.param_dtype}, gradient reduction {cfg.precision.reduce_dtype}"
+            + (f", FP8 {cfg.precision.fp8_recipe}{' (emulated)' if cfg.precision.fp8_emulate else ''}" if cfg.precision.fp8 else "")
+            + _qat(cfg.precision),
+        ),
+        (
+            "batch",
+            f"global {t.global_batch_size} seqs = {plan.tokens_per_step:,} tokens/step; micro {t.micro_batch_size} x {plan.microbatches} microbatches per dp rank",
+        ),
         ("schedule", f"{t.steps} steps, lr {t.lr:g} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}), seed {t.seed}"),
         ("anomaly", _anomaly(t)),
         ("data", cfg.data.source if cfg.data.source == "builtin" else f"{cfg.data.path or cfg.data.mixture}"),
@@ -58,7 +74,8 @@ def _attention(m) -> str:
 
 def _offload(p) -> str:
     parts = (["states (master weights, gradients, AdamW moments; CPU AdamW)"] if p.offload == "states" else []) + (
-        ["saved activations"] if p.offload_activations else [])
+        ["saved activations"] if p.offload_activations else []
+    )
     return " + ".join(parts) + " in host memory" if parts else "none"
 
 
@@ -69,10 +86,11 @@ def _anomaly(t) -> str:
     rollback = f", at most {t.max_rollbacks} rollback(s)" if t.anomaly == "rollback" else ""
     then = "stop" if t.anomaly == "skip" else "roll back"
     return f"{t.anomaly}: a non-finite step is skipped; more than {t.max_skipped_steps} in a row {then}{rollback}" + (
-        ", loss spikes too" if t.loss_spike_skip else "")
+        ", loss spikes too" if t.loss_spike_skip else ""
+    )
 
 
-def show_options(options: Dict[str, Dict[str, object]], *, console: Console) -> None:
+def show_options(options: dict[str, dict[str, object]], *, console: Console) -> None:
     for group, entries in options.items():
         table = Table(title=f"{group}=", title_justify="left", show_header=False, box=None, padding=(0, 2))
         table.add_column(style="bold cyan", no_wrap=True)
@@ -92,7 +110,7 @@ def show_keys(prefix: str, *, console: Console) -> None:
         table.add_column(col)
     for key, typ, _, help_text in iter_keys():
         if key.startswith(prefix):
-            kind = typ.replace("Optional[", "").rstrip("]") if "Optional" in typ else typ
+            kind = typ.removesuffix(" | None")
             table.add_row(key, kind, Text(repr(values.get(key))), Text(help_text))
     console.print(table)
 

@@ -17,7 +17,7 @@ import os
 import socket
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from llmforge.errors import Problem, UserError, fail
 from llmforge.files import write_text_atomic
@@ -41,10 +41,10 @@ class RunLock:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / LOCK_NAME
-        self._fd: Optional[int] = None
-        self._created: Optional[Path] = None
+        self._fd: int | None = None
+        self._created: Path | None = None
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         if fcntl is None or self._fd is not None:
             return self
         self._created = _first_missing(self.run_dir)
@@ -61,7 +61,9 @@ class RunLock:
                     raise
                 raise fail(
                     f"run.dir={self.run_dir} is in use by another llmforge run ({holder or 'pid unknown'}); "
-                    "wait for it to end, stop it, or choose another run.dir=...", title="run folder in use") from None
+                    "wait for it to end, stop it, or choose another run.dir=...",
+                    title="run folder in use",
+                ) from None
             with contextlib.suppress(FileNotFoundError):
                 if os.stat(self.path).st_ino == os.fstat(fd).st_ino:
                     break  # the file we locked is still the lock file (not one its holder just removed)
@@ -89,7 +91,7 @@ class RunLock:
                     break
                 folder = folder.parent
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc: object) -> None:
@@ -102,7 +104,7 @@ def _read(fd: int) -> str:
     return ""
 
 
-def _first_missing(path: Path) -> Optional[Path]:
+def _first_missing(path: Path) -> Path | None:
     """The outermost folder of ``path`` that does not exist yet (None if it does)."""
     missing = None
     for folder in [path, *path.parents]:
@@ -112,7 +114,7 @@ def _first_missing(path: Path) -> Optional[Path]:
     return missing
 
 
-def check_writable(path: Path, *, key: str, given: Optional[Path] = None) -> None:
+def check_writable(path: Path, *, key: str, given: Path | None = None) -> None:
     """Refuse a folder that cannot be created or written (a file in the way, no
     permission, a read-only file system) before any work starts; nothing is left behind.
     ``given``: what the user named, when ``path`` is the folder it goes in."""
@@ -122,22 +124,33 @@ def check_writable(path: Path, *, key: str, given: Optional[Path] = None) -> Non
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise UserError([Problem(key, shown, f"{existing} is a file, not a folder", f"remove the file or choose another {key}")], title="cannot write the output")
+        raise UserError(
+            [Problem(key, shown, f"{existing} is a file, not a folder", f"remove the file or choose another {key}")],
+            title="cannot write the output",
+        )
     try:
         with tempfile.TemporaryFile(dir=existing, prefix=".llmforge-probe-"):
             pass
     except OSError as exc:
-        raise UserError([Problem(key, shown, f"cannot write in {existing} ({exc.strerror or exc})",
-                                 f"choose a {key} on a writable file system, or fix the folder's permissions")],
-                        title="cannot write the output") from None
+        raise UserError(
+            [
+                Problem(
+                    key,
+                    shown,
+                    f"cannot write in {existing} ({exc.strerror or exc})",
+                    f"choose a {key} on a writable file system, or fix the folder's permissions",
+                )
+            ],
+            title="cannot write the output",
+        ) from None
 
 
-def plan_path(plan: "RunPlan") -> Path:
+def plan_path(plan: RunPlan) -> Path:
     """Where the run's plan.json lives (absolute: the ranks may start elsewhere)."""
     return (plan.run_dir / PLAN_NAME).resolve()
 
 
-def write_plan(plan: "RunPlan") -> Path:
+def write_plan(plan: RunPlan) -> Path:
     """Write the run's plan.json atomically (what the ranks, ``resume`` and
     ``estimate --plan`` read back); returns its path."""
     path = plan_path(plan)
@@ -147,7 +160,17 @@ def write_plan(plan: "RunPlan") -> Path:
 
 
 # What a run writes in its folder: no output command may replace one of them.
-RUN_FILE_NAMES = (PLAN_NAME, "metrics.jsonl", "events.log", "checkpoints", LOCK_NAME, "wandb_run_id", "launch.sbatch", "profile", "tensorboard")
+RUN_FILE_NAMES = (
+    PLAN_NAME,
+    "metrics.jsonl",
+    "events.log",
+    "checkpoints",
+    LOCK_NAME,
+    "wandb_run_id",
+    "launch.sbatch",
+    "profile",
+    "tensorboard",
+)
 _MANIFEST = "manifest.json"  # llmforge.checkpoint.manifest.MANIFEST (that module is not imported here)
 
 
@@ -159,11 +182,29 @@ def refuse_run_outputs(path: Path, *, key: str, example: str) -> None:
     for folder in [target, *target.parents]:
         if _is_checkpoint_folder(folder):
             run = folder.parent if folder.name == "checkpoints" else _run_of(folder)
-            raise UserError([Problem(key, str(path), f"is inside the checkpoints of the run in {run}, which only training may write",
-                                     f"choose a {key} outside {run / 'checkpoints'}, e.g. {run / example}")], title="cannot write the output")
+            raise UserError(
+                [
+                    Problem(
+                        key,
+                        str(path),
+                        f"is inside the checkpoints of the run in {run}, which only training may write",
+                        f"choose a {key} outside {run / 'checkpoints'}, e.g. {run / example}",
+                    )
+                ],
+                title="cannot write the output",
+            )
     if (target.parent / PLAN_NAME).is_file() and target.name in RUN_FILE_NAMES:
-        raise UserError([Problem(key, str(path), f"is the run's own {target.name} in {target.parent}",
-                                 f"choose a {key} that is not one of the run's files, e.g. {target.parent / example}")], title="cannot write the output")
+        raise UserError(
+            [
+                Problem(
+                    key,
+                    str(path),
+                    f"is the run's own {target.name} in {target.parent}",
+                    f"choose a {key} that is not one of the run's files, e.g. {target.parent / example}",
+                )
+            ],
+            title="cannot write the output",
+        )
 
 
 def _is_checkpoint_folder(folder: Path) -> bool:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
-from typing import Any, Tuple
+from typing import Any
 
 from llmforge.errors import Problem, UserError
 
@@ -71,19 +71,31 @@ def filesystem(url: str, *, key: str = "checkpoint.dir") -> Any:
     except ImportError as exc:
         package = PACKAGES.get(protocol(url), str(getattr(exc, "name", "") or "the backend's package"))
         fix = _INSTALL.get(package, f"pip install {package}")
-        raise UserError([Problem(key, url, f"{protocol(url)}:// needs the {package} package, which is not installed", fix)], title="cannot open object storage") from None
+        raise UserError(
+            [Problem(key, url, f"{protocol(url)}:// needs the {package} package, which is not installed", fix)],
+            title="cannot open object storage",
+        ) from None
     except ValueError as exc:
-        raise UserError([Problem(key, url, f"not a storage URL fsspec knows ({exc})", "use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or another fsspec URL")],
-                        title="cannot open object storage") from None
+        raise UserError(
+            [
+                Problem(
+                    key, url, f"not a storage URL fsspec knows ({exc})", "use s3://BUCKET/PREFIX, gs://BUCKET/PREFIX or another fsspec URL"
+                )
+            ],
+            title="cannot open object storage",
+        ) from None
     return fs
 
 
-def problem(exc: BaseException, *, url: str, key: str = "checkpoint.dir") -> Tuple[str, str]:
+def problem(exc: BaseException, *, url: str, key: str = "checkpoint.dir") -> tuple[str, str]:
     """(what went wrong, how to fix it) for a failed request to object storage."""
     name, text = type(exc).__name__, str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
     proto = protocol(url)
     if "Credentials" in name or "credentials" in text.lower():
-        return f"no credentials were found ({text})", f"{CREDENTIALS.get(proto, 'configure the credentials of the ' + proto + ' backend')}; a plan never holds them"
+        return (
+            f"no credentials were found ({text})",
+            f"{CREDENTIALS.get(proto, 'configure the credentials of the ' + proto + ' backend')}; a plan never holds them",
+        )
     if "Endpoint" in name or "Connect" in name or isinstance(exc, (ConnectionError, TimeoutError)) or "connect" in text.lower():
         endpoint = os.environ.get("AWS_ENDPOINT_URL")
         now = f" (now {endpoint})" if endpoint else " (unset: the provider's own endpoint)"

@@ -7,7 +7,6 @@ the profile's keys, the YAML, the lock, the write) runs as it does for real."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
 
 from llmforge.calibrate import compute
 from llmforge.calibrate.fit import AttentionSample, BandwidthSample
@@ -20,7 +19,7 @@ GIB = 2**30
 class FakeMachine:
     """Rates in FLOP/s and bytes/s; ``slow`` multiplies every time (a loaded machine)."""
 
-    rates: Dict[str, float] = field(default_factory=lambda: {"fp32": 2.5e11, "bf16": 1.25e11, "fp16": 5e10})
+    rates: dict[str, float] = field(default_factory=lambda: {"fp32": 2.5e11, "bf16": 1.25e11, "fp16": 5e10})
     matmul_dim: float = 16.0
     attention: float = 1e11  # attention FLOP/s
     memory_bandwidth: float = 3e10  # memory-bound kernels
@@ -29,7 +28,7 @@ class FakeMachine:
     dtensor_call_s: float = 60e-6  # host seconds a DTensor call adds (CPU)
     memory_bytes: int = 24 * GIB
     slow: float = 1.0
-    calls: List[str] = field(default_factory=list)
+    calls: list[str] = field(default_factory=list)
 
     def time_matmul(self, m, k, n, *, dtype, device, budget_s) -> float:
         self.calls.append(f"matmul {dtype}")
@@ -58,7 +57,7 @@ class FakeMachine:
         samples = self.time_bandwidth(grid, device=None, tick=lambda what: None)
         return sum(s.nbytes for s in samples) / sum(s.seconds for s in samples)
 
-    def install(self, monkeypatch) -> "FakeMachine":
+    def install(self, monkeypatch) -> FakeMachine:
         monkeypatch.setattr(compute, "time_matmul", self.time_matmul)
         monkeypatch.setattr(compute, "attention", self.time_attention)
         monkeypatch.setattr(compute, "bandwidth", self.time_bandwidth)

@@ -22,8 +22,11 @@ from llmforge.testing.drill import run_drill
 from llmforge.testing.harness import tiny_plan
 
 STEPS = ["train.steps=7", "checkpoint.interval=2", "checkpoint.keep=5"]
-LAYOUTS = {"dp2_zero3": (["parallel.dp=2", "parallel.zero=3"], "1", "nan-grad"), "tp2": (["parallel.tp=2"], "1", "nan-loss"),
-           "pp2": (["parallel.pp=2"], "0", "nan-grad")}
+LAYOUTS = {
+    "dp2_zero3": (["parallel.dp=2", "parallel.zero=3"], "1", "nan-grad"),
+    "tp2": (["parallel.tp=2"], "1", "nan-loss"),
+    "pp2": (["parallel.pp=2"], "0", "nan-grad"),
+}
 
 
 def drills(layout: list, *, rank: str, kind: str, folder: Path) -> dict:
@@ -32,8 +35,11 @@ def drills(layout: list, *, rank: str, kind: str, folder: Path) -> dict:
     return {
         "skip": {"overrides": base + ["train.anomaly=skip"], "fault": f"{rank}:3:{kind}"},
         "skip_ref": {"overrides": base, "skip": [3, 3]},
-        "rollback": {"overrides": base + ["train.anomaly=rollback", "train.max_skipped_steps=1", "train.rollback_lr_factor=0.5"],
-                     "fault": f"{rank}:4-5:{kind}", "checkpoints": str(folder / "rollback")},
+        "rollback": {
+            "overrides": base + ["train.anomaly=rollback", "train.max_skipped_steps=1", "train.rollback_lr_factor=0.5"],
+            "fault": f"{rank}:4-5:{kind}",
+            "checkpoints": str(folder / "rollback"),
+        },
         "rollback_ref": {"overrides": base, "skip": [3, 5], "lr_factor": 0.5},
         "stop": {"overrides": base + ["train.anomaly=stop"], "fault": f"{rank}:4:{kind}", "checkpoints": str(folder / "stop")},
         "stop_ref": {"overrides": base, "skip": [4, 7]},  # the weights after step 3: step 4's update withheld
@@ -47,11 +53,24 @@ def results(tmp_path_factory) -> dict:
     out = {}
     for name, spec in drills([], rank="0", kind="nan-loss", folder=tmp / "single").items():
         out[f"single/{name}"] = run_drill(tiny_plan(spec["overrides"]), spec, device=torch.device("cpu"))
-    layouts = {f"{layout}/{name}": spec for layout, (overrides, rank, kind) in LAYOUTS.items()
-               for name, spec in drills(overrides, rank=rank, kind=kind, folder=tmp / layout).items()}
+    layouts = {
+        f"{layout}/{name}": spec
+        for layout, (overrides, rank, kind) in LAYOUTS.items()
+        for name, spec in drills(overrides, rank=rank, kind=kind, folder=tmp / layout).items()
+    }
     spec_file, result_file = tmp / "spec.json", tmp / "out.pt"
     spec_file.write_text(json.dumps({"layouts": layouts}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "llmforge.testing.drill", str(spec_file), str(result_file)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "llmforge.testing.drill",
+        str(spec_file),
+        str(result_file),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     out.update(torch.load(result_file, weights_only=False))
@@ -84,8 +103,10 @@ def test_rollback_leaves_the_weights_of_a_run_resumed_past_the_bad_batches(resul
     assert got["error"] == ""
     said = got["said"][0]
     assert len(got["said"]) == 1 and said.startswith("rollback 1 of 3 at step 5: at step 4 the ")
-    assert said.endswith(f"2 steps in a row were skipped (steps 4-5), more than train.max_skipped_steps=1. Reloaded {folder}/step_2 "
-                         "and skipped the 3 batches of steps 3-5; learning rate x0.5 from now on")
+    assert said.endswith(
+        f"2 steps in a row were skipped (steps 4-5), more than train.max_skipped_steps=1. Reloaded {folder}/step_2 "
+        "and skipped the 3 batches of steps 3-5; learning rate x0.5 from now on"
+    )
     assert_same_params(got["params"], runs[f"{layout}/rollback_ref"]["params"])
     assert [r["lr"] for r in got["records"]][-1] == pytest.approx(0.5e-3)
     assert got["records"][-1]["rollbacks"] == 1 and got["records"][-1]["rollback_skipped_batches"] == 3
@@ -122,7 +143,11 @@ def fused_skip_without_a_read(device: torch.device) -> None:
     plan = tiny_plan(["train.steps=5", "model.num_layers=1"])
     torch.manual_seed(plan.config.train.seed)
     m = plan.config.model
-    c = build_components(plan, rank=rank_info(plan, device=device), sampler=SyntheticSampler(vocab_size=m.vocab_size, seq_len=m.seq_len, global_batch_size=8, seed=plan.config.train.seed))
+    c = build_components(
+        plan,
+        rank=rank_info(plan, device=device),
+        sampler=SyntheticSampler(vocab_size=m.vocab_size, seq_len=m.seq_len, global_batch_size=8, seed=plan.config.train.seed),
+    )
     assert c.optimizer.defaults["fused"]
     records: list = []
     syncs = StepSyncs(host=c.host_tensors)
@@ -206,9 +231,24 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path, smal
     from llmforge.cli import app
 
     run_dir = tmp_path / "run"
-    args = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.seq_len=32",
-            "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=12", "train.lr=1e4", "optim.warmup_steps=0",
-            "checkpoint.interval=1", "checkpoint.keep=2", "logging.console=false", "logging.wandb.mode=disabled", f"run.dir={run_dir}"]
+    args = [
+        "model.num_layers=2",
+        "model.hidden_size=32",
+        "model.num_heads=2",
+        "model.num_kv_heads=2",
+        "model.ffn_hidden_size=64",
+        "model.seq_len=32",
+        "train.micro_batch_size=4",
+        "train.global_batch_size=8",
+        "train.steps=12",
+        "train.lr=1e4",
+        "optim.warmup_steps=0",
+        "checkpoint.interval=1",
+        "checkpoint.keep=2",
+        "logging.console=false",
+        "logging.wandb.mode=disabled",
+        f"run.dir={run_dir}",
+    ]
     result = CliRunner().invoke(app, ["pretrain", *args, *small_data])
     assert result.exit_code == 2, result.output
     text = " ".join(result.output.split())
@@ -227,6 +267,12 @@ def test_non_finite_weights_are_never_saved():
     params = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.tensor([1.0, float("inf")]))]
     for action, expected in (("skip", "stop"), ("rollback", "rollback")):
         with pytest.raises(Anomaly) as info:
-            check_weights(StepGuard(AnomalyPolicy(action=action), device=torch.device("cpu")), params, step=6, distributed=False, device=torch.device("cpu"))
+            check_weights(
+                StepGuard(AnomalyPolicy(action=action), device=torch.device("cpu")),
+                params,
+                step=6,
+                distributed=False,
+                device=torch.device("cpu"),
+            )
         assert info.value.action == expected and "weights were non-finite" in str(info.value)
     check_weights(StepGuard(AnomalyPolicy(), device=torch.device("cpu")), params[:1], step=6, distributed=False, device=torch.device("cpu"))

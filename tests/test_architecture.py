@@ -6,17 +6,34 @@ imports sit at the top of modules (except in ``cli.py`` and ``commands/``)."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Dict, Iterator, List, Set, Tuple
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "llmforge"
 #: Modules (and packages, by prefix) that must stay light: no torch, nothing below.
-LIGHT = ("llmforge.estimate", "llmforge.config", "llmforge.plan", "llmforge.layout", "llmforge.elastic", "llmforge.hardware", "llmforge.errors")
+LIGHT = (
+    "llmforge.estimate",
+    "llmforge.config",
+    "llmforge.plan",
+    "llmforge.layout",
+    "llmforge.elastic",
+    "llmforge.hardware",
+    "llmforge.errors",
+)
 #: What the light layers must not import.
-HEAVY = ("torch", "llmforge.train", "llmforge.parallel", "llmforge.models", "llmforge.launch", "llmforge.commands", "llmforge.cli", "llmforge.rehearse")
+HEAVY = (
+    "torch",
+    "llmforge.train",
+    "llmforge.parallel",
+    "llmforge.models",
+    "llmforge.launch",
+    "llmforge.commands",
+    "llmforge.cli",
+    "llmforge.rehearse",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -24,7 +41,7 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _imports(path: Path, name: str) -> Iterator[Tuple[str, int]]:
+def _imports(path: Path, name: str) -> Iterator[tuple[str, int]]:
     """Every module ``path`` imports (at any depth, lazily or not), with its line."""
     is_package = path.name == "__init__.py"
     for node in ast.walk(ast.parse(path.read_text())):
@@ -42,31 +59,33 @@ def _imports(path: Path, name: str) -> Iterator[Tuple[str, int]]:
 
 
 @pytest.fixture(scope="module")
-def graph() -> Dict[str, List[Tuple[str, int]]]:
+def graph() -> dict[str, list[tuple[str, int]]]:
     return {_module_name(p): list(_imports(p, _module_name(p))) for p in PACKAGE.rglob("*.py")}
 
 
-def _under(name: str, prefixes: Tuple[str, ...]) -> bool:
+def _under(name: str, prefixes: tuple[str, ...]) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
 def test_the_light_layers_import_no_torch_and_nothing_that_runs_models(graph):
-    bad = [f"{m}:{line} imports {target}" for m, deps in graph.items() if _under(m, LIGHT) for target, line in deps if _under(target, HEAVY)]
+    bad = [
+        f"{m}:{line} imports {target}" for m, deps in graph.items() if _under(m, LIGHT) for target, line in deps if _under(target, HEAVY)
+    ]
     assert not bad, "\n".join(bad)
 
 
-def _resolve(target: str, modules: Set[str]) -> str:
+def _resolve(target: str, modules: set[str]) -> str:
     while target and target not in modules:
         target = target.rpartition(".")[0]
     return target
 
 
-def _cycles(edges: Dict[str, Set[str]]) -> List[List[str]]:
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components of more than one module (Tarjan, iterative)."""
-    index: Dict[str, int] = {}
-    low: Dict[str, int] = {}
-    stack: List[str] = []
-    out: List[List[str]] = []
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
     for start in edges:
         if start in index:
             continue
@@ -109,8 +128,15 @@ def test_no_import_cycle_in_the_package(graph):
 #: Each layer on the left must not import the ones on the right.
 FORBIDDEN = {
     "llmforge.models": ("llmforge.parallel", "llmforge.train", "llmforge.plan", "torch.distributed"),
-    "llmforge.parallel": ("llmforge.train", "llmforge.plan", "llmforge.launch", "llmforge.checkpoint", "llmforge.estimate",
-                          "llmforge.commands", "llmforge.rundir"),
+    "llmforge.parallel": (
+        "llmforge.train",
+        "llmforge.plan",
+        "llmforge.launch",
+        "llmforge.checkpoint",
+        "llmforge.estimate",
+        "llmforge.commands",
+        "llmforge.rundir",
+    ),
     "llmforge.train": ("llmforge.launch", "llmforge.commands", "llmforge.cli", "llmforge.testing", "llmforge.rehearse"),
     "llmforge.rehearse": ("llmforge.commands", "llmforge.cli"),
     "llmforge.launch": ("llmforge.commands", "llmforge.cli", "llmforge.testing"),
@@ -120,8 +146,14 @@ FORBIDDEN = {
 
 
 def test_imports_point_one_way(graph):
-    bad = [f"{m}:{line} imports {target}" for layer, banned in FORBIDDEN.items()
-           for m, deps in graph.items() if _under(m, (layer,)) for target, line in deps if _under(target, banned)]
+    bad = [
+        f"{m}:{line} imports {target}"
+        for layer, banned in FORBIDDEN.items()
+        for m, deps in graph.items()
+        if _under(m, (layer,))
+        for target, line in deps
+        if _under(target, banned)
+    ]
     assert not bad, "\n".join(bad)
 
 
@@ -153,10 +185,10 @@ def _package(module: str) -> str:
     return module.split(".")[1] if module.count(".") else ""
 
 
-def _package_edges(graph) -> Dict[str, Set[Tuple[str, str]]]:
+def _package_edges(graph) -> dict[str, set[tuple[str, str]]]:
     """package -> {(package it imports, 'module:line'), ...} (imports within a package left out)."""
     modules = set(graph)
-    edges: Dict[str, Set[Tuple[str, str]]] = {}
+    edges: dict[str, set[tuple[str, str]]] = {}
     for m, deps in graph.items():
         for target, line in deps:
             if not target.startswith("llmforge."):
@@ -167,10 +199,14 @@ def _package_edges(graph) -> Dict[str, Set[Tuple[str, str]]]:
     return edges
 
 
-def _back_edges(edges: Dict[str, Set[Tuple[str, str]]]) -> List[str]:
+def _back_edges(edges: dict[str, set[tuple[str, str]]]) -> list[str]:
     tier = {name: i for i, names in enumerate(LAYERS) for name in names}
-    return sorted(f"{where} ({source}) imports {dest}" for source, out in edges.items() for dest, where in out
-                  if tier.get(dest, -1) >= tier.get(source, -1))
+    return sorted(
+        f"{where} ({source}) imports {dest}"
+        for source, out in edges.items()
+        for dest, where in out
+        if tier.get(dest, -1) >= tier.get(source, -1)
+    )
 
 
 def test_every_package_has_a_layer(graph):
@@ -201,7 +237,7 @@ def test_a_back_edge_is_found():
 LAZY_IMPORTS_ALLOWED = ("llmforge.cli", "llmforge.commands")
 
 
-def _function_level_imports(source: str) -> Iterator[Tuple[str, int]]:
+def _function_level_imports(source: str) -> Iterator[tuple[str, int]]:
     """(module, line) of each llmforge (or relative) import inside a function of ``source``."""
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -213,8 +249,12 @@ def _function_level_imports(source: str) -> Iterator[Tuple[str, int]]:
 
 
 def test_llmforge_imports_sit_at_the_top_of_modules():
-    bad = [f"{_module_name(p)}:{line} imports {what} inside a function" for p in PACKAGE.rglob("*.py")
-           if not _under(_module_name(p), LAZY_IMPORTS_ALLOWED) for what, line in _function_level_imports(p.read_text())]
+    bad = [
+        f"{_module_name(p)}:{line} imports {what} inside a function"
+        for p in PACKAGE.rglob("*.py")
+        if not _under(_module_name(p), LAZY_IMPORTS_ALLOWED)
+        for what, line in _function_level_imports(p.read_text())
+    ]
     assert not bad, "\n".join(sorted(set(bad)))
 
 

@@ -28,12 +28,19 @@ def _plan(*overrides: str):
     return CliRunner().invoke(app, ["plan", *overrides])
 
 
-@pytest.mark.parametrize("overrides,reason", [
-    (["recipe=tiny", "parallel.tp=2", "parallel.sequence_parallel=true", "train.compile=true", "parallel.async_tp=true"], "cluster.accelerator=cpu"),
-    (GPU + [o for o in ON if o != "train.compile=true"], "train.compile=false"),
-    (GPU + [o for o in ON if o != "parallel.sequence_parallel=true"], "parallel.sequence_parallel=false"),
-    (GPU + ["train.compile=true", "parallel.async_tp=true"], "parallel.tp=1"),
-], ids=["cpu", "no-compile", "no-sp", "tp1"])
+@pytest.mark.parametrize(
+    "overrides,reason",
+    [
+        (
+            ["recipe=tiny", "parallel.tp=2", "parallel.sequence_parallel=true", "train.compile=true", "parallel.async_tp=true"],
+            "cluster.accelerator=cpu",
+        ),
+        (GPU + [o for o in ON if o != "train.compile=true"], "train.compile=false"),
+        (GPU + [o for o in ON if o != "parallel.sequence_parallel=true"], "parallel.sequence_parallel=false"),
+        (GPU + ["train.compile=true", "parallel.async_tp=true"], "parallel.tp=1"),
+    ],
+    ids=["cpu", "no-compile", "no-sp", "tp1"],
+)
 def test_async_tp_is_refused_where_it_cannot_run(overrides, reason):
     result = _plan(*overrides)
     assert result.exit_code == 2, result.output

@@ -34,7 +34,7 @@ def test_document_attention_flops_equal_the_counter_over_each_document_alone():
     windows = (int(ends[-1]) - 1) // SEQ
     tokens = torch.randint(1, 64, (int(ends[-1]),), generator=torch.Generator().manual_seed(0))
     cuts = sorted(set(ends[ends < windows * SEQ].tolist()) | set(range(0, windows * SEQ + 1, SEQ)))
-    pieces = [tokens[a:b] for a, b in zip(cuts, cuts[1:])]  # each window's documents, alone
+    pieces = [tokens[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]  # each window's documents, alone
     model = GPT(config).eval()
     counted = attention_matmul_flops(model, pieces)
 

@@ -17,13 +17,16 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("overrides,expected", [
-    (["precision.param_dtype=bf16"], torch.bfloat16),
-    (["precision.param_dtype=fp16"], torch.float16),
-    (["precision.param_dtype=bf16", "precision.fp32_residual=true"], torch.float32),
-    (["precision.param_dtype=bf16", "model.norm=rmsnorm", "model.activation=swiglu", "model.position=rope"], torch.bfloat16),
-    ([], torch.float32),
-])
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["precision.param_dtype=bf16"], torch.bfloat16),
+        (["precision.param_dtype=fp16"], torch.float16),
+        (["precision.param_dtype=bf16", "precision.fp32_residual=true"], torch.float32),
+        (["precision.param_dtype=bf16", "model.norm=rmsnorm", "model.activation=swiglu", "model.position=rope"], torch.bfloat16),
+        ([], torch.float32),
+    ],
+)
 def test_blocks_receive_and_return_the_residual_stream_in_its_dtype(overrides, expected, device):
     """What reaches each block (before any hook casts it: the embedding's output) and what
     it returns (after its residual adds), and the loss, in one process under full recompute."""
@@ -40,7 +43,9 @@ def test_full_recompute_keeps_the_block_inputs_in_bf16(layout):
 
     saved = {}
     for fp32_residual in (False, True):
-        plan = tiny_plan(layout + ["precision.param_dtype=bf16", "parallel.recompute=full", f"precision.fp32_residual={str(fp32_residual).lower()}"])
+        plan = tiny_plan(
+            layout + ["precision.param_dtype=bf16", "parallel.recompute=full", f"precision.fp32_residual={str(fp32_residual).lower()}"]
+        )
         saved[fp32_residual] = measure_step(plan)[1]
     m = plan.config.model
     block_inputs = m.num_layers * plan.config.train.micro_batch_size * m.seq_len * m.hidden_size

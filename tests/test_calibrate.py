@@ -90,8 +90,13 @@ def test_the_measured_rates_reach_the_profile(fake, tmp_path):
 def test_estimate_runs_at_the_measured_speed_and_checks_offload_against_the_measured_host(monkeypatch, tmp_path):
     slow, fast = tmp_path / "slow.yaml", tmp_path / "fast.yaml"
     for path, times in ((slow, 1.0), (fast, 2.0)):
-        machine = FakeMachine(rates={d: r * times for d, r in FakeMachine().rates.items()}, attention=1e11 * times,
-                              memory_bandwidth=3e10 * times, copy_bandwidth=1.2e10 * times, floor_s=1e-9)
+        machine = FakeMachine(
+            rates={d: r * times for d, r in FakeMachine().rates.items()},
+            attention=1e11 * times,
+            memory_bandwidth=3e10 * times,
+            copy_bandwidth=1.2e10 * times,
+            floor_s=1e-9,
+        )
         with monkeypatch.context() as mp:
             machine.install(mp)
             assert runner.invoke(app, ["calibrate", "--quick", "--out", str(path)]).exit_code == 0
@@ -110,7 +115,10 @@ def test_two_gloo_ranks_measure_collectives_into_the_profile(quiet, tmp_path):
     assert data["calibration"]["ranks"] == 2 and data["calibration"]["threads"] == cpu_threads(2)
     profile = get_profile(str(out))
     assert profile.comm_latency_us >= 0 and 0 < profile.comm_efficiency <= 1
-    assert profile.intra_node_bandwidth * profile.comm_efficiency != get_profile("cpu").intra_node_bandwidth * get_profile("cpu").comm_efficiency
+    assert (
+        profile.intra_node_bandwidth * profile.comm_efficiency
+        != get_profile("cpu").intra_node_bandwidth * get_profile("cpu").comm_efficiency
+    )
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"):
         assert op in result.output
     assert "busbw" in result.output

@@ -10,8 +10,13 @@ from llmforge.errors import UserError
 from llmforge.hardware import get_profile, machine_profile_path, parse_profile
 
 DATASHEET = {
-    "name": "card", "memory_gib": 80, "peak_tflops": {"fp32": 60, "bf16": 1000, "fp16": 1000},
-    "memory_bandwidth_gbs": 3000, "intra_node_gbs": 400, "inter_node_gbs": 50, "devices_per_node": 8,
+    "name": "card",
+    "memory_gib": 80,
+    "peak_tflops": {"fp32": 60, "bf16": 1000, "fp16": 1000},
+    "memory_bandwidth_gbs": 3000,
+    "intra_node_gbs": 400,
+    "inter_node_gbs": 50,
+    "devices_per_node": 8,
 }
 
 
@@ -40,7 +45,7 @@ def test_latency_per_hop_and_bandwidth_come_back_from_collective_timings():
     samples = [CommSample("all_reduce", "intra", 8, n, 6 * hop + n * 2 * 7 / 8 / 370e9) for n in (2**20, 2**24, 2**28, 2**30)]
     samples += [CommSample("all_gather", "intra", 8, n, 7 * hop + n * 7 / 8 / 370e9) for n in (2**20, 2**26)]
     samples += [CommSample("send_recv", "intra", 8, n, hop + n / 370e9) for n in (2**20, 2**26)]
-    (latency, bandwidth), = fit.fit_comm(samples).values()
+    ((latency, bandwidth),) = fit.fit_comm(samples).values()
     assert latency == pytest.approx(hop, rel=1e-6) and bandwidth == pytest.approx(370e9, rel=1e-6)
 
 
@@ -51,8 +56,17 @@ def test_bus_bandwidth_factors_are_nccl_tests():
 
 
 def test_a_gpu_keeps_its_datasheet_peaks_and_gets_measured_efficiencies():
-    fitted = fit.Fitted(rates={"fp32": 5e13, "bf16": 8e14, "fp16": 8e14}, matmul_dim=48, attention_flops=6e14, bandwidth=2.4e12,
-                        floor_s=6e-6, memory_bytes=80 * 2**30, reserved_bytes=2**29, device="cuda", reference_dtype="bf16")
+    fitted = fit.Fitted(
+        rates={"fp32": 5e13, "bf16": 8e14, "fp16": 8e14},
+        matmul_dim=48,
+        attention_flops=6e14,
+        bandwidth=2.4e12,
+        floor_s=6e-6,
+        memory_bytes=80 * 2**30,
+        reserved_bytes=2**29,
+        device="cuda",
+        reference_dtype="bf16",
+    )
     keys = fit.compute_keys(fitted, DATASHEET)
     assert keys["peak_tflops"] == DATASHEET["peak_tflops"]
     assert keys["matmul_efficiency"] == 0.8 and keys["attention_efficiency"] == 0.6 and keys["bandwidth_efficiency"] == 0.8
@@ -64,8 +78,17 @@ def test_a_gpu_keeps_its_datasheet_peaks_and_gets_measured_efficiencies():
 
 
 def test_a_cpu_gets_its_measured_rates_as_peaks():
-    fitted = fit.Fitted(rates={"fp32": 1.2e11, "bf16": 6e10, "fp16": 1e9}, matmul_dim=8, attention_flops=3e10, bandwidth=2e10,
-                        floor_s=8e-6, memory_bytes=16 * 2**30, reserved_bytes=0, device="cpu", reference_dtype="fp32")
+    fitted = fit.Fitted(
+        rates={"fp32": 1.2e11, "bf16": 6e10, "fp16": 1e9},
+        matmul_dim=8,
+        attention_flops=3e10,
+        bandwidth=2e10,
+        floor_s=8e-6,
+        memory_bytes=16 * 2**30,
+        reserved_bytes=0,
+        device="cpu",
+        reference_dtype="fp32",
+    )
     p = parse_profile(fit.compute_keys(fitted, {**DATASHEET, "name": "cpu"}))
     assert p.peak("fp32") == pytest.approx(1.2e11) and p.matmul_efficiency == 1.0
     assert p.memory_bandwidth == pytest.approx(2e10) and p.attention_efficiency == 0.25 and p.kernel_floor_us == 8
@@ -92,9 +115,10 @@ def test_cpu_means_this_machines_profile_for_the_threads_of_a_rank(tmp_path, mon
 
 @pytest.mark.parametrize("name", ["cpu", "h100-80gb", "a100-80gb", "b200", "l4-24gb", "h200-141gb", "a100-40gb"])
 def test_a_profile_written_back_is_the_profile_it_was_read_from(name):
+    import dataclasses
+
     from llmforge.calibrate.write import as_mapping
     from llmforge.hardware import BUILTIN_DIR
-    import dataclasses
 
     p = get_profile(str(BUILTIN_DIR / f"{name}.yaml"))
     again = parse_profile(as_mapping(p), source=p.source, description=p.description)
@@ -105,7 +129,9 @@ def test_a_gpu_calibration_measures_the_host_link_and_memory_and_keeps_the_rest(
     from llmforge.calibrate.fit import BandwidthSample, ComputeSamples, fit_compute
     from llmforge.calibrate.write import as_mapping
 
-    samples = ComputeSamples(device="cuda", device_name="card", threads=1, floor_s=5e-6, memory_bytes=80 * 2**30, host_memory_bytes=1000 * 2**30)
+    samples = ComputeSamples(
+        device="cuda", device_name="card", threads=1, floor_s=5e-6, memory_bytes=80 * 2**30, host_memory_bytes=1000 * 2**30
+    )
     samples.matmul["bf16"] = _matmuls(7e14, 48.0)
     samples.bandwidth = [BandwidthSample("copy", 2**30, 2**30 / 2.4e12)]
     samples.host_copies = [BandwidthSample("h2d", 2**28, 2**28 / 53e9), BandwidthSample("d2h", 2**28, 2**28 / 48e9)]

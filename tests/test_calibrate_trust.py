@@ -178,8 +178,16 @@ def test_two_calibrations_at_once_measure_one_after_the_other_and_leave_one_whol
 
     monkeypatch.setattr(composing, "compose", compose)
     console = Console(file=io.StringIO())
-    threads = [threading.Thread(target=calibrate_command, name=n, args=([],), daemon=True,
-                                kwargs=dict(config_dir=[], quick=True, out=out, name=None, command="test", console=console)) for n in "ab"]
+    threads = [
+        threading.Thread(
+            target=calibrate_command,
+            name=n,
+            args=([],),
+            daemon=True,
+            kwargs=dict(config_dir=[], quick=True, out=out, name=None, command="test", console=console),
+        )
+        for n in "ab"
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -189,8 +197,9 @@ def test_two_calibrations_at_once_measure_one_after_the_other_and_leave_one_whol
     assert get_profile(str(out)).calibrated
 
 
-@pytest.mark.parametrize("ratio, mfu, flagged", [(1.0, 0.4, False), (1.9, 0.2, False), (0.55, 0.9, False), (2.5, 0.1, True),
-                                                  (0.3, 0.6, True), (0.8, 1.05, True)])
+@pytest.mark.parametrize(
+    "ratio, mfu, flagged", [(1.0, 0.4, False), (1.9, 0.2, False), (0.55, 0.9, False), (2.5, 0.1, True), (0.3, 0.6, True), (0.8, 1.05, True)]
+)
 def test_the_closing_line_says_when_the_profile_looks_wrong(ratio, mfu, flagged):
     text = profile_warning(ratio=ratio, mfu=mfu, accelerator="cpu", source="p.yaml", calibration={})
     assert bool(text) == flagged

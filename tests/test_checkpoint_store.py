@@ -49,9 +49,9 @@ def save(s: store.CheckpointSaver, model, optimizer, step: int) -> Path:
 
 
 def assert_same_state(a_model, a_opt, b_model, b_opt) -> None:
-    for (name, a), b in zip(a_model.state_dict().items(), b_model.state_dict().values()):
+    for (name, a), b in zip(a_model.state_dict().items(), b_model.state_dict().values(), strict=False):
         assert torch.equal(a, b), name
-    for pa, pb in zip(a_model.parameters(), b_model.parameters()):
+    for pa, pb in zip(a_model.parameters(), b_model.parameters(), strict=False):
         for key, value in a_opt.state[pa].items():
             assert torch.equal(value, b_opt.state[pb][key]), key
 
@@ -104,7 +104,7 @@ def test_async_save_snapshots_state_before_training_continues(tmp_path):
     assert s.records[0].mode == "async" and s.records[0].stall_s >= 0
     loaded, loaded_opt = tiny(seed=7)
     store.load(path=path, model_parts=[loaded], optimizer=loaded_opt)
-    for a, b in zip(expected.state_dict().values(), loaded.state_dict().values()):
+    for a, b in zip(expected.state_dict().values(), loaded.state_dict().values(), strict=False):
         assert torch.equal(a, b)
 
 

@@ -84,7 +84,13 @@ def test_user_mistakes_exit_2_without_traceback(args, tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # nothing written
 
 
-LIGHT_COMMANDS = [["--help"], ["recipes"], ["plan", "recipe=gpt-1b", "parallel=tp4pp2"], ["keys"], ["estimate", "recipe=gpt-7b", "parallel=tp4pp2"]]
+LIGHT_COMMANDS = [
+    ["--help"],
+    ["recipes"],
+    ["plan", "recipe=gpt-1b", "parallel=tp4pp2"],
+    ["keys"],
+    ["estimate", "recipe=gpt-7b", "parallel=tp4pp2"],
+]
 
 
 @pytest.mark.parametrize("argv", LIGHT_COMMANDS, ids=[" ".join(a) for a in LIGHT_COMMANDS])

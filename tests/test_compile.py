@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from llmforge.models.gpt import Block
-from llmforge.testing.harness import rank_info, tiny_plan, train_layout
 from llmforge.parallel.recompute import CheckpointedModule
+from llmforge.testing.harness import rank_info, tiny_plan, train_layout
 from llmforge.train.build import build_components
 
 

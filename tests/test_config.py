@@ -88,13 +88,25 @@ RULES = [
     (("model.num_kv_heads=2", "model.num_heads=4", "parallel.tp=4", "train.global_batch_size=16"), "parallel.tp = 4", "num_kv_heads=2"),
     (("parallel.pp=3",), "model.num_layers = 4", "not divisible by pp x virtual stages = 3"),
     (("train.global_batch_size=18",), "train.global_batch_size = 18", "not divisible by micro_batch_size x dp"),
-    (("parallel=pp2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=16", "train.global_batch_size=16"), "train.global_batch_size = 16", "fewer than parallel.pp=2"),
+    (
+        ("parallel=pp2", "parallel.pp_schedule=1f1b", "train.micro_batch_size=16", "train.global_batch_size=16"),
+        "train.global_batch_size = 16",
+        "fewer than parallel.pp=2",
+    ),
     (("parallel.sequence_parallel=true",), "parallel.sequence_parallel = True", "tp=1"),
     (("parallel.cp=3",), "model.seq_len = 128", "not a multiple of 6: context parallelism (parallel.cp=3)"),
-    (("model=moe-tiny", "parallel.ep=3", "parallel.dp=3", "train.global_batch_size=48"), "parallel.ep = 3", "does not divide model.moe.num_experts=4"),
+    (
+        ("model=moe-tiny", "parallel.ep=3", "parallel.dp=3", "train.global_batch_size=48"),
+        "parallel.ep = 3",
+        "does not divide model.moe.num_experts=4",
+    ),
     (("model=moe-tiny", "parallel.ep=2", "parallel.dp=1"), "parallel.ep = 2", "dp x cp = 1"),
     (("parallel.ep=2", "parallel.dp=2", "train.global_batch_size=32"), "parallel.ep = 2", "needs an MoE model"),
-    (("parallel.pp_virtual_stages=2", "parallel.pp=2", "train.global_batch_size=64", "train.micro_batch_size=8"), "parallel.pp_virtual_stages = 2", "one stage per rank"),
+    (
+        ("parallel.pp_virtual_stages=2", "parallel.pp=2", "train.global_batch_size=64", "train.micro_batch_size=8"),
+        "parallel.pp_virtual_stages = 2",
+        "one stage per rank",
+    ),
     (("model.hidden_size=130",), "model.hidden_size = 130", "not divisible by model.num_heads=4"),
     (("parallel.zero=5",), "parallel.zero = 5", "0, 1, 2 or 3"),
     (("model.norm=batchnorm",), "model.norm = 'batchnorm'", "use one of: layernorm, rmsnorm"),
@@ -141,7 +153,7 @@ def _numeric_fields(cls=RunConfig, prefix=""):
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         if dataclasses.is_dataclass(default):
             yield from _numeric_fields(type(default), f"{prefix}{f.name}.")
-        elif any(t in str(f.type) for t in ("int", "float")) and "List" not in str(f.type):
+        elif any(t in str(f.type) for t in ("int", "float")) and "list" not in str(f.type).lower():
             yield f"{prefix}{f.name}", f
 
 
@@ -252,7 +264,9 @@ def test_a_shadowing_user_option_is_checked_against_the_schema(tmp_path):
 
 @pytest.mark.parametrize("header", ["", "# my recipe\n# @package _global_\n"])
 def test_a_recipe_without_the_package_header_says_so(tmp_path, header):
-    folder = _user_folder(tmp_path, {"recipe/mine.yaml": header + "defaults:\n  - override /model: gpt-tiny\nrecipe: mine\ntrain:\n  steps: 3\n"})
+    folder = _user_folder(
+        tmp_path, {"recipe/mine.yaml": header + "defaults:\n  - override /model: gpt-tiny\nrecipe: mine\ntrain:\n  steps: 3\n"}
+    )
     with pytest.raises(UserError) as info:
         compose(["recipe=mine"], extra_dirs=[folder])
     message = info.value.message()

@@ -9,7 +9,6 @@ import errno
 import os
 import shutil
 
-import pytest
 from typer.testing import CliRunner
 
 import llmforge.data.cache as cache

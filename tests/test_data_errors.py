@@ -152,12 +152,14 @@ def test_tokenizer_too_large_or_unreadable(tmp_path):
     (tmp_path / "d.txt").write_text("some text here\n" * 50)
     base = _prepare(tmp_path, path=str(tmp_path / "d.txt"))
     with pytest.raises(UserError, match="model.vocab_size"):
-        prepare(data=DataConfig(path=str(tmp_path / "d.txt"), tokenizer=str(base.tokenizer_path),
-                                cache_dir=str(tmp_path / "c2")), vocab_size=base.vocab_size - 1, seed=0)
+        prepare(
+            data=DataConfig(path=str(tmp_path / "d.txt"), tokenizer=str(base.tokenizer_path), cache_dir=str(tmp_path / "c2")),
+            vocab_size=base.vocab_size - 1,
+            seed=0,
+        )
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(UserError, match="bad.json"):
         _prepare(tmp_path, path=str(tmp_path / "d.txt"), tokenizer=str(tmp_path / "bad.json"))
-
 
 
 def test_a_tokenizer_given_to_generate_is_named_as_its_option(tmp_path):

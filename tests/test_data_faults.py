@@ -57,8 +57,9 @@ def test_missing_tokenizer_creates_nothing_in_the_cache(tmp_path):
 def test_tokenizer_ids_past_the_vocabulary_are_refused_before_preparing(tmp_path):
     path = _tokenizer_with_id(tmp_path, 60000)
     with pytest.raises(UserError) as info:
-        prepare(data=DataConfig(path=str(_corpus(tmp_path)), tokenizer=str(path), cache_dir=str(tmp_path / "cache")),
-                vocab_size=512, seed=0)
+        prepare(
+            data=DataConfig(path=str(_corpus(tmp_path)), tokenizer=str(path), cache_dir=str(tmp_path / "cache")), vocab_size=512, seed=0
+        )
     message = info.value.message()
     assert str(path) in message and "largest token id is 60000" in message and "512" in message
     assert "model.vocab_size=60001" in message
@@ -169,9 +170,10 @@ def test_long_runs_are_cut_for_training_and_the_text_is_kept():
 
 
 def test_tokenizer_training_on_a_5mb_word_finishes_and_reports_progress():
+    import datasets
+
     from llmforge.data.documents import Documents
     from llmforge.data.sources import Source
-    import datasets
 
     table = datasets.Dataset.from_dict({"text": [TEXT, "x" * 5_000_000]})
     docs = Documents(table, Source(kind="builtin", files=(), spec="test", name="test"))
@@ -187,7 +189,17 @@ def test_pretrain_refuses_an_unfit_tokenizer_before_any_rank_starts(tmp_path):
     from llmforge.cli import app
 
     path = _tokenizer_with_id(tmp_path, 60000)
-    result = CliRunner().invoke(app, ["pretrain", "parallel=dp2", f"data.path={_corpus(tmp_path)}", f"data.tokenizer={path}",
-                                      "model.vocab_size=512", f"data.cache_dir={tmp_path / 'cache'}", f"run.dir={tmp_path / 'run'}"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "pretrain",
+            "parallel=dp2",
+            f"data.path={_corpus(tmp_path)}",
+            f"data.tokenizer={path}",
+            "model.vocab_size=512",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            f"run.dir={tmp_path / 'run'}",
+        ],
+    )
     assert result.exit_code == 2 and "largest token id is 60000" in result.output, result.output
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()

@@ -23,8 +23,7 @@ def _write_jsonl(path: Path, texts) -> Path:
 
 
 def _texts(n: int = 40):
-    return [f"Document {i}: the quick brown fox jumps over {i * 7} lazy dogs.\n  déjà vu — ünïcode ✓ {i}\n"
-            for i in range(n)]
+    return [f"Document {i}: the quick brown fox jumps over {i * 7} lazy dogs.\n  déjà vu — ünïcode ✓ {i}\n" for i in range(n)]
 
 
 def _decoded_documents(prepared, stream: int = 0):
@@ -112,8 +111,7 @@ def test_worker_processes_write_the_same_tokens(tmp_path):
     data = DataConfig(path=str(src), cache_dir=str(tmp_path / "c2"), tokenizer=str(one.tokenizer_path), num_proc=2)
     two = prepare(data=data, vocab_size=VOCAB, seed=0)
     assert two.tokenizer_path.read_text() == tok
-    assert np.array_equal(np.asarray(one.open_stream(0).slice(0, one.num_tokens)),
-                          np.asarray(two.open_stream(0).slice(0, two.num_tokens)))
+    assert np.array_equal(np.asarray(one.open_stream(0).slice(0, one.num_tokens)), np.asarray(two.open_stream(0).slice(0, two.num_tokens)))
 
 
 def test_given_tokenizer_json_is_used(tmp_path):

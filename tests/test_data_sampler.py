@@ -53,7 +53,7 @@ def test_rows_are_windows_of_the_token_stream(corpus):
     batch = sampler.next_batch(dp_rank=0, dp_size=1)
     assert batch.shape == (G, SEQ + 1) and batch.dtype == torch.int64
     tokens = np.asarray(data.open_stream(0).slice(0, data.num_tokens))
-    for row, (_, _, window) in zip(batch.numpy(), sampler.last_sequence_ids):
+    for row, (_, _, window) in zip(batch.numpy(), sampler.last_sequence_ids, strict=False):
         assert np.array_equal(row, tokens[window * SEQ : window * SEQ + SEQ + 1])
 
 

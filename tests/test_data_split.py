@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from llmforge.config.schema import DataConfig
 from llmforge.data.prepare import prepare
@@ -50,17 +48,17 @@ def test_each_split_reads_only_its_own_documents(data):
     docs = documents(data)
     mask = held_out(data.open_stream(0).doc_ends(), fraction=FRACTION, seed=3, stream=0, min_tokens=SEQ + 1)
     assert mask.sum() == round(FRACTION * len(docs))
-    train_text = np.concatenate([d for d, m in zip(docs, mask) if not m])
-    val_text = np.concatenate([d for d, m in zip(docs, mask) if m])
+    train_text = np.concatenate([d for d, m in zip(docs, mask, strict=False) if not m])
+    val_text = np.concatenate([d for d, m in zip(docs, mask, strict=False) if m])
     for split, text in (("train", train_text), ("val", val_text)):
         s = sampler(data, split)
         assert s.num_sequences[0] == (len(text) - 1) // SEQ
-        for row, (_, _, window) in zip(rows(s, 3), np.concatenate([s.batch_ids(step=k) for k in range(3)])):
-            assert np.array_equal(row, text[window * SEQ: window * SEQ + SEQ + 1])
+        for row, (_, _, window) in zip(rows(s, 3), np.concatenate([s.batch_ids(step=k) for k in range(3)]), strict=False):
+            assert np.array_equal(row, text[window * SEQ : window * SEQ + SEQ + 1])
     # the token ranges the two sides read never overlap, and together they are the whole stream
     ranges = sorted(map(tuple, np.concatenate([sampler(data, sp)._streams[0].source_ranges() for sp in ("train", "val")])))
     assert ranges[0][0] == 0 and ranges[-1][1] == data.num_tokens
-    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
 
 
 def test_held_out_set_depends_on_val_seed_only(data):
@@ -69,7 +67,12 @@ def test_held_out_set_depends_on_val_seed_only(data):
     other = sampler(data, "val", val_seed=4)
     assert not np.array_equal(a._streams[0].source_ranges(), other._streams[0].source_ranges())
     # the training seed (data order) does not move it
-    assert np.array_equal(BatchSampler(data, seq_len=SEQ, global_batch_size=G, seed=99, split="val", val_fraction=FRACTION, val_seed=3)._streams[0].source_ranges(), a._streams[0].source_ranges())
+    assert np.array_equal(
+        BatchSampler(data, seq_len=SEQ, global_batch_size=G, seed=99, split="val", val_fraction=FRACTION, val_seed=3)
+        ._streams[0]
+        .source_ranges(),
+        a._streams[0].source_ranges(),
+    )
 
 
 @pytest.mark.parametrize("split", ["train", "val"])
@@ -83,7 +86,7 @@ def test_both_streams_visit_every_window_once_and_resume_on_any_dp(data, split):
     rows(first, 2)
     resumed = sampler(data, split)
     resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
-    assert np.array_equal(rows(resumed, 4, dp_size=2), straight[2 * G:])
+    assert np.array_equal(rows(resumed, 4, dp_size=2), straight[2 * G :])
 
 
 def test_resume_with_another_split_is_refused(data):

@@ -25,9 +25,21 @@ from llmforge.train.run import run
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
-    "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64",
-    "model.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=8", "train.steps=6", "train.log_interval=1",
-    "checkpoint.interval=2", "checkpoint.keep=10", "logging.console=false", "logging.wandb.mode=disabled", "optim.warmup_steps=2",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.steps=6",
+    "train.log_interval=1",
+    "checkpoint.interval=2",
+    "checkpoint.keep=10",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
+    "optim.warmup_steps=2",
 ]
 ELASTIC = ["parallel.dp=auto", "cluster.nodes=2", "cluster.min_nodes=1", "cluster.devices_per_node=1", "cluster.max_restarts=1"]
 
@@ -47,7 +59,15 @@ def drill(tmp_path_factory, small_data):
         port = s.getsockname()[1]
     nodes = tmp / "nodes"
     # short rendezvous waits: the survivor goes on 2 s after it is alone; a silent agent is dropped after 3 s
-    args = [*TINY, *small_data, *ELASTIC, "cluster.elastic_wait_s=2", "cluster.timeout_s=60", f"cluster.rdzv_endpoint=127.0.0.1:{port}", f"run.dir={nodes}"]
+    args = [
+        *TINY,
+        *small_data,
+        *ELASTIC,
+        "cluster.elastic_wait_s=2",
+        "cluster.timeout_s=60",
+        f"cluster.rdzv_endpoint=127.0.0.1:{port}",
+        f"run.dir={nodes}",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300"}
     command = [sys.executable, "-m", "llmforge", "pretrain", *args]
     # the first launcher hosts the rendezvous store (the job's single point of failure): the second is the one lost
@@ -67,8 +87,10 @@ def test_the_survivor_finishes_alone_with_an_uninterrupted_runs_numbers(drill):
     assert lost_code == -9, lost_output[-3000:]
     assert code == 0, output[-6000:]
     text = output.replace("\n", "")
-    assert ("restart 1 of 1: the world changed from 2 to 1 ranks (2 -> 1 of 2 nodes): layout dp2 -> single, "
-            f"2 -> 4 microbatches per data-parallel rank, global batch 8 sequences as before; resuming from {nodes}/checkpoints/step_2") in text
+    assert (
+        "restart 1 of 1: the world changed from 2 to 1 ranks (2 -> 1 of 2 nodes): layout dp2 -> single, "
+        f"2 -> 4 microbatches per data-parallel rank, global batch 8 sequences as before; resuming from {nodes}/checkpoints/step_2"
+    ) in text
     got, ref = read_metrics(nodes / "metrics.jsonl"), {r["step"]: r["loss"] for r in read_metrics(reference / "metrics.jsonl")}
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]  # step 3 trained again once (at dp1), logged once
     for record in got:
@@ -91,8 +113,20 @@ def test_an_elastic_plan_launches_torchrun_on_a_node_range():
 
 
 def test_each_world_of_the_range_gets_its_own_layout_and_the_same_batch():
-    plan = RunPlan.build(compose(["parallel.dp=auto", "cluster.nodes=4", "cluster.min_nodes=2", "cluster.devices_per_node=2",
-                                  "cluster.max_restarts=3", "parallel.tp=2", "train.micro_batch_size=2", "train.global_batch_size=24"]))
+    plan = RunPlan.build(
+        compose(
+            [
+                "parallel.dp=auto",
+                "cluster.nodes=4",
+                "cluster.min_nodes=2",
+                "cluster.devices_per_node=2",
+                "cluster.max_restarts=3",
+                "parallel.tp=2",
+                "train.micro_batch_size=2",
+                "train.global_batch_size=24",
+            ]
+        )
+    )
     assert (plan.world_size, plan.dp, plan.microbatches) == (8, 4, 3)
     smaller = plan.at_world(4)
     assert (smaller.world_size, smaller.dp, smaller.microbatches, str(smaller.layout)) == (4, 2, 6, "dp2xtp2")
@@ -110,12 +144,27 @@ def problems_of(*overrides: str) -> str:
 def test_elastic_plans_that_cannot_run_on_every_node_count_are_refused():
     text = problems_of("cluster.nodes=2", "cluster.min_nodes=1")
     assert "cluster.devices_per_node" in text and "parallel.dp=auto" in text and "cluster.max_restarts=3" in text
-    text = problems_of("parallel.dp=auto", "cluster.nodes=3", "cluster.min_nodes=1", "cluster.devices_per_node=2",
-                       "cluster.max_restarts=1", "train.micro_batch_size=2", "train.global_batch_size=12")
+    text = problems_of(
+        "parallel.dp=auto",
+        "cluster.nodes=3",
+        "cluster.min_nodes=1",
+        "cluster.devices_per_node=2",
+        "cluster.max_restarts=1",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=12",
+    )
     assert "train.global_batch_size = 12" in text and "with 2 node(s) of the elastic range 1-3" in text and "a multiple of 24" in text
     # the model-parallel part must fit the smallest world
-    text = problems_of("parallel.dp=auto", "cluster.nodes=4", "cluster.min_nodes=1", "cluster.devices_per_node=2",
-                       "cluster.max_restarts=1", "parallel.pp=4", "train.global_batch_size=64", "train.micro_batch_size=1")
+    text = problems_of(
+        "parallel.dp=auto",
+        "cluster.nodes=4",
+        "cluster.min_nodes=1",
+        "cluster.devices_per_node=2",
+        "cluster.max_restarts=1",
+        "parallel.pp=4",
+        "train.global_batch_size=64",
+        "train.micro_batch_size=1",
+    )
     assert "with 1 node(s) of the elastic range 1-4: does not divide the world size 2" in text
     assert "cluster.min_nodes = 3" in problems_of("cluster.nodes=2", "cluster.min_nodes=3")
 
@@ -128,9 +177,22 @@ def test_an_elastic_plan_must_fit_its_smallest_world_in_memory():
 
     from llmforge.launch.checks import preflight
 
-    plan = RunPlan.build(compose(["recipe=llama-8b", "parallel=fsdp", "parallel.dp=auto", "parallel.recompute=full", "cluster.nodes=4",
-                                  "cluster.min_nodes=1", "cluster.devices_per_node=1", "cluster.max_restarts=2", "cluster.rdzv_endpoint=h:1",
-                                  "train.global_batch_size=504"]))
+    plan = RunPlan.build(
+        compose(
+            [
+                "recipe=llama-8b",
+                "parallel=fsdp",
+                "parallel.dp=auto",
+                "parallel.recompute=full",
+                "cluster.nodes=4",
+                "cluster.min_nodes=1",
+                "cluster.devices_per_node=1",
+                "cluster.max_restarts=2",
+                "cluster.rdzv_endpoint=h:1",
+                "train.global_batch_size=504",
+            ]
+        )
+    )
     quiet = Console(file=io.StringIO())
     with pytest.raises(UserError, match="on 1 node\\(s\\) the layout is single, which does not fit"):
         preflight(plan, force=False, resume=False, console=quiet)

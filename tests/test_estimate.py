@@ -77,8 +77,16 @@ def test_unknown_or_broken_profile_is_a_user_error(tmp_path):
 
 # Narayanan et al. 2021, Table 1: (parameters in billions, heads, hidden, layers); V=51200, s=2048
 NARAYANAN_TABLE1 = [
-    (1.7, 24, 2304, 24), (3.6, 32, 3072, 30), (7.5, 32, 4096, 36), (18.4, 48, 6144, 40), (39.1, 64, 8192, 48),
-    (76.1, 80, 10240, 60), (145.6, 96, 12288, 80), (310.1, 128, 16384, 96), (529.6, 128, 20480, 105), (1008.0, 160, 25600, 128),
+    (1.7, 24, 2304, 24),
+    (3.6, 32, 3072, 30),
+    (7.5, 32, 4096, 36),
+    (18.4, 48, 6144, 40),
+    (39.1, 64, 8192, 48),
+    (76.1, 80, 10240, 60),
+    (145.6, 96, 12288, 80),
+    (310.1, 128, 16384, 96),
+    (529.6, 128, 20480, 105),
+    (1008.0, 160, 25600, 128),
 ]
 
 
@@ -217,8 +225,20 @@ def test_most_loaded_device_and_verdict():
     assert est.fits and est.worst.stage == 0  # 1F1B: the first stage holds p microbatches
     assert est.worst.total == max(s.total for s in est.stages)
     assert 0 < est.mfu < 1 and est.tokens_per_s == pytest.approx(1024 * 2048 / est.step_s)
-    big = Shape(num_layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq=8192, norm="rmsnorm",
-                activation="swiglu", position="rope", tie_embeddings=False, bias=False)
+    big = Shape(
+        num_layers=80,
+        hidden=8192,
+        heads=64,
+        kv_heads=8,
+        ffn=28672,
+        vocab=128256,
+        seq=8192,
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        tie_embeddings=False,
+        bias=False,
+    )
     tiny_card = replace(get_profile("h100-80gb"), memory_bytes=24 * GIB, name="24gb")
     lone = estimate(big, Layout(), Job(global_batch=1, param_dtype="bf16", reduce_dtype="fp32", profile=tiny_card))
     assert not lone.fits and lone.headroom < -1000 * GIB
@@ -235,8 +255,23 @@ def test_recompute_and_zero_reduce_memory_as_expected():
 
 
 def test_moe_counts_active_parameters_and_shards_experts():
-    shape = Shape(num_layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=32000, seq=4096, norm="rmsnorm",
-                  activation="swiglu", position="rope", tie_embeddings=False, bias=False, num_experts=8, top_k=2, moe_ffn=14336)
+    shape = Shape(
+        num_layers=32,
+        hidden=4096,
+        heads=32,
+        kv_heads=8,
+        ffn=14336,
+        vocab=32000,
+        seq=4096,
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        tie_embeddings=False,
+        bias=False,
+        num_experts=8,
+        top_k=2,
+        moe_ffn=14336,
+    )
     est = estimate(shape, Layout(dp=8, ep=8, zero=1), job(batch=64))
     assert round(est.params_total / 1e9, 1) == 46.7 and round(est.params_active / 1e9, 1) == 12.9
     one = estimate(shape, Layout(dp=8, ep=1, zero=1), job(batch=64))
@@ -373,7 +408,9 @@ def test_json_schema(capsys):
 
     from llmforge.commands.estimate import run_estimate
 
-    run_estimate(_plan("recipe=gpt-7b", "parallel=tp4pp2"), as_json=True, timeline=False, measure=False, search=False, top=3, console=Console())
+    run_estimate(
+        _plan("recipe=gpt-7b", "parallel=tp4pp2"), as_json=True, timeline=False, measure=False, search=False, top=3, console=Console()
+    )
     data = json.loads(capsys.readouterr().out)
     assert set(data["params"]) >= {"total", "active", "per_device"}
     assert set(data["memory_bytes"]) >= {"weights", "grads", "optimizer", "activations", "total"}
@@ -404,7 +441,9 @@ def test_rich_output_with_timeline_and_short_summary():
     run_estimate(plan, as_json=False, timeline=True, measure=False, search=False, top=3, console=console)
     text = console.export_text()
     assert "Verdict: fits" in text and "rank 0" in text and "rank 1" in text and "F0" in text and "B0" in text
-    summary, fits = short_summary(_plan("recipe=gpt-7b", "parallel=single", "cluster.nodes=1", "cluster.devices_per_node=1", "train.global_batch_size=8"))
+    summary, fits = short_summary(
+        _plan("recipe=gpt-7b", "parallel=single", "cluster.nodes=1", "cluster.devices_per_node=1", "train.global_batch_size=8")
+    )
     assert not fits and "does not fit" in summary
 
 

@@ -22,16 +22,38 @@ def gpt(*, layers: int, hidden: int, heads: int, vocab: int = 50304, seq: int = 
     return Shape(num_layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=vocab, seq=seq)
 
 
-LLAMA_8B = Shape(num_layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192, norm="rmsnorm",
-                 activation="swiglu", position="rope", tie_embeddings=False, bias=False)
+LLAMA_8B = Shape(
+    num_layers=32,
+    hidden=4096,
+    heads=32,
+    kv_heads=8,
+    ffn=14336,
+    vocab=128256,
+    seq=8192,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    tie_embeddings=False,
+    bias=False,
+)
 
 
 def job(*, fp8_on: bool, batch: int = 8, nodes: int = 1, devices: int = 8, all_gather: bool = True, accel: str = "h100-80gb") -> Job:
-    return Job(global_batch=batch, param_dtype="bf16", reduce_dtype="fp32", profile=get_profile(accel), nodes=nodes,
-               devices_per_node=devices, fp8=fp8_on, fp8_all_gather=fp8_on and all_gather)
+    return Job(
+        global_batch=batch,
+        param_dtype="bf16",
+        reduce_dtype="fp32",
+        profile=get_profile(accel),
+        nodes=nodes,
+        devices_per_node=devices,
+        fp8=fp8_on,
+        fp8_all_gather=fp8_on and all_gather,
+    )
 
 
-@pytest.mark.parametrize("name,has", [("h100-80gb", True), ("h200-141gb", True), ("b200", True), ("l4-24gb", True), ("a100-80gb", False), ("cpu", False)])
+@pytest.mark.parametrize(
+    "name,has", [("h100-80gb", True), ("h200-141gb", True), ("b200", True), ("l4-24gb", True), ("a100-80gb", False), ("cpu", False)]
+)
 def test_profiles_say_which_accelerators_have_fp8(name, has):
     profile = get_profile(name)
     assert profile.has_fp8 is has

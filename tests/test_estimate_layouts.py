@@ -64,7 +64,9 @@ def _rank_bytes(plan: RunPlan, rank: int) -> tuple[int, int, int]:
         weights = sum(_local(p).numel() * _local(p).element_size() for p in params)
         states = sum(
             _local(v).numel() * _local(v).element_size()
-            for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim() > 0
+            for state in optimizer.state.values()
+            for v in state.values()
+            if torch.is_tensor(v) and v.dim() > 0
         )
         return mesh.local_rank("pp"), weights, states
     finally:
@@ -109,7 +111,9 @@ def _saved_bytes(plan: RunPlan, caches: list) -> int:
     def key(t):
         return _local(t).untyped_storage()._cdata
 
-    model = build_parts(plan, mesh=build_mesh(plan.layout, device_type="cpu", timeout_s=plan.config.cluster.timeout_s), device=torch.device("cpu"))[0][0]
+    model = build_parts(
+        plan, mesh=build_mesh(plan.layout, device_type="cpu", timeout_s=plan.config.cluster.timeout_s), device=torch.device("cpu")
+    )[0][0]
     excluded = {key(p) for p in model.parameters()} | {key(b) for b in model.buffers()}
     saved: dict = {}
 
@@ -130,16 +134,23 @@ def _saved_bytes(plan: RunPlan, caches: list) -> int:
     return sum(saved.values())
 
 
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("layout", ["tp2", "tp2sp"])
 def test_tensor_parallel_activations_match_the_backend(layout, recompute, dtype):
     from llmforge.estimate import activations as act
 
-    plan = RunPlan.build(compose([f"parallel={layout}", f"precision={dtype}", f"parallel.recompute={recompute}",
-                                  "train.micro_batch_size=2", "train.global_batch_size=16"]))
+    plan = RunPlan.build(
+        compose(
+            [
+                f"parallel={layout}",
+                f"precision={dtype}",
+                f"parallel.recompute={recompute}",
+                "train.micro_batch_size=2",
+                "train.global_batch_size=16",
+            ]
+        )
+    )
     shape, lay, job = from_plan(plan)
     est = sum(act.layer_bytes(shape, lay, job, i) for i in range(shape.num_layers))
     est += act.embedding_bytes(shape, lay) + act.output_bytes(shape, lay, job)

@@ -16,8 +16,18 @@ from llmforge.train import measure as ms  # noqa: E402
 
 GPT_TINY = ModelConfig(num_layers=3, hidden_size=64, num_heads=4, ffn_hidden_size=256, vocab_size=512, seq_len=32)
 LLAMA_TINY = ModelConfig(
-    num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_hidden_size=160, vocab_size=512, seq_len=32,
-    norm="rmsnorm", activation="swiglu", position="rope", tie_embeddings=False, bias=False,
+    num_layers=3,
+    hidden_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=160,
+    vocab_size=512,
+    seq_len=32,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    tie_embeddings=False,
+    bias=False,
 )
 GELU_ROPE_NOBIAS = dataclasses.replace(GPT_TINY, position="rope", bias=False, num_kv_heads=2)
 MOE_TINY = dataclasses.replace(

@@ -61,8 +61,10 @@ def test_the_same_ranks_fit_a_larger_machine(monkeypatch, machine_24gib):
 def test_a_profile_host_memory_is_the_node_capacity(tmp_path, machine_24gib):
     profile = tmp_path / "cpu-big.yaml"
     builtin = get_profile("cpu")
-    profile.write_text(f"name: cpu\nmemory_gib: 16\npeak_tflops: {{fp32: 0.1, bf16: 0.05, fp16: 0.02}}\nmemory_bandwidth_gbs: 20\n"
-                       f"intra_node_gbs: 5\ninter_node_gbs: 1.25\ndevices_per_node: {builtin.devices_per_node}\nhost_memory_gib: 64\n")
+    profile.write_text(
+        f"name: cpu\nmemory_gib: 16\npeak_tflops: {{fp32: 0.1, bf16: 0.05, fp16: 0.02}}\nmemory_bandwidth_gbs: 20\n"
+        f"intra_node_gbs: 5\ninter_node_gbs: 1.25\ndevices_per_node: {builtin.devices_per_node}\nhost_memory_gib: 64\n"
+    )
     est = estimate_plan(_plan(*GPT_1B_4_RANKS, f"cluster.accelerator={profile}"))
     assert est.node.capacity == 64 * GIB and est.fits
 

@@ -11,8 +11,16 @@ from llmforge.estimate.search import search_plan
 from llmforge.hardware import GIB, get_profile, parse_profile
 from llmforge.plan import RunPlan
 
-ONE_H100 = ["recipe=llama-8b", "cluster=h100-node", "cluster.nodes=1", "cluster.devices_per_node=1", "parallel=single",
-            "parallel.zero=3", "parallel.recompute=full", "train.micro_batch_size=1"]
+ONE_H100 = [
+    "recipe=llama-8b",
+    "cluster=h100-node",
+    "cluster.nodes=1",
+    "cluster.devices_per_node=1",
+    "parallel=single",
+    "parallel.zero=3",
+    "parallel.recompute=full",
+    "train.micro_batch_size=1",
+]
 
 
 def est(*overrides: str):
@@ -50,8 +58,10 @@ def test_activation_offload_keeps_two_blocks_of_activations():
 
 def test_host_memory_is_checked_against_the_profile(tmp_path):
     small = tmp_path / "small-host.yaml"
-    small.write_text("name: small-host\nmemory_gib: 80\npeak_tflops: {fp32: 67, tf32: 494.7, bf16: 989.4, fp16: 989.4}\n"
-                     "memory_bandwidth_gbs: 3350\nintra_node_gbs: 450\ninter_node_gbs: 50\ndevices_per_node: 8\nhost_memory_gib: 64\n")
+    small.write_text(
+        "name: small-host\nmemory_gib: 80\npeak_tflops: {fp32: 67, tf32: 494.7, bf16: 989.4, fp16: 989.4}\n"
+        "memory_bandwidth_gbs: 3350\nintra_node_gbs: 450\ninter_node_gbs: 50\ndevices_per_node: 8\nhost_memory_gib: 64\n"
+    )
     e = est(*ONE_H100, f"cluster.accelerator={small}", "parallel.offload=states")
     assert e.worst.total < e.job.profile.memory_bytes and not e.fits and not e.host.fits
 
@@ -59,8 +69,17 @@ def test_host_memory_is_checked_against_the_profile(tmp_path):
 def test_profiles_give_host_defaults():
     h100 = get_profile("h100-80gb")
     assert (h100.host_memory_bytes, h100.host_link_bandwidth, h100.host_memory_bandwidth) == (2048 * GIB, 50e9, 600e9)
-    bare = parse_profile({"name": "x", "memory_gib": 10, "peak_tflops": {"fp32": 1, "tf32": 1, "bf16": 1, "fp16": 1},
-                          "memory_bandwidth_gbs": 1, "intra_node_gbs": 1, "inter_node_gbs": 1, "devices_per_node": 4})
+    bare = parse_profile(
+        {
+            "name": "x",
+            "memory_gib": 10,
+            "peak_tflops": {"fp32": 1, "tf32": 1, "bf16": 1, "fp16": 1},
+            "memory_bandwidth_gbs": 1,
+            "intra_node_gbs": 1,
+            "inter_node_gbs": 1,
+            "devices_per_node": 4,
+        }
+    )
     assert bare.host_memory_bytes == 2 * 10 * GIB * 4
 
 

@@ -55,8 +55,20 @@ ASYNC_TP_GAIN = 876 / 829  # their 70B pair, with and without async TP
 
 
 def llama(layers: int, hidden: int, heads: int, ffn: int) -> Shape:
-    return Shape(num_layers=layers, hidden=hidden, heads=heads, kv_heads=8, ffn=ffn, vocab=128256, seq=8192, norm="rmsnorm",
-                 activation="swiglu", position="rope", tie_embeddings=False, bias=False)
+    return Shape(
+        num_layers=layers,
+        hidden=hidden,
+        heads=heads,
+        kv_heads=8,
+        ffn=ffn,
+        vocab=128256,
+        seq=8192,
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        tie_embeddings=False,
+        bias=False,
+    )
 
 
 LLAMA_8B, LLAMA_70B, LLAMA_405B = llama(32, 4096, 32, 14336), llama(80, 8192, 64, 28672), llama(126, 16384, 128, 53248)
@@ -94,8 +106,16 @@ ROWS = {
 
 
 def job(row: Row) -> Job:
-    return Job(global_batch=row.global_batch, param_dtype="bf16", reduce_dtype="fp32", profile=get_profile(PROFILE),
-               nodes=row.layout.world // 8, fp8=row.fp8, fp8_all_gather=row.fp8, compile=row.compile)
+    return Job(
+        global_batch=row.global_batch,
+        param_dtype="bf16",
+        reduce_dtype="fp32",
+        profile=get_profile(PROFILE),
+        nodes=row.layout.world // 8,
+        fp8=row.fp8,
+        fp8_all_gather=row.fp8,
+        compile=row.compile,
+    )
 
 
 def recomputed_matmul_seconds(est: Estimate) -> float:
@@ -168,11 +188,16 @@ def ratio(a: str, b: str) -> tuple[float, float]:
     return per_gpu(ROWS[a])[1] / per_gpu(ROWS[b])[1], ROWS[a].tokens_per_s_per_gpu / ROWS[b].tokens_per_s_per_gpu
 
 
-@pytest.mark.parametrize("faster,slower", [
-    ("8B 8 GPUs compile", "8B 8 GPUs"), ("8B 128 GPUs compile", "8B 128 GPUs"),
-    ("8B 8 GPUs compile float8", "8B 8 GPUs compile"), ("8B 128 GPUs compile float8", "8B 128 GPUs compile"),
-    ("405B 512 GPUs interleaved", "405B 512 GPUs 1F1B"),
-])
+@pytest.mark.parametrize(
+    "faster,slower",
+    [
+        ("8B 8 GPUs compile", "8B 8 GPUs"),
+        ("8B 128 GPUs compile", "8B 128 GPUs"),
+        ("8B 8 GPUs compile float8", "8B 8 GPUs compile"),
+        ("8B 128 GPUs compile float8", "8B 128 GPUs compile"),
+        ("405B 512 GPUs interleaved", "405B 512 GPUs 1F1B"),
+    ],
+)
 def test_response_to_compile_float8_and_schedule_follows_the_published_one(faster, slower):
     """What compile, Float8 and the interleaved schedule each buy, within a third of the published gain."""
     estimated, published = ratio(faster, slower)

@@ -95,4 +95,7 @@ def test_profile_rates_are_read_from_the_yaml(tmp_path):
     assert slow.matmul_efficiency == 0.405 and (slow.matmul_dim, slow.bandwidth_efficiency) == (base.matmul_dim, base.bandwidth_efficiency)
     job = Job(global_batch=8, param_dtype="bf16", reduce_dtype="fp32", profile=base)
     shape = gpt(12, 768, 12)
-    assert estimate(shape, Layout(micro_batch=8), dataclasses.replace(job, profile=slow)).step_s > estimate(shape, Layout(micro_batch=8), job).step_s
+    assert (
+        estimate(shape, Layout(micro_batch=8), dataclasses.replace(job, profile=slow)).step_s
+        > estimate(shape, Layout(micro_batch=8), job).step_s
+    )

@@ -43,8 +43,9 @@ def checkpoint_of(tmp_path: Path, **flavour) -> tuple[GPT, Path]:
 WINDOWED = dict(LLAMA_STYLE, sliding_window=5, sliding_window_every=2, attention_mask="document", position_reset=True)
 
 
-@pytest.mark.parametrize("flavour,architecture", [(GPT_STYLE, "GPT2LMHeadModel"), (LLAMA_STYLE, "LlamaForCausalLM"),
-                                                  (WINDOWED, "MinistralForCausalLM")])
+@pytest.mark.parametrize(
+    "flavour,architecture", [(GPT_STYLE, "GPT2LMHeadModel"), (LLAMA_STYLE, "LlamaForCausalLM"), (WINDOWED, "MinistralForCausalLM")]
+)
 def test_exported_model_gives_the_same_logits(tmp_path, flavour, architecture):
     from rich.console import Console
 

@@ -82,11 +82,14 @@ def test_vocab_too_small_names_the_key_that_set_it(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("name,text,expected", [
-    ("empty", "", "is empty"),
-    ("listed", "- a\n- b\n", "holds a YAML list"),
-    ("missing", "# @package _global_\ndefaults:\n  - override /model: nope\n", "no such model option"),
-])
+@pytest.mark.parametrize(
+    "name,text,expected",
+    [
+        ("empty", "", "is empty"),
+        ("listed", "- a\n- b\n", "holds a YAML list"),
+        ("missing", "# @package _global_\ndefaults:\n  - override /model: nope\n", "no such model option"),
+    ],
+)
 def test_broken_recipe_files_are_named(name, text, expected, tmp_path, monkeypatch):
     (tmp_path / "cfg" / "recipe").mkdir(parents=True)
     (tmp_path / "cfg" / "recipe" / f"{name}.yaml").write_text(text)
@@ -125,6 +128,7 @@ def test_default_cadence_loses_at_most_a_tenth(tmp_path):
 
 # -- checkpoints: the manifest must account for every file; a refused save loses nothing ---------
 
+
 @pytest.fixture
 def checkpoint(tmp_path):
     from test_checkpoint_store import save, saver, tiny
@@ -154,9 +158,15 @@ def _damage(folder, how: str) -> None:
     manifest.write_text(json.dumps(data))
 
 
-@pytest.mark.parametrize("how,named", [
-    ("empty list", ".metadata"), ("step", "records step 7"), ("extra file", "extra.bin"), ("train state", "train_state.json"),
-])
+@pytest.mark.parametrize(
+    "how,named",
+    [
+        ("empty list", ".metadata"),
+        ("step", "records step 7"),
+        ("extra file", "extra.bin"),
+        ("train state", "train_state.json"),
+    ],
+)
 def test_a_checkpoint_the_manifest_does_not_account_for_is_damaged(checkpoint, how, named):
     from llmforge.checkpoint.locate import locate
 
@@ -171,8 +181,9 @@ def test_a_checkpoint_the_manifest_does_not_account_for_is_damaged(checkpoint, h
 
 
 def test_a_refused_save_removes_its_folder_and_keeps_latest(checkpoint):
-    from llmforge.checkpoint.locate import locate
     from test_checkpoint_store import save
+
+    from llmforge.checkpoint.locate import locate
 
     s, model, optimizer, folder = checkpoint
     with file_size_limit(4096), pytest.raises(UserError) as info:  # files past 4 KiB fail, as on a full disk

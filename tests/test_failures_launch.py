@@ -23,7 +23,9 @@ pytestmark = pytest.mark.slow
 def _start(run_dir: Path, small_data, *extra: str) -> subprocess.Popen:
     args = [*small_data, "parallel=dp2", "train.steps=100000", "train.log_interval=1", "logging=quiet", f"run.dir={run_dir}", *extra]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "llmforge", "pretrain", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "llmforge", "pretrain", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
 
 
 def _wait_for(condition, *, proc: subprocess.Popen, deadline_s: float = 240) -> None:

@@ -16,8 +16,19 @@ from llmforge.launch.checks import check_fault
 from llmforge.plan import RunPlan
 
 runner = CliRunner()
-TINY = ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.seq_len=16",
-        "train.micro_batch_size=2", "train.global_batch_size=2", "train.steps=4", "logging.console=false", "logging.wandb.mode=disabled"]
+TINY = [
+    "model.num_layers=1",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.seq_len=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "train.steps=4",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
+]
 
 
 @pytest.mark.parametrize("spec", ["abc", "0:5-3:nan-loss", "0:3:garbage", ":", "0:0", "x:3", "0:3:exit:1"])

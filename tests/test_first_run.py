@@ -13,8 +13,18 @@ from llmforge.plan import RunPlan
 from llmforge.train.meter import meter_for
 
 runner = CliRunner()
-TINY = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64",
-        "model.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=4", "train.eval_steps=2", "logging.wandb.mode=disabled"]
+TINY = [
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.seq_len=32",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=4",
+    "train.eval_steps=2",
+    "logging.wandb.mode=disabled",
+]
 
 
 def pretrain(*args: str):
@@ -36,7 +46,9 @@ def test_validation_is_on_by_default_and_eval_interval_needs_no_other_key():
 def default_run(tmp_path_factory, small_data):
     """A run with the default validation and checkpoint settings, evaluating every 3 steps."""
     run_dir = tmp_path_factory.mktemp("first") / "run"
-    result = pretrain(*small_data, "train.steps=6", "train.eval_interval=3", "checkpoint.interval=2", "checkpoint.keep=1", f"run.dir={run_dir}")
+    result = pretrain(
+        *small_data, "train.steps=6", "train.eval_interval=3", "checkpoint.interval=2", "checkpoint.keep=1", f"run.dir={run_dir}"
+    )
     return run_dir, result.output
 
 
@@ -73,17 +85,25 @@ def test_val_fraction_zero_switches_validation_off(tmp_path, small_data):
 def test_a_corpus_too_small_to_hold_out_trains_without_validation(tmp_path):
     text = tmp_path / "one.txt"
     text.write_text("def main():\n    return 42\n" * 400)
-    result = pretrain("data=files", f"data.path={text}", f"data.cache_dir={tmp_path / 'cache'}", "model.vocab_size=300",
-                      "train.steps=2", f"run.dir={tmp_path / 'run'}")
+    result = pretrain(
+        "data=files",
+        f"data.path={text}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "model.vocab_size=300",
+        "train.steps=2",
+        f"run.dir={tmp_path / 'run'}",
+    )
     notes = [line for line in result.output.splitlines() if line.startswith("no validation")]
     assert len(notes) == 1 and "data.val_fraction" in notes[0]
     assert "val_loss" not in closing_line(result.output)
 
 
 def test_a_measured_profile_drops_the_approximate_marker(tmp_path):
-    profile = (tmp_path / "cpu-measured.yaml")
-    profile.write_text("name: cpu-measured\nmemory_gib: 16\npeak_tflops: {fp32: 0.2, tf32: 0.2, bf16: 0.1, fp16: 0.05}\n"
-                       "memory_bandwidth_gbs: 20\nintra_node_gbs: 5\ninter_node_gbs: 1.25\ndevices_per_node: 64\n")
+    profile = tmp_path / "cpu-measured.yaml"
+    profile.write_text(
+        "name: cpu-measured\nmemory_gib: 16\npeak_tflops: {fp32: 0.2, tf32: 0.2, bf16: 0.1, fp16: 0.05}\n"
+        "memory_bandwidth_gbs: 20\nintra_node_gbs: 5\ninter_node_gbs: 1.25\ndevices_per_node: 64\n"
+    )
     import torch
 
     assert meter_for(RunPlan.build(compose([])), device=torch.device("cpu")).peak_approximate
@@ -115,7 +135,9 @@ def test_step_time_after_a_validation_leaves_the_validation_out(monkeypatch):
     cfg = plan.config
 
     def synthetic(seed: int) -> SyntheticSampler:
-        return SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=seed)
+        return SyntheticSampler(
+            vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=seed
+        )
 
     torch.manual_seed(cfg.train.seed)
     c = build_components(plan, rank=RankInfo(), sampler=synthetic(cfg.train.seed))
@@ -137,7 +159,16 @@ def test_step_time_after_a_validation_leaves_the_validation_out(monkeypatch):
     c.step = Clocked(c.step)
     monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
     records: list = []
-    loop.train_loop(c, start_step=0, total_steps=4, grad_clip=1.0, log_interval=1, checkpoint_interval=0,
-                    hooks=loop.LoopHooks(log=records.append), eval_interval=2, eval_steps=1)
+    loop.train_loop(
+        c,
+        start_step=0,
+        total_steps=4,
+        grad_clip=1.0,
+        log_interval=1,
+        checkpoint_interval=0,
+        hooks=loop.LoopHooks(log=records.append),
+        eval_interval=2,
+        eval_steps=1,
+    )
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
     assert [r["step_time_s"] for r in records[1:]] == [1.0, 1.0, 1.0]  # the first window began on the real clock

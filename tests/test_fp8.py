@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from llmforge.cli import app
 from llmforge.config.compose import compose
 from llmforge.errors import UserError
-from llmforge.testing.harness import tiny_plan
 from llmforge.plan import RunPlan
+from llmforge.testing.harness import tiny_plan
 from llmforge.train.build import build_model
 
 pytest.importorskip("torchao")
@@ -82,9 +82,21 @@ def fifty_steps(tmp_path_factory, small_data) -> dict:
     tmp = tmp_path_factory.mktemp("fifty")
     out = {}
     for name, extra in {"bf16": ["precision=bf16"], "fp8": EMULATED}.items():
-        args = ["pretrain", *small_data, *extra, "model.seq_len=64", "train.global_batch_size=4", "train.micro_batch_size=4",
-                "train.steps=50", "train.log_interval=1", "checkpoint.save_final=false", "logging.console=false", "data.val_fraction=0",
-                "logging.wandb.mode=disabled", f"run.dir={tmp / name}"]
+        args = [
+            "pretrain",
+            *small_data,
+            *extra,
+            "model.seq_len=64",
+            "train.global_batch_size=4",
+            "train.micro_batch_size=4",
+            "train.steps=50",
+            "train.log_interval=1",
+            "checkpoint.save_final=false",
+            "logging.console=false",
+            "data.val_fraction=0",
+            "logging.wandb.mode=disabled",
+            f"run.dir={tmp / name}",
+        ]
         result = runner.invoke(app, args)
         assert result.exit_code == 0, result.output
         out[name] = [r["loss"] for r in read_metrics(tmp / name / "metrics.jsonl")]
@@ -100,7 +112,7 @@ def test_fp8_losses_stay_within_tolerance_of_bf16_over_50_steps(fifty_steps):
     bf16, fp8 = fifty_steps["bf16"], fifty_steps["fp8"]
     assert len(bf16) == len(fp8) == 50
     assert fp8[-1] < fp8[0] - 1.0  # it learns
-    assert max(abs(f - b) / b for f, b in zip(fp8[:20], bf16[:20])) < 5e-3
+    assert max(abs(f - b) / b for f, b in zip(fp8[:20], bf16[:20], strict=False)) < 5e-3
     for start in range(0, 50, 10):
         window_fp8, window_bf16 = sum(fp8[start : start + 10]), sum(bf16[start : start + 10])
         assert abs(window_fp8 - window_bf16) / window_bf16 < 5e-2, start
@@ -121,7 +133,9 @@ def test_the_weights_check_before_a_save_reads_float8_all_gather_weights():
     params = list(model.parameters())
     wrapped = [p for p in params if type(p.data) is not torch.Tensor]
     assert wrapped, "no float8 all-gather weight: the check would prove nothing"
-    assert all(type(local_values(p.detach())) in (torch.Tensor, torch.nn.Parameter) for p in params)  # the check runs plain ops only (torchao 0.17 has no abs)
+    assert all(
+        type(local_values(p.detach())) in (torch.Tensor, torch.nn.Parameter) for p in params
+    )  # the check runs plain ops only (torchao 0.17 has no abs)
     guard = StepGuard(anomaly_policy(plan), device=torch.device("cpu"))
     check_weights(guard, params, step=1, distributed=False, device=torch.device("cpu"))
     with torch.no_grad():

@@ -62,7 +62,13 @@ def test_fp8_without_torchao_is_refused_before_launch(no_torchao, tmp_path):
 
 def test_resume_into_fp8_without_torchao_is_refused(no_torchao, tmp_path, small_data):
     run_dir = tmp_path / "run"
-    common = ["model.seq_len=32", "train.global_batch_size=2", "train.micro_batch_size=2", "logging.console=false", "logging.wandb.mode=disabled"]
+    common = [
+        "model.seq_len=32",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=2",
+        "logging.console=false",
+        "logging.wandb.mode=disabled",
+    ]
     first = runner.invoke(app, ["pretrain", *small_data, *common, "train.steps=1", "data.val_fraction=0", f"run.dir={run_dir}"])
     assert first.exit_code == 0, first.output
     before = sorted(p.name for p in (run_dir / "checkpoints").iterdir())

@@ -11,8 +11,15 @@ from llmforge.errors import UserError
 from llmforge.models.fused import FUSED, fuse, fuse_saved, layout_of, parts_of, unfuse
 from llmforge.models.gpt import GPT, initial_value
 
-LLAMA = ["model.norm=rmsnorm", "model.activation=swiglu", "model.position=rope", "model.num_heads=8", "model.num_kv_heads=4",
-         "model.ffn_hidden_size=384", "model.bias=true"]
+LLAMA = [
+    "model.norm=rmsnorm",
+    "model.activation=swiglu",
+    "model.position=rope",
+    "model.num_heads=8",
+    "model.num_kv_heads=4",
+    "model.ffn_hidden_size=384",
+    "model.bias=true",
+]
 
 
 def _model(extra=()):
@@ -25,7 +32,7 @@ def test_a_fused_initial_value_holds_the_unfused_models_values(name):
     shape = GPT(m).state_dict()[name].shape
     sizes, groups = layout_of(m, name=name, rows=shape[0])
     parts = unfuse(initial_value(m, name=name, shape=shape, seed=7), sizes=sizes, groups=groups)
-    for part, value in zip(parts_of(name), parts):
+    for part, value in zip(parts_of(name), parts, strict=False):
         assert torch.equal(value, initial_value(m, name=part, shape=value.shape, seed=7)), part
 
 
@@ -41,7 +48,7 @@ def test_each_tensor_parallel_rank_holds_whole_heads_and_matching_gate_up_rows(t
         chunks = fuse(parts, groups=groups).chunk(tp)
         for rank, chunk in enumerate(chunks):
             local = unfuse(chunk, sizes=[s // tp for s in sizes], groups=groups // tp)
-            for part, mine in zip(parts, local):
+            for part, mine in zip(parts, local, strict=False):
                 assert torch.equal(mine, part.chunk(tp)[rank]), (linear, tp, rank)
 
 
@@ -69,7 +76,7 @@ def test_weights_saved_unfused_are_fused_by_name():
             unfused[name] = value
         else:
             sizes, groups = layout_of(m, name=name, rows=value.shape[0])
-            unfused.update(zip(parts, unfuse(value, sizes=sizes, groups=groups)))
+            unfused.update(zip(parts, unfuse(value, sizes=sizes, groups=groups), strict=False))
     assert any(".q_proj." in n for n in unfused) and any(".gate_proj." in n for n in unfused)
     back = fuse_saved(unfused, m)
     assert set(back) == set(fused) and all(torch.equal(back[k], fused[k]) for k in fused)

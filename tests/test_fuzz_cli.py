@@ -25,10 +25,37 @@ EXAMPLES = 25
 
 KEYS = sorted(k for k, *_ in iter_keys())
 OPTIONS = {g: sorted(p.stem for p in (BUILTIN_CONFIG_DIR / g).glob("*.yaml")) for g in SELECTABLE_GROUPS}
-ODD = ["", "0", "-1", "1e309", "nan", "-inf", "true", "null", "[]", "[1,2]", "{}", "{a: 1}", "'x[/y]'", "x[/y]",
-       "${oc.env:HOME}", "${nope}", "'='", "==1", "a,b", "9" * 30, "'[bold]x[/]'", "~", "auto", "1.5", "\\", "'"]
-SCALARS = st.one_of(st.integers(-2**40, 2**40), st.floats(allow_nan=True), st.booleans(), st.none(),
-                    st.text(max_size=12), st.sampled_from(ODD))
+ODD = [
+    "",
+    "0",
+    "-1",
+    "1e309",
+    "nan",
+    "-inf",
+    "true",
+    "null",
+    "[]",
+    "[1,2]",
+    "{}",
+    "{a: 1}",
+    "'x[/y]'",
+    "x[/y]",
+    "${oc.env:HOME}",
+    "${nope}",
+    "'='",
+    "==1",
+    "a,b",
+    "9" * 30,
+    "'[bold]x[/]'",
+    "~",
+    "auto",
+    "1.5",
+    "\\",
+    "'",
+]
+SCALARS = st.one_of(
+    st.integers(-(2**40), 2**40), st.floats(allow_nan=True), st.booleans(), st.none(), st.text(max_size=12), st.sampled_from(ODD)
+)
 
 
 def _value_text(value) -> str:
@@ -37,9 +64,15 @@ def _value_text(value) -> str:
 
 override = st.one_of(
     st.builds(lambda k, v: f"{k}={_value_text(v)}", st.sampled_from(KEYS), SCALARS),
-    st.builds(lambda g, o: f"{g}={o}", st.sampled_from(sorted(OPTIONS)), st.one_of(st.sampled_from(sum(OPTIONS.values(), [])), st.text(max_size=8))),
+    st.builds(
+        lambda g, o: f"{g}={o}",
+        st.sampled_from(sorted(OPTIONS)),
+        st.one_of(st.sampled_from(sum(OPTIONS.values(), [])), st.text(max_size=8)),
+    ),
     st.text(max_size=20),
 )
+
+
 def _nest(flat: dict) -> dict:
     out: dict = {}
     for key, value in flat.items():
@@ -53,13 +86,17 @@ def _nest(flat: dict) -> dict:
 
 recipe = st.one_of(
     st.dictionaries(st.sampled_from(KEYS), SCALARS, max_size=4).map(_nest),
-    st.recursive(SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)), max_leaves=6),
+    st.recursive(
+        SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=6), inner, max_size=3)), max_leaves=6
+    ),
     st.text(max_size=40),
 )
 COMMANDS = {"plan": ["plan"], "estimate": ["estimate"], "pretrain": ["pretrain", "--dry-run"]}
 
 
-def _check(command: str, overrides: list[str], recipe_text: str | None, *, files: dict[str, str] | None = None, args: tuple[str, ...] = ()) -> None:
+def _check(
+    command: str, overrides: list[str], recipe_text: str | None, *, files: dict[str, str] | None = None, args: tuple[str, ...] = ()
+) -> None:
     """Run ``command`` in an empty folder holding ``files`` (and a recipe ``fuzz`` if given);
     ``args`` name paths relative to that folder as ``{root}/...``."""
     runner = CliRunner()

@@ -20,9 +20,22 @@ PROMPT = "def main("
 def trained(tmp_path_factory, small_data):
     """A briefly trained tiny GPT-2-style run and its Hugging Face export."""
     tmp = tmp_path_factory.mktemp("gen")
-    args = ["pretrain", *small_data, f"run.dir={tmp / 'run'}", "model.num_layers=2", "model.hidden_size=32", "model.ffn_hidden_size=64", "model.seq_len=32",
-            "train.steps=4", "train.lr=1e-2", "optim.warmup_steps=0", "train.global_batch_size=4", "train.micro_batch_size=4",
-            "logging.console=false", "logging.wandb.mode=disabled"]
+    args = [
+        "pretrain",
+        *small_data,
+        f"run.dir={tmp / 'run'}",
+        "model.num_layers=2",
+        "model.hidden_size=32",
+        "model.ffn_hidden_size=64",
+        "model.seq_len=32",
+        "train.steps=4",
+        "train.lr=1e-2",
+        "optim.warmup_steps=0",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=4",
+        "logging.console=false",
+        "logging.wandb.mode=disabled",
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     result = runner.invoke(app, ["export", f"ckpt={tmp / 'run'}", "--out", str(tmp / "hf")])
@@ -58,8 +71,10 @@ def test_greedy_generation_equals_transformers_greedy_generate(trained, loaded):
     prompt, generated = ours(loaded, GenerateConfig(max_tokens=20, temperature=0.0))
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    theirs = out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=20, do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long)
+    )
+    theirs = out[0, len(prompt) :].tolist()
     if theirs and theirs[-1] == tokenizer.eos_token_id:  # transformers keeps the stop token; llmforge drops it
         theirs = theirs[:-1]
     assert generated == theirs and len(generated) > 0
@@ -158,8 +173,19 @@ def test_prompts_file_writes_one_json_line_each(trained, tmp_path):
     run, _ = trained
     (tmp_path / "prompts.txt").write_text("def main(\n\nimport os\n", encoding="utf-8")
     out = tmp_path / "out" / "completions.jsonl"
-    result = runner.invoke(app, ["generate", f"ckpt={run}", "--prompts", str(tmp_path / "prompts.txt"), "--out", str(out),
-                                 "generate.temperature=0", "generate.max_tokens=5"])
+    result = runner.invoke(
+        app,
+        [
+            "generate",
+            f"ckpt={run}",
+            "--prompts",
+            str(tmp_path / "prompts.txt"),
+            "--out",
+            str(out),
+            "generate.temperature=0",
+            "generate.max_tokens=5",
+        ],
+    )
     assert result.exit_code == 0, result.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["prompt"] for r in rows] == ["def main(", "import os"] and all(isinstance(r["completion"], str) for r in rows)

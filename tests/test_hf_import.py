@@ -26,9 +26,30 @@ runner = CliRunner()
 
 #: A tiny GPT-2 with the vocabulary of the shared test corpus; its position table is
 #: longer than the training sequence (the run uses the first seq_len rows).
-GPT2_KEYS = ["model.num_layers=2", "model.hidden_size=32", "model.num_heads=4", "model.num_kv_heads=4", "model.ffn_hidden_size=128", "model.seq_len=32"]
-LLAMA = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=48, vocab_size=96, seq_len=16, norm="rmsnorm",
-                    activation="swiglu", position="rope", bias=False, tie_embeddings=False, norm_eps=1e-6, rope_theta=500000.0)
+GPT2_KEYS = [
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=4",
+    "model.num_kv_heads=4",
+    "model.ffn_hidden_size=128",
+    "model.seq_len=32",
+]
+LLAMA = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_heads=4,
+    num_kv_heads=2,
+    ffn_hidden_size=48,
+    vocab_size=96,
+    seq_len=16,
+    norm="rmsnorm",
+    activation="swiglu",
+    position="rope",
+    bias=False,
+    tie_embeddings=False,
+    norm_eps=1e-6,
+    rope_theta=500000.0,
+)
 GPT2 = ModelConfig(num_layers=2, hidden_size=32, num_heads=4, ffn_hidden_size=128, vocab_size=96, seq_len=16)
 
 
@@ -44,13 +65,29 @@ def save_hf(folder: Path, config) -> Path:
 
 
 def hf_gpt2(folder: Path, *, vocab: int, positions: int) -> Path:
-    return save_hf(folder, transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0))
+    return save_hf(
+        folder,
+        transformers.GPT2Config(vocab_size=vocab, n_positions=positions, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0),
+    )
 
 
 def hf_llama(folder: Path) -> Path:
-    return save_hf(folder, transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                                                    num_key_value_heads=2, max_position_embeddings=16, rms_norm_eps=1e-6, rope_theta=500000.0,
-                                                    bos_token_id=0, eos_token_id=0))
+    return save_hf(
+        folder,
+        transformers.LlamaConfig(
+            vocab_size=96,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=16,
+            rms_norm_eps=1e-6,
+            rope_theta=500000.0,
+            bos_token_id=0,
+            eos_token_id=0,
+        ),
+    )
 
 
 def hf_loss(folder: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
@@ -65,7 +102,9 @@ def hf_loss(folder: Path, tokens: torch.Tensor) -> tuple[torch.Tensor, float]:
 def checkpoint(tmp: Path, model: GPT) -> Path:
     plan = RunPlan.build(RunConfig(model=model.config))
     saver = store.CheckpointSaver(root=tmp / "checkpoints", keep=1, async_save=False, rank=0, log=lambda t: None)
-    return saver.save(step=1, model_parts=[model], optimizer=build_optimizer(model, optim=plan.config.optim, lr=1e-3), train_state={}, plan=plan.to_dict())
+    return saver.save(
+        step=1, model_parts=[model], optimizer=build_optimizer(model, optim=plan.config.optim, lr=1e-3), train_state={}, plan=plan.to_dict()
+    )
 
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
@@ -115,8 +154,18 @@ def gpt2_runs(tmp_path_factory, small_data):
     """The same 1-step run from one tiny GPT-2 folder in one process and under tp2."""
     tmp = tmp_path_factory.mktemp("init")
     folder = hf_gpt2(tmp / "hf", vocab=4096, positions=64)
-    base = ["pretrain", *small_data, f"model.init_from={folder}", *GPT2_KEYS, "train.steps=1", "train.global_batch_size=4", "train.micro_batch_size=2",
-            "logging.console=false", "logging.wandb.mode=disabled", "checkpoint.save_final=false"]
+    base = [
+        "pretrain",
+        *small_data,
+        f"model.init_from={folder}",
+        *GPT2_KEYS,
+        "train.steps=1",
+        "train.global_batch_size=4",
+        "train.micro_batch_size=2",
+        "logging.console=false",
+        "logging.wandb.mode=disabled",
+        "checkpoint.save_final=false",
+    ]
     results = {}
     for name, extra in (("single", []), ("tp2", ["parallel=tp2"])):
         result = runner.invoke(app, [*base, f"run.dir={tmp / name}", *extra])
@@ -126,9 +175,10 @@ def gpt2_runs(tmp_path_factory, small_data):
 
 
 def test_the_first_loss_is_transformers_loss_on_the_same_batch(gpt2_runs):
+    from rich.console import Console
+
     from llmforge.config.compose import compose
     from llmforge.train.run import make_sampler, prepare_data
-    from rich.console import Console
 
     folder, base, results, _ = gpt2_runs
     plan = RunPlan.build(compose(base[1:]))

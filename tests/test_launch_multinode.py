@@ -15,7 +15,6 @@ from typer.testing import CliRunner
 from llmforge.cli import app
 
 
-
 def _losses(path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 
@@ -27,11 +26,22 @@ def test_two_node_launch_trains_like_one_process(tmp_path, small_data, free_port
     assert CliRunner().invoke(app, ["pretrain", *common, f"run.dir={single}"]).exit_code == 0
 
     nodes = tmp_path / "nodes"
-    args = [*common, "parallel=dp2", "cluster.nodes=2", "cluster.devices_per_node=1",
-            f"cluster.rdzv_endpoint=127.0.0.1:{free_port}", f"run.dir={nodes}", "cluster.network_check=true"]
+    args = [
+        *common,
+        "parallel=dp2",
+        "cluster.nodes=2",
+        "cluster.devices_per_node=1",
+        f"cluster.rdzv_endpoint=127.0.0.1:{free_port}",
+        f"run.dir={nodes}",
+        "cluster.network_check=true",
+    ]
     env = {**os.environ, "LLMFORGE_CONFIG_PATH": str(cpu_profile_claiming(0.001))}
-    launchers = [subprocess.Popen([sys.executable, "-m", "llmforge", "pretrain", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-                 for _ in range(2)]
+    launchers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "llmforge", "pretrain", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        for _ in range(2)
+    ]
     outputs = [p.communicate(timeout=300)[0] for p in launchers]
     assert [p.returncode for p in launchers] == [0, 0], outputs
     assert any("network check: all-reduce across 2 nodes" in out for out in outputs)

@@ -10,9 +10,9 @@ import pytest
 from rich.console import Console
 
 from llmforge.errors import UserError
-from llmforge.testing.harness import tiny_plan
 from llmforge.launch.run import launch_distributed
 from llmforge.processes.torchrun import run_torchrun
+from llmforge.testing.harness import tiny_plan
 
 
 def capture() -> tuple[Console, io.StringIO]:
@@ -21,14 +21,33 @@ def capture() -> tuple[Console, io.StringIO]:
 
 
 def test_slurm_dry_run_prints_the_script_and_writes_nothing(tmp_path: Path):
-    plan = tiny_plan(["cluster.launcher=slurm", "cluster.nodes=2", "cluster.devices_per_node=4", "cluster.accelerator=h100-80gb", "parallel.tp=4", f"run.dir={tmp_path / 'run'}"])
+    plan = tiny_plan(
+        [
+            "cluster.launcher=slurm",
+            "cluster.nodes=2",
+            "cluster.devices_per_node=4",
+            "cluster.accelerator=h100-80gb",
+            "parallel.tp=4",
+            f"run.dir={tmp_path / 'run'}",
+        ]
+    )
     console, out = capture()
     launch_distributed(plan, resume_from=Path("/ckpt/step_5"), dry_run=True, console=console)
     script = out.getvalue()
     assert script.startswith("#!/bin/bash")
     assert "#SBATCH --nodes=2" in script and "#SBATCH --gpus-per-node=4" in script
     srun = next(line for line in script.splitlines() if line.startswith("srun "))
-    for part in ("torch.distributed.run", "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d", "--rdzv-endpoint=$head_node:29500", "--rdzv-id=$SLURM_JOB_ID", "llmforge.launch.worker", str(tmp_path / "run" / "plan.json"), "--resume /ckpt/step_5"):
+    for part in (
+        "torch.distributed.run",
+        "--nnodes=2",
+        "--nproc-per-node=4",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=$head_node:29500",
+        "--rdzv-id=$SLURM_JOB_ID",
+        "llmforge.launch.worker",
+        str(tmp_path / "run" / "plan.json"),
+        "--resume /ckpt/step_5",
+    ):
         assert part in srun
     assert not (tmp_path / "run").exists()
 
@@ -56,7 +75,15 @@ def test_unsupported_layouts_are_refused_before_starting(tmp_path: Path):
 def _failing_job(tmp_path: Path, kind: str) -> list[str]:
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"layouts": {"dp2": ["parallel.dp=2"]}, "fail_rank": 1, "fail_kind": kind}))
-    return ["--standalone", "--nproc-per-node=2", "--monitor-interval=0.2", "-m", "llmforge.testing.harness", str(spec), str(tmp_path / "out.pt")]
+    return [
+        "--standalone",
+        "--nproc-per-node=2",
+        "--monitor-interval=0.2",
+        "-m",
+        "llmforge.testing.harness",
+        str(spec),
+        str(tmp_path / "out.pt"),
+    ]
 
 
 def test_a_user_error_on_one_rank_ends_the_job_as_one_message(tmp_path: Path):
@@ -80,9 +107,21 @@ def test_a_crashing_rank_ends_the_job_and_its_error_is_shown_once(tmp_path: Path
 
 
 ONE_RANK = [
-    "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64",
-    "model.vocab_size=512", "model.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=4", "train.steps=4",
-    "train.log_interval=1", "optim.warmup_steps=0", "parallel.zero=3", "logging.console=false", "logging.wandb.mode=disabled",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.vocab_size=512",
+    "model.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "train.steps=4",
+    "train.log_interval=1",
+    "optim.warmup_steps=0",
+    "parallel.zero=3",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
 ]
 
 
@@ -91,7 +130,13 @@ def test_launcher_torchrun_dry_run_starts_one_rank_through_torchrun(tmp_path: Pa
 
     console, out = capture()
     # a vocabulary a trained tokenizer can have: pretrain checks it before launching
-    launch(tiny_plan(["cluster.launcher=torchrun", "model.vocab_size=512", f"run.dir={tmp_path}"]), resume_from=None, force=False, dry_run=True, console=console)
+    launch(
+        tiny_plan(["cluster.launcher=torchrun", "model.vocab_size=512", f"run.dir={tmp_path}"]),
+        resume_from=None,
+        force=False,
+        dry_run=True,
+        console=console,
+    )
     text = out.getvalue()
     assert "--nproc-per-node=1" in text and "llmforge.launch.worker" in text and "in this process" not in text
 

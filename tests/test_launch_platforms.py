@@ -31,14 +31,37 @@ SKYPILOT_SCHEMAS = Path(__file__).parent / "data" / "skypilot-0.14.1-schemas.jso
 
 def plan_for(launcher: str, tmp_path: Path, *extra: str):
     """4 nodes x 8 H100, with run.dir and the data cache on the platform's shared mounts (here: tmp_path)."""
-    mounts = {"kubernetes": ["cluster.kubernetes.runs_claim=runs", "cluster.kubernetes.data_claim=data",
-                             f"cluster.kubernetes.runs_mount={tmp_path}", f"cluster.kubernetes.data_mount={tmp_path / 'data'}"],
-              "skypilot": ["cluster.skypilot.runs_bucket=s3://bucket/runs", "cluster.skypilot.data_bucket=gs://bucket/data",
-                           f"cluster.skypilot.runs_mount={tmp_path}", f"cluster.skypilot.data_mount={tmp_path / 'data'}"]}[launcher]
-    return tiny_plan([f"cluster.launcher={launcher}", "cluster.accelerator=h100-80gb", "cluster.nodes=4", "cluster.devices_per_node=8",
-                      "parallel.dp=auto", "train.global_batch_size=32", "train.micro_batch_size=1", "run.name=Pretrain_Run",
-                      "cluster.image=ghcr.io/example/llmforge:1", f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'data' / 'cache'}",
-                      *mounts, *extra])
+    mounts = {
+        "kubernetes": [
+            "cluster.kubernetes.runs_claim=runs",
+            "cluster.kubernetes.data_claim=data",
+            f"cluster.kubernetes.runs_mount={tmp_path}",
+            f"cluster.kubernetes.data_mount={tmp_path / 'data'}",
+        ],
+        "skypilot": [
+            "cluster.skypilot.runs_bucket=s3://bucket/runs",
+            "cluster.skypilot.data_bucket=gs://bucket/data",
+            f"cluster.skypilot.runs_mount={tmp_path}",
+            f"cluster.skypilot.data_mount={tmp_path / 'data'}",
+        ],
+    }[launcher]
+    return tiny_plan(
+        [
+            f"cluster.launcher={launcher}",
+            "cluster.accelerator=h100-80gb",
+            "cluster.nodes=4",
+            "cluster.devices_per_node=8",
+            "parallel.dp=auto",
+            "train.global_batch_size=32",
+            "train.micro_batch_size=1",
+            "run.name=Pretrain_Run",
+            "cluster.image=ghcr.io/example/llmforge:1",
+            f"run.dir={tmp_path / 'run'}",
+            f"data.cache_dir={tmp_path / 'data' / 'cache'}",
+            *mounts,
+            *extra,
+        ]
+    )
 
 
 def round_trips(model, manifest: dict) -> None:
@@ -55,7 +78,9 @@ def torchrun_args(script: str, env: dict, tmp_path: Path):
     bin_dir, out = tmp_path / "bin", tmp_path / "argv.json"
     bin_dir.mkdir(exist_ok=True)
     fake = bin_dir / "python"
-    fake.write_text(f'#!/bin/sh\nexec {json.dumps(sys.executable)} -c \'import json,sys; json.dump(sys.argv[1:], open("{out}", "w"))\' "$@"\n')
+    fake.write_text(
+        f'#!/bin/sh\nexec {json.dumps(sys.executable)} -c \'import json,sys; json.dump(sys.argv[1:], open("{out}", "w"))\' "$@"\n'
+    )
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     full = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOSTNAME": "node-x", **env}
     subprocess.run(["bash", "-c", script], env=full, check=True, timeout=30)
@@ -87,8 +112,14 @@ def test_trainjob_validates_and_takes_its_rendezvous_from_the_runtime(tmp_path):
     assert (trainer["numNodes"], trainer["numProcPerNode"], trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"]) == (4, 8, "8")
     assert job["spec"]["runtimeRef"]["name"] == "torch-distributed"
     # What the torch runtime sets on node 2 of the TrainJob's 4 (its JobSet's leader pod is the master).
-    pet = {"PET_NNODES": "4", "PET_NPROC_PER_NODE": "8", "PET_NODE_RANK": "2", "PET_MASTER_ADDR": "pretrain-run-node-0-0.pretrain-run",
-           "PET_MASTER_PORT": "29400", PLAN_ENV: trainer["env"][0]["value"]}
+    pet = {
+        "PET_NNODES": "4",
+        "PET_NPROC_PER_NODE": "8",
+        "PET_NODE_RANK": "2",
+        "PET_MASTER_ADDR": "pretrain-run-node-0-0.pretrain-run",
+        "PET_MASTER_PORT": "29400",
+        PLAN_ENV: trainer["env"][0]["value"],
+    }
     args = torchrun_args(trainer["command"][2], pet, tmp_path)
     assert_rendezvous(args, master="pretrain-run-node-0-0.pretrain-run", port=29400, node_rank=2)
     assert json.loads((tmp_path / "run" / "plan.json").read_text())["derived"]["world_size"] == 32
@@ -126,6 +157,7 @@ def skypilot_validator(schema: dict):
         def check(validator, enums, instance, schema):
             if (instance.lower() if fold else instance) not in [e.lower() if fold else e for e in enums]:
                 yield jsonschema.ValidationError(f"{instance!r} is not one of {enums!r}")
+
         return check
 
     keywords = {"case_insensitive_enum": enum(fold=True), "case_sensitive_enum": enum(fold=False)}
@@ -146,8 +178,13 @@ def test_skypilot_task_validates_against_skypilots_schema_and_ranks_by_its_varia
         skypilot_validator(schemas["storage"]).validate({**mount, "mode": "MOUNTED"})
     assert (task["num_nodes"], task["resources"]["accelerators"]) == (4, "H100:8")
     assert task["resources"]["job_recovery"] == {"max_restarts_on_errors": 2}  # restarts: a managed job
-    env = {"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NODE_IPS": "10.0.0.7\n10.0.0.8\n10.0.0.9\n10.0.0.10", "SKYPILOT_NUM_NODES": "4",
-           "SKYPILOT_NUM_GPUS_PER_NODE": "8", PLAN_ENV: task["envs"][PLAN_ENV]}
+    env = {
+        "SKYPILOT_NODE_RANK": "1",
+        "SKYPILOT_NODE_IPS": "10.0.0.7\n10.0.0.8\n10.0.0.9\n10.0.0.10",
+        "SKYPILOT_NUM_NODES": "4",
+        "SKYPILOT_NUM_GPUS_PER_NODE": "8",
+        PLAN_ENV: task["envs"][PLAN_ENV],
+    }
     args = torchrun_args(task["run"], env, tmp_path)
     assert_rendezvous(args, master="10.0.0.7", port=29500, node_rank=1)
 
@@ -156,22 +193,43 @@ def test_skypilot_runs_an_elastic_plan_as_a_managed_job_on_its_node_range(tmp_pa
     plan = plan_for("skypilot", tmp_path, "cluster.min_nodes=2", "cluster.max_restarts=3", "train.global_batch_size=96")
     task = skypilot_task(plan)
     assert task["resources"]["job_recovery"] == {"max_restarts_on_errors": 3}
-    env = {"SKYPILOT_NODE_RANK": "0", "SKYPILOT_NODE_IPS": "10.0.0.7", "SKYPILOT_NUM_NODES": "4", "SKYPILOT_NUM_GPUS_PER_NODE": "8",
-           "SKYPILOT_TASK_ID": "sky-1", PLAN_ENV: task["envs"][PLAN_ENV]}
+    env = {
+        "SKYPILOT_NODE_RANK": "0",
+        "SKYPILOT_NODE_IPS": "10.0.0.7",
+        "SKYPILOT_NUM_NODES": "4",
+        "SKYPILOT_NUM_GPUS_PER_NODE": "8",
+        "SKYPILOT_TASK_ID": "sky-1",
+        PLAN_ENV: task["envs"][PLAN_ENV],
+    }
     args = torchrun_args(task["run"], env, tmp_path)
-    assert (args.nnodes, args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, args.max_restarts) == ("2:4", "c10d", "10.0.0.7:29500", "sky-1", 3)
+    assert (args.nnodes, args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id, args.max_restarts) == (
+        "2:4",
+        "c10d",
+        "10.0.0.7:29500",
+        "sky-1",
+        3,
+    )
 
 
 @pytest.mark.parametrize("kind", ["trainjob", "jobset"])
 def test_kubernetes_refuses_an_elastic_plan_with_the_reason(tmp_path, kind):
-    plan = plan_for("kubernetes", tmp_path, f"cluster.kubernetes.kind={kind}", "cluster.min_nodes=2", "cluster.max_restarts=3", "train.global_batch_size=96")
+    plan = plan_for(
+        "kubernetes",
+        tmp_path,
+        f"cluster.kubernetes.kind={kind}",
+        "cluster.min_nodes=2",
+        "cluster.max_restarts=3",
+        "train.global_batch_size=96",
+    )
     with pytest.raises(UserError) as err:
         check_platform(plan)
     assert "cluster.min_nodes" in err.value.message() and f"cannot run as a {kind}" in err.value.message()
 
 
 def test_a_platform_plan_needs_its_image_and_shared_storage(tmp_path):
-    plan = tiny_plan(["cluster.launcher=kubernetes", "cluster.nodes=2", "cluster.devices_per_node=1", "parallel.dp=2", f"run.dir={tmp_path}/run"])
+    plan = tiny_plan(
+        ["cluster.launcher=kubernetes", "cluster.nodes=2", "cluster.devices_per_node=1", "parallel.dp=2", f"run.dir={tmp_path}/run"]
+    )
     with pytest.raises(UserError) as err:
         check_platform(plan)
     text = err.value.message()
@@ -182,8 +240,15 @@ def test_a_platform_plan_needs_its_image_and_shared_storage(tmp_path):
 def test_dry_run_prints_the_manifest_and_submitting_without_a_cluster_says_what_to_configure(tmp_path, monkeypatch):
     import yaml
 
-    args = ["pretrain", "cluster.launcher=kubernetes", "cluster.kubernetes.kind=jobset", "cluster.image=img:1", "cluster.kubernetes.runs_claim=runs",
-            "run.dir=/runs/tiny", "logging=quiet"]
+    args = [
+        "pretrain",
+        "cluster.launcher=kubernetes",
+        "cluster.kubernetes.kind=jobset",
+        "cluster.image=img:1",
+        "cluster.kubernetes.runs_claim=runs",
+        "run.dir=/runs/tiny",
+        "logging=quiet",
+    ]
     dry = CliRunner().invoke(app, [*args, "--dry-run"])
     assert dry.exit_code == 0, dry.output
     assert yaml.safe_load(dry.stdout)["kind"] == "JobSet"
@@ -205,8 +270,18 @@ def test_a_restarted_platform_job_continues_from_the_newest_checkpoint(tmp_path,
     assert CliRunner().invoke(app, ["pretrain", *args]).exit_code == 0
     losses = {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
     shutil.rmtree(run_dir / "checkpoints" / "step_4")  # the job was lost after its step-2 checkpoint
-    worker = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "llmforge.launch.worker",
-              "--plan", str(run_dir / "plan.json"), "--resume-newest"]
+    worker = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        "-m",
+        "llmforge.launch.worker",
+        "--plan",
+        str(run_dir / "plan.json"),
+        "--resume-newest",
+    ]
     done = subprocess.run(worker, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert f"resuming from {run_dir / 'checkpoints' / 'step_2'}" in done.stderr

@@ -53,7 +53,17 @@ def test_every_chunk_runs_on_exactly_one_pipeline_rank(pp, virtual, schedule, ex
 
 @pytest.mark.parametrize("schedule,virtual", [("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2)])
 def test_the_estimator_places_blocks_where_the_backend_runs_them(schedule, virtual):
-    plan = RunPlan.build(compose(["model.num_layers=8", "parallel.pp=2", f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual_stages={virtual}", "train.global_batch_size=16"]))
+    plan = RunPlan.build(
+        compose(
+            [
+                "model.num_layers=8",
+                "parallel.pp=2",
+                f"parallel.pp_schedule={schedule}",
+                f"parallel.pp_virtual_stages={virtual}",
+                "train.global_batch_size=16",
+            ]
+        )
+    )
     per_chunk = plan.layers_per_stage[0]
     held = stage_layers(shape_from_config(plan.config.model), 2, virtual, None, plan.layout.v_shape)
     for rank in range(2):
@@ -67,7 +77,10 @@ UNSUPPORTED = ["parallel.cp=2", "parallel.pp=2", "model.num_layers=4"]
 @pytest.fixture(scope="module")
 def refusals():
     runner = CliRunner()
-    return {cmd: runner.invoke(app, [cmd, *UNSUPPORTED, *(["--dry-run"] if cmd == "pretrain" else [])]) for cmd in ("plan", "estimate", "pretrain")}
+    return {
+        cmd: runner.invoke(app, [cmd, *UNSUPPORTED, *(["--dry-run"] if cmd == "pretrain" else [])])
+        for cmd in ("plan", "estimate", "pretrain")
+    }
 
 
 @pytest.mark.parametrize("command", ["plan", "estimate", "pretrain"])

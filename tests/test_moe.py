@@ -14,7 +14,16 @@ from llmforge.train.step import cross_entropy
 
 def moe_config(*, hidden: int = 32, activation: str = "gelu", **moe) -> ModelConfig:
     settings = {"num_experts": 4, "top_k": 2, "ffn_hidden_size": 24, **moe}
-    return ModelConfig(num_layers=2, hidden_size=hidden, num_heads=4 if hidden % 4 == 0 else 1, ffn_hidden_size=64, vocab_size=64, seq_len=16, activation=activation, moe=MoEConfig(**settings))
+    return ModelConfig(
+        num_layers=2,
+        hidden_size=hidden,
+        num_heads=4 if hidden % 4 == 0 else 1,
+        ffn_hidden_size=64,
+        vocab_size=64,
+        seq_len=16,
+        activation=activation,
+        moe=MoEConfig(**settings),
+    )
 
 
 def seeded(layer: MoE, seed: int = 0) -> MoE:
@@ -42,9 +51,13 @@ def per_token_reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     return out + (layer.shared(x) if layer.shared is not None else 0)
 
 
-@pytest.mark.parametrize("activation,normalize,capacity,shared", [("gelu", True, None, 0), ("swiglu", False, None, 1), ("swiglu", True, 1.0, 2)])
+@pytest.mark.parametrize(
+    "activation,normalize,capacity,shared", [("gelu", True, None, 0), ("swiglu", False, None, 1), ("swiglu", True, 1.0, 2)]
+)
 def test_batched_experts_match_a_per_token_loop(activation: str, normalize: bool, capacity, shared: int) -> None:
-    layer = seeded(MoE(moe_config(activation=activation, normalize_top_k=normalize, capacity_factor=capacity, num_shared_experts=shared))).eval()
+    layer = seeded(
+        MoE(moe_config(activation=activation, normalize_top_k=normalize, capacity_factor=capacity, num_shared_experts=shared))
+    ).eval()
     x = torch.randn(40, 32, generator=torch.Generator().manual_seed(1))
     # fp32 rounding: batched matmuls sum in another order than the per-token loop
     torch.testing.assert_close(layer(x), per_token_reference(layer, x), rtol=1e-5, atol=1e-5)
@@ -125,8 +138,15 @@ def test_balanced_routing_has_aux_loss_one() -> None:
 
 
 def _toy_run(*, aux_loss_coef: float, seed: int, steps: int = 30, balance: str = "aux") -> list[dict]:
-    cfg = ModelConfig(num_layers=1, hidden_size=32, num_heads=4, ffn_hidden_size=64, vocab_size=64, seq_len=16,
-                      moe=MoEConfig(num_experts=4, top_k=1, ffn_hidden_size=32, aux_loss_coef=aux_loss_coef, z_loss_coef=0.0, balance=balance))
+    cfg = ModelConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_heads=4,
+        ffn_hidden_size=64,
+        vocab_size=64,
+        seq_len=16,
+        moe=MoEConfig(num_experts=4, top_k=1, ffn_hidden_size=32, aux_loss_coef=aux_loss_coef, z_loss_coef=0.0, balance=balance),
+    )
     model = GPT(cfg)
     model.init_weights(seed=seed)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)

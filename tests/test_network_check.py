@@ -25,7 +25,9 @@ def test_the_check_is_on_across_nodes_on_accelerators_and_where_asked():
     assert not wanted(two_nodes())  # a CPU profile describes no network
     assert wanted(two_nodes("cluster.network_check=true"))
     assert not wanted(two_nodes("cluster.accelerator=h100-80gb", "cluster.network_check=false"))
-    assert not wanted(tiny_plan(["parallel.dp=2", "cluster.accelerator=h100-80gb", "cluster.devices_per_node=2", "cluster.network_check=true"]))
+    assert not wanted(
+        tiny_plan(["parallel.dp=2", "cluster.accelerator=h100-80gb", "cluster.devices_per_node=2", "cluster.network_check=true"])
+    )
 
 
 def test_a_slow_link_is_refused_naming_the_likely_causes(monkeypatch):
@@ -40,12 +42,26 @@ def test_a_slow_link_is_refused_naming_the_likely_causes(monkeypatch):
 
 
 def _two_launchers(tmp_path: Path, small_data, port: int, *, config_path: Path) -> list:
-    args = [*small_data, "train.steps=2", "train.log_interval=1", "logging=quiet", "train.global_batch_size=8", "parallel=dp2",
-            "cluster.nodes=2", "cluster.devices_per_node=1", "cluster.network_check=true", f"cluster.rdzv_endpoint=127.0.0.1:{port}",
-            f"run.dir={tmp_path / 'run'}"]
+    args = [
+        *small_data,
+        "train.steps=2",
+        "train.log_interval=1",
+        "logging=quiet",
+        "train.global_batch_size=8",
+        "parallel=dp2",
+        "cluster.nodes=2",
+        "cluster.devices_per_node=1",
+        "cluster.network_check=true",
+        f"cluster.rdzv_endpoint=127.0.0.1:{port}",
+        f"run.dir={tmp_path / 'run'}",
+    ]
     env = {**os.environ, "LLMFORGE_CONFIG_PATH": str(config_path)}
-    launchers = [subprocess.Popen([sys.executable, "-m", "llmforge", "pretrain", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-                 for _ in range(2)]
+    launchers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "llmforge", "pretrain", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+        )
+        for _ in range(2)
+    ]
     return [(p.communicate(timeout=300)[0], p.returncode) for p in launchers]
 
 

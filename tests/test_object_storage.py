@@ -4,7 +4,6 @@ a save killed midway, and the messages of what a user can get wrong."""
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -27,9 +26,20 @@ from llmforge.train.run import run  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
-    "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.seq_len=32",
-    "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=6", "train.log_interval=1", "checkpoint.interval=2",
-    "logging.console=false", "logging.wandb.mode=disabled", "optim.warmup_steps=2",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.seq_len=32",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.steps=6",
+    "train.log_interval=1",
+    "checkpoint.interval=2",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
+    "optim.warmup_steps=2",
 ]
 #: A save killed midway: the process SIGKILLs itself right before the manifest of step 4
 #: is written, when every shard, the plan, the train state and the RNG states are stored.
@@ -61,8 +71,13 @@ def s3():
     port = _free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    env = {"AWS_ACCESS_KEY_ID": "test", "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_EC2_METADATA_DISABLED": "true"}
+    env = {
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_EC2_METADATA_DISABLED": "true",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     import s3fs
@@ -84,7 +99,9 @@ def losses(run_dir: Path) -> dict:
 def reference(s3, small_data, tmp_path_factory):
     """An uninterrupted 6-step run saving every 2 steps to s3://bucket/run in the background, keeping 2."""
     run_dir = tmp_path_factory.mktemp("reference")
-    plan = RunPlan.build(compose([*TINY, *small_data, f"run.dir={run_dir}", "checkpoint.dir=s3://bucket/run", "checkpoint.keep=2", "checkpoint.async=true"]))
+    plan = RunPlan.build(
+        compose([*TINY, *small_data, f"run.dir={run_dir}", "checkpoint.dir=s3://bucket/run", "checkpoint.keep=2", "checkpoint.async=true"])
+    )
     run(plan, rank=RankInfo())
     return run_dir, losses(run_dir)
 
@@ -132,7 +149,9 @@ def test_a_save_the_storage_refuses_names_the_newest_checkpoint(reference, monke
         raise OSError(121, "Internal Server Error")
 
     monkeypatch.setattr(_fsspec_filesystem.FsspecWriter, "write_data", refused)
-    with pytest.raises(UserError, match=r"step 2 .*Internal Server Error; the newest complete checkpoint, s3://bucket/refused/step_1, is kept") as err:
+    with pytest.raises(
+        UserError, match=r"step 2 .*Internal Server Error; the newest complete checkpoint, s3://bucket/refused/step_1, is kept"
+    ) as err:
         saver.save(step=2, model_parts=[model], optimizer=optimizer, train_state={}, plan={})
     assert err.value.problems[0].key == "checkpoint.dir"
     assert store.step_dirs("s3://bucket/refused") == ["s3://bucket/refused/step_1"]
@@ -163,12 +182,30 @@ def test_a_save_killed_midway_is_skipped_and_resume_reshards_to_dp2(reference, s
     assert saved["derived"]["world_size"] == 2
 
 
-@pytest.mark.parametrize("case, url, extra, message", [
-    ("no bucket", "s3://no-such-bucket/run", {}, "the bucket 'no-such-bucket' does not exist"),
-    ("no credentials", "s3://bucket/run", {"AWS_ACCESS_KEY_ID": None, "AWS_SECRET_ACCESS_KEY": None, "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/credentials",
-                                           "AWS_CONFIG_FILE": "/nonexistent/config", "AWS_PROFILE": None}, "no credentials were found"),
-    ("unreachable", "s3://bucket/run", {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{_free_port()}", "AWS_MAX_ATTEMPTS": "1"}, "the storage endpoint does not answer"),
-])
+@pytest.mark.parametrize(
+    "case, url, extra, message",
+    [
+        ("no bucket", "s3://no-such-bucket/run", {}, "the bucket 'no-such-bucket' does not exist"),
+        (
+            "no credentials",
+            "s3://bucket/run",
+            {
+                "AWS_ACCESS_KEY_ID": None,
+                "AWS_SECRET_ACCESS_KEY": None,
+                "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/credentials",
+                "AWS_CONFIG_FILE": "/nonexistent/config",
+                "AWS_PROFILE": None,
+            },
+            "no credentials were found",
+        ),
+        (
+            "unreachable",
+            "s3://bucket/run",
+            {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{_free_port()}", "AWS_MAX_ATTEMPTS": "1"},
+            "the storage endpoint does not answer",
+        ),
+    ],
+)
 def test_storage_mistakes_are_named_before_any_work(s3, monkeypatch, case, url, extra, message):
     import s3fs
 

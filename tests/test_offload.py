@@ -11,13 +11,13 @@ GPU are tests/gpu/test_offload_gpu.py."""
 from __future__ import annotations
 
 import pytest
+from test_parallel import max_rel, run_group
 
 from llmforge.config.compose import compose
 from llmforge.errors import UserError
 from llmforge.launch.run import runs_here
 from llmforge.plan import RunPlan
 from llmforge.testing.harness import tiny_plan, train_layout
-from test_parallel import max_rel, run_group
 
 STATES = ["parallel.offload=states"]
 ACTS = ["parallel.offload_activations=true"]

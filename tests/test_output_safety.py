@@ -4,9 +4,9 @@ before any work, with nothing written (one process, tiny model)."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from test_run_safety import invoke as refused
+from test_run_safety import snapshot
 from typer.testing import CliRunner
 
 from llmforge.cli import app
@@ -14,12 +14,22 @@ from llmforge.config.compose import compose
 from llmforge.plan import RunPlan
 from llmforge.train.components import RankInfo
 from llmforge.train.run import run
-from test_run_safety import invoke as refused, snapshot
 
 TINY = [
-    "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.seq_len=16",
-    "train.micro_batch_size=2", "train.global_batch_size=2", "checkpoint.keep=10", "logging.console=false",
-    "logging.wandb.mode=disabled", "optim.warmup_steps=1", "train.steps=2", "checkpoint.interval=1",
+    "model.num_layers=1",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.seq_len=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "checkpoint.keep=10",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
+    "optim.warmup_steps=1",
+    "train.steps=2",
+    "checkpoint.interval=1",
 ]
 runner = CliRunner()
 
@@ -74,20 +84,41 @@ def test_export_and_generate_beside_the_run_still_work(trained, tmp_path):
 
 
 def test_a_prompt_longer_than_the_context_is_said(trained):
-    result = runner.invoke(app, ["generate", f"ckpt={trained}", "--prompt", "def main(x, y, z): return x + y + z " * 8, "generate.max_tokens=2"])
+    result = runner.invoke(
+        app, ["generate", f"ckpt={trained}", "--prompt", "def main(x, y, z): return x + y + z " * 8, "generate.max_tokens=2"]
+    )
     assert result.exit_code == 0, result.output
     assert "longer than the model's 16 positions (model.seq_len)" in " ".join(result.stderr.split())
     short = runner.invoke(app, ["generate", f"ckpt={trained}", "--prompt", "def", "generate.max_tokens=2"])
     assert "longer than" not in short.stderr
 
 
-@pytest.mark.parametrize("extreme", [["generate.temperature=1e-300"], ["generate.temperature=5e-324"], ["generate.top_p=1e-300"],
-                                     ["generate.temperature=1e308"], ["generate.top_k=99999999999"]])
+@pytest.mark.parametrize(
+    "extreme",
+    [
+        ["generate.temperature=1e-300"],
+        ["generate.temperature=5e-324"],
+        ["generate.top_p=1e-300"],
+        ["generate.temperature=1e308"],
+        ["generate.top_k=99999999999"],
+    ],
+)
 def test_extreme_sampling_settings_end_cleanly(trained, extreme):
     """A temperature or top_p next to 0 samples the greedy token; a huge one stays a valid draw."""
     args = ["generate", f"ckpt={trained}", "--prompt", "def main(", "generate.max_tokens=4", "generate.stop_at_eos=false", *extreme]
     result = runner.invoke(app, args)
     assert result.exit_code == 0 and "Traceback" not in result.output, result.output
     if "1e308" not in extreme[0] and "top_k" not in extreme[0]:
-        greedy = runner.invoke(app, ["generate", f"ckpt={trained}", "--prompt", "def main(", "generate.max_tokens=4", "generate.stop_at_eos=false", "generate.temperature=0"])
+        greedy = runner.invoke(
+            app,
+            [
+                "generate",
+                f"ckpt={trained}",
+                "--prompt",
+                "def main(",
+                "generate.max_tokens=4",
+                "generate.stop_at_eos=false",
+                "generate.temperature=0",
+            ],
+        )
         assert result.stdout == greedy.stdout

@@ -21,8 +21,13 @@ V2 = ["parallel.pp_virtual_stages=2"]
 # Tiny MoE (4 experts, top-2, one shared expert, seq 16): the expert-parallel layouts
 # must compute what one process computes with all experts local (ep=1).
 MOE = [
-    "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=48", "model.moe.num_shared_experts=1",
-    "model.moe.aux_loss_coef=0.05", "model.moe.z_loss_coef=0.01", "model.seq_len=16",
+    "model.moe.num_experts=4",
+    "model.moe.top_k=2",
+    "model.moe.ffn_hidden_size=48",
+    "model.moe.num_shared_experts=1",
+    "model.moe.aux_loss_coef=0.05",
+    "model.moe.z_loss_coef=0.01",
+    "model.seq_len=16",
 ]
 EP2 = MOE + ["parallel.dp=2", "parallel.ep=2"]
 # Auxiliary-loss-free balancing: the routing bias follows the load summed over both ranks.
@@ -32,15 +37,28 @@ CP2 = ["parallel.cp=2"]
 # RoPE with grouped-query attention: positions and shared keys under context parallel.
 ROPE_GQA = ["model.position=rope", "model.num_kv_heads=2"]
 # Llama-style blocks: the fused q/k/v (2 KV groups of 2 q heads per tp rank) and gate/up projections split over tp.
-LLAMA = ["model.norm=rmsnorm", "model.activation=swiglu", "model.position=rope", "model.num_heads=8", "model.num_kv_heads=4", "model.bias=false"]
+LLAMA = [
+    "model.norm=rmsnorm",
+    "model.activation=swiglu",
+    "model.position=rope",
+    "model.num_heads=8",
+    "model.num_kv_heads=4",
+    "model.bias=false",
+]
 HSDP = ["parallel.dp=4", "parallel.dp_replicate=2"]
 OFFLOAD = ["parallel.offload=states"]
 ACTIVATIONS = ["parallel.offload_activations=true"]
 # Document masks with positions restarting at each document, RoPE, GQA and a sliding
 # window on every second layer (the harness plants end-of-document tokens), and a
 # sliding window alone (causal, learned positions): each schedule, cp, ZeRO, tp+sp.
-MASKED = ["model.attention_mask=document", "model.position_reset=true", "model.position=rope", "model.num_kv_heads=2",
-          "model.sliding_window=6", "model.sliding_window_every=2"]
+MASKED = [
+    "model.attention_mask=document",
+    "model.position_reset=true",
+    "model.position=rope",
+    "model.num_kv_heads=2",
+    "model.sliding_window=6",
+    "model.sliding_window_every=2",
+]
 WINDOW = ["model.sliding_window=6"]
 MASKED_WORLD2 = {
     "masked_dp2_zero1": MASKED + ["parallel.dp=2", "parallel.zero=1"],
@@ -79,7 +97,7 @@ WORLD2 = {
     "moe_ep2": EP2,
     "moe_ep2_zero1": EP2 + ["parallel.zero=1"],
     "moe_ep2_zero3": EP2 + ["parallel.zero=3"],
-    "moe_bias_ep2": MOE_BIAS + EP2[len(MOE):],
+    "moe_bias_ep2": MOE_BIAS + EP2[len(MOE) :],
     "cp2": CP2,
     "cp2_zero1": CP2 + ["parallel.zero=1"],
     "rope_gqa_cp2_zero3": ROPE_GQA + CP2 + ["parallel.zero=3"],
@@ -150,9 +168,27 @@ COUNT_SYNCS = ["dp2_zero3", "tp2_sp", "pp2_1f1b", "dp2_tp2_sp_zero1"]
 def run_group(tmp: Path, *, nproc: int, layouts: dict, mesh_of_one: bool = False) -> dict:
     spec, out = tmp / f"spec{nproc}.json", tmp / f"out{nproc}.pt"
     # overlapped ZeRO-0 reduction (off by default on CPU) over 20 kB buckets: many buckets of the tiny model
-    spec.write_text(json.dumps({"base": ["parallel.overlap_grad_reduce=true", "parallel.bucket_mb=0.02"], "layouts": layouts,
-                                "count_syncs": COUNT_SYNCS, "mesh_of_one": mesh_of_one}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "llmforge.testing.harness", str(spec), str(out)]
+    spec.write_text(
+        json.dumps(
+            {
+                "base": ["parallel.overlap_grad_reduce=true", "parallel.bucket_mb=0.02"],
+                "layouts": layouts,
+                "count_syncs": COUNT_SYNCS,
+                "mesh_of_one": mesh_of_one,
+            }
+        )
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "llmforge.testing.harness",
+        str(spec),
+        str(out),
+    ]
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -162,12 +198,24 @@ def run_group(tmp: Path, *, nproc: int, layouts: dict, mesh_of_one: bool = False
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("parallel")
-    return {**run_group(tmp, nproc=2, layouts={**WORLD2, **MIXED, **FP8_LAYOUTS, **MASKED_WORLD2}),
-            **run_group(tmp, nproc=4, layouts={**WORLD4, **FP8_WORLD4, **MASKED_WORLD4})}
+    return {
+        **run_group(tmp, nproc=2, layouts={**WORLD2, **MIXED, **FP8_LAYOUTS, **MASKED_WORLD2}),
+        **run_group(tmp, nproc=4, layouts={**WORLD4, **FP8_WORLD4, **MASKED_WORLD4}),
+    }
 
 
-REFERENCES = {"dense": [], "untied": ["model.tie_embeddings=false"], "moe": MOE, "moe_bias": MOE_BIAS, "rope_gqa": ROPE_GQA,
-              "masked": MASKED, "masked_moe": MASKED + MOE, "window": WINDOW, "muon": ["optim.name=muon"], "llama": LLAMA}
+REFERENCES = {
+    "dense": [],
+    "untied": ["model.tie_embeddings=false"],
+    "moe": MOE,
+    "moe_bias": MOE_BIAS,
+    "rope_gqa": ROPE_GQA,
+    "masked": MASKED,
+    "masked_moe": MASKED + MOE,
+    "window": WINDOW,
+    "muon": ["optim.name=muon"],
+    "llama": LLAMA,
+}
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +240,7 @@ def reference_of(layout: str) -> str:
 
 
 def max_rel(a, b) -> float:
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=False))
 
 
 @pytest.mark.parametrize("layout", list(WORLD2) + list(WORLD4) + list(MASKED_WORLD2) + list(MASKED_WORLD4))
@@ -225,7 +273,7 @@ def test_layout_matches_single_process(layout, results, reference):
         torch.testing.assert_close(got["params"]["head.weight"], got["params"]["embed.weight"], rtol=0, atol=0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def low_precision_reference(overrides: tuple):
     return train_layout(tiny_plan(list(overrides)))
 

@@ -14,9 +14,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from llmforge.parallel.data import BucketedGradReduce, grad_sync, plan_buckets
 from llmforge.parallel.dtensor import local
+from llmforge.parallel.tensor import apply_tp, loss_context, sharded_cross_entropy
 from llmforge.testing.harness import tiny_plan
 from llmforge.train.build import build_model
-from llmforge.parallel.tensor import apply_tp, loss_context, sharded_cross_entropy
 
 SMALL = 2048  # bytes: the tiny model's gradients then fill many buckets
 
@@ -52,8 +52,15 @@ def test_buckets_launch_during_the_last_backward_before_every_gradient_is_ready(
     if tp:  # DTensor parameters (tensor parallel on a one-rank mesh) fire the same hooks
         apply_tp(model, tp_mesh=init_device_mesh("cpu", (1,)), sequence_parallel=True)
     trace: list = []
-    reducer = BucketedGradReduce(params=list(model.parameters()), group=one_rank, size=1, dtype=torch.float32,
-                                 bucket_bytes=SMALL, first_bucket_bytes=SMALL, trace=trace)
+    reducer = BucketedGradReduce(
+        params=list(model.parameters()),
+        group=one_rank,
+        size=1,
+        dtype=torch.float32,
+        bucket_bytes=SMALL,
+        first_bucket_bytes=SMALL,
+        trace=trace,
+    )
     assert len(reducer.buckets) > 2
     with grad_sync([reducer], sync=False):
         _backward(model, seed=1)
@@ -90,8 +97,9 @@ class _Partly(nn.Module):
 
 def test_a_parameter_without_gradient_leaves_its_bucket_to_the_end(one_rank):
     module, trace = _Partly(), []
-    reducer = BucketedGradReduce(params=list(module.parameters()), group=one_rank, size=1, dtype=torch.float32,
-                                 bucket_bytes=16, first_bucket_bytes=16, trace=trace)
+    reducer = BucketedGradReduce(
+        params=list(module.parameters()), group=one_rank, size=1, dtype=torch.float32, bucket_bytes=16, first_bucket_bytes=16, trace=trace
+    )
     with grad_sync([reducer], sync=True):
         module(torch.ones(4), use_skip=False).backward()
     # buckets in reverse order: [last], [never], [skip], [first]; only the first is complete in order
@@ -102,13 +110,13 @@ def test_a_parameter_without_gradient_leaves_its_bucket_to_the_end(one_rank):
     torch.testing.assert_close(module.first.grad, torch.ones(4))
 
 
-
 def _worker(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     try:
         module = _Partly()
-        reducer = BucketedGradReduce(params=list(module.parameters()), group=dist.group.WORLD, size=2, dtype=torch.float32,
-                                     bucket_bytes=16, first_bucket_bytes=16)
+        reducer = BucketedGradReduce(
+            params=list(module.parameters()), group=dist.group.WORLD, size=2, dtype=torch.float32, bucket_bytes=16, first_bucket_bytes=16
+        )
         with grad_sync([reducer], sync=True):
             module(torch.full((4,), float(rank + 1)), use_skip=rank == 0).backward()
         reducer()
@@ -140,8 +148,15 @@ def test_the_estimate_leaves_exposed_the_bucket_the_last_gradient_launches(one_r
     from llmforge.layout import Layout
 
     model, trace = build_model(tiny_plan([]), device=torch.device("cpu")), []
-    reducer = BucketedGradReduce(params=list(model.parameters()), group=one_rank, size=1, dtype=torch.float32,
-                                 bucket_bytes=SMALL, first_bucket_bytes=SMALL, trace=trace)
+    reducer = BucketedGradReduce(
+        params=list(model.parameters()),
+        group=one_rank,
+        size=1,
+        dtype=torch.float32,
+        bucket_bytes=SMALL,
+        first_bucket_bytes=SMALL,
+        trace=trace,
+    )
     with grad_sync([reducer], sync=True):
         _backward(model)
     reducer()
@@ -149,10 +164,18 @@ def test_the_estimate_leaves_exposed_the_bucket_the_last_gradient_launches(one_r
     assert [b for kind, b in trace[last_ready:] if kind == "launch"] == [len(reducer.buckets) - 1]
     names = [n for n, _ in model.named_parameters()]
     assert names.index("embed.weight") in reducer.buckets[-1]
-    job = Job(global_batch=8, param_dtype="fp32", reduce_dtype="fp32", profile=get_profile("h100-80gb"), nodes=1, devices_per_node=2,
-              bucket_bytes=2**20)
+    job = Job(
+        global_batch=8,
+        param_dtype="fp32",
+        reduce_dtype="fp32",
+        profile=get_profile("h100-80gb"),
+        nodes=1,
+        devices_per_node=2,
+        bucket_bytes=2**20,
+    )
     dense, embedding = 10 * 2**20, 3 * 2**20  # elements: the embedding's bucket is larger than bucket_bytes
-    kinds = cm.dp_traffic(Layout(dp=2), job, dense=dense, expert=0, microbatches=4, blocks=4, t_fwd=1e9, t_bwd=2e9, span=2,
-                          last_bucket=embedding)
+    kinds = cm.dp_traffic(
+        Layout(dp=2), job, dense=dense, expert=0, microbatches=4, blocks=4, t_fwd=1e9, t_bwd=2e9, span=2, last_bucket=embedding
+    )
     traffic = kinds["dp_all_reduce"]
     assert traffic.exposed == pytest.approx(traffic.seconds * embedding / dense)

@@ -14,8 +14,19 @@ from llmforge.config.compose import compose
 from llmforge.errors import pasteable
 
 runner = CliRunner()
-TINY = ["model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.seq_len=16",
-        "train.micro_batch_size=2", "train.global_batch_size=2", "train.steps=2", "logging.console=false", "logging.wandb.mode=disabled"]
+TINY = [
+    "model.num_layers=1",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.seq_len=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "train.steps=2",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
+]
 
 
 @pytest.mark.parametrize("path", ["runs/tiny", "/tmp/my run é", "/tmp/it's here", "/tmp/a,b=c[1]", "/tmp/back\\slash", "/tmp/$HOME x"])
@@ -44,9 +55,11 @@ def test_a_path_of_the_wrong_kind_is_named_as_such(tmp_path):
     (tmp_path / "run" / "plan.json").write_text(plan.stdout, encoding="utf-8")
     assert runner.invoke(app, ["estimate", "--plan", str(tmp_path / "run")]).exit_code == 0  # a run folder: its plan.json
     (tmp_path / "empty").mkdir()
-    cases = [(["estimate", "--plan", str(tmp_path / "empty")], "is a folder without a plan.json"),
-             (["pretrain", f"data.tokenizer={tmp_path / 'empty'}", f"run.dir={tmp_path / 'r'}"], "is a folder, not a file"),
-             (["pretrain", f"model.init_from={tmp_path / 'run' / 'plan.json'}", f"run.dir={tmp_path / 'r'}"], "is a file, not a folder")]
+    cases = [
+        (["estimate", "--plan", str(tmp_path / "empty")], "is a folder without a plan.json"),
+        (["pretrain", f"data.tokenizer={tmp_path / 'empty'}", f"run.dir={tmp_path / 'r'}"], "is a folder, not a file"),
+        (["pretrain", f"model.init_from={tmp_path / 'run' / 'plan.json'}", f"run.dir={tmp_path / 'r'}"], "is a file, not a folder"),
+    ]
     for args, words in cases:
         result = runner.invoke(app, args)
         assert result.exit_code == 2 and words in " ".join(result.output.split()), result.output

@@ -19,11 +19,28 @@ def output(*args: str) -> str:
 
 
 def test_plan_shows_masks_windows_offload_fp8_anomaly_and_the_elastic_range():
-    text = output("plan", "model.sliding_window=64", "model.sliding_window_every=2", "model.attention_mask=document", "model.position_reset=true",
-                  "parallel.offload=states", "parallel.zero=3", "parallel.offload_activations=true", "train.anomaly=rollback",
-                  *ELASTIC)
-    for words in ("document mask", "sliding window 64 on layers 0, 2", "positions restart at each document", "states (master weights",
-                  "saved activations in host memory", "rollback:", "at most 3 rollback(s)", "elastic: 1-2 nodes"):
+    text = output(
+        "plan",
+        "model.sliding_window=64",
+        "model.sliding_window_every=2",
+        "model.attention_mask=document",
+        "model.position_reset=true",
+        "parallel.offload=states",
+        "parallel.zero=3",
+        "parallel.offload_activations=true",
+        "train.anomaly=rollback",
+        *ELASTIC,
+    )
+    for words in (
+        "document mask",
+        "sliding window 64 on layers 0, 2",
+        "positions restart at each document",
+        "states (master weights",
+        "saved activations in host memory",
+        "rollback:",
+        "at most 3 rollback(s)",
+        "elastic: 1-2 nodes",
+    ):
         assert words in text, (words, text)
     assert "FP8 tensorwise (emulated)" in output("plan", "precision.fp8=true", "precision.fp8_emulate=true")
     plain = output("plan")

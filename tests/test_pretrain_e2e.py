@@ -114,7 +114,10 @@ def test_overwrite_starts_over(tmp_path, small_data):
 
 
 def test_missing_data_file_is_a_user_error(tmp_path):
-    result = runner.invoke(app, ["pretrain", "data=files", f"data.path={tmp_path / 'nope.txt'}", f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'c'}"])
+    result = runner.invoke(
+        app,
+        ["pretrain", "data=files", f"data.path={tmp_path / 'nope.txt'}", f"run.dir={tmp_path / 'run'}", f"data.cache_dir={tmp_path / 'c'}"],
+    )
     assert result.exit_code == 2
     assert "nope.txt" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "run").exists()

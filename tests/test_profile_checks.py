@@ -10,14 +10,16 @@ import pytest
 from typer.testing import CliRunner
 
 from llmforge.cli import app
-from llmforge.hardware import BUILTIN_DIR, forget_profiles, known_profiles, machine_profile_path, cpu_threads
+from llmforge.hardware import BUILTIN_DIR, cpu_threads, forget_profiles, known_profiles, machine_profile_path
 
 runner = CliRunner()
 CPU = (BUILTIN_DIR / "cpu.yaml").read_text(encoding="utf-8")
 
 
 def estimate(*args: str):
-    return runner.invoke(app, ["estimate", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.ffn_hidden_size=128", *args])
+    return runner.invoke(
+        app, ["estimate", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.ffn_hidden_size=128", *args]
+    )
 
 
 def refused(result, *words: str) -> str:
@@ -27,9 +29,18 @@ def refused(result, *words: str) -> str:
     return text
 
 
-@pytest.mark.parametrize("line, value", [("fp32: 0.1,", "fp32: -3,"), ("fp32: 0.1,", "fp32: .nan,"), ("memory_bandwidth_gbs: 20", "memory_bandwidth_gbs: 0"),
-                                          ("inter_node_gbs: 1.25", "inter_node_gbs: -1"), ("memory_gib: 16", "memory_gib: 0"),
-                                          ("devices_per_node: 64", "devices_per_node: 0"), ("host_link_gbs: 20", "host_link_gbs: .nan")])
+@pytest.mark.parametrize(
+    "line, value",
+    [
+        ("fp32: 0.1,", "fp32: -3,"),
+        ("fp32: 0.1,", "fp32: .nan,"),
+        ("memory_bandwidth_gbs: 20", "memory_bandwidth_gbs: 0"),
+        ("inter_node_gbs: 1.25", "inter_node_gbs: -1"),
+        ("memory_gib: 16", "memory_gib: 0"),
+        ("devices_per_node: 64", "devices_per_node: 0"),
+        ("host_link_gbs: 20", "host_link_gbs: .nan"),
+    ],
+)
 def test_a_profile_with_a_bad_number_is_named_with_its_key(tmp_path, line, value):
     path = tmp_path / "bad profile é.yaml"
     path.write_text(CPU.replace(line, value), encoding="utf-8")

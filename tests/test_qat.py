@@ -24,9 +24,22 @@ pytest.importorskip("torchao")
 runner = CliRunner()
 QAT = ["precision.qat=int8-int4", "precision.qat_group_size=16"]
 RUN = [
-    "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.seq_len=32",
-    "model.vocab_size=512", "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=6", "train.log_interval=1",
-    "checkpoint.interval=2", "logging.console=false", "logging.wandb.mode=disabled", "optim.warmup_steps=2", "train.eval_steps=1",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.seq_len=32",
+    "model.vocab_size=512",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.steps=6",
+    "train.log_interval=1",
+    "checkpoint.interval=2",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
+    "optim.warmup_steps=2",
+    "train.eval_steps=1",
 ]
 
 
@@ -59,7 +72,7 @@ def test_qat_trains_and_switches_on_at_its_start_step():
     late = train_layout(tiny_plan(QAT + ["precision.qat_start_step=3"]))
     assert all(torch.isfinite(torch.tensor(late.losses)))
     assert late.losses[:2] == plain.losses[:2]  # steps 1-2 train in full precision
-    assert all(a != b for a, b in zip(late.losses[2:], plain.losses[2:]))  # fake-quantized from step 3
+    assert all(a != b for a, b in zip(late.losses[2:], plain.losses[2:], strict=False))  # fake-quantized from step 3
     assert late.losses[-1] < late.losses[0]
 
 
@@ -122,7 +135,17 @@ def test_zero3_and_pipeline_qat_follow_one_process(tmp_path):
     layouts = {"zero3": ["parallel.dp=2", "parallel.zero=3"], "pp2": ["parallel.pp=2"]}
     spec, out = tmp_path / "spec.json", tmp_path / "out.pt"
     spec.write_text(json.dumps({"base": QAT, "layouts": layouts}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "llmforge.testing.harness", str(spec), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        "-m",
+        "llmforge.testing.harness",
+        str(spec),
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(out, weights_only=False)
@@ -131,7 +154,7 @@ def test_zero3_and_pipeline_qat_follow_one_process(tmp_path):
     for name in layouts:
         losses = got[name]["losses"]
         assert abs(losses[0] - ref.losses[0]) / ref.losses[0] < 1e-6, name
-        assert max(abs(a - b) / b for a, b in zip(losses, ref.losses)) < 2e-3, name
+        assert max(abs(a - b) / b for a, b in zip(losses, ref.losses, strict=False)) < 2e-3, name
         for param, value in ref.params.items():
             assert float((got[name]["params"][param] - value).norm() / value.norm()) < 2e-2, (name, param)
 
@@ -175,5 +198,7 @@ def test_layouts_torchao_has_no_qat_config_for_are_refused():
 
 def test_export_refuses_a_bad_quantize_option(qat_run, tmp_path):
     _refused(["export", f"ckpt={qat_run}", "--out", str(tmp_path / "a"), "--quantize", "int3"], "--quantize = 'int3'", "int8-int4")
-    _refused(["export", f"ckpt={qat_run}", "--out", str(tmp_path / "b"), "--quantize", "int4"], "precision.qat=int8-int4", "--quantize int8-int4")
+    _refused(
+        ["export", f"ckpt={qat_run}", "--out", str(tmp_path / "b"), "--quantize", "int4"], "precision.qat=int8-int4", "--quantize int8-int4"
+    )
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

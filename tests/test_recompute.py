@@ -25,11 +25,23 @@ BATCH, SEQ, LAYERS = 4, 16, 4
 
 def config(*, moe: bool, flavour: str, dropout: float = 0.0) -> ModelConfig:
     llama = flavour == "llama"
-    experts = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=32, num_shared_experts=1, capacity_factor=1.25 if not llama else None, z_loss_coef=1e-3)
+    experts = MoEConfig(
+        num_experts=4, top_k=2, ffn_hidden_size=32, num_shared_experts=1, capacity_factor=1.25 if not llama else None, z_loss_coef=1e-3
+    )
     return ModelConfig(
-        num_layers=LAYERS, hidden_size=32, num_heads=4, num_kv_heads=2 if llama else None, ffn_hidden_size=64, vocab_size=96, seq_len=SEQ,
-        norm="rmsnorm" if llama else "layernorm", activation="swiglu" if llama else "gelu", position="rope" if llama else "learned",
-        bias=not llama, dropout=dropout, moe=experts if moe else MoEConfig(num_experts=0),
+        num_layers=LAYERS,
+        hidden_size=32,
+        num_heads=4,
+        num_kv_heads=2 if llama else None,
+        ffn_hidden_size=64,
+        vocab_size=96,
+        seq_len=SEQ,
+        norm="rmsnorm" if llama else "layernorm",
+        activation="swiglu" if llama else "gelu",
+        position="rope" if llama else "learned",
+        bias=not llama,
+        dropout=dropout,
+        moe=experts if moe else MoEConfig(num_experts=0),
     )
 
 
@@ -74,7 +86,12 @@ def kept_bytes(model: GPT, x: torch.Tensor) -> int:
     live = LiveStorages()
     with live:
         out = block_stack(model, x)
-    stats = {t.untyped_storage().data_ptr() for _, layer in moe_layers([model]) for t in vars(layer.stats).values() if isinstance(t, torch.Tensor)}
+    stats = {
+        t.untyped_storage().data_ptr()
+        for _, layer in moe_layers([model])
+        for t in vars(layer.stats).values()
+        if isinstance(t, torch.Tensor)
+    }
     kept = live.alive_bytes(exclude=own | stats | {out.untyped_storage().data_ptr()}) + x.untyped_storage().nbytes()
     out.sum().backward()
     return kept

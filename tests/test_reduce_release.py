@@ -19,8 +19,11 @@ def _kept_reduce_inputs(plan: RunPlan) -> list:
     with fake_process_group(rank=0, world_size=plan.world_size):
         rank = distributed_rank(plan, device=torch.device("cpu"))
         cfg = plan.config
-        c = build_components(plan, rank=rank, sampler=FakeBatches(global_batch=cfg.train.global_batch_size, seq_len=cfg.model.seq_len,
-                                                                  vocab_size=cfg.model.vocab_size))
+        c = build_components(
+            plan,
+            rank=rank,
+            sampler=FakeBatches(global_batch=cfg.train.global_batch_size, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size),
+        )
         kept: list = []
 
         class Recording(list):  # FSDP2 appends each reduce-scatter's state once the call returned

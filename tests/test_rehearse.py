@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.utils
+from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from typer.testing import CliRunner
 
 from llmforge.cli import app
@@ -21,14 +22,19 @@ from llmforge.estimate.core import estimate_plan
 from llmforge.rehearse.run import most_loaded_rank, rehearse
 from llmforge.rehearse.tracker import PeakTracker
 
-from torch.distributed.tensor._sharding_prop import ShardingPropagator
-
 runner = CliRunner()
 RESIZE, PROPAGATE = torch.UntypedStorage.resize_, ShardingPropagator._propagate_tensor_meta_non_cached
 SMALL = ["recipe=tiny", "model.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=2"]
 FSDP4 = [*SMALL, "parallel=fsdp", "cluster.devices_per_node=4"]
 PP2 = [*SMALL, "parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.pp_schedule=1f1b", "cluster.devices_per_node=4"]
-MOE_EP2 = ["recipe=moe-tiny", "model.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=2", "parallel=dp2ep2", "cluster.devices_per_node=4"]
+MOE_EP2 = [
+    "recipe=moe-tiny",
+    "model.seq_len=64",
+    "train.global_batch_size=8",
+    "train.micro_batch_size=2",
+    "parallel=dp2ep2",
+    "cluster.devices_per_node=4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +84,11 @@ def test_fake_tensors_rehearse_the_bytes_real_tensors_hold():
     every peak, item by item: fake tensors change no allocation."""
     plan = build_plan([*SMALL, "parallel=dp2tp2"])
     fake, real = rehearse(plan, stage=0), rehearse(plan, stage=0, fake=False)
-    assert (fake.build_peak_bytes, fake.first_step_peak_bytes, fake.step_peak_bytes) == (real.build_peak_bytes, real.first_step_peak_bytes, real.step_peak_bytes)
+    assert (fake.build_peak_bytes, fake.first_step_peak_bytes, fake.step_peak_bytes) == (
+        real.build_peak_bytes,
+        real.first_step_peak_bytes,
+        real.step_peak_bytes,
+    )
     assert fake.categories == real.categories
 
 
@@ -222,8 +232,15 @@ def test_estimate_counts_the_whole_embedding_gradient_a_first_stage_accumulates(
     """Under tp the embedding's gradient is a Partial of the whole table (DTensor has no
     row-sharded embedding backward), accumulated in fp32 across a pipeline's microbatches: what
     the 405B rehearsal showed alive at the peak (docs/estimator.md). Only the first stage has it."""
-    overrides = [*SMALL, "parallel.dp=2", "parallel.tp=2", "parallel.pp=2", "parallel.zero=3", "model.tie_embeddings=false",
-                 "cluster.devices_per_node=8"]
+    overrides = [
+        *SMALL,
+        "parallel.dp=2",
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.zero=3",
+        "model.tie_embeddings=false",
+        "cluster.devices_per_node=8",
+    ]
     plan = build_plan(overrides)
     est = estimate_plan(plan)
     first, last = (next(s for s in est.stages if s.stage == i) for i in (0, 1))

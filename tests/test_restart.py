@@ -20,10 +20,24 @@ from llmforge.train.run import run
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
-    "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64",
-    "model.seq_len=32", "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=6", "train.log_interval=1",
-    "checkpoint.interval=2", "checkpoint.keep=10", "logging.console=false", "logging.wandb.mode=disabled",
-    "optim.warmup_steps=2", "data.val_fraction=0.05", "train.eval_interval=2", "train.eval_steps=2",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.seq_len=32",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.steps=6",
+    "train.log_interval=1",
+    "checkpoint.interval=2",
+    "checkpoint.keep=10",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
+    "optim.warmup_steps=2",
+    "data.val_fraction=0.05",
+    "train.eval_interval=2",
+    "train.eval_steps=2",
 ]
 
 

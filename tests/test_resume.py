@@ -25,9 +25,22 @@ from llmforge.train.run import run
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
-    "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.seq_len=32",
-    "model.dropout=0.1", "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=6", "train.log_interval=1",
-    "checkpoint.interval=2", "checkpoint.keep=10", "logging.console=false", "logging.wandb.mode=disabled", "optim.warmup_steps=2",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.seq_len=32",
+    "model.dropout=0.1",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.steps=6",
+    "train.log_interval=1",
+    "checkpoint.interval=2",
+    "checkpoint.keep=10",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
+    "optim.warmup_steps=2",
 ]
 
 
@@ -76,7 +89,7 @@ def test_resume_into_another_folder_is_bit_identical(reference, tmp_path, monkey
     got = losses(tmp_path)
     assert sorted(got) == [3, 4, 5, 6]
     assert all(got[s] == expected[s] for s in got), (got, expected)  # bit-identical, not approximately
-    assert np.array_equal(recorder.take(), expected_ids[2 * 8:])
+    assert np.array_equal(recorder.take(), expected_ids[2 * 8 :])
     assert summary.checkpoint == tmp_path / "checkpoints" / "step_6"
 
 
@@ -101,7 +114,7 @@ def test_changed_microbatching_consumes_the_same_samples(reference, tmp_path, mo
     recorder = Recorder(monkeypatch)
     plan, path = plan_for_resume([f"ckpt={run_dir}/checkpoints/step_4", f"run.dir={tmp_path}", "train.micro_batch_size=2"])
     run(plan, rank=RankInfo(), resume_from=path)
-    assert np.array_equal(recorder.take(), expected_ids[4 * 8:])
+    assert np.array_equal(recorder.take(), expected_ids[4 * 8 :])
     got = losses(tmp_path)
     # same weights and batch; only the dropout masks (drawn per microbatch) differ
     assert got[5] == pytest.approx(expected[5], rel=1e-2) and got[5] != expected[5]
@@ -109,7 +122,9 @@ def test_changed_microbatching_consumes_the_same_samples(reference, tmp_path, mo
 
 def test_allowed_overrides_apply_and_fixed_ones_are_refused(reference, tmp_path):
     run_dir, *_ = reference
-    plan, path = plan_for_resume([f"ckpt={run_dir}/checkpoints/latest", "train.steps=9", "train.lr=1e-4", "checkpoint.async=true", f"run.dir={tmp_path}"])
+    plan, path = plan_for_resume(
+        [f"ckpt={run_dir}/checkpoints/latest", "train.steps=9", "train.lr=1e-4", "checkpoint.async=true", f"run.dir={tmp_path}"]
+    )
     assert path.name == "step_6"
     assert (plan.config.train.steps, plan.config.train.lr, plan.config.checkpoint.async_save) == (9, 1e-4, True)
     with pytest.raises(UserError) as err:
@@ -127,7 +142,9 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, small_data):
     run_dir = tmp_path / "run"
     args = [*TINY, *small_data, "train.steps=500", "checkpoint.interval=0", f"run.dir={run_dir}"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300"}
-    proc = subprocess.Popen([sys.executable, "-m", "llmforge", "pretrain", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmforge", "pretrain", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     metrics = run_dir / "metrics.jsonl"
     for _ in range(1200):
         if (metrics.is_file() and metrics.read_text().count("\n") >= 2) or proc.poll() is not None:
@@ -154,7 +171,10 @@ def test_cli_reports_a_damaged_checkpoint_with_exit_code_2(reference, tmp_path):
     shard = next((run_dir / "checkpoints" / "step_6").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-1])
     runner = CliRunner()
-    for args in (["resume", f"ckpt={run_dir}/checkpoints/step_6", "train.steps=9"], ["export", f"ckpt={run_dir}/checkpoints/step_6", "--out", str(tmp_path / "hf")]):
+    for args in (
+        ["resume", f"ckpt={run_dir}/checkpoints/step_6", "train.steps=9"],
+        ["export", f"ckpt={run_dir}/checkpoints/step_6", "--out", str(tmp_path / "hf")],
+    ):
         result = runner.invoke(app, args)
         assert result.exit_code == 2, result.output
         assert f"{shard.name}: truncated" in result.output.replace("\n", "") and "Traceback" not in result.output

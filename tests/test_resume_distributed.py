@@ -17,9 +17,21 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
-    "model.num_layers=4", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64",
-    "model.seq_len=32", "train.micro_batch_size=2", "train.global_batch_size=8", "train.steps=6", "train.log_interval=1",
-    "checkpoint.interval=3", "checkpoint.keep=10", "logging.console=false", "logging.wandb.mode=disabled", "optim.warmup_steps=2",
+    "model.num_layers=4",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.seq_len=32",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.steps=6",
+    "train.log_interval=1",
+    "checkpoint.interval=3",
+    "checkpoint.keep=10",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
+    "optim.warmup_steps=2",
 ]
 
 
@@ -46,8 +58,8 @@ def _phase(spec: dict, *, base: list, ids: dict):
 
     from llmforge.checkpoint.resume import plan_for_resume
     from llmforge.config.compose import compose
-    from llmforge.testing.harness import rank_info
     from llmforge.plan import RunPlan
+    from llmforge.testing.harness import rank_info
     from llmforge.train.run import run
 
     if spec.get("resume"):
@@ -152,21 +164,35 @@ def test_four_ranks_bit_identical_and_reshard(tmp_path, small_data, single, dp2)
         "zero1_from_zero3": {"resume": str(z / "checkpoints/step_3"), "overrides": ["parallel=zero1"], "run_dir": str(tmp_path / "r3")},
         "dp4_from_dp2": {"resume": str(dp2[0] / "checkpoints/step_3"), "overrides": ["parallel=dp4"], "run_dir": str(tmp_path / "r4")},
         "hsdp": {"overrides": ["parallel=fsdp", "cluster.devices_per_node=4", "parallel.dp_replicate=2"], "run_dir": str(h)},
-        "zero3_from_hsdp": {"resume": str(h / "checkpoints/step_3"), "overrides": ["parallel.dp_replicate=1"], "run_dir": str(tmp_path / "r5")},
-        "hsdp_from_zero3": {"resume": str(z / "checkpoints/step_3"), "overrides": ["parallel.dp_replicate=2"], "run_dir": str(tmp_path / "r6")},
+        "zero3_from_hsdp": {
+            "resume": str(h / "checkpoints/step_3"),
+            "overrides": ["parallel.dp_replicate=1"],
+            "run_dir": str(tmp_path / "r5"),
+        },
+        "hsdp_from_zero3": {
+            "resume": str(z / "checkpoints/step_3"),
+            "overrides": ["parallel.dp_replicate=2"],
+            "run_dir": str(tmp_path / "r6"),
+        },
     }
     ids = launch(tmp_path, nproc=4, base=base, phases=phases)
     ref = losses(ref_dir)
     full, resumed = losses(a), losses(tmp_path / "r1")
     assert [resumed[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]  # bit-identical
-    for name, run_dir in (("dp4_from_tp2pp2", "r2"), ("zero1_from_zero3", "r3"), ("dp4_from_dp2", "r4"), ("zero3_from_hsdp", "r5"), ("hsdp_from_zero3", "r6")):
+    for name, run_dir in (
+        ("dp4_from_tp2pp2", "r2"),
+        ("zero1_from_zero3", "r3"),
+        ("dp4_from_dp2", "r4"),
+        ("zero3_from_hsdp", "r5"),
+        ("hsdp_from_zero3", "r6"),
+    ):
         got = losses(tmp_path / run_dir)
         assert sorted(got) == [4, 5, 6]
         assert all(abs(got[s] - ref[s]) < 1e-4 for s in got), (name, got, ref)
     assert ids["tp2pp2"] == ref_ids and ids["zero3"] == ref_ids and ids["hsdp"] == ref_ids
     assert all(abs(losses(h)[s] - ref[s]) < 1e-4 for s in range(1, 7))
     for name in ("tp2pp2_resumed", "dp4_from_tp2pp2", "zero1_from_zero3", "dp4_from_dp2", "zero3_from_hsdp", "hsdp_from_zero3"):
-        assert ids[name] == ref_ids[3 * 8:], name  # no sample skipped or repeated
+        assert ids[name] == ref_ids[3 * 8 :], name  # no sample skipped or repeated
 
 
 @pytest.mark.slow

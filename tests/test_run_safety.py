@@ -20,14 +20,24 @@ from llmforge.config.compose import compose
 from llmforge.errors import UserError
 from llmforge.observe.metrics import read_metrics, tidy_metrics
 from llmforge.plan import RunPlan
+from llmforge.testing.faults import file_size_limit
 from llmforge.train.components import RankInfo
 from llmforge.train.run import run
-from llmforge.testing.faults import file_size_limit
 
 TINY = [
-    "model.num_layers=1", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.seq_len=16",
-    "train.micro_batch_size=2", "train.global_batch_size=2", "train.log_interval=1", "checkpoint.keep=10", "logging.console=false",
-    "logging.wandb.mode=disabled", "optim.warmup_steps=1",
+    "model.num_layers=1",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.seq_len=16",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=2",
+    "train.log_interval=1",
+    "checkpoint.keep=10",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
+    "optim.warmup_steps=1",
 ]
 runner = CliRunner()
 
@@ -48,7 +58,10 @@ def snapshot(folder: Path) -> dict:
 def runs(tmp_path_factory, small_data):
     """Run A (hidden 32, a checkpoint at step 2) and run B (hidden 64, a checkpoint at step 4)."""
     root = tmp_path_factory.mktemp("runs")
-    for name, extra in (("a", ["train.steps=2", "checkpoint.interval=2"]), ("b", ["model.hidden_size=64", "train.steps=4", "checkpoint.interval=4"])):
+    for name, extra in (
+        ("a", ["train.steps=2", "checkpoint.interval=2"]),
+        ("b", ["model.hidden_size=64", "train.steps=4", "checkpoint.interval=4"]),
+    ):
         run(RunPlan.build(compose([*TINY, *small_data, *extra, f"run.dir={root / name}"])), rank=RankInfo())
     return root / "a", root / "b"
 
@@ -138,7 +151,10 @@ def test_a_plan_json_this_version_does_not_accept_names_file_key_and_type(runs, 
     a, _ = runs
     folder = copy_of(a, tmp_path)
     run_plan = _edit_plan(folder, checkpoint=False)
-    expected = ("model.flash = True: this version of llmforge has no such key", "train.steps = 'many': this version of llmforge expects an integer")
+    expected = (
+        "model.flash = True: this version of llmforge has no such key",
+        "train.steps = 'many': this version of llmforge expects an integer",
+    )
     for args in (["estimate", "--plan", str(run_plan)], ["resume", f"ckpt={folder}", "train.steps=5"]):
         out = invoke(*args)
         assert all(text in out for text in expected) and f"(in {run_plan})" in out, out

@@ -28,8 +28,14 @@ def gpt(*, heads, hidden, layers, vocab=51200, seq=2048) -> Shape:
 
 
 def job(accel: str, *, batch: int, world: int, devices: int = 8) -> Job:
-    return Job(global_batch=batch, param_dtype="bf16", reduce_dtype="fp32", profile=get_profile(accel),
-               nodes=max(1, world // devices), devices_per_node=min(world, devices))
+    return Job(
+        global_batch=batch,
+        param_dtype="bf16",
+        reduce_dtype="fp32",
+        profile=get_profile(accel),
+        nodes=max(1, world // devices),
+        devices_per_node=min(world, devices),
+    )
 
 
 def _published_estimate(shape: Shape, jb: Job, *, t: int, p: int, world: int):
@@ -85,8 +91,20 @@ def test_seven_billion_on_one_node_prefers_no_pipeline():
 
 
 def test_seventy_billion_on_one_small_gpu_says_what_would_fit():
-    shape = Shape(num_layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=128256, seq=8192, norm="rmsnorm",
-                  activation="swiglu", position="rope", tie_embeddings=False, bias=False)
+    shape = Shape(
+        num_layers=80,
+        hidden=8192,
+        heads=64,
+        kv_heads=8,
+        ffn=28672,
+        vocab=128256,
+        seq=8192,
+        norm="rmsnorm",
+        activation="swiglu",
+        position="rope",
+        tie_embeddings=False,
+        bias=False,
+    )
     jb = Job(global_batch=8, param_dtype="bf16", reduce_dtype="fp32", profile=get_profile("l4-24gb"), nodes=1, devices_per_node=1)
     result = search(shape, jb, world=1, top=3)
     assert not result.ranked and result.fitting == 0
@@ -103,7 +121,11 @@ def test_every_structure_passes_plan_validation():
     from llmforge.estimate.shape import from_plan
     from llmforge.plan import RunPlan
 
-    plan = RunPlan.build(compose(["recipe=moe-tiny", "cluster.devices_per_node=8", "parallel.dp=auto", "train.micro_batch_size=1", "train.global_batch_size=64"]))
+    plan = RunPlan.build(
+        compose(
+            ["recipe=moe-tiny", "cluster.devices_per_node=8", "parallel.dp=auto", "train.micro_batch_size=1", "train.global_batch_size=64"]
+        )
+    )
     shape, _, jb = from_plan(plan)
     seen = 0
     for structure in structures(shape, jb, 8):
@@ -127,8 +149,8 @@ def test_why_names_the_term_that_differs():
 def test_cli_search_json(capsys):
     from rich.console import Console
 
-    from llmforge.config.compose import compose
     from llmforge.commands.estimate import run_estimate
+    from llmforge.config.compose import compose
     from llmforge.plan import RunPlan
 
     plan = RunPlan.build(compose(["recipe=gpt-7b", "cluster.nodes=1"]))
@@ -143,8 +165,8 @@ def test_cli_search_json(capsys):
 def test_cli_search_table_and_nothing_fits():
     from rich.console import Console
 
-    from llmforge.config.compose import compose
     from llmforge.commands.estimate import run_estimate
+    from llmforge.config.compose import compose
     from llmforge.plan import RunPlan
 
     console = Console(record=True, width=200)
@@ -152,8 +174,19 @@ def test_cli_search_table_and_nothing_fits():
     run_estimate(plan, as_json=False, timeline=False, measure=False, search=True, top=2, console=console)
     text = console.export_text()
     assert "Fastest layouts that fit" in text and "#1: parallel.dp=" in text and "#2:" in text
-    big = RunPlan.build(compose(["recipe=llama-8b", "model=llama-70b", "parallel=single", "cluster.nodes=1", "cluster.devices_per_node=1",
-                                 "cluster.accelerator=l4-24gb", "train.global_batch_size=8"]))
+    big = RunPlan.build(
+        compose(
+            [
+                "recipe=llama-8b",
+                "model=llama-70b",
+                "parallel=single",
+                "cluster.nodes=1",
+                "cluster.devices_per_node=1",
+                "cluster.accelerator=l4-24gb",
+                "train.global_batch_size=8",
+            ]
+        )
+    )
     console = Console(record=True, width=200)
     run_estimate(big, as_json=False, timeline=False, measure=False, search=True, top=2, console=console)
     assert "Nothing fits." in console.export_text()

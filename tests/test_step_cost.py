@@ -15,7 +15,9 @@ from llmforge.train.syncs import HostSyncCounter, StepSyncs
 def _components(plan, device: torch.device):
     cfg = plan.config
     torch.manual_seed(cfg.train.seed)
-    sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed)
+    sampler = SyntheticSampler(
+        vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed
+    )
     return build_components(plan, rank=rank_info(plan, device=device), sampler=sampler)
 
 
@@ -25,8 +27,15 @@ def _syncs_per_step(device: torch.device, *, steps: int, log_interval: int) -> t
     records: list = []
     syncs = StepSyncs(host=c.host_tensors)
     with syncs:
-        train_loop(c, start_step=0, total_steps=steps, grad_clip=0.5, log_interval=log_interval, checkpoint_interval=0,
-                   hooks=LoopHooks(log=records.append, should_stop=syncs.after_step))
+        train_loop(
+            c,
+            start_step=0,
+            total_steps=steps,
+            grad_clip=0.5,
+            log_interval=log_interval,
+            checkpoint_interval=0,
+            hooks=LoopHooks(log=records.append, should_stop=syncs.after_step),
+        )
     return syncs.per_step, records
 
 
@@ -58,7 +67,7 @@ def test_clip_equals_torch_clip_grad_norm(max_norm):
     want = torch.nn.utils.clip_grad_norm_(ref, max_norm)
     got = GlobalClip(params=params)(max_norm)
     assert got.dtype == torch.float64 and float(got) == pytest.approx(float(want), rel=1e-6)
-    for p, r in zip(params, ref):
+    for p, r in zip(params, ref, strict=False):
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=0)
 
 
@@ -110,7 +119,17 @@ def test_blocks_larger_than_every_activation_are_mapped_on_their_own():
 
     default = tiny_plan(["model.vocab_size=4096", "model.seq_len=128", "train.micro_batch_size=4"])
     assert mmap_threshold(default) == 16 * 2**20
-    big = tiny_plan(["model.num_layers=2", "model.hidden_size=1024", "model.num_heads=16", "model.ffn_hidden_size=4096",
-                     "model.vocab_size=4096", "model.seq_len=128", "train.micro_batch_size=1", "train.global_batch_size=8"])
+    big = tiny_plan(
+        [
+            "model.num_layers=2",
+            "model.hidden_size=1024",
+            "model.num_heads=16",
+            "model.ffn_hidden_size=4096",
+            "model.vocab_size=4096",
+            "model.seq_len=128",
+            "train.micro_batch_size=1",
+            "train.global_batch_size=8",
+        ]
+    )
     assert mmap_threshold(big) == 4 * 2**20
     assert mmap_threshold(tiny_plan(["model.vocab_size=50304", "model.seq_len=128", "train.micro_batch_size=4"])) == MMAP_THRESHOLD_MAX

@@ -22,12 +22,31 @@ from llmforge.train.optim import lr_factor
 from llmforge.train.run import run
 
 TINY = [
-    "model.num_layers=2", "model.hidden_size=32", "model.num_heads=2", "model.num_kv_heads=2", "model.ffn_hidden_size=64", "model.seq_len=32",
-    "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=8", "train.log_interval=1", "train.lr=1e-3", "checkpoint.interval=2",
-    "checkpoint.keep=10", "logging.console=false", "logging.wandb.mode=disabled", "optim.warmup_steps=2",
-    "data.val_fraction=0.05", "train.eval_interval=3", "train.eval_steps=2",
-    "optim.schedule=wsd", "optim.decay_fraction=0.5", "optim.decay_shape=sqrt", "optim.min_lr_ratio=0.1",
-    "train.profile=2-3", "logging.tensorboard=true",
+    "model.num_layers=2",
+    "model.hidden_size=32",
+    "model.num_heads=2",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=64",
+    "model.seq_len=32",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.steps=8",
+    "train.log_interval=1",
+    "train.lr=1e-3",
+    "checkpoint.interval=2",
+    "checkpoint.keep=10",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
+    "optim.warmup_steps=2",
+    "data.val_fraction=0.05",
+    "train.eval_interval=3",
+    "train.eval_steps=2",
+    "optim.schedule=wsd",
+    "optim.decay_fraction=0.5",
+    "optim.decay_shape=sqrt",
+    "optim.min_lr_ratio=0.1",
+    "train.profile=2-3",
+    "logging.tensorboard=true",
 ]
 
 
@@ -38,12 +57,16 @@ def test_wsd_warms_up_holds_then_decays_in_each_shape():
         assert factors[:2] == [0.5, 1.0] and factors[2:6] == [1.0] * 4  # warm-up, then stable until 10 - 4
         assert factors[8] == pytest.approx(mid)  # halfway through the decay
         assert factors[10:] == [pytest.approx(0.1)] * 2  # the floor after the last step
-        assert all(a >= b for a, b in zip(factors[1:], factors[2:]))
+        assert all(a >= b for a, b in zip(factors[1:], factors[2:], strict=False))
 
 
 def test_schedule_keys_are_checked():
     with pytest.raises(UserError) as err:
-        RunPlan.build(compose(["optim.schedule=wsd", "optim.decay_fraction=0", "optim.decay_shape=square", "train.eval_interval=5", "data.val_fraction=0"]))
+        RunPlan.build(
+            compose(
+                ["optim.schedule=wsd", "optim.decay_fraction=0", "optim.decay_shape=square", "train.eval_interval=5", "data.val_fraction=0"]
+            )
+        )
     text = err.value.message()
     assert "optim.decay_fraction = 0" in text and "optim.decay_shape = 'square'" in text
     assert "train.eval_interval = 5" in text and "data.val_fraction" in text
@@ -65,7 +88,9 @@ def test_val_loss_is_logged_every_interval_and_at_the_end(reference):
         assert records[s]["val_perplexity"] == pytest.approx(math.exp(records[s]["val_loss"]))
         assert math.isfinite(records[s]["val_loss"])
     assert summary.val_loss == records[8]["val_loss"]
-    assert [records[s]["lr"] for s in range(1, 9)] == [pytest.approx(1e-3 * lr_factor(s, optim=plan.config.optim, total_steps=8)) for s in range(8)]
+    assert [records[s]["lr"] for s in range(1, 9)] == [
+        pytest.approx(1e-3 * lr_factor(s, optim=plan.config.optim, total_steps=8)) for s in range(8)
+    ]
 
 
 def test_resume_continues_the_schedule_and_both_streams_exactly(reference, tmp_path):

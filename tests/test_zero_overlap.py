@@ -10,7 +10,6 @@ import socket
 from pathlib import Path
 
 import pytest
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -30,8 +29,16 @@ def _worker(rank: int, port: int, out: str) -> None:
 
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}")
     try:
-        plan = tiny_plan(["parallel.dp=2", "parallel.zero=1", "parallel.overlap_grad_reduce=true", "train.micro_batch_size=1",
-                          "train.global_batch_size=8", *WIDE])
+        plan = tiny_plan(
+            [
+                "parallel.dp=2",
+                "parallel.zero=1",
+                "parallel.overlap_grad_reduce=true",
+                "train.micro_batch_size=1",
+                "train.global_batch_size=8",
+                *WIDE,
+            ]
+        )
         cfg = plan.config
         sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=8, seed=0)
         c = build_components(plan, rank=rank_info(plan, device=torch.device("cpu")), sampler=sampler)
@@ -39,7 +46,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         deferred = deferred_reduce(model)
         # how many reduce-scatters are launched and not yet waited for when block 0's backward starts
         model.layers["0"].register_full_backward_pre_hook(lambda *_: in_flight.append(len(deferred._pending) if deferred else -1))
-        for step in range(2):  # the second step: gathers of updated weights under its forward
+        for _step in range(2):  # the second step: gathers of updated weights under its forward
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 c.step(sampler.next_batch(dp_rank=rank, dp_size=2))
             c.optimizer.step()
@@ -80,8 +87,7 @@ def test_zero1_reduce_scatters_run_during_the_last_backward(trace):
     assert in_flight and in_flight[-1] >= 1, in_flight
     gloo = [e for e in late if e["tid"] != main and e["name"].startswith("gloo:")]
     compute = [e for e in late if e["tid"] == main and e["name"].endswith("Backward0")]
-    assert any(g["ts"] < op["ts"] < g["ts"] + g["dur"] for g in gloo for op in compute), \
-        "no backward op started while a gloo reduction ran"
+    assert any(g["ts"] < op["ts"] < g["ts"] + g["dur"] for g in gloo for op in compute), "no backward op started while a gloo reduction ran"
 
 
 def test_zero1_gathers_follow_the_blocks_under_the_next_forward(trace):
@@ -91,7 +97,9 @@ def test_zero1_gathers_follow_the_blocks_under_the_next_forward(trace):
     # each block's gather is issued by the unit before it (the root prefetches block 0), not by its own forward
     for i in range(LAYERS):
         gather = next(e for e in events if e["name"] == f"FSDP::all_gather (layers.{i})")
-        parent = [e for e in events if e["name"] == f"FSDP::forward_prefetch for layers.{i}" and e["ts"] <= gather["ts"] <= e["ts"] + e["dur"]]
+        parent = [
+            e for e in events if e["name"] == f"FSDP::forward_prefetch for layers.{i}" and e["ts"] <= gather["ts"] <= e["ts"] + e["dur"]
+        ]
         assert parent, f"block {i}'s gather was not prefetched"
 
 
@@ -109,8 +117,11 @@ def test_the_estimate_exposes_the_collectives_no_compute_covers(trace):
     exposed: dict = {"dp_all_gather": [], "dp_reduce_scatter": []}
     for gather in (e for e in events if e["name"].startswith("FSDP::all_gather") and "copy_out" not in e["name"]):
         unit = gather["name"].partition("(")[2].rstrip(")")
-        needed = gather["ts"] + gather["dur"] if not unit else next(
-            e["ts"] for e in events if e["name"] == f"FSDP::pre_forward ({unit})" and e["ts"] > gather["ts"])
+        needed = (
+            gather["ts"] + gather["dur"]
+            if not unit
+            else next(e["ts"] for e in events if e["name"] == f"FSDP::pre_forward ({unit})" and e["ts"] > gather["ts"])
+        )
         if not any(gather["ts"] < t < needed for t in matmuls):
             exposed["dp_all_gather"].append(_unit(gather["name"]))
     end = max(e["ts"] + e["dur"] for e in events if e["tid"] == main and e["name"].endswith("Backward0"))
@@ -134,12 +145,32 @@ def test_the_estimate_defers_the_reduce_scatters_the_backend_defers_on_gloo(zero
     from llmforge.layout import Layout
     from llmforge.parallel.data import can_defer_reduce
 
-    layout = Layout(dp=4 if change == "hsdp" else 2, zero=zero, pp=2 if change == "pp" else 1, ep=2 if change == "ep" else 1,
-                    dp_replicate=2 if change == "hsdp" else 1, offload="states" if change == "offload" else "none")
-    job = Job(global_batch=8, param_dtype="fp32", reduce_dtype="bf16" if change == "bf16" else "fp32", profile=get_profile("cpu"),
-              overlap_grad_reduce=change != "no_overlap")
-    backend = job.overlap_grad_reduce and layout.pp == 1 and can_defer_reduce(
-        device_type="cpu", zero=zero, reduce_dtype=torch.bfloat16 if change == "bf16" else torch.float32, offload=change == "offload",
-        replicated=change == "hsdp", experts=change == "ep")
+    layout = Layout(
+        dp=4 if change == "hsdp" else 2,
+        zero=zero,
+        pp=2 if change == "pp" else 1,
+        ep=2 if change == "ep" else 1,
+        dp_replicate=2 if change == "hsdp" else 1,
+        offload="states" if change == "offload" else "none",
+    )
+    job = Job(
+        global_batch=8,
+        param_dtype="fp32",
+        reduce_dtype="bf16" if change == "bf16" else "fp32",
+        profile=get_profile("cpu"),
+        overlap_grad_reduce=change != "no_overlap",
+    )
+    backend = (
+        job.overlap_grad_reduce
+        and layout.pp == 1
+        and can_defer_reduce(
+            device_type="cpu",
+            zero=zero,
+            reduce_dtype=torch.bfloat16 if change == "bf16" else torch.float32,
+            offload=change == "offload",
+            replicated=change == "hsdp",
+            experts=change == "ep",
+        )
+    )
     assert cm.gloo_defers_reduce(layout, job) == backend
     assert backend == (zero == 1 and change == "none")

@@ -44,7 +44,7 @@ class RssSampler:
             self.peak = max(self.peak, self.now())
             time.sleep(self.interval)
 
-    def __enter__(self) -> "RssSampler":
+    def __enter__(self) -> RssSampler:
         self.peak = self.now()
         self._thread.start()
         return self
@@ -56,8 +56,10 @@ class RssSampler:
 
 
 class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
 
 
 def heap_words() -> str:
@@ -68,19 +70,34 @@ def heap_words() -> str:
         m = libc.mallinfo2()
     except (OSError, AttributeError):
         return ""
-    return (f"glibc heap {m.arena / GIB:.3f} GiB (in use {m.uordblks / GIB:.3f}, free {m.fordblks / GIB:.3f}), "
-            f"mmapped {m.hblkhd / GIB:.3f} GiB in {m.hblks} blocks")
+    return (
+        f"glibc heap {m.arena / GIB:.3f} GiB (in use {m.uordblks / GIB:.3f}, free {m.fordblks / GIB:.3f}), "
+        f"mmapped {m.hblkhd / GIB:.3f} GiB in {m.hblks} blocks"
+    )
 
 
-def plan_of(args) -> "object":
+def plan_of(args) -> object:
     from llmforge.config.compose import compose
     from llmforge.plan import RunPlan
 
-    common = ["parallel=fsdp", f"parallel.dp={args.dp}", "parallel.zero=3", "train.micro_batch_size=1",
-              f"train.global_batch_size={args.dp}", "checkpoint.interval=1000000", "model.seq_len=128",
-              "train.eval_interval=0", "data.val_fraction=0", "logging.wandb.mode=disabled"]
-    big = [f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}", f"model.num_heads={args.hidden // 64}",
-           f"model.ffn_hidden_size={4 * args.hidden}"]
+    common = [
+        "parallel=fsdp",
+        f"parallel.dp={args.dp}",
+        "parallel.zero=3",
+        "train.micro_batch_size=1",
+        f"train.global_batch_size={args.dp}",
+        "checkpoint.interval=1000000",
+        "model.seq_len=128",
+        "train.eval_interval=0",
+        "data.val_fraction=0",
+        "logging.wandb.mode=disabled",
+    ]
+    big = [
+        f"model.num_layers={args.layers}",
+        f"model.hidden_size={args.hidden}",
+        f"model.num_heads={args.hidden // 64}",
+        f"model.ffn_hidden_size={4 * args.hidden}",
+    ]
     return RunPlan.build(compose(common + (big if args.layers else [])))
 
 
@@ -146,11 +163,16 @@ def main() -> None:
             start, faults = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             tracker, rss = tracked_step(c, track=not args.rss_only)
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-            print(f"step {step} ({time.perf_counter() - start:.1f} s, {faults} page faults): RSS peak {rss.peak / GIB:.3f} GiB, after {sampler.now() / GIB:.3f} GiB; {heap_words()}")
+            print(
+                f"step {step} ({time.perf_counter() - start:.1f} s, {faults} page faults): RSS peak {rss.peak / GIB:.3f} GiB, after {sampler.now() / GIB:.3f} GiB; {heap_words()}"
+            )
         if tracker is None:
             return
         peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-        print(f"tracked tensors at the last step's peak (MiB): " + ", ".join(f"{getattr(k, 'value', k)} {v / MIB:.1f}" for k, v in peak.items() if v))
+        print(
+            "tracked tensors at the last step's peak (MiB): "
+            + ", ".join(f"{getattr(k, 'value', k)} {v / MIB:.1f}" for k, v in peak.items() if v)
+        )
         print_modules(tracker)
 
 

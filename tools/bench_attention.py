@@ -81,14 +81,16 @@ def flops_against_counter(plan: RunPlan, batches, *, eos_id: int) -> None:
     cuts = sorted({e for e in ends if e < windows * seq} | set(range(0, windows * seq + 1, seq)))
     model = GPT(cfg).eval()
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
-        for a, b in zip(cuts, cuts[1:]):
+        for a, b in zip(cuts, cuts[1:], strict=False):
             model(stream[a:b][None])
     counted = sum(n for op, n in counter.get_flop_counts()["Global"].items() if "bmm" in str(op))
     fraction = document_fraction(np.asarray(ends), seq=seq)
     estimated = block_flops(shape_from_config(cfg, attention_fraction=fraction), moe=False).attention * windows * seq * cfg.num_layers
-    print(f"attention forward FLOPs of {windows} windows under document masks ({len(cuts) - 1} pieces): "
-          f"estimator {estimated:,.0f}, flop counter {counted:,.0f} (ratio {estimated / counted:.4f}); "
-          f"share of causal {fraction:.3f}")
+    print(
+        f"attention forward FLOPs of {windows} windows under document masks ({len(cuts) - 1} pieces): "
+        f"estimator {estimated:,.0f}, flop counter {counted:,.0f} (ratio {estimated / counted:.4f}); "
+        f"share of causal {fraction:.3f}"
+    )
 
 
 def generate_speeds(plan: RunPlan, *, lengths, new_tokens: int, repeats: int) -> None:
@@ -103,7 +105,9 @@ def generate_speeds(plan: RunPlan, *, lengths, new_tokens: int, repeats: int) ->
             for cache in (False, True):
                 settings = GenerateConfig(max_tokens=new_tokens, temperature=0.0, stop_at_eos=False, kv_cache=cache)
                 start = time.perf_counter()
-                ids[cache] = generate_ids(model, prompt, settings=settings, seq_len=plan.config.model.seq_len, eos_id=None, device=torch.device("cpu"))
+                ids[cache] = generate_ids(
+                    model, prompt, settings=settings, seq_len=plan.config.model.seq_len, eos_id=None, device=torch.device("cpu")
+                )
                 seconds[cache].append(time.perf_counter() - start)
         rates = [new_tokens / statistics.median(seconds[cache]) for cache in (False, True)]
         ids = [ids[False], ids[True]]

@@ -43,14 +43,27 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=2)
     args = parser.parse_args()
-    common = ["parallel=fsdp", f"parallel.dp={args.dp}", "parallel.zero=3", "train.micro_batch_size=1",
-              f"train.global_batch_size={args.dp}", f"train.steps={args.steps}", "checkpoint.interval=1000000",
-              "model.seq_len=128", "train.eval_interval=0", "data.val_fraction=0"]
-    big = [f"model.num_layers={args.layers}", f"model.hidden_size={args.hidden}", f"model.num_heads={args.hidden // 64}",
-           f"model.ffn_hidden_size={4 * args.hidden}"]
+    common = [
+        "parallel=fsdp",
+        f"parallel.dp={args.dp}",
+        "parallel.zero=3",
+        "train.micro_batch_size=1",
+        f"train.global_batch_size={args.dp}",
+        f"train.steps={args.steps}",
+        "checkpoint.interval=1000000",
+        "model.seq_len=128",
+        "train.eval_interval=0",
+        "data.val_fraction=0",
+    ]
+    big = [
+        f"model.num_layers={args.layers}",
+        f"model.hidden_size={args.hidden}",
+        f"model.num_heads={args.hidden // 64}",
+        f"model.ffn_hidden_size={4 * args.hidden}",
+    ]
     from llmforge.config.compose import compose
-    from llmforge.estimate.shape import from_plan
     from llmforge.estimate.params import total_params
+    from llmforge.estimate.shape import from_plan
     from llmforge.plan import RunPlan
 
     shape, _, _ = from_plan(RunPlan.build(compose(common + big)))
@@ -60,8 +73,10 @@ def main() -> None:
         large = run(overrides=common + big, run_dir=Path(tmp) / "large")
     above = large["peak_gib"] - tiny["peak_gib"]
     print(f"model: {total_params(shape) / 1e6:.0f}M parameters, {weights / GIB:.2f} GiB in fp32; dp{args.dp} ZeRO-3, rank 0")
-    print(f"peak RSS: tiny {tiny['peak_gib']:.2f} GiB, large {large['peak_gib']:.2f} GiB, above the tiny run {above:.2f} GiB "
-          f"= {above * GIB / weights:.2f}x the whole model's fp32 weights")
+    print(
+        f"peak RSS: tiny {tiny['peak_gib']:.2f} GiB, large {large['peak_gib']:.2f} GiB, above the tiny run {above:.2f} GiB "
+        f"= {above * GIB / weights:.2f}x the whole model's fp32 weights"
+    )
     print(f"closing line, tiny:  {tiny['closing']}")
     print(f"closing line, large: {large['closing']}")
 

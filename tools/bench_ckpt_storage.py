@@ -37,18 +37,27 @@ def _local_s3() -> tuple:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     log = open(os.path.join(tempfile.gettempdir(), f"bench-moto-{port}.log"), "w")
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
+    )
     for _ in range(600):
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1)
             break
         except OSError:
             time.sleep(0.1)
-    os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_EC2_METADATA_DISABLED": "true",
-                       # fsspec's own settings for s3fs: the test server joins a large multipart upload
-                       # slowly on a busy machine, past botocore's 60 s read timeout
-                       "FSSPEC_S3": '{"config_kwargs": {"read_timeout": 900}}'})
+    os.environ.update(
+        {
+            "AWS_ACCESS_KEY_ID": "bench",
+            "AWS_SECRET_ACCESS_KEY": "bench",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+            "AWS_EC2_METADATA_DISABLED": "true",
+            # fsspec's own settings for s3fs: the test server joins a large multipart upload
+            # slowly on a busy machine, past botocore's 60 s read timeout
+            "FSSPEC_S3": '{"config_kwargs": {"read_timeout": 900}}',
+        }
+    )
     import s3fs
 
     s3fs.S3FileSystem().mkdir("bench")
@@ -81,10 +90,22 @@ def bench(name: str, *, root, model, optimizer, repeat: int) -> dict:
     saver = store.CheckpointSaver(root=root, keep=1, async_save=False, rank=0, log=lambda _: None)
     saves, finds, loads = [], [], []
     for step in range(1, repeat + 1):
-        saves.append(_time(lambda: saver.save(step=step, model_parts=[model], optimizer=optimizer, train_state={"bench": True}, plan={"config": {"run": {"dir": "bench"}}})))
+        saves.append(
+            _time(
+                lambda: saver.save(
+                    step=step,
+                    model_parts=[model],
+                    optimizer=optimizer,
+                    train_state={"bench": True},
+                    plan={"config": {"run": {"dir": "bench"}}},
+                )
+            )
+        )
         where = str(root) + f"/step_{step}"
         finds.append(_time(lambda: locate(where)))
-        loads.append(_time(lambda: store.load(path=where if isinstance(root, str) else Path(where), model_parts=[model], optimizer=optimizer)))
+        loads.append(
+            _time(lambda: store.load(path=where if isinstance(root, str) else Path(where), model_parts=[model], optimizer=optimizer))
+        )
     saver.close()
     return {"save": min(saves), "verify": min(finds), "load": min(loads)}
 
@@ -103,8 +124,11 @@ def main() -> None:
             size = params * 12 / 2**20
             for place, root in (("local disk", local / name), ("object storage", f"{url.rstrip('/')}/{name}")):
                 t = bench(name, root=root, model=model, optimizer=optimizer, repeat=args.repeat)
-                print(f"{name:9s} {params / 1e6:7.1f}M params {size:7.0f} MiB  {place:15s} save {t['save']:6.2f}s "
-                      f"({size / t['save']:6.0f} MiB/s)  verify {t['verify']:6.2f}s  load {t['load']:6.2f}s", flush=True)
+                print(
+                    f"{name:9s} {params / 1e6:7.1f}M params {size:7.0f} MiB  {place:15s} save {t['save']:6.2f}s "
+                    f"({size / t['save']:6.0f} MiB/s)  verify {t['verify']:6.2f}s  load {t['load']:6.2f}s",
+                    flush=True,
+                )
             del model, optimizer
     finally:
         shutil.rmtree(local, ignore_errors=True)

@@ -58,14 +58,18 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     total = int(args.mparams * 1e6)
-    print(f"AdamW on {total / 1e6:.0f}M fp32 parameters in {args.tensors} tensors, {torch.get_num_threads()} threads, torch {torch.__version__}")
+    print(
+        f"AdamW on {total / 1e6:.0f}M fp32 parameters in {args.tensors} tensors, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
     bandwidth = copy_bandwidth(total=total, repeat=args.repeat)
     print(f"copy            {bandwidth / 1e9:7.2f} GB/s (host memory bandwidth reached)")
     times = {kind: time_step(kind, total=total, tensors=args.tensors, repeat=args.repeat) for kind in ("for-loop", "foreach", "fused")}
     for kind, seconds in times.items():
         rate = ADAM_BYTES * total / seconds
-        print(f"{kind:<15} {seconds * 1e3:8.1f} ms/step  {total / seconds / 1e6:8.1f} Mparams/s  {rate / 1e9:6.2f} GB/s  "
-              f"{times['for-loop'] / seconds:5.2f}x the for-loop  {rate / bandwidth:5.0%} of the copy bandwidth")
+        print(
+            f"{kind:<15} {seconds * 1e3:8.1f} ms/step  {total / seconds / 1e6:8.1f} Mparams/s  {rate / 1e9:6.2f} GB/s  "
+            f"{times['for-loop'] / seconds:5.2f}x the for-loop  {rate / bandwidth:5.0%} of the copy bandwidth"
+        )
 
 
 if __name__ == "__main__":

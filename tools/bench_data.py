@@ -56,8 +56,7 @@ def baseline(corpus: Path, tokenizer: Path, out: Path) -> int:
     datasets.disable_progress_bars()
     tok = Tokenizer.from_file(str(tokenizer))
     ds = datasets.load_dataset("json", data_files=str(corpus), split="train", cache_dir=str(out / "hf"))
-    ds = ds.map(lambda b: {"ids": [e.ids + [0] for e in tok.encode_batch(b["text"])]}, batched=True,
-                remove_columns=["text"])
+    ds = ds.map(lambda b: {"ids": [e.ids + [0] for e in tok.encode_batch(b["text"])]}, batched=True, remove_columns=["text"])
     out.mkdir(parents=True, exist_ok=True)
     ids = np.fromiter(itertools.chain.from_iterable(ds["ids"]), dtype=np.uint16)
     ids.tofile(out / "tokens.bin")
@@ -99,10 +98,12 @@ def bench_sampler(shards: Path, *, num_tokens: int, vocab: int, seq_len: int, ba
     from llmforge.data.prepare import PreparedData, StreamInfo
     from llmforge.data.sampler import BatchSampler
 
-    info = StreamInfo(name="bench", folder=shards, weight=1.0, num_tokens=num_tokens, num_documents=0,
-                      shards=(("tokens_00000.bin", num_tokens),))
-    data = PreparedData(root=shards, tokenizer_path=shards, vocab_size=vocab, eos_id=0, num_tokens=num_tokens,
-                        streams=(info,), fingerprint="bench")
+    info = StreamInfo(
+        name="bench", folder=shards, weight=1.0, num_tokens=num_tokens, num_documents=0, shards=(("tokens_00000.bin", num_tokens),)
+    )
+    data = PreparedData(
+        root=shards, tokenizer_path=shards, vocab_size=vocab, eos_id=0, num_tokens=num_tokens, streams=(info,), fingerprint="bench"
+    )
     sampler = BatchSampler(data, seq_len=seq_len, global_batch_size=batch, seed=0)
     stream = data.open_stream(0)
     zero_copy = np.shares_memory(stream.slice(seq_len, 2 * seq_len + 1), stream._maps[0])
@@ -133,14 +134,20 @@ def run(tmp: Path, *, mb: float, vocab: int) -> None:
     (t_ours, n_ours, rss_ours), (t_base, n_base, rss_base), (_, n_lists, rss_lists) = results.values()
     assert n_ours == n_base == n_lists, (n_ours, n_base, n_lists)
     print(f"tokens: {n_ours:,}")
-    print(f"tokenize+pack  llmforge {size_mb / t_ours:6.2f} MB/s   datasets.map+tokenizers {size_mb / t_base:6.2f} MB/s"
-          f"   ratio {t_base / t_ours:.2f}x (target >= 1)")
-    print(f"peak memory    llmforge {rss_ours:6.0f} MB     tokens in Python lists {rss_lists:6.0f} MB"
-          f"     ratio {rss_ours / rss_lists:.2f} (lower is better)   [datasets.map baseline {rss_base:.0f} MB]")
+    print(
+        f"tokenize+pack  llmforge {size_mb / t_ours:6.2f} MB/s   datasets.map+tokenizers {size_mb / t_base:6.2f} MB/s"
+        f"   ratio {t_base / t_ours:.2f}x (target >= 1)"
+    )
+    print(
+        f"peak memory    llmforge {rss_ours:6.0f} MB     tokens in Python lists {rss_lists:6.0f} MB"
+        f"     ratio {rss_ours / rss_lists:.2f} (lower is better)   [datasets.map baseline {rss_base:.0f} MB]"
+    )
     for seq_len, batch in ((128, 8), (128, 64), (1024, 16)):
         rate, zero_copy = bench_sampler(tmp / "ours" / "shards", num_tokens=n_ours, vocab=vocab, seq_len=seq_len, batch=batch)
-        print(f"sampler        seq_len {seq_len:5d} batch {batch:3d}: {rate / 1e6:6.1f} M tokens/s (target >= 1)"
-              f"   zero-copy reads: {zero_copy}")
+        print(
+            f"sampler        seq_len {seq_len:5d} batch {batch:3d}: {rate / 1e6:6.1f} M tokens/s (target >= 1)"
+            f"   zero-copy reads: {zero_copy}"
+        )
 
 
 if __name__ == "__main__":

@@ -18,15 +18,24 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from typing import Dict, List, Sequence
+from collections.abc import Sequence
 
 import torch
 
-BASE = ["recipe=gpt-1b", "parallel=single", "cluster=h100-node", "cluster.devices_per_node=1", "train.micro_batch_size=4",
-        "train.global_batch_size=4", "logging=quiet", "logging.wandb.mode=disabled", "checkpoint.save_final=false"]
+BASE = [
+    "recipe=gpt-1b",
+    "parallel=single",
+    "cluster=h100-node",
+    "cluster.devices_per_node=1",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=4",
+    "logging=quiet",
+    "logging.wandb.mode=disabled",
+    "checkpoint.save_final=false",
+]
 
 
-def train_row(overrides: Sequence[str], *, steps: int, warmup: int, prepared=None) -> Dict[str, float]:
+def train_row(overrides: Sequence[str], *, steps: int, warmup: int, prepared=None) -> dict[str, float]:
     """Train one plan on cuda:0 in this process; its tokens/s, last loss, peak memory and estimate."""
     from llmforge.config.compose import compose
     from llmforge.estimate.core import estimate_plan
@@ -44,9 +53,16 @@ def train_row(overrides: Sequence[str], *, steps: int, warmup: int, prepared=Non
     torch.manual_seed(plan.config.train.seed)
     torch.cuda.reset_peak_memory_stats()
     c = build_components(plan, rank=RankInfo(device=torch.device("cuda", 0)), sampler=make_sampler(plan, prepared))
-    records: List[dict] = []
-    train_loop(c, start_step=0, total_steps=steps, grad_clip=plan.config.optim.grad_clip, log_interval=1,
-               checkpoint_interval=0, hooks=LoopHooks(log=records.append))
+    records: list[dict] = []
+    train_loop(
+        c,
+        start_step=0,
+        total_steps=steps,
+        grad_clip=plan.config.optim.grad_clip,
+        log_interval=1,
+        checkpoint_interval=0,
+        hooks=LoopHooks(log=records.append),
+    )
     torch.cuda.synchronize()
     later = [r["tokens_per_s"] for r in records[warmup:]] or [records[-1]["tokens_per_s"]]
     return {
@@ -57,8 +73,9 @@ def train_row(overrides: Sequence[str], *, steps: int, warmup: int, prepared=Non
     }
 
 
-def precision_rows(overrides: Sequence[str], *, steps: int = 40, warmup: int = 10, recipes: Sequence[str] = ("tensorwise", "rowwise"),
-                   compile: bool = True) -> Dict[str, Dict[str, float]]:
+def precision_rows(
+    overrides: Sequence[str], *, steps: int = 40, warmup: int = 10, recipes: Sequence[str] = ("tensorwise", "rowwise"), compile: bool = True
+) -> dict[str, dict[str, float]]:
     """{"bf16": row, "fp8 tensorwise": row, ...} for the plan ``overrides`` (each row: tokens_per_s,
     loss after ``steps``, peak_gib, estimate_tokens_per_s; fp8 rows also ratio = tokens/s over bf16)."""
     common = [*overrides, f"train.compile={'true' if compile else 'false'}"]
@@ -81,12 +98,16 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_fp8 needs a CUDA GPU with FP8 tensor cores")
     rows = precision_rows([*BASE, *args.overrides], steps=args.steps, warmup=args.warmup, recipes=args.recipes, compile=not args.eager)
-    print(f"{torch.cuda.get_device_name()}, {args.steps} steps, median tokens/s after step {args.warmup}, "
-          f"{'eager' if args.eager else 'compiled'}; overrides: {' '.join(args.overrides) or '(defaults)'}")
+    print(
+        f"{torch.cuda.get_device_name()}, {args.steps} steps, median tokens/s after step {args.warmup}, "
+        f"{'eager' if args.eager else 'compiled'}; overrides: {' '.join(args.overrides) or '(defaults)'}"
+    )
     print(f"{'precision':16s} {'tokens/s':>10s} {'vs bf16':>8s} {'loss@end':>9s} {'peak GiB':>9s} {'estimate tok/s':>15s}")
     for name, row in rows.items():
         ratio = f"{row.get('ratio', 1.0):.3f}x"
-        print(f"{name:16s} {row['tokens_per_s']:10,.0f} {ratio:>8s} {row['loss']:9.4f} {row['peak_gib']:9.2f} {row['estimate_tokens_per_s']:15,.0f}")
+        print(
+            f"{name:16s} {row['tokens_per_s']:10,.0f} {ratio:>8s} {row['loss']:9.4f} {row['peak_gib']:9.2f} {row['estimate_tokens_per_s']:15,.0f}"
+        )
 
 
 if __name__ == "__main__":

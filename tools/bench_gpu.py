@@ -26,8 +26,8 @@ from __future__ import annotations
 import argparse
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, List
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +77,7 @@ class Result:
     syncs: str = ""
 
 
-def _batches(plan, device: torch.device, n: int = 4) -> List[torch.Tensor]:
+def _batches(plan, device: torch.device, n: int = 4) -> list[torch.Tensor]:
     cfg = plan.config
     gen = torch.Generator().manual_seed(0)
     return [torch.randint(0, cfg.model.vocab_size, (cfg.train.global_batch_size, cfg.model.seq_len + 1), generator=gen) for _ in range(n)]
@@ -111,7 +111,9 @@ def _timed(step: Callable[[int], None], *, warmup: int, steps: int, device: torc
 
 def plain_loop(plan, *, compiled: bool, warmup: int, steps: int, device: torch.device) -> Result:
     m, cfg = plan.config.model, plan.config
-    model = PlainGPT(layers=m.num_layers, h=m.hidden_size, heads=m.num_heads, ffn=m.ffn_hidden_size, vocab=m.vocab_size, seq=m.seq_len).to(device)
+    model = PlainGPT(layers=m.num_layers, h=m.hidden_size, heads=m.num_heads, ffn=m.ffn_hidden_size, vocab=m.vocab_size, seq=m.seq_len).to(
+        device
+    )
     if compiled:
         for block in model.blocks:
             block.compile()
@@ -143,12 +145,16 @@ def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Res
     from llmforge.train.syncs import StepSyncs
 
     cfg = plan.config
-    sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=0)
+    sampler = SyntheticSampler(
+        vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=0
+    )
     c = build_components(plan, rank=RankInfo(device=device), sampler=sampler)
     done = [0]
 
     def run(until: int, hooks: LoopHooks = LoopHooks()) -> None:
-        train_loop(c, start_step=done[0], total_steps=until, grad_clip=cfg.optim.grad_clip, log_interval=10**9, checkpoint_interval=0, hooks=hooks)
+        train_loop(
+            c, start_step=done[0], total_steps=until, grad_clip=cfg.optim.grad_clip, log_interval=10**9, checkpoint_interval=0, hooks=hooks
+        )
         done[0] = until
 
     run(warmup)
@@ -177,9 +183,17 @@ def build_plan(args: argparse.Namespace, *, compiled: bool):
     from llmforge.plan import RunPlan
 
     overrides = [
-        f"model={args.model}", f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch or args.micro_batch}",
-        "precision=bf16", "parallel=single", f"cluster.accelerator={args.accelerator}", "cluster.devices_per_node=1",
-        "logging.wandb.mode=disabled", "logging.console=false", f"train.compile={'true' if compiled else 'false'}", *args.overrides,
+        f"model={args.model}",
+        f"train.micro_batch_size={args.micro_batch}",
+        f"train.global_batch_size={args.global_batch or args.micro_batch}",
+        "precision=bf16",
+        "parallel=single",
+        f"cluster.accelerator={args.accelerator}",
+        "cluster.devices_per_node=1",
+        "logging.wandb.mode=disabled",
+        "logging.console=false",
+        f"train.compile={'true' if compiled else 'false'}",
+        *args.overrides,
     ]
     return RunPlan.build(compose(overrides))
 
@@ -194,14 +208,20 @@ def report(plan, mode: str, plain: Result, ours: Result) -> None:
     peak = job.profile.peak(job.param_dtype)
     est = estimate_plan(plan)
     expected_mem = est.worst.total - job.profile.runtime_reserved_bytes
-    print(f"\n{mode}: {shape.num_layers} layers x {shape.hidden}, micro batch {plan.config.train.micro_batch_size}, "
-          f"{plan.tokens_per_step} tokens/step, {plan.config.parallel.recompute} recompute")
+    print(
+        f"\n{mode}: {shape.num_layers} layers x {shape.hidden}, micro batch {plan.config.train.micro_batch_size}, "
+        f"{plan.tokens_per_step} tokens/step, {plan.config.parallel.recompute} recompute"
+    )
     print(f"  {'':10} {'tokens/s':>10} {'MFU':>6} {'peak alloc':>11} {'peak reserved':>14}")
     for name, r in (("plain", plain), ("llmforge", ours)):
-        print(f"  {name:10} {r.tokens_per_s:10,.0f} {r.tokens_per_s * per_token / peak:6.1%} {r.peak_allocated / GIB:9.2f} GiB {r.peak_reserved / GIB:10.2f} GiB")
+        print(
+            f"  {name:10} {r.tokens_per_s:10,.0f} {r.tokens_per_s * per_token / peak:6.1%} {r.peak_allocated / GIB:9.2f} GiB {r.peak_reserved / GIB:10.2f} GiB"
+        )
     print(f"  ratio llmforge / plain: {ours.tokens_per_s / plain.tokens_per_s:.3f}")
-    print(f"  llmforge estimate: {est.tokens_per_s:,.0f} tokens/s, {expected_mem / GIB:.2f} GiB (without the runtime reservation); "
-          f"measured/estimate: tokens/s {ours.tokens_per_s / est.tokens_per_s:.2f}x, peak reserved {ours.peak_reserved / expected_mem:.2f}x")
+    print(
+        f"  llmforge estimate: {est.tokens_per_s:,.0f} tokens/s, {expected_mem / GIB:.2f} GiB (without the runtime reservation); "
+        f"measured/estimate: tokens/s {ours.tokens_per_s / est.tokens_per_s:.2f}x, peak reserved {ours.peak_reserved / expected_mem:.2f}x"
+    )
     print(f"  llmforge host syncs per step (3 steps after a first, the last logged): {ours.syncs}")
 
 
@@ -247,15 +267,26 @@ def fp8_report(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from bench_fp8 import precision_rows
 
-    shape = [f"model={args.model}", f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.global_batch or args.micro_batch}",
-             "parallel=single", f"cluster.accelerator={args.accelerator}", "cluster.devices_per_node=1", "logging=quiet",
-             "logging.wandb.mode=disabled", "checkpoint.save_final=false", *args.overrides]
+    shape = [
+        f"model={args.model}",
+        f"train.micro_batch_size={args.micro_batch}",
+        f"train.global_batch_size={args.global_batch or args.micro_batch}",
+        "parallel=single",
+        f"cluster.accelerator={args.accelerator}",
+        "cluster.devices_per_node=1",
+        "logging=quiet",
+        "logging.wandb.mode=disabled",
+        "checkpoint.save_final=false",
+        *args.overrides,
+    ]
     rows = precision_rows(shape, steps=args.steps + args.warmup, warmup=args.warmup)
     print(f"\nfp8 (compiled, {args.steps + args.warmup} steps, median tokens/s after {args.warmup}):")
     print(f"  {'':16} {'tokens/s':>10} {'vs bf16':>8} {'loss':>8} {'peak alloc':>11} {'estimate':>10}")
     for name, row in rows.items():
-        print(f"  {name:16} {row['tokens_per_s']:10,.0f} {row.get('ratio', 1.0):8.3f} {row['loss']:8.4f} "
-              f"{row['peak_gib']:8.2f} GiB {row['estimate_tokens_per_s']:10,.0f}")
+        print(
+            f"  {name:16} {row['tokens_per_s']:10,.0f} {row.get('ratio', 1.0):8.3f} {row['loss']:8.4f} "
+            f"{row['peak_gib']:8.2f} GiB {row['estimate_tokens_per_s']:10,.0f}"
+        )
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 ROOT = Path(__file__).resolve().parent.parent
 QUIET = ["logging=quiet", "checkpoint.interval=0", "checkpoint.save_final=false"]
@@ -47,7 +46,7 @@ def _process_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _steps_logged(path: Path) -> List[int]:
+def _steps_logged(path: Path) -> list[int]:
     """The step numbers a side has reported so far (plain: ``step N:`` lines; llmforge: metrics.jsonl)."""
     if not path.exists():
         return []
@@ -60,10 +59,10 @@ def _steps_logged(path: Path) -> List[int]:
     return out
 
 
-def steady(cmd: List[str], *, log: Path, short: int, long: int, env: Dict[str, str]) -> Tuple[float, float]:
+def steady(cmd: list[str], *, log: Path, short: int, long: int, env: dict[str, str]) -> tuple[float, float]:
     """(CPU, wall) seconds per step between the end of step ``short`` and of step ``long``: the
     process is sampled (``/proc/PID/stat``, every 5 ms) when it reports each of those steps."""
-    marks: Dict[int, Tuple[float, float]] = {}
+    marks: dict[int, tuple[float, float]] = {}
     console = Path(tempfile.mkstemp(suffix=".console", dir=log.parent.parent)[1])
     with open(console, "w") as out:
         proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
@@ -79,30 +78,59 @@ def steady(cmd: List[str], *, log: Path, short: int, long: int, env: Dict[str, s
     return (c1 - c0) / (long - short), (w1 - w0) / (long - short)
 
 
-def commands(overrides: List[str], tokens: Tuple[str, str], plan, run_dir: Path):
+def commands(overrides: list[str], tokens: tuple[str, str], plan, run_dir: Path):
     """{side: steps -> command}."""
     m, t, o = plan.config.model, plan.config.train, plan.config.optim
 
     runs = itertools.count()
 
-    def ours(steps: int) -> Tuple[List[str], Path]:  # a fresh run directory each time
+    def ours(steps: int) -> tuple[list[str], Path]:  # a fresh run directory each time
         folder = run_dir / str(next(runs))
-        return [sys.executable, "-m", "llmforge", "pretrain", *overrides, *QUIET, f"train.steps={steps}", f"run.dir={folder}"], folder / "metrics.jsonl"
+        return [
+            sys.executable,
+            "-m",
+            "llmforge",
+            "pretrain",
+            *overrides,
+            *QUIET,
+            f"train.steps={steps}",
+            f"run.dir={folder}",
+        ], folder / "metrics.jsonl"
 
-    def plain(steps: int) -> List[str]:
-        shape = {"layers": m.num_layers, "width": m.hidden_size, "heads": m.num_heads, "ffn": m.ffn_hidden_size, "vocab": m.vocab_size,
-                 "seq": m.seq_len, "micro-batch": t.micro_batch_size, "global-batch": t.global_batch_size, "warmup": o.warmup_steps,
-                 "seed": t.seed, "lr": t.lr, "weight-decay": o.weight_decay, "grad-clip": o.grad_clip}
+    def plain(steps: int) -> list[str]:
+        shape = {
+            "layers": m.num_layers,
+            "width": m.hidden_size,
+            "heads": m.num_heads,
+            "ffn": m.ffn_hidden_size,
+            "vocab": m.vocab_size,
+            "seq": m.seq_len,
+            "micro-batch": t.micro_batch_size,
+            "global-batch": t.global_batch_size,
+            "warmup": o.warmup_steps,
+            "seed": t.seed,
+            "lr": t.lr,
+            "weight-decay": o.weight_decay,
+            "grad-clip": o.grad_clip,
+        }
         args = [f"--{k}={v}" for k, v in shape.items()]
         log = run_dir / "plain" / f"{next(runs)}.log"
         log.parent.mkdir(exist_ok=True)
-        cmd = [sys.executable, str(ROOT / "tools" / "plain_gpt.py"), f"--tokens={tokens[0]}", f"--dtype={tokens[1]}", f"--steps={steps}", f"--log={log}", *args]
+        cmd = [
+            sys.executable,
+            str(ROOT / "tools" / "plain_gpt.py"),
+            f"--tokens={tokens[0]}",
+            f"--dtype={tokens[1]}",
+            f"--steps={steps}",
+            f"--log={log}",
+            *args,
+        ]
         return cmd, log
 
     return {"llmforge": ours, "plain": plain}
 
 
-def prepared_tokens(plan) -> Tuple[str, str]:
+def prepared_tokens(plan) -> tuple[str, str]:
     """The recipe's first token shard and its dtype (preparing the data once if need be)."""
     from rich.console import Console
 
@@ -113,16 +141,20 @@ def prepared_tokens(plan) -> Tuple[str, str]:
     return str(Path(info.folder) / info.shards[0][0]), prepared.dtype
 
 
-def summary(name: str, ratios: List[float]) -> str:
+def summary(name: str, ratios: list[float]) -> str:
     q = sorted(ratios)
-    return (f"{name}: median of paired ratios plain/llmforge {statistics.median(q):.3f} over {len(q)} rounds "
-            f"(spread {q[0]:.3f}-{q[-1]:.3f}; target >= 0.97)")
+    return (
+        f"{name}: median of paired ratios plain/llmforge {statistics.median(q):.3f} over {len(q)} rounds "
+        f"(spread {q[0]:.3f}-{q[-1]:.3f}; target >= 0.97)"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--short", type=int, default=5, help="warm-up: timing starts when this step ends (a multiple of train.log_interval)")
+    parser.add_argument(
+        "--short", type=int, default=5, help="warm-up: timing starts when this step ends (a multiple of train.log_interval)"
+    )
     parser.add_argument("--long", type=int, default=25, help="timing ends when this step ends (a multiple of train.log_interval)")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of both sides")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu", help="which clock the headline ratio uses")
@@ -137,8 +169,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench_independent_") as tmp:
         sides = commands(overrides, prepared_tokens(plan), plan, Path(tmp))
         cmd, _ = sides["llmforge"](1)
-        subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, check=True)  # a first run here calibrates the CPU profile: not in any round
-        ratios: Dict[str, List[float]] = {"cpu": [], "wall": []}
+        subprocess.run(
+            cmd, env=env, cwd=ROOT, capture_output=True, check=True
+        )  # a first run here calibrates the CPU profile: not in any round
+        ratios: dict[str, list[float]] = {"cpu": [], "wall": []}
         print(f"{overrides}: {plan.tokens_per_step} tokens/step, steps {args.short + 1}-{args.long} timed, {args.threads} thread(s)")
         for r in range(args.rounds):
             order = ("llmforge", "plain") if r % 2 == 0 else ("plain", "llmforge")
@@ -148,8 +182,11 @@ def main() -> None:
                 got[side] = steady(cmd, log=log, short=args.short, long=args.long, env=env)
             for i, clock in enumerate(("cpu", "wall")):
                 ratios[clock].append(got["plain"][i] / got["llmforge"][i])
-            print(f"round {r + 1} ({order[0]} first): step cpu s llmforge {got['llmforge'][0]:.4f} plain {got['plain'][0]:.4f} "
-                  f"ratio {ratios['cpu'][-1]:.3f} | wall s llmforge {got['llmforge'][1]:.4f} plain {got['plain'][1]:.4f} ratio {ratios['wall'][-1]:.3f}", flush=True)
+            print(
+                f"round {r + 1} ({order[0]} first): step cpu s llmforge {got['llmforge'][0]:.4f} plain {got['plain'][0]:.4f} "
+                f"ratio {ratios['cpu'][-1]:.3f} | wall s llmforge {got['llmforge'][1]:.4f} plain {got['plain'][1]:.4f} ratio {ratios['wall'][-1]:.3f}",
+                flush=True,
+            )
     for clock in (args.clock, "wall" if args.clock == "cpu" else "cpu"):
         print(summary(f"{clock:4} clock", ratios[clock]))
 

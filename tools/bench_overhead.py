@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,9 @@ def plain_loop(plan: RunPlan, batches: list[torch.Tensor], clock: Callable[[], f
     cfg = plan.config
     model = GPT(cfg.model)
     model.init_weights(seed=cfg.train.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.train.lr, betas=(cfg.optim.beta1, cfg.optim.beta2), weight_decay=cfg.optim.weight_decay
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     started = clock()
     for batch in batches:
@@ -63,7 +65,15 @@ def llmforge_loop(plan: RunPlan, prepared, steps: int, clock: Callable[[], float
     c = build_components(plan, rank=RankInfo(), sampler=make_sampler(plan, prepared))
     started = clock()
     cfg = plan.config
-    train_loop(c, start_step=0, total_steps=steps, grad_clip=cfg.optim.grad_clip, log_interval=cfg.train.log_interval, checkpoint_interval=0, hooks=LoopHooks())
+    train_loop(
+        c,
+        start_step=0,
+        total_steps=steps,
+        grad_clip=cfg.optim.grad_clip,
+        log_interval=cfg.train.log_interval,
+        checkpoint_interval=0,
+        hooks=LoopHooks(),
+    )
     return clock() - started
 
 
@@ -88,11 +98,15 @@ def main() -> None:
         ours.append(llmforge_loop(plan, prepared, args.steps, clock))
         plain.append(plain_loop(plan, batches, clock))
     tokens = args.steps * plan.tokens_per_step
-    print(f"model: {plan.config.model.num_layers} layers x {plan.config.model.hidden_size}, {plan.tokens_per_step} tokens/step, {args.steps} steps x {args.rounds} rounds, {torch.get_num_threads()} threads, {args.clock} clock")
+    print(
+        f"model: {plan.config.model.num_layers} layers x {plan.config.model.hidden_size}, {plan.tokens_per_step} tokens/step, {args.steps} steps x {args.rounds} rounds, {torch.get_num_threads()} threads, {args.clock} clock"
+    )
     for name, pick in (("median", statistics.median), ("best", min)):
-        print(f"{name:6}: plain PyTorch loop {tokens / pick(plain):10,.0f} tokens/s, llmforge {tokens / pick(ours):10,.0f} tokens/s, "
-              f"ratio llmforge/plain {pick(plain) / pick(ours):.3f}  (target >= 0.97)")
-    paired = sorted(p / o for p, o in zip(plain, ours))
+        print(
+            f"{name:6}: plain PyTorch loop {tokens / pick(plain):10,.0f} tokens/s, llmforge {tokens / pick(ours):10,.0f} tokens/s, "
+            f"ratio llmforge/plain {pick(plain) / pick(ours):.3f}  (target >= 0.97)"
+        )
+    paired = sorted(p / o for p, o in zip(plain, ours, strict=False))
     print(f"per-round ratios: {', '.join(f'{r:.3f}' for r in paired)}")
 
 

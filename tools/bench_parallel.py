@@ -29,39 +29,65 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 import torch
 
 from llmforge.testing.harness import tiny_plan
 
-LAYOUTS: Dict[int, Dict[str, List[str]]] = {
+LAYOUTS: dict[int, dict[str, list[str]]] = {
     1: {"single": []},
     2: {
-        "dp2": ["parallel.dp=2"], "dp2 zero3": ["parallel.dp=2", "parallel.zero=3"], "tp2": ["parallel.tp=2"],
-        "tp2 sp": ["parallel.tp=2", "parallel.sequence_parallel=true"], "pp2 1f1b": ["parallel.pp=2"],
+        "dp2": ["parallel.dp=2"],
+        "dp2 zero3": ["parallel.dp=2", "parallel.zero=3"],
+        "tp2": ["parallel.tp=2"],
+        "tp2 sp": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+        "pp2 1f1b": ["parallel.pp=2"],
         "pp2 interleaved v2": ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"],
     },
-    4: {"dp2 tp2": ["parallel.dp=2", "parallel.tp=2"], "dp2 pp2": ["parallel.dp=2", "parallel.pp=2"], "tp2 pp2": ["parallel.tp=2", "parallel.pp=2"]},
+    4: {
+        "dp2 tp2": ["parallel.dp=2", "parallel.tp=2"],
+        "dp2 pp2": ["parallel.dp=2", "parallel.pp=2"],
+        "tp2 pp2": ["parallel.tp=2", "parallel.pp=2"],
+    },
 }
 # Layouts run again with the reduction after backward, to compare with the overlap.
-POST_BACKWARD: Dict[int, Dict[str, List[str]]] = {
+POST_BACKWARD: dict[int, dict[str, list[str]]] = {
     2: {"dp2 post-backward": ["parallel.dp=2", "parallel.overlap_grad_reduce=false"]},
     4: {"dp2 tp2 post-backward": ["parallel.dp=2", "parallel.tp=2", "parallel.overlap_grad_reduce=false"]},
 }
-BENCH = ["parallel.overlap_grad_reduce=true", "model.hidden_size=128", "model.ffn_hidden_size=512", "model.seq_len=128", "model.vocab_size=1024", "train.global_batch_size=16", "train.micro_batch_size=4"]
-Row = Tuple[str, int, float, List[int]]
+BENCH = [
+    "parallel.overlap_grad_reduce=true",
+    "model.hidden_size=128",
+    "model.ffn_hidden_size=512",
+    "model.seq_len=128",
+    "model.vocab_size=1024",
+    "train.global_batch_size=16",
+    "train.micro_batch_size=4",
+]
+Row = tuple[str, int, float, list[int]]
 
 
 def tokens_per_s(times: list, *, tokens: int) -> float:
     return tokens / statistics.median(times[1:])
 
 
-def run_group(*, nproc: int, layouts: Dict[str, List[str]], base: List[str], threads: int, tmp: Path, extra_env: Dict[str, str]) -> Dict[str, dict]:
+def run_group(
+    *, nproc: int, layouts: dict[str, list[str]], base: list[str], threads: int, tmp: Path, extra_env: dict[str, str]
+) -> dict[str, dict]:
     """Run ``layouts`` in one fresh torchrun group of ``nproc`` ranks; rank 0's results."""
     spec, out = tmp / f"spec{nproc}.json", tmp / f"out{nproc}.pt"
     spec.write_text(json.dumps({"base": base, "layouts": layouts}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "llmforge.testing.harness", str(spec), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        "-m",
+        "llmforge.testing.harness",
+        str(spec),
+        str(out),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), **extra_env}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -69,12 +95,12 @@ def run_group(*, nproc: int, layouts: Dict[str, List[str]], base: List[str], thr
     return torch.load(out, weights_only=False)
 
 
-def bench(*, steps: int, threads: int, only: List[str]) -> List[Row]:
+def bench(*, steps: int, threads: int, only: list[str]) -> list[Row]:
     """Rows of every layout (or of those named in ``only``, after the baseline)."""
     base = BENCH + [f"train.steps={steps}"]
     tokens = tiny_plan(base).tokens_per_step
     runs = [(LAYOUTS, {}), (POST_BACKWARD, {})]
-    rows: List[Row] = []
+    rows: list[Row] = []
     with tempfile.TemporaryDirectory() as tmp:
         for groups, extra_env in runs:
             for nproc, layouts in groups.items():
@@ -86,7 +112,7 @@ def bench(*, steps: int, threads: int, only: List[str]) -> List[Row]:
     return rows
 
 
-def render(rows: List[Row]) -> str:
+def render(rows: list[Row]) -> str:
     single = rows[0][2]
     lines = [f"{'layout':<22} {'ranks':>5} {'threads/rank':>12} {'tokens/s':>10} {'vs single':>10}"]
     for name, ranks, tps, threads in rows:
@@ -99,7 +125,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6, help="steps per layout (the first is not timed)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of every rank, single process included")
-    parser.add_argument("--only", nargs="*", default=[], help="layouts to run (e.g. dp2 'dp2 tp2'); the single-process baseline always runs")
+    parser.add_argument(
+        "--only", nargs="*", default=[], help="layouts to run (e.g. dp2 'dp2 tp2'); the single-process baseline always runs"
+    )
     args = parser.parse_args()
     print(f"{os.cpu_count()} cores; every layout in its own torchrun group, {args.threads} thread(s) per rank")
     print(render(bench(steps=args.steps, threads=args.threads, only=args.only)))

@@ -19,10 +19,18 @@ import sys
 
 
 def overrides(args: argparse.Namespace, *, fp32_residual: bool) -> list:
-    return [f"recipe={args.recipe}", "parallel=single", "cluster=cpu", f"precision={args.precision}",
-            f"precision.fp32_residual={str(fp32_residual).lower()}", f"model.seq_len={args.seq}",
-            f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.micro_batch}",
-            f"train.steps={args.steps}", f"parallel.recompute={args.recompute}"]
+    return [
+        f"recipe={args.recipe}",
+        "parallel=single",
+        "cluster=cpu",
+        f"precision={args.precision}",
+        f"precision.fp32_residual={str(fp32_residual).lower()}",
+        f"model.seq_len={args.seq}",
+        f"train.micro_batch_size={args.micro_batch}",
+        f"train.global_batch_size={args.micro_batch}",
+        f"train.steps={args.steps}",
+        f"parallel.recompute={args.recompute}",
+    ]
 
 
 def child(args: argparse.Namespace, fp32_residual: bool) -> None:
@@ -63,8 +71,10 @@ def main() -> None:
     from llmforge.plan import RunPlan
     from llmforge.train.footprint import measure_step
 
-    print(f"recipe={args.recipe}, seq {args.seq}, micro-batch {args.micro_batch}, {args.precision}, recompute={args.recompute}, "
-          f"{args.steps} steps on {args.device} (MiB = 2**20 bytes)")
+    print(
+        f"recipe={args.recipe}, seq {args.seq}, micro-batch {args.micro_batch}, {args.precision}, recompute={args.recompute}, "
+        f"{args.steps} steps on {args.device} (MiB = 2**20 bytes)"
+    )
     peak_name = "peak allocated" if args.device == "cuda" else "peak RSS"
     print(f"{'residual stream':>16} | {'saved / microbatch':>18} | {peak_name:>14} | losses")
     for fp32_residual in (True, False):

@@ -32,7 +32,9 @@ def main() -> None:
         result = search_plan(plan, top=args.top)
         print(f"{name}: {result.evaluated} layouts, {result.fitting} fit, {result.seconds:.3f} s ({result.rate:,.0f} layouts/s)")
         for i, est in enumerate(result.ranked, 1):
-            print(f"  #{i} {est.tokens_per_s:>12,.0f} tok/s  MFU {est.mfu:5.1%}  {est.worst.total / 2**30:6.1f} GiB  {est.layout.overrides()}")
+            print(
+                f"  #{i} {est.tokens_per_s:>12,.0f} tok/s  MFU {est.mfu:5.1%}  {est.worst.total / 2**30:6.1f} GiB  {est.layout.overrides()}"
+            )
         if len(result.ranked) > 1:
             print(f"  {why(result.ranked[0], result.ranked[1])}")
         for line in result.suggestions:

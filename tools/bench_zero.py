@@ -36,19 +36,30 @@ def main() -> None:
     from llmforge.config.compose import compose
     from llmforge.estimate.memory import model_states
     from llmforge.estimate.shape import from_plan
-    from llmforge.train.footprint import measure_step
     from llmforge.plan import RunPlan
+    from llmforge.train.footprint import measure_step
 
-    print(f"recipe={args.recipe}, dp={args.dp}, param_dtype={args.precision}, reduce_dtype={args.reduce}; "
-          "model states of rank 0 (MB = 1e6 bytes), bytes per parameter in brackets")
+    print(
+        f"recipe={args.recipe}, dp={args.dp}, param_dtype={args.precision}, reduce_dtype={args.reduce}; "
+        "model states of rank 0 (MB = 1e6 bytes), bytes per parameter in brackets"
+    )
     header = f"{'zero':>4} | {'measured':>16} | {'estimated':>16} | {'ZeRO paper':>16} | weights / grads / AdamW measured (MB)"
     print(header)
     print("-" * len(header))
     for zero in range(4):
-        overrides = [f"recipe={args.recipe}", "parallel=single", f"parallel.dp={args.dp}", "cluster=cpu",
-                     f"cluster.devices_per_node={args.dp}", f"parallel.zero={zero}", f"precision.param_dtype={args.precision}",
-                     f"precision.reduce_dtype={args.reduce}", "model.seq_len=128", "train.micro_batch_size=1",
-                     f"train.global_batch_size={2 * args.dp}"]
+        overrides = [
+            f"recipe={args.recipe}",
+            "parallel=single",
+            f"parallel.dp={args.dp}",
+            "cluster=cpu",
+            f"cluster.devices_per_node={args.dp}",
+            f"parallel.zero={zero}",
+            f"precision.param_dtype={args.precision}",
+            f"precision.reduce_dtype={args.reduce}",
+            "model.seq_len=128",
+            "train.micro_batch_size=1",
+            f"train.global_batch_size={2 * args.dp}",
+        ]
         plan = RunPlan.build(compose(overrides))
         (weights, grads, states), _ = measure_step(plan)
         shape, layout, job = from_plan(plan)

@@ -30,9 +30,9 @@ import argparse
 import datetime
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -65,10 +65,10 @@ class Row:
     mode: str
     precision: str
     recompute: str
-    overrides: List[str]
+    overrides: list[str]
     tokens_per_s: float = 0.0
     peak_bytes: float = 0.0
-    plain_tokens_per_s: Optional[float] = None
+    plain_tokens_per_s: float | None = None
     mfu: float = 0.0
     before: dict = field(default_factory=dict)  # estimate with the datasheet profile: tokens_per_s, memory
     after: dict = field(default_factory=dict)  # with the calibrated profile
@@ -78,21 +78,30 @@ class Row:
         return f"{self.model} mb{self.micro_batch} {self.mode} {self.precision} {self.recompute}"
 
 
-def overrides(model: str, mb: int, *, mode: str, precision: str, recompute: str, accelerator: str) -> List[str]:
-    out = [f"model={model}", f"train.micro_batch_size={mb}", f"train.global_batch_size={mb}", "parallel=single",
-           f"cluster.accelerator={accelerator}", "cluster.devices_per_node=1", "logging.wandb.mode=disabled", "logging.console=false",
-           f"train.compile={'true' if mode == 'compiled' else 'false'}", f"parallel.recompute={recompute}"]
+def overrides(model: str, mb: int, *, mode: str, precision: str, recompute: str, accelerator: str) -> list[str]:
+    out = [
+        f"model={model}",
+        f"train.micro_batch_size={mb}",
+        f"train.global_batch_size={mb}",
+        "parallel=single",
+        f"cluster.accelerator={accelerator}",
+        "cluster.devices_per_node=1",
+        "logging.wandb.mode=disabled",
+        "logging.console=false",
+        f"train.compile={'true' if mode == 'compiled' else 'false'}",
+        f"parallel.recompute={recompute}",
+    ]
     return out + (["precision=fp8", "precision.fp8_recipe=tensorwise"] if precision == "fp8" else [f"precision={precision}"])
 
 
-def plan_of(args: Sequence[str], *, accelerator: Optional[str] = None):
+def plan_of(args: Sequence[str], *, accelerator: str | None = None):
     from llmforge.config.compose import compose
     from llmforge.plan import RunPlan
 
     return RunPlan.build(compose([*args, *([f"cluster.accelerator={accelerator}"] if accelerator else [])]))
 
 
-def rows_for(suite: Suite, *, accelerator: str) -> List[Row]:
+def rows_for(suite: Suite, *, accelerator: str) -> list[Row]:
     from llmforge.hardware import get_profile
 
     fp8 = get_profile(accelerator).has_fp8
@@ -108,7 +117,7 @@ def rows_for(suite: Suite, *, accelerator: str) -> List[Row]:
     return out
 
 
-def measure(rows: List[Row], *, device, steps: int, warmup: int, log, done=lambda: None) -> None:
+def measure(rows: list[Row], *, device, steps: int, warmup: int, log, done=lambda: None) -> None:
     """Train each row's plan (and the plain loop once per shape and mode) on ``device``;
     ``done()`` after each row, so a run cut short keeps the rows it measured."""
     import bench_gpu
@@ -132,7 +141,7 @@ def measure(rows: List[Row], *, device, steps: int, warmup: int, log, done=lambd
         done()
 
 
-def estimate(rows: List[Row], *, before: str, after: Path) -> None:
+def estimate(rows: list[Row], *, before: str, after: Path) -> None:
     """Each row's estimate on the datasheet profile (``before``) and the calibrated one."""
     from llmforge.estimate.core import estimate_plan
 
@@ -152,36 +161,53 @@ def _ratio(measured: float, est: dict, key: str) -> str:
     return f"{measured / est[key]:.2f}x" if est.get(key) else "-"
 
 
-def table(rows: Sequence[Row]) -> List[str]:
+def table(rows: Sequence[Row]) -> list[str]:
     """The report's first table: measured, the plain loop, and measured / estimate before and after calibration."""
-    lines = ["| shape | mode | precision | recompute | tokens/s | vs plain | MFU | peak GiB | tokens/s meas/est: datasheet | calibrated "
-             "| memory meas/est: datasheet | calibrated |", "|" + "---|" * 4 + "---:|" * 8]
+    lines = [
+        "| shape | mode | precision | recompute | tokens/s | vs plain | MFU | peak GiB | tokens/s meas/est: datasheet | calibrated "
+        "| memory meas/est: datasheet | calibrated |",
+        "|" + "---|" * 4 + "---:|" * 8,
+    ]
     for r in rows:
         plain = f"{r.tokens_per_s / r.plain_tokens_per_s:.2f}x" if r.plain_tokens_per_s else "-"
-        lines.append(f"| {r.model} mb{r.micro_batch} | {r.mode} | {r.precision} | {r.recompute} | {r.tokens_per_s:,.0f} | {plain} | {r.mfu:.1%} "
-                     f"| {r.peak_bytes / GIB:.2f} | {_ratio(r.tokens_per_s, r.before, 'tokens_per_s')} | {_ratio(r.tokens_per_s, r.after, 'tokens_per_s')} "
-                     f"| {_ratio(r.peak_bytes, r.before, 'memory')} | {_ratio(r.peak_bytes, r.after, 'memory')} |")
+        lines.append(
+            f"| {r.model} mb{r.micro_batch} | {r.mode} | {r.precision} | {r.recompute} | {r.tokens_per_s:,.0f} | {plain} | {r.mfu:.1%} "
+            f"| {r.peak_bytes / GIB:.2f} | {_ratio(r.tokens_per_s, r.before, 'tokens_per_s')} | {_ratio(r.tokens_per_s, r.after, 'tokens_per_s')} "
+            f"| {_ratio(r.peak_bytes, r.before, 'memory')} | {_ratio(r.peak_bytes, r.after, 'memory')} |"
+        )
     return lines
 
 
-def targets(rows: Sequence[Row]) -> List[str]:
+def targets(rows: Sequence[Row]) -> list[str]:
     """The issue's targets on one H100, each with what was measured."""
-    def find(model: str, mode: str, recompute: str = "none", precision: str = "bf16") -> Optional[Row]:
+
+    def find(model: str, mode: str, recompute: str = "none", precision: str = "bf16") -> Row | None:
         return next((r for r in rows if (r.model, r.mode, r.recompute, r.precision) == (model, mode, recompute, precision)), None)
 
     out = []
     for mode in ("eager", "compiled"):
         r = find("gpt-125m", mode)
         if r and r.plain_tokens_per_s:
-            out.append(_check(f"gpt-125m {mode} at or above the plain loop", r.tokens_per_s >= r.plain_tokens_per_s, f"{r.tokens_per_s / r.plain_tokens_per_s:.3f}x"))
+            out.append(
+                _check(
+                    f"gpt-125m {mode} at or above the plain loop",
+                    r.tokens_per_s >= r.plain_tokens_per_s,
+                    f"{r.tokens_per_s / r.plain_tokens_per_s:.3f}x",
+                )
+            )
     r = find("gpt-1b", "compiled")
     if r:
         out.append(_check("gpt-1b compiled at 45% MFU or more", r.mfu >= 0.45, f"{r.mfu:.1%}"))
     for none in (r for r in rows if r.recompute == "none"):
         sel = find(none.model, none.mode, "selective", none.precision)
         if sel:
-            out.append(_check(f"{sel.model} {sel.mode} {sel.precision}: selective within 5% of none", sel.tokens_per_s >= 0.95 * none.tokens_per_s,
-                              f"{sel.tokens_per_s / none.tokens_per_s:.3f}x"))
+            out.append(
+                _check(
+                    f"{sel.model} {sel.mode} {sel.precision}: selective within 5% of none",
+                    sel.tokens_per_s >= 0.95 * none.tokens_per_s,
+                    f"{sel.tokens_per_s / none.tokens_per_s:.3f}x",
+                )
+            )
     speed = [abs(r.tokens_per_s / r.after["tokens_per_s"] - 1) for r in rows if r.after]
     memory = [abs(r.peak_bytes / r.after["memory"] - 1) for r in rows if r.after]
     if speed:
@@ -194,7 +220,7 @@ def _check(what: str, ok: bool, got: str) -> str:
     return f"- {'met' if ok else 'MISSED'}: {what} ({got})"
 
 
-def header(device_name: str, *, smoke: bool) -> List[str]:
+def header(device_name: str, *, smoke: bool) -> list[str]:
     import torch
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip() or "unknown"
@@ -209,15 +235,19 @@ def report(*, rows: Sequence[Row], device_name: str, smoke: bool, calibration: s
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("gpu-report.md"))
     parser.add_argument("--accelerator", default="h100-80gb", help="the datasheet profile of this GPU")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU: exercise the pipeline and the report")
-    parser.add_argument("--quick", action="store_true", help="a subset (eager/compiled, bf16/fp8, recompute none/selective; quick calibration; "
-                        "no GPU tests) for a short session on the GPU")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a subset (eager/compiled, bf16/fp8, recompute none/selective; quick calibration; "
+        "no GPU tests) for a short session on the GPU",
+    )
     parser.add_argument("--skip", nargs="*", default=[], help="leave out rows whose name contains any of these words (e.g. fp8 gpt-1b)")
     args = parser.parse_args(argv)
     import torch
@@ -231,8 +261,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     device_name = "CPU" if smoke else torch.cuda.get_device_name(device)
     log = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
     calibrated = args.out.with_suffix(".profile.yaml")
-    cal = run([sys.executable, "-m", "llmforge", "calibrate", f"cluster.accelerator={accelerator}", "cluster.devices_per_node=1",
-               "--out", str(calibrated), *suite.calibrate_args], log=log)
+    cal = run(
+        [
+            sys.executable,
+            "-m",
+            "llmforge",
+            "calibrate",
+            f"cluster.accelerator={accelerator}",
+            "cluster.devices_per_node=1",
+            "--out",
+            str(calibrated),
+            *suite.calibrate_args,
+        ],
+        log=log,
+    )
     if cal.returncode != 0:
         raise SystemExit(f"llmforge calibrate failed:\n{cal.stderr[-3000:]}")
     rows = [r for r in rows_for(suite, accelerator=accelerator) if not any(word in r.name for word in args.skip)]

@@ -19,10 +19,9 @@ import argparse
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Dict, List
 
 
-def one_run(*, balance: str, seed: int, steps: int, extra: List[str], root: Path) -> List[dict]:
+def one_run(*, balance: str, seed: int, steps: int, extra: list[str], root: Path) -> list[dict]:
     from llmforge.config.compose import compose
     from llmforge.observe.metrics import read_metrics
     from llmforge.plan import RunPlan
@@ -30,24 +29,42 @@ def one_run(*, balance: str, seed: int, steps: int, extra: List[str], root: Path
     from llmforge.train.run import run
 
     run_dir = root / f"{balance}-{seed}"
-    overrides = ["recipe=moe-tiny", f"model.moe.balance={balance}", f"train.seed={seed}", f"train.steps={steps}", "train.log_interval=1",
-                 f"run.dir={run_dir}", "logging.console=false", "logging.wandb.mode=disabled", "checkpoint.save_final=false", *extra]
+    overrides = [
+        "recipe=moe-tiny",
+        f"model.moe.balance={balance}",
+        f"train.seed={seed}",
+        f"train.steps={steps}",
+        "train.log_interval=1",
+        f"run.dir={run_dir}",
+        "logging.console=false",
+        "logging.wandb.mode=disabled",
+        "checkpoint.save_final=false",
+        *extra,
+    ]
     run(RunPlan.build(compose(overrides)), rank=RankInfo())
     return read_metrics(run_dir / "metrics.jsonl")
 
 
-def summary(records: List[dict]) -> Dict[str, float]:
-    late = records[len(records) // 2:]
-    return {"cv_late": statistics.fmean(r["moe/load_cv"] for r in late), "cv_last": records[-1]["moe/load_cv"],
-            "max_imb_last": records[-1]["moe/max_load_imbalance"], "loss_last": records[-1]["loss"]}
+def summary(records: list[dict]) -> dict[str, float]:
+    late = records[len(records) // 2 :]
+    return {
+        "cv_late": statistics.fmean(r["moe/load_cv"] for r in late),
+        "cv_last": records[-1]["moe/load_cv"],
+        "max_imb_last": records[-1]["moe/max_load_imbalance"],
+        "loss_last": records[-1]["loss"],
+    }
 
 
-def table(results: Dict[str, List[Dict[str, float]]], *, steps: int) -> str:
-    def cell(values: List[float]) -> str:
+def table(results: dict[str, list[dict[str, float]]], *, steps: int) -> str:
+    def cell(values: list[float]) -> str:
         return f"{statistics.fmean(values):.3f} ± {statistics.pstdev(values):.3f}"
 
-    cols = (("cv_late", f"load CV, steps {steps // 2 + 1}-{steps}"), ("cv_last", f"load CV, step {steps}"),
-            ("max_imb_last", f"worst layer max/mean, step {steps}"), ("loss_last", f"loss, step {steps}"))
+    cols = (
+        ("cv_late", f"load CV, steps {steps // 2 + 1}-{steps}"),
+        ("cv_last", f"load CV, step {steps}"),
+        ("max_imb_last", f"worst layer max/mean, step {steps}"),
+        ("loss_last", f"loss, step {steps}"),
+    )
     lines = ["| model.moe.balance | " + " | ".join(name for _, name in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for balance, runs in results.items():
         lines.append(f"| {balance} | " + " | ".join(cell([r[key] for r in runs]) for key, _ in cols) + " |")
@@ -61,14 +78,16 @@ def main() -> None:
     parser.add_argument("--balance", nargs="+", default=["aux", "bias", "none"], choices=["aux", "bias", "none"])
     parser.add_argument("overrides", nargs="*", help="extra overrides for every run, e.g. train.global_batch_size=8")
     args = parser.parse_args()
-    results: Dict[str, List[Dict[str, float]]] = {}
+    results: dict[str, list[dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for balance in args.balance:
             for seed in range(args.seeds):
                 records = one_run(balance=balance, seed=seed, steps=args.steps, extra=args.overrides, root=Path(tmp))
                 results.setdefault(balance, []).append(summary(records))
                 print(f"{balance} seed {seed}: " + ", ".join(f"{k} {v:.4f}" for k, v in results[balance][-1].items()), flush=True)
-    print(f"\nmoe-tiny, {args.seeds} seeds x {args.steps} steps{' ' + ' '.join(args.overrides) if args.overrides else ''} (mean ± std over seeds)\n")
+    print(
+        f"\nmoe-tiny, {args.seeds} seeds x {args.steps} steps{' ' + ' '.join(args.overrides) if args.overrides else ''} (mean ± std over seeds)\n"
+    )
     print(table(results, steps=args.steps))
 
 

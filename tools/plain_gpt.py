@@ -86,8 +86,18 @@ def main() -> None:
     p.add_argument("--tokens", required=True)
     p.add_argument("--dtype", default="uint16")
     p.add_argument("--steps", type=int, required=True)
-    for name, default in (("layers", 4), ("width", 128), ("heads", 4), ("ffn", 512), ("vocab", 4096), ("seq", 128),
-                          ("micro-batch", 4), ("global-batch", 16), ("warmup", 20), ("seed", 1234)):
+    for name, default in (
+        ("layers", 4),
+        ("width", 128),
+        ("heads", 4),
+        ("ffn", 512),
+        ("vocab", 4096),
+        ("seq", 128),
+        ("micro-batch", 4),
+        ("global-batch", 16),
+        ("warmup", 20),
+        ("seed", 1234),
+    ):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
@@ -97,8 +107,10 @@ def main() -> None:
     torch.manual_seed(a.seed)
     model = GPT(layers=a.layers, width=a.width, heads=a.heads, ffn=a.ffn, vocab=a.vocab, seq=a.seq)
     params = [q for q in model.parameters() if q.requires_grad]
-    groups = [{"params": [q for q in params if q.dim() >= 2], "weight_decay": a.weight_decay},
-              {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [q for q in params if q.dim() >= 2], "weight_decay": a.weight_decay},
+        {"params": [q for q in params if q.dim() < 2], "weight_decay": 0.0},
+    ]
     optimizer = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95))
     accumulation = a.global_batch // a.micro_batch
     for step in range(a.steps):

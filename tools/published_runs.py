@@ -37,8 +37,10 @@ def _throughput() -> None:
     for name, row in published.ROWS.items():
         est, tokens = published.per_gpu(row)
         held = row.tokens_per_s_per_gpu / (published.ASYNC_TP_GAIN if row.async_tp else 1.0)
-        print(f"{name:28s} {est.tokens_per_s / row.layout.world:9,.0f} {tokens:8,.0f} {row.tokens_per_s_per_gpu:9,.0f} "
-              f"{held:6,.0f} {tokens / held:6.3f}")
+        print(
+            f"{name:28s} {est.tokens_per_s / row.layout.world:9,.0f} {tokens:8,.0f} {row.tokens_per_s_per_gpu:9,.0f} "
+            f"{held:6,.0f} {tokens / held:6.3f}"
+        )
 
 
 def _memory() -> None:
@@ -46,13 +48,20 @@ def _memory() -> None:
     for name, row in published.ROWS.items():
         est, _ = published.per_gpu(row)
         before = estimate(row.shape, row.layout, dataclasses.replace(published.job(row), fp32_residual=True), every_stage=False)
-        print(f"{name:28s} {before.worst.total / GIB:8.1f} {est.worst.total / GIB:8.1f} {row.memory_gib:9.1f} "
-              f"{est.worst.total / GIB / row.memory_gib:6.3f} {'yes' if row.memory_held else 'no':>5s}")
+        print(
+            f"{name:28s} {before.worst.total / GIB:8.1f} {est.worst.total / GIB:8.1f} {row.memory_gib:9.1f} "
+            f"{est.worst.total / GIB / row.memory_gib:6.3f} {'yes' if row.memory_held else 'no':>5s}"
+        )
 
 
 def _responses() -> None:
-    pairs = [("8B 8 GPUs compile", "8B 8 GPUs"), ("8B 8 GPUs compile float8", "8B 8 GPUs compile"),
-             ("405B 512 GPUs interleaved", "405B 512 GPUs 1F1B"), ("8B 128 GPUs", "8B 8 GPUs"), ("8B 128 GPUs compile", "8B 8 GPUs compile")]
+    pairs = [
+        ("8B 8 GPUs compile", "8B 8 GPUs"),
+        ("8B 8 GPUs compile float8", "8B 8 GPUs compile"),
+        ("405B 512 GPUs interleaved", "405B 512 GPUs 1F1B"),
+        ("8B 128 GPUs", "8B 8 GPUs"),
+        ("8B 128 GPUs compile", "8B 8 GPUs compile"),
+    ]
     print()
     for faster, slower in pairs:
         estimated, reported = published.ratio(faster, slower)
@@ -69,14 +78,19 @@ def _megatron_462b() -> None:
         layout = Layout(dp=48, tp=8, pp=16, zero=1, sequence_parallel=True, micro_batch=1, recompute=recompute)
         now = estimate(shape, layout, jb, every_stage=False)
         before = estimate(shape, layout, dataclasses.replace(jb, fp32_residual=True), every_stage=False)
-        print(f"  recompute {recompute:9s} fp32 res {before.worst.total / GIB:5.1f}  bf16 res {now.worst.total / GIB:5.1f} GiB  "
-              f"{'fits' if now.fits else 'does not fit'}")
+        print(
+            f"  recompute {recompute:9s} fp32 res {before.worst.total / GIB:5.1f}  bf16 res {now.worst.total / GIB:5.1f} GiB  "
+            f"{'fits' if now.fits else 'does not fit'}"
+        )
 
 
 #: name, (heads, hidden, layers), tp, pp, GPUs, global batch: Narayanan et al.'s GPT shapes, seq 4096, vocab 131072
 MEGATRON_STYLE = [
-    ("18B", (48, 6144, 40), 8, 1, 256, 512), ("39B", (64, 8192, 48), 8, 1, 512, 512), ("39B", (64, 8192, 48), 8, 2, 512, 512),
-    ("76B", (80, 10240, 60), 8, 4, 1024, 512), ("175B", (96, 12288, 96), 8, 8, 1024, 512),
+    ("18B", (48, 6144, 40), 8, 1, 256, 512),
+    ("39B", (64, 8192, 48), 8, 1, 512, 512),
+    ("39B", (64, 8192, 48), 8, 2, 512, 512),
+    ("76B", (80, 10240, 60), 8, 4, 1024, 512),
+    ("175B", (96, 12288, 96), 8, 8, 1024, 512),
 ]
 
 
@@ -86,7 +100,9 @@ def megatron_style(name, dims, t, p, world, batch, *, async_tp: bool, reduce_dty
     shape = megatron.gpt(heads=heads, hidden=hidden, layers=layers, vocab=131072, seq=4096)
     jb = dataclasses.replace(megatron.job("h100-80gb", batch=batch, world=world), compile=True, reduce_dtype=reduce_dtype)
     for recompute in ("none", "selective", "full"):
-        layout = Layout(dp=world // (t * p), tp=t, pp=p, zero=1, sequence_parallel=True, micro_batch=1, recompute=recompute, async_tp=async_tp)
+        layout = Layout(
+            dp=world // (t * p), tp=t, pp=p, zero=1, sequence_parallel=True, micro_batch=1, recompute=recompute, async_tp=async_tp
+        )
         est = estimate(shape, layout, jb, every_stage=False)
         if est.fits:
             break
@@ -94,16 +110,30 @@ def megatron_style(name, dims, t, p, world, batch, *, async_tp: bool, reduce_dty
 
 
 def _megatron_style() -> None:
-    keys = ("matmul", "attention", "memory_bound", "launch_floor", "tp_exposed", "dp_all_gather_exposed", "dp_reduce_scatter_exposed",
-            "pp_exposed", "bubble", "comm_overlap", "optimizer")
+    keys = (
+        "matmul",
+        "attention",
+        "memory_bound",
+        "launch_floor",
+        "tp_exposed",
+        "dp_all_gather_exposed",
+        "dp_reduce_scatter_exposed",
+        "pp_exposed",
+        "bubble",
+        "comm_overlap",
+        "optimizer",
+    )
     print("\nMegatron-style layouts on h100-80gb (TP 8 + SP, ZeRO 1, micro batch 1, compiled), seconds per step:")
     print(f"{'row':22s} {'async':>5s} " + " ".join(f"{k.replace('_exposed', ''):>9.9s}" for k in keys) + f" {'step':>6s} {'MFU':>6s}")
     for name, dims, t, p, world, batch in MEGATRON_STYLE:
         for async_tp in (False, True):
             est = megatron_style(name, dims, t, p, world, batch, async_tp=async_tp)
             row = f"{name} tp{t} pp{p} dp{world // (t * p)} {est.layout.recompute[:3]}"
-            print(f"{row:22s} {'on' if async_tp else 'off':>5s} " + " ".join(f"{est.terms.get(k, 0.0):9.3f}" for k in keys)
-                  + f" {est.step_s:6.3f} {100 * est.mfu:5.1f}%")
+            print(
+                f"{row:22s} {'on' if async_tp else 'off':>5s} "
+                + " ".join(f"{est.terms.get(k, 0.0):9.3f}" for k in keys)
+                + f" {est.step_s:6.3f} {100 * est.mfu:5.1f}%"
+            )
 
 
 def _async_tp_pair() -> None:
@@ -111,8 +141,10 @@ def _async_tp_pair() -> None:
     row = published.ROWS["70B 256 GPUs"]
     _, off = published.per_gpu(row)
     _, on = published.per_gpu(row._replace(layout=dataclasses.replace(row.layout, async_tp=True)))
-    print(f"\nasync TP on torchtitan's 70B row: estimate {off:,.0f} -> {on:,.0f} tokens/s per GPU ({on / off:.3f}x), "
-          f"published 829 -> 876 ({876 / 829:.3f}x)")
+    print(
+        f"\nasync TP on torchtitan's 70B row: estimate {off:,.0f} -> {on:,.0f} tokens/s per GPU ({on / off:.3f}x), "
+        f"published 829 -> 876 ({876 / 829:.3f}x)"
+    )
 
 
 def main() -> None:

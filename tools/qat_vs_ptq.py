@@ -20,17 +20,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from typing import Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
 
 
-def held_out_batches(plan, *, count: int) -> Tuple[List[torch.Tensor], int]:
+def held_out_batches(plan, *, count: int) -> tuple[list[torch.Tensor], int]:
     """The first ``count`` global batches of the run's validation split, and the sequences the split holds."""
-    from llmforge.train.run import make_sampler, prepare_data
-
     from rich.console import Console
+
+    from llmforge.train.run import make_sampler, prepare_data
 
     prepared = prepare_data(plan, console=Console(stderr=True, quiet=True))
     sampler = make_sampler(plan, prepared, split="val")
@@ -38,7 +37,7 @@ def held_out_batches(plan, *, count: int) -> Tuple[List[torch.Tensor], int]:
 
 
 @torch.no_grad()
-def mean_loss(model: torch.nn.Module, batches: List[torch.Tensor]) -> float:
+def mean_loss(model: torch.nn.Module, batches: list[torch.Tensor]) -> float:
     """Mean next-token cross-entropy over the batches (each batch's mean, averaged, as validation does)."""
     total = 0.0
     for batch in batches:
@@ -67,7 +66,7 @@ def final_model(run: str, *, scheme: str, group_size: int):
     return plan, found, plain.eval(), quantized
 
 
-def compare(*, plain_run: str, qat_run: str, batches: int = 0) -> Dict[str, object]:
+def compare(*, plain_run: str, qat_run: str, batches: int = 0) -> dict[str, object]:
     """The three held-out losses; ``batches`` global batches of the validation split (0: the plain run's train.eval_steps)."""
     from llmforge.checkpoint.locate import locate
     from llmforge.checkpoint.resume import checkpoint_plan
@@ -80,11 +79,18 @@ def compare(*, plain_run: str, qat_run: str, batches: int = 0) -> Dict[str, obje
     _, qat_found, _, qat = final_model(qat_run, scheme=pr.qat, group_size=pr.qat_group_size)
     held_out, in_split = held_out_batches(plan, count=batches or plan.config.train.eval_steps)
     return {
-        "scheme": pr.qat, "group_size": pr.qat_group_size, "qat_start_step": pr.qat_start_step, "steps": qat_plan.config.train.steps,
-        "plain_checkpoint": str(found.path), "qat_checkpoint": str(qat_found.path),
-        "held_out_tokens": sum(b[:, 1:].numel() for b in held_out), "held_out_sequences": sum(len(b) for b in held_out),
+        "scheme": pr.qat,
+        "group_size": pr.qat_group_size,
+        "qat_start_step": pr.qat_start_step,
+        "steps": qat_plan.config.train.steps,
+        "plain_checkpoint": str(found.path),
+        "qat_checkpoint": str(qat_found.path),
+        "held_out_tokens": sum(b[:, 1:].numel() for b in held_out),
+        "held_out_sequences": sum(len(b) for b in held_out),
         "sequences_in_split": in_split,
-        "unquantized": mean_loss(plain, held_out), "ptq": mean_loss(ptq, held_out), "qat": mean_loss(qat, held_out),
+        "unquantized": mean_loss(plain, held_out),
+        "ptq": mean_loss(ptq, held_out),
+        "qat": mean_loss(qat, held_out),
     }
 
 
@@ -92,7 +98,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--plain", required=True, help="the plain run (folder or checkpoint)")
     parser.add_argument("--qat", required=True, help="the same run trained with precision.qat (folder or checkpoint)")
-    parser.add_argument("--batches", type=int, default=0, help="global batches of the validation split to score (default: train.eval_steps, what the run's val_loss reads)")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        default=0,
+        help="global batches of the validation split to score (default: train.eval_steps, what the run's val_loss reads)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -100,9 +111,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"held-out loss ({result['held_out_sequences']} sequences, {result['held_out_tokens']:,} tokens; the split holds "
-          f"{result['sequences_in_split']} sequences), {result['scheme']} group size {result['group_size']}, "
-          f"QAT from step {result['qat_start_step']} of {result['steps']}:")
+    print(
+        f"held-out loss ({result['held_out_sequences']} sequences, {result['held_out_tokens']:,} tokens; the split holds "
+        f"{result['sequences_in_split']} sequences), {result['scheme']} group size {result['group_size']}, "
+        f"QAT from step {result['qat_start_step']} of {result['steps']}:"
+    )
     print(f"{'unquantized (plain run)':<34}{'PTQ (plain run, quantized)':<34}{'QAT (QAT run, quantized)':<34}")
     row = [result["unquantized"], result["ptq"], result["qat"]]
     print("".join(f"{v:<34.4f}" for v in row))

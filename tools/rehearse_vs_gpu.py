@@ -12,8 +12,18 @@ import sys
 
 import torch
 
-DEFAULT = ["recipe=llama-8b", "model.num_layers=4", "cluster.nodes=1", "cluster.devices_per_node=1", "cluster.launcher=torchrun",
-           "parallel=fsdp", "parallel.recompute=selective", "train.micro_batch_size=2", "train.global_batch_size=4", "model.seq_len=4096"]
+DEFAULT = [
+    "recipe=llama-8b",
+    "model.num_layers=4",
+    "cluster.nodes=1",
+    "cluster.devices_per_node=1",
+    "cluster.launcher=torchrun",
+    "parallel=fsdp",
+    "parallel.recompute=selective",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=4",
+    "model.seq_len=4096",
+]
 
 
 def real_gpu_peak(plan) -> dict:
@@ -39,8 +49,12 @@ def real_gpu_peak(plan) -> dict:
         with PeakTracker(modules=c.model_parts, optimizer=c.optimizer) as t:
             _one_step(c, tracker=t, grad_clip=cfg.optim.grad_clip)
         torch.cuda.synchronize()
-        out[f"step{step}"] = {"max_allocated": torch.cuda.max_memory_allocated(), "max_reserved": torch.cuda.max_memory_reserved(),
-                              "tracker_peak": t.peak_bytes, "tracker_categories": t.peak_by_category()}
+        out[f"step{step}"] = {
+            "max_allocated": torch.cuda.max_memory_allocated(),
+            "max_reserved": torch.cuda.max_memory_reserved(),
+            "tracker_peak": t.peak_bytes,
+            "tracker_categories": t.peak_by_category(),
+        }
     dist.destroy_process_group()
     return out
 
@@ -61,9 +75,16 @@ def main(argv) -> None:
     plan = build_plan(argv or DEFAULT)
     est = estimate_plan(plan)
     r = rehearse(plan, stage=est.worst.stage)
-    result = {"overrides": argv or DEFAULT, "rehearsed": {"step_peak_bytes": r.step_peak_bytes, "first_step_peak_bytes": r.first_step_peak_bytes,
-                                                          "categories": r.categories, "seconds": r.seconds},
-              "estimate_tensor_bytes": sum(getattr(est.worst, k) for k in ("weights", "grads", "optimizer", "activations", "transient"))}
+    result = {
+        "overrides": argv or DEFAULT,
+        "rehearsed": {
+            "step_peak_bytes": r.step_peak_bytes,
+            "first_step_peak_bytes": r.first_step_peak_bytes,
+            "categories": r.categories,
+            "seconds": r.seconds,
+        },
+        "estimate_tensor_bytes": sum(getattr(est.worst, k) for k in ("weights", "grads", "optimizer", "activations", "transient")),
+    }
     if torch.cuda.is_available():
         result["gpu"] = real_gpu_peak(plan)
         result["device"] = torch.cuda.get_device_name()

@@ -27,5 +27,7 @@ def profile_warning(*, ratio: float, mfu: float, accelerator: str, source: str, 
     if accelerator.endswith((".yaml", ".yml")):
         target += f" --out {accelerator}"
     again = " again" if calibration else ""
-    return (f"; the hardware profile looks wrong ({why}; {source}): measure this machine{again} with "
-            f"`llmforge calibrate{target}` while nothing else runs on it (unless other work slowed this run itself)")
+    return (
+        f"; the hardware profile looks wrong ({why}; {source}): measure this machine{again} with "
+        f"`llmforge calibrate{target}` while nothing else runs on it (unless other work slowed this run itself)"
+    )

@@ -66,7 +66,7 @@ def ensure_cpu_profile(plan, *, console: Console) -> None:
 def _measure(plan, *, say):
     threads = cpu_threads(ranks_per_node(plan))
     req = Request(accelerator="cpu", quick=True, command="llmforge calibrate --quick (first CPU run on this machine)")
-    silent = lambda total: (lambda what: None)  # noqa: E731
+    silent = lambda total: lambda what: None  # noqa: E731
     compute, _, verdict = measure_trusted(lambda: (measure_here(req, threads=threads, tick_total=silent), []), attempts=ATTEMPTS, say=say)
     result = Result(datasheet=datasheet_profile("cpu"), compute=compute, verdict=verdict)
     prov = provenance(device=compute.device_name, threads=threads, ranks=1, quick=True, started_from=result.datasheet, command=req.command)
@@ -82,19 +82,27 @@ def _keep(result, *, console: Console, say, seconds: float) -> None:
     path = machine_profile_path(result.compute.threads)
     if not result.verdict.trusted:
         use_for_this_run(text)
-        say(f"measured this CPU in {seconds:.0f}s ({figures}) on a busy machine ({'; '.join(result.verdict.reasons)}): this run uses "
+        say(
+            f"measured this CPU in {seconds:.0f}s ({figures}) on a busy machine ({'; '.join(result.verdict.reasons)}): this run uses "
             "these figures, but they are not cached and the next run measures again (llmforge calibrate, when the machine is quiet, caches them)"
-            + _home_problem(path))
+            + _home_problem(path)
+        )
         return
     try:
         write_profile(path, text)
     except OSError as exc:
         use_for_this_run(text)
-        say(f"measured this CPU in {seconds:.0f}s ({figures}) and this run uses it, but LLMFORGE_HOME={llmforge_home()} cannot hold it "
-            f"({exc.strerror or exc}): set LLMFORGE_HOME to a writable folder, or every run measures again")
+        say(
+            f"measured this CPU in {seconds:.0f}s ({figures}) and this run uses it, but LLMFORGE_HOME={llmforge_home()} cannot hold it "
+            f"({exc.strerror or exc}): set LLMFORGE_HOME to a writable folder, or every run measures again"
+        )
         return
-    console.print(f"first run on this CPU: measured it in {seconds:.0f}s ({figures}) "
-                  f"and cached the profile in {path} for later runs (llmforge calibrate measures it fully)", markup=False, highlight=False)
+    console.print(
+        f"first run on this CPU: measured it in {seconds:.0f}s ({figures}) "
+        f"and cached the profile in {path} for later runs (llmforge calibrate measures it fully)",
+        markup=False,
+        highlight=False,
+    )
 
 
 def _home_problem(path: Path) -> str:

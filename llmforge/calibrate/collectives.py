@@ -12,7 +12,7 @@ estimator's ``intra_node_gbs`` and ``inter_node_gbs`` describe.
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ MIB = 2**20
 CPU_SMALL = (4 * 2**10, 64 * 2**10)
 
 
-def sizes(device: torch.device, *, quick: bool) -> List[int]:
+def sizes(device: torch.device, *, quick: bool) -> list[int]:
     """1 MiB to 1 GiB on a GPU (to 64 MiB with ``quick``); on a CPU 4 KiB and 64 KiB, then 1 MiB
     to 64 MiB (4 MiB)."""
     top = (64 if quick else 1024) if device.type == "cuda" else (4 if quick else 64)
@@ -80,7 +80,9 @@ def time_op(fn: Callable[[], None], *, group, device: torch.device, iters: int) 
     return float(elapsed.item())
 
 
-def sweep(*, link: str, group, device: torch.device, byte_sizes: Sequence[int], tick: Optional[Callable[[str], None]] = None) -> List[CommSample]:
+def sweep(
+    *, link: str, group, device: torch.device, byte_sizes: Sequence[int], tick: Callable[[str], None] | None = None
+) -> list[CommSample]:
     """Every op at every size on ``group`` (every rank of it calls this)."""
     n = dist.get_world_size(group)
     out = []
@@ -114,5 +116,8 @@ def best_bus_bandwidth(op: str, *, group, device: torch.device, byte_sizes: Sequ
     """The best bus bandwidth (bytes/s) of ``op`` on ``group`` over ``byte_sizes``, each timed on
     the slowest rank: the pre-flight network check (``llmforge.launch.netcheck``). Every rank calls it."""
     n = dist.get_world_size(group)
-    times = [(nbytes, time_op(_collective(op, nbytes, group=group, device=device), group=group, device=device, iters=iters)) for nbytes in byte_sizes]
+    times = [
+        (nbytes, time_op(_collective(op, nbytes, group=group, device=device), group=group, device=device, iters=iters))
+        for nbytes in byte_sizes
+    ]
     return max(CommSample(op, "inter", n, nbytes, seconds).busbw for nbytes, seconds in times)

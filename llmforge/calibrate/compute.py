@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +39,7 @@ class Grid:
     elements: Sequence[int]  # memory-bound kernel sizes
     budget_s: float  # per timing
 
-    def matmul_shapes(self) -> List[tuple]:
+    def matmul_shapes(self) -> list[tuple]:
         out = []
         for h in self.widths:
             for t in self.tokens:
@@ -52,13 +52,17 @@ def grid_for(device: torch.device, *, quick: bool) -> Grid:
     if device.type == "cpu":
         if quick:
             return Grid((128, 256, 512), (512, 2048), ((128, 32), (512, 64)), 2048, (2**16, 2**19, 2**22), 0.03)
-        return Grid((128, 256, 512, 1024), (512, 2048, 4096), ((128, 32), (512, 64), (1024, 64)), 4096, (2**16, 2**18, 2**20, 2**22, 2**24), 0.15)
+        return Grid(
+            (128, 256, 512, 1024), (512, 2048, 4096), ((128, 32), (512, 64), (1024, 64)), 4096, (2**16, 2**18, 2**20, 2**22, 2**24), 0.15
+        )
     if quick:
         return Grid((1024, 4096), (4096,), ((2048, 128),), 16384, (2**22, 2**26), 0.05)
-    return Grid((768, 1024, 2048, 4096, 8192), (2048, 8192, 16384), ((1024, 64), (2048, 128), (4096, 128)), 32768, (2**20, 2**24, 2**26, 2**28), 0.2)
+    return Grid(
+        (768, 1024, 2048, 4096, 8192), (2048, 8192, 16384), ((1024, 64), (2048, 128), (4096, 128)), 32768, (2**20, 2**24, 2**26, 2**28), 0.2
+    )
 
 
-def supported_dtypes(device: torch.device) -> List[str]:
+def supported_dtypes(device: torch.device) -> list[str]:
     """Precision names whose matmuls this device runs (every one on a CPU and a recent GPU)."""
     names = ["fp32", "bf16", "fp16"]
     if device.type == "cuda" and not torch.cuda.is_bf16_supported():
@@ -84,10 +88,12 @@ def _time_fp8(m: int, k: int, n: int, *, device: torch.device, budget_s: float) 
     a = torch.randn(m, k, device=device).to(torch.float8_e4m3fn)
     b = torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t()
     one = torch.ones((), device=device)
-    return seconds_per_call(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), device=device, budget_s=budget_s)
+    return seconds_per_call(
+        lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), device=device, budget_s=budget_s
+    )
 
 
-def matmuls(grid: Grid, *, dtype: str, device: torch.device, tick: Tick) -> List[MatmulSample]:
+def matmuls(grid: Grid, *, dtype: str, device: torch.device, tick: Tick) -> list[MatmulSample]:
     """The grid's matmuls in ``dtype``; on a CPU only the reference dtype (fp32) runs the whole
     grid, the others (often emulated, up to 100x slower) one small MLP shape."""
     out = []
@@ -98,7 +104,7 @@ def matmuls(grid: Grid, *, dtype: str, device: torch.device, tick: Tick) -> List
     return out
 
 
-def attention(grid: Grid, *, dtype: str, device: torch.device, tick: Tick) -> List[AttentionSample]:
+def attention(grid: Grid, *, dtype: str, device: torch.device, tick: Tick) -> list[AttentionSample]:
     """Causal SDPA, forward and forward + backward, at ``grid.attention_tokens`` tokens of 8 heads."""
     tdt = getattr(torch, TORCH_NAMES[dtype])
     out = []
@@ -121,7 +127,7 @@ def attention(grid: Grid, *, dtype: str, device: torch.device, tick: Tick) -> Li
     return out
 
 
-def bandwidth(grid: Grid, *, device: torch.device, tick: Tick) -> List[BandwidthSample]:
+def bandwidth(grid: Grid, *, device: torch.device, tick: Tick) -> list[BandwidthSample]:
     """The memory-bound kernels of a training step, fp32, at each size: copies (read + write),
     additions (two reads, one write), and the elementwise kernels a block and the loss run
     forward and backward (GELU, layer norm over rows of 128, log-softmax over rows of 4096),
@@ -193,7 +199,7 @@ def usable_memory(device: torch.device) -> tuple[int, int]:
     return host_memory_bytes(), 0
 
 
-def host_copies(*, device: torch.device, quick: bool, budget_s: float) -> List[BandwidthSample]:
+def host_copies(*, device: torch.device, quick: bool, budget_s: float) -> list[BandwidthSample]:
     """Copies between pinned host memory and a GPU, each way (``h2d``, ``d2h``): what CPU offload
     moves over the host link. None on a CPU, whose host is the device."""
     if device.type != "cuda":
@@ -211,8 +217,9 @@ def device_name(device: torch.device, *, threads: int) -> str:
     return f"{cpu_model()} ({threads} thread{'s' if threads != 1 else ''})"
 
 
-def measure(device: torch.device, *, quick: bool, threads: int, tick: Tick, passes: int = PASSES,
-            load: Optional[Callable[[], object]] = None) -> ComputeSamples:
+def measure(
+    device: torch.device, *, quick: bool, threads: int, tick: Tick, passes: int = PASSES, load: Callable[[], object] | None = None
+) -> ComputeSamples:
     """Every compute figure of ``device`` (on a CPU with ``threads`` threads): ``passes`` passes
     over the grid, every other one in reverse order, each with the CPU load of other processes
     during it (``load``: a ``CpuLoad`` maker), combined into their medians (``trust.combine``)."""
@@ -234,8 +241,9 @@ def measure(device: torch.device, *, quick: bool, threads: int, tick: Tick, pass
 def one_pass(device: torch.device, *, grid: Grid, quick: bool, threads: int, tick: Tick, reverse: bool) -> ComputeSamples:
     """One pass over the grid, its sections in order or (``reverse``) the other way round."""
     dtypes = supported_dtypes(device) + (["fp8"] if has_fp8(device) else [])
-    samples = ComputeSamples(device=device.type, device_name=device_name(device, threads=threads), threads=threads,
-                             matmul={d: [] for d in dtypes})  # its keys decide the reference dtype
+    samples = ComputeSamples(
+        device=device.type, device_name=device_name(device, threads=threads), threads=threads, matmul={d: [] for d in dtypes}
+    )  # its keys decide the reference dtype
 
     def floor() -> None:
         samples.floor_s = launch_floor(device=device, budget_s=grid.budget_s)

@@ -16,8 +16,8 @@ become the peaks and bandwidths, at efficiency 1.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
 
 from llmforge.calibrate.probe import LoadReading
 from llmforge.estimate.comm import all_reduce_hops
@@ -99,16 +99,16 @@ class ComputeSamples:
     dtensor_op_s: float = 0.0
     memory_bytes: int = 0
     reserved_bytes: int = 0
-    matmul: Dict[str, List[MatmulSample]] = field(default_factory=dict)
-    attention: Dict[str, List[AttentionSample]] = field(default_factory=dict)
-    bandwidth: List[BandwidthSample] = field(default_factory=list)
+    matmul: dict[str, list[MatmulSample]] = field(default_factory=dict)
+    attention: dict[str, list[AttentionSample]] = field(default_factory=dict)
+    bandwidth: list[BandwidthSample] = field(default_factory=list)
     #: The host: its memory (one node's) and, on a GPU, copies to and from the device ("h2d", "d2h").
     host_memory_bytes: int = 0
-    host_copies: List[BandwidthSample] = field(default_factory=list)
+    host_copies: list[BandwidthSample] = field(default_factory=list)
     #: The interleaved passes these samples are the medians of (``llmforge.calibrate.trust``).
-    passes: List["ComputeSamples"] = field(default_factory=list)
+    passes: list[ComputeSamples] = field(default_factory=list)
     #: CPU load from other processes during each pass (``llmforge.calibrate.probe``).
-    load: List["LoadReading"] = field(default_factory=list)
+    load: list[LoadReading] = field(default_factory=list)
 
     @property
     def reference_dtype(self) -> str:
@@ -116,7 +116,7 @@ class ComputeSamples:
         return "bf16" if self.device == "cuda" and "bf16" in self.matmul else "fp32"
 
 
-def fit_matmul(samples: Sequence[MatmulSample], *, floor_s: float, dims: Sequence[float] = DIMS) -> Tuple[float, float]:
+def fit_matmul(samples: Sequence[MatmulSample], *, floor_s: float, dims: Sequence[float] = DIMS) -> tuple[float, float]:
     """(rate FLOP/s = peak x matmul_efficiency, matmul_dim) that best reproduce the timings.
 
     Launch-bound samples (under three launch floors) say nothing about the rate and are left out."""
@@ -144,20 +144,20 @@ def fit_bandwidth(samples: Sequence[BandwidthSample], *, floor_s: float) -> floa
     return sum(s.nbytes for s in used) / sum(s.seconds for s in used)
 
 
-def fit_latency_bandwidth(points: Sequence[Tuple[float, float]]) -> Tuple[float, float]:
+def fit_latency_bandwidth(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """(latency s, bandwidth bytes/s) of ``seconds = latency + bytes / bandwidth`` over
     (bus bytes, seconds) points, least squares in relative error; latency at least 0."""
     w = [1 / t**2 for _, t in points]
     sw = sum(w)
-    sx = sum(wi * x for wi, (x, _) in zip(w, points))
-    st = sum(wi * t for wi, (_, t) in zip(w, points))
-    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points))
-    sxt = sum(wi * x * t for wi, (x, t) in zip(w, points))
+    sx = sum(wi * x for wi, (x, _) in zip(w, points, strict=False))
+    st = sum(wi * t for wi, (_, t) in zip(w, points, strict=False))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points, strict=False))
+    sxt = sum(wi * x * t for wi, (x, t) in zip(w, points, strict=False))
     det = sw * sxx - sx * sx
     slope = (sw * sxt - sx * st) / det if det > 0 else 0.0
     latency = (st - slope * sx) / sw if det > 0 else 0.0
     if latency < 0 or slope <= 0:  # no latency to speak of: bandwidth alone
-        latency, slope = 0.0, sum(wi * x * t for wi, (x, t) in zip(w, points)) / sxx
+        latency, slope = 0.0, sum(wi * x * t for wi, (x, t) in zip(w, points, strict=False)) / sxx
     return latency, 1 / slope
 
 
@@ -165,7 +165,7 @@ def fit_latency_bandwidth(points: Sequence[Tuple[float, float]]) -> Tuple[float,
 class Fitted:
     """The measured rates, before they are written into a profile."""
 
-    rates: Dict[str, float]  # dtype -> matmul FLOP/s at large sizes (peak x efficiency)
+    rates: dict[str, float]  # dtype -> matmul FLOP/s at large sizes (peak x efficiency)
     matmul_dim: float
     attention_flops: float  # attention FLOP/s (peak x attention_efficiency), reference dtype
     bandwidth: float  # bytes/s
@@ -191,10 +191,20 @@ def fit_compute(samples: ComputeSamples) -> Fitted:
         if dtype != ref:  # fewer shapes: the reference dtype's size dependence
             rates[dtype] = fit_matmul(points, floor_s=samples.floor_s, dims=(dim,))[0]
     attention = fit_attention(samples.attention[ref], peak=1.0, matmul_dim=dim) if samples.attention.get(ref) else 0.0
-    return Fitted(rates=rates, matmul_dim=dim, attention_flops=attention, bandwidth=fit_bandwidth(samples.bandwidth, floor_s=samples.floor_s),
-                  floor_s=samples.floor_s, memory_bytes=samples.memory_bytes, reserved_bytes=samples.reserved_bytes,
-                  device=samples.device, reference_dtype=ref, host_memory_bytes=samples.host_memory_bytes,
-                  dtensor_op_s=samples.dtensor_op_s, **_host_rates(samples))
+    return Fitted(
+        rates=rates,
+        matmul_dim=dim,
+        attention_flops=attention,
+        bandwidth=fit_bandwidth(samples.bandwidth, floor_s=samples.floor_s),
+        floor_s=samples.floor_s,
+        memory_bytes=samples.memory_bytes,
+        reserved_bytes=samples.reserved_bytes,
+        device=samples.device,
+        reference_dtype=ref,
+        host_memory_bytes=samples.host_memory_bytes,
+        dtensor_op_s=samples.dtensor_op_s,
+        **_host_rates(samples),
+    )
 
 
 def _host_rates(samples: ComputeSamples) -> dict:
@@ -218,7 +228,7 @@ def latency_hops(op: str, n: int) -> int:
     return all_reduce_hops(n) if op == "all_reduce" else max(1, n - 1)
 
 
-def fit_comm(samples: Sequence[CommSample]) -> Dict[str, Tuple[float, float]]:
+def fit_comm(samples: Sequence[CommSample]) -> dict[str, tuple[float, float]]:
     """{link: (latency of one hop s, bus bandwidth bytes/s)} over every op and size measured on
     that link. ``seconds = hops * latency + bus bytes / bandwidth`` is fitted divided by the
     hops, so the latency is per hop whatever the rank count."""
@@ -274,7 +284,7 @@ def host_keys(fitted: Fitted) -> dict:
     return out
 
 
-def comm_keys(groups: Dict[str, Tuple[float, float]], datasheet: dict) -> dict:
+def comm_keys(groups: dict[str, tuple[float, float]], datasheet: dict) -> dict:
     """Profile keys from fitted (latency, bus bandwidth) per group kind (``intra``, ``inter``).
 
     The datasheet's line rate stays where the measurement is below it, and
@@ -299,7 +309,7 @@ def _round(x: float) -> float:
     return float(f"{x:.3g}")
 
 
-def median(values: Sequence[float]) -> Optional[float]:
+def median(values: Sequence[float]) -> float | None:
     ordered = sorted(values)
     if not ordered:
         return None
@@ -314,7 +324,7 @@ def samples_to_dict(compute: ComputeSamples, comm: Sequence[CommSample]) -> dict
     return {"compute": asdict(compute), "comm": [asdict(s) for s in comm]}
 
 
-def samples_from_dict(data: dict) -> Tuple[ComputeSamples, List[CommSample]]:
+def samples_from_dict(data: dict) -> tuple[ComputeSamples, list[CommSample]]:
     return compute_from_dict(data["compute"]), [CommSample(**s) for s in data["comm"]]
 
 

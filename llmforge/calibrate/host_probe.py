@@ -57,7 +57,6 @@ def measure(*, calls: int = 20) -> float:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-
     torch.set_num_threads(1)
     x = torch.randn(4, WIDTH)
     plain = _seconds(_pair(), x, calls=calls)
@@ -81,7 +80,9 @@ def in_subprocess(*, timeout_s: float = 120.0) -> float:
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
-        done = subprocess.run([sys.executable, "-m", "llmforge.calibrate.host_probe"], env=env, capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(
+            [sys.executable, "-m", "llmforge.calibrate.host_probe"], env=env, capture_output=True, text=True, timeout=timeout_s
+        )
         return float(done.stdout.strip().splitlines()[-1]) * 1e-6 if done.returncode == 0 else 0.0
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         return 0.0

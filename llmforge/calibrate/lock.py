@@ -14,8 +14,8 @@ import contextlib
 import os
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 from llmforge.errors import UserError
 
@@ -28,7 +28,7 @@ def lock_path() -> Path:
     return Path(tempfile.gettempdir()) / LOCK_NAME
 
 
-def _open(path: Path) -> Optional[int]:
+def _open(path: Path) -> int | None:
     """A descriptor to lock: the existing file (whoever made it), else a new one readable by all."""
     try:
         return os.open(path, os.O_RDONLY)
@@ -46,8 +46,9 @@ def _open(path: Path) -> Optional[int]:
 
 
 @contextlib.contextmanager
-def calibration_lock(*, say: Callable[[str], None], path: Optional[Path] = None, wait_s: float = WAIT_S,
-                     poll_s: float = 0.5) -> Iterator[bool]:
+def calibration_lock(
+    *, say: Callable[[str], None], path: Path | None = None, wait_s: float = WAIT_S, poll_s: float = 0.5
+) -> Iterator[bool]:
     """Hold the machine's calibration lock (True), or go on without one where no lock file can
     be made (False, said once); UserError after ``wait_s`` of another calibration holding it."""
     import fcntl
@@ -60,13 +61,17 @@ def calibration_lock(*, say: Callable[[str], None], path: Optional[Path] = None,
         return
     try:
         if not _try_lock(fd, fcntl):
-            say(f"another llmforge calibration is measuring this machine (it holds {path}); waiting for it, "
-                "since two at once measure each other")
+            say(
+                f"another llmforge calibration is measuring this machine (it holds {path}); waiting for it, "
+                "since two at once measure each other"
+            )
             deadline = time.monotonic() + wait_s
             while not _try_lock(fd, fcntl):
                 if time.monotonic() > deadline:
-                    raise UserError(f"another llmforge calibration has held {path} for over {wait_s:.0f}s; let it finish or stop it, then calibrate again",
-                                    title="cannot calibrate now")
+                    raise UserError(
+                        f"another llmforge calibration has held {path} for over {wait_s:.0f}s; let it finish or stop it, then calibrate again",
+                        title="cannot calibrate now",
+                    )
                 time.sleep(poll_s)
         yield True
     finally:

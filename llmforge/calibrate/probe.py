@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Tuple
 
 #: /proc/stat fields after the CPU's name (user nice system idle iowait irq softirq steal) that count as idle.
 IDLE_FIELDS = (3, 4)
@@ -46,7 +46,7 @@ def my_cpus() -> frozenset:
     return frozenset(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else frozenset(range(os.cpu_count() or 1))
 
 
-def busy_cpu_seconds(cpus: frozenset, *, stat: Path = Path("/proc/stat")) -> Optional[float]:
+def busy_cpu_seconds(cpus: frozenset, *, stat: Path = Path("/proc/stat")) -> float | None:
     """CPU seconds spent busy (not idle, not waiting for I/O) on ``cpus`` since boot; None where
     the kernel does not say (not Linux, or a container's /proc/stat without those CPUs)."""
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -72,18 +72,25 @@ def own_cpu_seconds() -> float:
 class CpuLoad:
     """``start()``, measure, ``stop()`` -> a LoadReading (None where the machine does not say)."""
 
-    def __init__(self, *, threads: int, cpus: Optional[frozenset] = None, busy: Optional[Callable[[], Optional[float]]] = None,
-                 own: Callable[[], float] = own_cpu_seconds, clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        *,
+        threads: int,
+        cpus: frozenset | None = None,
+        busy: Callable[[], float | None] | None = None,
+        own: Callable[[], float] = own_cpu_seconds,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.threads = threads
         self.cpus = cpus if cpus is not None else my_cpus()
         self.busy = busy or (lambda: busy_cpu_seconds(self.cpus))
         self.own, self.clock = own, clock
-        self._start: Optional[Tuple[float, Optional[float], float]] = None
+        self._start: tuple[float, float | None, float] | None = None
 
     def start(self) -> None:
         self._start = (self.clock(), self.busy(), self.own())
 
-    def stop(self) -> Optional[LoadReading]:
+    def stop(self) -> LoadReading | None:
         assert self._start is not None, "start() first"
         wall0, busy0, own0 = self._start
         wall, busy, own = self.clock() - wall0, self.busy(), self.own() - own0

@@ -7,9 +7,9 @@ import contextlib
 import json
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, List, Optional, Tuple
 
 from rich.console import Console
 
@@ -31,7 +31,7 @@ class Request:
     accelerator: str
     nodes: int = 1
     per_node: int = 1
-    rdzv_endpoint: Optional[str] = None
+    rdzv_endpoint: str | None = None
     timeout_s: int = 300
     quick: bool = False
     command: str = "llmforge calibrate"
@@ -49,7 +49,7 @@ class Request:
 class Result:
     datasheet: Profile
     compute: ComputeSamples
-    comm: List[CommSample] = field(default_factory=list)
+    comm: list[CommSample] = field(default_factory=list)
     data: dict = field(default_factory=dict)  # the calibrated profile's YAML keys
     verdict: Verdict = field(default_factory=Verdict)
 
@@ -61,16 +61,28 @@ def check_request(req: Request) -> None:
         import torch
 
         if not torch.cuda.is_available():
-            problems.append(Problem("cluster.accelerator", req.accelerator, "calibrating a GPU profile needs a CUDA device, and this machine has none",
-                                    "run llmforge calibrate on the GPU machine, or calibrate this CPU with cluster.accelerator=cpu"))
+            problems.append(
+                Problem(
+                    "cluster.accelerator",
+                    req.accelerator,
+                    "calibrating a GPU profile needs a CUDA device, and this machine has none",
+                    "run llmforge calibrate on the GPU machine, or calibrate this CPU with cluster.accelerator=cpu",
+                )
+            )
     if req.nodes > 1 and not req.rdzv_endpoint:
-        problems.append(Problem("cluster.rdzv_endpoint", None, "a calibration across nodes needs a rendezvous address every node can reach",
-                                "set cluster.rdzv_endpoint=HOST:PORT (the first node)"))
+        problems.append(
+            Problem(
+                "cluster.rdzv_endpoint",
+                None,
+                "a calibration across nodes needs a rendezvous address every node can reach",
+                "set cluster.rdzv_endpoint=HOST:PORT (the first node)",
+            )
+        )
     if problems:
         raise UserError(problems, title="cannot calibrate")
 
 
-def measure_here(req: Request, *, threads: Optional[int], tick_total: Callable[[int], Callable[[str], None]]) -> ComputeSamples:
+def measure_here(req: Request, *, threads: int | None, tick_total: Callable[[int], Callable[[str], None]]) -> ComputeSamples:
     """Compute figures of this process's device (one rank: no collectives)."""
     import torch
 
@@ -81,11 +93,13 @@ def measure_here(req: Request, *, threads: Optional[int], tick_total: Callable[[
 
 def untrusted_note(verdict: Verdict) -> str:
     """What a flagged calibration says (after its retries)."""
-    return (f"these figures were measured on a busy machine ({'; '.join(verdict.reasons)}) and may be too low: "
-            "run llmforge calibrate again when the machine is quiet")
+    return (
+        f"these figures were measured on a busy machine ({'; '.join(verdict.reasons)}) and may be too low: "
+        "run llmforge calibrate again when the machine is quiet"
+    )
 
 
-def measure_ranks(req: Request, *, threads: Optional[int], console: Console) -> tuple[ComputeSamples, List[CommSample]]:
+def measure_ranks(req: Request, *, threads: int | None, console: Console) -> tuple[ComputeSamples, list[CommSample]]:
     """Compute (rank 0) and collectives (every rank) through torchrun, the way pretrain launches."""
     with tempfile.TemporaryDirectory(prefix="llmforge-calibrate-") as folder:
         out = Path(folder) / "samples.json"
@@ -98,12 +112,12 @@ def measure_ranks(req: Request, *, threads: Optional[int], console: Console) -> 
         return fit.samples_from_dict(json.loads(out.read_text()))
 
 
-Measure = Callable[[], Tuple[ComputeSamples, List[CommSample]]]
+Measure = Callable[[], tuple[ComputeSamples, list[CommSample]]]
 #: Seconds between a busy machine's attempts (a burst of other work may pass).
 PAUSE_S = 3.0
 
 
-def measure_trusted(measure: Measure, *, attempts: int, say: Callable[[str], None]) -> Tuple[ComputeSamples, List[CommSample], Verdict]:
+def measure_trusted(measure: Measure, *, attempts: int, say: Callable[[str], None]) -> tuple[ComputeSamples, list[CommSample], Verdict]:
     """Measure until ``trust.judge`` trusts the figures, at most ``attempts`` times (saying why
     each retry); where none is trusted, the fastest attempt (the least disturbed) and its verdict."""
     best = None
@@ -115,7 +129,9 @@ def measure_trusted(measure: Measure, *, attempts: int, say: Callable[[str], Non
         if best is None or _reference_rate(compute) > _reference_rate(best[0]):
             best = (compute, comm, verdict)
         if attempt < attempts:
-            say(f"the machine looks busy ({'; '.join(verdict.reasons)}): measuring again in {PAUSE_S:.0f}s (try {attempt + 1} of {attempts})")
+            say(
+                f"the machine looks busy ({'; '.join(verdict.reasons)}): measuring again in {PAUSE_S:.0f}s (try {attempt + 1} of {attempts})"
+            )
             time.sleep(PAUSE_S)
     return best
 
@@ -140,12 +156,19 @@ def profile_data(result: Result, *, name: str, provenance: dict) -> dict:
 def progress_bar(console: Console, *, label: str, enabled: bool = True) -> Iterator[Callable[[int], Callable[[str], None]]]:
     """``with progress_bar(...) as start: tick = start(total); tick("what ran")``."""
     if not enabled:
-        yield lambda total: (lambda what: None)
+        yield lambda total: lambda what: None
         return
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), TextColumn("{task.fields[what]}"))
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        TextColumn("{task.fields[what]}"),
+    )
     with Progress(*columns, console=console, transient=True) as progress:
+
         def start(total: int) -> Callable[[str], None]:
             task = progress.add_task(label, total=total, what="")
             return lambda what: progress.update(task, advance=1, what=what)
@@ -153,7 +176,7 @@ def progress_bar(console: Console, *, label: str, enabled: bool = True) -> Itera
         yield start
 
 
-def command_line(overrides: List[str], *, quick: bool, out: Optional[Path], name: Optional[str]) -> str:
+def command_line(overrides: list[str], *, quick: bool, out: Path | None, name: str | None) -> str:
     """How this calibration was started, for the provenance."""
     import shlex
 

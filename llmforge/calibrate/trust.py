@@ -12,8 +12,8 @@ fails, flagged in its profile and said so (``llmforge.calibrate.run.measure_trus
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence
 
 from llmforge.calibrate.fit import ComputeSamples, Fitted, fit_compute, median
 
@@ -30,9 +30,9 @@ class Verdict:
     """``trusted``, else the reasons, each a phrase (``spread``: the passes' worst disagreement;
     ``others_cores``: the most CPUs' worth of other processes' work during one pass)."""
 
-    reasons: List[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
     spread: float = 0.0
-    others_cores: Optional[float] = None
+    others_cores: float | None = None
 
     @property
     def trusted(self) -> bool:
@@ -55,9 +55,13 @@ def _median_of(values: Sequence[float]) -> float:
 def _combine_list(items: Sequence[list]) -> list:
     """Element-wise median of the timing fields of each position's samples across passes."""
     out = []
-    for same in zip(*items):
+    for same in zip(*items, strict=False):
         first = same[0]
-        timed = {f.name: _median_of([getattr(s, f.name) for s in same]) for f in dataclasses.fields(first) if f.name.endswith("seconds") or f.name.endswith("_s")}
+        timed = {
+            f.name: _median_of([getattr(s, f.name) for s in same])
+            for f in dataclasses.fields(first)
+            if f.name.endswith("seconds") or f.name.endswith("_s")
+        }
         out.append(dataclasses.replace(first, **timed))
     return out
 
@@ -108,6 +112,8 @@ def judge(samples: ComputeSamples, *, max_spread: float = MAX_SPREAD, max_conten
     if samples.device == "cpu" and samples.load:
         busiest = max(samples.load, key=lambda r: r.contention)
         if busiest.contention > max_contention:
-            reasons.append(f"other processes kept {busiest.others_cores:.1f} of the {busiest.cpus} CPUs it measured "
-                           f"{busiest.threads} thread{'s' if busiest.threads != 1 else ''} on busy")
+            reasons.append(
+                f"other processes kept {busiest.others_cores:.1f} of the {busiest.cpus} CPUs it measured "
+                f"{busiest.threads} thread{'s' if busiest.threads != 1 else ''} on busy"
+            )
     return Verdict(reasons=reasons, spread=worst, others_cores=others)

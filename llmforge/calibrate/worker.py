@@ -15,7 +15,6 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import List, Optional
 
 from llmforge.calibrate import collectives, compute
 from llmforge.calibrate.fit import samples_to_dict
@@ -54,7 +53,7 @@ def run_rank(*, accelerator: str, out: Path, quick: bool, timeout_s: float) -> N
     dist.destroy_process_group()
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="llmforge.calibrate.worker")
     parser.add_argument("--accelerator", required=True)
     parser.add_argument("--out", type=Path, required=True)

@@ -8,7 +8,6 @@ import datetime
 import os
 import platform
 from pathlib import Path
-from typing import Optional
 
 from llmforge.errors import Problem, UserError
 from llmforge.files import write_text_atomic
@@ -26,15 +25,25 @@ def as_mapping(p: Profile) -> dict:
     """A profile as the YAML keys it was read from (``parse_profile`` of it gives ``p`` back):
     every key a calibration does not measure is kept from the profile it started from."""
     out = {
-        "name": p.name, "memory_gib": round(p.memory_bytes / GIB, 2),
+        "name": p.name,
+        "memory_gib": round(p.memory_bytes / GIB, 2),
         "peak_tflops": {d: v / 1e12 for d, v in p.peak_flops.items()},
-        "memory_bandwidth_gbs": p.memory_bandwidth / 1e9, "intra_node_gbs": p.intra_node_bandwidth / 1e9,
-        "inter_node_gbs": p.inter_node_bandwidth / 1e9, "devices_per_node": p.devices_per_node,
-        "runtime_reserved_gib": round(p.runtime_reserved_bytes / GIB, 2), "comm_efficiency": p.comm_efficiency,
+        "memory_bandwidth_gbs": p.memory_bandwidth / 1e9,
+        "intra_node_gbs": p.intra_node_bandwidth / 1e9,
+        "inter_node_gbs": p.inter_node_bandwidth / 1e9,
+        "devices_per_node": p.devices_per_node,
+        "runtime_reserved_gib": round(p.runtime_reserved_bytes / GIB, 2),
+        "comm_efficiency": p.comm_efficiency,
         "comm_latency_us": p.comm_latency_us,
     }
     # 0 means "as another key" (attention_backward_efficiency) or "none" (comm_sm_share): left out
-    out.update({k: getattr(p, k) for k in SPEED_KEYS if getattr(p, k) or k not in ("attention_backward_efficiency", "comm_sm_share", "dtensor_op_us")})
+    out.update(
+        {
+            k: getattr(p, k)
+            for k in SPEED_KEYS
+            if getattr(p, k) or k not in ("attention_backward_efficiency", "comm_sm_share", "dtensor_op_us")
+        }
+    )
     if p.host_memory is not None:
         out["host_memory_gib"] = round(p.host_memory / GIB, 2)
     out["host_link_gbs"] = p.host_link_bandwidth / 1e9
@@ -48,16 +57,25 @@ def as_mapping(p: Profile) -> dict:
 NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._+-]*"
 
 
-def check_name(name: Optional[str]) -> None:
+def check_name(name: str | None) -> None:
     """Refuse a ``--name`` that is a path, hidden, empty or a file name (exit code 2, before measuring)."""
     import re
 
     if name is None:
         return
     if not re.fullmatch(NAME_PATTERN, name) or name.endswith((".yaml", ".yml")):
-        raise UserError([Problem("--name", name, "a profile name is a plain name (letters, digits, '.', '_', '+', '-'; no folder, no .yaml), "
-                                 "written to LLMFORGE_HOME/profiles/NAME.yaml", "pass a name such as --name my-card, or --out PATH.yaml to write the profile elsewhere")],
-                        title="cannot calibrate")
+        raise UserError(
+            [
+                Problem(
+                    "--name",
+                    name,
+                    "a profile name is a plain name (letters, digits, '.', '_', '+', '-'; no folder, no .yaml), "
+                    "written to LLMFORGE_HOME/profiles/NAME.yaml",
+                    "pass a name such as --name my-card, or --out PATH.yaml to write the profile elsewhere",
+                )
+            ],
+            title="cannot calibrate",
+        )
 
 
 def check_out(path: Path, *, given: bool = True) -> None:
@@ -75,20 +93,37 @@ def check_out(path: Path, *, given: bool = True) -> None:
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             problem = f"{folder} is not a writable folder"
     if problem and not given:
-        raise UserError([Problem("LLMFORGE_HOME", str(llmforge_home()), f"cannot write the profile {path} there: {problem}",
-                                 "set LLMFORGE_HOME to a writable folder (default ~/.cache/llmforge), or pass --out PATH.yaml")], title="cannot write the profile")
+        raise UserError(
+            [
+                Problem(
+                    "LLMFORGE_HOME",
+                    str(llmforge_home()),
+                    f"cannot write the profile {path} there: {problem}",
+                    "set LLMFORGE_HOME to a writable folder (default ~/.cache/llmforge), or pass --out PATH.yaml",
+                )
+            ],
+            title="cannot write the profile",
+        )
     if problem:
-        raise UserError([Problem("--out", str(path), problem, "pass a writable path ending in .yaml, e.g. --out profiles/my-card.yaml")], title="cannot write the profile")
+        raise UserError(
+            [Problem("--out", str(path), problem, "pass a writable path ending in .yaml, e.g. --out profiles/my-card.yaml")],
+            title="cannot write the profile",
+        )
 
 
-def provenance(*, device: str, threads: Optional[int], ranks: int, quick: bool, started_from: Profile, command: str) -> dict:
+def provenance(*, device: str, threads: int | None, ranks: int, quick: bool, started_from: Profile, command: str) -> dict:
     """Where a calibrated profile came from (the ``calibration`` section)."""
     import torch
 
     out = {
-        "device": device, "torch": str(torch.__version__), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": device,
+        "torch": str(torch.__version__),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": command,
-        "host": platform.node(), "ranks": ranks, "quick": quick, "started_from": f"{started_from.name} ({started_from.source})",
+        "host": platform.node(),
+        "ranks": ranks,
+        "quick": quick,
+        "started_from": f"{started_from.name} ({started_from.source})",
     }
     if threads is not None:
         out["threads"] = threads

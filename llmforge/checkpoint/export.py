@@ -18,14 +18,13 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
 
 import torch
 from rich.console import Console
 
 from llmforge.checkpoint.hf_names import style_of, to_hf
 from llmforge.checkpoint.quantized import quantized_model, write_quantized
-from llmforge.checkpoint.safe_reader import SafeReader, load_metadata, safe_reader
+from llmforge.checkpoint.safe_reader import load_metadata, safe_reader
 from llmforge.checkpoint.store import quiet_single_process
 from llmforge.config.schema import ModelConfig, RunConfig
 from llmforge.data.prepare import prepare
@@ -39,14 +38,14 @@ __all__ = ["check_exportable", "export_checkpoint", "hf_config", "read_model_wei
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
-def read_model_weights(path: Path) -> Dict[str, torch.Tensor]:
+def read_model_weights(path: Path) -> dict[str, torch.Tensor]:
     """Every ``model.*`` tensor of a checkpoint, unsharded, keyed by parameter name."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     metadata = load_metadata(path)
     weights = {
-        key[len("model."):]: torch.empty(entry.size, dtype=entry.properties.dtype)
+        key[len("model.") :]: torch.empty(entry.size, dtype=entry.properties.dtype)
         for key, entry in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(entry, TensorStorageMetadata)
     }
@@ -55,21 +54,53 @@ def read_model_weights(path: Path) -> Dict[str, torch.Tensor]:
     return weights
 
 
-def hf_config(m: ModelConfig, *, style: str, dtype: torch.dtype, eos_id: Optional[int] = None) -> dict:
+def hf_config(m: ModelConfig, *, style: str, dtype: torch.dtype, eos_id: int | None = None) -> dict:
     """config.json for the exported model."""
-    common = {"vocab_size": m.vocab_size, "tie_word_embeddings": m.tie_embeddings, "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"), "bos_token_id": eos_id, "eos_token_id": eos_id}
+    common = {
+        "vocab_size": m.vocab_size,
+        "tie_word_embeddings": m.tie_embeddings,
+        "torch_dtype": _DTYPE_NAMES.get(dtype, "float32"),
+        "bos_token_id": eos_id,
+        "eos_token_id": eos_id,
+    }
     if style == "llama":
-        llama = {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": m.hidden_size,
-                "intermediate_size": m.ffn_hidden_size, "num_hidden_layers": m.num_layers, "num_attention_heads": m.num_heads,
-                "num_key_value_heads": m.num_kv_heads or m.num_heads, "head_dim": m.hidden_size // m.num_heads,
-                "max_position_embeddings": m.seq_len, "rms_norm_eps": m.norm_eps, "hidden_act": "silu",
-                "rope_theta": m.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
-                "attention_bias": m.bias, "mlp_bias": m.bias, "attention_dropout": m.dropout}
+        llama = {
+            **common,
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_size": m.hidden_size,
+            "intermediate_size": m.ffn_hidden_size,
+            "num_hidden_layers": m.num_layers,
+            "num_attention_heads": m.num_heads,
+            "num_key_value_heads": m.num_kv_heads or m.num_heads,
+            "head_dim": m.hidden_size // m.num_heads,
+            "max_position_embeddings": m.seq_len,
+            "rms_norm_eps": m.norm_eps,
+            "hidden_act": "silu",
+            "rope_theta": m.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": m.rope_theta},
+            "attention_bias": m.bias,
+            "mlp_bias": m.bias,
+            "attention_dropout": m.dropout,
+        }
         return llama if m.sliding_window <= 0 else {**llama, **_windowed(m)}
-    return {**common, "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": m.hidden_size, "n_layer": m.num_layers,
-            "n_head": m.num_heads, "n_inner": m.ffn_hidden_size, "n_positions": m.seq_len, "n_ctx": m.seq_len,
-            "activation_function": "gelu_new", "layer_norm_epsilon": m.norm_eps, "resid_pdrop": m.dropout,
-            "embd_pdrop": m.dropout, "attn_pdrop": m.dropout, "scale_attn_weights": True}
+    return {
+        **common,
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "n_embd": m.hidden_size,
+        "n_layer": m.num_layers,
+        "n_head": m.num_heads,
+        "n_inner": m.ffn_hidden_size,
+        "n_positions": m.seq_len,
+        "n_ctx": m.seq_len,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": m.norm_eps,
+        "resid_pdrop": m.dropout,
+        "embd_pdrop": m.dropout,
+        "attn_pdrop": m.dropout,
+        "scale_attn_weights": True,
+    }
 
 
 def _windowed(m: ModelConfig) -> dict:
@@ -84,14 +115,32 @@ def check_exportable(m: ModelConfig) -> None:
     if m.sliding_window <= 0:
         return
     if style_of(m) == "gpt2":
-        raise UserError([Problem("model.sliding_window", m.sliding_window, "GPT-2 has no sliding-window attention",
-                                 "export a Llama-style model (rmsnorm, swiglu, rope) for sliding windows")], title="no Hugging Face format for this model")
+        raise UserError(
+            [
+                Problem(
+                    "model.sliding_window",
+                    m.sliding_window,
+                    "GPT-2 has no sliding-window attention",
+                    "export a Llama-style model (rmsnorm, swiglu, rope) for sliding windows",
+                )
+            ],
+            title="no Hugging Face format for this model",
+        )
     if m.bias:
-        raise UserError([Problem("model.bias", m.bias, "Hugging Face's sliding-window Llama (Ministral) has no biases",
-                                 "train with model.bias=false to export sliding windows")], title="no Hugging Face format for this model")
+        raise UserError(
+            [
+                Problem(
+                    "model.bias",
+                    m.bias,
+                    "Hugging Face's sliding-window Llama (Ministral) has no biases",
+                    "train with model.bias=false to export sliding windows",
+                )
+            ],
+            title="no Hugging Face format for this model",
+        )
 
 
-def tokenizer_files(tokenizer: Path, *, eos_id: int, seq_len: int) -> Dict[str, object]:
+def tokenizer_files(tokenizer: Path, *, eos_id: int, seq_len: int) -> dict[str, object]:
     """tokenizer.json plus the small files ``AutoTokenizer`` needs to load it as a
     ``PreTrainedTokenizerFast`` (the end-of-document token is bos, eos and pad)."""
     from tokenizers import Tokenizer
@@ -102,8 +151,9 @@ def tokenizer_files(tokenizer: Path, *, eos_id: int, seq_len: int) -> Dict[str, 
     return {"tokenizer.json": tokenizer, "tokenizer_config.json": config, "special_tokens_map.json": special}
 
 
-def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path, tokenizer: Optional[Tuple[Path, int]] = None,
-                      quantize: Optional[Tuple[str, int]] = None) -> List[Path]:
+def export_checkpoint(
+    path: Path, *, model: ModelConfig, out_dir: Path, tokenizer: tuple[Path, int] | None = None, quantize: tuple[str, int] | None = None
+) -> list[Path]:
     """Write model.safetensors and config.json for the checkpoint at ``path`` into
     ``out_dir``, and the tokenizer files when ``tokenizer`` (tokenizer.json, end-of-document id) is given;
     with ``quantize`` (QAT scheme, group size) also the torchao-quantized model (``llmforge.checkpoint.quantized``).
@@ -122,8 +172,12 @@ def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path, tokenize
     tmp.mkdir(parents=True)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        write_json_atomic(tmp / "config.json", hf_config(model, style=style, dtype=dtype, eos_id=tokenizer[1] if tokenizer else None), durable=True)
-        shutil.copymode(tmp / "config.json", tmp / "model.safetensors")  # safetensors creates its file 0600; the others get the umask's mode
+        write_json_atomic(
+            tmp / "config.json", hf_config(model, style=style, dtype=dtype, eos_id=tokenizer[1] if tokenizer else None), durable=True
+        )
+        shutil.copymode(
+            tmp / "config.json", tmp / "model.safetensors"
+        )  # safetensors creates its file 0600; the others get the umask's mode
         extra = tokenizer_files(tokenizer[0], eos_id=tokenizer[1], seq_len=model.seq_len) if tokenizer else {}
         for name, content in extra.items():
             if isinstance(content, Path):
@@ -141,14 +195,14 @@ def export_checkpoint(path: Path, *, model: ModelConfig, out_dir: Path, tokenize
     return written
 
 
-def _write_quantized(weights: Dict[str, torch.Tensor], *, model: ModelConfig, quantize: Tuple[str, int], folder: Path) -> List[str]:
+def _write_quantized(weights: dict[str, torch.Tensor], *, model: ModelConfig, quantize: tuple[str, int], folder: Path) -> list[str]:
 
     scheme, group_size = quantize
     net, layers = quantized_model(dict(weights), model=model, scheme=scheme, group_size=group_size)
     return write_quantized(net, model=model, scheme=scheme, group_size=group_size, layers=layers, folder=folder)
 
 
-def run_tokenizer_file(config: RunConfig, *, console: Optional[Console]) -> Tuple[Path, int]:
+def run_tokenizer_file(config: RunConfig, *, console: Console | None) -> tuple[Path, int]:
     """The tokenizer.json a run trained with and its end-of-document id, from the
     prepared-data cache (prepared again, identically, if the cache was removed)."""
     vocab = config.data.vocab_size or config.model.vocab_size

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 from pathlib import Path
-from typing import Optional
 
 
 def os_error(exc: BaseException) -> BaseException:
@@ -32,7 +31,10 @@ def save_failure(exc: BaseException, *, root: Path) -> tuple[str, str]:
         why = f"a write was cut short ({why})" if "unexpected pos" in why else why
     limit = _file_size_limit()
     if limit is not None:
-        return f"{why} (files written here may be at most {limit:,} bytes: the file-size limit, `ulimit -f`)", "raise the file-size limit (`ulimit -f unlimited`)"
+        return (
+            f"{why} (files written here may be at most {limit:,} bytes: the file-size limit, `ulimit -f`)",
+            "raise the file-size limit (`ulimit -f unlimited`)",
+        )
     if isinstance(cause, OSError) and cause.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return why, f"make {root} writable"
     with contextlib.suppress(OSError):
@@ -40,7 +42,7 @@ def save_failure(exc: BaseException, *, root: Path) -> tuple[str, str]:
     return why, f"free space on the file system of {root}"
 
 
-def _file_size_limit() -> Optional[int]:
+def _file_size_limit() -> int | None:
     """This process's file-size limit in bytes (``ulimit -f``), or None when unlimited."""
     try:
         import resource

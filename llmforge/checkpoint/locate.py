@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, List
+from typing import Any
 
 from llmforge.checkpoint import objstore
 from llmforge.checkpoint.manifest import MANIFEST, verify
@@ -27,7 +27,7 @@ class Located:
 
     path: Any  # a Path, or an object-storage URL (str)
     run_dir: Path
-    notes: List[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 def checkpoints_root(run_or_root: Path) -> Path:
@@ -87,7 +87,7 @@ def _saved_run_dir(url: str) -> Path:
 
 def newest_complete(root: Any) -> Located:
     """The newest checkpoint under ``root`` that verifies; notes name every newer one skipped."""
-    notes: List[str] = []
+    notes: list[str] = []
     remote = is_url(root)
     for junk in [] if remote else sorted(root.glob(".tmp-step_*")):
         notes.append(f"ignoring {junk.name}: an interrupted save (no manifest)")

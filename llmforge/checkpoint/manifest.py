@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Set
 
 from llmforge.errors import Problem, UserError, fail
 from llmforge.files import sha256_file, write_json_atomic
@@ -24,9 +24,9 @@ REQUIRED = (".metadata", TRAIN_STATE, "plan.json")
 FORMAT = "llmforge-checkpoint/1"
 
 
-def write_manifest(folder: Path, *, step: int) -> Dict[str, dict]:
+def write_manifest(folder: Path, *, step: int) -> dict[str, dict]:
     """Checksum every file under ``folder`` and write the manifest (last)."""
-    files: Dict[str, dict] = {}
+    files: dict[str, dict] = {}
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = path.relative_to(folder).as_posix()
         if rel == MANIFEST:
@@ -42,7 +42,10 @@ def read_manifest(folder: Path) -> dict:
     """The parsed manifest, or a UserError naming what is wrong with it."""
     path = folder / MANIFEST
     if not path.is_file():
-        raise fail(f"{path}: the manifest is missing, so {folder} is not a complete checkpoint (the save was interrupted or files were removed)", title="damaged checkpoint")
+        raise fail(
+            f"{path}: the manifest is missing, so {folder} is not a complete checkpoint (the save was interrupted or files were removed)",
+            title="damaged checkpoint",
+        )
     return parse_manifest(path.read_text(encoding="utf-8"), where=str(path))
 
 
@@ -56,15 +59,22 @@ def verify(folder: Path, *, checksums: bool) -> dict:
         raise fail(f"{folder}: no such checkpoint folder", title="missing checkpoint")
     data = read_manifest(folder)
     present = {rel: (folder / rel).stat().st_size for rel in _files(folder)}
-    problems = file_problems(data, present=present, show=lambda rel: str(folder / rel), name=folder.name,
-                             digest=(lambda rel: sha256_file(folder / rel)) if checksums else None)
+    problems = file_problems(
+        data,
+        present=present,
+        show=lambda rel: str(folder / rel),
+        name=folder.name,
+        digest=(lambda rel: sha256_file(folder / rel)) if checksums else None,
+    )
     problems = problems or _step_problems(folder, data)
     if problems:
         raise UserError([_problem(p) for p in problems], title=f"damaged checkpoint {folder}")
     return data
 
 
-def file_problems(data: dict, *, present: Dict[str, int], show: Callable[[str], str], name: str, digest: Optional[Callable[[str], str]]) -> List[str]:
+def file_problems(
+    data: dict, *, present: dict[str, int], show: Callable[[str], str], name: str, digest: Callable[[str], str] | None
+) -> list[str]:
     """What is wrong with a checkpoint's files (``present``: path -> size, the manifest
     excluded) against its manifest ``data``: unlisted, missing, resized or (with ``digest``)
     changed files, required files the manifest lacks, and a step that is not the folder's."""
@@ -99,13 +109,13 @@ def parse_manifest(text: str, *, where: str) -> dict:
     return data
 
 
-def _step_problems(folder: Path, data: dict) -> List[str]:
+def _step_problems(folder: Path, data: dict) -> list[str]:
     """The train state (whose every byte matched the manifest) must be at the manifest's step."""
     saved, step = read_train_state(folder)["step"], int(data["step"])
     return [] if saved == step else [f"{folder / TRAIN_STATE}: records step {saved}, but {folder / MANIFEST} records step {step}"]
 
 
-def _files(folder: Path) -> Set[str]:
+def _files(folder: Path) -> set[str]:
     return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST}
 
 

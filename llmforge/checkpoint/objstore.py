@@ -18,7 +18,8 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any, Dict, Iterable, List, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from llmforge.checkpoint.manifest import FORMAT, MANIFEST, TRAIN_STATE, file_problems, parse_manifest
 from llmforge.errors import Problem, UserError, fail
@@ -38,7 +39,7 @@ def _url(fs: Any, path: str) -> str:
     return fs.unstrip_protocol(path.rstrip("/"))
 
 
-def children(url: str) -> List[str]:
+def children(url: str) -> list[str]:
     """The prefixes ("folders") right under ``url``, as URLs (none when it does not exist)."""
     fs = _fs(url)
     try:
@@ -50,7 +51,7 @@ def children(url: str) -> List[str]:
     return [_url(fs, e["name"]) for e in entries if e.get("type") == "directory"]
 
 
-def step_dirs(root: str) -> List[str]:
+def step_dirs(root: str) -> list[str]:
     """``step_N`` prefixes under ``root``, newest first (complete or not)."""
     found = [u for u in children(root) if _STEP.match(basename(u))]
     return sorted(found, key=step_of, reverse=True)
@@ -66,22 +67,22 @@ def exists(url: str) -> bool:
     return bool(_fs(url).exists(url))
 
 
-def complete(root: str) -> List[str]:
+def complete(root: str) -> list[str]:
     """Step prefixes that carry a manifest, newest first."""
     return [u for u in step_dirs(root) if exists(join(u, MANIFEST))]
 
 
-def newest_before(root: str, *, step: int) -> Optional[str]:
+def newest_before(root: str, *, step: int) -> str | None:
     """The newest complete checkpoint saved before ``step``, or None."""
     return next((u for u in complete(root) if step_of(u) < step), None)
 
 
-def objects(prefix: str) -> Dict[str, int]:
+def objects(prefix: str) -> dict[str, int]:
     """Every object under ``prefix`` (relative name -> size), the manifest excluded."""
     fs = _fs(prefix)
     base = fs._strip_protocol(prefix).rstrip("/") + "/"
     found = fs.find(prefix, detail=True)
-    return {name[len(base):]: int(info["size"]) for name, info in found.items() if name.startswith(base) and name[len(base):] != MANIFEST}
+    return {name[len(base) :]: int(info["size"]) for name, info in found.items() if name.startswith(base) and name[len(base) :] != MANIFEST}
 
 
 def sha256(url: str) -> str:
@@ -103,7 +104,7 @@ def read_json(url: str) -> Any:
     return json.loads(_fs(url).cat_file(url))
 
 
-def write_manifest(prefix: str, *, step: int) -> Dict[str, dict]:
+def write_manifest(prefix: str, *, step: int) -> dict[str, dict]:
     """Hash every stored object under ``prefix`` and write the manifest, which publishes it."""
     files = {rel: {"size": size, "sha256": sha256(join(prefix, rel))} for rel, size in sorted(objects(prefix).items())}
     write_json(join(prefix, MANIFEST), {"format": FORMAT, "step": step, "files": files})
@@ -116,16 +117,23 @@ def read_manifest(prefix: str) -> dict:
     try:
         text = _fs(url).cat_file(url).decode("utf-8", errors="replace")
     except FileNotFoundError:
-        raise fail(f"{url}: the manifest is missing, so {prefix} is not a complete checkpoint (the save was interrupted or objects were removed)",
-                   title="damaged checkpoint") from None
+        raise fail(
+            f"{url}: the manifest is missing, so {prefix} is not a complete checkpoint (the save was interrupted or objects were removed)",
+            title="damaged checkpoint",
+        ) from None
     return parse_manifest(text, where=url)
 
 
 def verify(prefix: str, *, checksums: bool) -> dict:
     """Check a checkpoint under ``prefix`` against its manifest (as ``manifest.verify``)."""
     data = read_manifest(prefix)
-    problems = file_problems(data, present=objects(prefix), show=lambda rel: join(prefix, rel), name=basename(prefix),
-                             digest=(lambda rel: sha256(join(prefix, rel))) if checksums else None)
+    problems = file_problems(
+        data,
+        present=objects(prefix),
+        show=lambda rel: join(prefix, rel),
+        name=basename(prefix),
+        digest=(lambda rel: sha256(join(prefix, rel))) if checksums else None,
+    )
     if not problems:
         saved = read_train_state(prefix)["step"]
         if saved != int(data["step"]):
@@ -157,12 +165,12 @@ def remove(prefix: str) -> None:
         fs.rm(prefix, recursive=True)
 
 
-def rotate(root: str, *, keep: int, protect: Iterable[int] = ()) -> List[str]:
+def rotate(root: str, *, keep: int, protect: Iterable[int] = ()) -> list[str]:
     """Remove complete checkpoints beyond the ``keep`` newest, as ``store.rotate`` does."""
     done = complete(root)
     kept = {next((u for u in done if step_of(u) < s), None) for s in protect}
     removed = []
-    for old in done[max(keep, 1):] if keep > 0 else []:
+    for old in done[max(keep, 1) :] if keep > 0 else []:
         if old not in kept:
             remove(old)
             removed.append(old)

@@ -23,7 +23,6 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from typing import Dict, List, Union
 
 import torch
 from torch import nn
@@ -39,7 +38,7 @@ QUANTIZATION_FILE = "quantization.json"
 FORMAT = "llmforge-torchao-1"
 
 
-def quantized_model(weights: Dict[str, torch.Tensor], *, model: ModelConfig, scheme: str, group_size: int) -> tuple[nn.Module, List[str]]:
+def quantized_model(weights: dict[str, torch.Tensor], *, model: ModelConfig, scheme: str, group_size: int) -> tuple[nn.Module, list[str]]:
     """The whole model with ``weights`` (a checkpoint's, by parameter name) and its blocks'
     linear layers quantized; and the names of those layers."""
     if model.tie_embeddings:
@@ -50,7 +49,7 @@ def quantized_model(weights: Dict[str, torch.Tensor], *, model: ModelConfig, sch
     return net, quantize(net, scheme=scheme, group_size=group_size)
 
 
-def write_quantized(net: nn.Module, *, model: ModelConfig, scheme: str, group_size: int, layers: List[str], folder: Path) -> List[str]:
+def write_quantized(net: nn.Module, *, model: ModelConfig, scheme: str, group_size: int, layers: list[str], folder: Path) -> list[str]:
     """Write ``quantized.safetensors`` and ``quantization.json`` into ``folder``; returns their names."""
     from safetensors.torch import save_file
 
@@ -60,19 +59,26 @@ def write_quantized(net: nn.Module, *, model: ModelConfig, scheme: str, group_si
 
     tensors, metadata = flatten_tensor_state_dict(net.state_dict())
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / QUANTIZED_FILE), metadata=metadata)
-    info = {"format": FORMAT, "scheme": scheme, "group_size": group_size, "quantized_layers": layers,
-            "torchao_version": torchao.__version__, "model": dataclasses.asdict(model)}
+    info = {
+        "format": FORMAT,
+        "scheme": scheme,
+        "group_size": group_size,
+        "quantized_layers": layers,
+        "torchao_version": torchao.__version__,
+        "model": dataclasses.asdict(model),
+    }
     (folder / QUANTIZATION_FILE).write_text(json.dumps(info, indent=2) + "\n")
-    shutil.copymode(folder / QUANTIZATION_FILE, folder / QUANTIZED_FILE)  # safetensors creates its file 0600; the others get the umask's mode
+    shutil.copymode(
+        folder / QUANTIZATION_FILE, folder / QUANTIZED_FILE
+    )  # safetensors creates its file 0600; the others get the umask's mode
     return [QUANTIZED_FILE, QUANTIZATION_FILE]
 
 
-def load_quantized(folder: Union[str, Path], *, device: Union[str, torch.device] = "cpu") -> nn.Module:
+def load_quantized(folder: str | Path, *, device: str | torch.device = "cpu") -> nn.Module:
     """The quantized model an export wrote into ``folder``, in eval mode on ``device``:
     ``model(token_ids)`` ([batch, seq] int64) returns logits [batch, seq, vocab]."""
     from safetensors import safe_open
     from safetensors.torch import load_file
-
 
     folder = Path(folder)
     info = _read_info(folder)
@@ -93,8 +99,17 @@ def _read_info(folder: Path) -> dict:
     try:
         info = json.loads((folder / QUANTIZATION_FILE).read_text())
     except FileNotFoundError:
-        raise UserError([Problem("folder", str(folder), f"has no {QUANTIZATION_FILE}: it is not a quantized export",
-                                 "export one with llmforge export ckpt=PATH --out DIR --quantize int8-int4")], title="not a quantized model") from None
+        raise UserError(
+            [
+                Problem(
+                    "folder",
+                    str(folder),
+                    f"has no {QUANTIZATION_FILE}: it is not a quantized export",
+                    "export one with llmforge export ckpt=PATH --out DIR --quantize int8-int4",
+                )
+            ],
+            title="not a quantized model",
+        ) from None
     except (OSError, json.JSONDecodeError) as exc:
         raise _damaged(folder, str(exc)) from None
     if not isinstance(info, dict) or info.get("format") != FORMAT or not isinstance(info.get("model"), dict):
@@ -109,4 +124,7 @@ def _model_config(data: dict) -> ModelConfig:
 
 
 def _damaged(folder: Path, why: str) -> UserError:
-    return UserError([Problem("folder", str(folder), f"the quantized export is damaged ({why})", "export it again with llmforge export")], title="damaged export")
+    return UserError(
+        [Problem("folder", str(folder), f"the quantized export is damaged ({why})", "export it again with llmforge export")],
+        title="damaged export",
+    )

@@ -17,8 +17,9 @@ a checkpoint and starts a new run from it, in a ``run.dir`` that holds no run.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any
 
 from rich.console import Console
 
@@ -43,16 +44,26 @@ _WHY = {
 }
 
 
-def split_ckpt(overrides: List[str]) -> Tuple[str, List[str]]:
+def split_ckpt(overrides: list[str]) -> tuple[str, list[str]]:
     """Take ``ckpt=PATH`` out of the overrides."""
     ckpts = [o.split("=", 1)[1] for o in overrides if o.startswith("ckpt=")]
     rest = [o for o in overrides if not o.startswith("ckpt=")]
     if len(ckpts) != 1 or not ckpts[0]:
-        raise UserError([Problem("ckpt", ckpts or None, "resume needs exactly one ckpt=PATH", "pass ckpt=runs/NAME/checkpoints/latest, a run folder, or a step_N folder")], title="bad overrides")
+        raise UserError(
+            [
+                Problem(
+                    "ckpt",
+                    ckpts or None,
+                    "resume needs exactly one ckpt=PATH",
+                    "pass ckpt=runs/NAME/checkpoints/latest, a run folder, or a step_N folder",
+                )
+            ],
+            title="bad overrides",
+        )
     return ckpts[0], rest
 
 
-def fixed_changes(old: Any, new: Any) -> List[Tuple[str, Any, Any, str]]:
+def fixed_changes(old: Any, new: Any) -> list[tuple[str, Any, Any, str]]:
     """(key, old value, new value, why it is fixed) for every fixed setting that differs."""
     before, after = values_by_key(old), values_by_key(new)
     changes = []
@@ -65,13 +76,15 @@ def fixed_changes(old: Any, new: Any) -> List[Tuple[str, Any, Any, str]]:
     return changes
 
 
-def differences(old: Any, new: Any) -> List[Problem]:
+def differences(old: Any, new: Any) -> list[Problem]:
     """One problem per setting that changed but must not."""
-    return [Problem(key, value, f"cannot change on resume (saved: {saved!r}); {why}", f"drop the override or set {key}={saved}")
-            for key, saved, value, why in fixed_changes(old, new)]
+    return [
+        Problem(key, value, f"cannot change on resume (saved: {saved!r}); {why}", f"drop the override or set {key}={saved}")
+        for key, saved, value, why in fixed_changes(old, new)
+    ]
 
 
-def plan_for_resume(overrides: List[str], *, from_other_run: bool = False, config_dir: Sequence[Path] = ()) -> Tuple[RunPlan, Any]:
+def plan_for_resume(overrides: list[str], *, from_other_run: bool = False, config_dir: Sequence[Path] = ()) -> tuple[RunPlan, Any]:
     """The plan to continue with and the verified checkpoint folder to restore."""
     console = Console(stderr=True, markup=False, soft_wrap=True)
     ckpt, rest = split_ckpt(overrides)
@@ -86,7 +99,9 @@ def plan_for_resume(overrides: List[str], *, from_other_run: bool = False, confi
     problems = differences(old, new)
     problems += shared_storage(old, new, found=found)
     if new.train.steps <= step:
-        problems.append(Problem("train.steps", new.train.steps, f"the checkpoint is already at step {step}", f"set train.steps above {step}"))
+        problems.append(
+            Problem("train.steps", new.train.steps, f"the checkpoint is already at step {step}", f"set train.steps above {step}")
+        )
     if problems:
         raise UserError(problems, title=f"cannot resume from {found.path}")
     plan = RunPlan.build(new)
@@ -94,17 +109,23 @@ def plan_for_resume(overrides: List[str], *, from_other_run: bool = False, confi
     return plan, found.path
 
 
-def shared_storage(old: Any, new: Any, *, found: Located) -> List[Problem]:
+def shared_storage(old: Any, new: Any, *, found: Located) -> list[Problem]:
     """A resume into another run.dir starts a new run: with the same object-storage
     checkpoint.dir it would rotate and set aside the checkpoints of the run it came from."""
     same_url = old.checkpoint.dir and new.checkpoint.dir and old.checkpoint.dir.rstrip("/") == new.checkpoint.dir.rstrip("/")
     if not same_url or Path(new.run.dir).resolve() == found.run_dir.resolve():
         return []
-    return [Problem("checkpoint.dir", new.checkpoint.dir, f"is where the run in {found.run_dir} keeps its checkpoints, and run.dir={new.run.dir} starts another run",
-                    "give the new run its own prefix, e.g. checkpoint.dir=" + new.checkpoint.dir.rstrip("/") + "-2")]
+    return [
+        Problem(
+            "checkpoint.dir",
+            new.checkpoint.dir,
+            f"is where the run in {found.run_dir} keeps its checkpoints, and run.dir={new.run.dir} starts another run",
+            "give the new run its own prefix, e.g. checkpoint.dir=" + new.checkpoint.dir.rstrip("/") + "-2",
+        )
+    ]
 
 
-def saved_plan(path: Any) -> Dict[str, Any]:
+def saved_plan(path: Any) -> dict[str, Any]:
     """The plan.json stored in a checkpoint (a folder or an object-storage URL), as a dict."""
     if is_url(path):
         try:
@@ -142,8 +163,17 @@ def check_same_run(found: Located, *, saved: Any, run_dir: Path, from_other_run:
     new folder, never in the one holding the checkpoint."""
     if from_other_run:
         if not is_url(found.path) and run_dir.resolve() in found.path.resolve().parents:
-            raise UserError([Problem("run.dir", str(run_dir), f"--from-other-run starts a new run, but {run_dir} holds {found.path}",
-                                     "pass run.dir=NEW, a folder that holds no run")], title="cannot resume into this folder")
+            raise UserError(
+                [
+                    Problem(
+                        "run.dir",
+                        str(run_dir),
+                        f"--from-other-run starts a new run, but {run_dir} holds {found.path}",
+                        "pass run.dir=NEW, a folder that holds no run",
+                    )
+                ],
+                title="cannot resume into this folder",
+            )
         return
     home = found.run_dir / "plan.json"
     if not home.is_file():
@@ -151,6 +181,11 @@ def check_same_run(found: Located, *, saved: Any, run_dir: Path, from_other_run:
     changes = fixed_changes(saved_config(found.run_dir), saved)
     if changes:
         title = f"{found.path} is a checkpoint of another run than {found.run_dir} (whose plan is {home})"
-        fix = (f"resume the run the checkpoint came from, or start a new run from it: "
-               f"`llmforge resume {pasteable('ckpt', found.path, override=False)} run.dir=NEW --from-other-run`")
-        raise UserError([Problem(key, theirs, f"the checkpoint has {theirs!r}, {home} has {ours!r}", fix) for key, ours, theirs, _ in changes], title=title)
+        fix = (
+            f"resume the run the checkpoint came from, or start a new run from it: "
+            f"`llmforge resume {pasteable('ckpt', found.path, override=False)} run.dir=NEW --from-other-run`"
+        )
+        raise UserError(
+            [Problem(key, theirs, f"the checkpoint has {theirs!r}, {home} has {ours!r}", fix) for key, ours, theirs, _ in changes],
+            title=title,
+        )

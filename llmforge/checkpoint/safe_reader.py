@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pickle
 from pathlib import Path
-from typing import Any, Tuple
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -47,7 +47,7 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"refusing to load {module}.{name}")
 
 
-def _open_metadata(path: Any) -> Tuple[Any, Any]:
+def _open_metadata(path: Any) -> tuple[Any, Any]:
     """(name, binary stream) of the ``.metadata`` of a folder or an object-storage prefix."""
     if is_url(path):
         meta_url = join(path, ".metadata")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,10 +21,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from llmforge.checkpoint import objstore
 from llmforge.files import write_json_atomic
-from llmforge.storage import is_url, join
 from llmforge.parallel.materialize import model_name
+from llmforge.storage import is_url, join
 
 RNG_DIR = "rng"
+
+
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Create the optimizer's state tensors (a zero-gradient, zero-lr step) so DCP can load into them."""
     from torch.distributed.checkpoint.state_dict import _init_optim_state
@@ -32,15 +34,15 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     _init_optim_state(optimizer)
 
 
-def tensor_state(model_parts: List[nn.Module], optimizer: torch.optim.Optimizer, *, for_load: bool = False) -> Dict[str, Any]:
+def tensor_state(model_parts: list[nn.Module], optimizer: torch.optim.Optimizer, *, for_load: bool = False) -> dict[str, Any]:
     """``{"model": {fqn: tensor}, "optim": {fqn.state_name: tensor}}`` for this rank.
 
     The optimizer entries are the optimizer's own state tensors, so a DCP load
     writes into them in place."""
     if for_load:
         _init_optimizer_state(optimizer)
-    model_state: Dict[str, Any] = {}
-    optim_state: Dict[str, Any] = {}
+    model_state: dict[str, Any] = {}
+    optim_state: dict[str, Any] = {}
     for part in model_parts:
         model_state.update(get_model_state_dict(part))
         for name, param in part.named_parameters():
@@ -50,7 +52,7 @@ def tensor_state(model_parts: List[nn.Module], optimizer: torch.optim.Optimizer,
     return {"model": model_state, "optim": optim_state}
 
 
-def apply_model_state(model_parts: List[nn.Module], model_state: Dict[str, Any], *, full: bool = False) -> None:
+def apply_model_state(model_parts: list[nn.Module], model_state: dict[str, Any], *, full: bool = False) -> None:
     """Copy loaded model tensors into each part (each takes the names it holds).
 
     ``full``: the tensors are whole (not this layout's shards); each is sharded

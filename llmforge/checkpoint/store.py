@@ -21,10 +21,11 @@ import re
 import shutil
 import time
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,15 +36,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from llmforge.checkpoint import objstore
-from llmforge.checkpoint.manifest import MANIFEST, read_train_state, verify, write_manifest
 from llmforge.checkpoint.failures import first_line as _first_line
 from llmforge.checkpoint.failures import os_error as _os_error
 from llmforge.checkpoint.failures import save_failure
+from llmforge.checkpoint.manifest import MANIFEST, read_train_state, verify, write_manifest
 from llmforge.checkpoint.safe_reader import load_metadata, safe_reader
 from llmforge.checkpoint.state import apply_model_state, save_rng, tensor_state
 from llmforge.errors import Problem, UserError, fail, pasteable
-from llmforge.models.fused import unfused_parts
 from llmforge.files import fsync_dir, write_json_atomic
+from llmforge.models.fused import unfused_parts
 from llmforge.storage import is_url, join, storage_error
 
 TRAIN_STATE = "train_state.json"
@@ -56,7 +57,7 @@ TIED_HEAD = "model.head.weight"
 Where = Any
 
 
-def step_dirs(root: Where) -> List[Where]:
+def step_dirs(root: Where) -> list[Where]:
     """``step_N`` folders under a checkpoints folder, newest first (complete or not)."""
     if is_url(root):
         return objstore.step_dirs(root)  # type: ignore[return-value]
@@ -66,7 +67,7 @@ def step_dirs(root: Where) -> List[Where]:
     return sorted(found, key=lambda p: int(_STEP_DIR.match(p.name).group(1)), reverse=True)  # type: ignore[union-attr]
 
 
-def complete(root: Where) -> List[Where]:
+def complete(root: Where) -> list[Where]:
     """Step folders that carry a manifest, newest first."""
     if is_url(root):
         return objstore.complete(root)  # type: ignore[return-value]
@@ -80,12 +81,12 @@ def step_of(path: Where) -> int:
     return int(_STEP_DIR.match(path.name).group(1))  # type: ignore[union-attr]
 
 
-def newest_before(root: Where, *, step: int) -> Optional[Where]:
+def newest_before(root: Where, *, step: int) -> Where | None:
     """The newest complete checkpoint saved before ``step``, or None."""
     return next((p for p in complete(root) if step_of(p) < step), None)
 
 
-def rotate(root: Where, *, keep: int, protect: Iterable[int] = ()) -> List[Where]:
+def rotate(root: Where, *, keep: int, protect: Iterable[int] = ()) -> list[Where]:
     """Remove complete checkpoints beyond the ``keep`` newest (``keep`` < 1 keeps all).
 
     The newest complete checkpoint is never removed, nor, for each step in ``protect``
@@ -95,7 +96,7 @@ def rotate(root: Where, *, keep: int, protect: Iterable[int] = ()) -> List[Where
         return objstore.rotate(root, keep=keep, protect=protect)  # type: ignore[return-value]
     kept = {newest_before(root, step=s) for s in protect}
     removed = []
-    for old in complete(root)[max(keep, 1):] if keep > 0 else []:
+    for old in complete(root)[max(keep, 1) :] if keep > 0 else []:
         if old in kept:
             continue
         doomed = old.with_name(f".del-{old.name}")
@@ -145,15 +146,23 @@ class CheckpointSaver:
     def __init__(self, *, root: Where, keep: int, async_save: bool, rank: int, log: Callable[[str], None]) -> None:
         self.remote = is_url(root)
         self.root, self.keep, self.async_save, self.rank, self.log = root if self.remote else Path(root), keep, async_save, rank, log
-        self.records: List[SaveRecord] = []
-        self._pending: Optional[Future] = None
+        self.records: list[SaveRecord] = []
+        self._pending: Future | None = None
         self._pending_tmp, self._pending_step = self.root, 0
-        self._protect: List[int] = []
+        self._protect: list[int] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmforge-ckpt") if async_save else None
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
-    def save(self, *, step: int, model_parts: List[nn.Module], optimizer: torch.optim.Optimizer, train_state: Dict[str, Any], plan: Dict[str, Any],
-             protect: Iterable[int] = ()) -> Path:
+    def save(
+        self,
+        *,
+        step: int,
+        model_parts: list[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        train_state: dict[str, Any],
+        plan: dict[str, Any],
+        protect: Iterable[int] = (),
+    ) -> Path:
         """Save step ``step``; return the folder it has (or, if async, will have). Rotation
         keeps the newest checkpoint before each step in ``protect`` (see ``rotate``)."""
         started = time.perf_counter()
@@ -190,7 +199,7 @@ class CheckpointSaver:
             return (join(self.root, f"step_{step}"),) * 2
         return self.root / f"step_{step}", self.root / f".tmp-step_{step}"
 
-    def _start(self, tmp: Where, final: Where, *, state: Dict[str, Any], plan: Dict[str, Any]) -> None:
+    def _start(self, tmp: Where, final: Where, *, state: dict[str, Any], plan: dict[str, Any]) -> None:
         """Rank 0: clear leftovers, then write the JSON state and the plan."""
         if self.remote:
             objstore.clear_stale(self.root)
@@ -230,7 +239,9 @@ class CheckpointSaver:
         with contextlib.suppress(Exception):
             kept = complete(self.root)
             note = f"the newest complete checkpoint, {kept[0]}, is kept" if kept else "no earlier checkpoint was saved"
-            error.problems[0] = Problem(error.problems[0].key, error.problems[0].value, f"{error.problems[0].rule}; {note}", error.problems[0].fix)
+            error.problems[0] = Problem(
+                error.problems[0].key, error.problems[0].value, f"{error.problems[0].rule}; {note}", error.problems[0].fix
+            )
         return UserError(error.problems, title="checkpoint not saved")
 
     def _writer(self, tmp: Where) -> FileSystemWriter:
@@ -240,7 +251,7 @@ class CheckpointSaver:
             return FsspecWriter(tmp, sync_files=False)  # an object is stored once its upload completes; no fsync
         return FileSystemWriter(tmp)
 
-    def _write(self, state: Dict[str, Any], *, tmp: Where, final: Where, step: int) -> None:
+    def _write(self, state: dict[str, Any], *, tmp: Where, final: Where, step: int) -> None:
         if self.async_save:
             future = dcp.async_save(state, storage_writer=self._writer(tmp), process_group=self._group, no_dist=not dist.is_initialized())
             self._pending = self._pool.submit(self._finish_async, future, tmp, final, step)  # type: ignore[union-attr]
@@ -300,7 +311,7 @@ class CheckpointSaver:
                 self._pool.shutdown(wait=True)
 
 
-def load(*, path: Where, model_parts: List[nn.Module], optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+def load(*, path: Where, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """Restore model and optimizer in place, resharding to this layout; return the train state.
 
     Checks presence and sizes of every file first (the checksums are checked
@@ -322,12 +333,14 @@ def load(*, path: Where, model_parts: List[nn.Module], optimizer: torch.optim.Op
     except UserError:
         raise
     except Exception as exc:  # DCP wraps every failure (missing key, shape) in its own exception types
-        raise fail(f"{path}: the saved model/optimizer do not fit this model ({_first_line(exc)})", title="cannot load checkpoint") from None
+        raise fail(
+            f"{path}: the saved model/optimizer do not fit this model ({_first_line(exc)})", title="cannot load checkpoint"
+        ) from None
     apply_model_state(model_parts, state["model"])
     return train_state_of(path)
 
 
-def train_state_of(path: Where) -> Dict[str, Any]:
+def train_state_of(path: Where) -> dict[str, Any]:
     """``train_state.json`` of a checkpoint on disk or in object storage."""
     return objstore.read_train_state(path) if is_url(path) else read_train_state(path)
 
@@ -335,31 +348,41 @@ def train_state_of(path: Where) -> Dict[str, Any]:
 def refuse_unfused(path: Where, saved_keys: set) -> None:
     """A checkpoint of a model saved before llmforge fused its projections (q/k/v and
     gate/up as separate tensors) cannot resume: its optimizer state is per part."""
-    model = [k[len("model."):] for k in saved_keys if k.startswith("model.")]
+    model = [k[len("model.") :] for k in saved_keys if k.startswith("model.")]
     stale = unfused_parts(model)
     if stale:
         example = sorted(stale)[0]
-        raise UserError([Problem("ckpt", str(path), f"saved before llmforge fused its projections ({', '.join(stale[example])} are now {example})",
-                                 f"export it with `llmforge export ckpt={path} --out DIR` and start a new run from it with model.init_from=DIR (the optimizer state starts afresh)")],
-                        title="cannot load checkpoint")
+        raise UserError(
+            [
+                Problem(
+                    "ckpt",
+                    str(path),
+                    f"saved before llmforge fused its projections ({', '.join(stale[example])} are now {example})",
+                    f"export it with `llmforge export ckpt={path} --out DIR` and start a new run from it with model.init_from=DIR (the optimizer state starts afresh)",
+                )
+            ],
+            title="cannot load checkpoint",
+        )
 
 
-def _dcp_load(state: Dict[str, Any], path: Where) -> None:
-    dcp.load(state, storage_reader=safe_reader(path), planner=DefaultLoadPlanner(allow_partial_load=False), no_dist=not dist.is_initialized())
+def _dcp_load(state: dict[str, Any], path: Where) -> None:
+    dcp.load(
+        state, storage_reader=safe_reader(path), planner=DefaultLoadPlanner(allow_partial_load=False), no_dist=not dist.is_initialized()
+    )
 
 
-def split_tied(state: Dict[str, Any], saved_keys: set) -> tuple[Dict[str, Any], Dict[str, Any]]:
+def split_tied(state: dict[str, Any], saved_keys: set) -> tuple[dict[str, Any], dict[str, Any]]:
     """Separate the last pipeline stage's copy of a tied embedding (``head.weight``)
     when the checkpoint has none (it was saved without pipeline parallelism): the
     copy, and its optimizer state, load from ``embed.weight``'s."""
-    primary: Dict[str, Any] = {"model": dict(state["model"]), "optim": dict(state["optim"])}
-    aliased: Dict[str, Any] = {"model": {}, "optim": {}}
+    primary: dict[str, Any] = {"model": dict(state["model"]), "optim": dict(state["optim"])}
+    aliased: dict[str, Any] = {"model": {}, "optim": {}}
     if TIED_HEAD in saved_keys or "model.embed.weight" not in saved_keys:
         return primary, aliased
     if "head.weight" in primary["model"]:
         aliased["model"]["embed.weight"] = primary["model"].pop("head.weight")
     for key in [k for k in primary["optim"] if k.startswith("head.weight.")]:
-        aliased["optim"]["embed.weight." + key[len("head.weight."):]] = primary["optim"].pop(key)
+        aliased["optim"]["embed.weight." + key[len("head.weight.") :]] = primary["optim"].pop(key)
     return primary, aliased
 
 

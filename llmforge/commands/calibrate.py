@@ -4,8 +4,8 @@ figures next to the datasheet profile they started from, and write the profile."
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import List, Optional, Sequence
 
 from rich.console import Console
 from rich.table import Table
@@ -16,8 +16,9 @@ from llmforge.errors import UserError
 ATTEMPTS = 3
 
 
-def calibrate_command(overrides: Sequence[str], *, config_dir: Sequence[Path], quick: bool, out: Optional[Path], name: Optional[str],
-                      command: str, console: Console) -> Path:
+def calibrate_command(
+    overrides: Sequence[str], *, config_dir: Sequence[Path], quick: bool, out: Path | None, name: str | None, command: str, console: Console
+) -> Path:
     """Calibrate the ``cluster.*`` of the composed config and write its profile; the path.
     One calibration at a time on a machine (``llmforge.calibrate.lock``), from measuring to writing."""
     from llmforge.calibrate.lock import calibration_lock
@@ -30,8 +31,15 @@ def calibrate_command(overrides: Sequence[str], *, config_dir: Sequence[Path], q
     if not is_known(c.accelerator):
         raise UserError([unknown_problem(c.accelerator)], title="cannot calibrate")
     check_name(name)
-    req = Request(accelerator=c.accelerator, nodes=c.nodes, per_node=c.devices_per_node or 1, rdzv_endpoint=c.rdzv_endpoint,
-                  timeout_s=c.timeout_s, quick=quick, command=command)
+    req = Request(
+        accelerator=c.accelerator,
+        nodes=c.nodes,
+        per_node=c.devices_per_node or 1,
+        rdzv_endpoint=c.rdzv_endpoint,
+        timeout_s=c.timeout_s,
+        quick=quick,
+        command=command,
+    )
     threads = cpu_threads(req.per_node) if req.on_cpu else None
     path = out or default_path(req, name=name, threads=threads)
     check_out(path, given=out is not None)
@@ -42,13 +50,21 @@ def calibrate_command(overrides: Sequence[str], *, config_dir: Sequence[Path], q
         write_profile(path, profile_text(result.data, description=describe(result)))
     render(result, console=console)
     if not result.verdict.trusted:
-        console.print(f"{untrusted_note(result.verdict)} (the profile says so: calibration.trusted: false)", style="yellow", markup=False, highlight=False)
-    console.print(f"calibrated in {time.perf_counter() - started:.0f}s; wrote {path}\n{how_to_use(req, path=path, name=result.data['name'], out=out)}",
-                  markup=False, highlight=False)
+        console.print(
+            f"{untrusted_note(result.verdict)} (the profile says so: calibration.trusted: false)",
+            style="yellow",
+            markup=False,
+            highlight=False,
+        )
+    console.print(
+        f"calibrated in {time.perf_counter() - started:.0f}s; wrote {path}\n{how_to_use(req, path=path, name=result.data['name'], out=out)}",
+        markup=False,
+        highlight=False,
+    )
     return path
 
 
-def default_path(req, *, name: Optional[str], threads: Optional[int]) -> Path:
+def default_path(req, *, name: str | None, threads: int | None) -> Path:
     """This machine's cpu profile on a CPU, else ``LLMFORGE_HOME/profiles/NAME.yaml``."""
     from llmforge.hardware import home_profiles, machine_profile_path
 
@@ -57,7 +73,7 @@ def default_path(req, *, name: Optional[str], threads: Optional[int]) -> Path:
     return home_profiles() / f"{name or Path(req.accelerator).stem}.yaml"
 
 
-def calibrate(req, *, threads: Optional[int], name: Optional[str], console: Console):
+def calibrate(req, *, threads: int | None, name: str | None, console: Console):
     """Measure, then fit into a profile (``Result.data``)."""
     from llmforge.calibrate.run import Result, measure_here, measure_ranks, measure_trusted, profile_data, progress_bar
     from llmforge.calibrate.write import datasheet_profile, provenance
@@ -73,7 +89,9 @@ def calibrate(req, *, threads: Optional[int], name: Optional[str], console: Cons
     say = lambda text: console.print(text, style="yellow", markup=False, highlight=False)  # noqa: E731
     compute, comm, verdict = measure_trusted(measure, attempts=ATTEMPTS, say=say)
     result = Result(datasheet=datasheet, compute=compute, comm=comm, verdict=verdict)
-    prov = provenance(device=compute.device_name, threads=threads, ranks=req.world, quick=req.quick, started_from=datasheet, command=req.command)
+    prov = provenance(
+        device=compute.device_name, threads=threads, ranks=req.world, quick=req.quick, started_from=datasheet, command=req.command
+    )
     result.data = profile_data(result, name=name or datasheet.name, provenance=prov)
     return result
 
@@ -82,7 +100,7 @@ def describe(result) -> str:
     return f"{result.compute.device_name}, measured by llmforge calibrate (from the {result.datasheet.name} profile)"
 
 
-def how_to_use(req, *, path: Path, name: str, out: Optional[Path]) -> str:
+def how_to_use(req, *, path: Path, name: str, out: Path | None) -> str:
     if req.on_cpu and out is None and name == "cpu":
         return "cluster.accelerator=cpu uses it on this machine (estimate, pretrain, the progress bar's MFU)"
     if out is None:
@@ -92,23 +110,41 @@ def how_to_use(req, *, path: Path, name: str, out: Optional[Path]) -> str:
     return f"select it with {shlex.quote(f'cluster.accelerator={path}')}"
 
 
-def comparison_rows(result) -> List[tuple]:
+def comparison_rows(result) -> list[tuple]:
     """(figure, datasheet, measured) rows of the table."""
     from llmforge.hardware import parse_profile
 
     before, after = result.datasheet, parse_profile(result.data, source="calibrated")
-    rows = [(f"peak {d} TFLOP/s", f"{before.peak_flops.get(d, 0) / 1e12:.4g}", f"{after.peak_flops[d] / 1e12:.4g}") for d in after.peak_flops]
-    rows += [(f"{d} matmul TFLOP/s, large (peak x efficiency)", f"{before.peak_flops.get(d, 0) * before.matmul_efficiency / 1e12:.4g}",
-              f"{after.peak_flops[d] * after.matmul_efficiency / 1e12:.4g}") for d in after.peak_flops]
+    rows = [
+        (f"peak {d} TFLOP/s", f"{before.peak_flops.get(d, 0) / 1e12:.4g}", f"{after.peak_flops[d] / 1e12:.4g}") for d in after.peak_flops
+    ]
+    rows += [
+        (
+            f"{d} matmul TFLOP/s, large (peak x efficiency)",
+            f"{before.peak_flops.get(d, 0) * before.matmul_efficiency / 1e12:.4g}",
+            f"{after.peak_flops[d] * after.matmul_efficiency / 1e12:.4g}",
+        )
+        for d in after.peak_flops
+    ]
     for key in ("matmul_efficiency", "matmul_dim", "attention_efficiency", "bandwidth_efficiency", "kernel_floor_us"):
         rows.append((key, f"{getattr(before, key):.3g}", f"{getattr(after, key):.3g}"))
-    rows.append(("memory-bound GB/s (bandwidth x efficiency)", f"{before.memory_bandwidth * before.bandwidth_efficiency / 1e9:.4g}",
-                 f"{after.memory_bandwidth * after.bandwidth_efficiency / 1e9:.4g}"))
+    rows.append(
+        (
+            "memory-bound GB/s (bandwidth x efficiency)",
+            f"{before.memory_bandwidth * before.bandwidth_efficiency / 1e9:.4g}",
+            f"{after.memory_bandwidth * after.bandwidth_efficiency / 1e9:.4g}",
+        )
+    )
     rows.append(("device memory GiB", f"{before.memory_bytes / 2**30:.4g}", f"{after.memory_bytes / 2**30:.4g}"))
     if result.comm:
         for link, attr in (("intra", "intra_node_bandwidth"), ("inter", "inter_node_bandwidth")):
-            rows.append((f"{link}-node bus GB/s achieved", f"{getattr(before, attr) * before.comm_efficiency / 1e9:.4g}",
-                         f"{getattr(after, attr) * after.comm_efficiency / 1e9:.4g}"))
+            rows.append(
+                (
+                    f"{link}-node bus GB/s achieved",
+                    f"{getattr(before, attr) * before.comm_efficiency / 1e9:.4g}",
+                    f"{getattr(after, attr) * after.comm_efficiency / 1e9:.4g}",
+                )
+            )
         rows.append(("collective latency us", f"{before.comm_latency_us:.3g}", f"{after.comm_latency_us:.3g}"))
     return rows
 

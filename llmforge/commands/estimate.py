@@ -44,8 +44,12 @@ def run_estimate(plan, *, as_json: bool, timeline: bool, measure: bool, search: 
     render_estimate(est, recipe=plan.config.recipe, console=console)
     if cost.fraction < 1.0 or cost.mask != "causal":
         share = data["attention"]
-        console.print(f"Attention: {cost.fraction:.3f} of causal attention's work ({cost.note}); "
-                      f"{share['flops_share']:.1%} of the step's FLOPs, {share['time_share']:.1%} of its time.", markup=False, highlight=False)
+        console.print(
+            f"Attention: {cost.fraction:.3f} of causal attention's work ({cost.note}); "
+            f"{share['flops_share']:.1%} of the step's FLOPs, {share['time_share']:.1%} of its time.",
+            markup=False,
+            highlight=False,
+        )
     if timeline:
         render_timeline(est, console=console)
     if measured is not None:

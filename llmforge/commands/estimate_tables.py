@@ -11,13 +11,16 @@ from llmforge.estimate.pipeline import simulate, simulated_bubble
 from llmforge.estimate.text import gib, verdict, where
 from llmforge.layout import ZERO_BUBBLE_SCHEDULES
 
+
 def _state_notes(est: Estimate) -> tuple[str, str]:
     """How the weights and gradients are kept under the layout's ZeRO stage."""
     lay, c, r = est.layout, est.job.param_dtype, est.job.reduce_dtype
     if lay.offload == "states":
         whole = lay.zero < 3 or lay.pp > 1
-        return (f"whole {c} compute copy (fp32 shard in host memory)" if whole else "gathered block by block (fp32 shard in host memory)",
-                f"whole, in {r}, until copied to the host" if lay.zero == 1 or lay.pp > 1 else "one block's, copied to the host")
+        return (
+            f"whole {c} compute copy (fp32 shard in host memory)" if whole else "gathered block by block (fp32 shard in host memory)",
+            f"whole, in {r}, until copied to the host" if lay.zero == 1 or lay.pp > 1 else "one block's, copied to the host",
+        )
     if lay.zero == 0 or lay.dp * lay.cp == 1:
         return "fp32, replicated", "fp32, one per parameter"
     whole_grads = lay.zero == 1 or lay.pp > 1
@@ -35,34 +38,64 @@ def _memory_table(est: Estimate) -> Table:
     table.add_row("weights", gib(w.weights), f"{w.params / 1e6:,.1f}M params on this rank; ZeRO-{lay.zero}: {weights}")
     table.add_row("gradients", gib(w.grads), grads)
     if est.job.optimizer == "muon":
-        table.add_row("optimizer (Muon)", gib(w.optimizer), "one fp32 momentum per block matrix, two fp32 AdamW moments per other parameter")
+        table.add_row(
+            "optimizer (Muon)", gib(w.optimizer), "one fp32 momentum per block matrix, two fp32 AdamW moments per other parameter"
+        )
     else:
-        table.add_row("optimizer (AdamW)", gib(w.optimizer), "two fp32 moments per parameter" + (", in host memory (stepped on the CPU)" if lay.offload == "states" else ""))
-    table.add_row("activations", gib(w.activations), f"recompute={lay.recompute}; microbatches in flight per the {lay.schedule if lay.pp > 1 else 'accumulation'} schedule")
+        table.add_row(
+            "optimizer (AdamW)",
+            gib(w.optimizer),
+            "two fp32 moments per parameter" + (", in host memory (stepped on the CPU)" if lay.offload == "states" else ""),
+        )
+    table.add_row(
+        "activations",
+        gib(w.activations),
+        f"recompute={lay.recompute}; microbatches in flight per the {lay.schedule if lay.pp > 1 else 'accumulation'} schedule",
+    )
     table.add_row("transient buffers", gib(w.transient), "logits at the loss, recompute working set, gathers, buckets")
     table.add_row("allowance", gib(w.reserved), _allowance_words(est))
-    table.add_row(Text("total", style="bold"), Text(gib(w.total), style="bold"), Text(f"of {gib(est.job.profile.memory_bytes)} ({est.job.profile.name})"))
+    table.add_row(
+        Text("total", style="bold"),
+        Text(gib(w.total), style="bold"),
+        Text(f"of {gib(est.job.profile.memory_bytes)} ({est.job.profile.name})"),
+    )
     if est.host is not None:
         h = est.host
-        table.add_row("host memory / node", gib(h.node_bytes), f"offloaded: {gib(h.states_bytes)} model states + {gib(h.activations_bytes)} activations per device, "
-                      f"of {gib(h.node_capacity)} per node")
+        table.add_row(
+            "host memory / node",
+            gib(h.node_bytes),
+            f"offloaded: {gib(h.states_bytes)} model states + {gib(h.activations_bytes)} activations per device, "
+            f"of {gib(h.node_capacity)} per node",
+        )
     return table
 
 
 _TERM_NAMES = {
-    "matmul": "matmuls", "attention": "fused attention", "memory_bound": "memory-bound kernels", "launch_floor": "kernel launch floor",
-    "dp_all_reduce_exposed": "dp all-reduce (exposed)", "dp_all_gather_exposed": "dp all-gather (exposed)",
-    "dp_reduce_scatter_exposed": "dp reduce-scatter (exposed)", "tp_exposed": "tensor-parallel collectives",
-    "pp_exposed": "pipeline send/recv (exposed)", "cp_exposed": "context-parallel ring (exposed)",
-    "ep_exposed": "expert all-to-all", "bubble": "pipeline bubble", "comm_overlap": "compute slowed by hidden communication",
-    "optimizer": "optimizer step and clip", "offload_copy": "host-link copies (offload, exposed)",
-    "cpu_optimizer": "optimizer step on the CPU (offload)", "tp_host": "tensor-parallel host time (DTensor calls, clip collectives)",
+    "matmul": "matmuls",
+    "attention": "fused attention",
+    "memory_bound": "memory-bound kernels",
+    "launch_floor": "kernel launch floor",
+    "dp_all_reduce_exposed": "dp all-reduce (exposed)",
+    "dp_all_gather_exposed": "dp all-gather (exposed)",
+    "dp_reduce_scatter_exposed": "dp reduce-scatter (exposed)",
+    "tp_exposed": "tensor-parallel collectives",
+    "pp_exposed": "pipeline send/recv (exposed)",
+    "cp_exposed": "context-parallel ring (exposed)",
+    "ep_exposed": "expert all-to-all",
+    "bubble": "pipeline bubble",
+    "comm_overlap": "compute slowed by hidden communication",
+    "optimizer": "optimizer step and clip",
+    "offload_copy": "host-link copies (offload, exposed)",
+    "cpu_optimizer": "optimizer step on the CPU (offload)",
+    "tp_host": "tensor-parallel host time (DTensor calls, clip collectives)",
 }
 
 
 def _time_table(est: Estimate) -> Table:
     fused = ", blocks compiled" if est.job.compile else ""
-    table = Table(title=f"Step time ({'flat efficiency' if est.job.efficiency is not None else 'kernel model'}{fused})", title_justify="left")
+    table = Table(
+        title=f"Step time ({'flat efficiency' if est.job.efficiency is not None else 'kernel model'}{fused})", title_justify="left"
+    )
     table.add_column("term")
     table.add_column("seconds", justify="right")
     table.add_column("share", justify="right")
@@ -84,7 +117,9 @@ def _comm_table(est: Estimate) -> Table:
 
 def _summary_table(est: Estimate, recipe: str) -> Table:
     lay, c = est.layout, est.comm
-    table = Table(show_header=False, title=Text(f"llmforge estimate: {recipe} on {lay.world} x {est.job.profile.name}"), title_justify="left")
+    table = Table(
+        show_header=False, title=Text(f"llmforge estimate: {recipe} on {lay.world} x {est.job.profile.name}"), title_justify="left"
+    )
     table.add_column("key", style="cyan")
     table.add_column("value")
     table.add_row("layout", lay.overrides())
@@ -100,8 +135,11 @@ def _summary_table(est: Estimate, recipe: str) -> Table:
         table.add_row("host memory / node", _node_text(est))
     if est.host is not None:
         h = est.host
-        table.add_row("CPU offload", f"host-link copies {h.copy_s:.3g} s/step ({h.copy_s - h.exposed_copy_s:.3g} s hidden by compute), "
-                      f"CPU AdamW {h.optimizer_s:.3g} s (host memory bandwidth {est.job.profile.host_memory_bandwidth / 1e9:g} GB/s per node)")
+        table.add_row(
+            "CPU offload",
+            f"host-link copies {h.copy_s:.3g} s/step ({h.copy_s - h.exposed_copy_s:.3g} s hidden by compute), "
+            f"CPU AdamW {h.optimizer_s:.3g} s (host memory bandwidth {est.job.profile.host_memory_bandwidth / 1e9:g} GB/s per node)",
+        )
     return table
 
 
@@ -156,9 +194,11 @@ def render_timeline(est: Estimate, *, console) -> None:
     cell = 5 if multi else 4
     m, slots, end = _fitting_slots(est, console.width, cell)
     colours = ["cyan", "magenta", "yellow", "green", "blue", "red"]
-    console.print(f"Timeline ({lay.schedule}, {m} of {est.microbatches} microbatches; one column = one forward of one chunk; "
-                  f"F forward, B backward{', W weight gradient' if lay.schedule in ZERO_BUBBLE_SCHEDULES else ''}, "
-                  f". idle{'; the letter is the model chunk on that rank' if multi else ''})")
+    console.print(
+        f"Timeline ({lay.schedule}, {m} of {est.microbatches} microbatches; one column = one forward of one chunk; "
+        f"F forward, B backward{', W weight gradient' if lay.schedule in ZERO_BUBBLE_SCHEDULES else ''}, "
+        f". idle{'; the letter is the model chunk on that rank' if multi else ''})"
+    )
     for rank, row in slots.items():
         line = Text(f"rank {rank:<2} ")
         cursor = 0
@@ -189,11 +229,17 @@ def render_measured(measured, *, console) -> None:
 def render_search(result, *, plan, why_text: str, console) -> None:
     """The ranked layouts, with paste-ready overrides, or what would make the request fit."""
     prof = plan.config.cluster.accelerator
-    head = (f"Searched {result.evaluated:,} layouts of {plan.config.recipe} on {result.world} x {prof} in "
-            f"{result.seconds:.2f} s ({result.rate:,.0f} layouts/s); {result.fitting:,} fit.")
+    head = (
+        f"Searched {result.evaluated:,} layouts of {plan.config.recipe} on {result.world} x {prof} in "
+        f"{result.seconds:.2f} s ({result.rate:,.0f} layouts/s); {result.fitting:,} fit."
+    )
     console.print(head, markup=False)
     if not result.ranked:
-        none = "Nothing fits." if not result.fitting else f"None of the {result.fitting:,} that fit is a valid plan with the other settings (llmforge plan names why)."
+        none = (
+            "Nothing fits."
+            if not result.fitting
+            else f"None of the {result.fitting:,} that fit is a valid plan with the other settings (llmforge plan names why)."
+        )
         console.print(Text(none, style="bold red"))
         for line in result.suggestions:
             console.print(f"- {line}", markup=False)
@@ -201,13 +247,26 @@ def render_search(result, *, plan, why_text: str, console) -> None:
     if result.offloaded:
         console.print(result.offloaded, markup=False, style="yellow")
     table = Table(title="Fastest layouts that fit", title_justify="left", show_lines=True)
-    for col, justify in (("#", "right"), ("tokens/s", "right"), ("MFU", "right"), ("step", "right"), ("memory", "right"), ("bubble", "right"), ("layout", "left")):
+    for col, justify in (
+        ("#", "right"),
+        ("tokens/s", "right"),
+        ("MFU", "right"),
+        ("step", "right"),
+        ("memory", "right"),
+        ("bubble", "right"),
+        ("layout", "left"),
+    ):
         table.add_column(col, justify=justify)
     for i, est in enumerate(result.ranked, 1):
         cap = est.job.profile.memory_bytes
         table.add_row(
-            str(i), f"{est.tokens_per_s:,.0f}", f"{est.mfu:.1%}", f"{est.step_s:.3g} s",
-            f"{gib(est.worst.total)} ({est.worst.total / cap:.0%})", f"{est.bubble:.1%}", _short(est.layout),
+            str(i),
+            f"{est.tokens_per_s:,.0f}",
+            f"{est.mfu:.1%}",
+            f"{est.step_s:.3g} s",
+            f"{gib(est.worst.total)} ({est.worst.total / cap:.0%})",
+            f"{est.bubble:.1%}",
+            _short(est.layout),
         )
     console.print(table)
     if why_text:
@@ -219,7 +278,11 @@ def render_search(result, *, plan, why_text: str, console) -> None:
 
 def _short(layout) -> str:
     """dp8 tp2 pp4 zero1 sp | 1f1b v1 | mb1 | recompute none"""
-    parts = [f"{n}{v}" for n, v in (("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp), ("cp", layout.cp), ("ep", layout.ep)) if v > 1 or n == "dp"]
+    parts = [
+        f"{n}{v}"
+        for n, v in (("dp", layout.dp), ("tp", layout.tp), ("pp", layout.pp), ("cp", layout.cp), ("ep", layout.ep))
+        if v > 1 or n == "dp"
+    ]
     if layout.dp_replicate > 1:
         parts[0] = f"hsdp{layout.dp_replicate}x{layout.dp_shard}"
     parts.append(f"zero{layout.zero}" + (" sp" if layout.sequence_parallel else ""))

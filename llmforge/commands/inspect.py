@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 from rich.console import Console
 
@@ -38,8 +38,19 @@ def keys_command(prefix: str, *, console: Console) -> None:
     show_keys(prefix, console=console)
 
 
-def estimate_command(overrides: Sequence[str], *, plan_file: Optional[Path], config_dir: Sequence[Path], as_json: bool, timeline: bool,
-                     measure: bool, search: bool, top: int, console: Console, rehearse: bool = False) -> None:
+def estimate_command(
+    overrides: Sequence[str],
+    *,
+    plan_file: Path | None,
+    config_dir: Sequence[Path],
+    as_json: bool,
+    timeline: bool,
+    measure: bool,
+    search: bool,
+    top: int,
+    console: Console,
+    rehearse: bool = False,
+) -> None:
     reset = SEARCH_START if search else None
     if plan_file is not None:
         run_plan = plan_from_file(plan_file, overrides, config_dir=config_dir, reset=reset)
@@ -61,5 +72,10 @@ def note_launch_needs(run_plan, *, refuse: bool = False) -> None:
     if problems and refuse:
         raise UserError(problems, title="cannot run the model on this machine")
     for problem in problems:
-        Console(stderr=True).print(f"note: {problem.key}: {problem.rule}; launching will need it ({problem.fix})",
-                                   style="yellow", markup=False, highlight=False, soft_wrap=True)
+        Console(stderr=True).print(
+            f"note: {problem.key}: {problem.rule}; launching will need it ({problem.fix})",
+            style="yellow",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )

@@ -4,34 +4,47 @@ run's plan.json with overrides on top (``llmforge.config.compose`` and ``.saved`
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
 
 from llmforge.errors import Problem, UserError
 from llmforge.plan import RunPlan
 
 
-def build_plan(overrides: Sequence[str], *, config_dir: Sequence[Path] = (), reset: Optional[Mapping[str, str]] = None) -> RunPlan:
+def build_plan(overrides: Sequence[str], *, config_dir: Sequence[Path] = (), reset: Mapping[str, str] | None = None) -> RunPlan:
     """The validated plan of a recipe with ``overrides`` (and ``--config-dir`` folders)."""
     from llmforge.config.compose import compose
 
     return RunPlan.build(compose(list(overrides), extra_dirs=list(config_dir), reset=reset))
 
 
-def plan_from_file(path: Path, overrides: Sequence[str], *, config_dir: Sequence[Path] = (), reset: Optional[Mapping[str, str]] = None) -> RunPlan:
+def plan_from_file(
+    path: Path, overrides: Sequence[str], *, config_dir: Sequence[Path] = (), reset: Mapping[str, str] | None = None
+) -> RunPlan:
     """A run's plan.json, with overrides applied on top of it (group options also from ``config_dir``)."""
     from llmforge.config.saved import compose_saved
 
     if path.is_dir():  # a run folder: its plan.json
         if not (path / "plan.json").is_file():
-            raise UserError([Problem("--plan", str(path), "is a folder without a plan.json", "point --plan at a run folder or its plan.json")], title="missing plan")
+            raise UserError(
+                [Problem("--plan", str(path), "is a folder without a plan.json", "point --plan at a run folder or its plan.json")],
+                title="missing plan",
+            )
         path = path / "plan.json"
     try:
         saved = json.loads(path.read_text())["config"]
     except FileNotFoundError:
-        raise UserError([Problem("--plan", str(path), "no such file", "point --plan at a run folder's plan.json")], title="missing plan") from None
+        raise UserError(
+            [Problem("--plan", str(path), "no such file", "point --plan at a run folder's plan.json")], title="missing plan"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - a damaged file: one message
-        raise UserError([Problem("--plan", str(path), f"cannot read the plan ({exc})", "point --plan at a run folder's plan.json")], title="unreadable plan") from None
+        raise UserError(
+            [Problem("--plan", str(path), f"cannot read the plan ({exc})", "point --plan at a run folder's plan.json")],
+            title="unreadable plan",
+        ) from None
     if not isinstance(saved, dict):
-        raise UserError([Problem("--plan", str(path), "cannot read the plan (no config section)", "point --plan at a run folder's plan.json")], title="unreadable plan")
+        raise UserError(
+            [Problem("--plan", str(path), "cannot read the plan (no config section)", "point --plan at a run folder's plan.json")],
+            title="unreadable plan",
+        )
     return RunPlan.build(compose_saved(saved, overrides, source=path, extra_dirs=config_dir, reset=reset))

@@ -29,8 +29,10 @@ def rehearse_estimate(plan: RunPlan, est: Estimate):
 
     reason = unsupported(plan)
     if reason:
-        raise UserError([Problem("--rehearse", str(plan.layout), reason, "rehearse a layout without it, or leave out --rehearse")],
-                        title="cannot rehearse this plan")
+        raise UserError(
+            [Problem("--rehearse", str(plan.layout), reason, "rehearse a layout without it, or leave out --rehearse")],
+            title="cannot rehearse this plan",
+        )
     return rehearse(plan, stage=est.worst.stage, where=where(est))
 
 
@@ -46,19 +48,34 @@ def rehearsal_dict(rehearsal, est: Estimate) -> dict:
 def render_rehearsal(rehearsal, est: Estimate, *, console: Console) -> None:
     """The rehearsed peak item by item next to the estimate's."""
     items = rehearsal.as_estimate_items(whole_compute_copy=whole_compute_copy(est))
-    table = Table(title=f"Rehearsal of rank {rehearsal.rank} ({rehearsal.where}): fake tensors, the build and two steps (the second shown), {rehearsal.seconds:.0f} s")
+    table = Table(
+        title=f"Rehearsal of rank {rehearsal.rank} ({rehearsal.where}): fake tensors, the build and two steps (the second shown), {rehearsal.seconds:.0f} s"
+    )
     for name in ("", "estimate", "rehearsed", "rehearsed / estimate"):
         table.add_column(name, justify="left" if not name else "right")
     for name in ITEMS:
         e, r = getattr(est.worst, name), items[name]
         table.add_row(name, gib(e), gib(r), f"{r / e:.2f}" if e else "-")
     e_total = sum(getattr(est.worst, k) for k in ITEMS)
-    table.add_row("total (tensors)", gib(e_total), gib(rehearsal.step_peak_bytes), f"{rehearsal.step_peak_bytes / e_total:.2f}" if e_total else "-", style="bold")
+    table.add_row(
+        "total (tensors)",
+        gib(e_total),
+        gib(rehearsal.step_peak_bytes),
+        f"{rehearsal.step_peak_bytes / e_total:.2f}" if e_total else "-",
+        style="bold",
+    )
     table.add_row("reserved", gib(est.worst.reserved), "not rehearsed", "")
     console.print(table)
-    console.print(f"Build peak: {gib(rehearsal.build_peak_bytes)}"
-                  + (" (above the step's: the build holds more than the rank keeps)" if rehearsal.build_peak_bytes > rehearsal.step_peak_bytes else ""),
-                  markup=False, highlight=False)
+    console.print(
+        f"Build peak: {gib(rehearsal.build_peak_bytes)}"
+        + (
+            " (above the step's: the build holds more than the rank keeps)"
+            if rehearsal.build_peak_bytes > rehearsal.step_peak_bytes
+            else ""
+        ),
+        markup=False,
+        highlight=False,
+    )
     for note in rehearsal.differences:
         console.print(f"note: {note}", style="dim", markup=False, highlight=False)
 
@@ -90,8 +107,14 @@ def rehearse_before_launch(plan: RunPlan, *, force: bool, console: Console) -> N
         return
     rehearsal = rehearse_estimate(plan, est)
     need, have = rehearsal.peak_bytes + est.worst.reserved, est.job.profile.memory_bytes
-    console.print(f"Rehearsed rank {rehearsal.rank}: peak {gib(rehearsal.peak_bytes)} + reserved {gib(est.worst.reserved)} "
-                  f"= {gib(need)} of {gib(have)} ({rehearsal.seconds:.0f} s on fake tensors)", markup=False, highlight=False)
+    console.print(
+        f"Rehearsed rank {rehearsal.rank}: peak {gib(rehearsal.peak_bytes)} + reserved {gib(est.worst.reserved)} "
+        f"= {gib(need)} of {gib(have)} ({rehearsal.seconds:.0f} s on fake tensors)",
+        markup=False,
+        highlight=False,
+    )
     if need > have and not force:
-        raise fail(f"the rehearsed rank {rehearsal.rank} needs {gib(need)} of the device's {gib(have)}; change the layout "
-                   "(llmforge estimate --search), set train.rehearse=false, or pass --force")
+        raise fail(
+            f"the rehearsed rank {rehearsal.rank} needs {gib(need)} of the device's {gib(have)}; change the layout "
+            "(llmforge estimate --search), set train.rehearse=false, or pass --force"
+        )

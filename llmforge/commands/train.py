@@ -3,8 +3,8 @@ CPU run on a machine has measured it (``llmforge.calibrate.auto``; not for ``--d
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from rich.console import Console
 
@@ -12,7 +12,9 @@ from llmforge.commands.plans import build_plan
 from llmforge.plan import RunPlan
 
 
-def pretrain_command(overrides: Sequence[str], *, config_dir: Sequence[Path], force: bool, dry_run: bool, overwrite: bool, console: Console) -> None:
+def pretrain_command(
+    overrides: Sequence[str], *, config_dir: Sequence[Path], force: bool, dry_run: bool, overwrite: bool, console: Console
+) -> None:
     run_plan = build_plan(overrides, config_dir=config_dir)
     from llmforge.commands.rehearsal import rehearse_before_launch
     from llmforge.launch import launch
@@ -22,8 +24,16 @@ def pretrain_command(overrides: Sequence[str], *, config_dir: Sequence[Path], fo
     launch(run_plan, resume_from=None, force=force, dry_run=dry_run, console=console, overwrite=overwrite)
 
 
-def resume_command(overrides: Sequence[str], *, config_dir: Sequence[Path], force: bool, dry_run: bool, overwrite: bool, from_other_run: bool,
-                   console: Console) -> None:
+def resume_command(
+    overrides: Sequence[str],
+    *,
+    config_dir: Sequence[Path],
+    force: bool,
+    dry_run: bool,
+    overwrite: bool,
+    from_other_run: bool,
+    console: Console,
+) -> None:
     from llmforge.checkpoint.resume import plan_for_resume
     from llmforge.launch import launch
 

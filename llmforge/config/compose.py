@@ -10,9 +10,9 @@ their options shadow the built-in ones of the same name.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence
 
 from llmforge.config.schema import GROUPS, RunConfig, iter_keys
 from llmforge.errors import Problem, UserError, nearest
@@ -32,7 +32,7 @@ class OptionInfo:
     path: Path
 
 
-def config_dirs(extra: Sequence[str | Path] = ()) -> List[Path]:
+def config_dirs(extra: Sequence[str | Path] = ()) -> list[Path]:
     """Config folders searched, highest priority first: explicit, environment, built-in."""
     env = [p for p in os.environ.get("LLMFORGE_CONFIG_PATH", "").split(os.pathsep) if p]
     named = [("--config-dir", Path(p)) for p in extra] + [("LLMFORGE_CONFIG_PATH", Path(p)) for p in env]
@@ -48,9 +48,9 @@ def _folder_fix(where: str) -> str:
     return "pass an existing folder"
 
 
-def available_options(dirs: Sequence[Path]) -> Dict[str, Dict[str, OptionInfo]]:
+def available_options(dirs: Sequence[Path]) -> dict[str, dict[str, OptionInfo]]:
     """Every selectable option per group, with the first comment line as its description."""
-    found: Dict[str, Dict[str, OptionInfo]] = {g: {} for g in SELECTABLE_GROUPS}
+    found: dict[str, dict[str, OptionInfo]] = {g: {} for g in SELECTABLE_GROUPS}
     for d in reversed(list(dirs)):  # later (higher-priority) folders overwrite
         for group in SELECTABLE_GROUPS:
             for path in sorted((d / group).glob("*.yaml")):
@@ -66,11 +66,11 @@ def _description(path: Path) -> str:
     return ""
 
 
-def check_overrides(overrides: Sequence[str], options: Dict[str, Dict[str, OptionInfo]]) -> List[str]:
+def check_overrides(overrides: Sequence[str], options: dict[str, dict[str, OptionInfo]]) -> list[str]:
     """Translate aliases and report malformed overrides, unknown keys and unknown options at once."""
     known_keys = {k for k, *_ in iter_keys()}
-    problems: List[Problem] = []
-    translated: List[str] = []
+    problems: list[Problem] = []
+    translated: list[str] = []
     for raw in overrides:
         if "=" not in raw:
             problems.append(Problem(raw, raw, "an override must look like key=value", "write e.g. train.steps=10 or parallel=tp2"))
@@ -84,9 +84,7 @@ def check_overrides(overrides: Sequence[str], options: Dict[str, Dict[str, Optio
         if bare in options:
             if value not in options[bare]:
                 valid = ", ".join(sorted(options[bare]))
-                problems.append(
-                    Problem(bare, value, f"no such {bare} option{nearest(value, options[bare])}", f"choose one of: {valid}")
-                )
+                problems.append(Problem(bare, value, f"no such {bare} option{nearest(value, options[bare])}", f"choose one of: {valid}"))
         elif bare not in known_keys and not any(k.startswith(bare + ".") for k in known_keys):
             problems.append(
                 Problem(bare, value, f"unknown key{nearest(bare, known_keys | set(options))}", "see `llmforge keys` for every key")
@@ -99,7 +97,7 @@ def check_overrides(overrides: Sequence[str], options: Dict[str, Dict[str, Optio
     return translated
 
 
-def _syntax(override: str, *, key: str) -> List[Problem]:
+def _syntax(override: str, *, key: str) -> list[Problem]:
     """Hydra's parse of one override, as a problem naming the override."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -117,7 +115,7 @@ def _syntax(override: str, *, key: str) -> List[Problem]:
     return []
 
 
-def check_files(checked: Sequence[str], options: Dict[str, Dict[str, OptionInfo]]) -> List[Problem]:
+def check_files(checked: Sequence[str], options: dict[str, dict[str, OptionInfo]]) -> list[Problem]:
     """The YAML files this composition reads must each hold a mapping, and a recipe's
     defaults list must name options that exist."""
     import yaml
@@ -126,7 +124,7 @@ def check_files(checked: Sequence[str], options: Dict[str, Dict[str, OptionInfo]
     recipe = options["recipe"].get(chosen.get("recipe", "tiny"))
     files = [options[g][v].path for g, v in chosen.items() if g in options and v in options[g]]
     files += [recipe.path] if recipe is not None and recipe.path not in files else []
-    problems: List[Problem] = []
+    problems: list[Problem] = []
     for path in files:
         try:
             data = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -136,14 +134,16 @@ def check_files(checked: Sequence[str], options: Dict[str, Dict[str, OptionInfo]
             continue
         if not isinstance(data, dict):
             what = "is empty" if data is None else f"holds a YAML {type(data).__name__}, not a mapping of keys"
-            problems.append(Problem(str(path), "", what, "write `key: value` lines (see `llmforge recipes` for examples), or remove the file"))
+            problems.append(
+                Problem(str(path), "", what, "write `key: value` lines (see `llmforge recipes` for examples), or remove the file")
+            )
             continue
         problems += _check_defaults(path, data.get("defaults"), options)
         problems += _check_recipe_header(path) if recipe is not None and path == recipe.path else []
     return problems
 
 
-def _check_recipe_header(path: Path) -> List[Problem]:
+def _check_recipe_header(path: Path) -> list[Problem]:
     """A recipe sets keys of every group, so it must be placed at the root: Hydra reads
     ``# @package _global_`` only from the leading ``# @`` lines, before any other comment."""
     from hydra.plugins.config_source import ConfigSource
@@ -154,11 +154,17 @@ def _check_recipe_header(path: Path) -> List[Problem]:
         package = None
     if package == "_global_":
         return []
-    return [Problem(str(path), "", "a recipe must start with the line `# @package _global_` (missing, or after another comment)",
-                    "make `# @package _global_` the file's first line, above its description comment")]
+    return [
+        Problem(
+            str(path),
+            "",
+            "a recipe must start with the line `# @package _global_` (missing, or after another comment)",
+            "make `# @package _global_` the file's first line, above its description comment",
+        )
+    ]
 
 
-def _check_defaults(path: Path, defaults: object, options: Dict[str, Dict[str, OptionInfo]]) -> List[Problem]:
+def _check_defaults(path: Path, defaults: object, options: dict[str, dict[str, OptionInfo]]) -> list[Problem]:
     """Every ``override /GROUP: OPTION`` entry of a defaults list names an existing option."""
     if defaults is None:
         return []
@@ -171,33 +177,38 @@ def _check_defaults(path: Path, defaults: object, options: Dict[str, Dict[str, O
         for name, option in entry.items():
             group = str(name).replace("override", "").strip().lstrip("/").split("@")[0]
             if group in options and isinstance(option, str) and option not in options[group]:
-                problems.append(Problem(f"{path}: defaults", f"{name}: {option}", f"no such {group} option{nearest(option, options[group])}",
-                                        f"choose one of: {', '.join(sorted(options[group]))}"))
+                problems.append(
+                    Problem(
+                        f"{path}: defaults",
+                        f"{name}: {option}",
+                        f"no such {group} option{nearest(option, options[group])}",
+                        f"choose one of: {', '.join(sorted(options[group]))}",
+                    )
+                )
     return problems
 
 
 def _register_schema() -> None:
-    from hydra.core.config_store import ConfigStore
-
     import yaml
+    from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
     store.store(name=_SCHEMA_NAME, node=RunConfig)
     store.store(name=_ROOT_NAME, node=yaml.safe_load((BUILTIN_CONFIG_DIR / "config.yaml").read_text(encoding="utf-8")))
 
 
-def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] = (), reset: Optional[Mapping[str, str]] = None) -> RunConfig:
+def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] = (), reset: Mapping[str, str] | None = None) -> RunConfig:
     """Compose the recipe and overrides into a validated, typed RunConfig. ``reset``
     (group -> option): those groups take that option, and the overrides that set anything
     in them are left out (``estimate --search`` varies the layout itself, so it starts
     from ``parallel=dp``). A saved plan with overrides on top: ``llmforge.config.saved``."""
     overrides = with_reset(overrides, reset)
+    import yaml
     from hydra import compose as hydra_compose
     from hydra import initialize
     from hydra.errors import HydraException
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
-    import yaml
 
     dirs = config_dirs(extra_dirs)
     options = available_options(dirs)
@@ -220,7 +231,7 @@ def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] =
         raise UserError([_explain(exc, options=options)], title="the configuration does not compose") from None
 
 
-def with_reset(overrides: Sequence[str], reset: Optional[Mapping[str, str]]) -> List[str]:
+def with_reset(overrides: Sequence[str], reset: Mapping[str, str] | None) -> list[str]:
     """``overrides`` without those that set anything in a ``reset`` group, plus ``GROUP=OPTION`` for each."""
     if not reset:
         return list(overrides)
@@ -233,10 +244,10 @@ def _group_of(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~").split(".", 1)[0]
 
 
-def _explain(exc: BaseException, *, options: Dict[str, Dict[str, OptionInfo]]) -> Problem:
+def _explain(exc: BaseException, *, options: dict[str, dict[str, OptionInfo]]) -> Problem:
     """The most specific message in the exception chain, with the key and file it names."""
-    chain: List[BaseException] = []
-    node: Optional[BaseException] = exc
+    chain: list[BaseException] = []
+    node: BaseException | None = exc
     while node is not None and len(chain) < 10:
         chain.append(node)
         node = node.__cause__ or node.__context__
@@ -253,7 +264,7 @@ def _explain(exc: BaseException, *, options: Dict[str, Dict[str, OptionInfo]]) -
     return Problem(key, "", text + source, fix)
 
 
-def _file_of(config_name: str, *, options: Dict[str, Dict[str, OptionInfo]]) -> str:
+def _file_of(config_name: str, *, options: dict[str, dict[str, OptionInfo]]) -> str:
     """The file behind Hydra's ``'group/option'`` name, as the search path resolved it."""
     group, _, name = config_name.strip("'").partition("/")
     info = options.get(group, {}).get(name)

@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import field
-from typing import Any, Dict, Optional
+from typing import Any
 
 from llmforge.config.ranges import Range
 
 
-def knob(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, range: Optional[str] = None) -> Any:
+def knob(default: Any = dataclasses.MISSING, *, help: str, factory: Any = None, range: str | None = None) -> Any:
     """A dataclass field with a help text and, for a number, its allowed range in interval
     notation (``"[0, 1)"``; checked by llmforge.config.ranges.range_problems)."""
-    metadata: Dict[str, Any] = {"help": help}
+    metadata: dict[str, Any] = {"help": help}
     if range is not None:
         metadata["range"] = Range.parse(range)
     if factory is not None:

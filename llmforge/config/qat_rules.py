@@ -6,8 +6,6 @@ has no configuration for is refused here, with the key and the fix. No torch.
 
 from __future__ import annotations
 
-from typing import List
-
 from llmforge.config.schema import RunConfig
 from llmforge.errors import Problem
 
@@ -15,35 +13,65 @@ from llmforge.errors import Problem
 QAT_SCHEMES = ("none", "int8-int4", "int4")
 
 
-def check_qat(config: RunConfig) -> List[Problem]:
+def check_qat(config: RunConfig) -> list[Problem]:
     pr = config.precision
     if pr.qat == "none":
         if pr.qat_start_step != 0:
-            return [Problem("precision.qat_start_step", pr.qat_start_step, "switches quantization-aware training on at a step, and precision.qat is none",
-                            "also set precision.qat=int8-int4 (or int4), or remove precision.qat_start_step")]
+            return [
+                Problem(
+                    "precision.qat_start_step",
+                    pr.qat_start_step,
+                    "switches quantization-aware training on at a step, and precision.qat is none",
+                    "also set precision.qat=int8-int4 (or int4), or remove precision.qat_start_step",
+                )
+            ]
         return []
     if pr.qat not in QAT_SCHEMES:
         return []  # a choice problem (llmforge.plan.CHOICES)
-    out: List[Problem] = []
+    out: list[Problem] = []
     if pr.fp8:
-        out.append(Problem("precision.qat", pr.qat, "torchao has no QAT configuration over float8 training (precision.fp8): both replace the blocks' linear layers",
-                           "train with precision.fp8=false (precision=bf16) for QAT, or set precision.qat=none"))
+        out.append(
+            Problem(
+                "precision.qat",
+                pr.qat,
+                "torchao has no QAT configuration over float8 training (precision.fp8): both replace the blocks' linear layers",
+                "train with precision.fp8=false (precision=bf16) for QAT, or set precision.qat=none",
+            )
+        )
     if config.parallel.tp > 1:
-        out.append(Problem("precision.qat", pr.qat, "torchao's fake quantization cannot take tensor-parallel (DTensor) weights: its per-group scales reshape the sharded weight",
-                           "use data parallelism (parallel.dp, ZeRO 0-3) and pipeline parallelism for QAT, or set parallel.tp=1"))
+        out.append(
+            Problem(
+                "precision.qat",
+                pr.qat,
+                "torchao's fake quantization cannot take tensor-parallel (DTensor) weights: its per-group scales reshape the sharded weight",
+                "use data parallelism (parallel.dp, ZeRO 0-3) and pipeline parallelism for QAT, or set parallel.tp=1",
+            )
+        )
     if pr.qat_start_step > config.train.steps:
-        out.append(Problem("precision.qat_start_step", pr.qat_start_step, f"is after the last step (train.steps={config.train.steps}): the run would never fake-quantize",
-                           f"set precision.qat_start_step to at most {config.train.steps}, e.g. {max(1, config.train.steps * 4 // 5)} for the last fifth"))
+        out.append(
+            Problem(
+                "precision.qat_start_step",
+                pr.qat_start_step,
+                f"is after the last step (train.steps={config.train.steps}): the run would never fake-quantize",
+                f"set precision.qat_start_step to at most {config.train.steps}, e.g. {max(1, config.train.steps * 4 // 5)} for the last fifth",
+            )
+        )
     out.extend(_group_problems(config))
     return out
 
 
-def _group_problems(config: RunConfig) -> List[Problem]:
+def _group_problems(config: RunConfig) -> list[Problem]:
     """At least one of the blocks' linear layers must take the group size (its input width a multiple of it)."""
     m, size = config.model, config.precision.qat_group_size
     widths = {"model.hidden_size": m.hidden_size, "model.ffn_hidden_size": m.ffn_hidden_size}
     if size < 1 or any(w % size == 0 for w in widths.values()):
         return []
     shown = ", ".join(f"{k}={v}" for k, v in widths.items())
-    return [Problem("precision.qat_group_size", size, f"divides no linear layer's input width ({shown}), so nothing would be quantized",
-                    "use a divisor of model.hidden_size, e.g. 32 or 64")]
+    return [
+        Problem(
+            "precision.qat_group_size",
+            size,
+            f"divides no linear layer's input width ({shown}), so nothing would be quantized",
+            "use a divisor of model.hidden_size, e.g. 32 or 64",
+        )
+    ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any
 
 from llmforge.errors import Problem
 
@@ -31,7 +31,7 @@ class Range:
     high_closed: bool
 
     @classmethod
-    def parse(cls, text: str) -> "Range":
+    def parse(cls, text: str) -> Range:
         """``"[0, 1)"``, ``"(0, inf)"``, ``"[1, inf)"``; ValueError when malformed."""
         text = text.strip()
         if len(text) < 5 or text[0] not in "[(" or text[-1] not in "])" or "," not in text:
@@ -70,9 +70,9 @@ def _num(value: float) -> str:
     return str(int(value)) if value == int(value) else repr(value)
 
 
-def range_problems(config: Any, *, prefix: str = "") -> List[Problem]:
+def range_problems(config: Any, *, prefix: str = "") -> list[Problem]:
     """Every numeric value of a config dataclass outside its field's range, non-finite or past int64."""
-    out: List[Problem] = []
+    out: list[Problem] = []
     for f in dataclasses.fields(config):
         value, key = getattr(config, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
@@ -84,7 +84,7 @@ def range_problems(config: Any, *, prefix: str = "") -> List[Problem]:
     return out
 
 
-def _value_problem(key: str, value: Any, *, allowed: Optional[Range], default: Any) -> Optional[Problem]:
+def _value_problem(key: str, value: Any, *, allowed: Range | None, default: Any) -> Problem | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     integer = isinstance(value, int)
@@ -98,7 +98,7 @@ def _value_problem(key: str, value: Any, *, allowed: Optional[Range], default: A
     return None
 
 
-def _fix(key: str, *, allowed: Optional[Range], default: Any) -> str:
+def _fix(key: str, *, allowed: Range | None, default: Any) -> str:
     where = f"a value in {allowed}" if allowed is not None else "a finite value"
     example = f", e.g. {key}={default}" if isinstance(default, (int, float)) and not isinstance(default, bool) else " or null"
     return f"set {key} to {where}{example}"

@@ -9,8 +9,9 @@ this version expects, all at once, before anything runs.
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any
 
 from llmforge.config.compose import available_options, check_overrides, config_dirs, with_reset
 from llmforge.config.schema import RunConfig, iter_keys, values_by_key
@@ -20,8 +21,14 @@ from llmforge.errors import Problem, UserError, fail, nearest
 _MAX_VALUE_PROBLEMS = 20
 
 
-def compose_saved(base: Mapping[str, Any], overrides: Sequence[str] = (), *, source: str | Path, extra_dirs: Sequence[str | Path] = (),
-                  reset: Optional[Mapping[str, str]] = None) -> RunConfig:
+def compose_saved(
+    base: Mapping[str, Any],
+    overrides: Sequence[str] = (),
+    *,
+    source: str | Path,
+    extra_dirs: Sequence[str | Path] = (),
+    reset: Mapping[str, str] | None = None,
+) -> RunConfig:
     """The saved config ``base`` (read from the file ``source``) with the overrides applied:
     ``GROUP=OPTION`` replaces that whole group, ``a.b=value`` one key, and the recipe cannot
     change. ``reset`` as for ``llmforge.config.compose.compose``."""
@@ -34,7 +41,17 @@ def compose_saved(base: Mapping[str, Any], overrides: Sequence[str] = (), *, sou
     for item in check_overrides(overrides, options):
         key, value = item.lstrip("+~").split("=", 1)
         if key == "recipe":
-            raise UserError([Problem("recipe", value, "a resumed run keeps its recipe", "override single keys or groups instead (parallel=dp2, train.steps=400)")], title="bad overrides")
+            raise UserError(
+                [
+                    Problem(
+                        "recipe",
+                        value,
+                        "a resumed run keeps its recipe",
+                        "override single keys or groups instead (parallel=dp2, train.steps=400)",
+                    )
+                ],
+                title="bad overrides",
+            )
         if key in options:
             cfg[key] = _group_option(key, options[key][value].path)
         else:
@@ -57,8 +74,10 @@ def _group_option(group: str, path: Path) -> Any:
         return OmegaConf.merge(OmegaConf.structured(type(getattr(RunConfig(), group))), OmegaConf.load(path))
     except (OmegaConfBaseException, ValueError, yaml.YAMLError) as exc:
         key = f"{group}.{getattr(exc, 'full_key', '')}".rstrip(".")
-        raise UserError([Problem(key, "", f"{str(exc).splitlines()[0]} (in {path})", "fix the file; `llmforge keys` lists every key and its type")],
-                        title="a configuration file is not valid") from None
+        raise UserError(
+            [Problem(key, "", f"{str(exc).splitlines()[0]} (in {path})", "fix the file; `llmforge keys` lists every key and its type")],
+            title="a configuration file is not valid",
+        ) from None
 
 
 def saved_config(base: Mapping[str, Any], *, source: str) -> Any:
@@ -69,7 +88,7 @@ def saved_config(base: Mapping[str, Any], *, source: str) -> Any:
 
     types = {key: kind for key, kind, *_ in iter_keys()}
     problems = _unknown_keys(base, types=types, source=source)
-    data: Dict[str, Any] = copy.deepcopy(dict(base))
+    data: dict[str, Any] = copy.deepcopy(dict(base))
     for _ in range(_MAX_VALUE_PROBLEMS):
         for problem in problems:
             _drop(data, problem.key)
@@ -82,7 +101,9 @@ def saved_config(base: Mapping[str, Any], *, source: str) -> Any:
                 problems.append(Problem(key or source, "", f"{str(exc).splitlines()[0]} (in {source})", _SAVED_FIX))
                 break
             value = values_by_key(data).get(key)
-            problems.append(Problem(key, value, f"this version of llmforge expects {_kind(types.get(key, '?'))} here (in {source})", _SAVED_FIX))
+            problems.append(
+                Problem(key, value, f"this version of llmforge expects {_kind(types.get(key, '?'))} here (in {source})", _SAVED_FIX)
+            )
     if problems:
         raise UserError(problems, title=f"{source} does not fit this version of llmforge")
     return cfg
@@ -91,7 +112,7 @@ def saved_config(base: Mapping[str, Any], *, source: str) -> Any:
 _SAVED_FIX = "edit the file to match (`llmforge keys` lists every key and its type), or use the llmforge version that wrote it"
 
 
-def _unknown_keys(node: Mapping[str, Any], *, types: Dict[str, str], source: str, prefix: str = "") -> List[Problem]:
+def _unknown_keys(node: Mapping[str, Any], *, types: dict[str, str], source: str, prefix: str = "") -> list[Problem]:
     """A problem per saved key (or section) this version does not know, or a section saved as a single value."""
     problems = []
     for name, value in node.items():
@@ -100,13 +121,17 @@ def _unknown_keys(node: Mapping[str, Any], *, types: Dict[str, str], source: str
         if isinstance(value, Mapping) and section:
             problems += _unknown_keys(value, types=types, source=source, prefix=key + ".")
         elif section:
-            problems.append(Problem(key, value, f"this version of llmforge expects a section of keys here, not a single value (in {source})", _SAVED_FIX))
+            problems.append(
+                Problem(
+                    key, value, f"this version of llmforge expects a section of keys here, not a single value (in {source})", _SAVED_FIX
+                )
+            )
         elif key not in types:
             problems.append(Problem(key, value, f"this version of llmforge has no such key{nearest(key, types)} (in {source})", _SAVED_FIX))
     return problems
 
 
-def _drop(data: Dict[str, Any], key: str) -> None:
+def _drop(data: dict[str, Any], key: str) -> None:
     """Remove a dotted key from nested dicts (so the schema's default stands in for it)."""
     *parents, leaf = key.split(".")
     node: Any = data
@@ -117,8 +142,16 @@ def _drop(data: Dict[str, Any], key: str) -> None:
 
 
 def _kind(type_name: str) -> str:
-    """'Optional[int]' -> 'an integer or null', for the message."""
-    names = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false", "List[int]": "a list of integers", "List[str]": "a list of strings"}
-    if type_name.startswith("Optional[") and type_name.endswith("]"):
-        return f"{names.get(type_name[9:-1], type_name[9:-1])} or null"
+    """'int | None' -> 'an integer or null', for the message."""
+    names = {
+        "int": "an integer",
+        "float": "a number",
+        "str": "a string",
+        "bool": "true or false",
+        "list[int]": "a list of integers",
+        "list[str]": "a list of strings",
+    }
+    if type_name.endswith(" | None"):
+        inner = type_name.removesuffix(" | None")
+        return f"{names.get(inner, inner)} or null"
     return names.get(type_name, type_name)

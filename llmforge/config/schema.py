@@ -13,8 +13,9 @@ This module imports no torch.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 from llmforge.config.fields import knob
 from llmforge.config.launchers import KubernetesConfig, SkyPilotConfig
@@ -35,10 +36,12 @@ OPTIMIZERS = ("adamw", "muon")
 class MoEConfig:
     num_experts: int = knob(0, range="[0, inf)", help="Routed experts per MoE layer; 0 makes the model dense.")
     top_k: int = knob(2, range="[1, inf)", help="Experts each token is routed to.")
-    ffn_hidden_size: Optional[int] = knob(None, range="[1, inf)", help="Hidden size of one expert's MLP (default: model.ffn_hidden_size).")
+    ffn_hidden_size: int | None = knob(None, range="[1, inf)", help="Hidden size of one expert's MLP (default: model.ffn_hidden_size).")
     num_shared_experts: int = knob(0, range="[0, inf)", help="Experts every token passes through besides the routed ones.")
-    capacity_factor: Optional[float] = knob(
-        None, range="(0, inf)", help="Expert capacity as a multiple of the even share of tokens; tokens past it are dropped. null = dropless."
+    capacity_factor: float | None = knob(
+        None,
+        range="(0, inf)",
+        help="Expert capacity as a multiple of the even share of tokens; tokens past it are dropped. null = dropless.",
     )
     aux_loss_coef: float = knob(0.01, range="[0, inf)", help="Weight of the Switch/GShard load-balancing loss.")
     z_loss_coef: float = knob(0.0, range="[0, inf)", help="Weight of the router z-loss (ST-MoE).")
@@ -47,7 +50,9 @@ class MoEConfig:
     balance: str = knob(
         "aux", help="Load balancing: aux (the aux_loss_coef loss), bias (DeepSeek-V3's per-expert routing bias, no aux loss) or none."
     )
-    bias_update_rate: float = knob(0.001, range="[0, inf)", help="balance=bias: each step, every expert's bias moves by this toward an even load.")
+    bias_update_rate: float = knob(
+        0.001, range="[0, inf)", help="balance=bias: each step, every expert's bias moves by this toward an even load."
+    )
 
 
 @dataclass
@@ -55,7 +60,7 @@ class ModelConfig:
     num_layers: int = knob(2, range="[1, inf)", help="Transformer blocks.")
     hidden_size: int = knob(64, range="[1, inf)", help="Width of the residual stream.")
     num_heads: int = knob(4, range="[1, inf)", help="Attention (query) heads.")
-    num_kv_heads: Optional[int] = knob(None, range="[1, inf)", help="Key/value heads; fewer than num_heads is GQA. null = num_heads.")
+    num_kv_heads: int | None = knob(None, range="[1, inf)", help="Key/value heads; fewer than num_heads is GQA. null = num_heads.")
     ffn_hidden_size: int = knob(256, range="[1, inf)", help="Hidden size of the MLP.")
     vocab_size: int = knob(4096, range="[1, inf)", help="Vocabulary size of embedding and output layer.")
     seq_len: int = knob(128, range="[1, inf)", help="Training sequence length in tokens.")
@@ -65,16 +70,23 @@ class ModelConfig:
     position: str = knob("learned", help="Position encoding: learned (absolute embedding) or rope.")
     rope_theta: float = knob(10000.0, range="(0, inf)", help="RoPE base frequency.")
     attention_mask: str = knob(
-        "causal", help="causal: every token attends to all earlier tokens of its window (the fastest path). document: "
+        "causal",
+        help="causal: every token attends to all earlier tokens of its window (the fastest path). document: "
         "only to earlier tokens of its own document, the documents delimited by the end-of-document token the data "
-        "preparation writes after each one (block-causal)."
+        "preparation writes after each one (block-causal).",
     )
-    position_reset: bool = knob(False, help="Restart positions (learned and RoPE) at 0 at each document start (needs the end-of-document token in the data).")
-    sliding_window: int = knob(0, range="[0, inf)", help="Each token attends to itself and at most N-1 earlier tokens (Mistral/Gemma-2 style); 0 = off.")
+    position_reset: bool = knob(
+        False, help="Restart positions (learned and RoPE) at 0 at each document start (needs the end-of-document token in the data)."
+    )
+    sliding_window: int = knob(
+        0, range="[0, inf)", help="Each token attends to itself and at most N-1 earlier tokens (Mistral/Gemma-2 style); 0 = off."
+    )
     sliding_window_every: int = knob(
-        1, range="[1, inf)", help="With sliding_window: layer i uses the window when i % every == 0 (1: every layer; 2: layers 0, 2, 4, ... as Gemma-2), the others attend to the whole window."
+        1,
+        range="[1, inf)",
+        help="With sliding_window: layer i uses the window when i % every == 0 (1: every layer; 2: layers 0, 2, 4, ... as Gemma-2), the others attend to the whole window.",
     )
-    sliding_window_layers: List[int] = knob(
+    sliding_window_layers: list[int] = knob(
         help="With sliding_window: exactly these layer indices (0-based) use the window (overrides sliding_window_every); empty = use sliding_window_every.",
         factory=list,
     )
@@ -82,8 +94,9 @@ class ModelConfig:
     bias: bool = knob(True, help="Biases in the linear layers and norms.")
     dropout: float = knob(0.0, range="[0, 1)", help="Dropout probability on attention and residual branches.")
     init_std: float = knob(0.02, range="(0, inf)", help="Standard deviation of the normal weight initialisation.")
-    init_from: Optional[str] = knob(
-        None, help="Start from the weights of a local Hugging Face GPT-2 or Llama folder (config.json + safetensors) instead of random ones."
+    init_from: str | None = knob(
+        None,
+        help="Start from the weights of a local Hugging Face GPT-2 or Llama folder (config.json + safetensors) instead of random ones.",
     )
     moe: MoEConfig = knob(help="Mixture-of-experts settings.", factory=MoEConfig)
 
@@ -97,11 +110,14 @@ class ParallelConfig:
     ep: int = knob(1, range="[1, inf)", help="Expert-parallel degree (experts split across data-parallel ranks).")
     zero: int = knob(0, range="[0, 3]", help="ZeRO stage: 0 replicated, 1 optimizer states, 2 +gradients, 3 +parameters (FSDP).")
     dp_replicate: int = knob(
-        1, range="[1, inf)",
+        1,
+        range="[1, inf)",
         help="HSDP: split dp into dp_replicate groups of dp/dp_replicate ranks; ZeRO 1-3 shard inside a group (keep it "
         "inside a node) and all-reduce gradients across groups. 1 = shard over all of dp.",
     )
-    sequence_parallel: bool = knob(False, help="Shard norm and dropout activations along the sequence over tp ranks; the linears keep only the shard.")
+    sequence_parallel: bool = knob(
+        False, help="Shard norm and dropout activations along the sequence over tp ranks; the linears keep only the shard."
+    )
     async_tp: bool = knob(
         False,
         help="Async tensor parallel: torch's micro-pipelined TP (symmetric memory, under torch.compile) splits each "
@@ -110,10 +126,10 @@ class ParallelConfig:
     )
     pp_schedule: str = knob("1f1b", help=f"Pipeline schedule: {', '.join(SCHEDULES)}.")
     pp_virtual_stages: int = knob(1, range="[1, inf)", help="Model chunks per pipeline rank (interleaved schedules).")
-    pp_layers: Optional[List[int]] = knob(None, help="Layers per pipeline stage for an uneven split (length pp*virtual stages).")
+    pp_layers: list[int] | None = knob(None, help="Layers per pipeline stage for an uneven split (length pp*virtual stages).")
     recompute: str = knob("none", help=f"Activation recomputation: {', '.join(RECOMPUTE_MODES[:-1])} or {RECOMPUTE_MODES[-1]}.")
     recompute_every: int = knob(1, range="[1, inf)", help="With full recompute, checkpoint every N-th block only.")
-    overlap_grad_reduce: Optional[bool] = knob(
+    overlap_grad_reduce: bool | None = knob(
         None,
         help="Overlap the gradient reduction with the last microbatch's backward: ZeRO-0 all-reduces in buckets "
         "(parallel.bucket_mb) as their gradients are ready; ZeRO-1 on CPU (gloo, fp32 reduce_dtype) launches FSDP2's "
@@ -121,7 +137,8 @@ class ParallelConfig:
         "off on CPU (gloo), where it measured slower.",
     )
     bucket_mb: float = knob(
-        25.0, range="(0, inf)",
+        25.0,
+        range="(0, inf)",
         help="ZeRO-0 gradient bucket size in MB when the reduction overlaps backward. ZeRO 1-3 (FSDP2) reduce one "
         "transformer block per collective (the root: embedding, final norm, output layer, is one more).",
     )
@@ -137,7 +154,10 @@ class ParallelConfig:
 
 @dataclass
 class PrecisionConfig:
-    param_dtype: str = knob("fp32", help="Compute dtype of parameters and activations: fp32, bf16 or fp16 (master weights stay fp32; ZeRO 1-3 gather weights in it).")
+    param_dtype: str = knob(
+        "fp32",
+        help="Compute dtype of parameters and activations: fp32, bf16 or fp16 (master weights stay fp32; ZeRO 1-3 gather weights in it).",
+    )
     reduce_dtype: str = knob("fp32", help="Dtype of gradient reduction across data-parallel ranks (and of ZeRO-1's accumulated gradients).")
     initial_loss_scale: float = knob(65536.0, range="(0, inf)", help="fp16 only: starting dynamic loss scale.")
     loss_scale_growth_interval: int = knob(2000, range="[1, inf)", help="fp16 only: steps without overflow before the scale doubles.")
@@ -151,10 +171,13 @@ class PrecisionConfig:
         help="FP8 training (torchao float8) of the transformer blocks' linear layers; the rest computes in param_dtype (bf16). "
         "Needs torchao (pip install 'llmforge[fp8]') and an FP8 accelerator (H100, H200, B200) or precision.fp8_emulate=true.",
     )
-    fp8_recipe: str = knob("tensorwise", help="FP8 scaling: tensorwise (one scale per tensor, float8 FSDP all-gather) or rowwise (one per row).")
+    fp8_recipe: str = knob(
+        "tensorwise", help="FP8 scaling: tensorwise (one scale per tensor, float8 FSDP all-gather) or rowwise (one per row)."
+    )
     fp8_emulate: bool = knob(False, help="Emulate the FP8 matmuls in high precision (CPU, GPUs without FP8): same casts, no speed-up.")
     fp8_all_gather: bool = knob(
-        True, help="fp8 tensorwise under ZeRO 1-3: all-gather weights cast to float8 (half the bytes), scales computed once after each optimizer step."
+        True,
+        help="fp8 tensorwise under ZeRO 1-3: all-gather weights cast to float8 (half the bytes), scales computed once after each optimizer step.",
     )
     qat: str = knob(
         "none",
@@ -163,11 +186,13 @@ class PrecisionConfig:
         "quantized model will, the master weights stay in full precision; llmforge export writes the quantized model (docs/qat.md).",
     )
     qat_group_size: int = knob(
-        32, range="[1, inf)",
+        32,
+        range="[1, inf)",
         help="precision.qat: input columns sharing one int4 weight scale; a linear layer whose input width is not a multiple stays in full precision.",
     )
     qat_start_step: int = knob(
-        0, range="[0, inf)",
+        0,
+        range="[0, inf)",
         help="precision.qat: fake-quantize from this step (1-based) onwards, earlier steps train in full precision "
         "(QAT is often switched on for the last part of a run); 0 = from the first step.",
     )
@@ -176,14 +201,14 @@ class PrecisionConfig:
 @dataclass
 class DataConfig:
     source: str = knob("builtin", help="builtin (Python standard library text, no download) or files (data.path).")
-    path: Optional[str] = knob(None, help="A .txt/.jsonl/.parquet file or folder of them (sets source=files).")
+    path: str | None = knob(None, help="A .txt/.jsonl/.parquet file or folder of them (sets source=files).")
     text_key: str = knob("text", help="Column holding the text in .jsonl/.parquet files.")
-    tokenizer: Optional[str] = knob(None, help="A tokenizer.json to use instead of training a byte-level BPE.")
-    vocab_size: Optional[int] = knob(None, range="[1, inf)", help="Size of the trained tokenizer (default: model.vocab_size).")
+    tokenizer: str | None = knob(None, help="A tokenizer.json to use instead of training a byte-level BPE.")
+    vocab_size: int | None = knob(None, range="[1, inf)", help="Size of the trained tokenizer (default: model.vocab_size).")
     cache_dir: str = knob("~/.cache/llmforge", help="Where prepared tokenizers and token shards are kept.")
     builtin_max_mb: float = knob(8.0, range="(0, inf)", help="Megabytes of standard-library text in the built-in corpus.")
     num_proc: int = knob(1, range="[1, inf)", help="Processes used to tokenize.")
-    mixture: List[str] = knob(help="Several datasets as PATH:WEIGHT entries (overrides data.path).", factory=list)
+    mixture: list[str] = knob(help="Several datasets as PATH:WEIGHT entries (overrides data.path).", factory=list)
     val_fraction: float = knob(
         0.01,
         range="[0, 1)",
@@ -191,18 +216,22 @@ class DataConfig:
         "and every train.eval_interval steps. Per dataset: round(fraction x documents), at least 1 once it has 10 documents, at most 10,000, "
         "grown (up to a tenth of the documents) until they fill one sequence; data too small for that trains without validation. 0 = no validation.",
     )
-    val_seed: int = knob(0, range="[0, inf)", help="Seed choosing the held-out documents (kept apart from train.seed so runs with other seeds share them).")
+    val_seed: int = knob(
+        0, range="[0, inf)", help="Seed choosing the held-out documents (kept apart from train.seed so runs with other seeds share them)."
+    )
 
 
 @dataclass
 class CheckpointConfig:
-    interval: Optional[int] = knob(
-        None, range="[0, inf)", help="Save every N steps; 0 = only at the end; null = a tenth of train.steps (at least 10 steps), so a crash loses at most that."
+    interval: int | None = knob(
+        None,
+        range="[0, inf)",
+        help="Save every N steps; 0 = only at the end; null = a tenth of train.steps (at least 10 steps), so a crash loses at most that.",
     )
     keep: int = knob(3, range="[1, inf)", help="Complete checkpoints to keep; older ones are removed.")
     async_save: bool = knob(False, help="Save in the background (alias: checkpoint.async).")
     save_final: bool = knob(True, help="Save after the last step.")
-    dir: Optional[str] = knob(
+    dir: str | None = knob(
         None,
         help="Where checkpoints go: unset = run.dir/checkpoints; an object-storage URL (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, any fsspec URL) "
         "puts step_N/ there. Credentials come from the environment and config files (AWS_*, ~/.aws), never the plan; an S3-compatible server from AWS_ENDPOINT_URL.",
@@ -218,10 +247,13 @@ class TrainConfig:
     seed: int = knob(1234, range="[0, inf)", help="Seed for initialisation, data order and dropout.")
     log_interval: int = knob(1, range="[1, inf)", help="Log metrics every N steps.")
     compile: bool = knob(False, help="torch.compile each transformer block (the first steps pay the compile time).")
-    eval_interval: int = knob(0, range="[0, inf)", help="Validation loss every N steps on the data.val_fraction split (0 = only at the end of the run).")
+    eval_interval: int = knob(
+        0, range="[0, inf)", help="Validation loss every N steps on the data.val_fraction split (0 = only at the end of the run)."
+    )
     eval_steps: int = knob(10, range="[1, inf)", help="Global batches of held-out sequences per validation.")
-    profile: Optional[str] = knob(
-        None, help="Steps to trace with torch.profiler, START-END (or one step N): run.dir/profile/rank<R>.steps<START>-<END>.pt.trace.json per rank (Perfetto, TensorBoard). null = off."
+    profile: str | None = knob(
+        None,
+        help="Steps to trace with torch.profiler, START-END (or one step N): run.dir/profile/rank<R>.steps<START>-<END>.pt.trace.json per rank (Perfetto, TensorBoard). null = off.",
     )
     memory_snapshot: str = knob(
         "oom",
@@ -235,11 +267,25 @@ class TrainConfig:
         "state of the newest checkpoint older than the first of them (step count, schedule and data stream go on, past the bad batches), "
         "at most train.max_rollbacks times.",
     )
-    max_skipped_steps: int = knob(5, range="[0, inf)", help="skip/rollback: consecutive skipped steps tolerated; one more stops the run (skip) or rolls it back (rollback).")
-    max_rollbacks: int = knob(3, range="[0, inf)", help="rollback: rollbacks allowed in one launch; the anomaly after the last one stops the run.")
-    rollback_lr_factor: float = knob(1.0, range="(0, 1]", help="rollback: multiply the learning rate by this at each rollback (e.g. 0.5; 1.0 keeps it).")
-    loss_spike_window: int = knob(128, range="[0, inf)", help="Loss spikes: a step whose loss exceeds the mean of the previous N steps' finite losses by loss_spike_sigma standard deviations is logged as loss_spike (tested once N steps ran). 0 = off.")
-    loss_spike_sigma: float = knob(6.0, range="(0, inf)", help="Loss spikes: standard deviations above the window's mean that make a spike.")
+    max_skipped_steps: int = knob(
+        5,
+        range="[0, inf)",
+        help="skip/rollback: consecutive skipped steps tolerated; one more stops the run (skip) or rolls it back (rollback).",
+    )
+    max_rollbacks: int = knob(
+        3, range="[0, inf)", help="rollback: rollbacks allowed in one launch; the anomaly after the last one stops the run."
+    )
+    rollback_lr_factor: float = knob(
+        1.0, range="(0, 1]", help="rollback: multiply the learning rate by this at each rollback (e.g. 0.5; 1.0 keeps it)."
+    )
+    loss_spike_window: int = knob(
+        128,
+        range="[0, inf)",
+        help="Loss spikes: a step whose loss exceeds the mean of the previous N steps' finite losses by loss_spike_sigma standard deviations is logged as loss_spike (tested once N steps ran). 0 = off.",
+    )
+    loss_spike_sigma: float = knob(
+        6.0, range="(0, inf)", help="Loss spikes: standard deviations above the window's mean that make a spike."
+    )
     loss_spike_skip: bool = knob(False, help="Treat a loss spike like a non-finite step (skipped, and counted by train.anomaly).")
     rehearse: str = knob(
         "auto",
@@ -261,16 +307,24 @@ class OptimConfig:
     eps: float = knob(1e-8, range="(0, inf)", help="AdamW epsilon.")
     grad_clip: float = knob(1.0, range="[0, inf)", help="Clip the global gradient norm to this (0 = off).")
     warmup_steps: int = knob(10, range="[0, inf)", help="Linear warm-up steps.")
-    schedule: str = knob("cosine", help="After warm-up: cosine, linear, constant, or wsd (warmup-stable-decay: constant, then a decay over the last optim.decay_fraction of the steps).")
+    schedule: str = knob(
+        "cosine",
+        help="After warm-up: cosine, linear, constant, or wsd (warmup-stable-decay: constant, then a decay over the last optim.decay_fraction of the steps).",
+    )
     min_lr_ratio: float = knob(0.1, range="[0, 1]", help="Final learning rate as a fraction of train.lr.")
     decay_fraction: float = knob(0.2, range="(0, 1]", help="wsd only: fraction of train.steps spent decaying to min_lr_ratio at the end.")
     decay_shape: str = knob("sqrt", help="wsd only: shape of the decay: linear, cosine or sqrt (1 - sqrt(progress)).")
     muon_momentum: float = knob(0.95, range="[0, 1)", help="muon only: momentum of the matrices' gradient buffer.")
-    muon_nesterov: bool = knob(True, help="muon only: orthogonalise the Nesterov look-ahead (gradient + momentum x buffer) instead of the buffer.")
+    muon_nesterov: bool = knob(
+        True, help="muon only: orthogonalise the Nesterov look-ahead (gradient + momentum x buffer) instead of the buffer."
+    )
     muon_ns_steps: int = knob(5, range="[1, 99]", help="muon only: Newton-Schulz iterations per matrix and step.")
-    muon_ns_dtype: str = knob("fp32", help="muon only: dtype of the Newton-Schulz iterations: fp32, or bf16 (faster on GPUs, as torch.optim.Muon does).")
-    adamw_lr: Optional[float] = knob(
-        None, range="(0, inf)",
+    muon_ns_dtype: str = knob(
+        "fp32", help="muon only: dtype of the Newton-Schulz iterations: fp32, or bf16 (faster on GPUs, as torch.optim.Muon does)."
+    )
+    adamw_lr: float | None = knob(
+        None,
+        range="(0, inf)",
         help="muon only: peak learning rate of the AdamW parameters (embeddings, output layer, norms, biases, routers); "
         "null = train.lr (the Muon updates are scaled by 0.2*sqrt(max(rows, cols)) to AdamW's update size, so one rate suits both).",
     )
@@ -280,7 +334,7 @@ class OptimConfig:
 class ClusterConfig:
     accelerator: str = knob("cpu", help="Hardware profile name (llmforge estimate lists them) or a profile YAML path.")
     nodes: int = knob(1, range="[1, inf)", help="Nodes.")
-    min_nodes: Optional[int] = knob(
+    min_nodes: int | None = knob(
         None,
         range="[1, inf)",
         help="Elastic training: the job goes on with as few as this many nodes (torchrun --nnodes=min_nodes:nodes); after a "
@@ -293,7 +347,7 @@ class ClusterConfig:
         help="Elastic training: after a restart the rendezvous waits this long for more nodes to join once cluster.min_nodes "
         "are there (torchrun's last_call_timeout); a lost node is noticed within about half of it (keep-alive).",
     )
-    devices_per_node: Optional[int] = knob(
+    devices_per_node: int | None = knob(
         None, range="[1, inf)", help="Processes (GPUs) per node; world size = nodes * devices_per_node. null = as many as the layout needs."
     )
     launcher: str = knob(
@@ -303,31 +357,40 @@ class ClusterConfig:
         "on one GPU); slurm: write an sbatch script; kubernetes: a TrainJob or JobSet (cluster.kubernetes); "
         "skypilot: a SkyPilot task (cluster.skypilot). See docs/launch.md.",
     )
-    image: Optional[str] = knob(None, help="kubernetes, skypilot: the container image with llmforge and torch installed (required on kubernetes).")
-    network_check: Optional[bool] = knob(
-        None, help="Before training, time an all-reduce across the nodes and refuse the run when its bus bandwidth is below "
+    image: str | None = knob(
+        None, help="kubernetes, skypilot: the container image with llmforge and torch installed (required on kubernetes)."
+    )
+    network_check: bool | None = knob(
+        None,
+        help="Before training, time an all-reduce across the nodes and refuse the run when its bus bandwidth is below "
         "cluster.network_min_fraction of the profile's inter-node rate; null = on for multi-node runs on accelerators (a CPU "
-        "profile describes no network)."
+        "profile describes no network).",
     )
     network_min_fraction: float = knob(
-        0.5, range="(0, 1]", help="The network check refuses a run whose measured all-reduce bus bandwidth is below this fraction of the "
-        "profile's inter_node_gbs x comm_efficiency (what the estimate assumes)."
+        0.5,
+        range="(0, 1]",
+        help="The network check refuses a run whose measured all-reduce bus bandwidth is below this fraction of the "
+        "profile's inter_node_gbs x comm_efficiency (what the estimate assumes).",
     )
     kubernetes: KubernetesConfig = knob(help="cluster.launcher=kubernetes: the TrainJob or JobSet.", factory=KubernetesConfig)
     skypilot: SkyPilotConfig = knob(help="cluster.launcher=skypilot: the SkyPilot task.", factory=SkyPilotConfig)
-    rdzv_endpoint: Optional[str] = knob(None, help="host:port of the rendezvous for multi-node runs.")
-    efficiency: Optional[float] = knob(
-        None, range="(0, 1]",
+    rdzv_endpoint: str | None = knob(None, help="host:port of the rendezvous for multi-node runs.")
+    efficiency: float | None = knob(
+        None,
+        range="(0, 1]",
         help="null: the estimator times each kernel with the hardware profile's calibrated rates; a number in (0, 1]: "
         "it assumes every FLOP runs at that fraction of peak instead.",
     )
     timeout_s: int = knob(
-        300, range="[1, inf)",
+        300,
+        range="[1, inf)",
         help="A stuck rank ends the job after this many seconds: collectives time out after it (after the first step; "
         "before it, data preparation, build and compile get at least 600 s), and a rank silent for half of it is named and stopped.",
     )
     max_restarts: int = knob(
-        0, range="[0, inf)", help="After a rank fails, restart every rank up to N times (torchrun --max-restarts); they resume from the newest complete checkpoint."
+        0,
+        range="[0, inf)",
+        help="After a rank fails, restart every rank up to N times (torchrun --max-restarts); they resume from the newest complete checkpoint.",
     )
 
 
@@ -335,27 +398,34 @@ class ClusterConfig:
 class WandbConfig:
     mode: str = knob("auto", help="auto (online with WANDB_API_KEY or a login, else offline), online, offline or disabled.")
     project: str = knob("llmforge", help="W&B project.")
-    entity: Optional[str] = knob(None, help="W&B entity (team or user).")
+    entity: str | None = knob(None, help="W&B entity (team or user).")
 
 
 @dataclass
 class LoggingConfig:
     console: bool = knob(True, help="Show the Rich progress bar.")
-    tensorboard: bool = knob(False, help="Also log every metric to TensorBoard in run.dir/tensorboard (needs pip install 'llmforge[tensorboard]').")
+    tensorboard: bool = knob(
+        False, help="Also log every metric to TensorBoard in run.dir/tensorboard (needs pip install 'llmforge[tensorboard]')."
+    )
     wandb: WandbConfig = knob(help="Weights & Biases.", factory=WandbConfig)
 
 
 @dataclass
 class GenerateConfig:
     max_tokens: int = knob(64, range="[1, inf)", help="llmforge generate: tokens to generate after the prompt.")
-    temperature: float = knob(1.0, range="[0, inf)", help="llmforge generate: sampling temperature; 0 = greedy (always the most likely token).")
+    temperature: float = knob(
+        1.0, range="[0, inf)", help="llmforge generate: sampling temperature; 0 = greedy (always the most likely token)."
+    )
     top_k: int = knob(0, range="[0, inf)", help="llmforge generate: sample among the k most likely tokens only (0 = all).")
-    top_p: float = knob(1.0, range="(0, 1]", help="llmforge generate: sample among the most likely tokens whose probabilities sum to p (1.0 = all).")
+    top_p: float = knob(
+        1.0, range="(0, 1]", help="llmforge generate: sample among the most likely tokens whose probabilities sum to p (1.0 = all)."
+    )
     seed: int = knob(0, range="[0, inf)", help="llmforge generate: seed of the sampling.")
     stop_at_eos: bool = knob(True, help="llmforge generate: stop at the end-of-document token.")
     kv_cache: bool = knob(
-        True, help="llmforge generate: keep each layer's keys and values so a new token costs the same at any prefix length "
-        "(false: run the model over the whole context for every token)."
+        True,
+        help="llmforge generate: keep each layer's keys and values so a new token costs the same at any prefix length "
+        "(false: run the model over the whole context for every token).",
     )
 
 
@@ -386,7 +456,7 @@ class RunConfig:
 GROUPS = ("model", "parallel", "precision", "data", "checkpoint", "optim", "cluster", "logging")
 
 
-def iter_keys(cls: type = RunConfig, prefix: str = "") -> Iterator[Tuple[str, str, Any, str]]:
+def iter_keys(cls: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, str, Any, str]]:
     """Yield (dotted key, type name, default, help) for every leaf field."""
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
@@ -403,12 +473,12 @@ def iter_keys(cls: type = RunConfig, prefix: str = "") -> Iterator[Tuple[str, st
         yield key, str(f.type), default, help_text
 
 
-def values_by_key(config: Any) -> Dict[str, Any]:
+def values_by_key(config: Any) -> dict[str, Any]:
     """Every leaf value of a config dataclass (or nested dict) by its dotted key."""
     data = dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else config
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
 
-    def walk(node: Dict[str, Any], prefix: str) -> None:
+    def walk(node: dict[str, Any], prefix: str) -> None:
         for key, value in node.items():
             if isinstance(value, dict):
                 walk(value, f"{prefix}{key}.")
@@ -419,7 +489,7 @@ def values_by_key(config: Any) -> Dict[str, Any]:
     return out
 
 
-def _nested_dataclass(cls: type, name: str) -> Optional[type]:
+def _nested_dataclass(cls: type, name: str) -> type | None:
     f = {x.name: x for x in dataclasses.fields(cls)}[name]
     if f.default_factory is not dataclasses.MISSING:
         value = f.default_factory()

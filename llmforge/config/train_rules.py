@@ -6,27 +6,32 @@ number is declared on its schema field (llmforge.config.ranges). No torch.
 
 from __future__ import annotations
 
-from typing import List, Tuple
-
 from llmforge.config.schema import RunConfig
 from llmforge.errors import Problem
 
 
-def check_training(config: RunConfig) -> List[Problem]:
-    out: List[Problem] = []
+def check_training(config: RunConfig) -> list[Problem]:
+    out: list[Problem] = []
     for check in (_check_validation, _check_profile, _check_spikes, _check_optimizer):
         out.extend(check(config))
     return out
 
 
-def _check_validation(config: RunConfig) -> List[Problem]:
+def _check_validation(config: RunConfig) -> list[Problem]:
     t, d = config.train, config.data
     if _int(t.eval_interval) and t.eval_interval > 0 and d.val_fraction == 0:
-        return [Problem("train.eval_interval", t.eval_interval, "validation needs held-out data, and data.val_fraction is 0", "also set data.val_fraction, e.g. data.val_fraction=0.01")]
+        return [
+            Problem(
+                "train.eval_interval",
+                t.eval_interval,
+                "validation needs held-out data, and data.val_fraction is 0",
+                "also set data.val_fraction, e.g. data.val_fraction=0.01",
+            )
+        ]
     return []
 
 
-def parse_steps(text: str) -> Tuple[int, int]:
+def parse_steps(text: str) -> tuple[int, int]:
     """``"N"`` or ``"START-END"`` -> (first, last) step, 1-based and inclusive; ValueError if malformed."""
     parts = str(text).strip().split("-")
     if len(parts) not in (1, 2) or not all(p.strip().isdigit() for p in parts):
@@ -46,7 +51,7 @@ FAULT_ENV = "LLMFORGE_FAULT"
 FAULT_KINDS = ("exit", "nan-loss", "nan-grad")
 
 
-def parse_fault(spec: str) -> Tuple[int, int, int, str]:
+def parse_fault(spec: str) -> tuple[int, int, int, str]:
     """``RANK:STEP[:KIND]`` -> (rank, first step, last step, kind); ValueError if malformed."""
     parts = spec.strip().split(":")
     kind = parts[2] if len(parts) == 3 else "exit"
@@ -58,35 +63,71 @@ def parse_fault(spec: str) -> Tuple[int, int, int, str]:
 
 def fault_problem(spec: str) -> Problem:
     """The message for a ``LLMFORGE_FAULT`` that ``parse_fault`` refuses."""
-    return Problem(FAULT_ENV, spec, "not a fault to inject", f"write RANK:STEP[:KIND], STEP being N or N-M (N <= M, from 1) and KIND one of "
-                   f"{', '.join(FAULT_KINDS)}, e.g. {FAULT_ENV}=0:3 or {FAULT_ENV}=1:4:nan-grad; or unset it")
+    return Problem(
+        FAULT_ENV,
+        spec,
+        "not a fault to inject",
+        f"write RANK:STEP[:KIND], STEP being N or N-M (N <= M, from 1) and KIND one of "
+        f"{', '.join(FAULT_KINDS)}, e.g. {FAULT_ENV}=0:3 or {FAULT_ENV}=1:4:nan-grad; or unset it",
+    )
 
 
-def _check_profile(config: RunConfig) -> List[Problem]:
+def _check_profile(config: RunConfig) -> list[Problem]:
     t, out = config.train, []
     if t.profile is not None:
         try:
             first, _ = parse_steps(t.profile)
             if first > t.steps:
-                out.append(Problem("train.profile", t.profile, f"starts after the last step ({t.steps})", f"profile steps inside 1-{t.steps}, e.g. train.profile={min(3, t.steps)}-{min(5, t.steps)}"))
+                out.append(
+                    Problem(
+                        "train.profile",
+                        t.profile,
+                        f"starts after the last step ({t.steps})",
+                        f"profile steps inside 1-{t.steps}, e.g. train.profile={min(3, t.steps)}-{min(5, t.steps)}",
+                    )
+                )
         except ValueError:
-            out.append(Problem("train.profile", t.profile, "not a step range", "write START-END (1-based, inclusive) or one step, e.g. train.profile=3-5"))
+            out.append(
+                Problem(
+                    "train.profile",
+                    t.profile,
+                    "not a step range",
+                    "write START-END (1-based, inclusive) or one step, e.g. train.profile=3-5",
+                )
+            )
     if t.memory_snapshot == "profile" and t.profile is None:
-        out.append(Problem("train.memory_snapshot", t.memory_snapshot, "writes its snapshot at the end of the train.profile range, and none is set", "also set train.profile=START-END, e.g. train.profile=3-5"))
+        out.append(
+            Problem(
+                "train.memory_snapshot",
+                t.memory_snapshot,
+                "writes its snapshot at the end of the train.profile range, and none is set",
+                "also set train.profile=START-END, e.g. train.profile=3-5",
+            )
+        )
     return out
 
 
-def _check_spikes(config: RunConfig) -> List[Problem]:
+def _check_spikes(config: RunConfig) -> list[Problem]:
     t = config.train
     if t.loss_spike_skip and t.loss_spike_window == 0:
-        return [Problem("train.loss_spike_skip", True, "needs spike detection, and train.loss_spike_window is 0", "set train.loss_spike_window=128")]
+        return [
+            Problem(
+                "train.loss_spike_skip", True, "needs spike detection, and train.loss_spike_window is 0", "set train.loss_spike_window=128"
+            )
+        ]
     return []
 
 
-def _check_optimizer(config: RunConfig) -> List[Problem]:
+def _check_optimizer(config: RunConfig) -> list[Problem]:
     if config.optim.name == "muon" and config.parallel.offload != "none":
-        return [Problem("parallel.offload", config.parallel.offload, "optim.name=muon steps on the device: its gathers and scatters do not run on host-resident weights",
-                        "set parallel.offload=none, or use optim.name=adamw")]
+        return [
+            Problem(
+                "parallel.offload",
+                config.parallel.offload,
+                "optim.name=muon steps on the device: its gathers and scatters do not run on host-resident weights",
+                "set parallel.offload=none, or use optim.name=adamw",
+            )
+        ]
     return []
 
 

@@ -20,9 +20,9 @@ import signal
 import sys
 import threading
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, List, Optional
 
 from filelock import FileLock
 
@@ -66,7 +66,7 @@ class CacheNotWritable(UserError):
     """The cache folder cannot be written (a prepared entry there can still be read)."""
 
 
-def leftovers(root: Path) -> List[Path]:
+def leftovers(root: Path) -> list[Path]:
     """Temporary and replaced folders an earlier preparation of the entry left."""
     return [p for pattern in (f".{root.name}.tmp-*", f".{root.name}.old-*") for p in root.parent.glob(pattern)]
 
@@ -82,8 +82,10 @@ def cache_write_error(root: Path, exc: OSError) -> UserError:
         rule, fix = f"the lock file's place, {lock}, is taken by a folder", "remove that folder (it holds no data)"
     else:
         rule = f"cannot write in {root.parent} ({exc.strerror or exc}) to prepare {root.name}"
-        fix = ("set data.cache_dir to a writable folder, or have a user who can write there prepare it once "
-               "(`llmforge data prepare` with the same data settings): a prepared cache is then only read")
+        fix = (
+            "set data.cache_dir to a writable folder, or have a user who can write there prepare it once "
+            "(`llmforge data prepare` with the same data settings): a prepared cache is then only read"
+        )
     return CacheNotWritable([Problem("data.cache_dir", str(folder), rule, fix)], title="cannot use the data cache")
 
 
@@ -108,7 +110,7 @@ def preparing(root: Path, *, input_bytes: int) -> Iterator[None]:
         raise disk_full_error(root, need_bytes=2 * input_bytes) from None
 
 
-def remove_stale_temporaries(root: Path) -> List[Path]:
+def remove_stale_temporaries(root: Path) -> list[Path]:
     """Delete the entry's temporary and replaced folders; call only while holding its lock."""
     stale = leftovers(root)
     for path in stale:
@@ -159,11 +161,19 @@ def disk_full_error(root: Path, *, need_bytes: int) -> UserError:
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     capped = f"; files are also limited to {_mb(limit)} each by `ulimit -f`" if limit != resource.RLIM_INFINITY else ""
     needs = f"it needs about {_mb(need_bytes)} (a copy of the text and its token shards) and " if need_bytes else ""
-    return UserError([Problem("data.cache_dir", str(folder), f"the disk filled up while preparing {root.name}: {needs}"
-                              f"the file system has {_mb(free)} free{capped}; the partial entry was removed",
-                              ("raise the limit (ulimit -f unlimited), " if capped else "")
-                              + "free space there or set data.cache_dir to a folder on a larger disk, then run again")],
-                     title="no space for the prepared data")
+    return UserError(
+        [
+            Problem(
+                "data.cache_dir",
+                str(folder),
+                f"the disk filled up while preparing {root.name}: {needs}"
+                f"the file system has {_mb(free)} free{capped}; the partial entry was removed",
+                ("raise the limit (ulimit -f unlimited), " if capped else "")
+                + "free space there or set data.cache_dir to a folder on a larger disk, then run again",
+            )
+        ],
+        title="no space for the prepared data",
+    )
 
 
 def _mb(size: int) -> str:
@@ -191,7 +201,7 @@ def write_manifest(folder: Path, manifest: dict) -> None:
     write_json_atomic(folder / MANIFEST, manifest)
 
 
-def read_manifest(root: Path) -> Optional[dict]:
+def read_manifest(root: Path) -> dict | None:
     """The entry's manifest, or None if it is missing, unreadable or of another format."""
     try:
         manifest = json.loads((root / MANIFEST).read_text())
@@ -202,7 +212,7 @@ def read_manifest(root: Path) -> Optional[dict]:
     return manifest
 
 
-def stale_reason(root: Path, manifest: dict, *, spec: dict, inputs: List[dict]) -> Optional[str]:
+def stale_reason(root: Path, manifest: dict, *, spec: dict, inputs: list[dict]) -> str | None:
     """Why a cached entry no longer matches its input, or None when it can be reused."""
     if manifest.get("spec") != spec:
         return "the preparation settings changed"
@@ -217,7 +227,7 @@ def stale_reason(root: Path, manifest: dict, *, spec: dict, inputs: List[dict]) 
     return _shards_problem(root, manifest)
 
 
-def _shards_problem(root: Path, manifest: dict) -> Optional[str]:
+def _shards_problem(root: Path, manifest: dict) -> str | None:
     itemsize = 2 if manifest.get("dtype") == "uint16" else 4
     for stream in manifest.get("streams", []):
         folder = root / stream["folder"]
@@ -233,7 +243,7 @@ def _shards_problem(root: Path, manifest: dict) -> Optional[str]:
     return None
 
 
-def _content_problem(path: Path, shard: dict) -> Optional[str]:
+def _content_problem(path: Path, shard: dict) -> str | None:
     """A shard whose bytes differ from those written. Hashed only when its stat changed since it
     was written (ctime moves with every write and cannot be set back), so a reuse costs a stat."""
     if "sha256" not in shard:

@@ -8,9 +8,9 @@ file. Nothing is downloaded: the Hugging Face libraries are put in offline mode 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, List
 
 from llmforge.data.sources import Source, check_utf8
 from llmforge.data.text_column import describe_non_text
@@ -31,7 +31,7 @@ class Documents:
     def num_rows(self) -> int:
         return len(self.table)
 
-    def batches(self, *, batch_size: int, stride: int = 1) -> Iterator[List[str]]:
+    def batches(self, *, batch_size: int, stride: int = 1) -> Iterator[list[str]]:
         """Batches of document texts in order; stride > 1 keeps every stride-th batch only."""
         for i, start in enumerate(range(0, self.num_rows, batch_size)):
             if i % stride == 0:
@@ -63,8 +63,7 @@ def _load(datasets, source: Source, *, text_key: str, cache_dir: Path):
             return datasets.load_dataset(name, split="train")
         builder = {"text": "text", "json": "json", "parquet": "parquet"}[source.kind]
         extra = {"sample_by": "document"} if builder == "text" else {}
-        return datasets.load_dataset(builder, data_files=list(source.files), split="train",
-                                     cache_dir=hf_cache, **extra)
+        return datasets.load_dataset(builder, data_files=list(source.files), split="train", cache_dir=hf_cache, **extra)
     except UserError:
         raise
     except Exception as exc:  # datasets wraps parser errors in several exception types
@@ -77,13 +76,28 @@ def _load_error(source: Source, exc: Exception) -> UserError:
         cause = cause.__cause__ or cause.__context__
     where = source.spec.split("|")[1]
     if source.kind == "hub":
-        return UserError([Problem("data.path", where, "not a file or folder, and not a dataset in the local "
-                                  "Hugging Face cache (nothing is downloaded)",
-                                  "point data.path at local .txt/.jsonl/.parquet files")],
-                         title="missing data")
-    return UserError([Problem("data.path", where, f"could not be read as {source.kind} ({type(cause).__name__}: "
-                              f"{str(cause)[:200]})", "fix the file's syntax or remove it from the folder")],
-                     title="unreadable data file")
+        return UserError(
+            [
+                Problem(
+                    "data.path",
+                    where,
+                    "not a file or folder, and not a dataset in the local Hugging Face cache (nothing is downloaded)",
+                    "point data.path at local .txt/.jsonl/.parquet files",
+                )
+            ],
+            title="missing data",
+        )
+    return UserError(
+        [
+            Problem(
+                "data.path",
+                where,
+                f"could not be read as {source.kind} ({type(cause).__name__}: {str(cause)[:200]})",
+                "fix the file's syntax or remove it from the folder",
+            )
+        ],
+        title="unreadable data file",
+    )
 
 
 def _text_column(table, source: Source, *, text_key: str):
@@ -94,15 +108,29 @@ def _text_column(table, source: Source, *, text_key: str):
         return table
     if text_key not in columns:
         where = source.spec.split("|")[1]
-        raise UserError([Problem("data.text_key", text_key, f"{where} has no such column (columns: {columns})",
-                                 f"set data.text_key to one of {columns}")], title="missing text column")
+        raise UserError(
+            [
+                Problem(
+                    "data.text_key", text_key, f"{where} has no such column (columns: {columns})", f"set data.text_key to one of {columns}"
+                )
+            ],
+            title="missing text column",
+        )
     dtype = str(table.features[text_key].dtype) if hasattr(table.features[text_key], "dtype") else ""
     if dtype not in ("string", "large_string"):
         found = describe_non_text(list(source.files), kind=source.kind, text_key=text_key)
         holds = found or f"column '{text_key}' holds {dtype or table.features[text_key]} values"
-        raise UserError([Problem("data.text_key", text_key, f"{holds}; every value must be a string",
-                                 "make every value of the column a string, or set data.text_key to a column of strings")],
-                        title="wrong text column")
+        raise UserError(
+            [
+                Problem(
+                    "data.text_key",
+                    text_key,
+                    f"{holds}; every value must be a string",
+                    "make every value of the column a string, or set data.text_key to a column of strings",
+                )
+            ],
+            title="wrong text column",
+        )
     table = table.select_columns([text_key])
     return table.rename_column(text_key, "text") if text_key != "text" else table
 
@@ -116,7 +144,7 @@ def _quiet_datasets():
     return datasets
 
 
-def split_long(text: str, *, max_chars: int) -> List[str]:
+def split_long(text: str, *, max_chars: int) -> list[str]:
     """Cut a long document before line breaks that follow a non-space character.
 
     No byte-level pre-token spans such a point and none depends on what lies beyond it,
@@ -125,7 +153,7 @@ def split_long(text: str, *, max_chars: int) -> List[str]:
     """
     if len(text) <= max_chars:
         return [text]
-    pieces: List[str] = []
+    pieces: list[str] = []
     start = 0
     while len(text) - start > max_chars:
         cut = _cut_point(text, start=start, max_chars=max_chars)

@@ -12,10 +12,10 @@ This module imports no torch.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
 
 from rich.text import Text
 
@@ -38,7 +38,7 @@ class StreamInfo:
     weight: float
     num_tokens: int
     num_documents: int
-    shards: Tuple[Tuple[str, int], ...]  # (file name, tokens)
+    shards: tuple[tuple[str, int], ...]  # (file name, tokens)
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class PreparedData:
     eos_id: int
     num_tokens: int
     dtype: str = "uint16"
-    streams: Tuple[StreamInfo, ...] = ()
+    streams: tuple[StreamInfo, ...] = ()
     fingerprint: str = ""  # identity of the token content (tokenizer + shards)
     reused: bool = False  # True when an existing cache entry was used
 
@@ -101,8 +101,9 @@ def prepare(*, data: DataConfig, vocab_size: int, seed: int, console=None, force
         return ready  # the leftovers of a dead preparation stay where nobody can remove them
 
 
-def _prepare_locked(root: Path, *, data: DataConfig, inputs: Sequence[Tuple[Source, float]], spec: dict, vocab_size: int,
-                    console, force: bool) -> PreparedData:
+def _prepare_locked(
+    root: Path, *, data: DataConfig, inputs: Sequence[tuple[Source, float]], spec: dict, vocab_size: int, console, force: bool
+) -> PreparedData:
     """Check, and rebuild if needed, the entry under its lock."""
     with cache.preparing(root, input_bytes=sum(_input_bytes(s) for s, _ in inputs)):
         fingerprints = _fingerprint_inputs(root, inputs, tokenizer=data.tokenizer)
@@ -115,14 +116,13 @@ def _prepare_locked(root: Path, *, data: DataConfig, inputs: Sequence[Tuple[Sour
         if console is not None:
             console.print(Text.assemble(("Preparing data", "bold"), f" in {root} ({reason})"))
         with cache.staging(root) as tmp:
-            manifest = build(tmp, inputs=[s for s, _ in inputs], data=data, vocab_size=vocab_size,
-                             console=console)
+            manifest = build(tmp, inputs=[s for s, _ in inputs], data=data, vocab_size=vocab_size, console=console)
             manifest.update(spec=spec, inputs=fingerprints, created=time.time())
             cache.write_manifest(tmp, manifest)
     return from_manifest(root, manifest, weights=[w for _, w in inputs], reused=False)
 
 
-def _reuse_unlocked(root: Path, inputs: Sequence[Tuple[Source, float]], *, spec: dict, tokenizer: Optional[str]) -> Optional[PreparedData]:
+def _reuse_unlocked(root: Path, inputs: Sequence[tuple[Source, float]], *, spec: dict, tokenizer: str | None) -> PreparedData | None:
     """A valid entry, read without taking its lock: a prepared cache stays usable where it is
     read-only (shared by many users). None (then prepare under the lock) when the entry is
     missing, stale, being replaced, or reads a hub dataset (whose check may write its cache)."""
@@ -145,7 +145,7 @@ def _input_bytes(source: Source) -> int:
     return sum(Path(f).stat().st_size for f in source.files)
 
 
-def prepared_document_ends(data: DataConfig, *, vocab_size: int) -> Optional[List[Tuple[object, float]]]:
+def prepared_document_ends(data: DataConfig, *, vocab_size: int) -> list[tuple[object, float]] | None:
     """(doc_ends, mixture weight) of every stream of the cache entry for ``data``, memory-mapped,
     without preparing or checking anything; None when there is no entry (or the input is missing)."""
     import numpy as np
@@ -159,27 +159,38 @@ def prepared_document_ends(data: DataConfig, *, vocab_size: int) -> Optional[Lis
     if manifest is None:
         return None
     try:
-        return [(np.load(root / s["folder"] / "doc_ends.npy", mmap_mode="r"), float(w))
-                for s, (_, w) in zip(manifest["streams"], inputs)]
+        return [
+            (np.load(root / s["folder"] / "doc_ends.npy", mmap_mode="r"), float(w))
+            for s, (_, w) in zip(manifest["streams"], inputs, strict=False)
+        ]
     except (OSError, ValueError, KeyError):
         return None
 
 
-def _entry_root(data: DataConfig, *, inputs: Sequence[Tuple[Source, float]], spec: dict) -> Path:
+def _entry_root(data: DataConfig, *, inputs: Sequence[tuple[Source, float]], spec: dict) -> Path:
     """The cache folder of a preparation request."""
     return cache.entry_folder(data.cache_dir, name=inputs[0][0].name if len(inputs) == 1 else "mixture", spec=spec)
 
 
-def resolve_inputs(data: DataConfig) -> List[Tuple[Source, float]]:
+def resolve_inputs(data: DataConfig) -> list[tuple[Source, float]]:
     """The sources to prepare with their mixture weights (one source with weight 1 unless mixed)."""
     if data.mixture:
-        return [(_one_source(path, data=data, key=f"data.mixture[{i}]"), w)
-                for i, (path, w) in enumerate(parse_mixture(list(data.mixture)))]
+        return [
+            (_one_source(path, data=data, key=f"data.mixture[{i}]"), w) for i, (path, w) in enumerate(parse_mixture(list(data.mixture)))
+        ]
     if data.path:
         return [(file_source(data.path, text_key=data.text_key), 1.0)]
     if data.source == "files":
-        raise UserError([Problem("data.path", None, "data.source=files needs data.path",
-                                 "set data.path=FILE_OR_FOLDER, or data=builtin for the built-in corpus")])
+        raise UserError(
+            [
+                Problem(
+                    "data.path",
+                    None,
+                    "data.source=files needs data.path",
+                    "set data.path=FILE_OR_FOLDER, or data=builtin for the built-in corpus",
+                )
+            ]
+        )
     if data.source != "builtin":
         raise UserError([Problem("data.source", data.source, "unknown data source", "use builtin or files")])
     return [(builtin_source(max_mb=data.builtin_max_mb), 1.0)]
@@ -191,18 +202,16 @@ def _one_source(path: str, *, data: DataConfig, key: str) -> Source:
     return file_source(path, text_key=data.text_key, key=key)
 
 
-def request_spec(data: DataConfig, *, inputs: Sequence[Tuple[Source, float]], vocab_size: int) -> dict:
+def request_spec(data: DataConfig, *, inputs: Sequence[tuple[Source, float]], vocab_size: int) -> dict:
     """What identifies a preparation (the cache key); mixture weights are not part of it."""
     tokenizer = str(Path(data.tokenizer).expanduser().resolve()) if data.tokenizer else f"bpe:{vocab_size}"
-    return {"format": cache.FORMAT_VERSION, "sources": [s.spec for s, _ in inputs], "tokenizer": tokenizer,
-            "vocab_size": vocab_size}
+    return {"format": cache.FORMAT_VERSION, "sources": [s.spec for s, _ in inputs], "tokenizer": tokenizer, "vocab_size": vocab_size}
 
 
-def _fingerprint_inputs(root: Path, inputs: Sequence[Tuple[Source, float]], *,
-                        tokenizer: Optional[str]) -> List[dict]:
+def _fingerprint_inputs(root: Path, inputs: Sequence[tuple[Source, float]], *, tokenizer: str | None) -> list[dict]:
     old = cache.read_manifest(root) or {}
     previous = {f["path"]: f for f in old.get("inputs", [])}
-    infos: List[FileInfo] = []
+    infos: list[FileInfo] = []
     for source, _ in inputs:
         infos.extend(source.fingerprint(previous=previous))
         if source.kind == "hub":
@@ -223,12 +232,26 @@ def _hub_fingerprint(source: Source, *, root: Path) -> FileInfo:
 def from_manifest(root: Path, manifest: dict, *, weights: Sequence[float], reused: bool) -> PreparedData:
     """A PreparedData view of a cache entry."""
     streams = tuple(
-        StreamInfo(name=s["name"], folder=root / s["folder"], weight=float(w), num_tokens=s["num_tokens"],
-                   num_documents=s["num_documents"], shards=tuple((x["file"], x["tokens"]) for x in s["shards"]))
-        for s, w in zip(manifest["streams"], weights)
+        StreamInfo(
+            name=s["name"],
+            folder=root / s["folder"],
+            weight=float(w),
+            num_tokens=s["num_tokens"],
+            num_documents=s["num_documents"],
+            shards=tuple((x["file"], x["tokens"]) for x in s["shards"]),
+        )
+        for s, w in zip(manifest["streams"], weights, strict=False)
     )
     tok = manifest["tokenizer"]
     content = cache.digest([tok["sha256"], [[s.num_tokens, s.num_documents] for s in streams]])
-    return PreparedData(root=root, tokenizer_path=root / cache.TOKENIZER, vocab_size=tok["vocab_size"],
-                        eos_id=tok["eos_id"], num_tokens=sum(s.num_tokens for s in streams),
-                        dtype=manifest["dtype"], streams=streams, fingerprint=content[:16], reused=reused)
+    return PreparedData(
+        root=root,
+        tokenizer_path=root / cache.TOKENIZER,
+        vocab_size=tok["vocab_size"],
+        eos_id=tok["eos_id"],
+        num_tokens=sum(s.num_tokens for s in streams),
+        dtype=manifest["dtype"],
+        streams=streams,
+        fingerprint=content[:16],
+        reused=reused,
+    )

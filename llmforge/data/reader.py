@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional, Tuple
 
 import numpy as np
 
@@ -11,12 +10,12 @@ import numpy as np
 class TokenStream:
     """The concatenated token shards of one stream, addressed by global token offset."""
 
-    def __init__(self, folder: Path, *, shards: List[dict], dtype: str) -> None:
+    def __init__(self, folder: Path, *, shards: list[dict], dtype: str) -> None:
         self.folder = Path(folder)
         self.dtype = np.dtype(dtype)
         kept = [s for s in shards if s["tokens"] > 0]
         self._paths = [self.folder / s["file"] for s in kept]
-        self._maps = [np.memmap(path, dtype=self.dtype, mode="r", shape=(s["tokens"],)) for path, s in zip(self._paths, kept)]
+        self._maps = [np.memmap(path, dtype=self.dtype, mode="r", shape=(s["tokens"],)) for path, s in zip(self._paths, kept, strict=False)]
         sizes = np.array([len(m) for m in self._maps], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.num_tokens = int(self._starts[-1])
@@ -41,15 +40,15 @@ class TokenStream:
         """End offset of every document (each document's last token is the end-of-document id)."""
         return np.load(self.folder / "doc_ends.npy", mmap_mode="r")
 
-    def documents(self) -> List[np.ndarray]:
+    def documents(self) -> list[np.ndarray]:
         """Every document's tokens, end-of-document token included (for checks and tests)."""
         ends = self.doc_ends()
         starts = np.concatenate([[0], ends[:-1]])
-        return [self.slice(int(a), int(b)) for a, b in zip(starts, ends)]
+        return [self.slice(int(a), int(b)) for a, b in zip(starts, ends, strict=False)]
 
-    def find_id_at_least(self, limit: int) -> Optional[Tuple[Path, int]]:
+    def find_id_at_least(self, limit: int) -> tuple[Path, int] | None:
         """(shard file, its largest id) of the first shard holding an id >= limit, or None (error path only)."""
-        for path, tokens in zip(self._paths, self._maps):
+        for path, tokens in zip(self._paths, self._maps, strict=False):
             largest = int(tokens.max(initial=0))
             if largest >= limit:
                 return path, largest

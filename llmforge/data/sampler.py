@@ -25,8 +25,6 @@ same guarantees.
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
-
 import numpy as np
 import torch
 
@@ -43,8 +41,17 @@ class BatchSampler:
     never on the number of data-parallel ranks: step k's global batch is always the same
     global_batch_size sequences; dp rank r gets rows [r*G/dp, (r+1)*G/dp) of it."""
 
-    def __init__(self, data: PreparedData, *, seq_len: int, global_batch_size: int, seed: int, split: str = "train",
-                 val_fraction: float = 0.0, val_seed: int = 0) -> None:
+    def __init__(
+        self,
+        data: PreparedData,
+        *,
+        seq_len: int,
+        global_batch_size: int,
+        seed: int,
+        split: str = "train",
+        val_fraction: float = 0.0,
+        val_seed: int = 0,
+    ) -> None:
         if seq_len < 1 or global_batch_size < 1:
             raise ValueError("seq_len and global_batch_size must be positive")
         if split == "val" and val_fraction <= 0:
@@ -58,16 +65,19 @@ class BatchSampler:
         self._vocab_size = data.vocab_size
         self.last_sequence_ids = np.zeros((0, 3), dtype=np.int64)
         opened = [data.open_stream(i) for i in range(len(data.streams))]
-        masks = held_out_masks([s.doc_ends() for s in opened], fraction=self.val_fraction, seed=self.val_seed,
-                               min_tokens=seq_len + 1) if self.val_fraction > 0 else None
+        masks = (
+            held_out_masks([s.doc_ends() for s in opened], fraction=self.val_fraction, seed=self.val_seed, min_tokens=seq_len + 1)
+            if self.val_fraction > 0
+            else None
+        )
         #: Held-out documents of each stream (none when val_fraction is 0 or the data is too small).
         self.held_out_documents = [int(m.sum()) for m in masks] if masks is not None else [0] * len(opened)
-        self._streams = [s if masks is None else open_split(s, split=split, mask=m) for s, m in zip(opened, masks or opened)]
+        self._streams = [s if masks is None else open_split(s, split=split, mask=m) for s, m in zip(opened, masks or opened, strict=False)]
         self.num_sequences = [max(0, (s.num_tokens - 1) // seq_len) for s in self._streams]
         self._check_long_enough()
         self._counts = _block_counts([s.weight for s in data.streams], block=MIX_BLOCK)
-        self._perms: Dict[Tuple[int, int], np.ndarray] = {}
-        self._blocks: Dict[int, Tuple[np.ndarray, np.ndarray]] = {}
+        self._perms: dict[tuple[int, int], np.ndarray] = {}
+        self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     @property
     def eos_id(self) -> int:
@@ -76,16 +86,30 @@ class BatchSampler:
 
     def _check_long_enough(self) -> None:
         if self.split == "val":
-            problems = [Problem("data.val_fraction", self.val_fraction, f"holds out no documents of dataset {info.name!r}: too few documents, "
-                                f"or too short for one sequence of model.seq_len + 1 = {self.seq_len + 1} tokens "
-                                "(llmforge keys data.val_fraction says how they are chosen)",
-                                "raise data.val_fraction, add documents, or set data.val_fraction=0")
-                        for info, m in zip(self.data.streams, self.num_sequences) if m == 0]
+            problems = [
+                Problem(
+                    "data.val_fraction",
+                    self.val_fraction,
+                    f"holds out no documents of dataset {info.name!r}: too few documents, "
+                    f"or too short for one sequence of model.seq_len + 1 = {self.seq_len + 1} tokens "
+                    "(llmforge keys data.val_fraction says how they are chosen)",
+                    "raise data.val_fraction, add documents, or set data.val_fraction=0",
+                )
+                for info, m in zip(self.data.streams, self.num_sequences, strict=False)
+                if m == 0
+            ]
             if problems:
                 raise UserError(problems, title="not enough validation data")
-        problems = [Problem("model.seq_len", self.seq_len, f"dataset {info.name!r} has only {s.num_tokens} tokens, "
-                            f"fewer than one sequence of seq_len + 1", "lower model.seq_len or add more text")
-                    for info, s, m in zip(self.data.streams, self._streams, self.num_sequences) if m == 0]
+        problems = [
+            Problem(
+                "model.seq_len",
+                self.seq_len,
+                f"dataset {info.name!r} has only {s.num_tokens} tokens, fewer than one sequence of seq_len + 1",
+                "lower model.seq_len or add more text",
+            )
+            for info, s, m in zip(self.data.streams, self._streams, self.num_sequences, strict=False)
+            if m == 0
+        ]
         if problems:
             raise UserError(problems, title="not enough data")
 
@@ -142,12 +166,24 @@ class BatchSampler:
             found = self.data.open_stream(int(index)).find_id_at_least(self.data.vocab_size)
             if found is not None:
                 path, largest = found
-                return UserError([Problem("", "", f"token shard {path} holds token id {largest}, but the tokenizer has "
-                                          f"{self.data.vocab_size} tokens: the prepared data was altered after it was written",
-                                          f"delete the cache folder {self.data.root} (or run `llmforge data prepare --force` "
-                                          "with the same settings) and start again")], title="damaged data cache")
-        return UserError(f"a batch read from {self.data.root} holds a token id past the tokenizer's {self.data.vocab_size} "
-                         "tokens; delete that cache folder and start again", title="damaged data cache")
+                return UserError(
+                    [
+                        Problem(
+                            "",
+                            "",
+                            f"token shard {path} holds token id {largest}, but the tokenizer has "
+                            f"{self.data.vocab_size} tokens: the prepared data was altered after it was written",
+                            f"delete the cache folder {self.data.root} (or run `llmforge data prepare --force` "
+                            "with the same settings) and start again",
+                        )
+                    ],
+                    title="damaged data cache",
+                )
+        return UserError(
+            f"a batch read from {self.data.root} holds a token id past the tokenizer's {self.data.vocab_size} "
+            "tokens; delete that cache folder and start again",
+            title="damaged data cache",
+        )
 
     def _rows_per_rank(self, dp_size: int) -> int:
         if dp_size < 1 or self.global_batch_size % dp_size:
@@ -156,23 +192,47 @@ class BatchSampler:
 
     def state_dict(self) -> dict:
         """Plain ints and strings: enough to continue the exact order."""
-        return {"version": STATE_VERSION, "seed": self.seed, "position": int(self.position), "epoch": self.epoch,
-                "seq_len": self.seq_len, "global_batch_size": self.global_batch_size,
-                "data": self.data.fingerprint, "num_streams": len(self._streams),
-                "split": self.split, "val_fraction": self.val_fraction, "val_seed": self.val_seed, "split_rule": SPLIT_RULE}
+        return {
+            "version": STATE_VERSION,
+            "seed": self.seed,
+            "position": int(self.position),
+            "epoch": self.epoch,
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
+            "data": self.data.fingerprint,
+            "num_streams": len(self._streams),
+            "split": self.split,
+            "val_fraction": self.val_fraction,
+            "val_seed": self.val_seed,
+            "split_rule": SPLIT_RULE,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a saved state (the global batch size may differ; seq_len and data may not)."""
         if int(state.get("version", -1)) != STATE_VERSION:
-            raise UserError(f"data sampler state has version {state.get('version')}, expected {STATE_VERSION}; "
-                            "the checkpoint was written by another llmforge version", title="incompatible checkpoint")
+            raise UserError(
+                f"data sampler state has version {state.get('version')}, expected {STATE_VERSION}; "
+                "the checkpoint was written by another llmforge version",
+                title="incompatible checkpoint",
+            )
         if int(state["seq_len"]) != self.seq_len:
-            raise UserError([Problem("model.seq_len", self.seq_len, f"the checkpoint was trained with "
-                                     f"seq_len={state['seq_len']}", f"resume with model.seq_len={state['seq_len']}")],
-                            title="cannot resume the data order")
+            raise UserError(
+                [
+                    Problem(
+                        "model.seq_len",
+                        self.seq_len,
+                        f"the checkpoint was trained with seq_len={state['seq_len']}",
+                        f"resume with model.seq_len={state['seq_len']}",
+                    )
+                ],
+                title="cannot resume the data order",
+            )
         if state.get("data") != self.data.fingerprint or int(state.get("num_streams", 1)) != len(self._streams):
-            raise UserError("the prepared data differs from the data of the checkpoint (tokenizer or token shards "
-                            "changed); resume with the same data settings and files", title="cannot resume the data order")
+            raise UserError(
+                "the prepared data differs from the data of the checkpoint (tokenizer or token shards "
+                "changed); resume with the same data settings and files",
+                title="cannot resume the data order",
+            )
         self._check_split(state)
         self.seed = int(state["seed"])
         self.position = int(state["position"])
@@ -184,19 +244,37 @@ class BatchSampler:
         fraction, seed = float(state.get("val_fraction", 0.0)), int(state.get("val_seed", 0))
         problems = []
         if fraction != self.val_fraction:
-            problems.append(Problem("data.val_fraction", self.val_fraction, f"the checkpoint was trained with data.val_fraction={fraction}",
-                                    f"resume with data.val_fraction={fraction}"))
+            problems.append(
+                Problem(
+                    "data.val_fraction",
+                    self.val_fraction,
+                    f"the checkpoint was trained with data.val_fraction={fraction}",
+                    f"resume with data.val_fraction={fraction}",
+                )
+            )
         elif fraction > 0 and seed != self.val_seed:
-            problems.append(Problem("data.val_seed", self.val_seed, f"the checkpoint held out documents with data.val_seed={seed}",
-                                    f"resume with data.val_seed={seed}"))
+            problems.append(
+                Problem(
+                    "data.val_seed",
+                    self.val_seed,
+                    f"the checkpoint held out documents with data.val_seed={seed}",
+                    f"resume with data.val_seed={seed}",
+                )
+            )
         elif fraction > 0 and int(state.get("split_rule", 1)) != SPLIT_RULE:
-            problems.append(Problem("data.val_fraction", self.val_fraction, "the checkpoint chose its held-out documents by the rule of an "
-                                    "earlier llmforge version, and this one would train on some of them",
-                                    "resume with the llmforge version that wrote the checkpoint, or start a new run"))
+            problems.append(
+                Problem(
+                    "data.val_fraction",
+                    self.val_fraction,
+                    "the checkpoint chose its held-out documents by the rule of an "
+                    "earlier llmforge version, and this one would train on some of them",
+                    "resume with the llmforge version that wrote the checkpoint, or start a new run",
+                )
+            )
         if problems:
             raise UserError(problems, title="cannot resume the data order")
 
-    def _locate(self, g: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    def _locate(self, g: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(stream, n-th draw from that stream) of global sequence numbers g."""
         if len(self._counts) == 1:
             return np.zeros_like(g), g
@@ -210,7 +288,7 @@ class BatchSampler:
             local[mask] = int(b) * self._counts[stream[mask]] + rank[offset[mask]]
         return stream, local
 
-    def _block(self, b: int) -> Tuple[np.ndarray, np.ndarray]:
+    def _block(self, b: int) -> tuple[np.ndarray, np.ndarray]:
         if b not in self._blocks:
             if len(self._blocks) > 4:
                 self._blocks.clear()
@@ -240,7 +318,7 @@ class BatchSampler:
         return self._perms[key]
 
 
-def _block_counts(weights: List[float], *, block: int) -> np.ndarray:
+def _block_counts(weights: list[float], *, block: int) -> np.ndarray:
     """Sequences per stream in every block: proportional to the weights, largest remainder, at least 1 each."""
     w = np.asarray(weights, dtype=np.float64)
     share = w / w.sum() * block

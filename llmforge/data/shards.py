@@ -18,9 +18,10 @@ import hashlib
 import itertools
 import multiprocessing
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -44,15 +45,14 @@ class PackStats:
     num_tokens: int = 0
     num_documents: int = 0
     skipped_empty: int = 0
-    shards: List[dict] = field(default_factory=list)
+    shards: list[dict] = field(default_factory=list)
 
 
-def encode_documents(tokenizer: Tokenizer, texts: List[Optional[str]], *, eos_id: int,
-                     dtype: np.dtype) -> Tuple[np.ndarray, np.ndarray, int]:
+def encode_documents(tokenizer: Tokenizer, texts: list[str | None], *, eos_id: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, int]:
     """Token ids of the non-empty texts, each followed by eos; their lengths; the number skipped."""
     kept = [t for t in texts if t]
-    pieces: List[str] = []
-    owner: List[int] = []
+    pieces: list[str] = []
+    owner: list[int] = []
     for i, text in enumerate(kept):
         parts = split_long(text, max_chars=PIECE_CHARS)
         pieces.extend(parts)
@@ -60,10 +60,8 @@ def encode_documents(tokenizer: Tokenizer, texts: List[Optional[str]], *, eos_id
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
     encodings = encode(pieces, add_special_tokens=False)
     piece_lens = np.fromiter((len(e) for e in encodings), dtype=np.int64, count=len(encodings))
-    flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=dtype,
-                       count=int(piece_lens.sum()))
-    doc_lens = np.bincount(np.asarray(owner, dtype=np.int64), weights=piece_lens,
-                           minlength=len(kept)).astype(np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(e.ids for e in encodings), dtype=dtype, count=int(piece_lens.sum()))
+    doc_lens = np.bincount(np.asarray(owner, dtype=np.int64), weights=piece_lens, minlength=len(kept)).astype(np.int64)
     ids = np.insert(flat, np.cumsum(doc_lens), np.asarray(eos_id, dtype=dtype))
     return ids, doc_lens + 1, len(texts) - len(kept)
 
@@ -76,7 +74,7 @@ class ShardWriter:
         self.dtype = np.dtype(dtype)
         self.shard_tokens = shard_tokens
         self.stats = PackStats()
-        self._doc_lens: List[np.ndarray] = []
+        self._doc_lens: list[np.ndarray] = []
         self._fh = None
         self._hash = None
         self._in_shard = 0
@@ -125,14 +123,21 @@ class ShardWriter:
         return self.stats
 
 
-def pack(docs: Documents, *, tokenizer_path: Path, eos_id: int, dtype: np.dtype, out_dir: Path,
-         num_proc: int = 1, progress: Optional[Progress] = None) -> PackStats:
+def pack(
+    docs: Documents,
+    *,
+    tokenizer_path: Path,
+    eos_id: int,
+    dtype: np.dtype,
+    out_dir: Path,
+    num_proc: int = 1,
+    progress: Progress | None = None,
+) -> PackStats:
     """Tokenize every document of docs into out_dir; num_proc > 1 uses worker processes."""
     writer = ShardWriter(out_dir, dtype=dtype)
     batches = docs.batches(batch_size=rows_per_batch(docs))
     skipped = 0
-    for ids, doc_lens, n_skipped, n_rows in _encoded(batches, tokenizer_path=tokenizer_path, eos_id=eos_id,
-                                                     dtype=dtype, num_proc=num_proc):
+    for ids, doc_lens, n_skipped, n_rows in _encoded(batches, tokenizer_path=tokenizer_path, eos_id=eos_id, dtype=dtype, num_proc=num_proc):
         writer.write(ids, doc_lens)
         skipped += n_skipped
         if progress is not None:
@@ -151,8 +156,7 @@ def rows_per_batch(docs: Documents) -> int:
     return int(min(8192, max(1, BATCH_CHARS // average)))
 
 
-def _encoded(batches: Iterable[List[str]], *, tokenizer_path: Path, eos_id: int, dtype: np.dtype,
-             num_proc: int):
+def _encoded(batches: Iterable[list[str]], *, tokenizer_path: Path, eos_id: int, dtype: np.dtype, num_proc: int):
     from tokenizers import Tokenizer
 
     if num_proc <= 1:
@@ -175,7 +179,6 @@ def _init_worker(tokenizer_path: str, eos_id: int, dtype: str) -> None:
     _WORKER.update(tokenizer=Tokenizer.from_file(tokenizer_path), eos_id=eos_id, dtype=np.dtype(dtype))
 
 
-def _encode_in_worker(texts: List[str]):
-    ids, doc_lens, skipped = encode_documents(_WORKER["tokenizer"], texts, eos_id=_WORKER["eos_id"],
-                                              dtype=_WORKER["dtype"])
+def _encode_in_worker(texts: list[str]):
+    ids, doc_lens, skipped = encode_documents(_WORKER["tokenizer"], texts, eos_id=_WORKER["eos_id"], dtype=_WORKER["dtype"])
     return ids, doc_lens, skipped, len(texts)

@@ -15,7 +15,6 @@ import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Tuple
 
 from llmforge.errors import Problem, UserError
 from llmforge.files import sha256_file
@@ -46,18 +45,18 @@ class Source:
     """A resolved dataset: what kind, which files, and the identity used for its cache key."""
 
     kind: str  # "builtin", "text", "json", "parquet" or "hub"
-    files: Tuple[str, ...]
+    files: tuple[str, ...]
     spec: str  # stable description of the user's request (cache key input)
     name: str  # short human name for cache folders and summaries
-    skipped: Tuple[str, ...] = ()  # files left out, with the reason
+    skipped: tuple[str, ...] = ()  # files left out, with the reason
 
-    def fingerprint(self, *, previous: Optional[dict] = None) -> List[FileInfo]:
+    def fingerprint(self, *, previous: dict | None = None) -> list[FileInfo]:
         """Fingerprint every file, reusing a previous hash when size and mtime are unchanged."""
         previous = previous or {}
         return [fingerprint_file(Path(f), previous=previous.get(f)) for f in self.files]
 
 
-def fingerprint_file(path: Path, *, previous: Optional[dict] = None) -> FileInfo:
+def fingerprint_file(path: Path, *, previous: dict | None = None) -> FileInfo:
     """Size, mtime and SHA-256 of a file; the hash is reused when size and mtime match."""
     st = path.stat()
     if previous and previous.get("size") == st.st_size and previous.get("mtime_ns") == st.st_mtime_ns:
@@ -84,8 +83,14 @@ def check_utf8(path: Path) -> None:
 
 def _raise_not_utf8(path: Path, offset: int) -> None:
     raise UserError(
-        [Problem(key="data.path", value=str(path), rule=f"byte {offset} is not valid UTF-8",
-                 fix=f"convert the file to UTF-8 (for example: iconv -f latin1 -t utf-8 {path} > fixed.txt)")],
+        [
+            Problem(
+                key="data.path",
+                value=str(path),
+                rule=f"byte {offset} is not valid UTF-8",
+                fix=f"convert the file to UTF-8 (for example: iconv -f latin1 -t utf-8 {path} > fixed.txt)",
+            )
+        ],
         title="unreadable data file",
     )
 
@@ -96,8 +101,8 @@ def builtin_source(*, max_mb: float) -> Source:
         raise UserError([Problem("data.builtin_max_mb", max_mb, "must be positive", "set data.builtin_max_mb=8")])
     root = Path(sysconfig.get_paths()["stdlib"])
     budget = int(max_mb * 1_000_000)
-    chosen: List[str] = []
-    skipped: List[str] = []
+    chosen: list[str] = []
+    skipped: list[str] = []
     total = 0
     for path in sorted(_stdlib_files(root), key=lambda p: (_is_test(p, root), str(p))):
         size = path.stat().st_size
@@ -116,8 +121,8 @@ def builtin_source(*, max_mb: float) -> Source:
     return Source(kind="builtin", files=tuple(chosen), spec=spec, name="builtin", skipped=tuple(skipped))
 
 
-def _stdlib_files(root: Path) -> List[Path]:
-    found: List[Path] = []
+def _stdlib_files(root: Path) -> list[Path]:
+    found: list[Path] = []
     for folder, dirs, names in os.walk(root):
         dirs[:] = [d for d in dirs if d not in _SKIP_DIRS and not d.startswith(".")]
         found.extend(Path(folder) / n for n in names if n.endswith(".py"))
@@ -146,17 +151,30 @@ def file_source(path_text: str, *, text_key: str, key: str = "data.path") -> Sou
         path = path.resolve()
         kind = _kind_of(path, key=key)
         if path.stat().st_size == 0:
-            raise UserError([Problem(key, str(path), "the file is empty", "point data.path at a file with text in it")],
-                            title="empty data file")
+            raise UserError(
+                [Problem(key, str(path), "the file is empty", "point data.path at a file with text in it")], title="empty data file"
+            )
         return Source(kind=kind, files=(str(path),), spec=f"{kind}|{path}|{text_key}", name=_slug(path.stem))
     if path.exists():
-        raise UserError([Problem(key, path_text, "is neither a regular file nor a folder (a device, pipe or socket)",
-                                 f"point {key} at a .txt, .jsonl or .parquet file or a folder of them")], title="unreadable data file")
+        raise UserError(
+            [
+                Problem(
+                    key,
+                    path_text,
+                    "is neither a regular file nor a folder (a device, pipe or socket)",
+                    f"point {key} at a .txt, .jsonl or .parquet file or a folder of them",
+                )
+            ],
+            title="unreadable data file",
+        )
     if _looks_like_hub_name(path_text):
         return Source(kind="hub", files=(), spec=f"hub|{path_text}|{text_key}", name=_slug(path_text))
     raise UserError(
-        [Problem(key, path_text, "no such file or folder",
-                 f"point {key} at an existing .txt, .jsonl or .parquet file or a folder of them")],
+        [
+            Problem(
+                key, path_text, "no such file or folder", f"point {key} at an existing .txt, .jsonl or .parquet file or a folder of them"
+            )
+        ],
         title="missing data file",
     )
 
@@ -167,25 +185,44 @@ def _folder_source(folder: Path, *, text_key: str, key: str) -> Source:
     others = _unsupported([p for p in every if p.suffix.lower() not in SUPPORTED], folder=folder)
     if not files:
         holds = f" (it holds {others[0]})" if others else ""
-        raise UserError([Problem(key, str(folder), f"the folder holds no .txt, .md, .jsonl, .json or .parquet files{holds}",
-                                 "add data files to it or point data.path at another folder")],
-                        title="empty data folder")
+        raise UserError(
+            [
+                Problem(
+                    key,
+                    str(folder),
+                    f"the folder holds no .txt, .md, .jsonl, .json or .parquet files{holds}",
+                    "add data files to it or point data.path at another folder",
+                )
+            ],
+            title="empty data folder",
+        )
     kinds = {_kind_of(p, key=key) for p in files}
     if len(kinds) > 1:
-        raise UserError([Problem(key, str(folder), f"the folder mixes formats ({', '.join(sorted(kinds))})",
-                                 "keep one format per folder and combine folders with data.mixture=[A:1,B:1]")],
-                        title="mixed data formats")
+        raise UserError(
+            [
+                Problem(
+                    key,
+                    str(folder),
+                    f"the folder mixes formats ({', '.join(sorted(kinds))})",
+                    "keep one format per folder and combine folders with data.mixture=[A:1,B:1]",
+                )
+            ],
+            title="mixed data formats",
+        )
     kept = [p for p in files if p.stat().st_size > 0]
     skipped = tuple(f"{p}: empty file" for p in files if p.stat().st_size == 0) + tuple(others)
     if not kept:
-        raise UserError([Problem(key, str(folder), "every data file in the folder is empty",
-                                 "add text to the files or point data.path elsewhere")], title="empty data folder")
+        raise UserError(
+            [Problem(key, str(folder), "every data file in the folder is empty", "add text to the files or point data.path elsewhere")],
+            title="empty data folder",
+        )
     kind = kinds.pop()
-    return Source(kind=kind, files=tuple(str(p) for p in kept), spec=f"{kind}|{folder}/|{text_key}",
-                  name=_slug(folder.name), skipped=skipped)
+    return Source(
+        kind=kind, files=tuple(str(p) for p in kept), spec=f"{kind}|{folder}/|{text_key}", name=_slug(folder.name), skipped=skipped
+    )
 
 
-def _unsupported(paths: List[Path], *, folder: Path) -> List[str]:
+def _unsupported(paths: list[Path], *, folder: Path) -> list[str]:
     """One note naming the files a folder holds besides data files (none if there are none)."""
     if not paths:
         return []
@@ -201,8 +238,10 @@ def _kind_of(path: Path, *, key: str) -> str:
         return "json"
     if suffix in PARQUET_SUFFIXES:
         return "parquet"
-    raise UserError([Problem(key, str(path), f"unsupported file type {suffix or '(none)'}",
-                             "use .txt, .md, .jsonl, .json or .parquet files")], title="unsupported data file")
+    raise UserError(
+        [Problem(key, str(path), f"unsupported file type {suffix or '(none)'}", "use .txt, .md, .jsonl, .json or .parquet files")],
+        title="unsupported data file",
+    )
 
 
 def _looks_like_hub_name(text: str) -> bool:
@@ -217,10 +256,10 @@ def _slug(text: str) -> str:
     return cleaned[:40] or "data"
 
 
-def parse_mixture(entries: List[str]) -> List[Tuple[str, float]]:
+def parse_mixture(entries: list[str]) -> list[tuple[str, float]]:
     """Split data.mixture entries "PATH:WEIGHT" into (path, weight) pairs, collecting every problem."""
-    pairs: List[Tuple[str, float]] = []
-    problems: List[Problem] = []
+    pairs: list[tuple[str, float]] = []
+    problems: list[Problem] = []
     for i, entry in enumerate(entries):
         path, sep, weight_text = str(entry).rpartition(":")
         try:
@@ -228,8 +267,14 @@ def parse_mixture(entries: List[str]) -> List[Tuple[str, float]]:
         except ValueError:
             weight = float("nan")
         if not sep or not path or not weight > 0 or weight == float("inf"):
-            problems.append(Problem(f"data.mixture[{i}]", entry, "expected PATH:WEIGHT with a positive weight",
-                                    "write entries like data.mixture=[data/web:0.7,data/code:0.3]"))
+            problems.append(
+                Problem(
+                    f"data.mixture[{i}]",
+                    entry,
+                    "expected PATH:WEIGHT with a positive weight",
+                    "write entries like data.mixture=[data/web:0.7,data/code:0.3]",
+                )
+            )
             continue
         pairs.append((path, weight))
     if problems:

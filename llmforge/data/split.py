@@ -11,7 +11,7 @@ window ever mixes tokens of the two sides.
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -61,7 +61,7 @@ def held_out(doc_ends: np.ndarray, *, fraction: float, seed: int, stream: int, m
     return mask
 
 
-def held_out_masks(doc_ends: Sequence[np.ndarray], *, fraction: float, seed: int, min_tokens: int) -> List[np.ndarray]:
+def held_out_masks(doc_ends: Sequence[np.ndarray], *, fraction: float, seed: int, min_tokens: int) -> list[np.ndarray]:
     """``held_out`` of every stream, or none held out anywhere when some stream can hold
     none (a validation set always covers every dataset)."""
     masks = [held_out(ends, fraction=fraction, seed=seed, stream=i, min_tokens=min_tokens) for i, ends in enumerate(doc_ends)]
@@ -94,7 +94,7 @@ class SplitStream:
         """Tokens [start, stop) of the concatenation (a copy when it spans several runs)."""
         if not 0 <= start <= stop <= self.num_tokens:
             raise IndexError(f"token range [{start}, {stop}) outside [0, {self.num_tokens})")
-        parts: List[np.ndarray] = []
+        parts: list[np.ndarray] = []
         run = int(np.searchsorted(self._starts, start, side="right")) - 1
         while start < stop or not parts:
             base, end = int(self._starts[run]), int(self._starts[run + 1])

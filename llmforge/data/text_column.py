@@ -7,15 +7,23 @@ Only read on that error path; imports neither torch nor datasets.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator, List, Optional, Set, Tuple
 
 #: Rows read per file at most when looking for the value types.
 _MAX_ROWS = 1_000_000
-_JSON_NAMES = {"str": "string", "int": "integer", "float": "number", "bool": "boolean", "NoneType": "null", "list": "list", "dict": "object"}
+_JSON_NAMES = {
+    "str": "string",
+    "int": "integer",
+    "float": "number",
+    "bool": "boolean",
+    "NoneType": "null",
+    "list": "list",
+    "dict": "object",
+}
 
 
-def describe_non_text(files: List[str], *, kind: str, text_key: str) -> Optional[str]:
+def describe_non_text(files: list[str], *, kind: str, text_key: str) -> str | None:
     """'FILE: column 'text' holds int and str values (row 2: 5)', or None if nothing was found."""
     for name in files:
         found = _parquet_type(Path(name), text_key) if kind == "parquet" else _json_types(Path(name), text_key)
@@ -25,9 +33,9 @@ def describe_non_text(files: List[str], *, kind: str, text_key: str) -> Optional
     return None
 
 
-def _json_types(path: Path, text_key: str) -> Optional[Tuple[Set[str], str]]:
+def _json_types(path: Path, text_key: str) -> tuple[set[str], str] | None:
     """The value types of ``text_key`` in a .jsonl (or .json array) file and its first non-string row."""
-    types: Set[str] = set()
+    types: set[str] = set()
     first = ""
     for row, value in _json_values(path, text_key):
         types.add(_JSON_NAMES.get(type(value).__name__, type(value).__name__))
@@ -36,7 +44,7 @@ def _json_types(path: Path, text_key: str) -> Optional[Tuple[Set[str], str]]:
     return (types, first) if first else None
 
 
-def _json_values(path: Path, text_key: str) -> Iterator[Tuple[int, object]]:
+def _json_values(path: Path, text_key: str) -> Iterator[tuple[int, object]]:
     with path.open(encoding="utf-8", errors="replace") as fh:
         head = fh.read(1)
         fh.seek(0)
@@ -55,7 +63,7 @@ def _json_values(path: Path, text_key: str) -> Iterator[Tuple[int, object]]:
                 yield i, record.get(text_key)
 
 
-def _parquet_type(path: Path, text_key: str) -> Optional[Tuple[Set[str], str]]:
+def _parquet_type(path: Path, text_key: str) -> tuple[set[str], str] | None:
     """The Arrow type of a parquet file's ``text_key`` column, if it is not a string type."""
     import pyarrow.parquet as pq
 

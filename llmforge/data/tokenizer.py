@@ -8,8 +8,9 @@ one uses the first of the usual end-of-text tokens it knows, or gets ``<|endofte
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, List, Optional
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,12 +32,22 @@ _LONG_RUN = re.compile(r"\S{%d,}" % (MAX_RUN_CHARS + 1))
 def check_vocab_size(vocab_size: int, *, key: str = "data.vocab_size") -> None:
     """Reject vocabularies a byte-level BPE cannot have or a token shard cannot store."""
     if vocab_size < MIN_VOCAB:
-        raise UserError([Problem(key, vocab_size, f"a byte-level BPE needs at least {MIN_VOCAB} tokens "
-                                 "(256 bytes and the end-of-document token)", f"set {key} to 4096 or more")],
-                        title="invalid vocabulary size")
+        raise UserError(
+            [
+                Problem(
+                    key,
+                    vocab_size,
+                    f"a byte-level BPE needs at least {MIN_VOCAB} tokens (256 bytes and the end-of-document token)",
+                    f"set {key} to 4096 or more",
+                )
+            ],
+            title="invalid vocabulary size",
+        )
     if vocab_size > MAX_VOCAB:
-        raise UserError([Problem(key, vocab_size, "token ids must fit the uint32 token shards (at most 2**32)",
-                                 f"set {key} to at most {MAX_VOCAB}")], title="vocabulary too large")
+        raise UserError(
+            [Problem(key, vocab_size, "token ids must fit the uint32 token shards (at most 2**32)", f"set {key} to at most {MAX_VOCAB}")],
+            title="vocabulary too large",
+        )
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -45,12 +56,12 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 2**16 else np.dtype(np.uint32)
 
 
-def cap_runs(text: str) -> List[str]:
+def cap_runs(text: str) -> list[str]:
     """text cut into pieces (for training only) so that no run of non-space characters is
     longer than MAX_RUN_CHARS; identical cut pieces of a repeated run count as one word."""
     if _LONG_RUN.search(text) is None:
         return [text]
-    pieces: List[str] = []
+    pieces: list[str] = []
     start = 0
     for run in _LONG_RUN.finditer(text):
         for cut in range(run.start() + MAX_RUN_CHARS, run.end(), MAX_RUN_CHARS):
@@ -60,7 +71,7 @@ def cap_runs(text: str) -> List[str]:
     return pieces
 
 
-def train_bpe(texts: Iterable[List[str]], *, vocab_size: int) -> Tokenizer:
+def train_bpe(texts: Iterable[list[str]], *, vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE of at most vocab_size tokens on batches of documents."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -86,16 +97,20 @@ def load_tokenizer(path_text: str, *, vocab_size: int, key: str = "data.tokenize
     if not path.is_file():
         what = "is a folder, not a file" if path.is_dir() else "no such file"
         hint = f" (perhaps {key}={path / 'tokenizer.json'})" if (path / "tokenizer.json").is_file() else ""
-        raise UserError([Problem(key, path_text, what, f"point {key} at a tokenizer.json{hint}, or {unset}")],
-                        title="missing tokenizer")
+        raise UserError([Problem(key, path_text, what, f"point {key} at a tokenizer.json{hint}, or {unset}")], title="missing tokenizer")
     from tokenizers import Tokenizer
 
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception on bad JSON
-        raise UserError([Problem(key, str(path), f"not a tokenizers tokenizer.json ({exc})",
-                                 "save the tokenizer with tokenizer.save('tokenizer.json')")],
-                        title="unreadable tokenizer") from None
+        raise UserError(
+            [
+                Problem(
+                    key, str(path), f"not a tokenizers tokenizer.json ({exc})", "save the tokenizer with tokenizer.save('tokenizer.json')"
+                )
+            ],
+            title="unreadable tokenizer",
+        ) from None
     if find_eos(tokenizer) is None:
         tokenizer.add_special_tokens([EOS_TOKEN])
     _check_ids_fit(tokenizer, path=path, vocab_size=vocab_size, key=key)
@@ -107,18 +122,32 @@ def _check_ids_fit(tokenizer: Tokenizer, *, path: Path, vocab_size: int, key: st
     data.tokenizer, fit a token shard."""
     count, largest = tokenizer.get_vocab_size(with_added_tokens=True), largest_id(tokenizer)
     if largest >= vocab_size:
-        what = (f"its largest token id is {largest} ({count} tokens, so its ids have gaps)" if largest >= count
-                else f"it has {count} tokens (ids up to {largest})")
-        fix = (f"set model.vocab_size={largest + 1} (or larger), or use a tokenizer whose ids fit" if key == "data.tokenizer"
-               else "use the run's own tokenizer, or one whose ids are below the model's vocabulary size")
-        raise UserError([Problem(key, str(path), f"{what}, but the vocabulary size is {vocab_size} "
-                                 "(data.vocab_size, else model.vocab_size): ids must be below it", fix)],
-                        title="tokenizer too large for the model")
+        what = (
+            f"its largest token id is {largest} ({count} tokens, so its ids have gaps)"
+            if largest >= count
+            else f"it has {count} tokens (ids up to {largest})"
+        )
+        fix = (
+            f"set model.vocab_size={largest + 1} (or larger), or use a tokenizer whose ids fit"
+            if key == "data.tokenizer"
+            else "use the run's own tokenizer, or one whose ids are below the model's vocabulary size"
+        )
+        raise UserError(
+            [
+                Problem(
+                    key,
+                    str(path),
+                    f"{what}, but the vocabulary size is {vocab_size} (data.vocab_size, else model.vocab_size): ids must be below it",
+                    fix,
+                )
+            ],
+            title="tokenizer too large for the model",
+        )
     if key == "data.tokenizer":  # its ids go into token shards
         check_vocab_size(largest + 1, key="data.tokenizer largest id + 1")
 
 
-def find_eos(tokenizer: Tokenizer) -> Optional[int]:
+def find_eos(tokenizer: Tokenizer) -> int | None:
     """Id of the end-of-document token, or None."""
     for token in KNOWN_EOS:
         token_id = tokenizer.token_to_id(token)

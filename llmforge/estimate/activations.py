@@ -116,8 +116,10 @@ def block_activations(shape: Shape, layout: Layout, job: Job, *, moe: bool, reco
     if recompute == "full":
         return BlockActivations(per_token=shape.hidden * r / sp, fixed=0.0)
     if recompute == "selective":
-        return BlockActivations(per_token=_selective_bytes(shape, c=c, r=r, tp=tp, sp=sp, moe=moe, gathered=layout.async_tp),
-                                fixed=4 * shape.num_experts if moe else 0.0)
+        return BlockActivations(
+            per_token=_selective_bytes(shape, c=c, r=r, tp=tp, sp=sp, moe=moe, gathered=layout.async_tp),
+            fixed=4 * shape.num_experts if moe else 0.0,
+        )
     attn_consumers, mlp_consumers = 1, 1  # the fused projections
     if moe:
         mlp_consumers = 1 + (1 if shape.shared_experts else 0)  # router, shared MLP
@@ -260,8 +262,11 @@ def recompute_working_bytes(shape: Shape, layout: Layout, job: Job) -> float:
         return 0.0
     moe = shape.num_experts > 0
     key, jkey = _keys(layout, job)
-    return _kind_bytes(shape, key, jkey, moe, "none") - _kind_bytes(shape, key, jkey, moe, layout.recompute) + (
-        _kind_fixed(shape, key, jkey, moe, layout.recompute))
+    return (
+        _kind_bytes(shape, key, jkey, moe, "none")
+        - _kind_bytes(shape, key, jkey, moe, layout.recompute)
+        + (_kind_fixed(shape, key, jkey, moe, layout.recompute))
+    )
 
 
 @lru_cache(maxsize=4096)
@@ -274,7 +279,12 @@ def _keys(layout: Layout, job: Job) -> tuple[tuple, tuple]:
     """The layout and job fields activations depend on (cheap cache keys)."""
     gathered = layout.zero > 0 and layout.dp * layout.cp > 1
     return (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch, gathered, layout.async_tp), (
-        job.compute_bytes, job.mixed, job.fp8, job.residual_bytes, job.on_cpu)
+        job.compute_bytes,
+        job.mixed,
+        job.fp8,
+        job.residual_bytes,
+        job.on_cpu,
+    )
 
 
 def _layout_of(key: tuple) -> Layout:
@@ -305,7 +315,12 @@ def stage_bytes_per_microbatch(shape: Shape, layout: Layout, job: Job, counts: S
     key, jkey = _keys(layout, job)
     mode = layout.recompute
     total = 0.0
-    for n, moe, applies in ((counts.dense, False, False), (counts.moe, True, False), (counts.dense_ckpt, False, True), (counts.moe_ckpt, True, True)):
+    for n, moe, applies in (
+        (counts.dense, False, False),
+        (counts.moe, True, False),
+        (counts.dense_ckpt, False, True),
+        (counts.moe_ckpt, True, True),
+    ):
         if n:
             total += n * _kind_bytes(shape, key, jkey, moe, mode if applies else "none")
     if counts.first:

@@ -21,8 +21,8 @@ counts exactly what a flop counter counts when each document runs alone:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
 
 from llmforge.data.prepare import prepared_document_ends
 
@@ -71,7 +71,7 @@ def document_fraction(doc_ends: Sequence[int], *, seq: int, window: int = 0) -> 
     return float(scores(segments.astype(np.float64), window).sum() / (windows * scores(seq, 0)))
 
 
-def mask_fraction(model, *, streams: Optional[List[Tuple[Sequence[int], float]]]) -> float:
+def mask_fraction(model, *, streams: list[tuple[Sequence[int], float]] | None) -> float:
     """Layer-averaged fraction for a ``ModelConfig``; ``streams``: (doc_ends, mixture weight) of the
     prepared data, or None (one document per window)."""
     windowed = _windowed_layers(model)
@@ -103,23 +103,30 @@ def attention_cost(config, *, data_vocab_size: int) -> AttentionCost:
     streams, note = None, ""
     if model.attention_mask == "document":
         streams = _prepared_streams(config.data, data_vocab_size)
-        note = ("document lengths from the prepared data" if streams else
-                "the data is not prepared yet: every window counted as one document (run llmforge data prepare for the saving)")
+        note = (
+            "document lengths from the prepared data"
+            if streams
+            else "the data is not prepared yet: every window counted as one document (run llmforge data prepare for the saving)"
+        )
     windowed = _windowed_layers(model)
     if windowed:
         note = "; ".join(x for x in (note, f"sliding window of {model.sliding_window} on {windowed} of {model.num_layers} layers") if x)
     fraction = mask_fraction(model, streams=streams)
-    return AttentionCost(mask=model.attention_mask, sliding_window=model.sliding_window, windowed_layers=windowed,
-                         fraction=fraction, note=note or "causal: every earlier token of the window")
+    return AttentionCost(
+        mask=model.attention_mask,
+        sliding_window=model.sliding_window,
+        windowed_layers=windowed,
+        fraction=fraction,
+        note=note or "causal: every earlier token of the window",
+    )
 
 
 _STREAMS: dict = {}
 
 
-def _prepared_streams(data, vocab_size: int) -> Optional[List[Tuple[Sequence[int], float]]]:
+def _prepared_streams(data, vocab_size: int) -> list[tuple[Sequence[int], float]] | None:
     """(doc_ends, weight) of each stream of the prepared data, read once per process; None when not prepared."""
     key = (repr(data), vocab_size)
     if key not in _STREAMS:
         _STREAMS[key] = prepared_document_ends(data, vocab_size=vocab_size)
     return _STREAMS[key]
-

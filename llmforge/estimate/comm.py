@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict
 
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate.host import tp_collectives
@@ -66,7 +65,7 @@ DIMENSIONS = {"dp_all_reduce": "dp", "dp_all_gather": "dp", "dp_reduce_scatter":
 class Comm:
     """Every kind of communication of the slowest stage (``Traffic`` by kind, see ``KINDS``)."""
 
-    kinds: Dict[str, Traffic] = field(default_factory=dict)
+    kinds: dict[str, Traffic] = field(default_factory=dict)
 
     def _sum(self, dim: str, attr: str) -> float:
         return sum(getattr(t, attr) for k, t in self.kinds.items() if DIMENSIONS[k] == dim)
@@ -95,8 +94,20 @@ def _bandwidth(job: Job, span: int, group: int) -> float:
     return min(prof.inter_node_bandwidth * members, prof.intra_node_bandwidth) * prof.comm_efficiency
 
 
-def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatches: int, blocks: int,
-               t_fwd: float, t_bwd: float, span: int, last_bucket: int = 0, float8: float = 0.0) -> Dict[str, Traffic]:
+def dp_traffic(
+    layout: Layout,
+    job: Job,
+    *,
+    dense: int,
+    expert: int,
+    microbatches: int,
+    blocks: int,
+    t_fwd: float,
+    t_bwd: float,
+    span: int,
+    last_bucket: int = 0,
+    float8: float = 0.0,
+) -> dict[str, Traffic]:
     """Data-parallel traffic per device per step, by kind (``dp_all_reduce``, or FSDP's
     ``dp_all_gather`` and ``dp_reduce_scatter``).
 
@@ -115,8 +126,19 @@ def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatche
     numel = dense * (d - 1) / d + expert * (de - 1) / de
     if layout.zero > 0:
         share = min(1.0, last_bucket / max(1, dense + expert))
-        return fsdp_traffic(layout, job, numel=numel, microbatches=microbatches, blocks=blocks, t_fwd=t_fwd, t_bwd=t_bwd,
-                            span=span, tail=share, dense=dense, float8=float8)
+        return fsdp_traffic(
+            layout,
+            job,
+            numel=numel,
+            microbatches=microbatches,
+            blocks=blocks,
+            t_fwd=t_fwd,
+            t_bwd=t_bwd,
+            span=span,
+            tail=share,
+            dense=dense,
+            float8=float8,
+        )
     nbytes = 2 * numel * rb
     buckets = max(1, math.ceil((dense + expert) * rb / max(1, job.bucket_bytes)))
     t = seconds(job, nbytes, span, d) + buckets * hops_seconds(job, all_reduce_hops(d))
@@ -126,8 +148,20 @@ def dp_traffic(layout: Layout, job: Job, *, dense: int, expert: int, microbatche
     return {"dp_all_reduce": Traffic(nbytes, t, zero0_exposed(t, t_bwd=t_bwd, tail=tail))}
 
 
-def fsdp_traffic(layout: Layout, job: Job, *, numel: float, microbatches: int, blocks: int, t_fwd: float, t_bwd: float,
-                 span: int, tail: float, dense: float = 0.0, float8: float = 0.0) -> Dict[str, Traffic]:
+def fsdp_traffic(
+    layout: Layout,
+    job: Job,
+    *,
+    numel: float,
+    microbatches: int,
+    blocks: int,
+    t_fwd: float,
+    t_bwd: float,
+    span: int,
+    tail: float,
+    dense: float = 0.0,
+    float8: float = 0.0,
+) -> dict[str, Traffic]:
     """ZeRO 1-3 (FSDP2) per device per step: ``dp_all_gather`` and ``dp_reduce_scatter``.
 
     One FSDP unit per block plus the root (embedding, final norm, output layer: the
@@ -197,11 +231,18 @@ def gloo_defers_reduce(layout: Layout, job: Job) -> bool:
     """Whether the backend launches FSDP2's reduce-scatters without waiting on gloo
     (``llmforge.parallel.data.can_defer_reduce``): ZeRO 1, fp32 reduction,
     ``parallel.overlap_grad_reduce``, no pipeline, no HSDP, no offload, no expert units."""
-    return (layout.zero == 1 and job.reduce_dtype == "fp32" and job.overlap_grad_reduce and layout.pp == 1
-            and layout.dp_replicate == 1 and layout.offload == "none" and layout.ep == 1)
+    return (
+        layout.zero == 1
+        and job.reduce_dtype == "fp32"
+        and job.overlap_grad_reduce
+        and layout.pp == 1
+        and layout.dp_replicate == 1
+        and layout.offload == "none"
+        and layout.ep == 1
+    )
 
 
-def fsdp_exposed_units(layout: Layout, *, blocks: int) -> Dict[str, tuple]:
+def fsdp_exposed_units(layout: Layout, *, blocks: int) -> dict[str, tuple]:
     """The FSDP2 collectives of a step that no compute window covers, by kind, as
     ``llmforge.parallel.data`` schedules them (their whole time is exposed; every other
     unit's is hidden as far as the compute it overlaps lasts). Gathers: the root's (its
@@ -302,8 +343,9 @@ def async_tp_hidden(shape: Shape, layout: Layout, job: Job, *, attention_layers:
     return microbatches * hidden
 
 
-def critical_latency(shape: Shape, layout: Layout, job: Job, *, layers: int, moe_layers: int, microbatches: int,
-                     first: bool = True, last: bool = True) -> Dict[str, float]:
+def critical_latency(
+    shape: Shape, layout: Layout, job: Job, *, layers: int, moe_layers: int, microbatches: int, first: bool = True, last: bool = True
+) -> dict[str, float]:
     """The fixed part (``hops_seconds``) of the collectives on the critical path, per step: ``tp``
     (each collective ``llmforge.estimate.host.tp_collectives`` counts: the blocks' all-reduces, or
     with sequence parallel all-gathers and reduce-scatters of n - 1 hops, the embedding's, the

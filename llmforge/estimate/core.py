@@ -34,7 +34,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict, List, Optional
 
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
@@ -62,26 +61,26 @@ class Estimate:
     microbatches: int
     params_total: int
     params_active: int
-    stages: List[StageMemory]
+    stages: list[StageMemory]
     worst: StageMemory
     bubble: float
     model_flops: float
     hardware_flops: float
     comm: cm.Comm
-    parts: Dict[str, float]
+    parts: dict[str, float]
     #: The slowest stage's microbatches' compute (``parts["compute"]``) by what bounds each kernel.
     compute: kn.Cost = kn.NONE
     #: The host side of CPU offload (llmforge.estimate.offload); None without offload.
-    host: Optional[HostUse] = None
+    host: HostUse | None = None
     #: Host memory of the most-loaded node, all its ranks together (llmforge.estimate.node).
-    node: Optional[NodeMemory] = None
+    node: NodeMemory | None = None
 
     @property
     def step_s(self) -> float:
         return sum(self.parts.values())
 
     @property
-    def terms(self) -> Dict[str, float]:
+    def terms(self) -> dict[str, float]:
         """The step time term by term (they sum to ``step_s``): the slowest stage's compute by
         what bounds each kernel, then each exposed communication kind, the bubble, the optimizer."""
         c, kinds = self.compute, self.comm.kinds
@@ -137,8 +136,12 @@ def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int, m: int) -> t
     collective = cm.seconds(job, cm.tp_bytes(shape, layout, job, layers=counts.blocks, microbatches=1), span["tp"], group["tp"])
     moe = counts.moe + counts.moe_ckpt
     collective += cm.seconds(job, cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=1), span["ep"], group["ep"])
-    latency = cm.critical_latency(shape, layout, job, layers=counts.blocks, moe_layers=moe, microbatches=1, first=counts.first, last=counts.last)
-    hidden = cm.async_tp_hidden(shape, layout, job, attention_layers=counts.blocks, mlp_layers=counts.dense + counts.dense_ckpt, microbatches=1)
+    latency = cm.critical_latency(
+        shape, layout, job, layers=counts.blocks, moe_layers=moe, microbatches=1, first=counts.first, last=counts.last
+    )
+    hidden = cm.async_tp_hidden(
+        shape, layout, job, attention_layers=counts.blocks, mlp_layers=counts.dense + counts.dense_ckpt, microbatches=1
+    )
     return compute, collective + sum(latency.values()) - hidden
 
 
@@ -160,16 +163,23 @@ def _fp8_cost(shape: Shape, layout: Layout, job: Job, counts, tokens: float) -> 
 def _kernel_time(shape: Shape, layout: Layout, job: Job, counts, accumulate: float) -> kn.Cost:
     sp = kn.speeds(job)
     key = (layout.tp, layout.tp if layout.sequence_parallel else 1, layout.ep, layout.micro_batch * shape.seq / layout.cp)
-    return _kernel_time_cached(shape, key, layout.recompute, sp, job.compute_bytes, job.mixed, counts, accumulate,
-                               (layout.micro_batch, layout.cp), job.compile)
+    return _kernel_time_cached(
+        shape, key, layout.recompute, sp, job.compute_bytes, job.mixed, counts, accumulate, (layout.micro_batch, layout.cp), job.compile
+    )
 
 
 @lru_cache(maxsize=8192)
-def _kernel_time_cached(shape: Shape, key: tuple, mode: str, sp: kn.Speeds, c: int, mixed: bool, counts, accumulate: float,
-                        ends_key: tuple, fused: bool) -> kn.Cost:
+def _kernel_time_cached(
+    shape: Shape, key: tuple, mode: str, sp: kn.Speeds, c: int, mixed: bool, counts, accumulate: float, ends_key: tuple, fused: bool
+) -> kn.Cost:
     tp, spd, ep, tokens = key
     out = kn.NONE
-    for n, moe, applies in ((counts.dense, False, False), (counts.moe, True, False), (counts.dense_ckpt, False, True), (counts.moe_ckpt, True, True)):
+    for n, moe, applies in (
+        (counts.dense, False, False),
+        (counts.moe, True, False),
+        (counts.dense_ckpt, False, True),
+        (counts.moe_ckpt, True, True),
+    ):
         if n:
             k = kn.block_kernels(shape, t=tokens, tp=tp, sp=spd, ep=ep, c=c, mixed=mixed, moe=moe, fused=fused)
             out = out.plus(kn.block_cost(sp, k, mode=mode if applies else "none", mixed=mixed, c=c, accumulate=accumulate).times(n))
@@ -194,9 +204,19 @@ def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t
     params = layout_rank_params(shape, layout, stage)
     t_fwd = t_mb / 3  # forward share of a microbatch's compute (backward is twice the forward)
     embedding = shape.vocab * shape.hidden // layout.tp if counts.first else 0
-    kinds = cm.dp_traffic(layout, job, dense=params.dense_numel, expert=params.expert_numel, microbatches=m, blocks=nblocks,
-                          t_fwd=t_fwd, t_bwd=t_mb - t_fwd, span=span["dp"], last_bucket=embedding,
-                          float8=_float8_gathered(shape, layout, job, counts))
+    kinds = cm.dp_traffic(
+        layout,
+        job,
+        dense=params.dense_numel,
+        expert=params.expert_numel,
+        microbatches=m,
+        blocks=nblocks,
+        t_fwd=t_fwd,
+        t_bwd=t_mb - t_fwd,
+        span=span["dp"],
+        last_bucket=embedding,
+        float8=_float8_gathered(shape, layout, job, counts),
+    )
     pp_total, pp_one = cm.pp_bytes(shape, layout, job, microbatches=m)
     if pp_total:
         one_s = cm.seconds(job, pp_one, span["pp"]) + cm.hops_seconds(job, 1)
@@ -204,10 +224,14 @@ def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t
         kinds["pp"] = cm.Traffic(pp_total, pp_s, min(pp_s, 2 * (layout.pp - 1) * layout.virtual_stages * one_s))
     moe = counts.moe + counts.moe_ckpt
     latency = cm.critical_latency(shape, layout, job, layers=nblocks, moe_layers=moe, microbatches=m, first=counts.first, last=counts.last)
-    hidden = {"tp": cm.async_tp_hidden(shape, layout, job, attention_layers=nblocks, mlp_layers=counts.dense + counts.dense_ckpt, microbatches=m),
-              "ep": 0.0}
-    for kind, nbytes in (("tp", cm.tp_bytes(shape, layout, job, layers=nblocks, microbatches=m)),
-                         ("ep", cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=m))):
+    hidden = {
+        "tp": cm.async_tp_hidden(shape, layout, job, attention_layers=nblocks, mlp_layers=counts.dense + counts.dense_ckpt, microbatches=m),
+        "ep": 0.0,
+    }
+    for kind, nbytes in (
+        ("tp", cm.tp_bytes(shape, layout, job, layers=nblocks, microbatches=m)),
+        ("ep", cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=m)),
+    ):
         if nbytes:  # on the critical path: the next op needs the result (but what async TP hides)
             t = cm.seconds(job, nbytes, span[kind], group[kind]) + latency[kind]
             kinds[kind] = cm.Traffic(nbytes, t, t - hidden[kind])
@@ -242,7 +266,7 @@ def _attention_share(shape: Shape) -> float:
     return f.attention / f.forward
 
 
-def stage_peaks(shape: Shape, layout: Layout, job: Job) -> List[StageMemory]:
+def stage_peaks(shape: Shape, layout: Layout, job: Job) -> list[StageMemory]:
     """The memory half of ``estimate`` (one rank per distinct stage), for the search."""
     m = job.global_batch // (layout.micro_batch * layout.dp)
     return all_stages(shape, layout, job, m, every_stage=False)
@@ -262,7 +286,7 @@ def step_floor(shape: Shape, layout: Layout, job: Job) -> float:
     return m * t_mb / (1 - bubble_fraction(layout, m, w=fl.weight_grad_share(shape)))
 
 
-def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True, stages: List[StageMemory] | None = None) -> Estimate:
+def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True, stages: list[StageMemory] | None = None) -> Estimate:
     """The full estimate of ``layout`` (assumed valid) for ``shape`` on ``job``.
 
     ``every_stage=False`` (the search) lists only one pipeline rank per distinct
@@ -279,28 +303,61 @@ def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True
     t_compute = t_compute.plus(_fsdp_copy_out(layout, job, comm).times(1 / m))
     worst = most_loaded(stages)
     state_params = worst.optimizer / muon.state_bytes_per_param(shape, layout, job, worst.stage)
-    optimizer_s = _optimizer_time(job, state_params, stage_counts(shape, layout)[worst.stage].blocks) + muon.step_seconds(shape, layout, job, worst.stage)
+    optimizer_s = _optimizer_time(job, state_params, stage_counts(shape, layout)[worst.stage].blocks) + muon.step_seconds(
+        shape, layout, job, worst.stage
+    )
     parts = {
-        "compute": m * t_compute.seconds, "tp_ep_comm": m * t_collective, "bubble": m * t_mb * bubble / (1 - bubble),
-        "dp_comm": comm.exposed_of("dp"), "pp_comm": comm.exposed_of("pp"), "cp_comm": comm.exposed_of("cp"),
-        "overlap": job.profile.comm_sm_share * sum(t.hidden for t in comm.kinds.values()), "optimizer": optimizer_s,
+        "compute": m * t_compute.seconds,
+        "tp_ep_comm": m * t_collective,
+        "bubble": m * t_mb * bubble / (1 - bubble),
+        "dp_comm": comm.exposed_of("dp"),
+        "pp_comm": comm.exposed_of("pp"),
+        "cp_comm": comm.exposed_of("cp"),
+        "overlap": job.profile.comm_sm_share * sum(t.hidden for t in comm.kinds.values()),
+        "optimizer": optimizer_s,
         "tp_host": _tp_host_seconds(shape, layout, job, slowest, m),
     }
     host = None
     if offloads(layout):
-        host = host_use(shape, layout, job, stage=worst.stage, shard=shard_numel(shape, layout, worst.stage),
-                        activations=stage_activations(shape, layout, job, worst.stage, m), microbatches=m, compute_s=m * t_compute.seconds)
+        host = host_use(
+            shape,
+            layout,
+            job,
+            stage=worst.stage,
+            shard=shard_numel(shape, layout, worst.stage),
+            activations=stage_activations(shape, layout, job, worst.stage, m),
+            microbatches=m,
+            compute_s=m * t_compute.seconds,
+        )
         parts.update(offload_copy=host.exposed_copy_s, cpu_optimizer=host.optimizer_s)
         if layout.offload == "states":
             parts["optimizer"] = 0.0  # the device runs no optimizer step
     tokens = job.global_batch * shape.seq
-    node = node_memory(shape, layout, job, device_total=worst.total, shard=shard_numel(shape, layout, worst.stage),
-                       offloaded=0.0 if host is None else host.states_bytes + host.activations_bytes)
+    node = node_memory(
+        shape,
+        layout,
+        job,
+        device_total=worst.total,
+        shard=shard_numel(shape, layout, worst.stage),
+        offloaded=0.0 if host is None else host.states_bytes + host.activations_bytes,
+    )
     return Estimate(
-        shape=shape, layout=layout, job=job, microbatches=m, params_total=total_params(shape),
-        params_active=active_params(shape), stages=stages, worst=worst, bubble=bubble,
-        model_flops=fl.model_flops(shape, tokens), hardware_flops=fl.hardware_flops(shape, layout, tokens),
-        comm=comm, parts=parts, compute=t_compute.times(m), host=host, node=node,
+        shape=shape,
+        layout=layout,
+        job=job,
+        microbatches=m,
+        params_total=total_params(shape),
+        params_active=active_params(shape),
+        stages=stages,
+        worst=worst,
+        bubble=bubble,
+        model_flops=fl.model_flops(shape, tokens),
+        hardware_flops=fl.hardware_flops(shape, layout, tokens),
+        comm=comm,
+        parts=parts,
+        compute=t_compute.times(m),
+        host=host,
+        node=node,
     )
 
 
@@ -311,8 +368,16 @@ def node_fits(shape: Shape, layout: Layout, job: Job, worst: StageMemory) -> boo
     offloaded = 0.0
     if offloads(layout):
         m = job.global_batch // (layout.micro_batch * layout.dp)
-        host = host_use(shape, layout, job, stage=worst.stage, shard=shard, activations=stage_activations(shape, layout, job, worst.stage, m),
-                        microbatches=m, compute_s=0.0)
+        host = host_use(
+            shape,
+            layout,
+            job,
+            stage=worst.stage,
+            shard=shard,
+            activations=stage_activations(shape, layout, job, worst.stage, m),
+            microbatches=m,
+            compute_s=0.0,
+        )
         offloaded = host.states_bytes + host.activations_bytes
     return node_memory(shape, layout, job, device_total=worst.total, shard=shard, offloaded=offloaded).fits
 

@@ -139,8 +139,12 @@ def _stage_flops(shape: Shape, recompute: str, counts: StageCounts) -> float:
         f = block_flops(shape, moe=moe)
         return 3 * f.weights + 3.5 * f.attention + recompute_extra(shape, moe=moe, mode=mode)
 
-    total = (counts.dense * block(False, "none") + counts.moe * block(True, "none")
-             + counts.dense_ckpt * block(False, recompute) + counts.moe_ckpt * block(True, recompute))
+    total = (
+        counts.dense * block(False, "none")
+        + counts.moe * block(True, "none")
+        + counts.dense_ckpt * block(False, recompute)
+        + counts.moe_ckpt * block(True, recompute)
+    )
     if counts.last:
         total += 3 * head_flops(shape)
     return total

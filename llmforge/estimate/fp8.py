@@ -76,8 +76,12 @@ def block_flops(shape: Shape, *, moe: bool, mode: str) -> float:
 def stage_flops_per_token(shape: Shape, layout: Layout, counts: StageCounts) -> float:
     """FP8 FLOPs per token of one pipeline rank (before tensor/context splitting)."""
     mode = layout.recompute
-    return (counts.dense * block_flops(shape, moe=False, mode="none") + counts.moe * block_flops(shape, moe=True, mode="none")
-            + counts.dense_ckpt * block_flops(shape, moe=False, mode=mode) + counts.moe_ckpt * block_flops(shape, moe=True, mode=mode))
+    return (
+        counts.dense * block_flops(shape, moe=False, mode="none")
+        + counts.moe * block_flops(shape, moe=True, mode="none")
+        + counts.dense_ckpt * block_flops(shape, moe=False, mode=mode)
+        + counts.moe_ckpt * block_flops(shape, moe=True, mode=mode)
+    )
 
 
 @lru_cache(maxsize=1024)
@@ -93,8 +97,9 @@ def _activation_elements(shape: Shape, *, moe: bool, tp: int) -> tuple[float, fl
     return inputs, grads
 
 
-def stage_cast_seconds(shape: Shape, layout: Layout, job: Job, counts: StageCounts, tokens: float, *, shard: int = 1,
-                       fused: bool = False) -> float:
+def stage_cast_seconds(
+    shape: Shape, layout: Layout, job: Job, counts: StageCounts, tokens: float, *, shard: int = 1, fused: bool = False
+) -> float:
     """Seconds of float8 casts and amax reductions for one microbatch of ``tokens`` on a stage
     (``shard``: the ZeRO shard group when FSDP gathers float8 weights, else 1). ``fused``
     (``train.compile``): the absolute maximum is taken in the kernel that produces the tensor,

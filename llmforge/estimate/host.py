@@ -53,7 +53,9 @@ def tp_collectives(layout: Layout, *, layers: int, first: bool, last: bool, micr
     if layout.tp == 1:
         return 0
     passes = 6 if layout.recompute == "full" else 4
-    per_mb = layers * (passes + (1 if layout.sequence_parallel and not layout.async_tp else 0)) + int(first) + (1 + LOSS_COLLECTIVES) * int(last)
+    per_mb = (
+        layers * (passes + (1 if layout.sequence_parallel and not layout.async_tp else 0)) + int(first) + (1 + LOSS_COLLECTIVES) * int(last)
+    )
     return microbatches * per_mb + (CLIP_COLLECTIVES if per_step else 0)
 
 

@@ -27,9 +27,10 @@ report each term. The profile's rates are calibrated on measured runs
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterable, List, NamedTuple, Tuple
+from typing import NamedTuple
 
 from llmforge.estimate.params import Tensor, block_tensors, embedding_tensors
 from llmforge.estimate.shape import Job, Shape
@@ -54,10 +55,10 @@ class Cost(NamedTuple):
     def seconds(self) -> float:
         return self.matmul + self.attention + self.memory + self.floor
 
-    def plus(self, other: "Cost") -> "Cost":
+    def plus(self, other: Cost) -> Cost:
         return Cost(self.matmul + other.matmul, self.attention + other.attention, self.memory + other.memory, self.floor + other.floor)
 
-    def times(self, k: float) -> "Cost":
+    def times(self, k: float) -> Cost:
         return Cost(self.matmul * k, self.attention * k, self.memory * k, self.floor * k)
 
 
@@ -83,7 +84,6 @@ class Speeds:
     bandwidth: float
     floor: float
     attention_backward_efficiency: float = 0.0  # 0: as the forward
-
 
     def gemm(self, m: float, k: float, n: float, count: int = 1) -> Cost:
         """``count`` matmuls ``[m x k] @ [k x n]``."""
@@ -113,9 +113,13 @@ def speeds(job: Job) -> Speeds:
     if cached is None:
         p = job.profile
         cached = Speeds(
-            peak=p.peak(job.param_dtype), matmul_efficiency=p.matmul_efficiency, matmul_dim=p.matmul_dim,
-            attention_efficiency=p.attention_efficiency, bandwidth=p.memory_bandwidth * p.bandwidth_efficiency,
-            floor=p.kernel_floor_us * 1e-6, attention_backward_efficiency=p.attention_backward_efficiency or p.attention_efficiency,
+            peak=p.peak(job.param_dtype),
+            matmul_efficiency=p.matmul_efficiency,
+            matmul_dim=p.matmul_dim,
+            attention_efficiency=p.attention_efficiency,
+            bandwidth=p.memory_bandwidth * p.bandwidth_efficiency,
+            floor=p.kernel_floor_us * 1e-6,
+            attention_backward_efficiency=p.attention_backward_efficiency or p.attention_efficiency,
         )
         object.__setattr__(job, "_speeds", cached)
     return cached
@@ -125,17 +129,19 @@ def speeds(job: Job) -> Speeds:
 class Kernels:
     """The work of one block (or the ends) for one microbatch."""
 
-    gemms: Tuple[Tuple[float, float, float], ...]  # forward matmuls (m, k, n)
+    gemms: tuple[tuple[float, float, float], ...]  # forward matmuls (m, k, n)
     attention_flops: float  # forward, full-score convention
     fwd_bytes: float
     fwd_kernels: int
     bwd_bytes: float
     bwd_kernels: int
-    weights: Tuple[int, ...]  # local numel of each matmul weight/bias (cast per microbatch under autocast)
+    weights: tuple[int, ...]  # local numel of each matmul weight/bias (cast per microbatch under autocast)
     head_dim: int = 64
 
 
-def _elementwise(shape: Shape, *, t: float, tp: int, sp: int, c: int, mixed: bool, ffn: float, mlp_mats: int) -> Tuple[float, int, float, int]:
+def _elementwise(
+    shape: Shape, *, t: float, tp: int, sp: int, c: int, mixed: bool, ffn: float, mlp_mats: int
+) -> tuple[float, int, float, int]:
     """(forward bytes, kernels, backward bytes, kernels) of a block's non-matmul work."""
     h, kv = shape.hidden, shape.kv_dim / tp
     q, f = h / tp, ffn / tp
@@ -164,7 +170,7 @@ def _elementwise(shape: Shape, *, t: float, tp: int, sp: int, c: int, mixed: boo
     return fwd * t, fwd_k, bwd * t, bwd_k
 
 
-def _fused(shape: Shape, *, t: float, tp: int, sp: int, c: int, ffn: float, mlp_mats: int) -> Tuple[float, int, float, int]:
+def _fused(shape: Shape, *, t: float, tp: int, sp: int, c: int, ffn: float, mlp_mats: int) -> tuple[float, int, float, int]:
     """As ``_elementwise`` for a compiled block (``train.compile``): each chain of memory-bound ops
     between two matmuls (or attention) is one fused kernel that reads the chain's inputs once
     and writes its outputs once. Per token, the residual stream in fp32 (r), matmul operands in
@@ -199,7 +205,7 @@ def block_kernels(shape: Shape, *, t: float, tp: int, sp: int, ep: int, c: int, 
     """One block's kernels for ``t`` local tokens (after context splitting); ``fused``: the
     block is compiled (``_fused``), else eager (``_elementwise``)."""
     h, kv = shape.hidden, shape.kv_dim
-    gemms: List[Tuple[float, float, float]] = [(t, h, (h + 2 * kv) / tp), (t, h / tp, h)]  # fused q/k/v, o
+    gemms: list[tuple[float, float, float]] = [(t, h, (h + 2 * kv) / tp), (t, h / tp, h)]  # fused q/k/v, o
     mats = 2 if shape.activation == "swiglu" else 1
     if moe:
         rows = t * shape.top_k * min(1.0, shape.capacity_factor or 1.0)  # routed rows this rank's experts see (balanced)

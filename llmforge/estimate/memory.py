@@ -14,12 +14,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import List, Tuple
 
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate import activations as act
 from llmforge.estimate import fp8, muon
-from llmforge.estimate.allocator import CPU_HEAP_SLACK, FRAGMENTATION, slack_fraction
+from llmforge.estimate.allocator import slack_fraction
 from llmforge.estimate.offload import device_memory
 from llmforge.estimate.params import RankParams, block_tensors, layout_rank_params, representative_stages, stage_counts
 from llmforge.estimate.pipeline import inflight_microbatches
@@ -75,31 +74,45 @@ def _even(n: int, group: int) -> int:
     return math.ceil(n / group) if n else 0
 
 
-def _dim0_shard(shape: Tuple[int, ...], group: int) -> int:
+def _dim0_shard(shape: tuple[int, ...], group: int) -> int:
     rest = 1
     for d in shape[1:]:
         rest *= d
     return math.ceil(shape[0] / group) * rest
 
 
-def groups(layout: Layout) -> Tuple[int, int]:
+def groups(layout: Layout) -> tuple[int, int]:
     """(data-parallel group of dense weights, of expert weights); ZeRO shards over them
     (over a shard group of dp / dp_replicate ranks under HSDP)."""
     group = layout.dp_shard * layout.cp
     return group, max(1, group // layout.ep)
 
 
-def model_states(shape: Shape, layout: Layout, stage: int, job: Job) -> Tuple[int, float, float, float]:
+def model_states(shape: Shape, layout: Layout, stage: int, job: Job) -> tuple[int, float, float, float]:
     """See ``_compute_model_states``; memoised on the fields it depends on (the search varies the others)."""
-    key = (layout.dp, layout.tp, layout.pp, layout.cp, layout.ep, layout.zero, layout.virtual_stages,
-           layout.pp_layers, layout.v_shape, layout.dp_replicate, job.param_dtype, job.reduce_dtype, job.fp8_all_gather, stage)
+    key = (
+        layout.dp,
+        layout.tp,
+        layout.pp,
+        layout.cp,
+        layout.ep,
+        layout.zero,
+        layout.virtual_stages,
+        layout.pp_layers,
+        layout.v_shape,
+        layout.dp_replicate,
+        job.param_dtype,
+        job.reduce_dtype,
+        job.fp8_all_gather,
+        stage,
+    )
     return _model_states(shape, key, layout, job)
 
 
 _STATES: dict = {}
 
 
-def _model_states(shape: Shape, key: tuple, layout: Layout, job: Job) -> Tuple[int, float, float, float]:
+def _model_states(shape: Shape, key: tuple, layout: Layout, job: Job) -> tuple[int, float, float, float]:
     hit = _STATES.get(key)
     if hit is not None and hit[0] is shape:
         return hit[1]
@@ -110,7 +123,7 @@ def _model_states(shape: Shape, key: tuple, layout: Layout, job: Job) -> Tuple[i
     return value
 
 
-def _compute_model_states(shape: Shape, layout: Layout, stage: int, job: Job) -> Tuple[int, float, float, float]:
+def _compute_model_states(shape: Shape, layout: Layout, stage: int, job: Job) -> tuple[int, float, float, float]:
     """(parameters on this rank, weight bytes, gradient bytes, optimizer bytes) at the step's peak.
 
     ZeRO 1-3 are FSDP2 ``fully_shard`` (llmforge.parallel.data): the fp32 master
@@ -194,7 +207,10 @@ def _transient(shape: Shape, layout: Layout, job: Job, stage: int, params: int) 
         return out + params * (FP32 + (rb if rb != FP32 else 0))
     has_moe = counts.moe + counts.moe_ckpt > 0
     has_dense = counts.dense + counts.dense_ckpt > 0
-    block = max(_block_numel(shape, True, layout.tp, layout.ep) if has_moe else 0, _block_numel(shape, False, layout.tp, layout.ep) if has_dense else 0)
+    block = max(
+        _block_numel(shape, True, layout.tp, layout.ep) if has_moe else 0,
+        _block_numel(shape, False, layout.tp, layout.ep) if has_dense else 0,
+    )
     c = job.compute_bytes
     if layout.zero == 3 and layout.pp == 1:
         out += 2 * _gathered_bytes(shape, layout, job, block)  # the gathered block and the prefetched next one
@@ -248,12 +264,12 @@ def largest_block(shape: Shape, layout: Layout, stage: int) -> float:
     return max(moe, dense)
 
 
-def all_stages(shape: Shape, layout: Layout, job: Job, microbatches: int, *, every_stage: bool = True) -> List[StageMemory]:
+def all_stages(shape: Shape, layout: Layout, job: Job, microbatches: int, *, every_stage: bool = True) -> list[StageMemory]:
     """Memory of every pipeline rank (or only of one rank per distinct stage content)."""
     stages = range(layout.pp) if every_stage else representative_stages(shape, layout)
     return [stage_memory(shape, layout, job, s, microbatches) for s in stages]
 
 
-def most_loaded(stages: List[StageMemory]) -> StageMemory:
+def most_loaded(stages: list[StageMemory]) -> StageMemory:
     """The stage whose rank needs the most memory."""
     return max(stages, key=lambda m: m.total)

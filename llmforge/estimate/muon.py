@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 from functools import lru_cache
-from typing import Tuple
 
 from llmforge.estimate import comm as cm
 from llmforge.estimate import kernels as kn
@@ -41,11 +40,11 @@ def is_muon(t: Tensor) -> bool:
 
 
 @lru_cache(maxsize=1024)
-def _muon_tensors(shape: Shape, key: Tuple) -> Tuple[Tensor, ...]:
+def _muon_tensors(shape: Shape, key: tuple) -> tuple[Tensor, ...]:
     return tuple(t for t in stage_tensors(shape, key) if is_muon(t))
 
 
-def _tensors(shape: Shape, layout: Layout, stage: int) -> Tuple[Tensor, ...]:
+def _tensors(shape: Shape, layout: Layout, stage: int) -> tuple[Tensor, ...]:
     return _muon_tensors(shape, (layout.pp, layout.virtual_stages, layout.pp_layers, stage, layout.v_shape))
 
 
@@ -113,4 +112,3 @@ def step_seconds(shape: Shape, layout: Layout, job: Job, stage: int) -> float:
     span = layout.tp * zero_group
     moved = cm.seconds(job, traffic + gathered, span, max(layout.tp, zero_group))
     return compute + moved + cm.hops_seconds(job, ops)
-

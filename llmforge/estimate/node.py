@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Dict
 
 from llmforge.estimate.params import block_tensors, embedding_tensors, head_tensors
 from llmforge.estimate.shape import Job, Shape
@@ -43,7 +42,7 @@ class NodeMemory:
     (``items``: that rank's bytes by what they are), against ``capacity``."""
 
     ranks: int
-    items: Dict[str, float]
+    items: dict[str, float]
     capacity: int
     cpu: bool
 
@@ -74,8 +73,7 @@ def largest_parameter(shape: Shape) -> int:
     return max(t.numel for t in tensors)
 
 
-def rank_items(shape: Shape, layout: Layout, job: Job, *, device_total: float, shard: int,
-               offloaded: float = 0.0) -> Dict[str, float]:
+def rank_items(shape: Shape, layout: Layout, job: Job, *, device_total: float, shard: int, offloaded: float = 0.0) -> dict[str, float]:
     """Host bytes of one rank by item (``device_total``: the rank's device estimate; ``shard``:
     elements of its parameter shard; ``offloaded``: its offloaded states and activations)."""
     staging = CHECKPOINT_BYTES * shard if job.async_checkpoint else 0.0
@@ -91,8 +89,7 @@ def rank_items(shape: Shape, layout: Layout, job: Job, *, device_total: float, s
     return items
 
 
-def node_memory(shape: Shape, layout: Layout, job: Job, *, device_total: float, shard: int,
-                offloaded: float = 0.0) -> NodeMemory:
+def node_memory(shape: Shape, layout: Layout, job: Job, *, device_total: float, shard: int, offloaded: float = 0.0) -> NodeMemory:
     """The most-loaded node's host memory (see the module docstring)."""
     items = rank_items(shape, layout, job, device_total=device_total, shard=shard, offloaded=offloaded)
     return NodeMemory(ranks=ranks_per_node(layout, job), items=items, capacity=host_capacity(job), cpu=job.on_cpu)
@@ -106,8 +103,10 @@ def ranks_per_node(layout: Layout, job: Job) -> int:
 
 def words(node: NodeMemory) -> str:
     """'4 ranks x 7.04 GiB = 28.2 GiB of 23.5 GiB host memory per node'."""
-    return (f"{node.ranks} rank{'s' if node.ranks != 1 else ''} x {node.per_rank / 2**30:,.2f} GiB = "
-            f"{node.total / 2**30:,.2f} GiB of the node's {node.capacity / 2**30:,.2f} GiB host memory")
+    return (
+        f"{node.ranks} rank{'s' if node.ranks != 1 else ''} x {node.per_rank / 2**30:,.2f} GiB = "
+        f"{node.total / 2**30:,.2f} GiB of the node's {node.capacity / 2**30:,.2f} GiB host memory"
+    )
 
 
 def fix(node: NodeMemory, layout: Layout) -> str:
@@ -115,13 +114,22 @@ def fix(node: NodeMemory, layout: Layout) -> str:
     most = int(node.capacity // node.per_rank) if node.per_rank else node.ranks
     size = f"{node.per_rank / 2**30:,.2f} GiB"
     fewer = f"a node holds at most {most} rank{'s' if most != 1 else ''} of {size}" if most else f"a node holds no rank of {size}"
-    lighter = [k for k, wanted in (("parallel.zero=3", layout.zero < 3), ("parallel.recompute=full", layout.recompute != "full"),
-                                   ("a smaller train.micro_batch_size", layout.micro_batch > 1)) if wanted]
+    lighter = [
+        k
+        for k, wanted in (
+            ("parallel.zero=3", layout.zero < 3),
+            ("parallel.recompute=full", layout.recompute != "full"),
+            ("a smaller train.micro_batch_size", layout.micro_batch > 1),
+        )
+        if wanted
+    ]
     if node.cpu:
         out = f"start fewer ranks on each machine ({fewer}: a smaller parallel.dp or cluster.devices_per_node, or more cluster.nodes)"
     else:
-        out = (f"use nodes with more host memory (the profile's host_memory_gib) or fewer ranks per node ({fewer}: "
-               "cluster.devices_per_node), offload less (parallel.offload, parallel.offload_activations) or set checkpoint.async_save=false")
+        out = (
+            f"use nodes with more host memory (the profile's host_memory_gib) or fewer ranks per node ({fewer}: "
+            "cluster.devices_per_node), offload less (parallel.offload, parallel.offload_activations) or set checkpoint.async_save=false"
+        )
     if lighter:
         out += f", make each rank lighter ({', '.join(lighter)})"
     return out + ", or pass --force"

@@ -96,11 +96,19 @@ def _states_off(mem, layout: Layout, job: Job, *, block: float):
     if group == 1:  # FSDP2 over one rank: the gathers and block gradients the unsharded count left out
         transient += block * (job.compute_bytes + rb) + (2 * block * job.compute_bytes if not whole_copy else 0.0)
     transient += FP32 * block / group  # one block's fp32 shard copied up for its all-gather
-    return dataclasses.replace(mem, weights=weights, grads=grads, optimizer=0.0, transient=transient,
-                               reserved=mem.reserved + slack_fraction(job) * (transient - mem.transient))
+    return dataclasses.replace(
+        mem,
+        weights=weights,
+        grads=grads,
+        optimizer=0.0,
+        transient=transient,
+        reserved=mem.reserved + slack_fraction(job) * (transient - mem.transient),
+    )
 
 
-def host_use(shape: Shape, layout: Layout, job: Job, *, stage: int, shard: int, activations: float, microbatches: int, compute_s: float) -> HostUse:
+def host_use(
+    shape: Shape, layout: Layout, job: Job, *, stage: int, shard: int, activations: float, microbatches: int, compute_s: float
+) -> HostUse:
     """Host memory, link transfers and CPU optimizer time of ``layout`` (``stage``: the most-loaded
     one; ``shard``: the elements of its parameter shard; ``activations``: its saved activations
     before offload; ``compute_s``: the step's compute)."""
@@ -126,6 +134,11 @@ def host_use(shape: Shape, layout: Layout, job: Job, *, stage: int, shard: int, 
     optimizer_s = devices * host_bytes / (job.profile.host_memory_bandwidth * HOST_ADAM_EFFICIENCY)
     per_device = STATE_BYTES * shard + held
     return HostUse(
-        states_bytes=STATE_BYTES * shard, activations_bytes=held, node_bytes=devices * per_device,
-        node_capacity=host_capacity(job), copy_s=copy_s, exposed_copy_s=exposed, optimizer_s=optimizer_s,
+        states_bytes=STATE_BYTES * shard,
+        activations_bytes=held,
+        node_bytes=devices * per_device,
+        node_capacity=host_capacity(job),
+        copy_s=copy_s,
+        exposed_copy_s=exposed,
+        optimizer_s=optimizer_s,
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
-from typing import List, Tuple
 
 from llmforge.estimate.shape import Shape
 from llmforge.layout import Layout, chunk_rank
@@ -21,7 +20,7 @@ class Tensor:
     """One parameter tensor: its shape, its TP split, and whether it is an expert weight."""
 
     name: str
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     split: str = "rep"
     expert: bool = False
 
@@ -32,7 +31,7 @@ class Tensor:
             n *= d
         return n
 
-    def local_shape(self, tp: int) -> Tuple[int, ...]:
+    def local_shape(self, tp: int) -> tuple[int, ...]:
         """Shape of this tensor on one tensor-parallel rank."""
         if tp == 1 or self.split == "rep":
             return self.shape
@@ -41,14 +40,14 @@ class Tensor:
         return self.shape[:-1] + (self.shape[-1] // tp,)  # row: input dim split
 
 
-def _norm(shape: Shape, name: str) -> List[Tensor]:
+def _norm(shape: Shape, name: str) -> list[Tensor]:
     out = [Tensor(f"{name}.weight", (shape.hidden,))]
     if shape.norm == "layernorm" and shape.bias:
         out.append(Tensor(f"{name}.bias", (shape.hidden,)))
     return out
 
 
-def _linear(name: str, out_f: int, in_f: int, split: str, bias: bool, expert: bool = False) -> List[Tensor]:
+def _linear(name: str, out_f: int, in_f: int, split: str, bias: bool, expert: bool = False) -> list[Tensor]:
     out = [Tensor(f"{name}.weight", (out_f, in_f), split, expert)]
     if bias:
         # a row-parallel layer adds its bias once, after the reduction
@@ -56,7 +55,7 @@ def _linear(name: str, out_f: int, in_f: int, split: str, bias: bool, expert: bo
     return out
 
 
-def mlp_tensors(shape: Shape, name: str, ffn: int, *, expert: bool = False) -> List[Tensor]:
+def mlp_tensors(shape: Shape, name: str, ffn: int, *, expert: bool = False) -> list[Tensor]:
     """The MLP: gelu (up, down) or swiglu (gate and up fused in one linear, down)."""
     h, b = shape.hidden, shape.bias
     if shape.activation == "swiglu":
@@ -64,13 +63,13 @@ def mlp_tensors(shape: Shape, name: str, ffn: int, *, expert: bool = False) -> L
     return _linear(f"{name}.up_proj", ffn, h, "col", b, expert) + _linear(f"{name}.down_proj", h, ffn, "row", b, expert)
 
 
-def attention_tensors(shape: Shape, name: str) -> List[Tensor]:
+def attention_tensors(shape: Shape, name: str) -> list[Tensor]:
     """q, k and v fused in one column-parallel projection, o row-parallel."""
     h, kv, b = shape.hidden, shape.kv_dim, shape.bias
     return _linear(f"{name}.qkv_proj", h + 2 * kv, h, "col", b) + _linear(f"{name}.o_proj", h, h, "row", b)
 
 
-def moe_tensors(shape: Shape) -> List[Tensor]:
+def moe_tensors(shape: Shape) -> list[Tensor]:
     """The MoE layer: router, stacked experts ``[E, ...]`` (split over ep on dim 0), shared MLP.
 
     Tensor parallelism leaves MoE layers whole (replicated over tp ranks)."""
@@ -86,7 +85,7 @@ def moe_tensors(shape: Shape) -> List[Tensor]:
 
 
 @lru_cache(maxsize=64)
-def block_tensors(shape: Shape, moe: bool) -> Tuple[Tensor, ...]:
+def block_tensors(shape: Shape, moe: bool) -> tuple[Tensor, ...]:
     """Parameters of one transformer block (dense or MoE)."""
     out = _norm(shape, "attn_norm") + attention_tensors(shape, "attn") + _norm(shape, "mlp_norm")
     if not moe:
@@ -95,7 +94,7 @@ def block_tensors(shape: Shape, moe: bool) -> Tuple[Tensor, ...]:
     return tuple(out)
 
 
-def embedding_tensors(shape: Shape) -> List[Tensor]:
+def embedding_tensors(shape: Shape) -> list[Tensor]:
     """Token embedding (vocab-parallel) and learned positions (replicated)."""
     out = [Tensor("embed.weight", (shape.vocab, shape.hidden), "vocab")]
     if shape.position == "learned":
@@ -103,7 +102,7 @@ def embedding_tensors(shape: Shape) -> List[Tensor]:
     return out
 
 
-def head_tensors(shape: Shape, *, separate_copy: bool) -> List[Tensor]:
+def head_tensors(shape: Shape, *, separate_copy: bool) -> list[Tensor]:
     """Final norm and output projection; a tied head owns no weight unless on another stage."""
     out = _norm(shape, "norm")
     if not shape.tie_embeddings or separate_copy:
@@ -112,22 +111,22 @@ def head_tensors(shape: Shape, *, separate_copy: bool) -> List[Tensor]:
 
 
 @lru_cache(maxsize=256)
-def stage_layers(shape: Shape, pp: int, v: int, pp_layers: Tuple[int, ...] | None, v_shape: bool = False) -> Tuple[Tuple[int, ...], ...]:
+def stage_layers(shape: Shape, pp: int, v: int, pp_layers: tuple[int, ...] | None, v_shape: bool = False) -> tuple[tuple[int, ...], ...]:
     """Block indices held by each pipeline rank (its chunks: ``llmforge.layout.chunk_rank``)."""
     chunks = list(pp_layers) if pp_layers else [shape.num_layers // (pp * v)] * (pp * v)
     starts = [sum(chunks[:i]) for i in range(len(chunks))]
-    ranks: List[List[int]] = [[] for _ in range(pp)]
-    for c, (start, n) in enumerate(zip(starts, chunks)):
+    ranks: list[list[int]] = [[] for _ in range(pp)]
+    for c, (start, n) in enumerate(zip(starts, chunks, strict=False)):
         ranks[chunk_rank(c, pp=pp, v_shape=v_shape)].extend(range(start, start + n))
     return tuple(tuple(sorted(r)) for r in ranks)
 
 
 @lru_cache(maxsize=4096)
-def stage_tensors(shape: Shape, layout_key: Tuple) -> Tuple[Tensor, ...]:
+def stage_tensors(shape: Shape, layout_key: tuple) -> tuple[Tensor, ...]:
     """Every parameter tensor held by pipeline rank ``stage`` (before TP/EP/ZeRO splits)."""
     pp, v, pp_layers, stage, v_shape = layout_key
     layers = stage_layers(shape, pp, v, pp_layers, v_shape)[stage]
-    out: List[Tensor] = embedding_tensors(shape) if stage == 0 else []
+    out: list[Tensor] = embedding_tensors(shape) if stage == 0 else []
     for i in layers:
         out += block_tensors(shape, shape.is_moe_layer(i))
     last = (shape.num_layers - 1) in layers
@@ -157,8 +156,8 @@ def active_params(shape: Shape) -> int:
 class RankParams:
     """Parameters on one rank, before ZeRO: dense (DP over dp*cp) and expert (DP over dp*cp/ep)."""
 
-    dense: Tuple[Tuple[int, ...], ...]
-    expert: Tuple[Tuple[int, ...], ...]
+    dense: tuple[tuple[int, ...], ...]
+    expert: tuple[tuple[int, ...], ...]
 
     @cached_property
     def dense_numel(self) -> int:
@@ -173,7 +172,7 @@ class RankParams:
         return self.dense_numel + self.expert_numel
 
 
-def _prod(shape: Tuple[int, ...]) -> int:
+def _prod(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:
         n *= d
@@ -183,8 +182,8 @@ def _prod(shape: Tuple[int, ...]) -> int:
 @lru_cache(maxsize=4096)
 def rank_params(shape: Shape, *, pp: int, v: int, pp_layers, stage: int, tp: int, ep: int, v_shape: bool = False) -> RankParams:
     """Local parameter shapes on (pipeline ``stage``, tp rank 0, ep rank 0)."""
-    dense: List[Tuple[int, ...]] = []
-    expert: List[Tuple[int, ...]] = []
+    dense: list[tuple[int, ...]] = []
+    expert: list[tuple[int, ...]] = []
     for t in stage_tensors(shape, (pp, v, pp_layers, stage, v_shape)):
         if t.expert:
             expert.append((t.shape[0] // ep,) + t.shape[1:])
@@ -195,8 +194,16 @@ def rank_params(shape: Shape, *, pp: int, v: int, pp_layers, stage: int, tp: int
 
 def layout_rank_params(shape: Shape, layout: Layout, stage: int) -> RankParams:
     """``rank_params`` for a Layout."""
-    return rank_params(shape, pp=layout.pp, v=layout.virtual_stages, pp_layers=layout.pp_layers,
-                       stage=stage, tp=layout.tp, ep=layout.ep, v_shape=layout.v_shape)
+    return rank_params(
+        shape,
+        pp=layout.pp,
+        v=layout.virtual_stages,
+        pp_layers=layout.pp_layers,
+        stage=stage,
+        tp=layout.tp,
+        ep=layout.ep,
+        v_shape=layout.v_shape,
+    )
 
 
 def named_shapes(shape: Shape) -> dict:
@@ -225,19 +232,24 @@ class StageCounts:
 
 
 @lru_cache(maxsize=8192)
-def _stage_counts(shape: Shape, pp: int, v: int, pp_layers, v_shape: bool, every: int) -> Tuple[StageCounts, ...]:
+def _stage_counts(shape: Shape, pp: int, v: int, pp_layers, v_shape: bool, every: int) -> tuple[StageCounts, ...]:
     out = []
     for stage, layers in enumerate(stage_layers(shape, pp, v, pp_layers, v_shape)):
         kinds = [(shape.is_moe_layer(i), i % every == 0) for i in layers]
-        out.append(StageCounts(
-            dense=kinds.count((False, False)), moe=kinds.count((True, False)),
-            dense_ckpt=kinds.count((False, True)), moe_ckpt=kinds.count((True, True)),
-            first=stage == 0, last=(shape.num_layers - 1) in layers,
-        ))
+        out.append(
+            StageCounts(
+                dense=kinds.count((False, False)),
+                moe=kinds.count((True, False)),
+                dense_ckpt=kinds.count((False, True)),
+                moe_ckpt=kinds.count((True, True)),
+                first=stage == 0,
+                last=(shape.num_layers - 1) in layers,
+            )
+        )
     return tuple(out)
 
 
-def stage_counts(shape: Shape, layout: Layout) -> Tuple[StageCounts, ...]:
+def stage_counts(shape: Shape, layout: Layout) -> tuple[StageCounts, ...]:
     """Per pipeline rank: blocks by kind (checkpointed = recomputed in full under ``recompute_every``)."""
     memo = layout.__dict__.get("_counts")  # asked ~10 times per estimate: kept on the layout
     if memo is not None and memo[0] is shape:
@@ -249,14 +261,14 @@ def stage_counts(shape: Shape, layout: Layout) -> Tuple[StageCounts, ...]:
 
 
 @lru_cache(maxsize=8192)
-def _representatives(counts: Tuple[StageCounts, ...]) -> Tuple[int, ...]:
+def _representatives(counts: tuple[StageCounts, ...]) -> tuple[int, ...]:
     first: dict = {}
     for stage, c in enumerate(counts):
         first.setdefault(c, stage)
     return tuple(sorted(first.values()))
 
 
-def representative_stages(shape: Shape, layout: Layout) -> Tuple[int, ...]:
+def representative_stages(shape: Shape, layout: Layout) -> tuple[int, ...]:
     """One pipeline rank per distinct stage content, the earliest: every schedule holds
     at least as many microbatches on an earlier rank, so the others cannot be the
     most loaded or the slowest."""

@@ -17,7 +17,6 @@ layer, less where attention has no weights), so T_B = 2 - w and T_W = w.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
 
 from llmforge.layout import ZERO_BUBBLE_SCHEDULES, Layout, stage_ids
 
@@ -68,7 +67,7 @@ class Slot:
     length: int
 
 
-def _order(schedule: str, p: int, v: int, m: int, rank: int) -> List[Tuple[str, int, int]]:
+def _order(schedule: str, p: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
     """The (kind, microbatch, local chunk index) sequence a rank executes."""
     if schedule == "gpipe":
         return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
@@ -94,7 +93,7 @@ def _one_f_one_b(fwd: list, bwd: list, warmup: int) -> list:
     return out
 
 
-def simulate(layout: Layout, microbatches: int) -> Dict[int, List[Slot]]:
+def simulate(layout: Layout, microbatches: int) -> dict[int, list[Slot]]:
     """Run the schedule with unit forward time per chunk (backward 2, or B 1 + W 1 for zero-bubble)."""
     p, v, m, sched = layout.pp, layout.virtual_stages, microbatches, layout.schedule
     if sched == "zbv":
@@ -103,8 +102,8 @@ def simulate(layout: Layout, microbatches: int) -> Dict[int, List[Slot]]:
     split = sched in ZERO_BUBBLE_SCHEDULES
     orders = {r: _order(sched, p, v, m, r) for r in range(p)}
     local = {r: stage_ids(pp_rank=r, pp=p, virtual=v, schedule=sched) for r in range(p)}
-    done: Dict[Tuple[str, int, int], int] = {}
-    slots: Dict[int, List[Slot]] = {r: [] for r in range(p)}
+    done: dict[tuple[str, int, int], int] = {}
+    slots: dict[int, list[Slot]] = {r: [] for r in range(p)}
     clock, pos, pending_w = [0] * p, [0] * p, {r: [] for r in range(p)}
     progress = True
     while progress:
@@ -149,19 +148,19 @@ def _advance(r, orders, local, done, slots, clock, pos, pending_w, *, split: boo
     return True
 
 
-def simulated_bubble(slots: Dict[int, List[Slot]]) -> float:
+def simulated_bubble(slots: dict[int, list[Slot]]) -> float:
     """Idle share of the simulated step (busy time over ranks x makespan)."""
     end = max(s.start + s.length for row in slots.values() for s in row)
     busy = sum(s.length for row in slots.values() for s in row)
     return 1 - busy / (end * len(slots))
 
 
-def _simulate_greedy(p: int, m: int) -> Dict[int, List[Slot]]:
+def _simulate_greedy(p: int, m: int) -> dict[int, list[Slot]]:
     """ZB-V: two chunks per rank in a V; each free rank runs a ready B first, then a ready F
     while it holds fewer than 2p chunk activations, else a deferred W, else idles one unit."""
     nchunks, done = 2 * p, {}
     local = {r: tuple(stage_ids(pp_rank=r, pp=p, virtual=2, schedule="zbv")) for r in range(p)}
-    slots: Dict[int, List[Slot]] = {r: [] for r in range(p)}
+    slots: dict[int, list[Slot]] = {r: [] for r in range(p)}
     held, pending_w, busy_until = [0] * p, {r: [] for r in range(p)}, [0] * p
     next_f = {c: 0 for c in range(nchunks)}
     next_b = {c: 0 for c in range(nchunks)}

@@ -7,7 +7,7 @@ the ``--search --json`` one. The Rich tables are ``llmforge.commands.estimate_ta
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any
 
 from llmforge.errors import Problem
 from llmforge.estimate import kernels as kn
@@ -21,7 +21,7 @@ SCHEMA = "llmforge.estimate/1"
 DIMS = ("dp", "tp", "pp", "cp", "ep")
 
 
-def as_dict(est: Estimate, *, recipe: str = "") -> Dict[str, Any]:
+def as_dict(est: Estimate, *, recipe: str = "") -> dict[str, Any]:
     """The documented JSON object of one estimate."""
     w, lay, c = est.worst, est.layout, est.comm
     return {
@@ -32,8 +32,13 @@ def as_dict(est: Estimate, *, recipe: str = "") -> Dict[str, Any]:
         "layout": lay.overrides(),
         "params": {"total": est.params_total, "active": est.params_active, "per_device": w.params},
         "memory_bytes": {
-            "weights": w.weights, "grads": w.grads, "optimizer": w.optimizer, "activations": w.activations,
-            "transient": w.transient, "reserved": w.reserved, "total": w.total,
+            "weights": w.weights,
+            "grads": w.grads,
+            "optimizer": w.optimizer,
+            "activations": w.activations,
+            "transient": w.transient,
+            "reserved": w.reserved,
+            "total": w.total,
         },
         "most_loaded": {"pipeline_stage": w.stage, "description": where(est)},
         "device_memory_bytes": est.job.profile.memory_bytes,
@@ -41,11 +46,15 @@ def as_dict(est: Estimate, *, recipe: str = "") -> Dict[str, Any]:
         "headroom_bytes": est.headroom,
         "stages": [{"stage": s.stage, "params": s.params, "total_bytes": s.total, "activations_bytes": s.activations} for s in est.stages],
         "pipeline": {
-            "schedule": lay.schedule if lay.pp > 1 else "none", "stages": lay.pp, "virtual_stages": lay.virtual_stages,
-            "microbatches": est.microbatches, "bubble_fraction": est.bubble,
+            "schedule": lay.schedule if lay.pp > 1 else "none",
+            "stages": lay.pp,
+            "virtual_stages": lay.virtual_stages,
+            "microbatches": est.microbatches,
+            "bubble_fraction": est.bubble,
         },
         "flops": {
-            "model_per_step": est.model_flops, "hardware_per_step": est.hardware_flops,
+            "model_per_step": est.model_flops,
+            "hardware_per_step": est.hardware_flops,
             "convention": "matmul FLOPs, 2 per multiply-add; attention scores counted in full (no causal halving)",
         },
         "communication_bytes": {d: c.bytes_of(d) for d in DIMS},
@@ -53,19 +62,36 @@ def as_dict(est: Estimate, *, recipe: str = "") -> Dict[str, Any]:
         "communication": {
             kind: {"bytes": t.bytes, "seconds": t.seconds, "exposed_s": t.exposed, "hidden_s": t.hidden} for kind, t in c.kinds.items()
         },
-        "host": None if est.host is None else {
-            "states_bytes": est.host.states_bytes, "activations_bytes": est.host.activations_bytes, "node_bytes": est.host.node_bytes,
-            "node_capacity_bytes": est.host.node_capacity, "copy_s": est.host.copy_s, "exposed_copy_s": est.host.exposed_copy_s,
+        "host": None
+        if est.host is None
+        else {
+            "states_bytes": est.host.states_bytes,
+            "activations_bytes": est.host.activations_bytes,
+            "node_bytes": est.host.node_bytes,
+            "node_capacity_bytes": est.host.node_capacity,
+            "copy_s": est.host.copy_s,
+            "exposed_copy_s": est.host.exposed_copy_s,
             "cpu_optimizer_s": est.host.optimizer_s,
         },
-        "node": None if est.node is None else {
-            "ranks": est.node.ranks, "host_bytes": est.node.total, "host_capacity_bytes": est.node.capacity,
-            "per_rank_bytes": est.node.per_rank, "per_rank_items": dict(est.node.items), "fits": est.node.fits,
+        "node": None
+        if est.node is None
+        else {
+            "ranks": est.node.ranks,
+            "host_bytes": est.node.total,
+            "host_capacity_bytes": est.node.capacity,
+            "per_rank_bytes": est.node.per_rank,
+            "per_rank_items": dict(est.node.items),
+            "fits": est.node.fits,
         },
         "attention": step_share(est),
         "time": {
-            "step_s": est.step_s, "tokens_per_s": est.tokens_per_s, "mfu": est.mfu,
-            "efficiency": est.job.efficiency, "compile": est.job.compile, "breakdown_s": dict(est.parts), "terms_s": est.terms,
+            "step_s": est.step_s,
+            "tokens_per_s": est.tokens_per_s,
+            "mfu": est.mfu,
+            "efficiency": est.job.efficiency,
+            "compile": est.job.compile,
+            "breakdown_s": dict(est.parts),
+            "terms_s": est.terms,
         },
     }
 
@@ -81,12 +107,18 @@ def step_share(est) -> dict:
     flops = tokens * per_layer * (3.5 * shape.num_layers + recomputed)
     local = layout.micro_batch * shape.seq / layout.cp * per_layer / layout.tp  # one block, one microbatch
     sp = kn.speeds(job)
-    block_s = sp.attention(local, 1, head_dim=shape.head_dim).seconds + sp.attention(2.5 * local, 3, head_dim=shape.head_dim, backward=True).seconds
+    block_s = (
+        sp.attention(local, 1, head_dim=shape.head_dim).seconds
+        + sp.attention(2.5 * local, 3, head_dim=shape.head_dim, backward=True).seconds
+    )
     worst = max(stage_counts(shape, layout), key=lambda c: c.blocks)
     again = (worst.dense_ckpt + worst.moe_ckpt) * sp.attention(local, 1, head_dim=shape.head_dim).seconds if full else 0.0
     seconds = est.microbatches * (worst.blocks * block_s + again)
-    return {"fraction_of_causal": shape.attention_fraction, "flops_share": flops / est.hardware_flops,
-            "time_share": seconds / est.step_s if est.step_s > 0 else 0.0}
+    return {
+        "fraction_of_causal": shape.attention_fraction,
+        "flops_share": flops / est.hardware_flops,
+        "time_share": seconds / est.step_s if est.step_s > 0 else 0.0,
+    }
 
 
 def short_summary(plan) -> tuple[str, bool]:
@@ -101,30 +133,46 @@ def summary_text(est: Estimate) -> str:
         f"Estimate on {est.layout.world} x {est.job.profile.name}: {est.params_total / 1e9:.3g}B parameters, "
         f"{gib(est.worst.total)} on the most-loaded device ({where(est)}) -> {verdict(est)}. "
         f"Step ~{duration(est.step_s)}, {est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.0%}"
-        + (f", pipeline bubble {est.bubble:.1%}" if est.layout.pp > 1 else "") + "."
+        + (f", pipeline bubble {est.bubble:.1%}" if est.layout.pp > 1 else "")
+        + "."
     )
 
 
-def fit_problems(est: Estimate) -> List[Problem]:
+def fit_problems(est: Estimate) -> list[Problem]:
     """Why a plan does not fit, each with its fix: the device, the offloaded states, the node."""
-    out: List[Problem] = []
+    out: list[Problem] = []
     overrides = est.layout.overrides()
     if not est.fits_device:
-        out.append(Problem("cluster.accelerator", est.job.profile.name,
-                           f"the most-loaded device ({where(est)}) needs {gib(est.worst.total)}, {gib(-est.headroom)} over its {gib(est.job.profile.memory_bytes)}",
-                           "change the layout (llmforge estimate --search lists the ones that fit), or pass --force"))
+        out.append(
+            Problem(
+                "cluster.accelerator",
+                est.job.profile.name,
+                f"the most-loaded device ({where(est)}) needs {gib(est.worst.total)}, {gib(-est.headroom)} over its {gib(est.job.profile.memory_bytes)}",
+                "change the layout (llmforge estimate --search lists the ones that fit), or pass --force",
+            )
+        )
     if est.host is not None and not est.host.fits:
-        out.append(Problem("parallel.offload", est.layout.offload, verdict(est).removeprefix("does not fit: "),
-                           "shard over more ranks (parallel.dp, parallel.zero=3), offload less, or pass --force"))
+        out.append(
+            Problem(
+                "parallel.offload",
+                est.layout.offload,
+                verdict(est).removeprefix("does not fit: "),
+                "shard over more ranks (parallel.dp, parallel.zero=3), offload less, or pass --force",
+            )
+        )
     node = est.node
     if node is not None and not node.fits:
         items = ", ".join(f"{name} {gib(value)}" for name, value in node.items.items())
-        out.append(Problem(
-            "cluster.devices_per_node", node.ranks,
-            f"the {node.ranks} ranks of a node need {gib(node.total)} of host memory together ({node.ranks} x {gib(node.per_rank)}: {items}), "
-            f"{gib(node.total - node.capacity)} over the node's {gib(node.capacity)} "
-            f"({'this machine' if est.job.host_memory is not None else 'the profile' + chr(39) + 's host_memory_gib'}); layout {overrides}",
-            fix(node, est.layout)))
+        out.append(
+            Problem(
+                "cluster.devices_per_node",
+                node.ranks,
+                f"the {node.ranks} ranks of a node need {gib(node.total)} of host memory together ({node.ranks} x {gib(node.per_rank)}: {items}), "
+                f"{gib(node.total - node.capacity)} over the node's {gib(node.capacity)} "
+                f"({'this machine' if est.job.host_memory is not None else 'the profile' + chr(39) + 's host_memory_gib'}); layout {overrides}",
+                fix(node, est.layout),
+            )
+        )
     return out
 
 

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Iterator, List, Optional, Tuple
 
 from llmforge.errors import UserError
 from llmforge.estimate.core import Estimate, estimate, node_fits, stage_peaks, step_floor
@@ -47,7 +47,7 @@ from llmforge.plan import RunPlan
 MAX_VIRTUAL = 8
 
 
-def divisors(n: int) -> List[int]:
+def divisors(n: int) -> list[int]:
     """Divisors of n, ascending."""
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -56,13 +56,13 @@ def divisors(n: int) -> List[int]:
 class SearchResult:
     """The ranked layouts that fit, and what the search did."""
 
-    ranked: List[Estimate]
+    ranked: list[Estimate]
     evaluated: int
     fitting: int
     seconds: float
     world: int
-    smallest: Optional[Estimate] = None
-    suggestions: List[str] = field(default_factory=list)
+    smallest: Estimate | None = None
+    suggestions: list[str] = field(default_factory=list)
     #: Set when only layouts with CPU offload fit: what they offload, in words.
     offloaded: str = ""
 
@@ -71,19 +71,21 @@ class SearchResult:
         return self.evaluated / self.seconds if self.seconds > 0 else float("inf")
 
 
-def tp_options(shape: Shape, node_size: int) -> List[int]:
+def tp_options(shape: Shape, node_size: int) -> list[int]:
     """Tensor-parallel degrees inside a node that divide heads, kv heads, ffn, vocab and seq (for SP)."""
-    return [t for t in divisors(node_size) if not (shape.heads % t or shape.kv_heads % t or shape.ffn % t or shape.vocab % t or shape.seq % t)]
+    return [
+        t for t in divisors(node_size) if not (shape.heads % t or shape.kv_heads % t or shape.ffn % t or shape.vocab % t or shape.seq % t)
+    ]
 
 
-def ep_options(shape: Shape, *, dp: int, tp: int, node_size: int) -> List[int]:
+def ep_options(shape: Shape, *, dp: int, tp: int, node_size: int) -> list[int]:
     """Expert-parallel degrees dividing the experts and dp, with tp x ep inside a node."""
     if shape.num_experts == 0:
         return [1]
     return [e for e in divisors(shape.num_experts) if dp % e == 0 and tp * e <= node_size]
 
 
-def cp_options(shape: Shape, *, pp: int, world: int) -> List[int]:
+def cp_options(shape: Shape, *, pp: int, world: int) -> list[int]:
     """Context-parallel degrees the backend runs: with pp=1 and a dense model, those
     whose 2 x cp load-balanced chunks divide the sequence."""
     if pp > 1 or shape.num_experts > 0:
@@ -91,7 +93,7 @@ def cp_options(shape: Shape, *, pp: int, world: int) -> List[int]:
     return [c for c in divisors(world) if c == 1 or shape.seq % (2 * c) == 0]
 
 
-def replicate_options(*, dp: int, tp: int, cp: int, ep: int, zero: int, node_size: int) -> List[int]:
+def replicate_options(*, dp: int, tp: int, cp: int, ep: int, zero: int, node_size: int) -> list[int]:
     """HSDP replica counts worth trying: 1 (ZeRO over all of dp), and, with ZeRO 1-3 on
     several nodes, each count whose shard group fills whole nodes (tp x dp / r ranks a
     multiple of the node), so the gathers stay on NVLink and only the replica all-reduce
@@ -101,7 +103,7 @@ def replicate_options(*, dp: int, tp: int, cp: int, ep: int, zero: int, node_siz
     return [1] + [r for r in divisors(dp) if r > 1 and (tp * (dp // r)) % node_size == 0]
 
 
-def schedule_options(shape: Shape, pp: int) -> List[Tuple[str, int]]:
+def schedule_options(shape: Shape, pp: int) -> list[tuple[str, int]]:
     """(schedule, virtual stages) worth trying for pp stages."""
     if pp == 1:
         return [("1f1b", 1)]
@@ -138,11 +140,21 @@ def structures(shape: Shape, job: Job, world: int) -> Iterator[Layout]:
             dp = world // (tp * pp * cp)
             for ep in ep_options(shape, dp=dp, tp=tp, node_size=node):
                 for schedule, v in schedule_options(shape, pp):
-                    for zero in ((0, 1, 2, 3) if dp * cp > 1 else (0,)):
+                    for zero in (0, 1, 2, 3) if dp * cp > 1 else (0,):
                         for r in replicate_options(dp=dp, tp=tp, cp=cp, ep=ep, zero=zero, node_size=node):
-                            for sp in ((True, False) if tp > 1 else (False,)):
-                                yield Layout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, zero=zero, sequence_parallel=sp, schedule=schedule,
-                                             virtual_stages=v, dp_replicate=r)
+                            for sp in (True, False) if tp > 1 else (False,):
+                                yield Layout(
+                                    dp=dp,
+                                    tp=tp,
+                                    pp=pp,
+                                    cp=cp,
+                                    ep=ep,
+                                    zero=zero,
+                                    sequence_parallel=sp,
+                                    schedule=schedule,
+                                    virtual_stages=v,
+                                    dp_replicate=r,
+                                )
 
 
 _FIELDS = tuple(Layout.__dataclass_fields__)
@@ -200,16 +212,25 @@ def search(shape: Shape, job: Job, *, world: int, top: int = 5) -> SearchResult:
             for structure in offload_structures(shape, job, world, **offload):
                 _evaluate(shape, job, structure, keep, max(top, 2), counters)
             if keep:
-                offloaded = "the model states (fp32 weights, gradients, AdamW moments)" + (" and the saved activations" if len(offload) > 1 else "")
+                offloaded = "the model states (fp32 weights, gradients, AdamW moments)" + (
+                    " and the saved activations" if len(offload) > 1 else ""
+                )
                 break
     ranked = [e for _, _, e in sorted(keep, key=lambda x: x[:2], reverse=True)]
     lean = counters["smallest"][1]
-    result = SearchResult(ranked=ranked, evaluated=counters["evaluated"], fitting=counters["fitting"],
-                          seconds=time.perf_counter() - start, world=world,
-                          smallest=estimate(shape, lean, job) if lean is not None else None)
+    result = SearchResult(
+        ranked=ranked,
+        evaluated=counters["evaluated"],
+        fitting=counters["fitting"],
+        seconds=time.perf_counter() - start,
+        world=world,
+        smallest=estimate(shape, lean, job) if lean is not None else None,
+    )
     if offloaded:
-        result.offloaded = (f"No layout fits in device memory alone; these keep {offloaded} in host memory "
-                            f"(parallel.offload=states{' parallel.offload_activations=true' if 'activations' in offloaded else ''}) and step the optimizer on the CPU.")
+        result.offloaded = (
+            f"No layout fits in device memory alone; these keep {offloaded} in host memory "
+            f"(parallel.offload=states{' parallel.offload_activations=true' if 'activations' in offloaded else ''}) and step the optimizer on the CPU."
+        )
     if not ranked:
         result.suggestions = suggestions(shape, job, world=world, smallest=result.smallest)
     return result
@@ -231,7 +252,7 @@ def offload_structures(shape: Shape, job: Job, world: int, *, offload: str, offl
         yield dataclasses.replace(structure, zero=zero, offload=offload, offload_activations=offload_activations)
 
 
-def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -> Optional[Tuple[int, int, Layout]]:
+def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -> tuple[int, int, Layout] | None:
     """The fewest devices (powers of two above ``world``, full nodes of the profile) on which
     a ZeRO-3 + full-recompute layout fits: (devices, global batch it needs, layout)."""
     node = job.profile.devices_per_node
@@ -252,11 +273,16 @@ def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -
 
 
 PART_WORDS = {
-    "compute": "compute", "tp_ep_comm": "tensor-parallel/expert communication", "bubble": "pipeline bubble",
-    "dp_comm": "exposed data-parallel communication", "pp_comm": "exposed pipeline transfers",
-    "cp_comm": "exposed context-parallel communication", "overlap": "compute slowed by overlapped communication",
+    "compute": "compute",
+    "tp_ep_comm": "tensor-parallel/expert communication",
+    "bubble": "pipeline bubble",
+    "dp_comm": "exposed data-parallel communication",
+    "pp_comm": "exposed pipeline transfers",
+    "cp_comm": "exposed context-parallel communication",
+    "overlap": "compute slowed by overlapped communication",
     "optimizer": "optimizer step",
-    "offload_copy": "exposed host-link copies", "cpu_optimizer": "CPU optimizer step",
+    "offload_copy": "exposed host-link copies",
+    "cpu_optimizer": "CPU optimizer step",
 }
 
 
@@ -286,9 +312,9 @@ def _differences(a: Layout, b: Layout) -> str:
     return ", ".join(diff) or "nothing"
 
 
-def suggestions(shape: Shape, job: Job, *, world: int, smallest: Optional[Estimate]) -> List[str]:
+def suggestions(shape: Shape, job: Job, *, world: int, smallest: Estimate | None) -> list[str]:
     """What would make a request that fits nowhere possible."""
-    out: List[str] = []
+    out: list[str] = []
     if smallest is not None:
         out.append(_leanest(smallest, world=world))
     found = minimum_devices(shape, job, world=world)
@@ -304,7 +330,11 @@ def suggestions(shape: Shape, job: Job, *, world: int, smallest: Optional[Estima
     else:
         out.append("More devices alone do not make it fit within 16384 devices: lower model.seq_len or the micro batch.")
     if smallest is not None and not smallest.fits_device:
-        bigger = [p.name for p in known_profiles().values() if p.memory_bytes >= smallest.worst.total - job.profile.runtime_reserved_bytes + p.runtime_reserved_bytes]
+        bigger = [
+            p.name
+            for p in known_profiles().values()
+            if p.memory_bytes >= smallest.worst.total - job.profile.runtime_reserved_bytes + p.runtime_reserved_bytes
+        ]
         if bigger:
             out.append(f"A larger device: the leanest layout would fit on {', '.join(sorted(bigger))}.")
     return out
@@ -318,8 +348,10 @@ def _leanest(smallest: Estimate, *, world: int) -> str:
         states = w.weights + w.grads + w.optimizer
         return f"{head}, {gib(-smallest.headroom)} more than it has; model states alone are {gib(states)} and activations {gib(w.activations)}."
     node = smallest.node
-    return (f"{head}, which its device holds, but the {node.ranks} ranks of a node need {gib(node.total)} of host memory together, "
-            f"{gib(node.total - node.capacity)} over the node's {gib(node.capacity)}.")
+    return (
+        f"{head}, which its device holds, but the {node.ranks} ranks of a node need {gib(node.total)} of host memory together, "
+        f"{gib(node.total - node.capacity)} over the node's {gib(node.capacity)}."
+    )
 
 
 def search_plan(plan, *, top: int) -> SearchResult:
@@ -339,10 +371,23 @@ def plan_config(plan, layout: Layout):
     c = plan.config
     elastic = c.cluster.min_nodes is not None  # an elastic plan's dp follows the world it gets
     parallel = dataclasses.replace(
-        c.parallel, dp="auto" if elastic else layout.dp, tp=layout.tp, pp=layout.pp, cp=layout.cp, ep=layout.ep, zero=layout.zero,
-        sequence_parallel=layout.sequence_parallel, pp_schedule=layout.schedule, pp_virtual_stages=layout.virtual_stages,
-        recompute=layout.recompute, recompute_every=layout.recompute_every, pp_layers=None, dp_replicate=layout.dp_replicate,
-        offload=layout.offload, offload_activations=layout.offload_activations, async_tp=layout.async_tp,
+        c.parallel,
+        dp="auto" if elastic else layout.dp,
+        tp=layout.tp,
+        pp=layout.pp,
+        cp=layout.cp,
+        ep=layout.ep,
+        zero=layout.zero,
+        sequence_parallel=layout.sequence_parallel,
+        pp_schedule=layout.schedule,
+        pp_virtual_stages=layout.virtual_stages,
+        recompute=layout.recompute,
+        recompute_every=layout.recompute_every,
+        pp_layers=None,
+        dp_replicate=layout.dp_replicate,
+        offload=layout.offload,
+        offload_activations=layout.offload_activations,
+        async_tp=layout.async_tp,
     )
     train = dataclasses.replace(c.train, micro_batch_size=layout.micro_batch)
     cluster = c.cluster if c.cluster.devices_per_node else dataclasses.replace(c.cluster, devices_per_node=layout.world // c.cluster.nodes)

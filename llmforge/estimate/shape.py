@@ -10,7 +10,6 @@ batch, precision, cluster and hardware. The search builds thousands of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
 
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate.attention import attention_cost, mask_fraction
@@ -41,7 +40,7 @@ class Shape:
     top_k: int = 2
     moe_ffn: int = 0
     shared_experts: int = 0
-    capacity_factor: Optional[float] = None
+    capacity_factor: float | None = None
     moe_every: int = 1
     #: share of causal attention's (query, key) pairs the attention mask keeps (llmforge.estimate.attention)
     attention_fraction: float = 1.0
@@ -85,9 +84,9 @@ class Job:
     reduce_dtype: str
     profile: Profile
     nodes: int = 1
-    devices_per_node: Optional[int] = None
+    devices_per_node: int | None = None
     #: None: the profile's kernel model (llmforge.estimate.kernels); a number: every FLOP at that share of peak.
-    efficiency: Optional[float] = None
+    efficiency: float | None = None
     overlap_grad_reduce: bool = True
     #: precision.fp8: the blocks' linear layers run float8 matmuls (llmforge.estimate.fp8)
     fp8: bool = False
@@ -100,7 +99,7 @@ class Job:
     #: precision.fp32_residual: the residual stream stays fp32 under 16-bit compute
     fp32_residual: bool = False
     #: Host memory of one node, bytes (None: the profile's ``host_memory_gib``; llmforge.estimate.node)
-    host_memory: Optional[int] = None
+    host_memory: int | None = None
     #: checkpoint.async_save: each rank stages a copy of its states in host memory
     async_checkpoint: bool = False
     #: optim.name, and Muon's Newton-Schulz iterations and their dtype (llmforge.estimate.muon)
@@ -133,17 +132,30 @@ class Job:
         return self.devices_per_node or self.profile.devices_per_node
 
 
-def shape_from_config(model, *, attention_fraction: Optional[float] = None) -> Shape:
+def shape_from_config(model, *, attention_fraction: float | None = None) -> Shape:
     """A Shape from a ``ModelConfig``; ``attention_fraction`` None: from the config alone
     (sliding windows; a document mask counted as one document per window)."""
     moe = model.moe
     return Shape(
-        num_layers=model.num_layers, hidden=model.hidden_size, heads=model.num_heads,
-        kv_heads=model.num_kv_heads or model.num_heads, ffn=model.ffn_hidden_size, vocab=model.vocab_size,
-        seq=model.seq_len, norm=model.norm, activation=model.activation, position=model.position,
-        tie_embeddings=model.tie_embeddings, bias=model.bias, dropout=model.dropout,
-        num_experts=moe.num_experts, top_k=moe.top_k, moe_ffn=moe.ffn_hidden_size or model.ffn_hidden_size,
-        shared_experts=moe.num_shared_experts, capacity_factor=moe.capacity_factor, moe_every=moe.every,
+        num_layers=model.num_layers,
+        hidden=model.hidden_size,
+        heads=model.num_heads,
+        kv_heads=model.num_kv_heads or model.num_heads,
+        ffn=model.ffn_hidden_size,
+        vocab=model.vocab_size,
+        seq=model.seq_len,
+        norm=model.norm,
+        activation=model.activation,
+        position=model.position,
+        tie_embeddings=model.tie_embeddings,
+        bias=model.bias,
+        dropout=model.dropout,
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
+        moe_ffn=moe.ffn_hidden_size or model.ffn_hidden_size,
+        shared_experts=moe.num_shared_experts,
+        capacity_factor=moe.capacity_factor,
+        moe_every=moe.every,
         attention_fraction=mask_fraction(model, streams=None) if attention_fraction is None else attention_fraction,
     )
 
@@ -153,18 +165,28 @@ def job_from_plan(plan) -> Job:
     c = plan.config
     profile = get_profile(c.cluster.accelerator, ranks_per_node=ranks_per_node(plan))
     return Job(
-        global_batch=c.train.global_batch_size, param_dtype=c.precision.param_dtype,
-        reduce_dtype=c.precision.reduce_dtype, profile=profile,
-        nodes=c.cluster.nodes, devices_per_node=c.cluster.devices_per_node, efficiency=c.cluster.efficiency,
-        overlap_grad_reduce=plan.overlap_grad_reduce, fp8=c.precision.fp8,
+        global_batch=c.train.global_batch_size,
+        param_dtype=c.precision.param_dtype,
+        reduce_dtype=c.precision.reduce_dtype,
+        profile=profile,
+        nodes=c.cluster.nodes,
+        devices_per_node=c.cluster.devices_per_node,
+        efficiency=c.cluster.efficiency,
+        overlap_grad_reduce=plan.overlap_grad_reduce,
+        fp8=c.precision.fp8,
         fp8_all_gather=c.precision.fp8 and c.precision.fp8_recipe == "tensorwise" and c.precision.fp8_all_gather,
-        compile=c.train.compile, bucket_bytes=max(1, int(c.parallel.bucket_mb * 2**20)),
-        fp32_residual=c.precision.fp32_residual, async_checkpoint=c.checkpoint.async_save, host_memory=_host_memory(profile),
-        optimizer=c.optim.name, muon_ns_steps=c.optim.muon_ns_steps, muon_ns_dtype=c.optim.muon_ns_dtype,
+        compile=c.train.compile,
+        bucket_bytes=max(1, int(c.parallel.bucket_mb * 2**20)),
+        fp32_residual=c.precision.fp32_residual,
+        async_checkpoint=c.checkpoint.async_save,
+        host_memory=_host_memory(profile),
+        optimizer=c.optim.name,
+        muon_ns_steps=c.optim.muon_ns_steps,
+        muon_ns_dtype=c.optim.muon_ns_dtype,
     )
 
 
-def _host_memory(profile: Profile) -> Optional[int]:
+def _host_memory(profile: Profile) -> int | None:
     """CPU ranks whose profile gives no ``host_memory_gib`` share this machine's memory."""
     if profile.name != "cpu" or profile.host_memory is not None:
         return None
@@ -177,7 +199,7 @@ def ranks_per_node(plan) -> int:
     return c.devices_per_node or max(1, plan.world_size // c.nodes)
 
 
-def from_plan(plan) -> Tuple[Shape, Layout, Job]:
+def from_plan(plan) -> tuple[Shape, Layout, Job]:
     """Shape, Layout and Job of a built RunPlan."""
     fraction = attention_cost(plan.config, data_vocab_size=plan.data_vocab_size).fraction
     return shape_from_config(plan.config.model, attention_fraction=fraction), plan.layout, job_from_plan(plan)

@@ -4,7 +4,6 @@ devices of this machine and the space on run.dir's file system."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from rich.console import Console
 
@@ -57,9 +56,17 @@ def _check_smallest_world(plan: RunPlan, *, force: bool) -> None:
     est = estimate_plan(least)
     if not est.fits:
         c = plan.config.cluster
-        raise UserError([Problem("cluster.min_nodes", c.min_nodes, f"on {c.min_nodes} node(s) the layout is {least.layout}, which {verdict(est)}",
-                                 "raise cluster.min_nodes, shard more (parallel.zero=3, parallel.recompute=full), or pass --force")],
-                        title="the elastic plan does not fit its smallest world")
+        raise UserError(
+            [
+                Problem(
+                    "cluster.min_nodes",
+                    c.min_nodes,
+                    f"on {c.min_nodes} node(s) the layout is {least.layout}, which {verdict(est)}",
+                    "raise cluster.min_nodes, shard more (parallel.zero=3, parallel.recompute=full), or pass --force",
+                )
+            ],
+            title="the elastic plan does not fit its smallest world",
+        )
 
 
 def check_host_memory(plan: RunPlan) -> None:
@@ -72,11 +79,17 @@ def check_host_memory(plan: RunPlan) -> None:
         return
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if host.node_bytes > total:
-        raise UserError([Problem(
-            "parallel.offload", plan.config.parallel.offload,
-            f"the ranks of this node would keep {host.node_bytes / 2**30:.3g} GiB in host memory (offloaded states and activations) and this machine has {total / 2**30:.3g} GiB",
-            "shard over more ranks (parallel.dp, parallel.zero=3), offload less (parallel.offload_activations=false), or run on nodes with more memory",
-        )], title="not enough host memory")
+        raise UserError(
+            [
+                Problem(
+                    "parallel.offload",
+                    plan.config.parallel.offload,
+                    f"the ranks of this node would keep {host.node_bytes / 2**30:.3g} GiB in host memory (offloaded states and activations) and this machine has {total / 2**30:.3g} GiB",
+                    "shard over more ranks (parallel.dp, parallel.zero=3), offload less (parallel.offload_activations=false), or run on nodes with more memory",
+                )
+            ],
+            title="not enough host memory",
+        )
 
 
 def check_space(plan: RunPlan) -> None:
@@ -89,8 +102,17 @@ def check_space(plan: RunPlan) -> None:
     need = estimate_plan(plan).params_total * CHECKPOINT_BYTES_PER_PARAM
     free = shutil.disk_usage(folder).free
     if free < need:
-        raise UserError([Problem("run.dir", str(plan.run_dir), f"a checkpoint of this model needs about {need / 2**30:.3g} GiB and the file system of {folder} has {free / 2**30:.3g} GiB free",
-                                 "free space there or choose a run.dir on a larger file system")], title="not enough disk space")
+        raise UserError(
+            [
+                Problem(
+                    "run.dir",
+                    str(plan.run_dir),
+                    f"a checkpoint of this model needs about {need / 2**30:.3g} GiB and the file system of {folder} has {free / 2**30:.3g} GiB free",
+                    "free space there or choose a run.dir on a larger file system",
+                )
+            ],
+            title="not enough disk space",
+        )
 
 
 def check_devices(plan: RunPlan) -> None:
@@ -103,15 +125,21 @@ def check_devices(plan: RunPlan) -> None:
     wanted = c.devices_per_node or plan.world_size // c.nodes
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if found < wanted:
-        raise UserError([Problem(
-            "cluster.accelerator", c.accelerator,
-            f"the plan starts {wanted} GPU rank(s) on this node, and this machine has {found} CUDA device(s)",
-            "run it on the GPU nodes (or write a SLURM script with cluster.launcher=slurm), "
-            "or train on this machine's CPU with cluster=cpu and a layout that fits it",
-        )], title="this machine cannot run the plan")
+        raise UserError(
+            [
+                Problem(
+                    "cluster.accelerator",
+                    c.accelerator,
+                    f"the plan starts {wanted} GPU rank(s) on this node, and this machine has {found} CUDA device(s)",
+                    "run it on the GPU nodes (or write a SLURM script with cluster.launcher=slurm), "
+                    "or train on this machine's CPU with cluster=cpu and a layout that fits it",
+                )
+            ],
+            title="this machine cannot run the plan",
+        )
 
 
-def check_fault(plan: RunPlan, *, resume_from: Optional[Path], here: bool, console: Console) -> None:
+def check_fault(plan: RunPlan, *, resume_from: Path | None, here: bool, console: Console) -> None:
     """``LLMFORGE_FAULT``, before anything is written: a malformed one is refused, and one whose
     rank or step never comes, or that will end this very command, is said at start-up."""
     import os
@@ -128,12 +156,24 @@ def check_fault(plan: RunPlan, *, resume_from: Optional[Path], here: bool, conso
     done = re.fullmatch(r"step_(\d+)", name)
     resumed_at = int(done.group(1)) if done else 0
     steps = plan.config.train.steps
-    never = (f"rank {rank} does not exist (this run has {plan.world_size} rank(s), 0-{plan.world_size - 1})" if rank >= plan.world_size else
-             f"step {first} comes after the last step ({steps})" if first > steps else
-             f"step{'s' if last > first else ''} {first}{'-' + str(last) if last > first else ''} came before this resume from step {resumed_at}"
-             if (first if kind == "exit" else last) <= resumed_at else "")
+    never = (
+        f"rank {rank} does not exist (this run has {plan.world_size} rank(s), 0-{plan.world_size - 1})"
+        if rank >= plan.world_size
+        else f"step {first} comes after the last step ({steps})"
+        if first > steps
+        else f"step{'s' if last > first else ''} {first}{'-' + str(last) if last > first else ''} came before this resume from step {resumed_at}"
+        if (first if kind == "exit" else last) <= resumed_at
+        else ""
+    )
     if never:
-        console.print(f"{FAULT_ENV}={spec} injects nothing: {never}, so this drill tests nothing", style="yellow", markup=False, highlight=False)
+        console.print(
+            f"{FAULT_ENV}={spec} injects nothing: {never}, so this drill tests nothing", style="yellow", markup=False, highlight=False
+        )
     elif kind == "exit" and here:
-        console.print(f"{FAULT_ENV}={spec}: this run trains in this process with no restarts (cluster.max_restarts=0), "
-                      f"so this command itself ends after step {first} with exit code 1", style="yellow", markup=False, highlight=False)
+        console.print(
+            f"{FAULT_ENV}={spec}: this run trains in this process with no restarts (cluster.max_restarts=0), "
+            f"so this command itself ends after step {first} with exit code 1",
+            style="yellow",
+            markup=False,
+            highlight=False,
+        )

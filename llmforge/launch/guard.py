@@ -26,8 +26,9 @@ import os
 import threading
 import traceback
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,12 +36,32 @@ import torch.distributed.distributed_c10d as c10d
 
 ENV = "LLMFORGE_CHECK_COLLECTIVES"
 TENSOR_COLLECTIVES = (
-    "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter", "send", "recv",
-    "isend", "irecv", "batch_isend_irecv", "all_gather_single", "reduce_scatter_single",
+    "all_reduce",
+    "broadcast",
+    "reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "all_gather_single",
+    "reduce_scatter_single",
 )
 OBJECT_COLLECTIVES = (
-    "all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list", "send_object_list", "recv_object_list",
+    "all_gather_object",
+    "gather_object",
+    "broadcast_object_list",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
 )
 
 
@@ -56,10 +77,10 @@ class CollectiveGuard:
     def __init__(self, *, device: torch.device) -> None:
         self.device = torch.device(device)
         self.seen: Counter = Counter()
-        self._originals: Dict[tuple, Callable] = {}
+        self._originals: dict[tuple, Callable] = {}
         self._inside_object = threading.local()
 
-    def install(self) -> "CollectiveGuard":
+    def install(self) -> CollectiveGuard:
         for name in TENSOR_COLLECTIVES + OBJECT_COLLECTIVES:
             original = getattr(c10d, name, None)
             if original is None:
@@ -99,7 +120,7 @@ class CollectiveGuard:
 
         return call
 
-    def check(self, name: str, tensors: List[torch.Tensor], *, group: Optional[Any] = None) -> None:
+    def check(self, name: str, tensors: list[torch.Tensor], *, group: Any | None = None) -> None:
         """Record the call; raise CollectiveDeviceError on a tensor off the rank's device."""
         cpu_group = _is_cpu_group(group)
         for tensor in tensors:
@@ -118,7 +139,7 @@ class CollectiveGuard:
         path.write_text(json.dumps({"device": str(self.device), "seen": dict(self.seen)}))
 
 
-def _tensors(args: tuple, kwargs: Dict[str, Any]) -> Iterator[torch.Tensor]:
+def _tensors(args: tuple, kwargs: dict[str, Any]) -> Iterator[torch.Tensor]:
     for value in list(args) + list(kwargs.values()):
         if isinstance(value, torch.Tensor):
             yield value
@@ -136,7 +157,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     return a.index is None or b.index is None or a.index == b.index
 
 
-def _is_cpu_group(group: Optional[Any]) -> bool:
+def _is_cpu_group(group: Any | None) -> bool:
     """A group made for CPU tensors: a gloo-only group in a world whose default group
     carries other devices too (``cpu:gloo,cuda:nccl``)."""
     if group is None or not dist.is_initialized():
@@ -158,10 +179,10 @@ def _caller() -> str:
     return "an unknown place"
 
 
-_installed: Optional[CollectiveGuard] = None
+_installed: CollectiveGuard | None = None
 
 
-def install_from_env(device: torch.device) -> Optional[CollectiveGuard]:
+def install_from_env(device: torch.device) -> CollectiveGuard | None:
     """Install the guard for this rank's ``device`` when ``LLMFORGE_CHECK_COLLECTIVES`` is set."""
     global _installed
     value = os.environ.get(ENV, "")

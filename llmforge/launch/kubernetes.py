@@ -12,8 +12,6 @@ Indexed Job's ``JOB_COMPLETION_INDEX``.
 
 from __future__ import annotations
 
-from typing import List
-
 from rich.console import Console
 
 from llmforge.errors import Problem, UserError
@@ -34,10 +32,14 @@ def manifest(plan: RunPlan) -> dict:
 
 
 def _metadata(plan: RunPlan) -> dict:
-    return {"name": job_name(plan), "namespace": plan.config.cluster.kubernetes.namespace, "labels": {"app.kubernetes.io/created-by": "llmforge"}}
+    return {
+        "name": job_name(plan),
+        "namespace": plan.config.cluster.kubernetes.namespace,
+        "labels": {"app.kubernetes.io/created-by": "llmforge"},
+    }
 
 
-def _restarts(plan: RunPlan) -> List[str]:
+def _restarts(plan: RunPlan) -> list[str]:
     n = plan.config.cluster.max_restarts
     return [f"--max-restarts={n}"] if n > 0 else []
 
@@ -76,7 +78,10 @@ def trainjob(plan: RunPlan) -> dict:
     if _resources(plan):
         trainer["resourcesPerNode"] = _resources(plan)
     pod = {"spec": {"volumes": volumes, "containers": [{"name": NODE, "volumeMounts": mounted}]}}
-    patch = {"manager": "llmforge", "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [{"name": NODE, "template": {"spec": {"template": pod}}}]}}}}
+    patch = {
+        "manager": "llmforge",
+        "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [{"name": NODE, "template": {"spec": {"template": pod}}}]}}},
+    }
     return {
         "apiVersion": f"{TRAINER_GROUP}/{TRAINER_VERSION}",
         "kind": "TrainJob",
@@ -101,8 +106,14 @@ def jobset(plan: RunPlan) -> dict:
     c = plan.config.cluster
     name, port = job_name(plan), c.kubernetes.port
     volumes, mounted = _volumes(plan)
-    rendezvous = [f"--nnodes={c.nodes}", f"--nproc-per-node={procs_per_node(plan)}", '--node-rank="$JOB_COMPLETION_INDEX"',
-                  f"--master-addr={leader_address(plan)}", f"--master-port={port}", "--monitor-interval=0.2"]
+    rendezvous = [
+        f"--nnodes={c.nodes}",
+        f"--nproc-per-node={procs_per_node(plan)}",
+        '--node-rank="$JOB_COMPLETION_INDEX"',
+        f"--master-addr={leader_address(plan)}",
+        f"--master-port={port}",
+        "--monitor-interval=0.2",
+    ]
     container = {
         "name": NODE,
         "image": c.image,
@@ -113,8 +124,13 @@ def jobset(plan: RunPlan) -> dict:
     }
     if _resources(plan):
         container["resources"] = _resources(plan)
-    job = {"parallelism": c.nodes, "completions": c.nodes, "completionMode": "Indexed", "backoffLimit": 0,
-           "template": {"spec": {"restartPolicy": "Never", "containers": [container], "volumes": volumes}}}
+    job = {
+        "parallelism": c.nodes,
+        "completions": c.nodes,
+        "completionMode": "Indexed",
+        "backoffLimit": 0,
+        "template": {"spec": {"restartPolicy": "Never", "containers": [container], "volumes": volumes}},
+    }
     return {
         "apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}",
         "kind": "JobSet",
@@ -133,18 +149,35 @@ def _client():
     try:
         import kubernetes
     except ImportError:
-        raise UserError([Problem("cluster.launcher", "kubernetes", "submitting needs the kubernetes Python client, which is not installed",
-                                 "pip install 'llmforge[kubernetes]' (or pip install kubernetes), or print the manifest with --dry-run and kubectl create -f it")],
-                        title="cannot submit the job") from None
+        raise UserError(
+            [
+                Problem(
+                    "cluster.launcher",
+                    "kubernetes",
+                    "submitting needs the kubernetes Python client, which is not installed",
+                    "pip install 'llmforge[kubernetes]' (or pip install kubernetes), or print the manifest with --dry-run and kubectl create -f it",
+                )
+            ],
+            title="cannot submit the job",
+        ) from None
     try:
         kubernetes.config.load_kube_config()
     except Exception:  # noqa: BLE001 - no kubeconfig: try the in-cluster service account
         try:
             kubernetes.config.load_incluster_config()
         except Exception:  # noqa: BLE001
-            raise UserError([Problem("cluster.launcher", "kubernetes", "no Kubernetes cluster is configured (no kubeconfig, and not inside a pod)",
-                                     "point KUBECONFIG (or ~/.kube/config) at the cluster, e.g. with your provider's get-credentials command, "
-                                     "or print the manifest with --dry-run")], title="cannot submit the job") from None
+            raise UserError(
+                [
+                    Problem(
+                        "cluster.launcher",
+                        "kubernetes",
+                        "no Kubernetes cluster is configured (no kubeconfig, and not inside a pod)",
+                        "point KUBECONFIG (or ~/.kube/config) at the cluster, e.g. with your provider's get-credentials command, "
+                        "or print the manifest with --dry-run",
+                    )
+                ],
+                title="cannot submit the job",
+            ) from None
     return kubernetes
 
 
@@ -158,12 +191,40 @@ def submit(plan: RunPlan, body: dict, *, console: Console) -> None:
     try:
         api.create_namespaced_custom_object(group, version, namespace, plural, body, _request_timeout=(5, 30))
     except kubernetes.client.ApiException as exc:
-        fix = (f"install {'Kubeflow Trainer v2' if body['kind'] == 'TrainJob' else 'the JobSet controller'} on the cluster, or choose the other "
-               "cluster.kubernetes.kind") if exc.status == 404 else "see the message; --dry-run prints the manifest"
-        raise UserError([Problem("cluster.kubernetes.kind", plan.config.cluster.kubernetes.kind, f"the cluster refused the {body['kind']}: {exc.status} {exc.reason}", fix)],
-                        title="cannot submit the job") from None
+        fix = (
+            (
+                f"install {'Kubeflow Trainer v2' if body['kind'] == 'TrainJob' else 'the JobSet controller'} on the cluster, or choose the other "
+                "cluster.kubernetes.kind"
+            )
+            if exc.status == 404
+            else "see the message; --dry-run prints the manifest"
+        )
+        raise UserError(
+            [
+                Problem(
+                    "cluster.kubernetes.kind",
+                    plan.config.cluster.kubernetes.kind,
+                    f"the cluster refused the {body['kind']}: {exc.status} {exc.reason}",
+                    fix,
+                )
+            ],
+            title="cannot submit the job",
+        ) from None
     except Exception as exc:  # noqa: BLE001 - connection refused, timeout, DNS: the cluster is unreachable
-        raise UserError([Problem("cluster.launcher", "kubernetes", f"the cluster could not be reached ({type(exc).__name__})",
-                                 "check the kubeconfig's context (kubectl cluster-info) and the network")], title="cannot submit the job") from None
+        raise UserError(
+            [
+                Problem(
+                    "cluster.launcher",
+                    "kubernetes",
+                    f"the cluster could not be reached ({type(exc).__name__})",
+                    "check the kubeconfig's context (kubectl cluster-info) and the network",
+                )
+            ],
+            title="cannot submit the job",
+        ) from None
     name = body["metadata"]["name"]
-    console.print(f"created {body['kind']} {namespace}/{name}; follow it with: kubectl -n {namespace} get {plural} {name}", markup=False, highlight=False)
+    console.print(
+        f"created {body['kind']} {namespace}/{name}; follow it with: kubectl -n {namespace} get {plural} {name}",
+        markup=False,
+        highlight=False,
+    )

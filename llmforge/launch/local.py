@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 from rich.console import Console
 
@@ -13,7 +12,7 @@ from llmforge.train.components import RankInfo
 from llmforge.train.run import run
 
 
-def run_here(plan: RunPlan, *, resume_from: Optional[Path], console: Console) -> None:
+def run_here(plan: RunPlan, *, resume_from: Path | None, console: Console) -> None:
     """Train ``plan`` on this process's device (the first GPU, or the CPU for cluster=cpu)."""
     import torch
 

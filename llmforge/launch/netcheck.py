@@ -12,7 +12,6 @@ here catch it before a long job.
 from __future__ import annotations
 
 import os
-from typing import List, Optional
 
 from llmforge.calibrate.collectives import best_bus_bandwidth
 from llmforge.errors import Problem, UserError
@@ -53,14 +52,15 @@ def _causes() -> str:
     return "; ".join(causes) + (f" ({', '.join(found)})" if found else "")
 
 
-def network_problem(plan: RunPlan, *, measured: float) -> Optional[Problem]:
+def network_problem(plan: RunPlan, *, measured: float) -> Problem | None:
     """The refusal when ``measured`` (bus bandwidth, bytes/s) is below the plan's fraction of the profile's link."""
     c = plan.config.cluster
     expected = expected_bandwidth(plan)
     if measured >= c.network_min_fraction * expected:
         return None
     return Problem(
-        "cluster.network_check", c.network_check,
+        "cluster.network_check",
+        c.network_check,
         f"an all-reduce across the {nodes_in(plan)} nodes reached {measured / 1e9:.3g} GB/s of bus bandwidth, "
         f"below {c.network_min_fraction:g} x the {expected / 1e9:.3g} GB/s that profile {c.accelerator} expects between nodes "
         f"(inter_node_gbs x comm_efficiency). Likely causes: {_causes()}",
@@ -69,14 +69,13 @@ def network_problem(plan: RunPlan, *, measured: float) -> Optional[Problem]:
     )
 
 
-def _sizes(device) -> List[int]:
+def _sizes(device) -> list[int]:
     return [m * MIB for m in ((16, 64, 256) if device.type == "cuda" else (1, 4))]
 
 
 def measure_bus_bandwidth(device) -> float:
     """The best all-reduce bus bandwidth over the world at a few sizes (bytes/s). Collective."""
     import torch.distributed as dist
-
 
     return best_bus_bandwidth("all_reduce", group=dist.group.WORLD, device=device, byte_sizes=_sizes(device))
 
@@ -89,5 +88,8 @@ def check_network(plan: RunPlan, *, device, console) -> None:
     problem = network_problem(plan, measured=measured)
     if problem is not None:
         raise UserError([problem], title="the network between the nodes is too slow for this profile")
-    console.print(f"network check: all-reduce across {nodes_in(plan)} nodes at {measured / 1e9:.3g} GB/s bus bandwidth "
-                  f"(profile {plan.config.cluster.accelerator}: {expected_bandwidth(plan) / 1e9:.3g} GB/s)", highlight=False)
+    console.print(
+        f"network check: all-reduce across {nodes_in(plan)} nodes at {measured / 1e9:.3g} GB/s bus bandwidth "
+        f"(profile {plan.config.cluster.accelerator}: {expected_bandwidth(plan) / 1e9:.3g} GB/s)",
+        highlight=False,
+    )

@@ -15,7 +15,6 @@ import json
 import posixpath
 import re
 import shlex
-from typing import List, Optional
 
 from llmforge.elastic import is_elastic
 from llmforge.errors import Problem, UserError
@@ -51,7 +50,7 @@ def _inside(path: str, folder: str) -> bool:
     return posixpath.isabs(path) and (path == folder or path.startswith(folder.rstrip("/") + "/"))
 
 
-def platform_problems(plan: RunPlan) -> List[Problem]:
+def platform_problems(plan: RunPlan) -> list[Problem]:
     """What a plan needs before it can be written for ``cluster.launcher`` (kubernetes or skypilot)."""
     c = plan.config.cluster
     launcher = c.launcher
@@ -59,32 +58,69 @@ def platform_problems(plan: RunPlan) -> List[Problem]:
     mount_key = key.rsplit(".", 1)[0] + ".runs_mount"
     out = []
     if launcher == "kubernetes" and not c.image:
-        out.append(Problem("cluster.image", None, "the pods need a container image with llmforge and torch installed", "set cluster.image=REGISTRY/IMAGE:TAG"))
+        out.append(
+            Problem(
+                "cluster.image",
+                None,
+                "the pods need a container image with llmforge and torch installed",
+                "set cluster.image=REGISTRY/IMAGE:TAG",
+            )
+        )
     found = mounts(plan)
     if "runs" not in found:
         example = "NAME (a ReadWriteMany PersistentVolumeClaim)" if launcher == "kubernetes" else "s3://BUCKET/runs (or gs://, r2://, ...)"
-        out.append(Problem(key, None, "run.dir and its checkpoints must be on storage every node shares and that outlives the job", f"set {key}={example}"))
+        out.append(
+            Problem(
+                key,
+                None,
+                "run.dir and its checkpoints must be on storage every node shares and that outlives the job",
+                f"set {key}={example}",
+            )
+        )
     elif not _inside(plan.config.run.dir, found["runs"][1]):
         mount = found["runs"][1]
-        out.append(Problem("run.dir", plan.config.run.dir, f"is not on the runs volume, which is mounted at {mount_key}={mount}",
-                           f"set run.dir={posixpath.join(mount, job_name(plan))}"))
+        out.append(
+            Problem(
+                "run.dir",
+                plan.config.run.dir,
+                f"is not on the runs volume, which is mounted at {mount_key}={mount}",
+                f"set run.dir={posixpath.join(mount, job_name(plan))}",
+            )
+        )
     if c.nodes > 1 and not any(_inside(plan.config.data.cache_dir, m) for _, m in found.values()):
-        out.append(Problem("data.cache_dir", plan.config.data.cache_dir, "rank 0 prepares the data there and the other nodes read it, so it must be on a shared mount",
-                           f"set data.cache_dir={posixpath.join(found.get('data', found.get('runs', ('', '/data')))[1], 'cache')} (a folder on a mounted volume or bucket)"))
+        out.append(
+            Problem(
+                "data.cache_dir",
+                plan.config.data.cache_dir,
+                "rank 0 prepares the data there and the other nodes read it, so it must be on a shared mount",
+                f"set data.cache_dir={posixpath.join(found.get('data', found.get('runs', ('', '/data')))[1], 'cache')} (a folder on a mounted volume or bucket)",
+            )
+        )
     return out + _elastic_problems(plan)
 
 
-def _elastic_problems(plan: RunPlan) -> List[Problem]:
+def _elastic_problems(plan: RunPlan) -> list[Problem]:
     """An elastic plan runs where the platform has a mechanism for it (docs/launch.md)."""
     c = plan.config.cluster
     if not is_elastic(plan.config) or c.launcher == "skypilot":
         return []
     kind = c.kubernetes.kind
-    why = ("a TrainJob takes its node count and torchrun settings from its runtime, and Kubeflow Trainer's torch policy has no "
-           "elastic range (the v1alpha1 API as of Trainer 2.3)") if kind == "trainjob" else \
-          "a JobSet runs a fixed number of pods and restarts all of them together (failurePolicy), so no smaller world ever forms"
-    return [Problem("cluster.min_nodes", c.min_nodes, f"elastic training cannot run as a {kind}: {why}",
-                    "set cluster.min_nodes=null (cluster.max_restarts still restarts the job from its newest checkpoint), or use cluster.launcher=skypilot or slurm")]
+    why = (
+        (
+            "a TrainJob takes its node count and torchrun settings from its runtime, and Kubeflow Trainer's torch policy has no "
+            "elastic range (the v1alpha1 API as of Trainer 2.3)"
+        )
+        if kind == "trainjob"
+        else "a JobSet runs a fixed number of pods and restarts all of them together (failurePolicy), so no smaller world ever forms"
+    )
+    return [
+        Problem(
+            "cluster.min_nodes",
+            c.min_nodes,
+            f"elastic training cannot run as a {kind}: {why}",
+            "set cluster.min_nodes=null (cluster.max_restarts still restarts the job from its newest checkpoint), or use cluster.launcher=skypilot or slurm",
+        )
+    ]
 
 
 def check_platform(plan: RunPlan) -> None:
@@ -98,7 +134,7 @@ def plan_text(plan: RunPlan) -> str:
     return json.dumps(plan.to_dict(), separators=(",", ":"))
 
 
-def node_script(plan: RunPlan, *, torchrun: List[str], prelude: Optional[List[str]] = None) -> str:
+def node_script(plan: RunPlan, *, torchrun: list[str], prelude: list[str] | None = None) -> str:
     """The shell script every node runs: write plan.json from ``$LLMFORGE_PLAN`` into run.dir
     (atomically: every node writes the same text), then torchrun the worker. ``torchrun``
     holds torchrun's options, with shell variables (``$JOB_COMPLETION_INDEX``) left to expand."""

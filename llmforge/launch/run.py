@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from rich.console import Console
 
 from llmforge.config.launchers import PLATFORM_LAUNCHERS
 from llmforge.errors import UserError, fail, pasteable
-from llmforge.launch.checks import check_devices, check_fault, check_host_memory, check_space, preflight
 from llmforge.launch import kubernetes, skypilot
+from llmforge.launch.checks import check_devices, check_fault, check_host_memory, check_space, preflight
 from llmforge.launch.local import run_here
 from llmforge.launch.platform import check_platform, to_yaml
 from llmforge.launch.slurm import submit_script
@@ -28,7 +28,7 @@ from llmforge.rundir import RunLock, check_writable, plan_path, write_plan
 from llmforge.storage import check_reachable, is_url
 
 
-def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
+def launch(plan: RunPlan, *, resume_from: Path | None, force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
     """Check, then run ``plan`` here or through torchrun, holding the run folder's lock.
     (The first CPU run on a machine has measured it already: ``llmforge.commands.train``.)"""
     check_fault(plan, resume_from=resume_from, here=runs_here(plan), console=console)
@@ -39,7 +39,11 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
     here = runs_here(plan)
     if dry_run:
         if here:
-            console.print(f"would train in this process: {plan.layout}, {plan.config.train.steps} steps into {plan.run_dir}", markup=False, highlight=False)
+            console.print(
+                f"would train in this process: {plan.layout}, {plan.config.train.steps} steps into {plan.run_dir}",
+                markup=False,
+                highlight=False,
+            )
             return
         launch_distributed(plan, resume_from=resume_from, dry_run=True, console=console)
         return
@@ -63,12 +67,14 @@ def launch(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: 
         launch_distributed(plan, resume_from=resume_from, dry_run=False, console=console)
 
 
-def _launch_on_platform(plan: RunPlan, *, resume_from: Optional[Path], force: bool, dry_run: bool, console: Console) -> None:
+def _launch_on_platform(plan: RunPlan, *, resume_from: Path | None, force: bool, dry_run: bool, console: Console) -> None:
     """Kubernetes or SkyPilot: check the plan, then print or submit its manifest; nothing is
     written here (run.dir is on the platform's storage)."""
     if resume_from is not None:
-        raise fail(f"cluster.launcher={plan.config.cluster.launcher}: a job there always continues from the newest complete checkpoint in run.dir; "
-                   "submit it again with `llmforge pretrain` and the same run.dir instead of `llmforge resume`")
+        raise fail(
+            f"cluster.launcher={plan.config.cluster.launcher}: a job there always continues from the newest complete checkpoint in run.dir; "
+            "submit it again with `llmforge pretrain` and the same run.dir instead of `llmforge resume`"
+        )
     check_platform(plan)
     preflight(plan, force=force, resume=False, console=console)
     platform = kubernetes if plan.config.cluster.launcher == "kubernetes" else skypilot
@@ -95,7 +101,7 @@ def runs_here(plan: RunPlan) -> bool:
     return plan.world_size == 1 and c.launcher == "local" and c.max_restarts == 0 and plan.config.parallel.offload == "none"
 
 
-def launch_distributed(plan: RunPlan, *, resume_from: Optional[Path], dry_run: bool, console: Console) -> None:
+def launch_distributed(plan: RunPlan, *, resume_from: Path | None, dry_run: bool, console: Console) -> None:
     """Run ``plan`` on all its ranks (or write/print the SLURM script)."""
     problems = check_supported(plan)
     if problems:

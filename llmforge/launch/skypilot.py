@@ -15,7 +15,6 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import List
 
 from rich.console import Console
 
@@ -26,8 +25,15 @@ from llmforge.launch.torchrun import procs_per_node, rendezvous_conf
 from llmforge.plan import RunPlan
 
 #: SkyPilot's accelerator names of the built-in hardware profiles.
-ACCELERATORS = {"h100-80gb": "H100", "h100-96gb-hbm2e": "GH200", "h200-141gb": "H200", "b200": "B200",
-                "a100-80gb": "A100-80GB", "a100-40gb": "A100", "l4-24gb": "L4"}
+ACCELERATORS = {
+    "h100-80gb": "H100",
+    "h100-96gb-hbm2e": "GH200",
+    "h200-141gb": "H200",
+    "b200": "B200",
+    "a100-80gb": "A100-80GB",
+    "a100-40gb": "A100",
+    "l4-24gb": "L4",
+}
 SUBMIT_HINT = "without it the task is launched with `sky launch` (a managed job: `sky jobs launch`)"
 MASTER = 'MASTER_ADDR=$(echo "$SKYPILOT_NODE_IPS" | head -n1)'
 
@@ -45,20 +51,43 @@ def accelerators(plan: RunPlan) -> str:
     c = plan.config.cluster
     name = c.skypilot.accelerators or ACCELERATORS.get(c.accelerator)
     if name is None:
-        raise UserError([Problem("cluster.skypilot.accelerators", None, f"SkyPilot needs the accelerator's name, and cluster.accelerator={c.accelerator} has none built in",
-                                 "set cluster.skypilot.accelerators=H100 (SkyPilot's name: sky show-gpus lists them)")], title="the plan cannot be written for skypilot")
+        raise UserError(
+            [
+                Problem(
+                    "cluster.skypilot.accelerators",
+                    None,
+                    f"SkyPilot needs the accelerator's name, and cluster.accelerator={c.accelerator} has none built in",
+                    "set cluster.skypilot.accelerators=H100 (SkyPilot's name: sky show-gpus lists them)",
+                )
+            ],
+            title="the plan cannot be written for skypilot",
+        )
     return f"{name}:{procs_per_node(plan)}"
 
 
-def torchrun_options(plan: RunPlan) -> List[str]:
+def torchrun_options(plan: RunPlan) -> list[str]:
     c = plan.config.cluster
     port = c.skypilot.port
     per_node = str(procs_per_node(plan)) if c.accelerator == "cpu" else '"$SKYPILOT_NUM_GPUS_PER_NODE"'
     if is_elastic(plan.config):
-        return [f"--nnodes={c.min_nodes}:{c.nodes}", f"--nproc-per-node={per_node}", "--rdzv-backend=c10d", f'--rdzv-endpoint="$MASTER_ADDR:{port}"',
-                '--rdzv-id="$SKYPILOT_TASK_ID"', rendezvous_conf(c.elastic_wait_s), f"--max-restarts={c.max_restarts}", "--monitor-interval=0.2"]
-    return ['--nnodes="$SKYPILOT_NUM_NODES"', f"--nproc-per-node={per_node}", '--node-rank="$SKYPILOT_NODE_RANK"',
-            '--master-addr="$MASTER_ADDR"', f"--master-port={port}", "--monitor-interval=0.2"]
+        return [
+            f"--nnodes={c.min_nodes}:{c.nodes}",
+            f"--nproc-per-node={per_node}",
+            "--rdzv-backend=c10d",
+            f'--rdzv-endpoint="$MASTER_ADDR:{port}"',
+            '--rdzv-id="$SKYPILOT_TASK_ID"',
+            rendezvous_conf(c.elastic_wait_s),
+            f"--max-restarts={c.max_restarts}",
+            "--monitor-interval=0.2",
+        ]
+    return [
+        '--nnodes="$SKYPILOT_NUM_NODES"',
+        f"--nproc-per-node={per_node}",
+        '--node-rank="$SKYPILOT_NODE_RANK"',
+        '--master-addr="$MASTER_ADDR"',
+        f"--master-port={port}",
+        "--monitor-interval=0.2",
+    ]
 
 
 def manifest(plan: RunPlan) -> dict:
@@ -89,15 +118,37 @@ def submit(plan: RunPlan, task: dict, *, console: Console) -> None:
     streams its own progress and says itself when no cloud is enabled (``sky check``)."""
     sky = shutil.which("sky")
     if sky is None:
-        raise UserError([Problem("cluster.launcher", "skypilot", "launching needs SkyPilot's `sky` command, which is not installed",
-                                 "pip install 'skypilot[aws]' (or [gcp], [kubernetes], ...: your infra) and run `sky check`; "
-                                 "or print the task with --dry-run")], title="cannot launch the task")
+        raise UserError(
+            [
+                Problem(
+                    "cluster.launcher",
+                    "skypilot",
+                    "launching needs SkyPilot's `sky` command, which is not installed",
+                    "pip install 'skypilot[aws]' (or [gcp], [kubernetes], ...: your infra) and run `sky check`; "
+                    "or print the task with --dry-run",
+                )
+            ],
+            title="cannot launch the task",
+        )
     with tempfile.TemporaryDirectory(prefix="llmforge-sky-") as folder:
         path = Path(folder) / "task.yaml"
         path.write_text(to_yaml(task))
-        command = [sky, "jobs", "launch", "-y", "-n", task["name"], str(path)] if managed(plan) else [sky, "launch", "-y", "-c", task["name"], str(path)]
+        command = (
+            [sky, "jobs", "launch", "-y", "-n", task["name"], str(path)]
+            if managed(plan)
+            else [sky, "launch", "-y", "-c", task["name"], str(path)]
+        )
         console.print("running: " + " ".join(command[:-1]) + " TASK.yaml", markup=False, highlight=False)
         code = subprocess.call(command, stdin=subprocess.DEVNULL)
     if code:
-        raise UserError([Problem("cluster.launcher", "skypilot", f"`{' '.join(command[1:3])}` failed (exit code {code}); its output above says why",
-                                 "run `sky check` to see which infra is enabled, or print the task with --dry-run")], title="cannot launch the task")
+        raise UserError(
+            [
+                Problem(
+                    "cluster.launcher",
+                    "skypilot",
+                    f"`{' '.join(command[1:3])}` failed (exit code {code}); its output above says why",
+                    "run `sky check` to see which infra is enabled, or print the task with --dry-run",
+                )
+            ],
+            title="cannot launch the task",
+        )

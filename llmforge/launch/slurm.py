@@ -5,7 +5,6 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Optional
 
 from rich.console import Console
 
@@ -18,7 +17,7 @@ from llmforge.plan import RunPlan
 DEFAULT_PORT = 29500
 
 
-def slurm_script(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path]) -> str:
+def slurm_script(plan: RunPlan, *, plan_path: Path, resume_from: Path | None) -> str:
     """An sbatch script running the same torchrun command on every node under srun."""
     c = plan.config.cluster
     endpoint = c.rdzv_endpoint or f"$head_node:{DEFAULT_PORT}"
@@ -47,12 +46,17 @@ def slurm_script(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path])
     return "\n".join(lines) + "\n"
 
 
-def submit_script(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path], dry_run: bool, console: Console) -> None:
+def submit_script(plan: RunPlan, *, plan_path: Path, resume_from: Path | None, dry_run: bool, console: Console) -> None:
     """Write ``run.dir/launch.sbatch`` (next to the plan it runs), or with ``dry_run`` print it."""
     script = slurm_script(plan, plan_path=plan_path, resume_from=resume_from)
     if dry_run:
         console.print(script, highlight=False, markup=False, soft_wrap=True)
-        console.print(f"(--dry-run writes nothing; without it this script is written to {plan.run_dir / 'launch.sbatch'} with the plan it runs, {plan_path})", highlight=False, markup=False, soft_wrap=True)
+        console.print(
+            f"(--dry-run writes nothing; without it this script is written to {plan.run_dir / 'launch.sbatch'} with the plan it runs, {plan_path})",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
         return
     path = plan.run_dir / "launch.sbatch"
     write_text_atomic(path, script)

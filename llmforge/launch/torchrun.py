@@ -10,7 +10,6 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
 
 from rich.console import Console
 
@@ -25,13 +24,20 @@ WORKER = "llmforge.launch.worker"
 RESTART_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
 
-def check_supported(plan: RunPlan) -> List[Problem]:
+def check_supported(plan: RunPlan) -> list[Problem]:
     """Launch settings a run needs (the layout's own rules, backend limits included, are
     the plan's: ``llmforge.layout``)."""
     out = []
     c = plan.config.cluster
     if c.nodes > 1 and c.launcher != "slurm" and not c.rdzv_endpoint:
-        out.append(Problem("cluster.rdzv_endpoint", None, "a multi-node run needs a rendezvous address every node can reach", "set cluster.rdzv_endpoint=HOST:PORT (the first node) or cluster.launcher=slurm"))
+        out.append(
+            Problem(
+                "cluster.rdzv_endpoint",
+                None,
+                "a multi-node run needs a rendezvous address every node can reach",
+                "set cluster.rdzv_endpoint=HOST:PORT (the first node) or cluster.launcher=slurm",
+            )
+        )
     if plan.world_size % c.nodes:
         out.append(Problem("cluster.nodes", c.nodes, f"does not divide the world size {plan.world_size}", "set cluster.devices_per_node"))
     return out
@@ -41,12 +47,14 @@ def procs_per_node(plan: RunPlan) -> int:
     return ranks_per_node(plan)
 
 
-def torchrun_args(plan: RunPlan, *, endpoint: Optional[str] = None, run_id: str = "llmforge") -> List[str]:
+def torchrun_args(plan: RunPlan, *, endpoint: str | None = None, run_id: str = "llmforge") -> list[str]:
     """torchrun options for this plan (same on every node); an elastic plan
     (``cluster.min_nodes``) runs on MIN:MAX nodes."""
     c = plan.config.cluster
     nodes = f"{c.min_nodes}:{c.nodes}" if is_elastic(plan.config) else str(c.nodes)
-    args = cluster_args(nodes=nodes, per_node=procs_per_node(plan), endpoint=endpoint or c.rdzv_endpoint, max_restarts=c.max_restarts, run_id=run_id)
+    args = cluster_args(
+        nodes=nodes, per_node=procs_per_node(plan), endpoint=endpoint or c.rdzv_endpoint, max_restarts=c.max_restarts, run_id=run_id
+    )
     return args + ([rendezvous_conf(c.elastic_wait_s)] if is_elastic(plan.config) and "--standalone" not in args else [])
 
 
@@ -57,16 +65,22 @@ def rendezvous_conf(wait_s: int) -> str:
     return f"--rdzv-conf=last_call_timeout={wait_s},keep_alive_interval={keep_alive},keep_alive_max_attempt=3"
 
 
-def worker_args(*, plan_path: Path, resume_from: Optional[Path]) -> List[str]:
+def worker_args(*, plan_path: Path, resume_from: Path | None) -> list[str]:
     args = ["-m", WORKER, "--plan", str(plan_path)]
     return args + (["--resume", str(resume_from)] if resume_from is not None else [])
 
 
-def torchrun_command(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path]) -> List[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *torchrun_args(plan, run_id=plan.config.run.name), *worker_args(plan_path=plan_path, resume_from=resume_from)]
+def torchrun_command(plan: RunPlan, *, plan_path: Path, resume_from: Path | None) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *torchrun_args(plan, run_id=plan.config.run.name),
+        *worker_args(plan_path=plan_path, resume_from=resume_from),
+    ]
 
 
-def start(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path], dry_run: bool, console: Console) -> None:
+def start(plan: RunPlan, *, plan_path: Path, resume_from: Path | None, dry_run: bool, console: Console) -> None:
     """Start torchrun for ``plan`` on this node (its plan.json already written), or with
     ``dry_run`` print the command."""
     command = torchrun_command(plan, plan_path=plan_path, resume_from=resume_from)
@@ -78,16 +92,17 @@ def start(plan: RunPlan, *, plan_path: Path, resume_from: Optional[Path], dry_ru
     run_torchrun(command[3:], console=console, threads=_threads(plan), hang_s=plan.config.cluster.timeout_s / 2, env=restart_env(plan))
 
 
-def dry_run_text(command: List[str], *, plan_path: Path) -> str:
+def dry_run_text(command: list[str], *, plan_path: Path) -> str:
     """What ``--dry-run`` prints: the command, and the plan file it needs (not written)."""
     return (
-        f"would write the plan to {plan_path} and run on every node:\n" + " ".join(shlex.quote(a) for a in command)
+        f"would write the plan to {plan_path} and run on every node:\n"
+        + " ".join(shlex.quote(a) for a in command)
         + f"\n(--dry-run writes nothing; to run the command by hand, first write the plan with the same arguments: "
         f"llmforge plan ... --json > {shlex.quote(str(plan_path))})"
     )
 
 
-def restart_env(plan: RunPlan) -> Dict[str, str]:
+def restart_env(plan: RunPlan) -> dict[str, str]:
     """With restarts, every attempt gets a fresh rendezvous store: on the agent's shared
     store (torch's default) a restarted group reads the failed attempt's keys and hangs."""
     return {RESTART_STORE_ENV: "1"} if plan.config.cluster.max_restarts > 0 else {}

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any
 
 from llmforge.checkpoint.locate import newest_complete
 from llmforge.checkpoint.resume import saved_plan
@@ -32,7 +31,7 @@ from llmforge.train.build import distributed_rank
 from llmforge.train.run import prepare_data, run
 
 
-def restart_point(plan, *, resume: Optional[Path], console, launched=None) -> Optional[Path]:
+def restart_point(plan, *, resume: Path | None, console, launched=None) -> Path | None:
     """Where a restarted attempt continues: the run's newest complete checkpoint (chosen by
     rank 0 for every rank), else where the first attempt started. Collective. Rank 0's
     first line names it, and, when the world changed (an elastic run, ``launched`` its
@@ -41,16 +40,20 @@ def restart_point(plan, *, resume: Optional[Path], console, launched=None) -> Op
 
     if attempt() == 0 and (launched is None or launched.world_size == plan.world_size):
         return resume
-    found: List[Optional[str]] = [None]
+    found: list[str | None] = [None]
     if dist.get_rank() == 0:
         found[0] = _newest_complete_or_none(plan) if attempt() > 0 else None
-        where = f"resuming from {found[0]}" if found[0] else (f"starting again from {resume}" if resume else "starting over (no checkpoint yet)")
+        where = (
+            f"resuming from {found[0]}"
+            if found[0]
+            else (f"starting again from {resume}" if resume else "starting over (no checkpoint yet)")
+        )
         console.print(_restart_line(plan, launched=launched, checkpoint=found[0], where=where), highlight=False)
     dist.broadcast_object_list(found, src=0)
     return _where(found[0]) if found[0] else resume
 
 
-def _newest_complete_or_none(plan) -> Optional[str]:
+def _newest_complete_or_none(plan) -> str | None:
     """The run's newest complete checkpoint, or None when it has none yet."""
     try:
         return str(newest_complete(plan.checkpoint_root).path)
@@ -58,7 +61,7 @@ def _newest_complete_or_none(plan) -> Optional[str]:
         return None
 
 
-def _restart_line(plan, *, launched, checkpoint: Optional[str], where: str):
+def _restart_line(plan, *, launched, checkpoint: str | None, where: str):
     from rich.text import Text
 
     head = f"restart {attempt()} of {plan.config.cluster.max_restarts}" if attempt() else "elastic start"
@@ -68,7 +71,7 @@ def _restart_line(plan, *, launched, checkpoint: Optional[str], where: str):
     return Text.assemble((head, "bold yellow"), f": {describe_change(before, plan, start=attempt() == 0)}; {where}")
 
 
-def _saved_plan(checkpoint: Optional[str]):
+def _saved_plan(checkpoint: str | None):
     """The plan a checkpoint was written under (at the world it ran on), or None."""
     if checkpoint is None:
         return None
@@ -84,17 +87,17 @@ def _where(text: str) -> Any:
     return text if is_url(text) else Path(text)
 
 
-def _saved_world(checkpoint: Optional[str]) -> Optional[int]:
+def _saved_world(checkpoint: str | None) -> int | None:
     saved = _saved_plan(checkpoint)
     return None if saved is None else saved.world_size
 
 
-def newest_checkpoint(plan, *, console) -> Optional[Path]:
+def newest_checkpoint(plan, *, console) -> Path | None:
     """The newest complete checkpoint of the run (rank 0 looks, for every rank), or None: where a
     platform's job starts (``--resume-newest``), so that one it restarts continues the run. Collective."""
     import torch.distributed as dist
 
-    found: List[Optional[str]] = [None]
+    found: list[str | None] = [None]
     if dist.get_rank() == 0:
         found[0] = _newest_complete_or_none(plan)
         if found[0]:
@@ -103,7 +106,7 @@ def newest_checkpoint(plan, *, console) -> Optional[Path]:
     return _where(found[0]) if found[0] else None
 
 
-def run_rank(*, plan_path: Path, resume: Optional[Path], resume_newest: bool = False) -> None:
+def run_rank(*, plan_path: Path, resume: Path | None, resume_newest: bool = False) -> None:
     import torch.distributed as dist
     from rich.console import Console
 
@@ -131,7 +134,7 @@ def run_rank(*, plan_path: Path, resume: Optional[Path], resume_newest: bool = F
     dist.destroy_process_group()
 
 
-def main(argv: Optional[List[str]] = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="llmforge.launch.worker")
     parser.add_argument("--plan", type=Path, required=True)
     parser.add_argument("--resume", type=_where, default=None)

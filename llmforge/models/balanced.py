@@ -12,7 +12,7 @@ index follows from the token count alone, so fake tensors (no values) can run an
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Tuple
+from collections.abc import Iterator
 
 import torch
 
@@ -34,7 +34,7 @@ def active() -> bool:
     return _ACTIVE
 
 
-def counts(*, tokens: int, top_k: int, num_experts: int, capacity: Optional[int]) -> List[int]:
+def counts(*, tokens: int, top_k: int, num_experts: int, capacity: int | None) -> list[int]:
     """Assignments each expert keeps."""
     total = tokens * top_k
     out = [total // num_experts + (1 if e < total % num_experts else 0) for e in range(num_experts)]
@@ -46,13 +46,13 @@ def experts(tokens: int, top_k: int, num_experts: int, device: torch.device) -> 
     return (torch.arange(tokens * top_k, device=device) % num_experts).view(tokens, top_k)
 
 
-def keep(tokens: int, top_k: int, num_experts: int, capacity: Optional[int], device: torch.device) -> torch.Tensor:
+def keep(tokens: int, top_k: int, num_experts: int, capacity: int | None, device: torch.device) -> torch.Tensor:
     """[tokens, top_k] mask of the assignments within their expert's capacity."""
     limit = capacity if capacity is not None else tokens * top_k
     return (torch.arange(tokens * top_k, device=device) // num_experts < limit).view(tokens, top_k)
 
 
-def assignments(*, tokens: int, top_k: int, num_experts: int, capacity: Optional[int], device: torch.device) -> Tuple[torch.Tensor, List[int]]:
+def assignments(*, tokens: int, top_k: int, num_experts: int, capacity: int | None, device: torch.device) -> tuple[torch.Tensor, list[int]]:
     """The kept assignments (``token x top_k + choice``) sorted by expert, and each expert's count."""
     kept = counts(tokens=tokens, top_k=top_k, num_experts=num_experts, capacity=capacity)
     order = torch.cat([torch.arange(e, tokens * top_k, num_experts, device=device)[:n] for e, n in enumerate(kept)])

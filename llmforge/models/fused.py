@@ -18,7 +18,7 @@ Hugging Face names map to the parts.
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -39,7 +39,7 @@ def gate_up_groups(config: ModelConfig, *, ffn: int) -> int:
     return math.gcd(kv_groups(config), ffn)
 
 
-def parts_of(name: str) -> Optional[List[str]]:
+def parts_of(name: str) -> list[str] | None:
     """The unfused names a fused parameter stands for
     (``layers.0.attn.qkv_proj.weight`` -> ``layers.0.attn.q_proj.weight``, ...); None if not fused."""
     prefix, _, rest = name.rpartition(".")
@@ -50,7 +50,7 @@ def parts_of(name: str) -> Optional[List[str]]:
     return [f"{head}{part}.{rest}" for part in FUSED[linear]]
 
 
-def layout_of(config: ModelConfig, *, name: str, rows: int) -> Tuple[List[int], int]:
+def layout_of(config: ModelConfig, *, name: str, rows: int) -> tuple[list[int], int]:
     """(rows of each part, groups) of the fused parameter ``name`` with ``rows`` rows."""
     if ".qkv_proj." in f".{name}":
         head_dim = config.hidden_size // config.num_heads
@@ -65,14 +65,13 @@ def fuse(parts: Sequence[torch.Tensor], *, groups: int) -> torch.Tensor:
     return torch.cat([p.unflatten(0, (groups, -1)) for p in parts], dim=1).flatten(0, 1)
 
 
-def unfuse(tensor: torch.Tensor, *, sizes: Sequence[int], groups: int) -> List[torch.Tensor]:
+def unfuse(tensor: torch.Tensor, *, sizes: Sequence[int], groups: int) -> list[torch.Tensor]:
     """The parts of a fused tensor (``fuse`` read backwards), each of ``sizes[i]`` rows."""
     blocks = tensor.unflatten(0, (groups, -1)).split([s // groups for s in sizes], dim=1)
     return [b.flatten(0, 1) for b in blocks]
 
 
-
-def unfused_parts(names: Iterable[str]) -> Dict[str, List[str]]:
+def unfused_parts(names: Iterable[str]) -> dict[str, list[str]]:
     """Fused parameter name -> its parts, for each fused parameter whose parts are all
     among ``names`` (parameters of a model saved before llmforge fused its projections)."""
     names = set(names)
@@ -87,7 +86,7 @@ def unfused_parts(names: Iterable[str]) -> Dict[str, List[str]]:
     return out
 
 
-def fuse_saved(weights: Dict[str, torch.Tensor], config: ModelConfig) -> Dict[str, torch.Tensor]:
+def fuse_saved(weights: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
     """Whole weights by name with the unfused parts of a model saved before fused
     projections replaced by the fused tensors (any other weights kept as they are)."""
     out = dict(weights)

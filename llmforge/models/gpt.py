@@ -17,7 +17,7 @@ parallelism is applied from outside (``llmforge.parallel``), which is why
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +25,8 @@ from torch import nn
 
 from llmforge.config.schema import ModelConfig
 from llmforge.models.fused import fuse, gate_up_groups, layout_of, parts_of
-from llmforge.models.layers import MLP, Attention, make_norm, rope_tables
 from llmforge.models.kvcache import KVCache
+from llmforge.models.layers import MLP, Attention, make_norm, rope_tables
 from llmforge.models.masks import AttentionMasks, build_masks, document_positions, windowed_layer
 from llmforge.models.moe import MoE
 
@@ -35,8 +35,13 @@ def make_mlp(config: ModelConfig, *, layer_id: int) -> nn.Module:
     moe = config.moe
     if moe.num_experts > 0 and (layer_id + 1) % moe.every == 0:
         return MoE(config)
-    return MLP(hidden_size=config.hidden_size, ffn_hidden_size=config.ffn_hidden_size, activation=config.activation, bias=config.bias,
-               groups=gate_up_groups(config, ffn=config.ffn_hidden_size))
+    return MLP(
+        hidden_size=config.hidden_size,
+        ffn_hidden_size=config.ffn_hidden_size,
+        activation=config.activation,
+        bias=config.bias,
+        groups=gate_up_groups(config, ffn=config.ffn_hidden_size),
+    )
 
 
 class Block(nn.Module):
@@ -51,7 +56,9 @@ class Block(nn.Module):
         self.mlp = make_mlp(config, layer_id=layer_id)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]] = None, mask: Any = None, cache: Any = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, mask: Any = None, cache: Any = None
+    ) -> torch.Tensor:
         # mask and cache by keyword: tensor parallelism prepares the positional inputs (x, rope) only
         x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, mask=mask, cache=cache))
         return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
@@ -61,16 +68,12 @@ class GPT(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed: Optional[nn.Embedding] = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.pos_embed: Optional[nn.Embedding] = (
-            nn.Embedding(config.seq_len, config.hidden_size) if config.position == "learned" else None
-        )
+        self.embed: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.pos_embed: nn.Embedding | None = nn.Embedding(config.seq_len, config.hidden_size) if config.position == "learned" else None
         self.embed_dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleDict({str(i): Block(config, layer_id=i) for i in range(config.num_layers)})
-        self.norm: Optional[nn.Module] = make_norm(config)
-        self.head: Optional[nn.Linear] = (
-            None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
+        self.norm: nn.Module | None = make_norm(config)
+        self.head: nn.Linear | None = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.position == "rope":
             cos, sin = rope_tables(head_dim=config.hidden_size // config.num_heads, seq_len=config.seq_len, theta=config.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -78,8 +81,13 @@ class GPT(nn.Module):
         else:
             self.rope_cos = self.rope_sin = None
 
-    def forward(self, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None, documents: Optional[torch.Tensor] = None,
-                cache: Optional[KVCache] = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        documents: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
         """Token ids [b, s] -> logits [b, s, vocab]. On a pipeline stage without the
         embedding the input is the previous stage's hidden states [b, s, h]; on one
         without the output layer the result is hidden states. ``positions`` [s] are
@@ -91,7 +99,9 @@ class GPT(nn.Module):
         if cache is not None:
             return self._cached_forward(tokens, cache)
         h = tokens
-        masks = self.attention_masks(positions=positions, documents=documents, batch=tokens.shape[0], length=tokens.shape[1], device=tokens.device)
+        masks = self.attention_masks(
+            positions=positions, documents=documents, batch=tokens.shape[0], length=tokens.shape[1], device=tokens.device
+        )
         positions = self.token_positions(positions=positions, documents=documents, length=tokens.shape[1], device=tokens.device)
         if self.embed is not None:
             h = self.embed(tokens)
@@ -115,17 +125,20 @@ class GPT(nn.Module):
             h = layer(h, rope, None, cache.layers[int(index)])
         return self.output(self.norm(h))  # type: ignore[misc]
 
-    def attention_masks(self, *, positions: Optional[torch.Tensor], documents: Optional[torch.Tensor], batch: int, length: int,
-                        device: torch.device) -> AttentionMasks:
+    def attention_masks(
+        self, *, positions: torch.Tensor | None, documents: torch.Tensor | None, batch: int, length: int, device: torch.device
+    ) -> AttentionMasks:
         """This microbatch's masks, built once for all of this model's layers: FlexAttention block
         masks on CUDA (dense ones under context parallelism and with dropout), dense ones elsewhere."""
         kinds = {layer.windowed for layer in self.layers.values()}
         flex = device.type == "cuda" and not (self.training and self.config.dropout > 0)
-        return build_masks(self.config, windowed=kinds, q_positions=positions, documents=documents,
-                           length=length, batch=batch, device=device, flex=flex)
+        return build_masks(
+            self.config, windowed=kinds, q_positions=positions, documents=documents, length=length, batch=batch, device=device, flex=flex
+        )
 
-    def token_positions(self, *, positions: Optional[torch.Tensor], documents: Optional[torch.Tensor], length: int,
-                        device: torch.device) -> torch.Tensor:
+    def token_positions(
+        self, *, positions: torch.Tensor | None, documents: torch.Tensor | None, length: int, device: torch.device
+    ) -> torch.Tensor:
         """Positions for the embedding and RoPE: [s] global ones, or [b, s] inside each document (``model.position_reset``)."""
         if positions is None:
             positions = torch.arange(length, device=device)
@@ -155,8 +168,9 @@ class GPT(nn.Module):
         training state some layers keep (the MoE routing bias). A model built on the meta
         device and allocated with ``to_empty`` has none of them yet."""
         if self.config.position == "rope":
-            cos, sin = rope_tables(head_dim=self.config.hidden_size // self.config.num_heads, seq_len=self.config.seq_len,
-                                   theta=self.config.rope_theta)
+            cos, sin = rope_tables(
+                head_dim=self.config.hidden_size // self.config.num_heads, seq_len=self.config.seq_len, theta=self.config.rope_theta
+            )
             self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
         for module in self.modules():
             if hasattr(module, "reset_state"):
@@ -172,7 +186,10 @@ def initial_value(config: ModelConfig, *, name: str, shape: torch.Size, seed: in
     parts = parts_of(name)
     if parts is not None:
         sizes, groups = layout_of(config, name=name, rows=shape[0])
-        values = [initial_value(config, name=part, shape=torch.Size([rows, *shape[1:]]), seed=seed) for part, rows in zip(parts, sizes)]
+        values = [
+            initial_value(config, name=part, shape=torch.Size([rows, *shape[1:]]), seed=seed)
+            for part, rows in zip(parts, sizes, strict=False)
+        ]
         return fuse(values, groups=groups)
     if name.endswith("bias"):
         return torch.zeros(shape)

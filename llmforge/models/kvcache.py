@@ -10,8 +10,6 @@ tokens (the positions the model has).
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import torch
 
 from llmforge.config.schema import ModelConfig
@@ -23,9 +21,9 @@ class LayerCache:
 
     def __init__(self, *, window: int) -> None:
         self.window = window
-        self.keys: Optional[torch.Tensor] = None
-        self.values: Optional[torch.Tensor] = None
-        self.positions: Optional[torch.Tensor] = None
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
         self.query_positions = torch.zeros(0, dtype=torch.long)
 
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -52,7 +50,7 @@ class KVCache:
 
     def __init__(self, config: ModelConfig) -> None:
         self.length = 0
-        self.layers: List[LayerCache] = [
+        self.layers: list[LayerCache] = [
             LayerCache(window=config.sliding_window if windowed_layer(config, i) else 0) for i in range(config.num_layers)
         ]
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +13,7 @@ from llmforge.config.schema import ModelConfig
 from llmforge.models.fused import kv_groups
 
 
-def _like(weight: Optional[torch.Tensor], x: torch.Tensor) -> Optional[torch.Tensor]:
+def _like(weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
     return weight if weight is None or weight.dtype == x.dtype else weight.to(x.dtype)
 
 
@@ -86,7 +86,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_heads * self.head_dim, config.hidden_size, bias=config.bias)
         self.dropout = config.dropout
 
-    def forward(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]], mask: Any = None, cache: Any = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: Any = None, cache: Any = None) -> torch.Tensor:
         """``cache`` (generation): a ``llmforge.models.kvcache.LayerCache`` the new keys and values join."""
         b, s, _ = x.shape
         q, k, v = self.project(x, rope)
@@ -95,7 +95,7 @@ class Attention(nn.Module):
         out = self.core_attention(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
-    def project(self, x: torch.Tensor, rope: Optional[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values [b, heads, s, head_dim], rotated when ``rope`` is given."""
         # [b, s, local KV groups, q heads of a group + k + v, head_dim]
         groups = self.qkv_proj(x).unflatten(-1, (-1, self.q_per_group + 2, self.head_dim))

@@ -16,7 +16,7 @@ and at most ``window - 1`` earlier tokens, as Hugging Face's Mistral and Gemma-2
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -37,7 +37,7 @@ def needs_eos(config: ModelConfig) -> bool:
     return config.attention_mask == "document" or config.position_reset
 
 
-def model_documents(config: ModelConfig, tokens: torch.Tensor, *, eos_id: Optional[int]) -> Optional[torch.Tensor]:
+def model_documents(config: ModelConfig, tokens: torch.Tensor, *, eos_id: int | None) -> torch.Tensor | None:
     """What a training step passes as ``GPT.forward(documents=)`` for the whole [b, s] input: None
     under plain causal attention; the document ids when masks or positions follow documents; else
     (a sliding window alone) one document per row, which tells the model the window's length."""
@@ -76,7 +76,7 @@ class AttentionMasks:
         return self.windowed if windowed else self.full
 
 
-def dense_mask(*, q_positions: torch.Tensor, k_len: int, documents: Optional[torch.Tensor], window: int) -> torch.Tensor:
+def dense_mask(*, q_positions: torch.Tensor, k_len: int, documents: torch.Tensor | None, window: int) -> torch.Tensor:
     """Boolean [b or 1, 1, s_q, k_len] mask of queries at ``q_positions`` against keys ``0..k_len-1``."""
     k = torch.arange(k_len, device=q_positions.device)[None, :]
     q = q_positions[:, None]
@@ -89,7 +89,7 @@ def dense_mask(*, q_positions: torch.Tensor, k_len: int, documents: Optional[tor
     return (allowed[None] & same)[:, None]
 
 
-def block_mask(*, documents: Optional[torch.Tensor], window: int, length: int, batch: int, device: torch.device) -> Any:
+def block_mask(*, documents: torch.Tensor | None, window: int, length: int, batch: int, device: torch.device) -> Any:
     """The FlexAttention block mask of the same rule over a whole window (no context parallelism)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -106,8 +106,17 @@ def block_mask(*, documents: Optional[torch.Tensor], window: int, length: int, b
     return create_block_mask(mask_mod, rows, None, length, length, device=device, _compile=device.type == "cuda")
 
 
-def build_masks(config: ModelConfig, *, windowed: set, q_positions: Optional[torch.Tensor], documents: Optional[torch.Tensor],
-                length: int, batch: int, device: torch.device, flex: bool) -> AttentionMasks:
+def build_masks(
+    config: ModelConfig,
+    *,
+    windowed: set,
+    q_positions: torch.Tensor | None,
+    documents: torch.Tensor | None,
+    length: int,
+    batch: int,
+    device: torch.device,
+    flex: bool,
+) -> AttentionMasks:
     """Every mask the given layers need, built once. ``windowed``: which of the kinds (True, False) occur;
     ``q_positions``: the queries' global positions under context parallelism (else None)."""
     docs = documents if config.attention_mask == "document" else None

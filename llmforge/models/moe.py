@@ -45,8 +45,9 @@ experts' forward from outside (``llmforge.parallel.expert``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Optional, Sequence, Tuple, Union
+from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +83,7 @@ def expert_counts(experts: torch.Tensor, *, num_experts: int) -> torch.Tensor:
 Counts = Union[torch.Tensor, Sequence[int]]
 
 
-def expert_mlp(x: torch.Tensor, counts: Counts, *, w_up: torch.Tensor, w_gate: Optional[torch.Tensor], w_down: torch.Tensor) -> torch.Tensor:
+def expert_mlp(x: torch.Tensor, counts: Counts, *, w_up: torch.Tensor, w_gate: torch.Tensor | None, w_down: torch.Tensor) -> torch.Tensor:
     """Run every expert on its tokens with batched matmuls.
 
     ``x`` [N, h] holds tokens sorted by expert, ``counts`` [E] how many each expert
@@ -131,14 +132,14 @@ class Routing:
     logits: torch.Tensor  # [T, E] router logits (fp32)
 
 
-def capacity_of(*, tokens: int, top_k: int, num_experts: int, capacity_factor: Optional[float]) -> Optional[int]:
+def capacity_of(*, tokens: int, top_k: int, num_experts: int, capacity_factor: float | None) -> int | None:
     """Assignments one expert accepts per forward, or None (dropless)."""
     if capacity_factor is None:
         return None
     return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
 
 
-def capacity_keep(experts: torch.Tensor, *, num_experts: int, capacity: Optional[int]) -> torch.Tensor:
+def capacity_keep(experts: torch.Tensor, *, num_experts: int, capacity: int | None) -> torch.Tensor:
     """[T, k] mask of kept assignments: each expert takes the first ``capacity`` in
     choice-major order (all first choices, then all second choices, ...)."""
     if capacity is None:
@@ -149,7 +150,7 @@ def capacity_keep(experts: torch.Tensor, *, num_experts: int, capacity: Optional
     return (position < capacity).view(experts.shape[1], experts.shape[0]).t()
 
 
-def route(logits: torch.Tensor, *, top_k: int, normalize: bool, capacity: Optional[int], bias: Optional[torch.Tensor] = None) -> Routing:
+def route(logits: torch.Tensor, *, top_k: int, normalize: bool, capacity: int | None, bias: torch.Tensor | None = None) -> Routing:
     """Top-k softmax routing of [T, E] logits, with capacity dropping. A per-expert
     ``bias`` [E] is added to the probabilities to choose the experts only; the
     combine weights stay the unbiased probabilities (DeepSeek-V3). Under
@@ -200,7 +201,7 @@ class MoEStats:
     def reset(self) -> None:
         self.forwards = 0
         self.aux = self.z = self.dropped = self.assigned = None
-        self.counts: Optional[torch.Tensor] = None
+        self.counts: torch.Tensor | None = None
 
     def add(self, *, routing: Routing, aux: torch.Tensor, z: torch.Tensor) -> None:
         counts = expert_counts(routing.experts, num_experts=self.num_experts).detach()
@@ -213,7 +214,7 @@ class MoEStats:
         self.assigned = routing.experts.numel() + (0 if first else self.assigned)
         self.forwards += 1
 
-    def summary(self) -> Optional[Dict[str, float]]:
+    def summary(self) -> dict[str, float] | None:
         """Mean aux and z loss per forward, load imbalance (max / mean tokens per
         expert), coefficient of variation of the load, dropped share."""
         if self.forwards == 0:
@@ -249,12 +250,19 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if bias else None)
         self.register_buffer("expert_load", torch.zeros(moe.num_experts, dtype=torch.int64) if bias else None, persistent=False)
         self.router = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
-        self.experts = GroupedExperts(num_experts=moe.num_experts, hidden_size=config.hidden_size, ffn_hidden_size=ffn, activation=config.activation)
-        self.shared: Optional[MLP] = None
+        self.experts = GroupedExperts(
+            num_experts=moe.num_experts, hidden_size=config.hidden_size, ffn_hidden_size=ffn, activation=config.activation
+        )
+        self.shared: MLP | None = None
         if moe.num_shared_experts > 0:
             width = ffn * moe.num_shared_experts
-            self.shared = MLP(hidden_size=config.hidden_size, ffn_hidden_size=width, activation=config.activation, bias=config.bias,
-                              groups=gate_up_groups(config, ffn=width))
+            self.shared = MLP(
+                hidden_size=config.hidden_size,
+                ffn_hidden_size=width,
+                activation=config.activation,
+                bias=config.bias,
+                groups=gate_up_groups(config, ffn=width),
+            )
         self.aux_loss_scale: Callable[[], float] = _one
         self.stats = MoEStats(moe.num_experts)
 
@@ -279,7 +287,7 @@ class MoE(nn.Module):
             out = AuxLossInjector.apply(out, total, float(self.aux_loss_scale()))
         return out
 
-    def reset_state(self, *, device: Optional[torch.device] = None) -> None:
+    def reset_state(self, *, device: torch.device | None = None) -> None:
         """Zero the routing bias and load count (a fresh model's values), on ``device``
         (default: where they are)."""
         if self.expert_bias is not None:
@@ -318,7 +326,7 @@ def _one() -> float:
     return 1.0
 
 
-def moe_layers(model_parts: Iterable[nn.Module]) -> Iterable[Tuple[str, MoE]]:
+def moe_layers(model_parts: Iterable[nn.Module]) -> Iterable[tuple[str, MoE]]:
     """(name, layer) for every MoE layer in the model parts."""
     for part in model_parts:
         for name, module in part.named_modules():
@@ -334,8 +342,13 @@ def set_aux_loss_scale(model_parts: Iterable[nn.Module], *, scale: Callable[[], 
 
 
 @torch.no_grad()
-def update_expert_bias(model_parts: Iterable[nn.Module], *, rate: float, reduce: Optional[Callable[[torch.Tensor], None]] = None,
-                       step_scale: Optional[torch.Tensor] = None) -> None:
+def update_expert_bias(
+    model_parts: Iterable[nn.Module],
+    *,
+    rate: float,
+    reduce: Callable[[torch.Tensor], None] | None = None,
+    step_scale: torch.Tensor | None = None,
+) -> None:
     """Auxiliary-loss-free balancing (DeepSeek-V3), run after each optimizer step: every
     expert's routing bias moves by ``rate * sign(mean load - load)``, the load being the
     tokens routed to it since the last update. ``reduce`` sums the [layers, E] counts in
@@ -351,7 +364,7 @@ def update_expert_bias(model_parts: Iterable[nn.Module], *, rate: float, reduce:
     steps = torch.sign(loads.mean(dim=1, keepdim=True) - loads) * rate
     if step_scale is not None:
         steps = steps * step_scale
-    for layer, step in zip(layers, steps):
+    for layer, step in zip(layers, steps, strict=False):
         layer.expert_bias += step.to(layer.expert_bias.dtype)  # type: ignore[operator]
         layer.expert_load.zero_()  # type: ignore[union-attr]
 
@@ -359,7 +372,7 @@ def update_expert_bias(model_parts: Iterable[nn.Module], *, rate: float, reduce:
 MOE_METRIC_KEYS = ("aux_loss", "z_loss", "load_imbalance", "load_cv", "dropped_frac")
 
 
-def moe_metric_sums(model_parts: Iterable[nn.Module]) -> tuple[Dict[str, float], int, float]:
+def moe_metric_sums(model_parts: Iterable[nn.Module]) -> tuple[dict[str, float], int, float]:
     """Sums of each statistic over this rank's MoE layers that ran since the last
     call, how many layers that is, and the worst layer's load imbalance; resets them."""
     sums = dict.fromkeys(MOE_METRIC_KEYS, 0.0)
@@ -376,7 +389,7 @@ def moe_metric_sums(model_parts: Iterable[nn.Module]) -> tuple[Dict[str, float],
     return sums, count, worst
 
 
-def moe_metrics(model_parts: Iterable[nn.Module]) -> Dict[str, float]:
+def moe_metrics(model_parts: Iterable[nn.Module]) -> dict[str, float]:
     """MoE statistics since the last call, averaged over this rank's MoE layers, then reset.
 
     Keys: ``moe/aux_loss``, ``moe/z_loss``, ``moe/load_imbalance`` (max over mean
@@ -386,7 +399,7 @@ def moe_metrics(model_parts: Iterable[nn.Module]) -> Dict[str, float]:
     return metrics_from_sums(sums, count=count, worst=worst)
 
 
-def metrics_from_sums(sums: Dict[str, float], *, count: int, worst: float) -> Dict[str, float]:
+def metrics_from_sums(sums: dict[str, float], *, count: int, worst: float) -> dict[str, float]:
     if count == 0:
         return {}
     out = {f"moe/{key}": value / count for key, value in sums.items()}

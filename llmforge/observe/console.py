@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
-
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -12,11 +10,19 @@ LOG_WIDTH = 200
 
 
 class TrainingProgress:
-    def __init__(self, *, total_steps: int, start_step: int, enabled: bool, console: Optional[Console] = None, validation: bool = False,
-                 mfu_approximate: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        total_steps: int,
+        start_step: int,
+        enabled: bool,
+        console: Console | None = None,
+        validation: bool = False,
+        mfu_approximate: bool = False,
+    ) -> None:
         """``mfu_approximate``: the peak MFU is measured against is a guess, so MFU shows as ``~40.1%``."""
         self.console = console or Console(stderr=True)
-        self._progress: Optional[Progress] = None
+        self._progress: Progress | None = None
         self._mfu_prefix = "~" if mfu_approximate else ""
         if not enabled:
             return
@@ -36,12 +42,23 @@ class TrainingProgress:
             console=self.console if self.console.is_terminal else Console(file=self.console.file, width=LOG_WIDTH),
             transient=False,
         )
-        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, loss="-", tps="-", val="-", mfu="-", mem="-", ckpt="-", skipped="")
+        self._task = self._progress.add_task(
+            "train", total=total_steps, completed=start_step, loss="-", tps="-", val="-", mfu="-", mem="-", ckpt="-", skipped=""
+        )
         self._progress.start()
 
-    def update(self, *, step: int, loss: Optional[float] = None, tokens_per_s: Optional[float] = None, val_loss: Optional[float] = None,
-               mfu: Optional[float] = None, memory_gib: Optional[float] = None, checkpoint: Optional[Tuple[int, float]] = None,
-               skipped: Optional[int] = None) -> None:
+    def update(
+        self,
+        *,
+        step: int,
+        loss: float | None = None,
+        tokens_per_s: float | None = None,
+        val_loss: float | None = None,
+        mfu: float | None = None,
+        memory_gib: float | None = None,
+        checkpoint: tuple[int, float] | None = None,
+        skipped: int | None = None,
+    ) -> None:
         """``checkpoint``: (step, seconds training stalled) of the newest save."""
         if self._progress is None:
             return

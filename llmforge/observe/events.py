@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import TextIO
 
 
 class EventLog:
@@ -14,7 +14,7 @@ class EventLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file: Optional[TextIO] = None
+        self._file: TextIO | None = None
 
     def write(self, text: str) -> None:
         if self._file is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from llmforge.files import write_text_atomic
 
@@ -18,7 +18,7 @@ class MetricsFile:
         self.path = path
         self._file = path.open("a", encoding="utf-8")
 
-    def write(self, record: Dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any]) -> None:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
@@ -27,13 +27,13 @@ class MetricsFile:
         self._file.close()
 
 
-def read_metrics(path: Path) -> List[Dict[str, Any]]:
+def read_metrics(path: Path) -> list[dict[str, Any]]:
     """Every record of a metrics.jsonl; lines that are not a JSON object (a write cut short) are skipped."""
     records = (_record(line) for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines())
     return [r for r in records if r is not None]
 
 
-def tidy_metrics(path: Path, *, after_step: Optional[int] = None) -> List[str]:
+def tidy_metrics(path: Path, *, after_step: int | None = None) -> list[str]:
     """Before a run appends to ``path``: drop a last line that does not parse (its writer was
     killed mid-line; the next record would be glued onto it) and, with ``after_step``, the
     records past that step (steps that will be trained again). Returns what was dropped,
@@ -55,7 +55,7 @@ def tidy_metrics(path: Path, *, after_step: Optional[int] = None) -> List[str]:
     return notes
 
 
-def _record(line: str) -> Optional[Dict[str, Any]]:
+def _record(line: str) -> dict[str, Any] | None:
     try:
         record = json.loads(line)
     except ValueError:

@@ -8,8 +8,8 @@ snapshots are the pickles https://pytorch.org/memory_viz reads.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 
@@ -24,12 +24,14 @@ class StepProfiler:
     """torch.profiler over steps ``first..last`` (1-based, as logged): one step of warm-up
     before them when there is one, then the trace written when ``last`` ends."""
 
-    def __init__(self, *, steps: str, start_step: int, out_dir: Path, rank: int, cuda: bool, on_written: Callable[[Path], None] = lambda path: None) -> None:
+    def __init__(
+        self, *, steps: str, start_step: int, out_dir: Path, rank: int, cuda: bool, on_written: Callable[[Path], None] = lambda path: None
+    ) -> None:
         first, last = parse_steps(steps)
         self.last = last
         self.path = out_dir / f"rank{rank}.steps{first}-{last}.pt.trace.json"
         self._on_written = on_written
-        self._prof: Optional[torch.profiler.profile] = None
+        self._prof: torch.profiler.profile | None = None
         first = max(first, start_step + 1)
         if last < first:
             return  # a resume past the range
@@ -75,10 +77,14 @@ class MemorySnapshots:
         if self.active:
             everything = mode == "profile"
             torch.cuda.memory._record_memory_history(
-                enabled="all" if everything else "state", context="all" if everything else "alloc", stacks="python", max_entries=MAX_ENTRIES, device=device
+                enabled="all" if everything else "state",
+                context="all" if everything else "alloc",
+                stacks="python",
+                max_entries=MAX_ENTRIES,
+                device=device,
             )
 
-    def dump(self, name: str) -> Optional[Path]:
+    def dump(self, name: str) -> Path | None:
         """Write the snapshot as ``out_dir/<name>_rank<R>.pickle``; None when not recording."""
         if not self.active:
             return None
@@ -93,10 +99,14 @@ class MemorySnapshots:
             self.active = False
 
 
-def out_of_memory_error(exc: BaseException, *, rank: int, step: int, snapshot: Optional[Path], plan_path: Path) -> UserError:
+def out_of_memory_error(exc: BaseException, *, rank: int, step: int, snapshot: Path | None, plan_path: Path) -> UserError:
     """The message an out-of-memory error ends in: where, the snapshot, and how to size the plan."""
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    where = f"memory snapshot: {snapshot} (open it at https://pytorch.org/memory_viz)" if snapshot else "no memory snapshot (train.memory_snapshot=off)"
+    where = (
+        f"memory snapshot: {snapshot} (open it at https://pytorch.org/memory_viz)"
+        if snapshot
+        else "no memory snapshot (train.memory_snapshot=off)"
+    )
     return fail(
         f"rank {rank} ran out of GPU memory in step {step}: {first_line}\n  {where}\n"
         f"  what the plan needs per device: llmforge estimate --plan {plan_path}\n"

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 from llmforge.errors import Problem, UserError
 
 
 def missing_problem() -> Problem:
-    return Problem("logging.tensorboard", True, "the tensorboard package is not installed",
-                   "pip install 'llmforge[tensorboard]' (or pip install tensorboard), or set logging.tensorboard=false")
+    return Problem(
+        "logging.tensorboard",
+        True,
+        "the tensorboard package is not installed",
+        "pip install 'llmforge[tensorboard]' (or pip install tensorboard), or set logging.tensorboard=false",
+    )
 
 
 def check_installed() -> None:
@@ -32,7 +36,7 @@ class TensorBoardLog:
         self.log_dir = run_dir / "tensorboard"
         self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=10)
 
-    def log(self, record: Dict[str, Any]) -> None:
+    def log(self, record: dict[str, Any]) -> None:
         step = int(record["step"])
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any
 
 from llmforge.config.schema import WandbConfig
 
@@ -26,7 +26,7 @@ def _netrc_has_wandb() -> bool:
 class WandbRun:
     """A thin wrapper so the trainer calls log()/finish() whatever the mode."""
 
-    def __init__(self, *, settings: WandbConfig, run_dir: Path, name: str, config: Dict[str, Any], resume_id: Optional[str]) -> None:
+    def __init__(self, *, settings: WandbConfig, run_dir: Path, name: str, config: dict[str, Any], resume_id: str | None) -> None:
         self._run = None
         mode = resolve_mode(settings.mode)
         if mode == "disabled":
@@ -48,10 +48,10 @@ class WandbRun:
         )
 
     @property
-    def run_id(self) -> Optional[str]:
+    def run_id(self) -> str | None:
         return self._run.id if self._run is not None else None
 
-    def log(self, metrics: Dict[str, Any], *, step: int) -> None:
+    def log(self, metrics: dict[str, Any], *, step: int) -> None:
         if self._run is not None:
             self._run.log(metrics, step=step)
 

@@ -15,13 +15,13 @@ caller decides when (and whether) to look at the norm.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
+
 from llmforge.parallel.dtensor import local
 
 
@@ -35,17 +35,17 @@ class GlobalClip:
     parameters that are copies of another one (a tied weight held by two
     stages): counted once. ``distributed``: sum over all ranks of the default group."""
 
-    params: List[nn.Parameter]
+    params: list[nn.Parameter]
     ranks_per_stage: int = 1
-    skip: Set[int] = field(default_factory=set)
+    skip: set[int] = field(default_factory=set)
     distributed: bool = False
     #: Where the norm is returned: the compute device (offloaded gradients' norm is summed on the host).
-    device: Optional[torch.device] = None
+    device: torch.device | None = None
     #: The group summing the norm (None: the default one); offloaded on GPUs: a gloo group, for host tensors.
-    group: Optional[dist.ProcessGroup] = None
-    _copies_of: Dict[int, int] = field(default_factory=dict, repr=False)
+    group: dist.ProcessGroup | None = None
+    _copies_of: dict[int, int] = field(default_factory=dict, repr=False)
 
-    def __call__(self, max_norm: float, *, flags: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def __call__(self, max_norm: float, *, flags: torch.Tensor | None = None) -> torch.Tensor:
         """``flags``: a 1-D float tensor on the gradients' device, summed in place over
         every rank by the norm's own all-reduce (no collective of its own): how the ranks
         agree on what one of them saw (a NaN in a slot on any rank is a NaN on all)."""
@@ -57,9 +57,9 @@ class GlobalClip:
                 torch._foreach_mul_(tensors, coef.to(dtype))
         return norm if self.device is None or norm.device == self.device else norm.to(self.device)
 
-    def norm(self, grads: List[torch.Tensor], *, flags: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def norm(self, grads: list[torch.Tensor], *, flags: torch.Tensor | None = None) -> torch.Tensor:
         """The global L2 norm of the gradients (float64, on their device); ``flags`` as in ``__call__``."""
-        buckets: Dict[Tuple[int, torch.dtype], List[torch.Tensor]] = {}
+        buckets: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
         for p in self.params:
             if p.grad is None or id(p) in self.skip:
                 continue
@@ -94,8 +94,8 @@ class GlobalClip:
         return self._copies_of[key]
 
 
-def _by_dtype(tensors: List[torch.Tensor]) -> Dict[torch.dtype, List[torch.Tensor]]:
-    out: Dict[torch.dtype, List[torch.Tensor]] = {}
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[torch.Tensor]]:
+    out: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         out.setdefault(t.dtype, []).append(t)
     return out

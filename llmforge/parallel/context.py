@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 import types
-from typing import Any, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,7 @@ class _GatherSeq(torch.autograd.Function):
         return torch.cat(parts, dim=2)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         group = ctx.group
         size, rank = dist.get_world_size(group), dist.get_rank(group)
         if grad.device.type == "cpu":  # gloo (CPU tensors) has no reduce-scatter

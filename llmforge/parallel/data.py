@@ -47,8 +47,8 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,12 +71,24 @@ def mixed_precision(*, param_dtype: torch.dtype, reduce_dtype: torch.dtype, fp32
     copies meet it in autocast (``llmforge.parallel.residual`` casts the
     embedding lookups up)."""
     compute = None if param_dtype == torch.float32 else param_dtype
-    return MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=reduce_dtype, cast_forward_inputs=compute is not None and not fp32_residual)
+    return MixedPrecisionPolicy(
+        param_dtype=compute, reduce_dtype=reduce_dtype, cast_forward_inputs=compute is not None and not fp32_residual
+    )
 
 
-def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype: torch.dtype, reduce_dtype: torch.dtype,
-               expert_mesh: Optional[DeviceMesh] = None, offload: bool = False, fp32_residual: bool = False,
-               defer: bool = False, release_reduce_input: bool = False) -> Optional["DeferredReduceScatter"]:
+def apply_fsdp(
+    model: nn.Module,
+    *,
+    dp_mesh: DeviceMesh,
+    zero: int,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    expert_mesh: DeviceMesh | None = None,
+    offload: bool = False,
+    fp32_residual: bool = False,
+    defer: bool = False,
+    release_reduce_input: bool = False,
+) -> DeferredReduceScatter | None:
     """Shard ``model`` over ``dp_mesh`` with FSDP2 for ZeRO stage 1, 2 or 3.
 
     ``expert_mesh`` (the ``dp_rest`` mesh, set when experts are split over ep
@@ -114,10 +126,10 @@ def apply_fsdp(model: nn.Module, *, dp_mesh: DeviceMesh, zero: int, param_dtype:
     return deferred
 
 
-_DEFERRED: "weakref.WeakKeyDictionary[nn.Module, DeferredReduceScatter]" = weakref.WeakKeyDictionary()
+_DEFERRED: weakref.WeakKeyDictionary[nn.Module, DeferredReduceScatter] = weakref.WeakKeyDictionary()
 
 
-def deferred_reduce(model: nn.Module) -> Optional["DeferredReduceScatter"]:
+def deferred_reduce(model: nn.Module) -> DeferredReduceScatter | None:
     """The deferred reduce-scatters ``apply_fsdp(defer=True)`` gave ``model``, if any."""
     return _DEFERRED.get(model)
 
@@ -158,8 +170,8 @@ class DeferredReduceScatter(_GlooReduceScatter):
     backward, before anything reads the gradients) waits for every launched one.
     ``trace``, when a list, records one entry per launched reduce-scatter (its input numel)."""
 
-    def __init__(self, trace: Optional[List[int]] = None) -> None:
-        self._pending: List[Tuple[object, torch.Tensor, torch.Tensor]] = []
+    def __init__(self, trace: list[int] | None = None) -> None:
+        self._pending: list[tuple[object, torch.Tensor, torch.Tensor]] = []
         self.trace = trace
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup, op, async_op: bool = False):
@@ -176,7 +188,7 @@ class DeferredReduceScatter(_GlooReduceScatter):
             work.wait()  # type: ignore[attr-defined]
 
 
-def _prefetch(blocks: List[FSDPModule]) -> None:
+def _prefetch(blocks: list[FSDPModule]) -> None:
     """Each block issues the next block's all-gather in forward and the previous
     block's in backward, so gathers run while the current block computes."""
     for i, block in enumerate(blocks):
@@ -186,7 +198,9 @@ def _prefetch(blocks: List[FSDPModule]) -> None:
             block.set_modules_to_backward_prefetch([blocks[i - 1]])
 
 
-def _shard_experts(block: nn.Module, *, mesh: DeviceMesh, dp_size: int, reshard: bool, mp: MixedPrecisionPolicy, policy: OffloadPolicy) -> None:
+def _shard_experts(
+    block: nn.Module, *, mesh: DeviceMesh, dp_size: int, reshard: bool, mp: MixedPrecisionPolicy, policy: OffloadPolicy
+) -> None:
     for module in list(block.modules()):
         if isinstance(module, ExpertParallelExperts):
             unit = fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy)
@@ -221,7 +235,7 @@ class GradAllReduce:
     (the data-parallel group and size; for expert weights the ``dp_rest`` group
     and the data-parallel size)."""
 
-    params: List[nn.Parameter]
+    params: list[nn.Parameter]
     group: dist.ProcessGroup
     size: int
     dtype: torch.dtype
@@ -245,12 +259,12 @@ BUCKET_BYTES = 25 * 2**20
 FIRST_BUCKET_BYTES = 2**20
 
 
-def plan_buckets(sizes: Sequence[int], *, bucket_bytes: int, first_bucket_bytes: int) -> List[List[int]]:
+def plan_buckets(sizes: Sequence[int], *, bucket_bytes: int, first_bucket_bytes: int) -> list[list[int]]:
     """Parameter indices grouped into buckets, in reverse parameter order (the order
     backward produces gradients). ``sizes`` are the bytes each parameter sends; a
     bucket closes when the next parameter would take it past its cap."""
-    buckets: List[List[int]] = []
-    current: List[int] = []
+    buckets: list[list[int]] = []
+    current: list[int] = []
     filled = 0
     for index in reversed(range(len(sizes))):
         cap = first_bucket_bytes if not buckets else bucket_bytes
@@ -268,7 +282,7 @@ def plan_buckets(sizes: Sequence[int], *, bucket_bytes: int, first_bucket_bytes:
 class _Launched:
     flat: torch.Tensor
     work: object
-    numels: List[int]
+    numels: list[int]
 
 
 @dataclass
@@ -288,14 +302,14 @@ class BucketedGradReduce:
     gradient anywhere keeps none (as in one process). ``trace``, when a list,
     records ``("ready", param index)`` and ``("launch", bucket index)`` events."""
 
-    params: List[nn.Parameter]
+    params: list[nn.Parameter]
     group: dist.ProcessGroup
     size: int
     dtype: torch.dtype
     bucket_bytes: int = BUCKET_BYTES
     first_bucket_bytes: int = FIRST_BUCKET_BYTES
-    trace: Optional[List[Tuple[str, int]]] = None
-    buckets: List[List[int]] = field(init=False)
+    trace: list[tuple[str, int]] | None = None
+    buckets: list[list[int]] = field(init=False)
 
     def __post_init__(self) -> None:
         element = torch.tensor([], dtype=self.dtype).element_size()
@@ -309,7 +323,7 @@ class BucketedGradReduce:
 
     def _reset(self) -> None:
         self._pending = [set(bucket) for bucket in self.buckets]
-        self._launched: List[_Launched] = []
+        self._launched: list[_Launched] = []
 
     def arm(self, *, armed: bool) -> None:
         """Reduce during the coming backward (the step's last microbatch) or only accumulate."""
@@ -352,17 +366,17 @@ class BucketedGradReduce:
             for launched in self._launched:
                 launched.work.wait()  # type: ignore[attr-defined]
             flags = self._launched[-1].flat[sum(self._launched[-1].numels) :]
-            for bucket, launched in zip(self.buckets, self._launched):
+            for bucket, launched in zip(self.buckets, self._launched, strict=False):
                 self._write_back(bucket, launched, flags)
         finally:
             self._armed = False
             self._reset()
 
-    def _write_back(self, bucket: List[int], launched: _Launched, flags: torch.Tensor) -> None:
+    def _write_back(self, bucket: list[int], launched: _Launched, flags: torch.Tensor) -> None:
         flat = launched.flat
         flat[: sum(launched.numels)].div_(self.size)
         offset = 0
-        for i, numel in zip(bucket, launched.numels):
+        for i, numel in zip(bucket, launched.numels, strict=False):
             p, part = self.params[i], flat[offset : offset + numel]
             offset += numel
             if p.grad is not None:

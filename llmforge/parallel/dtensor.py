@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
-def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def local(t: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's shard of ``t`` (``t`` itself when it is a plain tensor or None)."""
     return t.to_local() if isinstance(t, DTensor) else t
 

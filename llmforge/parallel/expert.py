@@ -32,7 +32,7 @@ The ep mesh spans data-parallel ranks only, never tp or pp ranks.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -61,13 +61,13 @@ class ExpertParallelExperts(GroupedExperts):
             send_splits = counts.view(ep, per_rank).sum(1).tolist()
         else:  # balanced routing: every rank sends each expert the same count
             mine = self.ep_mesh.get_local_rank()
-            received = [list(counts[mine * per_rank:(mine + 1) * per_rank]) for _ in range(ep)]
-            send_splits = [sum(counts[r * per_rank:(r + 1) * per_rank]) for r in range(ep)]
+            received = [list(counts[mine * per_rank : (mine + 1) * per_rank]) for _ in range(ep)]
+            send_splits = [sum(counts[r * per_rank : (r + 1) * per_rank]) for r in range(ep)]
         recv_splits = [sum(row) for row in received]
         x_recv = _wait(all_to_all_single_autograd(x.contiguous(), recv_splits, send_splits, group))
         order = _source_to_expert_order(received, device=x.device)
         weights = {name: local(getattr(self, name)) for name in EXPERT_WEIGHTS}
-        y_sorted = expert_mlp(x_recv[order], [sum(column) for column in zip(*received)], **weights)
+        y_sorted = expert_mlp(x_recv[order], [sum(column) for column in zip(*received, strict=False)], **weights)
         y = torch.empty_like(y_sorted).index_copy(0, order, y_sorted)
         return _wait(all_to_all_single_autograd(y.contiguous(), send_splits, recv_splits, group))
 
@@ -87,13 +87,17 @@ def _exchange_counts(counts: torch.Tensor, *, group: dist.ProcessGroup) -> torch
     return received
 
 
-def _source_to_expert_order(received: List[List[int]], *, device: torch.device) -> torch.Tensor:
+def _source_to_expert_order(received: list[list[int]], *, device: torch.device) -> torch.Tensor:
     """Indices that regroup tokens laid out by (source rank, local expert) into
     (local expert, source rank) order; ``received[s][j]``: tokens from rank s for local expert j."""
     ep, per_rank = len(received), len(received[0])
     flat = [n for row in received for n in row]
     starts = [sum(flat[:i]) for i in range(len(flat))]
-    chunks = [torch.arange(starts[s * per_rank + j], starts[s * per_rank + j] + flat[s * per_rank + j]) for j in range(per_rank) for s in range(ep)]
+    chunks = [
+        torch.arange(starts[s * per_rank + j], starts[s * per_rank + j] + flat[s * per_rank + j])
+        for j in range(per_rank)
+        for s in range(ep)
+    ]
     return torch.cat(chunks).to(device) if chunks else torch.zeros(0, dtype=torch.int64, device=device)
 
 
@@ -117,13 +121,13 @@ def apply_ep(model: nn.Module, *, ep_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def expert_parameters(model: nn.Module) -> List[nn.Parameter]:
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
     """The sharded expert weights apply_ep created (reduced over expert replicas only)."""
     return [p for m in model.modules() if isinstance(m, ExpertParallelExperts) for n in EXPERT_WEIGHTS if (p := getattr(m, n)) is not None]
 
 
 @torch.no_grad()
-def reduce_expert_grads(model: nn.Module, *, replica_group: Optional[dist.ProcessGroup], dp_size: int) -> None:
+def reduce_expert_grads(model: nn.Module, *, replica_group: dist.ProcessGroup | None, dp_size: int) -> None:
     """Sum expert gradients over the ranks holding the same experts and divide by the
     whole data-parallel size, so they equal the gradient of the dp-averaged loss.
     ``replica_group`` None means there is one replica (dp·cp == ep)."""
@@ -144,7 +148,7 @@ def load_reducer(mesh) -> Callable[[torch.Tensor], None]:
     return lambda counts: dist.all_reduce(counts, group=group)
 
 
-def global_moe_metrics(model_parts: List[nn.Module]) -> Dict[str, float]:
+def global_moe_metrics(model_parts: list[nn.Module]) -> dict[str, float]:
     """MoE statistics averaged over every MoE layer on every rank (each pipeline
     stage holds different layers, each data-parallel rank routes different tokens).
     A collective: every rank must call it at the same step."""
@@ -154,5 +158,5 @@ def global_moe_metrics(model_parts: List[nn.Module]) -> Dict[str, float]:
     peak = torch.tensor([worst], dtype=torch.float64, device=device)
     dist.all_reduce(totals, op=dist.ReduceOp.SUM)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    values = dict(zip(MOE_METRIC_KEYS, totals[:-1].tolist()))
+    values = dict(zip(MOE_METRIC_KEYS, totals[:-1].tolist(), strict=False))
     return metrics_from_sums(values, count=int(totals[-1].item()), worst=float(peak.item()))

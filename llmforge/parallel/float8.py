@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Iterator, List
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -63,7 +63,7 @@ def quiet_torchao() -> Iterator[None]:
     try:
         yield
     finally:
-        for lg, level in zip(loggers, levels):
+        for lg, level in zip(loggers, levels, strict=False):
             lg.setLevel(level)
 
 
@@ -98,7 +98,9 @@ def apply_float8(model: nn.Module, *, recipe: str, emulate: bool, fsdp_all_gathe
     device = next(model.parameters()).device
     if not emulate and device.type != "meta" and not has_fp8_hardware(device):
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        raise fail(f"precision.fp8: this device ({name}) has no FP8 tensor cores (CUDA compute capability 8.9 or later); run on an H100/H200/B200, use precision=bf16, or precision.fp8_emulate=true (no speed-up)")
+        raise fail(
+            f"precision.fp8: this device ({name}) has no FP8 tensor cores (CUDA compute capability 8.9 or later); run on an H100/H200/B200, use precision=bf16, or precision.fp8_emulate=true (no speed-up)"
+        )
     with quiet_torchao():
         from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
@@ -111,7 +113,7 @@ def apply_float8(model: nn.Module, *, recipe: str, emulate: bool, fsdp_all_gathe
     return converted
 
 
-def precompute_scales(parts: List[nn.Module]) -> Callable[[], None]:
+def precompute_scales(parts: list[nn.Module]) -> Callable[[], None]:
     """What to run after every optimizer step with float8 all-gather under FSDP: the
     next forward's weight scales, for all float8 weights in one all-reduce."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp

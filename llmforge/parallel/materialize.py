@@ -12,7 +12,7 @@ needed), so a rank's peak during the build is its shards plus the largest single
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ def model_name(name: str) -> str:
     return name
 
 
-def seeded_values(model: GPT, *, seed: int, aliases: Optional[Mapping[str, str]] = None) -> WholeValue:
+def seeded_values(model: GPT, *, seed: int, aliases: Mapping[str, str] | None = None) -> WholeValue:
     """The seeded initial values of ``model``'s parameters (``llmforge.models.gpt.initial_value``);
     ``aliases`` maps a parameter to the one whose initial value it copies."""
     aliases = aliases or {}
@@ -44,7 +44,7 @@ def seeded_values(model: GPT, *, seed: int, aliases: Optional[Mapping[str, str]]
 
 
 @torch.no_grad()
-def materialize(model: GPT, *, device: torch.device, values: WholeValue, param_device: Optional[torch.device] = None) -> None:
+def materialize(model: GPT, *, device: torch.device, values: WholeValue, param_device: torch.device | None = None) -> None:
     """Allocate ``model``'s local shards (on ``param_device``, default ``device``; the
     host for offloaded states) and buffers (on ``device``), and fill them from ``values``."""
     model.to_empty(device=param_device or device)
@@ -76,7 +76,7 @@ def local_piece(param: DTensor, whole: torch.Tensor) -> torch.Tensor:
     dimension (``_StridedShard``) concatenates each: a second whole copy at the build's peak."""
     with _disable_current_modes():  # index arithmetic on real tensors, outside a rehearsal's modes
         shape, offset = compute_local_shape_and_global_offset(whole.shape, param.device_mesh, param.placements)
-    piece = whole[tuple(slice(start, start + size) for start, size in zip(offset, shape))]
+    piece = whole[tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=False))]
     if piece.shape == param.to_local().shape:
         return piece
     return distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None).to_local()

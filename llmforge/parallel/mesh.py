@@ -71,7 +71,9 @@ def build_mesh(layout: Layout, *, device_type: str, timeout_s: float) -> Paralle
     dp_rest = world["dp_replicate", "dp_shard"]._flatten("dp_rest") if layout.ep > 1 else dp
     dp_cp = world["dp_replicate", "dp_shard", "ep", "cp"]._flatten("dp_cp") if layout.cp > 1 else dp
     fsdp = world["dp_replicate", "dp_shard"] if layout.dp_replicate > 1 else dp_cp
-    mesh = ParallelMesh(world=world, dp=dp, dp_rest=dp_rest, tp=world["tp"], pp=world["pp"], ep=world["ep"], cp=world["cp"], dp_cp=dp_cp, fsdp=fsdp)
+    mesh = ParallelMesh(
+        world=world, dp=dp, dp_rest=dp_rest, tp=world["tp"], pp=world["pp"], ep=world["ep"], cp=world["cp"], dp_cp=dp_cp, fsdp=fsdp
+    )
     set_collective_timeout(mesh, seconds=first_step_timeout(timeout_s))
     return mesh
 
@@ -81,7 +83,7 @@ def first_step_timeout(timeout_s: float) -> float:
     return max(timeout_s, FIRST_STEP_TIMEOUT_S)
 
 
-def set_collective_timeout(mesh: "ParallelMesh | None", *, seconds: float) -> None:
+def set_collective_timeout(mesh: ParallelMesh | None, *, seconds: float) -> None:
     """Give every process group of the run this collective timeout. Sub-groups are
     created with the backend's default (30 minutes on gloo, 10 on NCCL), not the world
     group's, so a rank stuck in a tp/pp/dp collective would otherwise wait that long."""

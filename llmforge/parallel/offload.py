@@ -13,7 +13,8 @@ offload (``CPUOffloadPolicy``) is ``llmforge.parallel.data``.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ class ActivationOffload:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.stream: Optional[Any] = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream: Any | None = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def pack(self, tensor: torch.Tensor) -> Any:
         if isinstance(tensor, nn.Parameter) or tensor.device.type != self.device.type:
@@ -72,4 +73,3 @@ class OffloadedStep:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
-

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -53,8 +52,8 @@ class Matrix:
     local: torch.Tensor
     like: torch.Tensor  # the parameter (a DTensor when sharded): its mesh, placements, global shape
     owner: int = -1  # group rank that orthogonalises it (owner route only)
-    received: List[torch.Tensor] = field(default_factory=list)
-    result: Optional[torch.Tensor] = None
+    received: list[torch.Tensor] = field(default_factory=list)
+    result: torch.Tensor | None = None
     #: ``local`` (whole matrices here), ``owner`` (sharded over one mesh dimension) or ``gather_all``
     route: str = field(init=False)
     #: the mesh dimension that shards it (owner route)
@@ -97,7 +96,7 @@ def chunk_size(size: int, *, n: int, rank: int) -> int:
     return max(0, min(size, (rank + 1) * chunk) - rank * chunk)
 
 
-def orthogonalize(matrices: List[Matrix], *, steps: int, dtype: torch.dtype) -> List[torch.Tensor]:
+def orthogonalize(matrices: list[Matrix], *, steps: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """Each matrix's orthogonalised update, as this rank's shard of it (collective over
     the groups the matrices are sharded over: every rank of a group passes the same
     matrices in the same order)."""
@@ -121,7 +120,7 @@ def orthogonalize(matrices: List[Matrix], *, steps: int, dtype: torch.dtype) -> 
     return [m.result for m in matrices]  # type: ignore[misc]
 
 
-def _narrowed(m: Matrix) -> Optional[Matrix]:
+def _narrowed(m: Matrix) -> Matrix | None:
     """A matrix sharded over several mesh dimensions (ZeRO with TP), all-gathered over all but
     the largest that splits it by plain ``Shard``: a matrix for the owner route over that one
     (each of the other dimensions' coordinates repeats it). None where no dimension qualifies."""
@@ -145,9 +144,9 @@ def _reshard(local: torch.Tensor, *, like: torch.Tensor, to: torch.Tensor) -> to
     return moved.redistribute(to.device_mesh, to.placements).to_local()
 
 
-def _assign_owners(owned: List[Matrix]) -> None:
+def _assign_owners(owned: list[Matrix]) -> None:
     """Per group: largest matrix first, to the rank with the fewest elements so far."""
-    by_group: Dict[int, List[Matrix]] = {}
+    by_group: dict[int, list[Matrix]] = {}
     for m in owned:
         by_group.setdefault(id(m.group), []).append(m)
     for members in by_group.values():
@@ -161,7 +160,7 @@ def _is_owner(m: Matrix) -> bool:
     return dist.get_rank(m.group) == m.owner
 
 
-def _padded_shape(m: Matrix) -> Tuple[int, ...]:
+def _padded_shape(m: Matrix) -> tuple[int, ...]:
     shape = list(m.like.shape)
     shape[m.dim] = chunk_size(shape[m.dim], n=dist.get_world_size(m.group), rank=0)
     return tuple(shape)

@@ -19,8 +19,8 @@ a rank can run its schedule without its neighbours' answers (``llmforge estimate
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,7 @@ SCHEDULES = {
 }
 
 
-def stage_skeleton(config: ModelConfig, *, stage: int, layers_per_stage: List[int]) -> GPT:
+def stage_skeleton(config: ModelConfig, *, stage: int, layers_per_stage: list[int]) -> GPT:
     """Chunk ``stage`` of the model on the meta device (no memory): the full model's
     parameter names, only the blocks, embedding and output layer this chunk holds.
 
@@ -98,13 +98,15 @@ class StageShapes:
     def stream(self) -> torch.Tensor:
         return torch.empty(self.micro_batch, self.stream_tokens, self.hidden, dtype=self.stream_dtype, device="meta", requires_grad=True)
 
-    def example_args(self, *, stage: int, num_stages: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    def example_args(self, *, stage: int, num_stages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Chunk ``stage``'s example input and output (meta tensors: shapes, strides, dtypes). The
         last chunk's output (the logits, a DTensor under tensor parallel) goes to the loss and is
         sent nowhere: its example only counts the outputs."""
         first, last = stage == 0, stage == num_stages - 1
         inputs = torch.empty(self.micro_batch, self.seq_len, dtype=torch.long, device="meta") if first else self.stream()
-        outputs = torch.empty(self.micro_batch, self.seq_len, self.logits, dtype=self.logits_dtype, device="meta") if last else self.stream()
+        outputs = (
+            torch.empty(self.micro_batch, self.seq_len, self.logits, dtype=self.logits_dtype, device="meta") if last else self.stream()
+        )
         return inputs, outputs
 
 
@@ -113,23 +115,37 @@ def _check_sent_activations(expected: torch.Tensor, stage: int):
 
     def hook(_module: nn.Module, _args, output) -> None:
         if isinstance(output, torch.Tensor) and (output.shape != expected.shape or output.dtype != expected.dtype):
-            raise RuntimeError(f"pipeline chunk {stage} sends {tuple(output.shape)} {output.dtype}, "
-                               f"its neighbour expects {tuple(expected.shape)} {expected.dtype} (llmforge.parallel.pipeline.StageShapes)")
+            raise RuntimeError(
+                f"pipeline chunk {stage} sends {tuple(output.shape)} {output.dtype}, "
+                f"its neighbour expects {tuple(expected.shape)} {expected.dtype} (llmforge.parallel.pipeline.StageShapes)"
+            )
 
     return hook
 
 
-def _stage(module: nn.Module, stage: int, num_stages: int, *, shapes: StageShapes, device: torch.device, group: dist.ProcessGroup) -> PipelineStage:
+def _stage(
+    module: nn.Module, stage: int, num_stages: int, *, shapes: StageShapes, device: torch.device, group: dist.ProcessGroup
+) -> PipelineStage:
     inputs, outputs = shapes.example_args(stage=stage, num_stages=num_stages)
     if stage < num_stages - 1:
         module.register_forward_hook(_check_sent_activations(outputs, stage))
     return PipelineStage(module, stage, num_stages, device, input_args=inputs, output_args=outputs, group=group)
 
 
-def build_schedule(*, name: str, modules: List[nn.Module], ids: List[int], num_stages: int, group: dist.ProcessGroup, device: torch.device,
-                   microbatches: int, loss_fn: Callable, shapes: StageShapes):
+def build_schedule(
+    *,
+    name: str,
+    modules: list[nn.Module],
+    ids: list[int],
+    num_stages: int,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    microbatches: int,
+    loss_fn: Callable,
+    shapes: StageShapes,
+):
     """The torch pipeline schedule over this rank's chunks, their shapes given (``shapes``)."""
-    stages = [_stage(m, i, num_stages, shapes=shapes, device=device, group=group) for m, i in zip(modules, ids)]
+    stages = [_stage(m, i, num_stages, shapes=shapes, device=device, group=group) for m, i in zip(modules, ids, strict=False)]
     cls = SCHEDULES[name]
     if name in SINGLE_STAGE_SCHEDULES:
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)

@@ -22,7 +22,7 @@ quantization of a plain run does, with the same numbers as the fake-quantized fo
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, List
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -79,7 +79,7 @@ def set_fake_quant(parts: Iterable[nn.Module], *, enabled: bool) -> None:
         part.apply(lambda m: enable_linear_fake_quant(m, enabled=enabled))
 
 
-def switch_at(parts: List[nn.Module], *, start_step: int) -> Callable[[int], None]:
+def switch_at(parts: list[nn.Module], *, start_step: int) -> Callable[[int], None]:
     """What the loop runs before each step: fake quantization on from step ``start_step`` (1-based) onwards."""
     state = {"enabled": None}
 
@@ -92,7 +92,7 @@ def switch_at(parts: List[nn.Module], *, start_step: int) -> Callable[[int], Non
     return before_step
 
 
-def quantize(model: nn.Module, *, scheme: str, group_size: int) -> List[str]:
+def quantize(model: nn.Module, *, scheme: str, group_size: int) -> list[str]:
     """Quantize the blocks' linear layers of a plain or fake-quantized model for real, in
     place, with the scheme's torchao config; returns the names of the quantized layers."""
     with quiet_torchao():

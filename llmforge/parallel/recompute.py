@@ -26,7 +26,8 @@ class for a checkpointing subclass, so parameter names do not change.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -50,8 +51,14 @@ ATTENTION_OPS = (
 def _save_ops() -> frozenset:
     """Ops whose outputs selective recompute keeps: matmuls, fused attention and
     communication (also the sequence-parallel gather + column-parallel linears, as one op)."""
-    ops = [aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.linear.default,
-           torch.ops.llmforge.sp_column_linears.default]
+    ops = [
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten.linear.default,
+        torch.ops.llmforge.sp_column_linears.default,
+    ]
     ops += [getattr(aten, name).default for name in ATTENTION_OPS if hasattr(aten, name)]
     functional = getattr(torch.ops, "_c10d_functional", None)
     for name in ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "wait_tensor"):
@@ -76,21 +83,21 @@ def selective_context() -> tuple:
 class CheckpointedModule:
     """Mixin placed in front of a block's class: its forward runs under checkpoint."""
 
-    recompute_context: Optional[Callable[[], tuple]] = None
+    recompute_context: Callable[[], tuple] | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        options: Dict[str, Any] = {"use_reentrant": False}
+        options: dict[str, Any] = {"use_reentrant": False}
         if self.recompute_context is not None:
             options["context_fn"] = self.recompute_context
         return checkpoint(super().forward, *args, **options, **kwargs)  # type: ignore[misc]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _checkpointed_class(cls: type) -> type:
     return type(f"Checkpointed{cls.__name__}", (CheckpointedModule, cls), {})
 
 
-def checkpoint_module(module: nn.Module, *, context: Optional[Callable[[], tuple]]) -> None:
+def checkpoint_module(module: nn.Module, *, context: Callable[[], tuple] | None) -> None:
     """Make ``module``'s forward checkpointed (selective when ``context`` is given)."""
     if isinstance(module, CheckpointedModule):
         raise ValueError(f"{type(module).__name__} is already checkpointed")

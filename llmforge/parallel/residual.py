@@ -25,7 +25,7 @@ blocks in the stream's dtype.
 from __future__ import annotations
 
 import functools
-from typing import Any, Tuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -35,7 +35,7 @@ def _cast_output(_module: nn.Module, _inputs: Any, output: torch.Tensor, *, dtyp
     return output.to(dtype)
 
 
-def _cast_input(_module: nn.Module, args: Tuple[Any, ...], *, dtype: torch.dtype) -> Tuple[Any, ...]:
+def _cast_input(_module: nn.Module, args: tuple[Any, ...], *, dtype: torch.dtype) -> tuple[Any, ...]:
     if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
         return (args[0].to(dtype),) + tuple(args[1:])
     return args

@@ -19,7 +19,7 @@ data) and casts each weight itself, so autocast keeps no copies of these weights
 
 from __future__ import annotations
 
-from typing import Any, List, Optional
+from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
-from llmforge.parallel.dtensor import local
 
+from llmforge.parallel.dtensor import local
 
 # the same functional collectives DTensor uses (renamed *_single in recent torch)
 _all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
@@ -45,12 +45,13 @@ def _gather(shard: torch.Tensor, group: str) -> torch.Tensor:
 
 
 @torch.library.custom_op("llmforge::sp_column_linears", mutates_args=())
-def sp_column_linears(x: torch.Tensor, weights: List[torch.Tensor], biases: List[torch.Tensor], group: str,
-                      dtype: torch.dtype) -> List[torch.Tensor]:
+def sp_column_linears(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor], group: str, dtype: torch.dtype
+) -> list[torch.Tensor]:
     """``[linear(gather(x), w, b) for w, b]`` in ``dtype``; ``biases`` empty or one per weight."""
     full = _gather(x.to(dtype), group)
     bs = biases if biases else [None] * len(weights)
-    return [F.linear(full, w.to(dtype), None if b is None else b.to(dtype)) for w, b in zip(weights, bs)]
+    return [F.linear(full, w.to(dtype), None if b is None else b.to(dtype)) for w, b in zip(weights, bs, strict=False)]
 
 
 @sp_column_linears.register_fake
@@ -67,13 +68,13 @@ def _setup(ctx: Any, inputs: tuple, output: Any) -> None:
     ctx.bias_dtypes = [b.dtype for b in biases]
 
 
-def _backward(ctx: Any, grads: List[Optional[torch.Tensor]]):
+def _backward(ctx: Any, grads: list[torch.Tensor | None]):
     shard, *weights = ctx.saved_tensors
     full = _gather(shard, ctx.group)
     flat = full.reshape(-1, full.shape[-1])
     grad_full = torch.zeros_like(flat)
     grad_weights, grad_biases = [], []
-    for i, (g, w) in enumerate(zip(grads, weights)):
+    for i, (g, w) in enumerate(zip(grads, weights, strict=False)):
         g = torch.zeros(flat.shape[0], w.shape[0], dtype=ctx.dtype, device=flat.device) if g is None else g.reshape(-1, w.shape[0])
         grad_full += g @ w.to(ctx.dtype)
         grad_weights.append((g.t() @ flat).to(w.dtype))
@@ -102,7 +103,7 @@ def _shard_rows(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
 
 
-def apply_sp_linears(parent: nn.Module, names: List[str], *, tp_mesh: DeviceMesh) -> None:
+def apply_sp_linears(parent: nn.Module, names: list[str], *, tp_mesh: DeviceMesh) -> None:
     """Shard ``parent``'s column-parallel linears ``names`` over ``tp_mesh`` (rows:
     output features) and compute them in a forward pre-hook of ``parent`` from its
     sequence-sharded input with ``sp_column_linears``."""
@@ -118,7 +119,7 @@ def apply_sp_linears(parent: nn.Module, names: List[str], *, tp_mesh: DeviceMesh
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         weights = [local(m.weight) for m in linears]
         biases = [local(m.bias) for m in linears if m.bias is not None]
-        for linear, out in zip(linears, sp_column_linears(x, weights, biases, group, dtype)):
+        for linear, out in zip(linears, sp_column_linears(x, weights, biases, group, dtype), strict=False):
             linear.__dict__["_sp_output"] = out
         b, s, h = x.shape
         return (x.new_empty(()).expand(b, s * size, h), *args[1:])

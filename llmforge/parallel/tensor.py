@@ -29,7 +29,6 @@ tensor: the full sequence without sequence parallel, this rank's sequence shard 
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -50,8 +49,8 @@ from torch.distributed.tensor.parallel import (
 
 from llmforge.models.gpt import GPT
 from llmforge.models.layers import MLP
-from llmforge.parallel.sequence import apply_sp_linears
 from llmforge.parallel.dtensor import local
+from llmforge.parallel.sequence import apply_sp_linears
 
 
 def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool, async_tp: bool = False) -> None:
@@ -94,15 +93,18 @@ def _whole_sequence_positions(tp: int):
     return hook
 
 
-def _sp_groups(block: nn.Module) -> Dict[str, List[str]]:
+def _sp_groups(block: nn.Module) -> dict[str, list[str]]:
     """The column-parallel linears that ``apply_sp_linears`` runs under sequence
     parallel, by parent module: plain ``nn.Linear`` layers only (float8 linears keep
     torch's styles, which gather the input before them)."""
-    return {parent: names for parent, names in _column_linears(block).items()
-            if all(type(getattr(getattr(block, parent), n)) is nn.Linear for n in names)}
+    return {
+        parent: names
+        for parent, names in _column_linears(block).items()
+        if all(type(getattr(getattr(block, parent), n)) is nn.Linear for n in names)
+    }
 
 
-def _column_linears(block: nn.Module) -> Dict[str, List[str]]:
+def _column_linears(block: nn.Module) -> dict[str, list[str]]:
     """The column-parallel linears of a block by parent module, as the modules name them
     (an MoE layer has none: it is not sharded)."""
     groups = {"attn": list(block.attn.column_parallel)}
@@ -111,27 +113,33 @@ def _column_linears(block: nn.Module) -> Dict[str, List[str]]:
     return groups
 
 
-def _block_plan(block: nn.Module, *, seq, sequence_parallel: bool, own: Dict[str, List[str]]) -> Dict[str, ParallelStyle]:
+def _block_plan(block: nn.Module, *, seq, sequence_parallel: bool, own: dict[str, list[str]]) -> dict[str, ParallelStyle]:
     """Row-parallel outputs, and the column-parallel linears that ``own`` (run by
     ``apply_sp_linears``) does not name, their inputs gathered first under sequence parallel."""
     columns = _column_linears(block)
-    plan: Dict[str, ParallelStyle] = {f"{parent}.{name}": RowwiseParallel(output_layouts=seq)
-                                      for parent in columns for name in getattr(block, parent).row_parallel}
+    plan: dict[str, ParallelStyle] = {
+        f"{parent}.{name}": RowwiseParallel(output_layouts=seq) for parent in columns for name in getattr(block, parent).row_parallel
+    }
     for parent, names in columns.items():
         if parent in own:
             continue
         plan.update({f"{parent}.{n}": ColwiseParallel() for n in names})
         if sequence_parallel:
             inputs = (Shard(1), None) if parent == "attn" else (Shard(1),)
-            plan[parent] = PrepareModuleInput(input_layouts=inputs, desired_input_layouts=(Replicate(),) + inputs[1:],
-                                              use_local_output=True)
+            plan[parent] = PrepareModuleInput(
+                input_layouts=inputs, desired_input_layouts=(Replicate(),) + inputs[1:], use_local_output=True
+            )
     if sequence_parallel:
         plan["attn_norm"] = SequenceParallel()
         plan["mlp_norm"] = SequenceParallel()
         if not isinstance(block.mlp, MLP):
             plan["mlp"] = PrepareModuleInputOutput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
-                output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True,
+                input_layouts=(Shard(1),),
+                desired_input_layouts=(Replicate(),),
+                use_local_input=True,
+                output_layouts=(Replicate(),),
+                desired_output_layouts=(Shard(1),),
+                use_local_output=True,
             )
     return plan
 
@@ -148,7 +156,7 @@ def loss_context(tp: int):
     return loss_parallel() if tp > 1 else contextlib.nullcontext()
 
 
-def align_grads(params: List[nn.Parameter]) -> None:
+def align_grads(params: list[nn.Parameter]) -> None:
     """Give each DTensor gradient its parameter's placements. Autograd may leave a
     gradient partial over tensor-parallel ranks (a replicated norm applied to a
     sequence shard) or replicated where the parameter is sharded (the vocab-parallel

@@ -9,13 +9,12 @@ of the one shared matrix), so identical optimizer updates keep the two equal.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
 
 import torch.distributed as dist
 from torch import nn
 
-from llmforge.parallel.mesh import ParallelMesh
 from llmforge.parallel.dtensor import local
+from llmforge.parallel.mesh import ParallelMesh
 
 
 @dataclass
@@ -25,8 +24,8 @@ class TiedEmbeddingSync:
     ``group`` is None when both copies live on this rank (the V-shaped schedule
     puts the first and last chunk on pipeline rank 0)."""
 
-    params: List[nn.Parameter]
-    group: Optional[dist.ProcessGroup]
+    params: list[nn.Parameter]
+    group: dist.ProcessGroup | None
 
     def __call__(self) -> None:
         grads = [local(p.grad) for p in self.params if p.grad is not None]
@@ -41,7 +40,7 @@ class TiedEmbeddingSync:
             g.copy_(total)
 
 
-def tied_group(mesh: ParallelMesh, *, first_pp: int, last_pp: int) -> Optional[dist.ProcessGroup]:
+def tied_group(mesh: ParallelMesh, *, first_pp: int, last_pp: int) -> dist.ProcessGroup | None:
     """The group of the two pipeline ranks holding the tied copies, for this rank's
     data/tensor coordinates. Every rank takes part in creating every group."""
     if first_pp == last_pp:
@@ -51,14 +50,14 @@ def tied_group(mesh: ParallelMesh, *, first_pp: int, last_pp: int) -> Optional[d
     flat_first = ranks[first_pp].reshape(-1).tolist()
     flat_last = ranks[last_pp].reshape(-1).tolist()
     me = dist.get_rank()
-    for a, b in zip(flat_first, flat_last):
+    for a, b in zip(flat_first, flat_last, strict=False):
         group = dist.new_group([a, b])
         if me in (a, b):
             mine = group
     return mine
 
 
-def tied_params(parts: List[nn.Module], *, first: bool, last: bool) -> List[nn.Parameter]:
+def tied_params(parts: list[nn.Module], *, first: bool, last: bool) -> list[nn.Parameter]:
     """This rank's copies of the tied matrix: ``embed.weight`` on the first chunk,
     ``head.weight`` on the last."""
     out = []

@@ -14,8 +14,8 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from llmforge.errors import UserError
 from llmforge.processes.watch import ERROR_DIR_ENV

@@ -12,8 +12,8 @@ import contextlib
 import logging
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
 
 from rich.console import Console
 
@@ -21,7 +21,7 @@ from llmforge.errors import UserError, error_text
 from llmforge.processes.watch import ERROR_DIR_ENV, LAUNCHER_PID_ENV, RankMonitor, failure_report, read_records
 
 
-def cluster_args(*, nodes: "int | str", per_node: int, endpoint: Optional[str], max_restarts: int, run_id: str) -> List[str]:
+def cluster_args(*, nodes: int | str, per_node: int, endpoint: str | None, max_restarts: int, run_id: str) -> list[str]:
     """torchrun options for ``nodes`` (a count, or MIN:MAX) x ``per_node`` ranks (``llmforge calibrate`` starts its ranks so too)."""
     args = [f"--nnodes={nodes}", f"--nproc-per-node={per_node}", "--monitor-interval=0.2"]
     if max_restarts > 0:
@@ -31,7 +31,9 @@ def cluster_args(*, nodes: "int | str", per_node: int, endpoint: Optional[str], 
     return args + ["--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", f"--rdzv-id={run_id}"]
 
 
-def run_torchrun(argv: List[str], *, console: Console, threads: int = 1, hang_s: Optional[float] = None, env: Optional[Dict[str, str]] = None) -> None:
+def run_torchrun(
+    argv: list[str], *, console: Console, threads: int = 1, hang_s: float | None = None, env: dict[str, str] | None = None
+) -> None:
     """Run torchrun (``argv`` as after ``python -m torch.distributed.run``) here.
 
     The ranks die with this process (see ``llmforge.processes.watch``); with ``hang_s``
@@ -55,7 +57,9 @@ def run_torchrun(argv: List[str], *, console: Console, threads: int = 1, hang_s:
                 return
             except ChildFailedError as exc:
                 codes = {rank: info.exitcode for rank, info in exc.failures.items()}
-                report = failure_report(Path(folder), exit_codes=codes, hung=monitor.hung, hang_s=hang_s, ended=monitor.ended, ranks=set(monitor.heartbeats()))
+                report = failure_report(
+                    Path(folder), exit_codes=codes, hung=monitor.hung, hang_s=hang_s, ended=monitor.ended, ranks=set(monitor.heartbeats())
+                )
                 tracebacks = [r["traceback"] for r in read_records(Path(folder)) if r.get("traceback")]
     if report.user:
         raise RankUserError(rank=report.rank, text=report.text)
@@ -77,7 +81,7 @@ class RankUserError(UserError):
 
 
 @contextlib.contextmanager
-def _env(values: Dict[str, str]) -> Iterator[None]:
+def _env(values: dict[str, str]) -> Iterator[None]:
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:

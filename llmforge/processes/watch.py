@@ -23,7 +23,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Optional, Set
 
 ERROR_DIR_ENV = "LLMFORGE_ERROR_DIR"
 LAUNCHER_PID_ENV = "LLMFORGE_LAUNCHER_PID"
@@ -80,15 +79,15 @@ class RankMonitor:
     """A launcher thread that notes when each rank ended and, with ``hang_s``, kills
     the job when a rank's heartbeat goes stale."""
 
-    def __init__(self, folder: Path, *, hang_s: Optional[float]) -> None:
+    def __init__(self, folder: Path, *, hang_s: float | None) -> None:
         self.folder, self.hang_s = Path(folder), hang_s
-        self.hung: List[int] = []
-        self.ended: Dict[int, float] = {}  # rank -> when its process was first seen gone
+        self.hung: list[int] = []
+        self.ended: dict[int, float] = {}  # rank -> when its process was first seen gone
         self._done = threading.Event()
-        self._handled: Set[int] = set()
+        self._handled: set[int] = set()
         self._thread = threading.Thread(target=self._run, name="llmforge-monitor", daemon=True)
 
-    def __enter__(self) -> "RankMonitor":
+    def __enter__(self) -> RankMonitor:
         self._thread.start()
         return self
 
@@ -96,12 +95,12 @@ class RankMonitor:
         self._done.set()
         self._thread.join(timeout=5)
 
-    def heartbeats(self) -> Dict[int, tuple]:
+    def heartbeats(self) -> dict[int, tuple]:
         """rank -> (pid, seconds since its last heartbeat)."""
         beats = {}
         for path in self.folder.glob("hb-rank*"):
             with contextlib.suppress(OSError, ValueError):
-                beats[int(path.name[len("hb-rank"):])] = (int(path.read_text()), time.time() - path.stat().st_mtime)
+                beats[int(path.name[len("hb-rank") :])] = (int(path.read_text()), time.time() - path.stat().st_mtime)
         return beats
 
     def _run(self) -> None:
@@ -131,7 +130,7 @@ class FailureReport:
     rank: int = 0
 
 
-def read_records(folder: Path) -> List[dict]:
+def read_records(folder: Path) -> list[dict]:
     """Error records the ranks wrote, earliest first; only the last attempt's when torchrun
     restarted the ranks (cluster.max_restarts)."""
     records = []
@@ -142,8 +141,15 @@ def read_records(folder: Path) -> List[dict]:
     return sorted((r for r in records if r.get("attempt", 0) == last), key=lambda r: r["time"])
 
 
-def failure_report(folder: Path, *, exit_codes: Dict[int, int], hung: List[int], hang_s: Optional[float],
-                   ended: Optional[Dict[int, float]] = None, ranks: Set[int] = frozenset()) -> FailureReport:
+def failure_report(
+    folder: Path,
+    *,
+    exit_codes: dict[int, int],
+    hung: list[int],
+    hang_s: float | None,
+    ended: dict[int, float] | None = None,
+    ranks: set[int] = frozenset(),
+) -> FailureReport:
     """The root cause of a failed job: the earliest of the ranks' error records and of
     their deaths by a signal the launcher does not send itself (SIGKILL from the OOM
     killer, SIGSEGV, ...). A stale heartbeat (``hung``) outranks both."""

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict
 
 import torch
 
@@ -25,8 +24,19 @@ from llmforge.train.loop import _unscale_and_clip
 
 #: The process group's own operators (``c10d::``), which every collective ends in, whoever issued it
 #: (a ParallelStyle's hook, a redistribution inside an operator, loss_parallel, the clip).
-COLLECTIVES = ("allreduce_", "allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_", "reduce_scatter_",
-               "_reduce_scatter_base_", "reduce_scatter_tensor_coalesced_", "alltoall_base_", "broadcast_", "send", "recv_")
+COLLECTIVES = (
+    "allreduce_",
+    "allgather_",
+    "_allgather_base_",
+    "allgather_into_tensor_coalesced_",
+    "reduce_scatter_",
+    "_reduce_scatter_base_",
+    "reduce_scatter_tensor_coalesced_",
+    "alltoall_base_",
+    "broadcast_",
+    "send",
+    "recv_",
+)
 
 
 @dataclass
@@ -34,8 +44,8 @@ class StepOps:
     """Counts of one steady step by phase (``step``: forward and backward over the microbatches;
     ``clip``; ``optimizer``): DTensor dispatches and collectives by operator name."""
 
-    dtensor: Dict[str, int] = field(default_factory=dict)
-    collectives: Dict[str, Counter] = field(default_factory=dict)
+    dtensor: dict[str, int] = field(default_factory=dict)
+    collectives: dict[str, Counter] = field(default_factory=dict)
 
     def collective_count(self, phase: str) -> int:
         return sum(self.collectives.get(phase, Counter()).values())
@@ -63,7 +73,9 @@ def count_step(plan: RunPlan) -> StepOps:
             holder = {}
             phases = {
                 "step": lambda: holder.update(out=c.step(batch)),
-                "clip": lambda: holder.update(norm=_unscale_and_clip(c, cfg.optim.grad_clip, flags=c.guard.local_flags(holder["out"].loss))),
+                "clip": lambda: holder.update(
+                    norm=_unscale_and_clip(c, cfg.optim.grad_clip, flags=c.guard.local_flags(holder["out"].loss))
+                ),
                 "optimizer": lambda: (c.optimizer.step(), c.optimizer.zero_grad(set_to_none=True)),
             }
             for phase, fn in phases.items():

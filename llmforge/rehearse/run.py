@@ -6,8 +6,8 @@ import contextlib
 import dataclasses
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List
 
 import torch
 
@@ -32,8 +32,10 @@ DIFFERENCES = (
     "AdamW is the fused one, as on GPU ranks (CPU ranks run the for-loop one, which reads its skip flag on the host)",
 )
 #: What differs on MoE plans.
-MOE_DIFFERENCE = ("MoE routing is balanced (llmforge.models.balanced): every expert gets the same share of "
-                  "the assignments, at most the capacity, as the estimate assumes; a real router's busiest expert holds more")
+MOE_DIFFERENCE = (
+    "MoE routing is balanced (llmforge.models.balanced): every expert gets the same share of "
+    "the assignments, at most the capacity, as the estimate assumes; a real router's busiest expert holds more"
+)
 
 
 @dataclass
@@ -47,11 +49,11 @@ class Rehearsal:
     step_peak_bytes: int
     first_step_peak_bytes: int
     build_peak_bytes: int
-    categories: Dict[str, int]
+    categories: dict[str, int]
     seconds: float
-    differences: List[str] = field(default_factory=lambda: list(DIFFERENCES))
+    differences: list[str] = field(default_factory=lambda: list(DIFFERENCES))
 
-    def as_estimate_items(self, *, whole_compute_copy: bool) -> Dict[str, int]:
+    def as_estimate_items(self, *, whole_compute_copy: bool) -> dict[str, int]:
         """The step's peak by the estimator's items: gathered compute copies count as
         weights where the estimate keeps a whole copy (ZeRO 1-2, pipelines), else as transient."""
         c = self.categories
@@ -66,11 +68,16 @@ class Rehearsal:
 
     def as_dict(self, *, whole_compute_copy: bool) -> dict:
         return {
-            "rank": self.rank, "most_loaded": self.where, "peak_bytes": self.peak_bytes,
-            "step_peak_bytes": self.step_peak_bytes, "first_step_peak_bytes": self.first_step_peak_bytes,
+            "rank": self.rank,
+            "most_loaded": self.where,
+            "peak_bytes": self.peak_bytes,
+            "step_peak_bytes": self.step_peak_bytes,
+            "first_step_peak_bytes": self.first_step_peak_bytes,
             "build_peak_bytes": self.build_peak_bytes,
             "memory_bytes": self.as_estimate_items(whole_compute_copy=whole_compute_copy),
-            "categories": dict(self.categories), "seconds": self.seconds, "differences": list(self.differences),
+            "categories": dict(self.categories),
+            "seconds": self.seconds,
+            "differences": list(self.differences),
         }
 
 
@@ -79,15 +86,19 @@ def unsupported(plan: RunPlan) -> str:
     the host, which fake tensors do not have."""
     cfg = plan.config
     if cfg.precision.param_dtype == "fp16":
-        return ("fp16's dynamic loss scaling reads on the host whether the gradients are finite, every step; "
-                "rehearse the plan with precision.param_dtype=bf16 (the same bytes)")
+        return (
+            "fp16's dynamic loss scaling reads on the host whether the gradients are finite, every step; "
+            "rehearse the plan with precision.param_dtype=bf16 (the same bytes)"
+        )
     if cfg.optim.name != "adamw":
-        return (f"optim.name={cfg.optim.name} steps without fused AdamW's on-device skip flag: the step guard reads "
-                "on the host whether to skip the step; rehearse the plan with optim=adamw (other optimizer states)")
+        return (
+            f"optim.name={cfg.optim.name} steps without fused AdamW's on-device skip flag: the step guard reads "
+            "on the host whether to skip the step; rehearse the plan with optim=adamw (other optimizer states)"
+        )
     return ""
 
 
-def differences(plan: RunPlan) -> List[str]:
+def differences(plan: RunPlan) -> list[str]:
     """How the rehearsal of ``plan`` differs from its rank on an accelerator."""
     return list(DIFFERENCES) + ([MOE_DIFFERENCE] if plan.config.model.moe.num_experts > 0 else [])
 
@@ -116,9 +127,17 @@ def rehearse(plan: RunPlan, *, stage: int, where: str = "", fake: bool = True) -
     group = contextlib.nullcontext() if runs_here(plan) else fake_process_group(rank=rank, world_size=plan.world_size)
     with group:
         build, first, step = _program(plan, distributed=not runs_here(plan), fake=fake)
-    return Rehearsal(rank=rank, where=where, peak_bytes=max(build.peak_bytes, first.peak_bytes, step.peak_bytes), step_peak_bytes=step.peak_bytes,
-                     first_step_peak_bytes=first.peak_bytes, build_peak_bytes=build.peak_bytes, categories=step.peak_by_category(),
-                     seconds=time.perf_counter() - start, differences=differences(plan))
+    return Rehearsal(
+        rank=rank,
+        where=where,
+        peak_bytes=max(build.peak_bytes, first.peak_bytes, step.peak_bytes),
+        step_peak_bytes=step.peak_bytes,
+        first_step_peak_bytes=first.peak_bytes,
+        build_peak_bytes=build.peak_bytes,
+        categories=step.peak_by_category(),
+        seconds=time.perf_counter() - start,
+        differences=differences(plan),
+    )
 
 
 def _program(plan: RunPlan, *, distributed: bool, fake: bool) -> tuple[PeakTracker, PeakTracker, PeakTracker]:
@@ -130,8 +149,12 @@ def _program(plan: RunPlan, *, distributed: bool, fake: bool) -> tuple[PeakTrack
             warnings.filterwarnings("ignore", message="Set timeout is now only supported")
             rank = distributed_rank(plan, device=device)  # the mesh reads real rank tables: made before the fake tensors
     cfg = plan.config
-    batches = FakeBatches(global_batch=cfg.train.global_batch_size, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size,
-                          eos_id=0 if needs_eos(cfg.model) else None)
+    batches = FakeBatches(
+        global_batch=cfg.train.global_batch_size,
+        seq_len=cfg.model.seq_len,
+        vocab_size=cfg.model.vocab_size,
+        eos_id=0 if needs_eos(cfg.model) else None,
+    )
     with fake_tensors() if fake else contextlib.nullcontext(), _fused_adamw(), balanced_routing():
         with PeakTracker() as build:
             c = build_components(plan, rank=rank, sampler=batches)

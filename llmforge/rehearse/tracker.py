@@ -26,8 +26,8 @@ re-tag (a gradient known as one only after backward) applies to it.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Dict, Iterable, List, Tuple
 
 import torch
 from torch import nn
@@ -40,7 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 CATEGORIES = ("weights", "compute_copies", "grads", "optimizer", "activations", "transient")
 
 
-def _inner_names(t: torch.Tensor) -> List[str]:
+def _inner_names(t: torch.Tensor) -> list[str]:
     """The inner tensors of a wrapper subclass. torchao's float8 weight wrapper says whether it
     has a scale by reading the scale as a bool, which a fake tensor cannot answer: asked by name."""
     if type(t).__name__ == "WeightWithDynamicFloat8CastTensor":
@@ -67,7 +67,7 @@ class _Storage:
     category: str
 
 
-def _sharding_propagation(tracker: "PeakTracker"):
+def _sharding_propagation(tracker: PeakTracker):
     """Leave out the tensors DTensor makes to find an op's output shapes: global-shape fake
     tensors that no rank holds (under a fake mode DTensor makes them in that same mode, so
     they reach the tracker). Returns the method it replaced."""
@@ -92,10 +92,10 @@ class PeakTracker(TorchDispatchMode):
     def __init__(self, *, modules: Iterable[nn.Module] = (), optimizer=None) -> None:
         super().__init__()
         self._live: WeakIdKeyDictionary = WeakIdKeyDictionary()
-        self._refs: Dict[int, Tuple[weakref.ref, _Storage]] = {}  # every live storage, by id of its _Storage
+        self._refs: dict[int, tuple[weakref.ref, _Storage]] = {}  # every live storage, by id of its _Storage
         self.current = 0
         self.peak_bytes = 0
-        self._peak: List[Tuple[_Storage, int]] = []
+        self._peak: list[tuple[_Storage, int]] = []
         self._rising = False
         self._in_optimizer = False
         self._propagating = False
@@ -174,7 +174,7 @@ class PeakTracker(TorchDispatchMode):
                     break
 
     # results -------------------------------------------------------------------------------
-    def peak_by_category(self) -> Dict[str, int]:
+    def peak_by_category(self) -> dict[str, int]:
         """Bytes live at the peak, by category (re-tags made after the peak included)."""
         self._mark_peak()
         out = dict.fromkeys(CATEGORIES, 0)
@@ -183,7 +183,7 @@ class PeakTracker(TorchDispatchMode):
         return out
 
     # the mode ------------------------------------------------------------------------------
-    def __enter__(self) -> "PeakTracker":
+    def __enter__(self) -> PeakTracker:
         self._fake_on_entry = active_fake_mode()
         self._original_resize = torch.UntypedStorage.resize_
         tracker = self

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 import torch
 
@@ -31,15 +31,17 @@ from llmforge.train.recovery import check_and_save, train_recovering
 from llmforge.train.run import train_state
 
 
-def run_drill(plan: RunPlan, spec: Dict[str, Any], *, device: torch.device) -> Dict[str, Any]:
+def run_drill(plan: RunPlan, spec: dict[str, Any], *, device: torch.device) -> dict[str, Any]:
     """One drill or reference run; rank 0 returns the final parameters, every logged record,
     the error a stop ended in and the lines a rollback printed."""
     cfg = plan.config
     torch.manual_seed(cfg.train.seed)
-    sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed)
+    sampler = SyntheticSampler(
+        vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed
+    )
     c = build_components(plan, rank=rank_info(plan, device=device, mesh_of_one=spec.get("mesh_of_one", False)), sampler=sampler)
-    records: List[dict] = []
-    said: List[str] = []
+    records: list[dict] = []
+    said: list[str] = []
     hooks = LoopHooks(log=records.append)
     root = Path(spec.get("checkpoints") or "/nonexistent-llmforge-drill")
     saver = _saver(plan, c, hooks, root=root) if spec.get("checkpoints") else None
@@ -47,7 +49,9 @@ def run_drill(plan: RunPlan, spec: Dict[str, Any], *, device: torch.device) -> D
 
     def loop(start: int, total: int = cfg.train.steps):
         interval = plan.checkpoint_interval if saver is not None else 0
-        return train_loop(c, start_step=start, total_steps=total, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=interval, hooks=hooks)
+        return train_loop(
+            c, start_step=start, total_steps=total, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=interval, hooks=hooks
+        )
 
     error = ""
     try:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,9 +48,21 @@ from llmforge.train.loop import LoopHooks, train_loop
 from llmforge.train.syncs import StepSyncs
 
 TINY = [
-    "model.num_layers=4", "model.hidden_size=32", "model.num_heads=4", "model.ffn_hidden_size=64",
-    "model.vocab_size=256", "model.seq_len=32", "model.bias=false", "model.init_std=0.1", "train.micro_batch_size=2", "train.global_batch_size=8",
-    "train.steps=5", "train.lr=1e-3", "optim.warmup_steps=0", "optim.grad_clip=0.5", "optim.schedule=constant",
+    "model.num_layers=4",
+    "model.hidden_size=32",
+    "model.num_heads=4",
+    "model.ffn_hidden_size=64",
+    "model.vocab_size=256",
+    "model.seq_len=32",
+    "model.bias=false",
+    "model.init_std=0.1",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.steps=5",
+    "train.lr=1e-3",
+    "optim.warmup_steps=0",
+    "optim.grad_clip=0.5",
+    "optim.schedule=constant",
 ]
 
 EVAL_INTERVAL = 4
@@ -89,25 +101,25 @@ class SyntheticSampler:
         self.step = int(state["step"])
 
 
-def tiny_plan(overrides: List[str]) -> RunPlan:
+def tiny_plan(overrides: list[str]) -> RunPlan:
     """A validated plan of the tiny test model with ``overrides`` applied."""
     return RunPlan.build(config_from_dict({}, TINY + list(overrides)))
 
 
 @dataclass
 class LayoutResult:
-    losses: List[float] = field(default_factory=list)
-    val_losses: List[float] = field(default_factory=list)
-    grad_norms: List[float] = field(default_factory=list)
-    step_times: List[float] = field(default_factory=list)
-    syncs: List[int] = field(default_factory=list)
-    threads: List[int] = field(default_factory=list)
-    dtypes: List[Dict[str, List[str]]] = field(default_factory=list)
-    local_numel: Dict[str, int] = field(default_factory=dict)
-    params: Dict[str, torch.Tensor] = field(default_factory=dict)
-    buffers: List[Dict[str, torch.Tensor]] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    syncs: list[int] = field(default_factory=list)
+    threads: list[int] = field(default_factory=list)
+    dtypes: list[dict[str, list[str]]] = field(default_factory=list)
+    local_numel: dict[str, int] = field(default_factory=dict)
+    params: dict[str, torch.Tensor] = field(default_factory=dict)
+    buffers: list[dict[str, torch.Tensor]] = field(default_factory=list)
     #: Where the offloaded tensors went (``offload_facts``): the tests check the offload was in place.
-    offload: Dict[str, object] = field(default_factory=dict)
+    offload: dict[str, object] = field(default_factory=dict)
 
 
 def rank_info(plan: RunPlan, *, device: torch.device, mesh_of_one: bool = False) -> RankInfo:
@@ -119,25 +131,49 @@ def rank_info(plan: RunPlan, *, device: torch.device, mesh_of_one: bool = False)
     return distributed_rank(plan, device=device)
 
 
-def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), mesh_of_one: bool = False, count_syncs: bool = False) -> LayoutResult:
+def train_layout(
+    plan: RunPlan, *, device: torch.device = torch.device("cpu"), mesh_of_one: bool = False, count_syncs: bool = False
+) -> LayoutResult:
     """Train ``plan`` on synthetic data; return what it computed (params on rank 0).
     ``count_syncs``: count the host synchronisations of step ``SYNC_STEP`` (slow:
     every op goes through a Python dispatch mode)."""
     cfg = plan.config
     torch.manual_seed(cfg.train.seed)
     eos_rate = DOCUMENT_EOS_RATE if needs_eos(cfg.model) else 0.0
-    sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed, eos_rate=eos_rate)
+    sampler = SyntheticSampler(
+        vocab_size=cfg.model.vocab_size,
+        seq_len=cfg.model.seq_len,
+        global_batch_size=cfg.train.global_batch_size,
+        seed=cfg.train.seed,
+        eos_rate=eos_rate,
+    )
     rank = rank_info(plan, device=device, mesh_of_one=mesh_of_one)
     c = build_components(plan, rank=rank, sampler=sampler)
     dtypes = record_dtypes(c)
     # validation on other synthetic rows mid-run and at the end: training must continue unchanged after it
-    c.val_sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed + 1, eos_rate=eos_rate)
+    c.val_sampler = SyntheticSampler(
+        vocab_size=cfg.model.vocab_size,
+        seq_len=cfg.model.seq_len,
+        global_batch_size=cfg.train.global_batch_size,
+        seed=cfg.train.seed + 1,
+        eos_rate=eos_rate,
+    )
     copies = _count_activation_copies(c)
-    records: List[dict] = []
+    records: list[dict] = []
     syncs = StepSyncs(host=c.host_tensors, enabled=count_syncs, skip=SYNC_STEP - 1, count=1)
     hooks = LoopHooks(log=records.append, should_stop=syncs.after_step)
     with syncs:
-        train_loop(c, start_step=0, total_steps=cfg.train.steps, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=0, hooks=hooks, eval_interval=EVAL_INTERVAL, eval_steps=1)
+        train_loop(
+            c,
+            start_step=0,
+            total_steps=cfg.train.steps,
+            grad_clip=cfg.optim.grad_clip,
+            log_interval=1,
+            checkpoint_interval=0,
+            hooks=hooks,
+            eval_interval=EVAL_INTERVAL,
+            eval_steps=1,
+        )
     out = LayoutResult(
         losses=[r["loss"] for r in records],
         val_losses=[r["val_loss"] for r in records if "val_loss" in r],
@@ -154,7 +190,7 @@ def train_layout(plan: RunPlan, *, device: torch.device = torch.device("cpu"), m
     return out
 
 
-def offload_facts(c: Components) -> Dict[str, object]:
+def offload_facts(c: Components) -> dict[str, object]:
     """The offload policy of every FSDP2 parameter group, whether each sharded parameter is kept
     in host memory (FSDP2's ``offload_to_cpu``), and whether AdamW is torch's fused one."""
     groups = [m._get_fsdp_state()._fsdp_param_group for part in c.model_parts for m in part.modules() if isinstance(m, FSDPModule)]
@@ -166,7 +202,7 @@ def offload_facts(c: Components) -> Dict[str, object]:
     }
 
 
-def _count_activation_copies(c: Components) -> Dict[str, int]:
+def _count_activation_copies(c: Components) -> dict[str, int]:
     """Count the activations the step's offload hooks copy to host memory and back (a dict
     filled while training; empty counts when no offload hook is in place)."""
     counts = {"activations_to_host": 0, "activations_back": 0}
@@ -193,20 +229,20 @@ def _count_activation_copies(c: Components) -> Dict[str, int]:
     return counts
 
 
-def rank_buffers(c: Components) -> List[Dict[str, torch.Tensor]]:
+def rank_buffers(c: Components) -> list[dict[str, torch.Tensor]]:
     """Every rank's persistent buffers by name (collective when distributed)."""
-    mine: Dict[str, torch.Tensor] = {}
+    mine: dict[str, torch.Tensor] = {}
     for part in c.model_parts:
         params = {name for name, _ in part.named_parameters()}
         mine.update({k: v.detach().cpu().clone() for k, v in part.state_dict().items() if k not in params})
     if not dist.is_initialized():
         return [mine]
-    gathered: List[Optional[Dict[str, torch.Tensor]]] = [None] * dist.get_world_size()
+    gathered: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return [g or {} for g in gathered]
 
 
-def rank_threads() -> List[int]:
+def rank_threads() -> list[int]:
     """torch's intra-op thread count on every rank (collective when distributed)."""
     return [int(c) for c in per_rank(torch.get_num_threads())]
 
@@ -215,15 +251,15 @@ def per_rank(mine: object) -> list:
     """``mine`` from every rank, in rank order (collective when distributed)."""
     if not dist.is_initialized():
         return [mine]
-    gathered: List[object] = [None] * dist.get_world_size()
+    gathered: list[object] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     return gathered
 
 
-def record_dtypes(c: Components) -> Dict[str, set]:
+def record_dtypes(c: Components) -> dict[str, set]:
     """Collect, as the run goes, the dtypes of the residual stream as it reaches each
     block (before any hook casts it), of each block's output and of the losses."""
-    seen: Dict[str, set] = {"block_inputs": set(), "block_outputs": set(), "losses": set()}
+    seen: dict[str, set] = {"block_inputs": set(), "block_outputs": set(), "losses": set()}
     for part in c.model_parts:
         for block in part.layers.values():
             block.register_forward_pre_hook(lambda _m, args: seen["block_inputs"].add(str(args[0].dtype)), prepend=True)
@@ -240,10 +276,10 @@ def record_dtypes(c: Components) -> Dict[str, set]:
     return seen
 
 
-def full_parameters(c: Components) -> Dict[str, torch.Tensor]:
+def full_parameters(c: Components) -> dict[str, torch.Tensor]:
     """Every parameter gathered whole, by its name in the full model (on rank 0;
     other ranks return an empty dict). Collective over all ranks."""
-    local: Dict[str, torch.Tensor] = {}
+    local: dict[str, torch.Tensor] = {}
     for part in c.model_parts:
         # ZeRO 1/2 keep the gathered compute weights (float8 ones under fp8) after
         # forward: read the sharded fp32 parameters instead
@@ -254,16 +290,16 @@ def full_parameters(c: Components) -> Dict[str, torch.Tensor]:
             local[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
     if not dist.is_initialized():
         return local
-    gathered: List[Optional[Dict[str, torch.Tensor]]] = [None] * dist.get_world_size()
+    gathered: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
-    merged: Dict[str, torch.Tensor] = {}
+    merged: dict[str, torch.Tensor] = {}
     for part in gathered:
         for name, value in (part or {}).items():
             merged.setdefault(name, value)
     return merged if dist.get_rank() == 0 else {}
 
 
-def main(argv: List[str], *, drill: Optional[Callable[..., dict]] = None) -> None:
+def main(argv: list[str], *, drill: Callable[..., dict] | None = None) -> None:
     """Run the spec's layouts; ``drill`` runs those given as dicts (``python -m llmforge.testing.drill``)."""
     spec = json.loads(Path(argv[0]).read_text())
     guard_rank(int(os.environ.get("RANK", "0")))

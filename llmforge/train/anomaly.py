@@ -18,7 +18,6 @@ the scale and skips) until the scale is at its floor; only then is it an anomaly
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
 
 import torch
 
@@ -55,7 +54,7 @@ class _Row:
     loss: torch.Tensor
     norm: torch.Tensor
     flags: torch.Tensor
-    spike: Optional[torch.Tensor]
+    spike: torch.Tensor | None
     excused: bool = False
 
 
@@ -79,17 +78,17 @@ class StepGuard:
         self.gate = torch.ones((), dtype=torch.float32, device=device)
         self._window = torch.full((policy.spike_window,), float("nan"), dtype=torch.float64, device=device) if policy.spike_window else None
         self._seen = 0
-        self._rows: List[_Row] = []
+        self._rows: list[_Row] = []
         self.skipped = 0
         self.rollbacks = 0
         self.rollback_batches = 0
         self.lr_scale = 1.0
-        self.first_anomaly: Optional[int] = None
-        self._streak: List[Tuple[int, str]] = []  # the current run of anomalous steps: (step, what)
-        self._seen_since_read: List[Tuple[int, str]] = []
-        self._over: Optional[List[Tuple[int, str]]] = None  # a run of skips longer than allowed
+        self.first_anomaly: int | None = None
+        self._streak: list[tuple[int, str]] = []  # the current run of anomalous steps: (step, what)
+        self._seen_since_read: list[tuple[int, str]] = []
+        self._over: list[tuple[int, str]] | None = None  # a run of skips longer than allowed
         self._spikes = 0
-        self._spike: Optional[torch.Tensor] = None
+        self._spike: torch.Tensor | None = None
 
     # -- every step, on the device ------------------------------------------------------------
 
@@ -127,7 +126,7 @@ class StepGuard:
         else:  # the for-loop AdamW: parameters in host memory, the flag with them
             self._step_or_skip(optimizer, skip=not bool(self.gate))
 
-    def host_tensors(self, optimizer: torch.optim.Optimizer) -> List[torch.Tensor]:
+    def host_tensors(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
         """The flag, where the for-loop AdamW reads it every step from host memory, waiting for
         no device (for ``llmforge.train.syncs``); none where fused AdamW skips on the device."""
         return [self.gate] if self.gate.device.type == "cpu" and not optimizer.defaults.get("fused") else []
@@ -138,7 +137,7 @@ class StepGuard:
             optimizer.zero_grad(set_to_none=True)
         optimizer.step()
 
-    def _spike_test(self, loss: torch.Tensor) -> Optional[torch.Tensor]:
+    def _spike_test(self, loss: torch.Tensor) -> torch.Tensor | None:
         """loss > mean + sigma * std of the finite losses of the previous ``spike_window`` steps."""
         window = self._window
         if window is None:
@@ -157,10 +156,19 @@ class StepGuard:
     def read(self) -> Reading:
         """The one read of the device: every step since the last read, then the bookkeeping."""
         rows, self._rows = self._rows, []
-        columns = [torch.cat([r.loss.detach().double().reshape(1), r.norm.double().reshape(1), r.flags.reshape(-1),
-                              (r.spike if r.spike is not None else torch.zeros((), dtype=torch.bool, device=r.norm.device)).double().reshape(1)]) for r in rows]
+        columns = [
+            torch.cat(
+                [
+                    r.loss.detach().double().reshape(1),
+                    r.norm.double().reshape(1),
+                    r.flags.reshape(-1),
+                    (r.spike if r.spike is not None else torch.zeros((), dtype=torch.bool, device=r.norm.device)).double().reshape(1),
+                ]
+            )
+            for r in rows
+        ]
         values = torch.stack(columns).tolist()
-        for row, (loss, norm, *flags, spike) in zip(rows, values):
+        for row, (loss, norm, *flags, spike) in zip(rows, values, strict=False):
             self._account(row, loss=loss, norm=norm, flags=flags, spike=bool(spike))
         last = values[-1]
         metrics = {"skipped_steps": self.skipped, "loss_spike": self._spikes}
@@ -169,7 +177,7 @@ class StepGuard:
         self._spikes = 0
         return Reading(loss=last[0], grad_norm=last[1], metrics=metrics)
 
-    def _account(self, row: _Row, *, loss: float, norm: float, flags: List[float], spike: bool) -> None:
+    def _account(self, row: _Row, *, loss: float, norm: float, flags: list[float], spike: bool) -> None:
         self._spikes += int(spike)
         what = _what(loss=loss, norm=norm, flags=flags, spike=spike and self.policy.spike_skip)
         if not what or row.excused:
@@ -189,7 +197,9 @@ class StepGuard:
         p = self.policy
         if p.action == "stop" and seen:
             first, what = seen[0]
-            raise Anomaly(action="stop", first_step=first, step=step, what=what, reason="train.anomaly=stop ends the run at the first non-finite step")
+            raise Anomaly(
+                action="stop", first_step=first, step=step, what=what, reason="train.anomaly=stop ends the run at the first non-finite step"
+            )
         if not over:
             return
         first, what = over[0]
@@ -197,7 +207,13 @@ class StepGuard:
         if p.action == "skip":
             raise Anomaly(action="stop", first_step=first, step=step, what=what, reason=f"{count}, and train.anomaly=skip then stops")
         if self.rollbacks >= p.max_rollbacks:
-            raise Anomaly(action="stop", first_step=first, step=step, what=what, reason=f"{count}, after the {self.rollbacks} rollbacks train.max_rollbacks={p.max_rollbacks} allows")
+            raise Anomaly(
+                action="stop",
+                first_step=first,
+                step=step,
+                what=what,
+                reason=f"{count}, after the {self.rollbacks} rollbacks train.max_rollbacks={p.max_rollbacks} allows",
+            )
         raise Anomaly(action="rollback", first_step=first, step=step, what=what, reason=count)
 
     def weights_anomaly(self, step: int) -> Anomaly:
@@ -208,7 +224,7 @@ class StepGuard:
             return Anomaly(action="rollback", first_step=first, step=step, what=what, reason="no checkpoint is written from them")
         return Anomaly(action="stop", first_step=first, step=step, what=what, reason="no checkpoint is written from them")
 
-    def protected(self) -> List[int]:
+    def protected(self) -> list[int]:
         """Steps whose newest older checkpoint rotation must keep: the first anomaly of the run,
         and the first of an ongoing run of skipped steps."""
         return sorted({s for s in (self.first_anomaly, self._streak[0][0] if self._streak else None) if s is not None})
@@ -234,7 +250,7 @@ class StepGuard:
         self.lr_scale = float(state.get("lr_scale", 1.0))
 
 
-def _what(*, loss: float, norm: float, flags: List[float], spike: bool) -> str:
+def _what(*, loss: float, norm: float, flags: list[float], spike: bool) -> str:
     """What was wrong with a step, in words ('' when nothing)."""
     import math
 
@@ -248,7 +264,7 @@ def _what(*, loss: float, norm: float, flags: List[float], spike: bool) -> str:
     return " and ".join(parts)
 
 
-def check_weights(guard: StepGuard, params: List[torch.nn.Parameter], *, step: int, distributed: bool, device: torch.device) -> None:
+def check_weights(guard: StepGuard, params: list[torch.nn.Parameter], *, step: int, distributed: bool, device: torch.device) -> None:
     """Raise the guard's anomaly unless every rank's parameters are all finite (collective when
     ``distributed``): run before a checkpoint is written."""
     flags = [local_values(p.detach()).isfinite().all() for p in params]

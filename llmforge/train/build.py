@@ -3,8 +3,6 @@ model parts, parallelism, optimizer, step runner, gradient clipping."""
 
 from __future__ import annotations
 
-from typing import List, Optional
-
 import torch
 from torch import nn
 
@@ -41,28 +39,44 @@ def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compo
     scaler = build_scaler(plan)
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
     skip = {id(p) for p in copies if any(getattr(part, "head", None) is not None and p is part.head.weight for part in parts)}
-    return wire(plan, Components(
-        model_parts=parts,
-        optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps),
-        sampler=sampler,
-        step=build_step(plan, mesh=mesh, parts=parts, ids=ids, tied=copies, scaler=scaler, device=device,
-                        eos_id=getattr(sampler, "eos_id", None)),
-        scaler=scaler,
-        clip_grads=GlobalClip(params=params, ranks_per_stage=plan.world_size // plan.layout.pp, skip=skip, distributed=mesh is not None,
-                              device=device, group=_host_group(plan, device=device)),
-        rank=rank,
-        tokens_per_step=plan.tokens_per_step,
-        guard=StepGuard(anomaly_policy(plan), device=device),
-    ))
+    return wire(
+        plan,
+        Components(
+            model_parts=parts,
+            optimizer=optimizer,
+            scheduler=build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps),
+            sampler=sampler,
+            step=build_step(
+                plan, mesh=mesh, parts=parts, ids=ids, tied=copies, scaler=scaler, device=device, eos_id=getattr(sampler, "eos_id", None)
+            ),
+            scaler=scaler,
+            clip_grads=GlobalClip(
+                params=params,
+                ranks_per_stage=plan.world_size // plan.layout.pp,
+                skip=skip,
+                distributed=mesh is not None,
+                device=device,
+                group=_host_group(plan, device=device),
+            ),
+            rank=rank,
+            tokens_per_step=plan.tokens_per_step,
+            guard=StepGuard(anomaly_policy(plan), device=device),
+        ),
+    )
 
 
 def anomaly_policy(plan: RunPlan) -> AnomalyPolicy:
     """train.anomaly and its companions, as the plain values the loop's guard takes."""
     t = plan.config.train
-    return AnomalyPolicy(action=t.anomaly, max_skipped_steps=t.max_skipped_steps, max_rollbacks=t.max_rollbacks,
-                         rollback_lr_factor=t.rollback_lr_factor, spike_window=t.loss_spike_window,
-                         spike_sigma=t.loss_spike_sigma, spike_skip=t.loss_spike_skip)
+    return AnomalyPolicy(
+        action=t.anomaly,
+        max_skipped_steps=t.max_skipped_steps,
+        max_rollbacks=t.max_rollbacks,
+        rollback_lr_factor=t.rollback_lr_factor,
+        spike_window=t.loss_spike_window,
+        spike_sigma=t.loss_spike_sigma,
+        spike_skip=t.loss_spike_skip,
+    )
 
 
 def distributed_rank(plan: RunPlan, *, device: torch.device) -> RankInfo:
@@ -70,8 +84,9 @@ def distributed_rank(plan: RunPlan, *, device: torch.device) -> RankInfo:
     import torch.distributed as dist
 
     mesh = build_mesh(plan.layout, device_type=device.type, timeout_s=plan.config.cluster.timeout_s)
-    return RankInfo(rank=dist.get_rank(), world_size=dist.get_world_size(), dp_rank=mesh.local_rank("dp"),
-                    dp_size=plan.dp, device=device, mesh=mesh)
+    return RankInfo(
+        rank=dist.get_rank(), world_size=dist.get_world_size(), dp_rank=mesh.local_rank("dp"), dp_size=plan.dp, device=device, mesh=mesh
+    )
 
 
 def build_model(plan: RunPlan, *, device: torch.device) -> GPT:
@@ -82,7 +97,7 @@ def build_model(plan: RunPlan, *, device: torch.device) -> GPT:
     return model
 
 
-def build_parts(plan: RunPlan, *, mesh: Optional[ParallelMesh], device: torch.device) -> tuple[List[nn.Module], List[int]]:
+def build_parts(plan: RunPlan, *, mesh: ParallelMesh | None, device: torch.device) -> tuple[list[nn.Module], list[int]]:
     """This rank's model parts (the whole model, or its pipeline chunks) and their chunk
     ids, parallelized. Each part is built on the meta device and sharded there; only
     this rank's shards are then allocated and given their initial values."""
@@ -92,8 +107,12 @@ def build_parts(plan: RunPlan, *, mesh: Optional[ParallelMesh], device: torch.de
         part = model_skeleton(plan, stage=stage)
         parallelize(part, plan=plan, mesh=mesh)
         aliases = tied_copy_source(plan.config.model, stage=stage, num_stages=len(plan.layers_per_stage))
-        materialize(part, device=device, values=seeded_values(part, seed=plan.config.train.seed, aliases=aliases),
-                    param_device=torch.device("cpu") if plan.config.parallel.offload == "states" else device)
+        materialize(
+            part,
+            device=device,
+            values=seeded_values(part, seed=plan.config.train.seed, aliases=aliases),
+            param_device=torch.device("cpu") if plan.config.parallel.offload == "states" else device,
+        )
         parts.append(part)
     return parts, ids
 
@@ -125,7 +144,7 @@ def build_scaler(plan: RunPlan) -> LossScaler:
     )
 
 
-def _optimizer(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Module], copies: List[nn.Parameter]) -> torch.optim.Optimizer:
+def _optimizer(plan: RunPlan, *, mesh: ParallelMesh | None, parts: list[nn.Module], copies: list[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW over every part; the float8 scales of FSDP-gathered weights are
     recomputed after each step."""
     cfg = plan.config
@@ -137,13 +156,13 @@ def _optimizer(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Mo
     return optimizer
 
 
-def _tied_copies(plan: RunPlan, *, parts: List[nn.Module], ids: List[int], num_stages: int) -> List[nn.Parameter]:
+def _tied_copies(plan: RunPlan, *, parts: list[nn.Module], ids: list[int], num_stages: int) -> list[nn.Parameter]:
     if plan.layout.pp == 1 or not plan.config.model.tie_embeddings:
         return []
     return tied_params(parts, first=0 in ids, last=num_stages - 1 in ids)
 
 
-def _no_decay(optimizer: torch.optim.Optimizer, copies: List[nn.Parameter]) -> None:
+def _no_decay(optimizer: torch.optim.Optimizer, copies: list[nn.Parameter]) -> None:
     """The last stage's copy of a tied embedding is updated as the embedding is: no decay."""
     target = next((g for g in optimizer.param_groups if g["weight_decay"] == 0), None)
     for group in optimizer.param_groups:
@@ -180,7 +199,9 @@ def wire_moe(plan: RunPlan, c: Components) -> Components:
         reduce = None
         if c.rank.mesh is not None and plan.dp * plan.layout.cp > 1:
             reduce = load_reducer(c.rank.mesh)
-        c.optimizer.register_step_post_hook(lambda *_: update_expert_bias(c.model_parts, rate=moe.bias_update_rate, reduce=reduce, step_scale=c.guard.gate))
+        c.optimizer.register_step_post_hook(
+            lambda *_: update_expert_bias(c.model_parts, rate=moe.bias_update_rate, reduce=reduce, step_scale=c.guard.gate)
+        )
     if c.rank.mesh is not None:
         c.extra_metrics = lambda: global_moe_metrics(c.model_parts)
     else:

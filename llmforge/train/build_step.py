@@ -5,7 +5,6 @@ gradient reductions and tied-embedding sync that run after its backward."""
 from __future__ import annotations
 
 import functools
-from typing import List, Optional
 
 import torch
 from torch import nn
@@ -16,8 +15,6 @@ from llmforge.parallel.context import cp_positions
 from llmforge.parallel.data import FIRST_BUCKET_BYTES, BucketedGradReduce, GradAllReduce, deferred_reduce, fsdp_sync, grad_sync
 from llmforge.parallel.expert import expert_parameters
 from llmforge.parallel.mesh import ParallelMesh
-from llmforge.layout import chunk_rank
-from llmforge.models.masks import model_documents, needs_eos
 from llmforge.parallel.offload import OffloadedStep
 from llmforge.parallel.pipeline import StageShapes, build_schedule
 from llmforge.parallel.tensor import align_grads, loss_context, sharded_cross_entropy
@@ -29,8 +26,17 @@ from llmforge.train.precision import DTYPES, LossScaler, residual_dtype
 from llmforge.train.step import GradAccumulationStep, StepRunner, cross_entropy
 
 
-def build_step(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Module], ids: List[int],
-               tied: List[nn.Parameter], scaler: LossScaler, device: torch.device, eos_id: Optional[int] = None) -> StepRunner:
+def build_step(
+    plan: RunPlan,
+    *,
+    mesh: ParallelMesh | None,
+    parts: list[nn.Module],
+    ids: list[int],
+    tied: list[nn.Parameter],
+    scaler: LossScaler,
+    device: torch.device,
+    eos_id: int | None = None,
+) -> StepRunner:
     """The step seam for this rank's layout (``mesh`` None in one process); ``tied``:
     this rank's copies of a tied embedding that pipeline stages keep equal; ``eos_id``:
     the data's end-of-document token (document masks and positions)."""
@@ -47,7 +53,7 @@ def build_step(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Mo
     return step
 
 
-def documents_function(plan: RunPlan, *, eos_id: Optional[int]):
+def documents_function(plan: RunPlan, *, eos_id: int | None):
     """What computes the model's ``documents`` from a microbatch's inputs (None under plain causal attention)."""
     model = plan.config.model
     if not needs_eos(model) and model.sliding_window == 0:
@@ -63,7 +69,7 @@ def _bucket_bytes(plan: RunPlan) -> tuple[int, int]:
     return cap, min(cap, FIRST_BUCKET_BYTES)
 
 
-def _zero0_reducers(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Module], overlap: bool) -> List:
+def _zero0_reducers(plan: RunPlan, *, mesh: ParallelMesh | None, parts: list[nn.Module], overlap: bool) -> list:
     """ZeRO 0 gradient reductions over dp x cp (expert weights over their replicas
     only, divided by dp): bucketed and overlapped with backward when ``overlap``,
     else one flat all-reduce each after backward."""
@@ -81,7 +87,7 @@ def _zero0_reducers(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[
     return [BucketedGradReduce(params=ps, group=g, size=n, dtype=dtype, bucket_bytes=cap, first_bucket_bytes=first) for ps, g, n in groups]
 
 
-def _finish_hooks(plan: RunPlan, *, mesh: Optional[ParallelMesh], parts: List[nn.Module], tied: List[nn.Parameter], reducers: List):
+def _finish_hooks(plan: RunPlan, *, mesh: ParallelMesh | None, parts: list[nn.Module], tied: list[nn.Parameter], reducers: list):
     """What runs after a step's backward: the ZeRO-0 gradient reductions (the
     bucketed ones before the tensor-parallel gradient layout is fixed, which is the
     same sum as after it: both are linear) or the wait for FSDP2's deferred
@@ -115,7 +121,9 @@ def _dp_mean(mesh: ParallelMesh, size: int):
     return reduce
 
 
-def _accumulation_step(plan: RunPlan, *, mesh: Optional[ParallelMesh], model: nn.Module, scaler, device: torch.device, finish, reducers: Optional[List] = None) -> GradAccumulationStep:
+def _accumulation_step(
+    plan: RunPlan, *, mesh: ParallelMesh | None, model: nn.Module, scaler, device: torch.device, finish, reducers: list | None = None
+) -> GradAccumulationStep:
     cfg = plan.config
     no_sync = None
     if reduces_over_dp(plan, mesh=mesh) and cfg.parallel.zero > 0:
@@ -141,7 +149,9 @@ def _accumulation_step(plan: RunPlan, *, mesh: Optional[ParallelMesh], model: nn
     )
 
 
-def _pipeline_step(plan: RunPlan, *, mesh: ParallelMesh, parts: List[nn.Module], ids: List[int], scaler, device: torch.device, finish) -> PipelineStep:
+def _pipeline_step(
+    plan: RunPlan, *, mesh: ParallelMesh, parts: list[nn.Module], ids: list[int], scaler, device: torch.device, finish
+) -> PipelineStep:
     cfg = plan.config
     num_stages = len(plan.layers_per_stage)
     for part in parts:
@@ -178,7 +188,12 @@ def stage_shapes(plan: RunPlan) -> StageShapes:
     """What a microbatch carries between this plan's pipeline chunks (the residual stream's dtype:
     ``llmforge.parallel.residual``)."""
     m, p, lay = plan.config.model, plan.config.precision, plan.layout
-    return StageShapes(micro_batch=plan.config.train.micro_batch_size, seq_len=m.seq_len,
-                       stream_tokens=m.seq_len // lay.tp if plan.config.parallel.sequence_parallel else m.seq_len, hidden=m.hidden_size,
-                       stream_dtype=residual_dtype(param_dtype=p.param_dtype, fp32_residual=p.fp32_residual),
-                       logits=m.vocab_size // lay.tp, logits_dtype=DTYPES[p.param_dtype])
+    return StageShapes(
+        micro_batch=plan.config.train.micro_batch_size,
+        seq_len=m.seq_len,
+        stream_tokens=m.seq_len // lay.tp if plan.config.parallel.sequence_parallel else m.seq_len,
+        hidden=m.hidden_size,
+        stream_dtype=residual_dtype(param_dtype=p.param_dtype, fp32_residual=p.fp32_residual),
+        logits=m.vocab_size // lay.tp,
+        logits_dtype=DTYPES[p.param_dtype],
+    )

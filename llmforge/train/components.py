@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ class RankInfo:
     dp_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     #: The run's ``llmforge.parallel.mesh.ParallelMesh`` (None in a single process).
-    mesh: Optional[Any] = None
+    mesh: Any | None = None
 
     @property
     def is_main(self) -> bool:
@@ -39,7 +40,7 @@ class Components:
     dimension (a device tensor) and clips to it; ``guard`` checks each step for
     non-finite numbers and skips its update (``llmforge.train.anomaly``)."""
 
-    model_parts: List[nn.Module]
+    model_parts: list[nn.Module]
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: object
@@ -51,16 +52,16 @@ class Components:
     guard: StepGuard
     extra_metrics: Callable[[], dict] = field(default=lambda: {})
     #: Measured MFU and peak memory for a step time (``llmforge.train.meter``).
-    meter: Optional[Callable[[float], dict]] = None
+    meter: Callable[[float], dict] | None = None
     #: The held-out stream (``split="val"``), or None when the run does not validate.
-    val_sampler: Optional[object] = None
+    val_sampler: object | None = None
     #: Run before each step with its number (1-based): QAT switched on from a step (``llmforge.parallel.qat.switch_at``).
     before_step: Callable[[int], None] = field(default=lambda step: None)
 
-    def parameters(self) -> List[nn.Parameter]:
+    def parameters(self) -> list[nn.Parameter]:
         return [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
 
-    def host_tensors(self) -> List[torch.Tensor]:
+    def host_tensors(self) -> list[torch.Tensor]:
         """Tensors read every step that live in host memory in a GPU run too, so reading them
         waits for no device: the for-loop AdamW's step counters, the guard's flag where the
         optimizer decides on the host (``llmforge.train.syncs`` does not count them)."""

@@ -11,7 +11,7 @@ nothing; shapes, dtypes and sharding are real) with the backend's own
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional, Tuple
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -19,32 +19,32 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from llmforge.train.measure import cached_tensors, selective_caches
+from llmforge.parallel.dtensor import local
 from llmforge.parallel.mesh import build_mesh
 from llmforge.plan import RunPlan
 from llmforge.train.build import build_components
 from llmforge.train.components import RankInfo
+from llmforge.train.measure import cached_tensors, selective_caches
 from llmforge.train.precision import autocast
-from llmforge.parallel.dtensor import local
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage:
     return local(t).untyped_storage()
 
 
-def _fsdp_params(parts: List[nn.Module]) -> Iterator[object]:
+def _fsdp_params(parts: list[nn.Module]) -> Iterator[object]:
     """FSDP2's record of every parameter it manages (shard, gathered copy, gradients)."""
     for unit in (m for part in parts for m in part.modules() if isinstance(m, FSDPModule)):
         group = unit._get_fsdp_state()._fsdp_param_group
         yield from group.fsdp_params if group is not None else []
 
 
-def model_state_bytes(parts: List[nn.Module], optimizer: torch.optim.Optimizer) -> Tuple[int, int, int]:
+def model_state_bytes(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
     """(weight, gradient, optimizer-state) bytes alive on this rank, each storage once:
     the parameters or, under FSDP, their shards, gathered compute copies and gradients."""
     seen: set = set()
 
-    def nbytes(t: Optional[torch.Tensor]) -> int:
+    def nbytes(t: torch.Tensor | None) -> int:
         if t is None or _storage(t)._cdata in seen:
             return 0
         seen.add(_storage(t)._cdata)
@@ -65,14 +65,14 @@ def model_state_bytes(parts: List[nn.Module], optimizer: torch.optim.Optimizer) 
     return weights, grads, states
 
 
-def _weight_storages(parts: List[nn.Module]) -> set:
+def _weight_storages(parts: list[nn.Module]) -> set:
     """Storages of parameters, buffers and FSDP's gathered copies: not activations."""
     tensors = [t for part in parts for t in [*part.parameters(), *part.buffers()]]
     tensors += [fp._unsharded_param for fp in _fsdp_params(parts) if hasattr(fp, "_unsharded_param")]
     return {_storage(t)._cdata for t in tensors}
 
 
-def measure_step(plan: RunPlan) -> Tuple[Tuple[int, int, int], int]:
+def measure_step(plan: RunPlan) -> tuple[tuple[int, int, int], int]:
     """Rank 0 on the fake group: one whole step and an optimizer step (so AdamW's
     moments exist), then the next step's first microbatch (of two) under the
     saved-tensors hooks. Returns the model-state bytes after that microbatch's
@@ -81,11 +81,15 @@ def measure_step(plan: RunPlan) -> Tuple[Tuple[int, int, int], int]:
         return _measure_on_fake_group(plan, caches)
 
 
-def _measure_on_fake_group(plan: RunPlan, caches: list) -> Tuple[Tuple[int, int, int], int]:
+def _measure_on_fake_group(plan: RunPlan, caches: list) -> tuple[tuple[int, int, int], int]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
     try:
         cpu, cfg = torch.device("cpu"), plan.config
-        c = build_components(plan, rank=RankInfo(device=cpu, mesh=build_mesh(plan.layout, device_type="cpu", timeout_s=plan.config.cluster.timeout_s)), sampler=None)
+        c = build_components(
+            plan,
+            rank=RankInfo(device=cpu, mesh=build_mesh(plan.layout, device_type="cpu", timeout_s=plan.config.cluster.timeout_s)),
+            sampler=None,
+        )
         batch = torch.randint(0, cfg.model.vocab_size, (plan.config.train.global_batch_size // plan.dp, cfg.model.seq_len + 1))
         c.step(batch)
         c.optimizer.step()

@@ -7,8 +7,8 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator, List, Optional
 
 import torch
 from rich.console import Console
@@ -22,26 +22,38 @@ from llmforge.train.components import Components, RankInfo
 from llmforge.train.loop import LoopHooks
 
 
-def add_profiler(plan: RunPlan, hooks: LoopHooks, closers: List[Callable[[], None]], *, snapshots, rank: RankInfo, start_step: int, console: Console) -> None:
+def add_profiler(
+    plan: RunPlan, hooks: LoopHooks, closers: list[Callable[[], None]], *, snapshots, rank: RankInfo, start_step: int, console: Console
+) -> None:
     """train.profile's trace on this rank, and the memory snapshot at its end (train.memory_snapshot=profile)."""
     t, out_dir = plan.config.train, plan.run_dir / "profile"
     if t.profile is None:
         return
     say = (lambda text: console.print(text, highlight=False)) if rank.is_main else (lambda text: None)
-    profiler = StepProfiler(steps=t.profile, start_step=start_step, out_dir=out_dir, rank=rank.rank, cuda=rank.device.type == "cuda",
-                            on_written=lambda path: say(f"profile trace: {path} (open at ui.perfetto.dev or in TensorBoard)"))
+    profiler = StepProfiler(
+        steps=t.profile,
+        start_step=start_step,
+        out_dir=out_dir,
+        rank=rank.rank,
+        cuda=rank.device.type == "cuda",
+        on_written=lambda path: say(f"profile trace: {path} (open at ui.perfetto.dev or in TensorBoard)"),
+    )
     closers.append(profiler.close)
 
     def after_step(step: int) -> None:
         profiler.step(step)
         if step == profiler.last and t.memory_snapshot == "profile":
             path = snapshots.dump(f"memory_step{step}")
-            say(f"memory snapshot: {path} (open at pytorch.org/memory_viz)" if path else "train.memory_snapshot: CUDA only, nothing recorded on CPU")
+            say(
+                f"memory snapshot: {path} (open at pytorch.org/memory_viz)"
+                if path
+                else "train.memory_snapshot: CUDA only, nothing recorded on CPU"
+            )
 
     hooks.after_step = after_step
 
 
-def inject_fault(hooks: LoopHooks, c: Components, *, rank: RankInfo, spec: Optional[str] = None) -> None:
+def inject_fault(hooks: LoopHooks, c: Components, *, rank: RankInfo, spec: str | None = None) -> None:
     """Arm ``spec`` (default: ``$LLMFORGE_FAULT``) on this rank."""
     spec = spec if spec is not None else os.environ.get(FAULT_ENV)
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
@@ -58,7 +70,11 @@ def inject_fault(hooks: LoopHooks, c: Components, *, rank: RankInfo, spec: Optio
         inner(step)
         if step == first:
             sys.stdout.flush()
-            print(f"{FAULT_ENV}={spec}: rank {rank.rank} exits after step {step} (exit code 1), as the drill asks", file=sys.stderr, flush=True)
+            print(
+                f"{FAULT_ENV}={spec}: rank {rank.rank} exits after step {step} (exit code 1), as the drill asks",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(1)
 
     hooks.after_step = after_step
@@ -89,6 +105,8 @@ class PoisonedStep:
 
     def evaluate(self, batch: torch.Tensor) -> float:
         return self.inner.evaluate(batch)  # type: ignore[attr-defined]
+
+
 #: ``STEP``: after optimizer step STEP (first attempt only) the rank SIGKILLs its launcher, whose
 #: torchrun agent and ranks die with it: a node lost for good, for elastic drills (set it on one node).
 NODE_LOSS_ENV = "LLMFORGE_NODE_LOSS"
@@ -113,7 +131,7 @@ def inject_node_loss(hooks: LoopHooks) -> None:
 
 
 @contextlib.contextmanager
-def explain_oom(plan: RunPlan, *, rank: RankInfo, snapshots, built: List[Components]) -> Iterator[None]:
+def explain_oom(plan: RunPlan, *, rank: RankInfo, snapshots, built: list[Components]) -> Iterator[None]:
     """An out-of-memory error becomes a user error naming the snapshot and the estimate to check
     (step 0: while building the model and optimizer or loading the checkpoint)."""
     try:

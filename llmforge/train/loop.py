@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional
 
 import torch
-from llmforge.parallel.dtensor import local
 
+from llmforge.parallel.dtensor import local
 from llmforge.train.anomaly import Reading
 from llmforge.train.components import Components
 
@@ -19,7 +19,7 @@ class LoopHooks:
     """Side effects around the loop, each optional."""
 
     log: Callable[[dict], None] = lambda record: None
-    progress: Callable[[int, Optional[float], Optional[float]], None] = lambda step, loss, tps: None
+    progress: Callable[[int, float | None, float | None], None] = lambda step, loss, tps: None
     checkpoint: Callable[[int], None] = lambda step: None
     should_stop: Callable[[], bool] = lambda: False
     validated: Callable[[int, float], None] = lambda step, val_loss: None
@@ -33,13 +33,13 @@ class LoopResult:
     ``measured``: the meter's last reading (MFU, peak memory)."""
 
     last_step: int
-    losses: List[float] = field(default_factory=list)
-    step_times: List[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
     measured: dict = field(default_factory=dict)
     stopped_early: bool = False
-    val_loss: Optional[float] = None
-    first_loss: Optional[float] = None
-    last_loss: Optional[float] = None
+    val_loss: float | None = None
+    first_loss: float | None = None
+    last_loss: float | None = None
 
 
 @dataclass
@@ -56,7 +56,18 @@ class _Window:
         return elapsed
 
 
-def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: float, log_interval: int, checkpoint_interval: int, hooks: LoopHooks, eval_interval: int = 0, eval_steps: int = 1) -> LoopResult:
+def train_loop(
+    c: Components,
+    *,
+    start_step: int,
+    total_steps: int,
+    grad_clip: float,
+    log_interval: int,
+    checkpoint_interval: int,
+    hooks: LoopHooks,
+    eval_interval: int = 0,
+    eval_steps: int = 1,
+) -> LoopResult:
     """Run optimizer steps ``start_step+1 .. total_steps`` (steps are 1-based, as logged).
 
     A step queues its work and never waits for the device: loss and gradient norm
@@ -69,8 +80,8 @@ def train_loop(c: Components, *, start_step: int, total_steps: int, grad_clip: f
     ``eval_interval`` steps (0: never in between) and after the last step, and
     logged with that step's record."""
     result = LoopResult(last_step=start_step)
-    first: Optional[torch.Tensor] = None
-    loss: Optional[torch.Tensor] = None
+    first: torch.Tensor | None = None
+    loss: torch.Tensor | None = None
     window = _Window()
     for step in range(start_step + 1, total_steps + 1):
         c.before_step(step)
@@ -125,7 +136,14 @@ def _record(c: Components, result: LoopResult, *, step: int, reading: Reading, l
     loss_value, norm_value = reading.loss, reading.grad_norm
     result.losses.append(loss_value)
     result.step_times.append(elapsed)
-    record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": norm_value, "tokens_per_s": c.tokens_per_step / elapsed, "step_time_s": elapsed}
+    record = {
+        "step": step,
+        "loss": loss_value,
+        "lr": lr,
+        "grad_norm": norm_value,
+        "tokens_per_s": c.tokens_per_step / elapsed,
+        "step_time_s": elapsed,
+    }
     record.update(reading.metrics)
     if c.meter is not None:
         result.measured = c.meter(elapsed)

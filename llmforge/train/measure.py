@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+import llmforge.parallel.recompute as recompute
 from llmforge.estimate import activations as act
 from llmforge.estimate import flops as fl
 from llmforge.estimate.params import total_params
@@ -31,7 +32,6 @@ from llmforge.estimate.shape import Job, shape_from_config
 from llmforge.layout import Layout
 from llmforge.models.gpt import GPT
 from llmforge.parallel.recompute import apply_recompute, checkpoint_module, selective_policy
-import llmforge.parallel.recompute as recompute
 from llmforge.parallel.residual import apply_residual_dtype
 from llmforge.train.loss import cross_entropy
 from llmforge.train.precision import DTYPES, residual_dtype
@@ -109,7 +109,7 @@ def cached_tensors(caches: list) -> Iterator[torch.Tensor]:
     """The tensors held in selective-recompute caches (see ``selective_caches``)."""
     for storage in caches:
         for outputs in storage.values():
-            for item in (outputs.values() if isinstance(outputs, dict) else outputs):
+            for item in outputs.values() if isinstance(outputs, dict) else outputs:
                 for wrapped in item if isinstance(item, (tuple, list)) else (item,):
                     value = getattr(wrapped, "val", None)
                     if isinstance(value, torch.Tensor):
@@ -123,7 +123,7 @@ def _storage_key(t: torch.Tensor) -> int:
 def run_once(model, *, micro_batch: int, param_dtype: str, vocab: int, seq: int, caches: list = ()) -> Measurement:
     """Forward + loss (llmforge's) + backward of one microbatch, counting saved bytes and FLOPs."""
     excluded = {_storage_key(p) for p in model.parameters()} | {_storage_key(b) for b in model.buffers()}
-    saved: Dict[int, int] = {}
+    saved: dict[int, int] = {}
 
     def pack(t):
         key = _storage_key(t)
@@ -146,8 +146,16 @@ def run_once(model, *, micro_batch: int, param_dtype: str, vocab: int, seq: int,
     return Measurement(saved_bytes=sum(saved.values()), forward_flops=forward, backward_flops=counter.get_total_flops() - forward)
 
 
-def measure_config(model_cfg, *, micro_batch: int, param_dtype: str, recompute: str = "none", every: int = 1, fake: Optional[bool] = None,
-                   fp32_residual: bool = False) -> Measurement:
+def measure_config(
+    model_cfg,
+    *,
+    micro_batch: int,
+    param_dtype: str,
+    recompute: str = "none",
+    every: int = 1,
+    fake: bool | None = None,
+    fp32_residual: bool = False,
+) -> Measurement:
     """Build ``GPT(model_cfg)`` and measure one microbatch (real or fake CPU tensors), with
     the residual stream in the dtype a run keeps it in."""
     if fake is None:
@@ -164,10 +172,12 @@ def measure_config(model_cfg, *, micro_batch: int, param_dtype: str, recompute: 
         if param_dtype != "fp32":
             apply_residual_dtype(model, dtype=residual_dtype(param_dtype=param_dtype, fp32_residual=fp32_residual))
         caches = _recompute_wrap(model, mode=recompute, every=every)
-        return run_once(model, micro_batch=micro_batch, param_dtype=param_dtype, vocab=model_cfg.vocab_size, seq=model_cfg.seq_len, caches=caches)
+        return run_once(
+            model, micro_batch=micro_batch, param_dtype=param_dtype, vocab=model_cfg.vocab_size, seq=model_cfg.seq_len, caches=caches
+        )
 
 
-def count_parameters(model_cfg) -> Dict[str, tuple]:
+def count_parameters(model_cfg) -> dict[str, tuple]:
     """``{name: shape}`` of the real model, built on the meta device."""
     with torch.device("meta"):
         model = GPT(model_cfg)
@@ -178,24 +188,28 @@ def count_parameters(model_cfg) -> Dict[str, tuple]:
 class Row:
     name: str
     estimate: float
-    measured: Optional[float]
+    measured: float | None
 
 
 @dataclass
 class MeasuredReport:
-    rows: List[Row] = field(default_factory=list)
-    notes: List[str] = field(default_factory=list)
+    rows: list[Row] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"rows": [dataclasses.asdict(r) for r in self.rows], "notes": list(self.notes)}
 
 
-def _scaled(model_cfg, *, micro_batch: int, param_dtype: str, recompute: str, every: int, fp32_residual: bool = False) -> tuple[Measurement, str]:
+def _scaled(
+    model_cfg, *, micro_batch: int, param_dtype: str, recompute: str, every: int, fp32_residual: bool = False
+) -> tuple[Measurement, str]:
     """Measure the full depth directly, or two shallow copies and extrapolate per block group."""
     group = max(model_cfg.moe.every, every)
     small = total_params(shape_from_config(model_cfg)) * micro_batch * model_cfg.seq_len <= REAL_LIMIT
     if small or model_cfg.num_layers <= 2 * group:
-        m = measure_config(model_cfg, micro_batch=micro_batch, param_dtype=param_dtype, recompute=recompute, every=every, fp32_residual=fp32_residual)
+        m = measure_config(
+            model_cfg, micro_batch=micro_batch, param_dtype=param_dtype, recompute=recompute, every=every, fp32_residual=fp32_residual
+        )
         return m, f"all {model_cfg.num_layers} blocks measured"
     kw = dict(micro_batch=micro_batch, param_dtype=param_dtype, recompute=recompute, every=every, fp32_residual=fp32_residual)
     one = measure_config(dataclasses.replace(model_cfg, num_layers=group), **kw)
@@ -205,8 +219,9 @@ def _scaled(model_cfg, *, micro_batch: int, param_dtype: str, recompute: str, ev
     def scale(a: int, b: int) -> int:
         return a + reps * (b - a)
 
-    m = Measurement(scale(one.saved_bytes, two.saved_bytes), scale(one.forward_flops, two.forward_flops),
-                    scale(one.backward_flops, two.backward_flops))
+    m = Measurement(
+        scale(one.saved_bytes, two.saved_bytes), scale(one.forward_flops, two.forward_flops), scale(one.backward_flops, two.backward_flops)
+    )
     return m, f"measured on copies with {group} and {2 * group} blocks, scaled to {model_cfg.num_layers}"
 
 
@@ -218,7 +233,9 @@ def single_process_estimate(shape, job: Job, *, micro_batch: int, recompute: str
     saved += act.embedding_bytes(shape, layout) + act.output_bytes(shape, layout, job)
     extra = sum(fl.recompute_flops_per_token(shape, layout, i) for i in range(shape.num_layers)) * tokens
     return {
-        "params": total_params(shape), "saved_bytes": saved, "forward_flops": fl.forward_flops(shape, tokens),
+        "params": total_params(shape),
+        "saved_bytes": saved,
+        "forward_flops": fl.forward_flops(shape, tokens),
         "backward_flops": fl.backward_flops(shape, tokens) + extra,
     }
 
@@ -230,18 +247,28 @@ def measure_plan(plan, est) -> MeasuredReport:
     mb = cfg.train.micro_batch_size
     names = count_parameters(cfg.model)
     measured_params = sum(_numel(s) for s in names.values())
-    m, how = _scaled(cfg.model, micro_batch=mb, param_dtype=cfg.precision.param_dtype, recompute=p.recompute, every=p.recompute_every,
-                      fp32_residual=cfg.precision.fp32_residual)
+    m, how = _scaled(
+        cfg.model,
+        micro_batch=mb,
+        param_dtype=cfg.precision.param_dtype,
+        recompute=p.recompute,
+        every=p.recompute_every,
+        fp32_residual=cfg.precision.fp32_residual,
+    )
     ref = single_process_estimate(est.shape, est.job, micro_batch=mb, recompute=p.recompute, every=p.recompute_every)
-    report = MeasuredReport(rows=[
-        Row("parameters", ref["params"], measured_params),
-        Row(f"bytes saved for backward (1 microbatch of {mb}, recompute={p.recompute})", ref["saved_bytes"], m.saved_bytes),
-        Row("forward FLOPs (1 microbatch)", ref["forward_flops"], m.forward_flops),
-        Row("backward FLOPs (1 microbatch, with recompute)", ref["backward_flops"], m.backward_flops),
-    ])
+    report = MeasuredReport(
+        rows=[
+            Row("parameters", ref["params"], measured_params),
+            Row(f"bytes saved for backward (1 microbatch of {mb}, recompute={p.recompute})", ref["saved_bytes"], m.saved_bytes),
+            Row("forward FLOPs (1 microbatch)", ref["forward_flops"], m.forward_flops),
+            Row("backward FLOPs (1 microbatch, with recompute)", ref["backward_flops"], m.backward_flops),
+        ]
+    )
     fake = total_params(est.shape) * mb * cfg.model.seq_len > REAL_LIMIT
     report.notes.append("parameters counted on the full model built on the meta device")
-    report.notes.append(("fake CPU tensors (no arithmetic; shapes, dtypes and kernels as on CPU); " if fake else "real CPU tensors; ") + how)
+    report.notes.append(
+        ("fake CPU tensors (no arithmetic; shapes, dtypes and kernels as on CPU); " if fake else "real CPU tensors; ") + how
+    )
     report.notes.append("one process, one microbatch: the per-rank figures above split these same tensors by the layout")
     if cfg.model.moe.num_experts:
         report.notes.append(

@@ -16,7 +16,6 @@ from __future__ import annotations
 import resource
 import sys
 from dataclasses import dataclass
-from typing import Dict, Optional
 
 import torch
 
@@ -26,7 +25,7 @@ from llmforge.estimate.shape import from_plan
 GIB = 1024**3
 
 
-def peak_memory(device: torch.device) -> Dict[str, float]:
+def peak_memory(device: torch.device) -> dict[str, float]:
     """This process's peak memory (GiB) on ``device``."""
     if device.type == "cuda":
         return {
@@ -37,7 +36,7 @@ def peak_memory(device: torch.device) -> Dict[str, float]:
     return {"peak_rss_gib": rss * (1 if sys.platform == "darwin" else 1024) / GIB}
 
 
-def measured_peak_bytes(memory: Dict[str, float]) -> Optional[float]:
+def measured_peak_bytes(memory: dict[str, float]) -> float | None:
     """The figure compared with the estimate: reserved on a GPU (what the allocator
     holds), resident memory on a CPU."""
     value = memory.get("peak_reserved_gib", memory.get("peak_rss_gib"))
@@ -58,7 +57,7 @@ class StepMeter:
     #: The peak is a rough guess (``peak_approximate`` in the hardware profile): MFU is shown as approximate.
     peak_approximate: bool = False
 
-    def __call__(self, step_time_s: float) -> Dict[str, float]:
+    def __call__(self, step_time_s: float) -> dict[str, float]:
         record = {"mfu": self.mfu(step_time_s)}
         record.update(peak_memory(self.device))
         return record

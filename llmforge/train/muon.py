@@ -14,7 +14,6 @@ rank's shard). State names: ``momentum_buffer`` for matrices; ``step``,
 from __future__ import annotations
 
 import math
-from typing import List
 
 import torch
 from torch import nn
@@ -37,7 +36,7 @@ def rms_scale(shape: torch.Size) -> float:
     return 0.2 * math.sqrt(max(shape[-2], shape[-1]))
 
 
-def muon_groups(model: nn.Module, *, weight_decay: float, lr: float, adamw_lr: float) -> List[dict]:
+def muon_groups(model: nn.Module, *, weight_decay: float, lr: float, adamw_lr: float) -> list[dict]:
     """Muon matrices (decayed); AdamW decayed (other matrices: the untied output layer)
     and undecayed (biases, norms, embeddings); empty groups dropped."""
     muon, decay, no_decay = [], [], []
@@ -61,9 +60,16 @@ def muon_groups(model: nn.Module, *, weight_decay: float, lr: float, adamw_lr: f
 class Muon(torch.optim.Optimizer):
     """Groups with ``muon: True`` step by Muon, the others by AdamW (for-loop, any layout)."""
 
-    def __init__(self, groups: List[dict], *, optim: OptimConfig, lr: float) -> None:
-        defaults = dict(lr=lr, weight_decay=0.0, muon=False, momentum=optim.muon_momentum, nesterov=optim.muon_nesterov,
-                        betas=(optim.beta1, optim.beta2), eps=optim.eps)
+    def __init__(self, groups: list[dict], *, optim: OptimConfig, lr: float) -> None:
+        defaults = dict(
+            lr=lr,
+            weight_decay=0.0,
+            muon=False,
+            momentum=optim.muon_momentum,
+            nesterov=optim.muon_nesterov,
+            betas=(optim.beta1, optim.beta2),
+            eps=optim.eps,
+        )
         super().__init__(groups, defaults)
         self.ns_steps = optim.muon_ns_steps
         self.ns_dtype = NS_DTYPES[optim.muon_ns_dtype]
@@ -85,7 +91,7 @@ class Muon(torch.optim.Optimizer):
                 else:
                     self._adamw(p, group)
         updates = orthogonalize(matrices, steps=self.ns_steps, dtype=self.ns_dtype)
-        for m, group, update in zip(matrices, owners, updates):
+        for m, group, update in zip(matrices, owners, updates, strict=False):
             weight = local(m.like)
             weight.mul_(1 - group["lr"] * group["weight_decay"])
             weight.add_(update.to(weight.dtype), alpha=-group["lr"] * rms_scale(m.like.shape))

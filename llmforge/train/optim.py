@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from typing import List
 
 import torch
 from torch import nn
@@ -13,7 +12,7 @@ from llmforge.config.schema import OptimConfig
 from llmforge.train.muon import build_muon
 
 
-def parameter_groups(model: nn.Module, *, weight_decay: float) -> List[dict]:
+def parameter_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
     """Decay matrices; leave biases, norm weights and embeddings undecayed."""
     decay, no_decay = [], []
     for name, param in model.named_parameters():
@@ -26,7 +25,7 @@ def parameter_groups(model: nn.Module, *, weight_decay: float) -> List[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def implementation(params: List[nn.Parameter], *, offloaded: bool = False) -> str:
+def implementation(params: list[nn.Parameter], *, offloaded: bool = False) -> str:
     """``fused`` where every parameter lives on a GPU (one kernel for the whole
     update, no host synchronisation) or is offloaded to host memory (torch's fused
     CPU AdamW: tools/bench_cpu_adamw.py measures it many times faster than the
@@ -38,7 +37,7 @@ def implementation(params: List[nn.Parameter], *, offloaded: bool = False) -> st
     return "for-loop"
 
 
-def _split_by_mesh(groups: List[dict]) -> List[dict]:
+def _split_by_mesh(groups: list[dict]) -> list[dict]:
     """One group per DeviceMesh: a fused update runs over tensors of a single mesh
     (expert weights live on another mesh than dense ones)."""
     out = []
@@ -95,16 +94,14 @@ def decay_shape(shape: str, progress: float) -> float:
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, *, optim: OptimConfig, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, optim=optim, total_steps=total_steps)
-    )
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, optim=optim, total_steps=total_steps))
 
 
 def set_lr_scale(optimizer: torch.optim.Optimizer, scheduler, *, scale: float) -> None:
     """Peak learning rates = each group's initial one x ``scale``; the schedule goes on at its step."""
     base_lrs = [group["initial_lr"] * scale for group in optimizer.param_groups]
     scheduler.base_lrs = base_lrs
-    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(base_lrs, scheduler.lr_lambdas)]
-    for group, lr in zip(optimizer.param_groups, lrs):
+    lrs = [base * fn(scheduler.last_epoch) for base, fn in zip(base_lrs, scheduler.lr_lambdas, strict=False)]
+    for group, lr in zip(optimizer.param_groups, lrs, strict=False):
         group["lr"] = lr
     scheduler._last_lr = lrs  # type: ignore[attr-defined]

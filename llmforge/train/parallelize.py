@@ -12,18 +12,15 @@ with every degree 1 (no mesh).
 
 from __future__ import annotations
 
-from typing import Optional
-
 from torch import nn
 
 from llmforge.parallel.compile import apply_async_tp, apply_compile
-from llmforge.parallel.qat import apply_qat
-from llmforge.parallel.recompute import apply_recompute
 from llmforge.parallel.context import apply_cp
 from llmforge.parallel.data import apply_fsdp, can_defer_reduce
 from llmforge.parallel.expert import apply_ep
 from llmforge.parallel.float8 import apply_float8
 from llmforge.parallel.mesh import ParallelMesh
+from llmforge.parallel.qat import apply_qat
 from llmforge.parallel.recompute import apply_recompute
 from llmforge.parallel.residual import apply_residual_dtype
 from llmforge.parallel.tensor import apply_tp
@@ -31,12 +28,17 @@ from llmforge.plan import RunPlan
 from llmforge.train.precision import DTYPES, residual_dtype
 
 
-def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]) -> None:
+def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh | None) -> None:
     """Shard one model (or pipeline chunk) in place: float8 or QAT -> TP -> EP -> CP -> residual dtype -> recompute -> compile -> FSDP.
     ``mesh`` may be None in one process, where only float8 or QAT, the residual dtype, recompute and compile apply."""
     p = plan.config.parallel
     if plan.config.precision.fp8:
-        apply_float8(model, recipe=plan.config.precision.fp8_recipe, emulate=plan.config.precision.fp8_emulate, fsdp_all_gather=fp8_all_gather(plan, mesh=mesh))
+        apply_float8(
+            model,
+            recipe=plan.config.precision.fp8_recipe,
+            emulate=plan.config.precision.fp8_emulate,
+            fsdp_all_gather=fp8_all_gather(plan, mesh=mesh),
+        )
     if plan.config.precision.qat != "none":
         apply_qat(model, scheme=plan.config.precision.qat, group_size=plan.config.precision.qat_group_size)
     if plan.layout.tp > 1:
@@ -56,28 +58,48 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: Optional[ParallelMesh]
         apply_compile(model)
     if uses_fsdp(plan, mesh=mesh):
         experts = mesh.dp_rest if plan.layout.ep > 1 else None
-        defer = plan.overlap_grad_reduce and plan.layout.pp == 1 and can_defer_reduce(
-            device_type=mesh.fsdp.device_type, zero=p.zero, reduce_dtype=DTYPES[precision.reduce_dtype], offload=p.offload == "states",
-            replicated=p.dp_replicate > 1, experts=experts is not None)
-        apply_fsdp(model, dp_mesh=mesh.fsdp, zero=p.zero, param_dtype=DTYPES[precision.param_dtype], reduce_dtype=DTYPES[precision.reduce_dtype],
-                   expert_mesh=experts, offload=p.offload == "states", fp32_residual=precision.fp32_residual, defer=defer,
-                   release_reduce_input=plan.config.cluster.accelerator == "cpu")
+        defer = (
+            plan.overlap_grad_reduce
+            and plan.layout.pp == 1
+            and can_defer_reduce(
+                device_type=mesh.fsdp.device_type,
+                zero=p.zero,
+                reduce_dtype=DTYPES[precision.reduce_dtype],
+                offload=p.offload == "states",
+                replicated=p.dp_replicate > 1,
+                experts=experts is not None,
+            )
+        )
+        apply_fsdp(
+            model,
+            dp_mesh=mesh.fsdp,
+            zero=p.zero,
+            param_dtype=DTYPES[precision.param_dtype],
+            reduce_dtype=DTYPES[precision.reduce_dtype],
+            expert_mesh=experts,
+            offload=p.offload == "states",
+            fp32_residual=precision.fp32_residual,
+            defer=defer,
+            release_reduce_input=plan.config.cluster.accelerator == "cpu",
+        )
     elif p.offload == "states":
-        raise RuntimeError("parallel.offload=states needs FSDP2 on a process group: a one-rank plan goes through torchrun (llmforge.launch.run.runs_here)")
+        raise RuntimeError(
+            "parallel.offload=states needs FSDP2 on a process group: a one-rank plan goes through torchrun (llmforge.launch.run.runs_here)"
+        )
 
 
-def uses_fsdp(plan: RunPlan, *, mesh: Optional[ParallelMesh]) -> bool:
+def uses_fsdp(plan: RunPlan, *, mesh: ParallelMesh | None) -> bool:
     """ZeRO 1-3 on a distributed rank that reduces over its data-parallel group: FSDP2 shards the model."""
     return plan.config.parallel.zero > 0 and reduces_over_dp(plan, mesh=mesh)
 
 
-def fp8_all_gather(plan: RunPlan, *, mesh: Optional[ParallelMesh]) -> bool:
+def fp8_all_gather(plan: RunPlan, *, mesh: ParallelMesh | None) -> bool:
     """Float8 all-gather of FSDP-sharded weights: tensorwise fp8 under FSDP, unless turned off."""
     precision = plan.config.precision
     return precision.fp8 and precision.fp8_recipe == "tensorwise" and precision.fp8_all_gather and uses_fsdp(plan, mesh=mesh)
 
 
-def reduces_over_dp(plan: RunPlan, *, mesh: Optional[ParallelMesh]) -> bool:
+def reduces_over_dp(plan: RunPlan, *, mesh: ParallelMesh | None) -> bool:
     """Whether a distributed rank (``mesh`` set) shards (ZeRO) and reduces gradients and the loss
     over its data-parallel group: when dp x cp > 1, and also for a one-rank plan
     started through torchrun (``cluster.launcher=torchrun``), whose groups of one

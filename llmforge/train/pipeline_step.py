@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,9 @@ def _forward_only_order(schedule) -> Iterator[None]:
         yield
         return
     full = schedule.pipeline_order_with_comms
-    schedule.pipeline_order_with_comms = {rank: [a for a in actions if a.computation_type.value not in _BACKWARD_ACTIONS] for rank, actions in full.items()}
+    schedule.pipeline_order_with_comms = {
+        rank: [a for a in actions if a.computation_type.value not in _BACKWARD_ACTIONS] for rank, actions in full.items()
+    }
     try:
         yield
     finally:
@@ -67,16 +69,16 @@ class PipelineStep:
     dp_group: dist.ProcessGroup
     dp_size: int
     context: Callable = field(default=lambda: torch.enable_grad())
-    finish: Optional[Callable[[], None]] = None
-    modules: List[nn.Module] = field(default_factory=list)
-    documents_of: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None
+    finish: Callable[[], None] | None = None
+    modules: list[nn.Module] = field(default_factory=list)
+    documents_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.scaler.scaled(self.loss_fn(output, target))
 
     def __call__(self, batch: torch.Tensor) -> StepOutput:
         batch = to_device(batch, self.device)
-        losses: List[torch.Tensor] = []
+        losses: list[torch.Tensor] = []
         args, kwargs = self._inputs(batch, losses)
         with self.context():
             self.schedule.step(*args, **kwargs)
@@ -87,23 +89,23 @@ class PipelineStep:
     def evaluate(self, batch: torch.Tensor) -> float:
         """Forward only through the stages (the schedule's eval path): the mean loss."""
         batch = batch.to(self.device, non_blocking=True)
-        losses: List[torch.Tensor] = []
+        losses: list[torch.Tensor] = []
         args, kwargs = self._inputs(batch, losses)
         with eval_mode(self.modules), self.context(), _forward_only_order(self.schedule):
             self.schedule.eval(*args, **kwargs)
         return float(self._mean(losses))
 
-    def _inputs(self, batch: torch.Tensor, losses: List[torch.Tensor]) -> Tuple[tuple, Dict[str, object]]:
+    def _inputs(self, batch: torch.Tensor, losses: list[torch.Tensor]) -> tuple[tuple, dict[str, object]]:
         """The schedule's arguments: the tokens for the first stage, targets for the last, and
         ``documents`` for every stage (the schedule splits them into microbatches as the tokens)."""
         args = (batch[:, :-1],) if self.has_first else ()
-        kwargs: Dict[str, object] = {"target": batch[:, 1:], "losses": losses} if self.has_last else {}
+        kwargs: dict[str, object] = {"target": batch[:, 1:], "losses": losses} if self.has_last else {}
         documents = self.documents_of(batch[:, :-1]) if self.documents_of is not None else None
         if documents is not None:
             kwargs["documents"] = documents
         return args, kwargs
 
-    def _mean(self, losses: List[torch.Tensor]) -> torch.Tensor:
+    def _mean(self, losses: list[torch.Tensor]) -> torch.Tensor:
         """The last stage's mean microbatch loss, sent to every stage and averaged over dp
         (a device tensor: reading it is the caller's choice)."""
         if self.has_last:

@@ -12,8 +12,9 @@ so neither ``latest`` nor a restart picks them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any
 
 import torch.distributed as dist
 
@@ -26,7 +27,9 @@ from llmforge.train.loop import LoopResult
 from llmforge.train.optim import set_lr_scale
 
 
-def train_recovering(c: Components, *, loop: Callable[[int], LoopResult], start_step: int, root: Path, saver, say: Callable[[str], None]) -> LoopResult:
+def train_recovering(
+    c: Components, *, loop: Callable[[int], LoopResult], start_step: int, root: Path, saver, say: Callable[[str], None]
+) -> LoopResult:
     """``loop(start_step)``; after a rollback, ``loop`` again from the step it was found at.
     A stop becomes the user error naming the newest good checkpoint under ``root``."""
     start = start_step
@@ -39,7 +42,7 @@ def train_recovering(c: Components, *, loop: Callable[[int], LoopResult], start_
             start = roll_back(c, anomaly=anomaly, root=root, saver=saver, say=say)
 
 
-def check_and_save(c: Components, saver, *, step: int, train_state: Dict[str, Any], plan: Dict[str, Any]) -> None:
+def check_and_save(c: Components, saver, *, step: int, train_state: dict[str, Any], plan: dict[str, Any]) -> None:
     """Save a checkpoint of finite weights only; rotation keeps the newest one before the first anomaly."""
     check_weights(c.guard, c.parameters(), step=step, distributed=c.rank.mesh is not None, device=c.rank.device)
     saver.save(step=step, model_parts=c.model_parts, optimizer=c.optimizer, train_state=train_state, plan=plan, protect=c.guard.protected())
@@ -63,8 +66,10 @@ def roll_back(c: Components, *, anomaly: Anomaly, root: Path, saver, say: Callab
         dist.barrier()
     p = c.guard.policy
     lr = f"; learning rate x{c.guard.lr_scale:g} from now on" if p.rollback_lr_factor != 1.0 else ""
-    say(f"rollback {c.guard.rollbacks} of {p.max_rollbacks} at step {anomaly.step}: {anomaly}. "
-        f"Reloaded {target} and skipped the {anomaly.step - good} batches of steps {good + 1}-{anomaly.step}{lr}")
+    say(
+        f"rollback {c.guard.rollbacks} of {p.max_rollbacks} at step {anomaly.step}: {anomaly}. "
+        f"Reloaded {target} and skipped the {anomaly.step - good} batches of steps {good + 1}-{anomaly.step}{lr}"
+    )
     return anomaly.step
 
 
@@ -77,11 +82,13 @@ def stop_error(anomaly: Anomaly, *, root: Path, why: str = "") -> UserError:
     else:
         way = f"no checkpoint was saved before step {anomaly.first_step}: start again (perhaps with a lower train.lr) with `llmforge pretrain ... {pasteable('run.dir', run_dir)} --overwrite`"
     because = f", and {why}" if why else ""
-    return fail(f"stopped at step {anomaly.step}: {anomaly}{because}. No update of a non-finite step was applied and no checkpoint holds one; {way}",
-                title="training stopped on non-finite numbers")
+    return fail(
+        f"stopped at step {anomaly.step}: {anomaly}{because}. No update of a non-finite step was applied and no checkpoint holds one; {way}",
+        title="training stopped on non-finite numbers",
+    )
 
 
-def _agreed(path: Optional[Path], *, distributed: bool) -> Optional[Path]:
+def _agreed(path: Path | None, *, distributed: bool) -> Path | None:
     """Rank 0's choice on every rank."""
     if not (distributed and dist.is_initialized()):
         return path

@@ -11,9 +11,9 @@ import contextlib
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,16 +49,16 @@ from llmforge.train.recovery import check_and_save, train_recovering
 
 @dataclass
 class RunSummary:
-    first_loss: Optional[float]
-    last_loss: Optional[float]
+    first_loss: float | None
+    last_loss: float | None
     last_step: int
     wall_s: float
-    checkpoint: Optional[Path]
+    checkpoint: Path | None
     stopped_early: bool = False
     #: Measured step time (median of the logged windows after the first) and peak memory of rank 0.
-    step_time_s: Optional[float] = None
-    peak_memory_bytes: Optional[float] = None
-    val_loss: Optional[float] = None
+    step_time_s: float | None = None
+    peak_memory_bytes: float | None = None
+    val_loss: float | None = None
     #: Steps skipped on non-finite numbers (train.anomaly; the run's whole count, across resumes) and rollbacks in this launch.
     skipped_steps: int = 0
     rollbacks: int = 0
@@ -70,7 +70,9 @@ class RunSummary:
         if self.val_loss is not None:
             losses += f", val_loss {self.val_loss:.4f}"
         if self.skipped_steps:
-            losses += f"; {self.skipped_steps} step(s) skipped on non-finite numbers (train.anomaly, the skipped_steps column of metrics.jsonl)"
+            losses += (
+                f"; {self.skipped_steps} step(s) skipped on non-finite numbers (train.anomaly, the skipped_steps column of metrics.jsonl)"
+            )
         if self.rollbacks:
             losses += f"; {self.rollbacks} rollback(s)"
         where = f"; checkpoint {self.checkpoint}" if self.checkpoint else ""
@@ -87,8 +89,13 @@ class RunSummary:
             expected = est.worst.total - (est.job.profile.runtime_reserved_bytes if plan.config.cluster.accelerator != "cpu" else 0)
             parts.append(f"peak memory {self.peak_memory_bytes / expected:.2f}x ({gib(self.peak_memory_bytes)} vs {gib(expected)})")
         p = est.job.profile
-        warning = profile_warning(ratio=self.step_time_s / est.step_s, mfu=est.mfu * est.step_s / self.step_time_s,
-                                  accelerator=plan.config.cluster.accelerator, source=p.source, calibration=dict(p.calibration))
+        warning = profile_warning(
+            ratio=self.step_time_s / est.step_s,
+            mfu=est.mfu * est.step_s / self.step_time_s,
+            accelerator=plan.config.cluster.accelerator,
+            source=p.source,
+            calibration=dict(p.calibration),
+        )
         return "; measured/estimate: " + ", ".join(parts) + warning
 
 
@@ -101,22 +108,31 @@ def prepare_data(plan: RunPlan, *, console: Console):
 def make_sampler(plan: RunPlan, prepared, *, split: str = "train") -> object:
     """The resumable sampler of the global batch order (``split="val"``: of the held-out documents)."""
     cfg = plan.config
-    return BatchSampler(prepared, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed,
-                        split=split, val_fraction=cfg.data.val_fraction, val_seed=cfg.data.val_seed)
+    return BatchSampler(
+        prepared,
+        seq_len=cfg.model.seq_len,
+        global_batch_size=cfg.train.global_batch_size,
+        seed=cfg.train.seed,
+        split=split,
+        val_fraction=cfg.data.val_fraction,
+        val_seed=cfg.data.val_seed,
+    )
 
 
 def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
     """Data and this rank's components (any layout)."""
     prepared = prepare_data(plan, console=console)
     if prepared.vocab_size > plan.config.model.vocab_size:
-        raise fail(f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={plan.config.model.vocab_size}; raise model.vocab_size or set data.vocab_size lower")
+        raise fail(
+            f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={plan.config.model.vocab_size}; raise model.vocab_size or set data.vocab_size lower"
+        )
     sampler = make_sampler(plan, prepared)
     c = build_components(plan, rank=rank, sampler=sampler)
     c.val_sampler = _val_sampler(plan, prepared, train=sampler, console=console if rank.is_main else None)
     return c
 
 
-def _val_sampler(plan: RunPlan, prepared, *, train, console: Optional[Console]):
+def _val_sampler(plan: RunPlan, prepared, *, train, console: Console | None):
     """The held-out stream, or None: validation off, or data too small to hold documents out (said once)."""
     fraction = plan.config.data.val_fraction
     if fraction <= 0:
@@ -124,14 +140,24 @@ def _val_sampler(plan: RunPlan, prepared, *, train, console: Optional[Console]):
     if all(train.held_out_documents):
         return make_sampler(plan, prepared, split="val")
     if console is not None:
-        console.print(f"no validation: the data is too small to hold out documents (data.val_fraction={fraction}, see "
-                      "llmforge keys data.val_fraction); data.val_fraction=0 silences this", style="yellow", markup=False, highlight=False)
+        console.print(
+            f"no validation: the data is too small to hold out documents (data.val_fraction={fraction}, see "
+            "llmforge keys data.val_fraction); data.val_fraction=0 silences this",
+            style="yellow",
+            markup=False,
+            highlight=False,
+        )
     return None
 
 
 def train_state(c: Components) -> dict:
     """The JSON part of a checkpoint: scheduler, sampler positions, loss scaler, the guard's counts."""
-    state = {"scheduler": c.scheduler.state_dict(), "sampler": c.sampler.state_dict(), "scaler": c.scaler.state_dict(), "anomaly": c.guard.state_dict()}
+    state = {
+        "scheduler": c.scheduler.state_dict(),
+        "sampler": c.sampler.state_dict(),
+        "scaler": c.scaler.state_dict(),
+        "anomaly": c.guard.state_dict(),
+    }
     if c.val_sampler is not None:
         state["val_sampler"] = c.val_sampler.state_dict()
     return state
@@ -162,7 +188,7 @@ def _reseed(*, seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step * 7919 + rank) % (2**63)
 
 
-def set_aside_newer(root: store.Where, *, after_step: int) -> List[str]:
+def set_aside_newer(root: store.Where, *, after_step: int) -> list[str]:
     """Rename checkpoints past the resumed step (another history) so ``latest`` never picks them; return their names."""
     moved = []
     for path in store.step_dirs(root):
@@ -184,7 +210,9 @@ def _open_run_dir(plan: RunPlan, *, resumed: bool, start_step: int, console: Con
         console.print(f"{old} is newer than the checkpoint resumed from; kept as superseded-{old}", style="yellow", markup=False)
 
 
-def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, console: Optional[Console] = None, restarted: bool = False) -> RunSummary:
+def run(
+    plan: RunPlan, *, rank: RankInfo, resume_from: Path | None = None, console: Console | None = None, restarted: bool = False
+) -> RunSummary:
     """Train this rank from scratch or from ``resume_from`` to ``train.steps`` (or a stop signal).
     ``restarted``: a later attempt of the same job, whose metrics past its starting step are dropped."""
     console = console or Console(stderr=True, markup=False, soft_wrap=True)
@@ -192,7 +220,7 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
     started = time.perf_counter()
     torch.manual_seed(cfg.train.seed)
     snapshots = MemorySnapshots(mode=cfg.train.memory_snapshot, device=rank.device, out_dir=plan.run_dir / "profile", rank=rank.rank)
-    built: List[Components] = []
+    built: list[Components] = []
     with explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
         c = build(plan, rank=rank, console=console)
         built.append(c)
@@ -209,8 +237,17 @@ def run(plan: RunPlan, *, rank: RankInfo, resume_from: Optional[Path] = None, co
     inject_node_loss(hooks)
 
     def loop(start: int) -> LoopResult:
-        return train_loop(c, start_step=start, total_steps=cfg.train.steps, grad_clip=cfg.optim.grad_clip, log_interval=cfg.train.log_interval,
-                          checkpoint_interval=plan.checkpoint_interval, hooks=hooks, eval_interval=cfg.train.eval_interval, eval_steps=cfg.train.eval_steps)
+        return train_loop(
+            c,
+            start_step=start,
+            total_steps=cfg.train.steps,
+            grad_clip=cfg.optim.grad_clip,
+            log_interval=cfg.train.log_interval,
+            checkpoint_interval=plan.checkpoint_interval,
+            hooks=hooks,
+            eval_interval=cfg.train.eval_interval,
+            eval_steps=cfg.train.eval_steps,
+        )
 
     try:
         with stop.installed(), explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
@@ -255,16 +292,19 @@ def _tighten_after_first_step(should_stop: Callable[[], bool], *, rank: RankInfo
     return check
 
 
-def _stopped_text(signal_name: Optional[str], *, step: int, run_dir: Path, saved: bool) -> Text:
+def _stopped_text(signal_name: str | None, *, step: int, run_dir: Path, saved: bool) -> Text:
     """What a stopped run prints: how to continue, or how to start again without a checkpoint."""
     head = (f"stopped by {signal_name} after step {step}", "bold yellow")
     if saved:
         return Text.assemble(head, f"; continue with:\n  llmforge resume {pasteable('ckpt', run_dir, override=False)}")
-    return Text.assemble(head, f"; no checkpoint was saved, so there is nothing to resume: start again with "
-                         f"`llmforge pretrain ... {pasteable('run.dir', run_dir)} --overwrite`")
+    return Text.assemble(
+        head,
+        f"; no checkpoint was saved, so there is nothing to resume: start again with "
+        f"`llmforge pretrain ... {pasteable('run.dir', run_dir)} --overwrite`",
+    )
 
 
-def _typical(times: List[float]) -> Optional[float]:
+def _typical(times: list[float]) -> float | None:
     """The median step time of the logged windows, leaving out the first (warm-up) when others exist."""
     import statistics
 
@@ -279,7 +319,7 @@ class StopSignal:
     rank's compute device (NCCL carries no CPU tensors)."""
 
     def __init__(self, *, device: torch.device = torch.device("cpu")) -> None:
-        self.name: Optional[str] = None
+        self.name: str | None = None
         self.device = device
 
     def _handle(self, signum: int, frame: object) -> None:
@@ -299,6 +339,7 @@ class StopSignal:
 
     def installed(self):
         """A context that routes SIGTERM/SIGINT here (main thread only) and restores the old handlers."""
+
         @contextlib.contextmanager
         def scope():
             if threading.current_thread() is not threading.main_thread():
@@ -317,11 +358,13 @@ class StopSignal:
 def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, console: Console, stop: StopSignal):
     cfg = plan.config
     events = EventLog(plan.run_dir / "events.log")
-    closers: List[Callable[[], None]] = [events.close]
-    saver = store.CheckpointSaver(root=plan.checkpoint_root, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, rank=rank.rank, log=events.write)
+    closers: list[Callable[[], None]] = [events.close]
+    saver = store.CheckpointSaver(
+        root=plan.checkpoint_root, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, rank=rank.rank, log=events.write
+    )
     closers.append(saver.close)
     hooks = LoopHooks(should_stop=_tighten_after_first_step(stop.requested, rank=rank, seconds=cfg.cluster.timeout_s))
-    saved: List[Callable[[store.SaveRecord], None]] = []
+    saved: list[Callable[[store.SaveRecord], None]] = []
 
     def checkpoint(step: int) -> None:
         """Save at intervals, at the end (checkpoint.save_final) and when stopped by a signal."""
@@ -341,8 +384,14 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
     wandb_run = WandbRun(settings=cfg.logging.wandb, run_dir=plan.run_dir, name=cfg.run.name, config=plan.to_dict(), resume_id=resume_id)
     if wandb_run.run_id:
         id_file.write_text(wandb_run.run_id)
-    progress = TrainingProgress(total_steps=cfg.train.steps, start_step=start_step, enabled=cfg.logging.console, console=console,
-                                validation=c.val_sampler is not None, mfu_approximate=c.meter is not None and c.meter.peak_approximate)
+    progress = TrainingProgress(
+        total_steps=cfg.train.steps,
+        start_step=start_step,
+        enabled=cfg.logging.console,
+        console=console,
+        validation=c.val_sampler is not None,
+        mfu_approximate=c.meter is not None and c.meter.peak_approximate,
+    )
     saved.append(lambda record: progress.update(step=record.step, checkpoint=(record.step, record.stall_s)))
 
     tensorboard = None
@@ -354,8 +403,12 @@ def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, con
         """One metrics.jsonl line, and the W&B and TensorBoard records of a step."""
         metrics.write(record)
         wandb_run.log(record, step=record["step"])
-        progress.update(step=record["step"], mfu=record.get("mfu"), memory_gib=record.get("peak_reserved_gib", record.get("peak_rss_gib")),
-                        skipped=record.get("skipped_steps"))
+        progress.update(
+            step=record["step"],
+            mfu=record.get("mfu"),
+            memory_gib=record.get("peak_reserved_gib", record.get("peak_rss_gib")),
+            skipped=record.get("skipped_steps"),
+        )
         if tensorboard is not None:
             tensorboard.log(record)
 

@@ -12,8 +12,9 @@ it. Clipping, the optimizer step, logging and checkpoints do not care which ran.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, Optional, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -29,7 +30,7 @@ class StepOutput:
     """``loss``: the step's mean loss, a detached 0-dim tensor on the device."""
 
     loss: torch.Tensor
-    metrics: Dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def to_device(batch: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -59,7 +60,7 @@ def eval_mode(modules) -> Iterator[None]:
         with torch.no_grad():
             yield
     finally:
-        for m, training in zip(modules, was):
+        for m, training in zip(modules, was, strict=False):
             m.train(training)
 
 
@@ -83,12 +84,12 @@ class GradAccumulationStep:
     scaler: LossScaler
     device: torch.device
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy
-    no_sync: Optional[Callable[[bool], contextlib.AbstractContextManager]] = None
-    reduce_loss: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+    no_sync: Callable[[bool], contextlib.AbstractContextManager] | None = None
+    reduce_loss: Callable[[torch.Tensor], torch.Tensor] | None = None
     loss_context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-    finish: Optional[Callable[[], None]] = None
-    positions: Optional[torch.Tensor] = None
-    documents_of: Optional[Callable[[torch.Tensor], Optional[torch.Tensor]]] = None
+    finish: Callable[[], None] | None = None
+    positions: torch.Tensor | None = None
+    documents_of: Callable[[torch.Tensor], torch.Tensor | None] | None = None
 
     def __call__(self, batch: torch.Tensor) -> StepOutput:
         micro = to_device(batch, self.device).split(self.micro_batch_size)
@@ -125,11 +126,11 @@ class GradAccumulationStep:
             mean = self.reduce_loss(mean)
         return float(mean)
 
-    def _split(self, mb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Dict[str, torch.Tensor]]:
+    def _split(self, mb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
         """Inputs and next-token targets of a microbatch (this rank's positions only), and
         the model's other arguments (``positions``, ``documents``)."""
         inputs, targets = mb[:, :-1], mb[:, 1:]
-        extra: Dict[str, torch.Tensor] = {}
+        extra: dict[str, torch.Tensor] = {}
         documents = self.documents_of(inputs) if self.documents_of is not None else None
         if documents is not None:
             extra["documents"] = documents

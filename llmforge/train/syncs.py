@@ -20,7 +20,8 @@ are not counted.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Optional
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -30,7 +31,7 @@ aten = torch.ops.aten
 _READS = (torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu)
 
 
-def _to_host(func: Any, args: tuple, kwargs: Dict[str, Any]) -> bool:
+def _to_host(func: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
     if func in (aten._to_copy.default, aten.copy_.default):
         src = args[0] if func is aten._to_copy.default else args[1]
         if not isinstance(src, torch.Tensor) or src.device.type in ("cpu", "meta"):
@@ -41,7 +42,7 @@ def _to_host(func: Any, args: tuple, kwargs: Dict[str, Any]) -> bool:
 
 
 class _Dispatch(TorchDispatchMode):
-    def __init__(self, owner: "HostSyncCounter") -> None:
+    def __init__(self, owner: HostSyncCounter) -> None:
         super().__init__()
         self.owner = owner
 
@@ -55,12 +56,18 @@ class _Dispatch(TorchDispatchMode):
 
 
 class _Function(TorchFunctionMode):
-    def __init__(self, owner: "HostSyncCounter") -> None:
+    def __init__(self, owner: HostSyncCounter) -> None:
         super().__init__()
         self.owner = owner
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _READS and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "cpu" and not self.owner.is_host(args[0]):
+        if (
+            func in _READS
+            and args
+            and isinstance(args[0], torch.Tensor)
+            and args[0].device.type == "cpu"
+            and not self.owner.is_host(args[0])
+        ):
             self.owner.record(func.__name__)
         return func(*args, **(kwargs or {}))
 
@@ -68,10 +75,10 @@ class _Function(TorchFunctionMode):
 class HostSyncCounter:
     """``with HostSyncCounter() as syncs: ...``; then ``syncs.count`` and ``syncs.by_op``."""
 
-    def __init__(self, *, host: Optional[Callable[[], Iterable[torch.Tensor]]] = None) -> None:
+    def __init__(self, *, host: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
         self.host = host
         self.count = 0
-        self.by_op: Dict[str, int] = {}
+        self.by_op: dict[str, int] = {}
         self._modes = (_Function(self), _Dispatch(self))
 
     def record(self, name: str) -> None:
@@ -87,7 +94,7 @@ class HostSyncCounter:
         self.count = 0
         self.by_op = {}
 
-    def __enter__(self) -> "HostSyncCounter":
+    def __enter__(self) -> HostSyncCounter:
         for mode in self._modes:
             mode.__enter__()
         return self
@@ -103,7 +110,9 @@ class StepSyncs:
     loop's ``should_stop`` hook and run the loop inside ``with StepSyncs(...)``.
     Disabled, it counts nothing and costs nothing."""
 
-    def __init__(self, *, host: Optional[Callable[[], Iterable[torch.Tensor]]] = None, enabled: bool = True, skip: int = 1, count: Optional[int] = None) -> None:
+    def __init__(
+        self, *, host: Callable[[], Iterable[torch.Tensor]] | None = None, enabled: bool = True, skip: int = 1, count: int | None = None
+    ) -> None:
         self.counter = HostSyncCounter(host=host)
         self.enabled = enabled
         self.skip = skip
@@ -124,7 +133,7 @@ class StepSyncs:
             self._active = True
         return False
 
-    def __enter__(self) -> "StepSyncs":
+    def __enter__(self) -> StepSyncs:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
 
 import pytest
 import torch
@@ -42,7 +41,7 @@ def child_env(**extra: str) -> dict:
     return {**os.environ, "PYTHONPATH": path, "COLUMNS": "300", **extra}
 
 
-def llmforge(args: List[str], *, timeout: int = 300) -> subprocess.CompletedProcess:
+def llmforge(args: list[str], *, timeout: int = 300) -> subprocess.CompletedProcess:
     """``python -m llmforge ARGS`` in a fresh process; fails the test on a non-zero exit."""
     proc = subprocess.run([sys.executable, "-m", "llmforge", *args], env=child_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]

@@ -39,8 +39,9 @@ def test_flex_on_cuda_matches_the_dense_mask_on_cpu(name):
     gen = torch.Generator().manual_seed(0)
     batch = torch.randint(1, 256, (2, 257), generator=gen)
     batch[torch.rand(batch.shape, generator=gen) < 0.03] = 0  # documents of about 30 tokens
-    cuda_masks = model.to("cuda").attention_masks(positions=None, documents=document_ids(batch[:, :-1].cuda(), eos_id=0),
-                                                  batch=2, length=256, device=torch.device("cuda"))
+    cuda_masks = model.to("cuda").attention_masks(
+        positions=None, documents=document_ids(batch[:, :-1].cuda(), eos_id=0), batch=2, length=256, device=torch.device("cuda")
+    )
     assert not isinstance(cuda_masks.full if cuda_masks.full is not None else cuda_masks.windowed, torch.Tensor)
     loss_cpu, grads_cpu = loss_and_grads(model, batch, device="cpu")
     loss_cuda, grads_cuda = loss_and_grads(model, batch, device="cuda")

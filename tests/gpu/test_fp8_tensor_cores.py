@@ -5,20 +5,29 @@ the bf16 run of the same plan. Without a GPU the same checks run emulated on CPU
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-
 from gpu_support import DEVICES, accelerator, llmforge, losses
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("torchao")
 
 SHAPE = [
-    "model.num_layers=4", "model.hidden_size=256", "model.num_heads=4", "model.ffn_hidden_size=1024", "model.vocab_size=4096",
-    "model.seq_len=256", "train.micro_batch_size=4", "train.global_batch_size=8", "train.steps=20", "train.log_interval=1",
-    "train.lr=2e-3", "optim.warmup_steps=5", "checkpoint.save_final=false", "logging.console=false", "logging.wandb.mode=disabled",
+    "model.num_layers=4",
+    "model.hidden_size=256",
+    "model.num_heads=4",
+    "model.ffn_hidden_size=1024",
+    "model.vocab_size=4096",
+    "model.seq_len=256",
+    "train.micro_batch_size=4",
+    "train.global_batch_size=8",
+    "train.steps=20",
+    "train.log_interval=1",
+    "train.lr=2e-3",
+    "optim.warmup_steps=5",
+    "checkpoint.save_final=false",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
 ]
 #: fp8 against bf16 on the same plan after a few steps: the float8 casts add rounding
 FP8_REL = 3e-2
@@ -58,8 +67,8 @@ def test_fp8_layers_are_float8_on_the_device(pair):
     if device != "cuda":
         pytest.skip("emulated on CPU")
     from llmforge.testing.harness import tiny_plan
-    from llmforge.train.parallelize import parallelize
     from llmforge.train.build import build_model
+    from llmforge.train.parallelize import parallelize
 
     plan = tiny_plan(["precision.fp8=true", "precision.param_dtype=bf16", "cluster.accelerator=h100-80gb"])
     model = build_model(plan, device=torch.device("cuda"))

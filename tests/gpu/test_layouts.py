@@ -7,19 +7,22 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-
 from gpu_support import DEVICES, LOW_PRECISION_REL, accelerator, child_env
+
 from llmforge.testing.harness import tiny_plan, train_layout
 
 pytestmark = pytest.mark.gpu
 
 MOE = [
-    "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=48", "model.moe.num_shared_experts=1",
-    "model.moe.aux_loss_coef=0.05", "model.seq_len=16",
+    "model.moe.num_experts=4",
+    "model.moe.top_k=2",
+    "model.moe.ffn_hidden_size=48",
+    "model.moe.num_shared_experts=1",
+    "model.moe.aux_loss_coef=0.05",
+    "model.seq_len=16",
 ]
 LAYOUTS = {
     "single": [],
@@ -51,14 +54,24 @@ def layouts(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"layouts-{device}")
     spec, out = tmp / "spec.json", tmp / "out.pt"
     spec.write_text(json.dumps({"base": base(device), "layouts": LAYOUTS, "device": device, "mesh_of_one": True}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "llmforge.testing.harness", str(spec), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        "-m",
+        "llmforge.testing.harness",
+        str(spec),
+        str(out),
+    ]
     proc = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return device, torch.load(out, weights_only=False)
 
 
 def rel(a: list, b: list) -> float:
-    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b, strict=False))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

@@ -11,21 +11,41 @@ import sys
 
 import pytest
 import torch
-
 from gpu_support import child_env, llmforge
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 SMALL = [
-    "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.ffn_hidden_size=128", "model.vocab_size=512",
-    "model.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=8", "train.steps=4", "train.log_interval=1",
-    "precision.param_dtype=bf16", "logging.console=false", "logging.wandb.mode=disabled", "cluster.accelerator=h100-80gb",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.ffn_hidden_size=128",
+    "model.vocab_size=512",
+    "model.seq_len=64",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.steps=4",
+    "train.log_interval=1",
+    "precision.param_dtype=bf16",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
+    "cluster.accelerator=h100-80gb",
 ]
 
 
 def test_trace_has_cuda_kernels_and_the_memory_snapshot_is_written(tmp_path, small_data):
     run_dir = tmp_path / "run"
-    llmforge(["pretrain", *SMALL, *small_data, "cluster.launcher=torchrun", "train.profile=2-3", "train.memory_snapshot=profile", f"run.dir={run_dir}"])
+    llmforge(
+        [
+            "pretrain",
+            *SMALL,
+            *small_data,
+            "cluster.launcher=torchrun",
+            "train.profile=2-3",
+            "train.memory_snapshot=profile",
+            f"run.dir={run_dir}",
+        ]
+    )
     trace = json.loads((run_dir / "profile" / "rank0.steps2-3.pt.trace.json").read_text())
     assert any(e.get("cat") == "kernel" for e in trace["traceEvents"])
     snapshot = pickle.loads((run_dir / "profile" / "memory_step3_rank0.pickle").read_bytes())

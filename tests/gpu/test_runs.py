@@ -13,16 +13,27 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gpu_support import DEVICES, LOW_PRECISION_REL, accelerator, child_env, llmforge, losses
 
 pytestmark = pytest.mark.gpu
 
 SMALL = [
-    "model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.ffn_hidden_size=128", "model.vocab_size=512",
-    "model.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=8", "train.steps=6", "train.log_interval=1",
-    "optim.warmup_steps=2", "precision.param_dtype=bf16", "checkpoint.interval=3", "checkpoint.keep=10",
-    "logging.console=false", "logging.wandb.mode=disabled",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.ffn_hidden_size=128",
+    "model.vocab_size=512",
+    "model.seq_len=64",
+    "train.micro_batch_size=2",
+    "train.global_batch_size=8",
+    "train.steps=6",
+    "train.log_interval=1",
+    "optim.warmup_steps=2",
+    "precision.param_dtype=bf16",
+    "checkpoint.interval=3",
+    "checkpoint.keep=10",
+    "logging.console=false",
+    "logging.wandb.mode=disabled",
 ]
 
 
@@ -83,7 +94,11 @@ def test_the_export_loads_in_transformers_on_the_device_with_the_same_logits(run
     device, dirs, _ = runs
     ckpt = dirs["async"] / "checkpoints" / "step_6"
     llmforge(["export", f"ckpt={ckpt}", "--out", str(tmp_path / "hf")])
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True, torch_dtype=torch.float32).to(device).eval()
+    hf = (
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True, torch_dtype=torch.float32)
+        .to(device)
+        .eval()
+    )
     model = GPT(RunPlan.load(dirs["async"] / "plan.json").config.model)
     model.load_state_dict(read_model_weights(ckpt))
     model = model.to(device).eval()
@@ -98,7 +113,9 @@ def test_the_export_loads_in_transformers_on_the_device_with_the_same_logits(run
 def test_sigterm_through_torchrun_saves_and_exits_zero(device, tmp_path, small_data):
     run_dir = tmp_path / "run"
     args = plan_args(device, small_data, run_dir, "cluster.launcher=torchrun", "train.steps=100000", "checkpoint.interval=0")
-    proc = subprocess.Popen([sys.executable, "-m", "llmforge", "pretrain", *args], env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmforge", "pretrain", *args], env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
@@ -121,11 +138,27 @@ def test_a_rank_that_raises_after_training_ends_the_job_with_its_error_once(devi
     """The rank trains a layout (collectives on its device), then raises: the job ends
     and the launcher shows the error once (a hang would run into the timeout)."""
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({
-        "base": [f"cluster.accelerator={accelerator(device)}"], "layouts": {"first": [], "second": []},
-        "device": device, "mesh_of_one": True, "fail_rank": 0, "fail_at": "second",
-    }))
-    argv = ["--standalone", "--nproc-per-node=1", "--monitor-interval=0.2", "-m", "llmforge.testing.harness", str(spec), str(tmp_path / "out.pt")]
+    spec.write_text(
+        json.dumps(
+            {
+                "base": [f"cluster.accelerator={accelerator(device)}"],
+                "layouts": {"first": [], "second": []},
+                "device": device,
+                "mesh_of_one": True,
+                "fail_rank": 0,
+                "fail_at": "second",
+            }
+        )
+    )
+    argv = [
+        "--standalone",
+        "--nproc-per-node=1",
+        "--monitor-interval=0.2",
+        "-m",
+        "llmforge.testing.harness",
+        str(spec),
+        str(tmp_path / "out.pt"),
+    ]
     script = "import sys; from rich.console import Console; from llmforge.processes.torchrun import run_torchrun; run_torchrun(sys.argv[1:], console=Console(width=300))"
     proc = subprocess.run([sys.executable, "-c", script, *argv], env=child_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]

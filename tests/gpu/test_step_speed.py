@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from gpu_support import child_env
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -33,7 +32,17 @@ def test_the_distributed_path_reads_the_device_once_per_logged_step(tmp_path):
     """One rank through torchrun, NCCL and a device mesh: the clip's all-reduce and the loss stay on the GPU."""
     spec, out = tmp_path / "spec.json", tmp_path / "out.pt"
     spec.write_text(json.dumps({"layouts": {"single": []}, "device": "cuda", "mesh_of_one": True, "count_syncs": ["single"]}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "llmforge.testing.harness", str(spec), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=1",
+        "-m",
+        "llmforge.testing.harness",
+        str(spec),
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=child_env())
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert torch.load(out, weights_only=False)["single"]["syncs"] == [1]
