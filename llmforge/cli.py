@@ -178,7 +178,8 @@ def pretrain(
 
       llmforge pretrain recipe=gpt-1b parallel=tp4pp2 cluster.nodes=2 --dry-run
 
-      llmforge pretrain recipe=gpt-1b cluster=h100-node cluster.nodes=4 cluster.launcher=kubernetes cluster.image=IMAGE cluster.kubernetes.runs_claim=runs run.dir=/runs/gpt-1b --dry-run
+      llmforge pretrain recipe=gpt-1b cluster=h100-node cluster.nodes=4 cluster.launcher=kubernetes \
+        cluster.image=IMAGE cluster.kubernetes.runs_claim=runs run.dir=/runs/gpt-1b --dry-run
     """
     from llmforge.commands.train import pretrain_command
 

@@ -114,7 +114,8 @@ def _batch_problem(config: RunConfig, nodes: list[int]) -> Problem:
     return Problem(
         "train.global_batch_size",
         t.global_batch_size,
-        f"does not split into whole microbatches (micro_batch_size x dp) or fill the pipeline with {counts} node(s) of the elastic range {c.min_nodes}-{c.nodes}",
+        f"does not split into whole microbatches (micro_batch_size x dp) or fill the pipeline with {counts} node(s) of the elastic range "
+        f"{c.min_nodes}-{c.nodes}",
         f"use {fits}, or raise cluster.min_nodes",
     )
 

@@ -11,7 +11,8 @@ Bandwidths are per device and per direction, in GB/s (1e9 bytes): NVLink's
 900 GB/s "bidirectional" H100 figure is 450 here. Peak FLOP/s are dense (no
 structured sparsity). The optional ``matmul_efficiency``, ``matmul_dim``,
 ``attention_efficiency``, ``attention_backward_efficiency``, ``bandwidth_efficiency``, ``comm_sm_share`` and
-``kernel_floor_us`` (and ``dtensor_op_us``, the host cost of one DTensor operator call: ``llmforge.estimate.host``) are the step-time model's rates (``llmforge.estimate.kernels``; ``comm_sm_share``, the
+``kernel_floor_us`` (and ``dtensor_op_us``, the host cost of one DTensor operator call: ``llmforge.estimate.host``)
+are the step-time model's rates (``llmforge.estimate.kernels``; ``comm_sm_share``, the
 share of the compute units a running collective holds, and ``comm_latency_us``, one collective between two
 ranks, paid once per ring hop: ``llmforge.estimate.comm``). ``peak_tflops.fp8`` is optional: a profile without it has
 no FP8 tensor cores, and ``precision.fp8`` is refused there (unless emulated).

@@ -200,7 +200,8 @@ def check_world(config: RunConfig) -> list[Problem]:
             Problem(
                 "parallel.dp",
                 p.dp,
-                f"dp*tp*pp*cp = {p.dp * model_parallel} but the world size is {world} (cluster.nodes={c.nodes} x cluster.devices_per_node={c.devices_per_node})",
+                f"dp*tp*pp*cp = {p.dp * model_parallel} but the world size is {world} (cluster.nodes={c.nodes} x "
+                f"cluster.devices_per_node={c.devices_per_node})",
                 f"set parallel.dp=auto or cluster.devices_per_node={p.dp * model_parallel // max(c.nodes, 1)}",
             )
         )
@@ -466,7 +467,8 @@ def check_backend(config: RunConfig) -> list[Problem]:
             Problem(
                 "parallel.cp",
                 p.cp,
-                "context parallelism is not supported with MoE models (model.moe.num_experts > 0): routing and the router losses would see only a slice of each sequence",
+                "context parallelism is not supported with MoE models (model.moe.num_experts > 0): routing and the router losses would "
+                "see only a slice of each sequence",
                 "set parallel.cp=1 or model.moe.num_experts=0",
             )
         )
@@ -514,7 +516,8 @@ def check_offload(config: RunConfig) -> list[Problem]:
                 "parallel.offload",
                 p.offload,
                 "offloaded states are FSDP2's CPUOffloadPolicy, and parallel.zero=0 does not shard with FSDP2",
-                "set parallel.zero=1 (compute weights and gradients stay whole on the device: one copy each way per step) or 3 (least device memory)",
+                "set parallel.zero=1 (compute weights and gradients stay whole on the device: one copy each way per step) or 3 (least "
+                "device memory)",
             )
         )
     dp = _dp(config)
@@ -523,7 +526,8 @@ def check_offload(config: RunConfig) -> list[Problem]:
             Problem(
                 "parallel.offload",
                 p.offload,
-                "FSDP2 shards over the data-parallel ranks, and this layout has dp x cp = 1 on several ranks, so nothing carries the offload",
+                "FSDP2 shards over the data-parallel ranks, and this layout has dp x cp = 1 on several ranks, so nothing carries the "
+                "offload",
                 "use data parallelism (parallel.dp > 1) with ZeRO, or parallel.offload=none",
             )
         )

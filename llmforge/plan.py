@@ -437,7 +437,8 @@ def _check_fp8(config: RunConfig) -> list[Problem]:
                 "cluster.accelerator",
                 name,
                 "has no FP8 tensor cores (its profile gives no peak_tflops.fp8), so precision.fp8 cannot run there",
-                "use an H100, H200 or B200 (cluster=h100-node), precision=bf16, or precision.fp8_emulate=true to test the numerics without a speed-up",
+                "use an H100, H200 or B200 (cluster=h100-node), precision=bf16, or precision.fp8_emulate=true to test the numerics "
+                "without a speed-up",
             )
         )
     return out

@@ -22,17 +22,20 @@ def show_plan(plan: RunPlan, *, console: Console) -> None:
     rows = [
         (
             "model",
-            f"{m.num_layers} layers x {m.hidden_size}, {m.num_heads} heads{kv}, ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq {m.seq_len}{moe}",
+            f"{m.num_layers} layers x {m.hidden_size}, {m.num_heads} heads{kv}, ffn {m.ffn_hidden_size}, vocab {m.vocab_size}, seq "
+            f"{m.seq_len}{moe}",
         ),
         ("flavour", f"{m.norm}, {m.activation}, {m.position} positions, {'tied' if m.tie_embeddings else 'untied'} embeddings"),
         (
             "cluster",
-            f"{cfg.cluster.nodes} node(s) x {plan.world_size // max(cfg.cluster.nodes, 1)} {cfg.cluster.accelerator} = world size {plan.world_size}"
+            f"{cfg.cluster.nodes} node(s) x {plan.world_size // max(cfg.cluster.nodes, 1)} {cfg.cluster.accelerator} = world size "
+            f"{plan.world_size}"
             + (f"; elastic: {cfg.cluster.min_nodes}-{cfg.cluster.nodes} nodes" if cfg.cluster.min_nodes is not None else ""),
         ),
         (
             "layout",
-            f"dp {plan.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp}, ep {p.ep}; ZeRO-{p.zero}{', sequence parallel' if p.sequence_parallel else ''}",
+            f"dp {plan.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp}, ep {p.ep}; "
+            f"ZeRO-{p.zero}{', sequence parallel' if p.sequence_parallel else ''}",
         ),
         (
             "pipeline",
@@ -49,7 +52,8 @@ def show_plan(plan: RunPlan, *, console: Console) -> None:
         ),
         (
             "batch",
-            f"global {t.global_batch_size} seqs = {plan.tokens_per_step:,} tokens/step; micro {t.micro_batch_size} x {plan.microbatches} microbatches per dp rank",
+            f"global {t.global_batch_size} seqs = {plan.tokens_per_step:,} tokens/step; micro {t.micro_batch_size} x {plan.microbatches} "
+            "microbatches per dp rank",
         ),
         ("schedule", f"{t.steps} steps, lr {t.lr:g} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}), seed {t.seed}"),
         ("anomaly", _anomaly(t)),

@@ -259,7 +259,10 @@ def test_llmforge_imports_sit_at_the_top_of_modules():
 
 
 def test_a_function_level_import_is_found():
-    source = "import torch\nfrom llmforge.plan import RunPlan\n\ndef f():\n    import json\n    from llmforge.errors import fail\n    from . import x\n"
+    source = (
+        "import torch\nfrom llmforge.plan import RunPlan\n\ndef f():\n    import json\n    from llmforge.errors import fail\n    from . "
+        "import x\n"
+    )
     assert sorted(set(_function_level_imports(source))) == [(".", 7), ("llmforge.errors", 6)]
 
 

@@ -28,7 +28,9 @@ its symmetric-memory buffers aside, is what the 71.9 GiB plan measures without t
 others are reported (docs/estimator.md, ``python tools/published_runs.py``): llmforge's
 selective keeps every matmul output, where theirs recomputes every second one, and the
 405B rows depend on their pipeline's microbatching (torchtitan splits the local batch into
-as many microbatches as there are stages by default) and the schedule's buffers. The 8B rows on 128 GPUs run 2-3% slower than on 8 in the published table; the model
+as many microbatches as there are stages by default) and the schedule's buffers. The 8B rows on
+128 GPUs run 2-3% slower than on 8 in the published
+table; the model
 hides FSDP's traffic behind the blocks there too (every NIC of a node carries the gathers) and
 charges what the hiding costs: FSDP2's copy out of the gather buffer on the compute stream, the
 SMs NCCL's kernels hold while they run (``comm_sm_share``), longer on 16 nodes, and a latency per

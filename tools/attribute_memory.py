@@ -164,7 +164,8 @@ def main() -> None:
             tracker, rss = tracked_step(c, track=not args.rss_only)
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             print(
-                f"step {step} ({time.perf_counter() - start:.1f} s, {faults} page faults): RSS peak {rss.peak / GIB:.3f} GiB, after {sampler.now() / GIB:.3f} GiB; {heap_words()}"
+                f"step {step} ({time.perf_counter() - start:.1f} s, {faults} page faults): RSS peak {rss.peak / GIB:.3f} GiB, after "
+                f"{sampler.now() / GIB:.3f} GiB; {heap_words()}"
             )
         if tracker is None:
             return

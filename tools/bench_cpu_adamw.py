@@ -59,7 +59,8 @@ def main() -> None:
     args = parser.parse_args()
     total = int(args.mparams * 1e6)
     print(
-        f"AdamW on {total / 1e6:.0f}M fp32 parameters in {args.tensors} tensors, {torch.get_num_threads()} threads, torch {torch.__version__}"
+        f"AdamW on {total / 1e6:.0f}M fp32 parameters in {args.tensors} tensors, {torch.get_num_threads()} threads, torch "
+        f"{torch.__version__}"
     )
     bandwidth = copy_bandwidth(total=total, repeat=args.repeat)
     print(f"copy            {bandwidth / 1e9:7.2f} GB/s (host memory bandwidth reached)")

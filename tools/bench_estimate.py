@@ -59,7 +59,8 @@ def main() -> None:
     print(f"llmforge estimate {' '.join(args.overrides)}")
     print(f"  whole command (median of {args.runs}): {wall:.3f} s")
     print(
-        f"  import llmforge.cli: {p['import_cli_s']:.3f} s | compose + validate: {p['compose_plan_s']:.3f} s | estimate: {p['estimate_s'] * 1e3:.1f} ms"
+        f"  import llmforge.cli: {p['import_cli_s']:.3f} s | compose + validate: {p['compose_plan_s']:.3f} s | estimate: "
+        f"{p['estimate_s'] * 1e3:.1f} ms"
     )
     print(f"  torch imported: {p['torch_imported']}")
 

@@ -106,7 +106,8 @@ def main() -> None:
     for name, row in rows.items():
         ratio = f"{row.get('ratio', 1.0):.3f}x"
         print(
-            f"{name:16s} {row['tokens_per_s']:10,.0f} {ratio:>8s} {row['loss']:9.4f} {row['peak_gib']:9.2f} {row['estimate_tokens_per_s']:15,.0f}"
+            f"{name:16s} {row['tokens_per_s']:10,.0f} {ratio:>8s} {row['loss']:9.4f} {row['peak_gib']:9.2f} "
+            f"{row['estimate_tokens_per_s']:15,.0f}"
         )
 
 

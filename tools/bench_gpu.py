@@ -151,9 +151,15 @@ def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Res
     c = build_components(plan, rank=RankInfo(device=device), sampler=sampler)
     done = [0]
 
-    def run(until: int, hooks: LoopHooks = LoopHooks()) -> None:
+    def run(until: int, hooks: LoopHooks | None = None) -> None:
         train_loop(
-            c, start_step=done[0], total_steps=until, grad_clip=cfg.optim.grad_clip, log_interval=10**9, checkpoint_interval=0, hooks=hooks
+            c,
+            start_step=done[0],
+            total_steps=until,
+            grad_clip=cfg.optim.grad_clip,
+            log_interval=10**9,
+            checkpoint_interval=0,
+            hooks=hooks or LoopHooks(),
         )
         done[0] = until
 
@@ -215,7 +221,8 @@ def report(plan, mode: str, plain: Result, ours: Result) -> None:
     print(f"  {'':10} {'tokens/s':>10} {'MFU':>6} {'peak alloc':>11} {'peak reserved':>14}")
     for name, r in (("plain", plain), ("llmforge", ours)):
         print(
-            f"  {name:10} {r.tokens_per_s:10,.0f} {r.tokens_per_s * per_token / peak:6.1%} {r.peak_allocated / GIB:9.2f} GiB {r.peak_reserved / GIB:10.2f} GiB"
+            f"  {name:10} {r.tokens_per_s:10,.0f} {r.tokens_per_s * per_token / peak:6.1%} {r.peak_allocated / GIB:9.2f} GiB "
+            f"{r.peak_reserved / GIB:10.2f} GiB"
         )
     print(f"  ratio llmforge / plain: {ours.tokens_per_s / plain.tokens_per_s:.3f}")
     print(

@@ -184,7 +184,8 @@ def main() -> None:
                 ratios[clock].append(got["plain"][i] / got["llmforge"][i])
             print(
                 f"round {r + 1} ({order[0]} first): step cpu s llmforge {got['llmforge'][0]:.4f} plain {got['plain'][0]:.4f} "
-                f"ratio {ratios['cpu'][-1]:.3f} | wall s llmforge {got['llmforge'][1]:.4f} plain {got['plain'][1]:.4f} ratio {ratios['wall'][-1]:.3f}",
+                f"ratio {ratios['cpu'][-1]:.3f} | wall s llmforge {got['llmforge'][1]:.4f} plain {got['plain'][1]:.4f} ratio "
+                f"{ratios['wall'][-1]:.3f}",
                 flush=True,
             )
     for clock in (args.clock, "wall" if args.clock == "cpu" else "cpu"):

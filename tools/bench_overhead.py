@@ -99,7 +99,8 @@ def main() -> None:
         plain.append(plain_loop(plan, batches, clock))
     tokens = args.steps * plan.tokens_per_step
     print(
-        f"model: {plan.config.model.num_layers} layers x {plan.config.model.hidden_size}, {plan.tokens_per_step} tokens/step, {args.steps} steps x {args.rounds} rounds, {torch.get_num_threads()} threads, {args.clock} clock"
+        f"model: {plan.config.model.num_layers} layers x {plan.config.model.hidden_size}, {plan.tokens_per_step} tokens/step, "
+        f"{args.steps} steps x {args.rounds} rounds, {torch.get_num_threads()} threads, {args.clock} clock"
     )
     for name, pick in (("median", statistics.median), ("best", min)):
         print(

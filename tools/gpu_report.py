@@ -172,7 +172,8 @@ def table(rows: Sequence[Row]) -> list[str]:
         plain = f"{r.tokens_per_s / r.plain_tokens_per_s:.2f}x" if r.plain_tokens_per_s else "-"
         lines.append(
             f"| {r.model} mb{r.micro_batch} | {r.mode} | {r.precision} | {r.recompute} | {r.tokens_per_s:,.0f} | {plain} | {r.mfu:.1%} "
-            f"| {r.peak_bytes / GIB:.2f} | {_ratio(r.tokens_per_s, r.before, 'tokens_per_s')} | {_ratio(r.tokens_per_s, r.after, 'tokens_per_s')} "
+            f"| {r.peak_bytes / GIB:.2f} | {_ratio(r.tokens_per_s, r.before, 'tokens_per_s')} | "
+            f"{_ratio(r.tokens_per_s, r.after, 'tokens_per_s')} "
             f"| {_ratio(r.peak_bytes, r.before, 'memory')} | {_ratio(r.peak_bytes, r.after, 'memory')} |"
         )
     return lines

@@ -86,7 +86,8 @@ def main() -> None:
                 results.setdefault(balance, []).append(summary(records))
                 print(f"{balance} seed {seed}: " + ", ".join(f"{k} {v:.4f}" for k, v in results[balance][-1].items()), flush=True)
     print(
-        f"\nmoe-tiny, {args.seeds} seeds x {args.steps} steps{' ' + ' '.join(args.overrides) if args.overrides else ''} (mean ± std over seeds)\n"
+        f"\nmoe-tiny, {args.seeds} seeds x {args.steps} steps{' ' + ' '.join(args.overrides) if args.overrides else ''} (mean ± std over "
+        "seeds)\n"
     )
     print(table(results, steps=args.steps))
 

@@ -84,8 +84,8 @@ def _keep(result, *, console: Console, say, seconds: float) -> None:
         use_for_this_run(text)
         say(
             f"measured this CPU in {seconds:.0f}s ({figures}) on a busy machine ({'; '.join(result.verdict.reasons)}): this run uses "
-            "these figures, but they are not cached and the next run measures again (llmforge calibrate, when the machine is quiet, caches them)"
-            + _home_problem(path)
+            "these figures, but they are not cached and the next run measures again (llmforge calibrate, when the machine is quiet, "
+            "caches them)" + _home_problem(path)
         )
         return
     try:

@@ -69,7 +69,8 @@ def calibration_lock(
             while not _try_lock(fd, fcntl):
                 if time.monotonic() > deadline:
                     raise UserError(
-                        f"another llmforge calibration has held {path} for over {wait_s:.0f}s; let it finish or stop it, then calibrate again",
+                        f"another llmforge calibration has held {path} for over {wait_s:.0f}s; let it finish or stop it, then calibrate "
+                        "again",
                         title="cannot calibrate now",
                     )
                 time.sleep(poll_s)

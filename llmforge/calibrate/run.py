@@ -130,7 +130,8 @@ def measure_trusted(measure: Measure, *, attempts: int, say: Callable[[str], Non
             best = (compute, comm, verdict)
         if attempt < attempts:
             say(
-                f"the machine looks busy ({'; '.join(verdict.reasons)}): measuring again in {PAUSE_S:.0f}s (try {attempt + 1} of {attempts})"
+                f"the machine looks busy ({'; '.join(verdict.reasons)}): measuring again in {PAUSE_S:.0f}s (try {attempt + 1} of "
+                f"{attempts})"
             )
             time.sleep(PAUSE_S)
     return best

@@ -224,9 +224,15 @@ class CheckpointSaver:
         kept = complete(self.root)
         run_dir = self.root.parent if self.root.name == "checkpoints" else self.root
         if kept:
-            then = f"the newest complete checkpoint, {kept[0]}, is kept. Fix: {fix}, then resume: `llmforge resume {pasteable('ckpt', run_dir, override=False)}`"
+            then = (
+                f"the newest complete checkpoint, {kept[0]}, is kept. Fix: {fix}, then resume: `llmforge resume "
+                f"{pasteable('ckpt', run_dir, override=False)}`"
+            )
         else:
-            then = f"no earlier checkpoint was saved, so there is nothing to resume. Fix: {fix}, then start again: `llmforge pretrain ... {pasteable('run.dir', run_dir)} --overwrite`"
+            then = (
+                f"no earlier checkpoint was saved, so there is nothing to resume. Fix: {fix}, then start again: `llmforge pretrain ... "
+                f"{pasteable('run.dir', run_dir)} --overwrite`"
+            )
         return fail(f"cannot save the checkpoint of step {step} into {tmp}: {why}; {then}", title="checkpoint not saved")
 
     def _failed_remote(self, exc: BaseException, *, tmp: str, step: int) -> UserError:
@@ -358,7 +364,8 @@ def refuse_unfused(path: Where, saved_keys: set) -> None:
                     "ckpt",
                     str(path),
                     f"saved before llmforge fused its projections ({', '.join(stale[example])} are now {example})",
-                    f"export it with `llmforge export ckpt={path} --out DIR` and start a new run from it with model.init_from=DIR (the optimizer state starts afresh)",
+                    f"export it with `llmforge export ckpt={path} --out DIR` and start a new run from it with model.init_from=DIR (the "
+                    "optimizer state starts afresh)",
                 )
             ],
             title="cannot load checkpoint",

@@ -57,7 +57,8 @@ def calibrate_command(
             highlight=False,
         )
     console.print(
-        f"calibrated in {time.perf_counter() - started:.0f}s; wrote {path}\n{how_to_use(req, path=path, name=result.data['name'], out=out)}",
+        f"calibrated in {time.perf_counter() - started:.0f}s; wrote "
+        f"{path}\n{how_to_use(req, path=path, name=result.data['name'], out=out)}",
         markup=False,
         highlight=False,
     )

@@ -49,7 +49,8 @@ def render_rehearsal(rehearsal, est: Estimate, *, console: Console) -> None:
     """The rehearsed peak item by item next to the estimate's."""
     items = rehearsal.as_estimate_items(whole_compute_copy=whole_compute_copy(est))
     table = Table(
-        title=f"Rehearsal of rank {rehearsal.rank} ({rehearsal.where}): fake tensors, the build and two steps (the second shown), {rehearsal.seconds:.0f} s"
+        title=f"Rehearsal of rank {rehearsal.rank} ({rehearsal.where}): fake tensors, the build and two steps (the second shown), "
+        f"{rehearsal.seconds:.0f} s"
     )
     for name in ("", "estimate", "rehearsed", "rehearsed / estimate"):
         table.add_column(name, justify="left" if not name else "right")

@@ -62,7 +62,8 @@ class SkyPilotConfig:
     data_mount: str = knob("/data", help="Where cluster.skypilot.data_bucket is mounted.")
     runs_bucket: str | None = knob(
         None,
-        help="A bucket URL mounted (MOUNT_CACHED) at cluster.skypilot.runs_mount on every node: run.dir and its checkpoints must be there. Required.",
+        help="A bucket URL mounted (MOUNT_CACHED) at cluster.skypilot.runs_mount on every node: run.dir and its checkpoints must be "
+        "there. Required.",
     )
     runs_mount: str = knob("/runs", help="Where cluster.skypilot.runs_bucket is mounted; run.dir must be inside it.")
     port: int = knob(29500, range="[1, 65535]", help="The rendezvous port on the first node.")

@@ -43,7 +43,8 @@ def check_qat(config: RunConfig) -> list[Problem]:
             Problem(
                 "precision.qat",
                 pr.qat,
-                "torchao's fake quantization cannot take tensor-parallel (DTensor) weights: its per-group scales reshape the sharded weight",
+                "torchao's fake quantization cannot take tensor-parallel (DTensor) weights: its per-group scales reshape the sharded "
+                "weight",
                 "use data parallelism (parallel.dp, ZeRO 0-3) and pipeline parallelism for QAT, or set parallel.tp=1",
             )
         )
@@ -53,7 +54,8 @@ def check_qat(config: RunConfig) -> list[Problem]:
                 "precision.qat_start_step",
                 pr.qat_start_step,
                 f"is after the last step (train.steps={config.train.steps}): the run would never fake-quantize",
-                f"set precision.qat_start_step to at most {config.train.steps}, e.g. {max(1, config.train.steps * 4 // 5)} for the last fifth",
+                f"set precision.qat_start_step to at most {config.train.steps}, e.g. {max(1, config.train.steps * 4 // 5)} for the last "
+                "fifth",
             )
         )
     out.extend(_group_problems(config))

@@ -84,10 +84,12 @@ class ModelConfig:
     sliding_window_every: int = knob(
         1,
         range="[1, inf)",
-        help="With sliding_window: layer i uses the window when i % every == 0 (1: every layer; 2: layers 0, 2, 4, ... as Gemma-2), the others attend to the whole window.",
+        help="With sliding_window: layer i uses the window when i % every == 0 (1: every layer; 2: layers 0, 2, 4, ... as Gemma-2), the "
+        "others attend to the whole window.",
     )
     sliding_window_layers: list[int] = knob(
-        help="With sliding_window: exactly these layer indices (0-based) use the window (overrides sliding_window_every); empty = use sliding_window_every.",
+        help="With sliding_window: exactly these layer indices (0-based) use the window (overrides sliding_window_every); empty = use "
+        "sliding_window_every.",
         factory=list,
     )
     tie_embeddings: bool = knob(True, help="Share the input embedding with the output projection.")
@@ -177,7 +179,8 @@ class PrecisionConfig:
     fp8_emulate: bool = knob(False, help="Emulate the FP8 matmuls in high precision (CPU, GPUs without FP8): same casts, no speed-up.")
     fp8_all_gather: bool = knob(
         True,
-        help="fp8 tensorwise under ZeRO 1-3: all-gather weights cast to float8 (half the bytes), scales computed once after each optimizer step.",
+        help="fp8 tensorwise under ZeRO 1-3: all-gather weights cast to float8 (half the bytes), scales computed once after each "
+        "optimizer step.",
     )
     qat: str = knob(
         "none",
@@ -188,7 +191,8 @@ class PrecisionConfig:
     qat_group_size: int = knob(
         32,
         range="[1, inf)",
-        help="precision.qat: input columns sharing one int4 weight scale; a linear layer whose input width is not a multiple stays in full precision.",
+        help="precision.qat: input columns sharing one int4 weight scale; a linear layer whose input width is not a multiple stays in "
+        "full precision.",
     )
     qat_start_step: int = knob(
         0,
@@ -212,9 +216,12 @@ class DataConfig:
     val_fraction: float = knob(
         0.01,
         range="[0, 1)",
-        help="Fraction of documents held out for validation (never trained on; the same set for every layout), evaluated at the end of the run "
-        "and every train.eval_interval steps. Per dataset: round(fraction x documents), at least 1 once it has 10 documents, at most 10,000, "
-        "grown (up to a tenth of the documents) until they fill one sequence; data too small for that trains without validation. 0 = no validation.",
+        help="Fraction of documents held out for validation (never trained on; the same set for every layout), evaluated at the end of "
+        "the run "
+        "and every train.eval_interval steps. Per dataset: round(fraction x documents), at least 1 once it has 10 documents, at most "
+        "10,000, "
+        "grown (up to a tenth of the documents) until they fill one sequence; data too small for that trains without validation. 0 = no "
+        "validation.",
     )
     val_seed: int = knob(
         0, range="[0, inf)", help="Seed choosing the held-out documents (kept apart from train.seed so runs with other seeds share them)."
@@ -233,8 +240,10 @@ class CheckpointConfig:
     save_final: bool = knob(True, help="Save after the last step.")
     dir: str | None = knob(
         None,
-        help="Where checkpoints go: unset = run.dir/checkpoints; an object-storage URL (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, any fsspec URL) "
-        "puts step_N/ there. Credentials come from the environment and config files (AWS_*, ~/.aws), never the plan; an S3-compatible server from AWS_ENDPOINT_URL.",
+        help="Where checkpoints go: unset = run.dir/checkpoints; an object-storage URL (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, any "
+        "fsspec URL) "
+        "puts step_N/ there. Credentials come from the environment and config files (AWS_*, ~/.aws), never the plan; an S3-compatible "
+        "server from AWS_ENDPOINT_URL.",
     )
 
 
@@ -253,17 +262,21 @@ class TrainConfig:
     eval_steps: int = knob(10, range="[1, inf)", help="Global batches of held-out sequences per validation.")
     profile: str | None = knob(
         None,
-        help="Steps to trace with torch.profiler, START-END (or one step N): run.dir/profile/rank<R>.steps<START>-<END>.pt.trace.json per rank (Perfetto, TensorBoard). null = off.",
+        help="Steps to trace with torch.profiler, START-END (or one step N): run.dir/profile/rank<R>.steps<START>-<END>.pt.trace.json per "
+        "rank (Perfetto, TensorBoard). null = off.",
     )
     memory_snapshot: str = knob(
         "oom",
-        help="GPUs: oom = record live CUDA allocations and write run.dir/profile/oom_rank<R>.pickle on out-of-memory; profile = record every allocation from the start and also write a snapshot at the end of train.profile (open at pytorch.org/memory_viz); off.",
+        help="GPUs: oom = record live CUDA allocations and write run.dir/profile/oom_rank<R>.pickle on out-of-memory; profile = record "
+        "every allocation from the start and also write a snapshot at the end of train.profile (open at pytorch.org/memory_viz); off.",
     )
     anomaly: str = knob(
         "skip",
         help="A step whose loss or gradient norm is non-finite on any rank never updates the weights or optimizer state; then: "
-        "stop = end the run (exit code 2) naming the step and the resume command; skip = go on, and after more than train.max_skipped_steps "
-        "skips in a row stop; rollback = go on, and after more than train.max_skipped_steps skips in a row reload the weights and optimizer "
+        "stop = end the run (exit code 2) naming the step and the resume command; skip = go on, and after more than "
+        "train.max_skipped_steps "
+        "skips in a row stop; rollback = go on, and after more than train.max_skipped_steps skips in a row reload the weights and "
+        "optimizer "
         "state of the newest checkpoint older than the first of them (step count, schedule and data stream go on, past the bad batches), "
         "at most train.max_rollbacks times.",
     )
@@ -281,7 +294,8 @@ class TrainConfig:
     loss_spike_window: int = knob(
         128,
         range="[0, inf)",
-        help="Loss spikes: a step whose loss exceeds the mean of the previous N steps' finite losses by loss_spike_sigma standard deviations is logged as loss_spike (tested once N steps ran). 0 = off.",
+        help="Loss spikes: a step whose loss exceeds the mean of the previous N steps' finite losses by loss_spike_sigma standard "
+        "deviations is logged as loss_spike (tested once N steps ran). 0 = off.",
     )
     loss_spike_sigma: float = knob(
         6.0, range="(0, inf)", help="Loss spikes: standard deviations above the window's mean that make a spike."
@@ -290,7 +304,8 @@ class TrainConfig:
     rehearse: str = knob(
         "auto",
         help="Before launch, run the most-loaded rank's build and one step on fake tensors on this CPU (llmforge estimate --rehearse) "
-        "and refuse a plan whose rehearsed peak does not fit the device: always, never, or auto (plans of 1B parameters or more on accelerators).",
+        "and refuse a plan whose rehearsed peak does not fit the device: always, never, or auto (plans of 1B parameters or more on "
+        "accelerators).",
     )
 
 
@@ -309,7 +324,8 @@ class OptimConfig:
     warmup_steps: int = knob(10, range="[0, inf)", help="Linear warm-up steps.")
     schedule: str = knob(
         "cosine",
-        help="After warm-up: cosine, linear, constant, or wsd (warmup-stable-decay: constant, then a decay over the last optim.decay_fraction of the steps).",
+        help="After warm-up: cosine, linear, constant, or wsd (warmup-stable-decay: constant, then a decay over the last "
+        "optim.decay_fraction of the steps).",
     )
     min_lr_ratio: float = knob(0.1, range="[0, 1]", help="Final learning rate as a fraction of train.lr.")
     decay_fraction: float = knob(0.2, range="(0, 1]", help="wsd only: fraction of train.steps spent decaying to min_lr_ratio at the end.")
@@ -390,7 +406,8 @@ class ClusterConfig:
     max_restarts: int = knob(
         0,
         range="[0, inf)",
-        help="After a rank fails, restart every rank up to N times (torchrun --max-restarts); they resume from the newest complete checkpoint.",
+        help="After a rank fails, restart every rank up to N times (torchrun --max-restarts); they resume from the newest complete "
+        "checkpoint.",
     )
 
 

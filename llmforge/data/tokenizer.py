@@ -26,7 +26,7 @@ MAX_VOCAB = 2**32
 #: Longest run of non-space characters BPE training sees as one piece: a merge rewrites every word
 #: holding its pair, so one 5 MB word costs merges x 5 MB; real pre-tokens are far shorter.
 MAX_RUN_CHARS = 256
-_LONG_RUN = re.compile(r"\S{%d,}" % (MAX_RUN_CHARS + 1))
+_LONG_RUN = re.compile(rf"\S{{{MAX_RUN_CHARS + 1},}}")
 
 
 def check_vocab_size(vocab_size: int, *, key: str = "data.vocab_size") -> None:

@@ -147,7 +147,8 @@ def fit_problems(est: Estimate) -> list[Problem]:
             Problem(
                 "cluster.accelerator",
                 est.job.profile.name,
-                f"the most-loaded device ({where(est)}) needs {gib(est.worst.total)}, {gib(-est.headroom)} over its {gib(est.job.profile.memory_bytes)}",
+                f"the most-loaded device ({where(est)}) needs {gib(est.worst.total)}, {gib(-est.headroom)} over its "
+                f"{gib(est.job.profile.memory_bytes)}",
                 "change the layout (llmforge estimate --search lists the ones that fit), or pass --force",
             )
         )
@@ -167,9 +168,11 @@ def fit_problems(est: Estimate) -> list[Problem]:
             Problem(
                 "cluster.devices_per_node",
                 node.ranks,
-                f"the {node.ranks} ranks of a node need {gib(node.total)} of host memory together ({node.ranks} x {gib(node.per_rank)}: {items}), "
+                f"the {node.ranks} ranks of a node need {gib(node.total)} of host memory together ({node.ranks} x {gib(node.per_rank)}: "
+                f"{items}), "
                 f"{gib(node.total - node.capacity)} over the node's {gib(node.capacity)} "
-                f"({'this machine' if est.job.host_memory is not None else 'the profile' + chr(39) + 's host_memory_gib'}); layout {overrides}",
+                f"({'this machine' if est.job.host_memory is not None else 'the profile' + chr(39) + 's host_memory_gib'}); layout "
+                f"{overrides}",
                 fix(node, est.layout),
             )
         )

@@ -22,7 +22,10 @@ def verdict(est: Estimate) -> str:
     if est.headroom < 0:
         return f"does not fit: {gib(-est.headroom)} over the {gib(cap)} of a {est.job.profile.name}{over_node}"
     if host is not None and not host.fits:
-        return f"does not fit: the offloaded states need {gib(host.node_bytes)} of host memory per node, {gib(host.node_bytes - host.node_capacity)} over the {gib(host.node_capacity)} of the profile's host_memory_gib"
+        return (
+            f"does not fit: the offloaded states need {gib(host.node_bytes)} of host memory per node, "
+            f"{gib(host.node_bytes - host.node_capacity)} over the {gib(host.node_capacity)} of the profile's host_memory_gib"
+        )
     if node_over:
         return f"does not fit the node: {words(node)}, {gib(node.total - node.capacity)} over"
     offloaded = f"; host memory {gib(host.node_bytes)} of {gib(host.node_capacity)} per node" if host is not None else ""

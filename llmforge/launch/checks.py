@@ -84,8 +84,10 @@ def check_host_memory(plan: RunPlan) -> None:
                 Problem(
                     "parallel.offload",
                     plan.config.parallel.offload,
-                    f"the ranks of this node would keep {host.node_bytes / 2**30:.3g} GiB in host memory (offloaded states and activations) and this machine has {total / 2**30:.3g} GiB",
-                    "shard over more ranks (parallel.dp, parallel.zero=3), offload less (parallel.offload_activations=false), or run on nodes with more memory",
+                    f"the ranks of this node would keep {host.node_bytes / 2**30:.3g} GiB in host memory (offloaded states and "
+                    f"activations) and this machine has {total / 2**30:.3g} GiB",
+                    "shard over more ranks (parallel.dp, parallel.zero=3), offload less (parallel.offload_activations=false), or run on "
+                    "nodes with more memory",
                 )
             ],
             title="not enough host memory",
@@ -107,7 +109,8 @@ def check_space(plan: RunPlan) -> None:
                 Problem(
                     "run.dir",
                     str(plan.run_dir),
-                    f"a checkpoint of this model needs about {need / 2**30:.3g} GiB and the file system of {folder} has {free / 2**30:.3g} GiB free",
+                    f"a checkpoint of this model needs about {need / 2**30:.3g} GiB and the file system of {folder} has "
+                    f"{free / 2**30:.3g} GiB free",
                     "free space there or choose a run.dir on a larger file system",
                 )
             ],
@@ -161,7 +164,8 @@ def check_fault(plan: RunPlan, *, resume_from: Path | None, here: bool, console:
         if rank >= plan.world_size
         else f"step {first} comes after the last step ({steps})"
         if first > steps
-        else f"step{'s' if last > first else ''} {first}{'-' + str(last) if last > first else ''} came before this resume from step {resumed_at}"
+        else f"step{'s' if last > first else ''} {first}{'-' + str(last) if last > first else ''} came before this resume from step "
+        f"{resumed_at}"
         if (first if kind == "exit" else last) <= resumed_at
         else ""
     )

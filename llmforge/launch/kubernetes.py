@@ -155,7 +155,8 @@ def _client():
                     "cluster.launcher",
                     "kubernetes",
                     "submitting needs the kubernetes Python client, which is not installed",
-                    "pip install 'llmforge[kubernetes]' (or pip install kubernetes), or print the manifest with --dry-run and kubectl create -f it",
+                    "pip install 'llmforge[kubernetes]' (or pip install kubernetes), or print the manifest with --dry-run and kubectl "
+                    "create -f it",
                 )
             ],
             title="cannot submit the job",
@@ -193,7 +194,8 @@ def submit(plan: RunPlan, body: dict, *, console: Console) -> None:
     except kubernetes.client.ApiException as exc:
         fix = (
             (
-                f"install {'Kubeflow Trainer v2' if body['kind'] == 'TrainJob' else 'the JobSet controller'} on the cluster, or choose the other "
+                f"install {'Kubeflow Trainer v2' if body['kind'] == 'TrainJob' else 'the JobSet controller'} on the cluster, or choose "
+                "the other "
                 "cluster.kubernetes.kind"
             )
             if exc.status == 404

@@ -93,7 +93,8 @@ def platform_problems(plan: RunPlan) -> list[Problem]:
                 "data.cache_dir",
                 plan.config.data.cache_dir,
                 "rank 0 prepares the data there and the other nodes read it, so it must be on a shared mount",
-                f"set data.cache_dir={posixpath.join(found.get('data', found.get('runs', ('', '/data')))[1], 'cache')} (a folder on a mounted volume or bucket)",
+                f"set data.cache_dir={posixpath.join(found.get('data', found.get('runs', ('', '/data')))[1], 'cache')} (a folder on a "
+                "mounted volume or bucket)",
             )
         )
     return out + _elastic_problems(plan)
@@ -118,7 +119,8 @@ def _elastic_problems(plan: RunPlan) -> list[Problem]:
             "cluster.min_nodes",
             c.min_nodes,
             f"elastic training cannot run as a {kind}: {why}",
-            "set cluster.min_nodes=null (cluster.max_restarts still restarts the job from its newest checkpoint), or use cluster.launcher=skypilot or slurm",
+            "set cluster.min_nodes=null (cluster.max_restarts still restarts the job from its newest checkpoint), or use "
+            "cluster.launcher=skypilot or slurm",
         )
     ]
 

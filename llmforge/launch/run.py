@@ -72,7 +72,8 @@ def _launch_on_platform(plan: RunPlan, *, resume_from: Path | None, force: bool,
     written here (run.dir is on the platform's storage)."""
     if resume_from is not None:
         raise fail(
-            f"cluster.launcher={plan.config.cluster.launcher}: a job there always continues from the newest complete checkpoint in run.dir; "
+            f"cluster.launcher={plan.config.cluster.launcher}: a job there always continues from the newest complete checkpoint in "
+            "run.dir; "
             "submit it again with `llmforge pretrain` and the same run.dir instead of `llmforge resume`"
         )
     check_platform(plan)
@@ -141,7 +142,8 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
         names = ", ".join(p.name for p in found)
         if any((run_dir / "checkpoints").glob("step_*/manifest.json")):
             raise fail(
-                f"run.dir={run_dir} already holds a run ({names}); continue it with `llmforge resume {pasteable('ckpt', run_dir, override=False)}`, "
+                f"run.dir={run_dir} already holds a run ({names}); continue it with `llmforge resume "
+                f"{pasteable('ckpt', run_dir, override=False)}`, "
                 "choose another run.dir=..., or pass --overwrite to start over"
             )
         raise fail(

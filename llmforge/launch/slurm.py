@@ -52,7 +52,8 @@ def submit_script(plan: RunPlan, *, plan_path: Path, resume_from: Path | None, d
     if dry_run:
         console.print(script, highlight=False, markup=False, soft_wrap=True)
         console.print(
-            f"(--dry-run writes nothing; without it this script is written to {plan.run_dir / 'launch.sbatch'} with the plan it runs, {plan_path})",
+            f"(--dry-run writes nothing; without it this script is written to {plan.run_dir / 'launch.sbatch'} with the plan it runs, "
+            f"{plan_path})",
             highlight=False,
             markup=False,
             soft_wrap=True,

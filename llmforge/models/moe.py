@@ -47,7 +47,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +79,7 @@ def expert_counts(experts: torch.Tensor, *, num_experts: int) -> torch.Tensor:
     return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
-Counts = Union[torch.Tensor, Sequence[int]]
+Counts = torch.Tensor | Sequence[int]
 
 
 def expert_mlp(x: torch.Tensor, counts: Counts, *, w_up: torch.Tensor, w_gate: torch.Tensor | None, w_down: torch.Tensor) -> torch.Tensor:

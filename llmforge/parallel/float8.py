@@ -99,7 +99,8 @@ def apply_float8(model: nn.Module, *, recipe: str, emulate: bool, fsdp_all_gathe
     if not emulate and device.type != "meta" and not has_fp8_hardware(device):
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         raise fail(
-            f"precision.fp8: this device ({name}) has no FP8 tensor cores (CUDA compute capability 8.9 or later); run on an H100/H200/B200, use precision=bf16, or precision.fp8_emulate=true (no speed-up)"
+            f"precision.fp8: this device ({name}) has no FP8 tensor cores (CUDA compute capability 8.9 or later); run on an "
+            "H100/H200/B200, use precision=bf16, or precision.fp8_emulate=true (no speed-up)"
         )
     with quiet_torchao():
         from torchao.float8 import convert_to_float8_training

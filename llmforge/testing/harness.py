@@ -67,7 +67,9 @@ TINY = [
 
 EVAL_INTERVAL = 4
 DOCUMENT_EOS_RATE = 0.1  # about three documents per tiny window when masks follow documents
-SYNC_STEP = 3  # the step whose host synchronisations are counted: logged, not validated, not the first after an evaluation (a pipeline schedule exchanges its shapes again then)
+# The step whose host synchronisations are counted: logged, not validated, not the first after an
+# evaluation (a pipeline schedule exchanges its shapes again then).
+SYNC_STEP = 3
 
 
 @dataclass

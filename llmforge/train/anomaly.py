@@ -203,7 +203,10 @@ class StepGuard:
         if not over:
             return
         first, what = over[0]
-        count = f"{len(over)} steps in a row were skipped (steps {first}-{over[-1][0]}), more than train.max_skipped_steps={p.max_skipped_steps}"
+        count = (
+            f"{len(over)} steps in a row were skipped (steps {first}-{over[-1][0]}), more than "
+            f"train.max_skipped_steps={p.max_skipped_steps}"
+        )
         if p.action == "skip":
             raise Anomaly(action="stop", first_step=first, step=step, what=what, reason=f"{count}, and train.anomaly=skip then stops")
         if self.rollbacks >= p.max_rollbacks:

@@ -78,12 +78,19 @@ def stop_error(anomaly: Anomaly, *, root: Path, why: str = "") -> UserError:
     good = store.newest_before(root, step=anomaly.first_step)
     run_dir = "RUN_DIR" if is_url(root) else root.parent
     if good is not None:
-        way = f"the newest checkpoint before step {anomaly.first_step} is {good}; continue from it (perhaps with a lower train.lr) with:\n  llmforge resume {pasteable('ckpt', good, override=False)}"
+        way = (
+            f"the newest checkpoint before step {anomaly.first_step} is {good}; continue from it (perhaps with a lower train.lr) with:\n  "
+            f"llmforge resume {pasteable('ckpt', good, override=False)}"
+        )
     else:
-        way = f"no checkpoint was saved before step {anomaly.first_step}: start again (perhaps with a lower train.lr) with `llmforge pretrain ... {pasteable('run.dir', run_dir)} --overwrite`"
+        way = (
+            f"no checkpoint was saved before step {anomaly.first_step}: start again (perhaps with a lower train.lr) with `llmforge "
+            f"pretrain ... {pasteable('run.dir', run_dir)} --overwrite`"
+        )
     because = f", and {why}" if why else ""
     return fail(
-        f"stopped at step {anomaly.step}: {anomaly}{because}. No update of a non-finite step was applied and no checkpoint holds one; {way}",
+        f"stopped at step {anomaly.step}: {anomaly}{because}. No update of a non-finite step was applied and no checkpoint holds one; "
+        f"{way}",
         title="training stopped on non-finite numbers",
     )
 

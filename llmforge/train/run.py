@@ -124,7 +124,8 @@ def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
     prepared = prepare_data(plan, console=console)
     if prepared.vocab_size > plan.config.model.vocab_size:
         raise fail(
-            f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={plan.config.model.vocab_size}; raise model.vocab_size or set data.vocab_size lower"
+            f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={plan.config.model.vocab_size}; raise model.vocab_size "
+            "or set data.vocab_size lower"
         )
     sampler = make_sampler(plan, prepared)
     c = build_components(plan, rank=rank, sampler=sampler)

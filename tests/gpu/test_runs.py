@@ -159,7 +159,10 @@ def test_a_rank_that_raises_after_training_ends_the_job_with_its_error_once(devi
         str(spec),
         str(tmp_path / "out.pt"),
     ]
-    script = "import sys; from rich.console import Console; from llmforge.processes.torchrun import run_torchrun; run_torchrun(sys.argv[1:], console=Console(width=300))"
+    script = (
+        "import sys; from rich.console import Console; from llmforge.processes.torchrun import run_torchrun; run_torchrun(sys.argv[1:], "
+        "console=Console(width=300))"
+    )
     proc = subprocess.run([sys.executable, "-c", script, *argv], env=child_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 0 failed" in proc.stdout
