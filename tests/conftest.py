@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import pytest
+from ports import pick_free_port
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A test whose gloo rank is killed by a signal gets one more try, reported as a rerun (a
+    failed assertion never does). Set here rather than in addopts so that a machine without
+    pytest-rerunfailures (the GPU one) still runs the suite."""
+    if config.pluginmanager.hasplugin("rerunfailures") and not config.getoption("reruns", None):
+        config.option.reruns = 1
+        config.option.only_rerun = ["terminated with signal"]
 
 
 @pytest.fixture(autouse=True)
@@ -43,9 +52,7 @@ os.environ.setdefault("LLMFORGE_CHECK_COLLECTIVES", "1")
 @pytest.fixture
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return pick_free_port()
 
 
 @pytest.fixture

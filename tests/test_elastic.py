@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from ports import pick_free_port
 
 from llmforge.config.compose import compose
 from llmforge.errors import UserError
@@ -54,9 +55,7 @@ def drill(tmp_path_factory, small_data):
     tmp = tmp_path_factory.mktemp("elastic")
     reference = tmp / "reference"
     run(RunPlan.build(compose([*TINY, *small_data, f"run.dir={reference}"])), rank=RankInfo())
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = pick_free_port()
     nodes = tmp / "nodes"
     # short rendezvous waits: the survivor goes on 2 s after it is alone; a silent agent is dropped after 3 s
     args = [

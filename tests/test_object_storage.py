@@ -5,12 +5,12 @@ a save killed midway, and the messages of what a user can get wrong."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ports import pick_free_port
 
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
@@ -58,17 +58,11 @@ main()
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3():
     """A moto S3 server on a free local port with one bucket, and the environment that
     points boto at it (this process and the ones it starts); stopped afterwards."""
-    port = _free_port()
+    port = pick_free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     env = {
@@ -201,7 +195,7 @@ def test_a_save_killed_midway_is_skipped_and_resume_reshards_to_dp2(reference, s
         (
             "unreachable",
             "s3://bucket/run",
-            {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{_free_port()}", "AWS_MAX_ATTEMPTS": "1"},
+            {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{pick_free_port()}", "AWS_MAX_ATTEMPTS": "1"},
             "the storage endpoint does not answer",
         ),
     ],

@@ -6,13 +6,13 @@ exposed data-parallel collectives are the ones the backend issues outside comput
 from __future__ import annotations
 
 import json
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ports import pick_free_port
 
 from llmforge.estimate import comm as cm
 
@@ -62,9 +62,7 @@ def _worker(rank: int, port: int, out: str) -> None:
 def trace(tmp_path_factory):
     """Rank 0's profiler events of the second step, and the reduce-scatters in flight when block 0's backward began."""
     out = str(tmp_path_factory.mktemp("overlap") / "trace.json")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = pick_free_port()
     mp.spawn(_worker, args=(port, out), nprocs=2, join=True)
     events = sorted((e for e in json.loads(Path(out).read_text())["traceEvents"] if e.get("ph") == "X"), key=lambda e: e["ts"])
     main = next(e["tid"] for e in events if e["name"].startswith("FSDP::pre_backward"))

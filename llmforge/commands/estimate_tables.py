@@ -5,7 +5,9 @@ from __future__ import annotations
 from rich.table import Table
 from rich.text import Text
 
+from llmforge.estimate.allocator import CPU_HEAP_SLACK, FRAGMENTATION
 from llmforge.estimate.core import Estimate
+from llmforge.estimate.memory import CPU_PROCESS_BYTES
 from llmforge.estimate.node import words
 from llmforge.estimate.pipeline import simulate, simulated_bubble
 from llmforge.estimate.text import gib, verdict, where
@@ -308,9 +310,7 @@ def _paste(layout, *, elastic: bool = False) -> str:
 
 
 def _allowance_words(est) -> str:
-    from llmforge.estimate import memory
-
     if est.job.on_cpu:
-        process = max(est.job.profile.runtime_reserved_bytes, memory.CPU_PROCESS_BYTES)
-        return f"process {gib(process)} (python, torch, gloo) + {memory.CPU_HEAP_SLACK:.0%} heap slack"
-    return f"runtime {gib(est.job.profile.runtime_reserved_bytes)} + {memory.FRAGMENTATION:.0%} fragmentation"
+        process = max(est.job.profile.runtime_reserved_bytes, CPU_PROCESS_BYTES)
+        return f"process {gib(process)} (python, torch, gloo) + {CPU_HEAP_SLACK:.0%} heap slack"
+    return f"runtime {gib(est.job.profile.runtime_reserved_bytes)} + {FRAGMENTATION:.0%} fragmentation"
