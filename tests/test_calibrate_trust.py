@@ -6,6 +6,10 @@ here depends on how busy the machine running the tests is."""
 from __future__ import annotations
 
 import io
+import os
+import resource
+import subprocess
+import sys
 import threading
 import time
 
@@ -17,7 +21,7 @@ from rich.console import Console
 from llmforge.calibrate import auto, lock, run, trust
 from llmforge.calibrate.advice import profile_warning
 from llmforge.calibrate.fit import BandwidthSample, ComputeSamples, MatmulSample, fit_compute
-from llmforge.calibrate.probe import CpuLoad, LoadReading, busy_cpu_seconds
+from llmforge.calibrate.probe import CpuLoad, LoadReading, busy_cpu_seconds, own_cpu_seconds
 from llmforge.commands.plans import build_plan
 from llmforge.errors import UserError
 from llmforge.hardware import UNCACHED_ENV, cpu_threads, get_profile, machine_profile_path
@@ -59,6 +63,48 @@ def test_the_load_probe_counts_busy_cpu_time_less_its_own(tmp_path):
     tick = __import__("os").sysconf("SC_CLK_TCK")
     assert busy_cpu_seconds(frozenset({0, 1}), stat=stat) == pytest.approx(360 / tick)  # idle and iowait left out, steal counted
     assert busy_cpu_seconds(frozenset({0, 7}), stat=stat) is None  # a CPU the kernel does not list: no reading
+
+
+def _reading_with_a_child(*, others_s: float) -> LoadReading:
+    """A 2 s stretch on 2 CPUs in which this process computed 0.2 s and a subprocess it waited
+    for (the host probe) 1.4 s, and other processes ``others_s``."""
+    times = iter([os.times_result((1.0, 0.0, 0.0, 0.0, 0.0)), os.times_result((1.2, 0.0, 1.4, 0.0, 0.0))])
+    clock, busy = iter([0.0, 2.0]), iter([50.0, 51.6 + others_s])
+    probe = CpuLoad(
+        threads=2,
+        cpus=frozenset({0, 1}),
+        busy=lambda: next(busy),
+        own=lambda: own_cpu_seconds(lambda: next(times)),
+        clock=lambda: next(clock),
+    )
+    probe.start()
+    reading = probe.stop()
+    assert reading is not None
+    return reading
+
+
+def _judged(reading: LoadReading) -> trust.Verdict:
+    samples = _pass(1e11)
+    samples.load = [reading]
+    return trust.judge(trust.combine([samples] * 3))
+
+
+def test_a_calibrations_own_subprocess_is_not_other_processes_load():
+    idle = _reading_with_a_child(others_s=0.0)
+    assert idle.others_cpu_s == pytest.approx(0.0) and _judged(idle).trusted
+    busy = _reading_with_a_child(others_s=1.6)
+    assert busy.others_cpu_s == pytest.approx(1.6)
+    verdict = _judged(busy)
+    assert not verdict.trusted and "other processes kept 0.8 of the 2 CPUs" in verdict.reasons[0]
+
+
+def test_own_cpu_seconds_counts_a_waited_for_child():
+    burn = "import time\nwhile time.process_time() < 0.3: pass"
+    before, children = own_cpu_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    child = (after.ru_utime + after.ru_stime) - (children.ru_utime + children.ru_stime)
+    assert child >= 0.3 and own_cpu_seconds() - before >= child - 0.02
 
 
 def test_a_busy_machine_is_measured_again_and_its_figures_flagged(monkeypatch):

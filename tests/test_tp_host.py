@@ -8,6 +8,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from llmforge.calibrate import collectives
 from llmforge.config.compose import compose
@@ -55,6 +56,23 @@ def test_the_estimate_counts_the_collectives_a_tp2_step_issues(name, counted):
 def test_the_estimate_counts_the_dtensor_calls_a_tp2_step_makes(name, counted):
     _, expected = _estimator_counts(plan_of(VARIANTS[name]))
     assert sum(counted[name].dtensor.values()) == expected
+
+
+def test_the_host_probe_makes_the_calls_a_tp2_step_makes(counted):
+    """The calibration's per-call host time (``dtensor_op_us``) comes from a probe whose DTensor
+    calls bring the Python work a real tp2 step's calls bring (a pair of bare linears' brought a
+    fifth less): counted, so the machine's load does not matter."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from llmforge.calibrate.host_probe import python_calls_per_dtensor_call
+    from llmforge.rehearse.counts import count_step
+    from llmforge.rehearse.fake import fake_process_group
+
+    tp2, one = counted["tiny"], count_step(RunPlan.build(compose(["recipe=tiny", "logging=quiet"])))
+    step = (sum(tp2.python_calls.values()) - sum(one.python_calls.values())) / sum(tp2.dtensor.values())
+    with fake_process_group(rank=0, world_size=2):
+        probe = python_calls_per_dtensor_call(DeviceMesh.from_group(dist.group.WORLD, "cpu"))
+    assert probe == pytest.approx(step, rel=0.1)
 
 
 def _tp2_estimate(**keys):

@@ -12,7 +12,9 @@ system, every thread) and the wall clock when the process reports step ``--short
 ``--long`` (the plain script's ``--log`` line; llmforge's metrics.jsonl record, written every
 ``train.log_interval`` steps: pick multiples of it). Python and torch imports, data and model
 set-up and the first steps' warm-up (allocator, kernels' first calls) come before the first
-sample; the end of the run after the second. ``--clock cpu`` (the default) reads the ratio on
+sample; the end of the run after the second. Each side is started for ``train.log_interval`` steps
+more than ``--long`` and stopped once it reports step ``--long``, so llmforge's validation after
+its last step (the plain loop has none) is not in the timed steps. ``--clock cpu`` (the default) reads the ratio on
 CPU time: on a machine others share, waiting for a core is left out (with one thread no
 spin-waiting is counted either); ``--clock wall`` on the wall clock; both are printed.
 
@@ -71,8 +73,10 @@ def steady(cmd: list[str], *, log: Path, short: int, long: int, env: dict[str, s
             for step in set(_steps_logged(log)) & {short, long}:
                 marks.setdefault(step, (cpu, wall))
             time.sleep(0.005)
+        if proc.poll() is None:  # the steps past ``long`` (and llmforge's closing validation) are not timed
+            proc.kill()
         proc.wait()
-    if proc.returncode or long not in marks or short not in marks:
+    if long not in marks or short not in marks:
         sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}): {console.read_text()[-3000:]}")
     (c0, w0), (c1, w1) = marks[short], marks[long]
     return (c1 - c0) / (long - short), (w1 - w0) / (long - short)
@@ -178,14 +182,14 @@ def main() -> None:
             order = ("llmforge", "plain") if r % 2 == 0 else ("plain", "llmforge")
             got = {}
             for side in order:
-                cmd, log = sides[side](args.long)
+                cmd, log = sides[side](args.long + plan.config.train.log_interval)
                 got[side] = steady(cmd, log=log, short=args.short, long=args.long, env=env)
             for i, clock in enumerate(("cpu", "wall")):
                 ratios[clock].append(got["plain"][i] / got["llmforge"][i])
             print(
                 f"round {r + 1} ({order[0]} first): step cpu s llmforge {got['llmforge'][0]:.4f} plain {got['plain'][0]:.4f} "
-                f"ratio {ratios['cpu'][-1]:.3f} | wall s llmforge {got['llmforge'][1]:.4f} plain {got['plain'][1]:.4f} ratio "
-                f"{ratios['wall'][-1]:.3f}",
+                f"ratio {ratios['cpu'][-1]:.3f} | wall s llmforge {got['llmforge'][1]:.4f} plain {got['plain'][1]:.4f} "
+                f"ratio {ratios['wall'][-1]:.3f}",
                 flush=True,
             )
     for clock in (args.clock, "wall" if args.clock == "cpu" else "cpu"):

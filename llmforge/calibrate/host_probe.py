@@ -2,72 +2,116 @@
 
     python -m llmforge.calibrate.host_probe     # prints the microseconds
 
-A pair of small linears, the first column-parallel and the second row-parallel (as a block's
-MLP is sharded, ``llmforge.parallel.tensor``), runs forward, backward and the for-loop AdamW
-step of CPU ranks on a fake process group of two ranks (collectives return at once), and the
-same pair unsharded. The tensors are tiny, so the difference of the two is host work: DTensor's
-dispatch, the parallel styles' hooks, wrapping and unwrapping, redistributions. Divided by
-the DTensor calls the sharded pass makes (``llmforge.rehearse.counts``), it is the profile's
-``dtensor_op_us``, what ``llmforge.estimate.host`` charges per call. Times are this thread's
-CPU time (waiting for a core on a shared machine is left out), the fastest of a few rounds.
-Its own process: the fake group must be the default one, and a calibrating rank has its real one.
+A one-block GPT a few elements wide (embedding, attention, MLP, tied output layer and loss:
+the layers a tensor-parallel step runs, ``llmforge.parallel.tensor`` sharding them as it
+shards a run's model) runs forward, backward and the for-loop AdamW step of CPU ranks on a
+fake process group of two ranks (collectives return at once), and the same model unsharded.
+The tensors are tiny, so the difference of the two is host work: DTensor's dispatch and
+sharding propagation, the parallel styles' hooks, wrapping and unwrapping, redistributions,
+the vocabulary-parallel loss. Divided by the DTensor calls the sharded step makes (as
+``llmforge.rehearse.counts`` counts them), it is the profile's ``dtensor_op_us``, what
+``llmforge.estimate.host`` charges per call: a call costs what it costs in a real step's mix
+of calls, not in a pair of bare linears (whose calls are cheaper: fewer Python calls and
+nested operators each). Times are this thread's CPU time (waiting for a core on a shared
+machine is left out), the fastest of a few rounds. Its own process: the fake group must be
+the default one, and a calibrating rank has its real one.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from llmforge.parallel.dtensor import DTensorCalls
+from llmforge.config.schema import ModelConfig
+from llmforge.models.gpt import GPT
+from llmforge.parallel.dtensor import DTensorCalls, PythonCalls
+from llmforge.parallel.tensor import align_grads, apply_tp, loss_context, sharded_cross_entropy
 
-WIDTH = 8
 ROUNDS = 5
+#: One block, a few elements wide: the compute is negligible next to the host work.
+TINY = {"num_layers": 1, "hidden_size": 8, "num_heads": 2, "ffn_hidden_size": 32, "vocab_size": 64, "seq_len": 4}
 
 
-def _pair() -> nn.Module:
+def _model() -> GPT:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH))
+    return GPT(ModelConfig(**TINY))
 
 
-def _step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor) -> None:
-    model(x).sum().backward()
+def _sharded(mesh) -> GPT:
+    model = _model()
+    apply_tp(model, tp_mesh=mesh, sequence_parallel=False)
+    return model
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, TINY["vocab_size"], (2, TINY["seq_len"] + 1), generator=torch.Generator().manual_seed(0))
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, *, tp: int) -> None:
+    with loss_context(tp):
+        logits = model(tokens[:, :-1])
+        targets = tokens[:, 1:]
+        loss = sharded_cross_entropy(logits, targets) if tp > 1 else F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+        loss.backward()
+    if tp > 1:
+        align_grads(list(model.parameters()))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-def _seconds(model: nn.Module, x: torch.Tensor, *, calls: int) -> float:
+def _stepper(model: nn.Module, *, tp: int) -> Callable[[], None]:
+    """One training step of ``model`` per call (the first one already run)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    _step(model, optimizer, x)
+    tokens = _tokens()
+    step = lambda: _step(model, optimizer, tokens, tp=tp)  # noqa: E731
+    step()
+    return step
+
+
+def _seconds(step: Callable[[], None], *, calls: int) -> float:
     best = float("inf")
     for _ in range(ROUNDS):
         start = time.thread_time()
         for _ in range(calls):
-            _step(model, optimizer, x)
+            step()
         best = min(best, (time.thread_time() - start) / calls)
     return best
 
 
-def measure(*, calls: int = 20) -> float:
+def python_calls_per_dtensor_call(mesh) -> float:
+    """Python-level calls each DTensor call of the sharded step brings along (the sharded step's
+    minus the unsharded one's, over its DTensor calls), on ``mesh`` (two ranks): what the host
+    time per call is made of, counted (the tests hold it to a real tp2 step's)."""
+    counts = []
+    for step in (_stepper(_model(), tp=1), _stepper(_sharded(mesh), tp=2)):
+        with DTensorCalls() as mode:
+            step()
+        with PythonCalls() as python:
+            step()
+        counts.append((python.calls, mode.dtensor))
+    (plain, _), (sharded, calls) = counts
+    return (sharded - plain) / max(1, calls)
+
+
+def measure(*, calls: int = 10) -> float:
     """Host seconds per DTensor call (needs a process without a process group)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     torch.set_num_threads(1)
-    x = torch.randn(4, WIDTH)
-    plain = _seconds(_pair(), x, calls=calls)
+    plain = _seconds(_stepper(_model(), tp=1), calls=calls)
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     try:
-        mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
-        sharded = parallelize_module(_pair(), mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
-        tp = _seconds(sharded, x, calls=calls)
-        optimizer = torch.optim.AdamW(sharded.parameters(), lr=1e-3, foreach=False)
+        sharded = _stepper(_sharded(DeviceMesh.from_group(dist.group.WORLD, "cpu")), tp=2)
+        tp = _seconds(sharded, calls=calls)
         with DTensorCalls() as mode:
-            _step(sharded, optimizer, x)
+            sharded()
     finally:
         dist.destroy_process_group()
     return max(0.0, tp - plain) / max(1, mode.dtensor)

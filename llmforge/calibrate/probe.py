@@ -4,7 +4,8 @@ A calibration measures what the machine can do; other processes computing on the
 CPUs at the time make it measure less (two calibrations at once measured each other at
 under half the real rate). ``CpuLoad`` counts the CPU seconds spent on this process's
 CPUs during a stretch of time (``/proc/stat``, steal included: a hypervisor's other
-guests) and takes away this process's own (``os.times``): what is left is the others'.
+guests) and takes away this process's own and its waited-for children's (``os.times``): what is
+left is the others'.
 Its readers and clock are arguments, so that tests hand it figures instead of a machine.
 """
 
@@ -64,9 +65,12 @@ def busy_cpu_seconds(cpus: frozenset, *, stat: Path = Path("/proc/stat")) -> flo
     return total / tick if seen == set(cpus) else None
 
 
-def own_cpu_seconds() -> float:
-    t = os.times()
-    return t.user + t.system
+def own_cpu_seconds(times: Callable[[], os.times_result] = os.times) -> float:
+    """CPU seconds of this process (every thread) and of the children it has waited for: a
+    calibration's own subprocesses (the DTensor host probe, ``llmforge.calibrate.host_probe``)
+    are its own work, not other processes' load."""
+    t = times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 class CpuLoad:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -39,3 +41,24 @@ class DTensorCalls(TorchDispatchMode):
         if any(isinstance(x, DTensor) for x in tree_leaves((args, kwargs or {}))):
             self.dtensor += 1
         return func(*args, **(kwargs or {}))
+
+
+class PythonCalls:
+    """Counts the Python-level calls (functions, and C functions called from Python) this
+    thread makes inside it: the host work a DTensor call brings with it, in a measure that
+    does not depend on how busy the machine is."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def _count(self, frame, event: str, arg) -> None:
+        if event in ("call", "c_call"):
+            self.calls += 1
+
+    def __enter__(self) -> PythonCalls:
+        self._previous = sys.getprofile()
+        sys.setprofile(self._count)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(self._previous)

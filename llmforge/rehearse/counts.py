@@ -4,7 +4,8 @@ The rank's real program (as ``llmforge.rehearse.run``: build, parallel transform
 runner, clipping, the optimizer as CPU ranks run it) on small real tensors over torch's fake
 process group. Under a dispatch mode, an operator call with a DTensor among its arguments is
 one DTensor dispatch (the host work DTensor adds: sharding propagation, wrapping and
-unwrapping); under torch.profiler, a call of one of the process group's ``c10d::`` operators
+unwrapping), and the Python-level calls are counted (what each dispatch brings with it, which
+the calibration's host probe is held to); under torch.profiler, a call of one of the process group's ``c10d::`` operators
 is one collective. The estimator's host terms for CPU ranks (``llmforge.estimate.host``) are held to
 these counts by the tests.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmforge.parallel.dtensor import DTensorCalls
+from llmforge.parallel.dtensor import DTensorCalls, PythonCalls
 from llmforge.plan import RunPlan
 from llmforge.rehearse.fake import FakeBatches, fake_process_group
 from llmforge.train.build import build_components, distributed_rank
@@ -42,10 +43,11 @@ COLLECTIVES = (
 @dataclass
 class StepOps:
     """Counts of one steady step by phase (``step``: forward and backward over the microbatches;
-    ``clip``; ``optimizer``): DTensor dispatches and collectives by operator name."""
+    ``clip``; ``optimizer``): DTensor dispatches, Python-level calls and collectives by operator name."""
 
     dtensor: dict[str, int] = field(default_factory=dict)
     collectives: dict[str, Counter] = field(default_factory=dict)
+    python_calls: dict[str, int] = field(default_factory=dict)
 
     def collective_count(self, phase: str) -> int:
         return sum(self.collectives.get(phase, Counter()).values())
@@ -59,8 +61,19 @@ def _counted(fn) -> tuple[int, Counter]:
     return mode.dtensor, Counter({n: k for n, k in names.items() if n in COLLECTIVES})
 
 
+def _phases(c, batch: torch.Tensor, *, grad_clip: float) -> dict:
+    """One step of ``c`` on ``batch`` as its phases, to be run in order."""
+    holder = {}
+    return {
+        "step": lambda: holder.update(out=c.step(batch)),
+        "clip": lambda: holder.update(norm=_unscale_and_clip(c, grad_clip, flags=c.guard.local_flags(holder["out"].loss))),
+        "optimizer": lambda: (c.optimizer.step(), c.optimizer.zero_grad(set_to_none=True)),
+    }
+
+
 def count_step(plan: RunPlan) -> StepOps:
-    """Build ``plan``'s rank 0 over a fake process group, run one step, then count the next."""
+    """Build ``plan``'s rank 0 over a fake process group, run one step, then count the next
+    two (the second's Python calls, apart from the profiler's and the dispatch mode's)."""
     cfg = plan.config
     torch.manual_seed(0)
     with fake_process_group(rank=0, world_size=plan.world_size):
@@ -68,18 +81,16 @@ def count_step(plan: RunPlan) -> StepOps:
         batches = FakeBatches(global_batch=cfg.train.global_batch_size, seq_len=cfg.model.seq_len, vocab_size=cfg.model.vocab_size)
         c = build_components(plan, rank=rank, sampler=batches)
         out = StepOps()
-        for counted in (False, True):
+        for round_ in ("warm-up", "operators", "python"):
             batch = batches.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size)
-            holder = {}
-            phases = {
-                "step": lambda: holder.update(out=c.step(batch)),
-                "clip": lambda: holder.update(
-                    norm=_unscale_and_clip(c, cfg.optim.grad_clip, flags=c.guard.local_flags(holder["out"].loss))
-                ),
-                "optimizer": lambda: (c.optimizer.step(), c.optimizer.zero_grad(set_to_none=True)),
-            }
+            phases = _phases(c, batch, grad_clip=cfg.optim.grad_clip)
             for phase, fn in phases.items():
+                if round_ == "python":
+                    with PythonCalls() as python:
+                        fn()
+                    out.python_calls[phase] = python.calls
+                    continue
                 dtensor, collectives = _counted(fn)
-                if counted:
+                if round_ == "operators":
                     out.dtensor[phase], out.collectives[phase] = dtensor, collectives
     return out
