@@ -4,8 +4,9 @@ signal, and the checkpointer that saves every stateful part the same way."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from rich.console import Console
 
@@ -13,12 +14,12 @@ from llmforge.checkpoint import store
 from llmforge.observe.events import EventLog
 from llmforge.observe.profile import MemorySnapshots
 from llmforge.plan import RunPlan
-from llmforge.train.callbacks import Callback, Callbacks
+from llmforge.train.callbacks import Callback, Callbacks, named
 from llmforge.train.components import Components
 from llmforge.train.instrument import inject_fault, node_loss, profiler
 from llmforge.train.loop import LoopResult, train_loop
 from llmforge.train.observers import observers
-from llmforge.train.state import Checkpointer, stateful_parts
+from llmforge.train.state import Checkpointer, load_train_state, stateful_parts
 from llmforge.train.stop import StopSignal
 
 
@@ -52,6 +53,10 @@ class RunParts:
             )
 
         return from_step
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Give the parts that keep state theirs from a checkpoint's train state."""
+        load_train_state(named(self.callbacks), state)
 
     def close(self) -> None:
         """Every part in order, then the saver (its background save finished) and the event log."""

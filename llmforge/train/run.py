@@ -34,7 +34,6 @@ from llmforge.observe.profile import MemorySnapshots
 from llmforge.plan import RunPlan
 from llmforge.rundir import write_plan
 from llmforge.train.build import build_components
-from llmforge.train.callbacks import named
 from llmforge.train.components import Components, RankInfo
 from llmforge.train.instrument import explain_oom
 from llmforge.train.loop import LoopResult
@@ -225,7 +224,7 @@ def run(
         _open_run_dir(plan, resumed=resumed is not None or restarted, start_step=start_step, console=console)
     c, parts = run_parts(plan, c, start_step=start_step, snapshots=snapshots, console=console)
     if resumed is not None:
-        load_train_state(named(parts.callbacks), resumed.state)
+        parts.restore(resumed.state)
     try:
         with parts.stop.installed(), explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
             result = train_recovering(
