@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from llmforge.launch.guard import CollectiveDeviceError, CollectiveGuard
-from llmforge.train.run import StopSignal
+from llmforge.train.stop import StopSignal
 
 
 @pytest.fixture

@@ -4,12 +4,13 @@ Every step, each rank turns its loss into a flag (``loss * 0`` is 0, or NaN for 
 non-finite loss) that rides on the gradient norm's all-reduce, so every rank of every
 parallel dimension sees the same verdict: ``ok`` when the global gradient norm and every
 rank's loss are finite (and, with ``spike_skip``, the loss is no spike). A step that is not
-``ok`` changes neither the weights nor the optimizer state (moments and step count):
-fused AdamW skips it on the device (``found_inf``, as ``GradScaler`` does); the for-loop
-AdamW, which only runs where the parameters live in host memory, skips it on the host,
-where reading the flag waits for nothing. Nothing is read back on unlogged steps: the
-loop's one read at a logged (or checkpointed) step brings every step's loss, norm and
-flags since the previous read, and only then does the policy act (stop or roll back).
+``ok`` changes neither the weights nor the optimizer state (moments and step count;
+``llmforge.train.guarded_step`` applies the verdict): fused AdamW skips it on the device
+(``found_inf``, as ``GradScaler`` does); the for-loop AdamW, which only runs where the
+parameters live in host memory, skips it on the host, where reading the flag waits for
+nothing. Nothing is read back on unlogged steps: the loop's one read at a logged (or
+checkpointed) step brings every step's loss, norm and flags since the previous read, and
+only then does the policy act (stop or roll back).
 
 fp16 keeps its loss scaling: a non-finite step there is the scaler's business (it halves
 the scale and skips) until the scale is at its floor; only then is it an anomaly.

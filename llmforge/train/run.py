@@ -42,9 +42,6 @@ from llmforge.train.optim import set_lr_scale
 from llmforge.train.parts import run_parts
 from llmforge.train.recovery import train_recovering
 from llmforge.train.state import load_train_state
-from llmforge.train.stop import StopSignal
-
-__all__ = ["RunSummary", "StopSignal", "build", "restore", "run"]
 
 
 @dataclass
