@@ -71,10 +71,10 @@ def count_step(plan: RunPlan) -> StepOps:
         out = StepOps()
         for counted in (False, True):
             batch = batches.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size)
-            holder = {}
+            holder: dict = {}
             phases = {
-                "step": lambda: holder.update(out=c.step(batch)),
-                "clip": lambda: holder.update(
+                "step": lambda holder=holder, batch=batch: holder.update(out=c.step(batch)),
+                "clip": lambda holder=holder: holder.update(
                     norm=_unscale_and_clip(c, cfg.optim.grad_clip, flags=c.guard.local_flags(holder["out"].loss))
                 ),
                 "optimizer": lambda: (c.optimizer.step(), Callbacks(c.callbacks).after_update(1), c.optimizer.zero_grad(set_to_none=True)),

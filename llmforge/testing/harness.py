@@ -68,7 +68,9 @@ TINY = [
 
 EVAL_INTERVAL = 4
 DOCUMENT_EOS_RATE = 0.1  # about three documents per tiny window when masks follow documents
-SYNC_STEP = 3  # the step whose host synchronisations are counted: logged, not validated, not the first after an evaluation (a pipeline schedule exchanges its shapes again then)
+# the step whose host synchronisations are counted: logged, not validated, not the first after
+# an evaluation (a pipeline schedule exchanges its shapes again then)
+SYNC_STEP = 3
 
 
 @dataclass
@@ -133,11 +135,12 @@ def rank_info(plan: RunPlan, *, device: torch.device, mesh_of_one: bool = False)
 
 
 def train_layout(
-    plan: RunPlan, *, device: torch.device = torch.device("cpu"), mesh_of_one: bool = False, count_syncs: bool = False
+    plan: RunPlan, *, device: torch.device | None = None, mesh_of_one: bool = False, count_syncs: bool = False
 ) -> LayoutResult:
     """Train ``plan`` on synthetic data; return what it computed (params on rank 0).
     ``count_syncs``: count the host synchronisations of step ``SYNC_STEP`` (slow:
     every op goes through a Python dispatch mode)."""
+    device = device if device is not None else torch.device("cpu")
     cfg = plan.config
     torch.manual_seed(cfg.train.seed)
     eos_rate = DOCUMENT_EOS_RATE if needs_eos(cfg.model) else 0.0
