@@ -136,8 +136,9 @@ def fused_skip_without_a_read(device: torch.device) -> None:
     step count and weights of a run without step 3's update."""
     from llmforge.testing.harness import SyntheticSampler, full_parameters, rank_info
     from llmforge.train.build import build_components
+    from llmforge.train.callbacks import Recorder
     from llmforge.train.instrument import inject_fault
-    from llmforge.train.loop import LoopHooks, train_loop
+    from llmforge.train.loop import train_loop
     from llmforge.train.syncs import StepSyncs
 
     plan = tiny_plan(["train.steps=5", "model.num_layers=1"])
@@ -149,12 +150,14 @@ def fused_skip_without_a_read(device: torch.device) -> None:
         sampler=SyntheticSampler(vocab_size=m.vocab_size, seq_len=m.seq_len, global_batch_size=8, seed=plan.config.train.seed),
     )
     assert c.optimizer.defaults["fused"]
-    records: list = []
+    recorder = Recorder()
+    c, fault = inject_fault(c, spec="0:3:nan-grad")
     syncs = StepSyncs(host=c.host_tensors)
-    hooks = LoopHooks(log=records.append, should_stop=syncs.after_step)
-    inject_fault(hooks, c, rank=c.rank, spec="0:3:nan-grad")
     with syncs:
-        train_loop(c, start_step=0, total_steps=5, grad_clip=0.5, log_interval=2, checkpoint_interval=0, hooks=hooks)
+        train_loop(
+            c, start_step=0, total_steps=5, grad_clip=0.5, log_interval=2, checkpoint_interval=0, callbacks=[recorder, *fault, syncs]
+        )
+    records = recorder.records
     assert syncs.per_step == [1, 0, 1, 1]  # steps 2-5: 2, 4 and 5 log; 3 (the NaN) reads nothing
     assert [(r["step"], r["skipped_steps"]) for r in records] == [(2, 0), (4, 1), (5, 1)]
     assert all(float(s["step"]) == 4 for s in c.optimizer.state.values())  # step 3 not counted
@@ -165,19 +168,21 @@ def fused_skip_without_a_read(device: torch.device) -> None:
 def test_fp16_overflow_is_the_scalers_until_its_floor():
     from llmforge.parallel.clip import GlobalClip
     from llmforge.train.anomaly import AnomalyPolicy, StepGuard
+    from llmforge.train.guarded_step import GuardedOptimizerStep
     from llmforge.train.precision import LossScaler
 
     scaler = LossScaler(scale=4.0, growth_interval=1000, enabled=True)
     guard = StepGuard(AnomalyPolicy(action="skip", max_skipped_steps=10), device=torch.device("cpu"))
     param = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([param], foreach=False)
+    update = GuardedOptimizerStep(optimizer, scaler=scaler, guard=guard)
     scales, skipped = [], []
     for step in range(1, 5):
         param.grad = torch.full((3,), float("inf"))  # an fp16 overflow
         loss = torch.tensor(2.0)
         flags = guard.local_flags(loss)
         ok = guard.verdict(step=step, loss=loss, grad_norm=GlobalClip(params=[param])(1.0, flags=flags), flags=flags)
-        guard.step_optimizer(optimizer, ok, scaler=scaler)
+        update(ok)
         scales.append(scaler.scale)
         skipped.append(guard.read().metrics["skipped_steps"])
     assert scales == [2.0, 1.0, 1.0, 1.0] and skipped == [0, 0, 1, 2]  # at the floor, an overflow is an anomaly

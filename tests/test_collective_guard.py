@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from llmforge.launch.guard import CollectiveDeviceError, CollectiveGuard
-from llmforge.train.run import StopSignal
+from llmforge.train.stop import StopSignal
 
 
 @pytest.fixture
@@ -42,7 +42,7 @@ def test_a_cpu_tensor_on_a_rank_computing_elsewhere_is_refused(one_rank, guard_o
         dist.all_reduce(torch.ones(1))
     # the stop flag as it was once built (a CPU tensor whatever the rank's device) is caught
     signal = StopSignal(device=torch.device("cpu"))
-    with pytest.raises(CollectiveDeviceError, match=r"run\.py:\d+ \(requested\)"):
+    with pytest.raises(CollectiveDeviceError, match=r"stop\.py:\d+ \(requested\)"):
         signal.requested()
     # through torch's other namespace and in lists of tensors too
     with pytest.raises(CollectiveDeviceError):

@@ -124,11 +124,14 @@ def test_search_top_below_one_is_a_usage_error():
 
 def test_step_time_after_a_validation_leaves_the_validation_out(monkeypatch):
     """A fake clock: each training step takes 1 s, each validation batch 100 s."""
+    import dataclasses
+
     import torch
 
     from llmforge.testing.harness import SyntheticSampler, tiny_plan
     from llmforge.train import loop
     from llmforge.train.build import build_components
+    from llmforge.train.callbacks import Recorder
     from llmforge.train.components import RankInfo
 
     plan = tiny_plan(["train.steps=4"])
@@ -140,8 +143,7 @@ def test_step_time_after_a_validation_leaves_the_validation_out(monkeypatch):
         )
 
     torch.manual_seed(cfg.train.seed)
-    c = build_components(plan, rank=RankInfo(), sampler=synthetic(cfg.train.seed))
-    c.val_sampler = synthetic(cfg.train.seed + 1)
+    c = build_components(plan, rank=RankInfo(), sampler=synthetic(cfg.train.seed), val_sampler=synthetic(cfg.train.seed + 1))
     clock = [0.0]
 
     class Clocked:
@@ -156,9 +158,9 @@ def test_step_time_after_a_validation_leaves_the_validation_out(monkeypatch):
             clock[0] += 100.0
             return self.inner.evaluate(batch)
 
-    c.step = Clocked(c.step)
+    c = dataclasses.replace(c, step=Clocked(c.step))
     monkeypatch.setattr(loop.time, "perf_counter", lambda: clock[0])
-    records: list = []
+    recorder = Recorder()
     loop.train_loop(
         c,
         start_step=0,
@@ -166,9 +168,10 @@ def test_step_time_after_a_validation_leaves_the_validation_out(monkeypatch):
         grad_clip=1.0,
         log_interval=1,
         checkpoint_interval=0,
-        hooks=loop.LoopHooks(log=records.append),
+        callbacks=[recorder],
         eval_interval=2,
         eval_steps=1,
     )
+    records = recorder.records
     assert [r["step"] for r in records if "val_loss" in r] == [2, 4]
     assert [r["step_time_s"] for r in records[1:]] == [1.0, 1.0, 1.0]  # the first window began on the real clock

@@ -8,7 +8,8 @@ import torch
 from llmforge.parallel.clip import GlobalClip
 from llmforge.testing.harness import SyntheticSampler, rank_info, tiny_plan
 from llmforge.train.build import build_components
-from llmforge.train.loop import LoopHooks, train_loop
+from llmforge.train.callbacks import Recorder
+from llmforge.train.loop import train_loop
 from llmforge.train.syncs import HostSyncCounter, StepSyncs
 
 
@@ -24,7 +25,7 @@ def _components(plan, device: torch.device):
 def _syncs_per_step(device: torch.device, *, steps: int, log_interval: int) -> tuple[list, list]:
     plan = tiny_plan([f"train.steps={steps}", "model.num_layers=1"])
     c = _components(plan, device)
-    records: list = []
+    recorder = Recorder()
     syncs = StepSyncs(host=c.host_tensors)
     with syncs:
         train_loop(
@@ -34,9 +35,9 @@ def _syncs_per_step(device: torch.device, *, steps: int, log_interval: int) -> t
             grad_clip=0.5,
             log_interval=log_interval,
             checkpoint_interval=0,
-            hooks=LoopHooks(log=records.append, should_stop=syncs.after_step),
+            callbacks=[recorder, syncs],
         )
-    return syncs.per_step, records
+    return syncs.per_step, recorder.records
 
 
 def test_a_step_reads_the_device_once_when_it_logs_and_never_otherwise():

@@ -21,6 +21,7 @@ from llmforge.parallel.dtensor import DTensorCalls, PythonCalls
 from llmforge.plan import RunPlan
 from llmforge.rehearse.fake import FakeBatches, fake_process_group
 from llmforge.train.build import build_components, distributed_rank
+from llmforge.train.callbacks import Callbacks
 from llmforge.train.loop import _unscale_and_clip
 
 #: The process group's own operators (``c10d::``), which every collective ends in, whoever issued it
@@ -67,7 +68,7 @@ def _phases(c, batch: torch.Tensor, *, grad_clip: float) -> dict:
     return {
         "step": lambda: holder.update(out=c.step(batch)),
         "clip": lambda: holder.update(norm=_unscale_and_clip(c, grad_clip, flags=c.guard.local_flags(holder["out"].loss))),
-        "optimizer": lambda: (c.optimizer.step(), c.optimizer.zero_grad(set_to_none=True)),
+        "optimizer": lambda: (c.optimizer.step(), Callbacks(c.callbacks).after_update(1), c.optimizer.zero_grad(set_to_none=True)),
     }
 
 

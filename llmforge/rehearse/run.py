@@ -19,6 +19,7 @@ from llmforge.rehearse.fake import FakeBatches, fake_process_group, fake_tensors
 from llmforge.rehearse.tracker import PeakTracker
 from llmforge.train import optim
 from llmforge.train.build import build_components, distributed_rank
+from llmforge.train.callbacks import Callbacks
 from llmforge.train.components import RankInfo
 from llmforge.train.loop import _unscale_and_clip
 
@@ -185,8 +186,8 @@ def _one_step(c, *, tracker: PeakTracker, grad_clip: float) -> None:
     tracker.tag_grads(c.parameters())
     flags = c.guard.local_flags(out.loss)
     grad_norm = _unscale_and_clip(c, grad_clip, flags=flags)
-    ok = c.guard.verdict(step=1, loss=out.loss, grad_norm=grad_norm, flags=flags)
-    c.guard.step_optimizer(c.optimizer, ok, scaler=c.scaler)
+    c.update(c.guard.verdict(step=1, loss=out.loss, grad_norm=grad_norm, flags=flags))
+    Callbacks(c.callbacks).after_update(1)
     tracker.tag_optimizer(c.optimizer)
     c.optimizer.zero_grad(set_to_none=True)
     c.scheduler.step()

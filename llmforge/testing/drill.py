@@ -23,12 +23,13 @@ from llmforge.errors import UserError
 from llmforge.plan import RunPlan
 from llmforge.testing.harness import SyntheticSampler, full_parameters, rank_info
 from llmforge.train.build import build_components
+from llmforge.train.callbacks import Recorder
 from llmforge.train.components import Components
 from llmforge.train.instrument import inject_fault
-from llmforge.train.loop import LoopHooks, train_loop
+from llmforge.train.loop import train_loop
 from llmforge.train.optim import set_lr_scale
-from llmforge.train.recovery import check_and_save, train_recovering
-from llmforge.train.run import train_state
+from llmforge.train.recovery import train_recovering
+from llmforge.train.state import Checkpointer, stateful_parts
 
 
 def run_drill(plan: RunPlan, spec: dict[str, Any], *, device: torch.device) -> dict[str, Any]:
@@ -40,17 +41,24 @@ def run_drill(plan: RunPlan, spec: dict[str, Any], *, device: torch.device) -> d
         vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=cfg.train.seed
     )
     c = build_components(plan, rank=rank_info(plan, device=device, mesh_of_one=spec.get("mesh_of_one", False)), sampler=sampler)
-    records: list[dict] = []
+    recorder = Recorder()
     said: list[str] = []
-    hooks = LoopHooks(log=records.append)
     root = Path(spec.get("checkpoints") or "/nonexistent-llmforge-drill")
-    saver = _saver(plan, c, hooks, root=root) if spec.get("checkpoints") else None
-    inject_fault(hooks, c, rank=c.rank, spec=spec.get("fault") or "")
+    c, fault = inject_fault(c, spec=spec.get("fault") or "")
+    saver = _saver(plan, root=root, rank=c.rank.rank) if spec.get("checkpoints") else None
+    save = Checkpointer(c, saver=saver, plan=plan.to_dict(), parts=stateful_parts(c)) if saver is not None else None
 
     def loop(start: int, total: int = cfg.train.steps):
         interval = plan.checkpoint_interval if saver is not None else 0
         return train_loop(
-            c, start_step=start, total_steps=total, grad_clip=cfg.optim.grad_clip, log_interval=1, checkpoint_interval=interval, hooks=hooks
+            c,
+            start_step=start,
+            total_steps=total,
+            grad_clip=cfg.optim.grad_clip,
+            log_interval=1,
+            checkpoint_interval=interval,
+            callbacks=[recorder, *fault],
+            save=save,
         )
 
     error = ""
@@ -68,7 +76,7 @@ def run_drill(plan: RunPlan, spec: dict[str, Any], *, device: torch.device) -> d
     finally:
         if saver is not None:
             saver.close()
-    return {"params": full_parameters(c), "records": records, "error": error, "said": said}
+    return {"params": full_parameters(c), "records": recorder.records, "error": error, "said": said}
 
 
 def skip_batches(c: Components, *, count: int) -> None:
@@ -78,11 +86,9 @@ def skip_batches(c: Components, *, count: int) -> None:
         c.scheduler.step()
 
 
-def _saver(plan: RunPlan, c: Components, hooks, *, root: Path):
-    """A checkpoint saver under ``root`` and the loop's checkpoint hook, as a run has them."""
-    saver = CheckpointSaver(root=root, keep=plan.config.checkpoint.keep, async_save=False, rank=c.rank.rank, log=lambda text: None)
-    hooks.checkpoint = lambda step: check_and_save(c, saver, step=step, train_state=train_state(c), plan=plan.to_dict())
-    return saver
+def _saver(plan: RunPlan, *, root: Path, rank: int) -> CheckpointSaver:
+    """A checkpoint saver under ``root``, as a run has one."""
+    return CheckpointSaver(root=root, keep=plan.config.checkpoint.keep, async_save=False, rank=rank, log=lambda text: None)
 
 
 if __name__ == "__main__":

@@ -43,8 +43,9 @@ from llmforge.plan import RunPlan, config_from_dict
 from llmforge.processes.rank_errors import report_errors
 from llmforge.processes.watch import guard_rank
 from llmforge.train.build import build_components, distributed_rank
+from llmforge.train.callbacks import Recorder
 from llmforge.train.components import Components, RankInfo
-from llmforge.train.loop import LoopHooks, train_loop
+from llmforge.train.loop import train_loop
 from llmforge.train.syncs import StepSyncs
 
 TINY = [
@@ -67,8 +68,8 @@ TINY = [
 
 EVAL_INTERVAL = 4
 DOCUMENT_EOS_RATE = 0.1  # about three documents per tiny window when masks follow documents
-# The step whose host synchronisations are counted: logged, not validated, not the first after an
-# evaluation (a pipeline schedule exchanges its shapes again then).
+# the step whose host synchronisations are counted: logged, not validated, not the first after
+# an evaluation (a pipeline schedule exchanges its shapes again then)
 SYNC_STEP = 3
 
 
@@ -134,11 +135,12 @@ def rank_info(plan: RunPlan, *, device: torch.device, mesh_of_one: bool = False)
 
 
 def train_layout(
-    plan: RunPlan, *, device: torch.device = torch.device("cpu"), mesh_of_one: bool = False, count_syncs: bool = False
+    plan: RunPlan, *, device: torch.device | None = None, mesh_of_one: bool = False, count_syncs: bool = False
 ) -> LayoutResult:
     """Train ``plan`` on synthetic data; return what it computed (params on rank 0).
     ``count_syncs``: count the host synchronisations of step ``SYNC_STEP`` (slow:
     every op goes through a Python dispatch mode)."""
+    device = device if device is not None else torch.device("cpu")
     cfg = plan.config
     torch.manual_seed(cfg.train.seed)
     eos_rate = DOCUMENT_EOS_RATE if needs_eos(cfg.model) else 0.0
@@ -150,20 +152,20 @@ def train_layout(
         eos_rate=eos_rate,
     )
     rank = rank_info(plan, device=device, mesh_of_one=mesh_of_one)
-    c = build_components(plan, rank=rank, sampler=sampler)
-    dtypes = record_dtypes(c)
     # validation on other synthetic rows mid-run and at the end: training must continue unchanged after it
-    c.val_sampler = SyntheticSampler(
+    val_sampler = SyntheticSampler(
         vocab_size=cfg.model.vocab_size,
         seq_len=cfg.model.seq_len,
         global_batch_size=cfg.train.global_batch_size,
         seed=cfg.train.seed + 1,
         eos_rate=eos_rate,
     )
+    c = build_components(plan, rank=rank, sampler=sampler, val_sampler=val_sampler)
+    dtypes = record_dtypes(c)
     copies = _count_activation_copies(c)
-    records: list[dict] = []
+    recorder = Recorder()
+    records = recorder.records
     syncs = StepSyncs(host=c.host_tensors, enabled=count_syncs, skip=SYNC_STEP - 1, count=1)
-    hooks = LoopHooks(log=records.append, should_stop=syncs.after_step)
     with syncs:
         train_loop(
             c,
@@ -172,7 +174,7 @@ def train_layout(
             grad_clip=cfg.optim.grad_clip,
             log_interval=1,
             checkpoint_interval=0,
-            hooks=hooks,
+            callbacks=[recorder, syncs],
             eval_interval=EVAL_INTERVAL,
             eval_steps=1,
         )

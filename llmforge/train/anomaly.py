@@ -4,12 +4,13 @@ Every step, each rank turns its loss into a flag (``loss * 0`` is 0, or NaN for 
 non-finite loss) that rides on the gradient norm's all-reduce, so every rank of every
 parallel dimension sees the same verdict: ``ok`` when the global gradient norm and every
 rank's loss are finite (and, with ``spike_skip``, the loss is no spike). A step that is not
-``ok`` changes neither the weights nor the optimizer state (moments and step count):
-fused AdamW skips it on the device (``found_inf``, as ``GradScaler`` does); the for-loop
-AdamW, which only runs where the parameters live in host memory, skips it on the host,
-where reading the flag waits for nothing. Nothing is read back on unlogged steps: the
-loop's one read at a logged (or checkpointed) step brings every step's loss, norm and
-flags since the previous read, and only then does the policy act (stop or roll back).
+``ok`` changes neither the weights nor the optimizer state (moments and step count;
+``llmforge.train.guarded_step`` applies the verdict): fused AdamW skips it on the device
+(``found_inf``, as ``GradScaler`` does); the for-loop AdamW, which only runs where the
+parameters live in host memory, skips it on the host, where reading the flag waits for
+nothing. Nothing is read back on unlogged steps: the loop's one read at a logged (or
+checkpointed) step brings every step's loss, norm and flags since the previous read, and
+only then does the policy act (stop or roll back).
 
 fp16 keeps its loss scaling: a non-finite step there is the scaler's business (it halves
 the scale and skips) until the scale is at its floor; only then is it an anomaly.
@@ -69,7 +70,9 @@ class Reading:
 
 
 class StepGuard:
-    """The per-step check (device side) and the policy's bookkeeping (host side, at reads)."""
+    """The policy that judges each step: the per-step check (device side) and the policy's
+    bookkeeping (host side, at reads). The optimizer step it allows is
+    ``llmforge.train.guarded_step.GuardedOptimizerStep``, which reads ``gate``."""
 
     def __init__(self, policy: AnomalyPolicy, *, device: torch.device) -> None:
         self.policy = policy
@@ -109,33 +112,10 @@ class StepGuard:
         self._rows.append(_Row(step=step, loss=loss, norm=grad_norm, flags=flags, spike=self._spike))
         return ok
 
-    def step_optimizer(self, optimizer: torch.optim.Optimizer, ok: torch.Tensor, *, scaler) -> None:
-        """The optimizer step, or none of it when ``ok`` is false (post-step hooks run either way,
-        gated by ``self.gate``)."""
-        if scaler.enabled:  # fp16 reads the verdict every step, as its scaling always has
-            bad = not bool(ok)
-            self._rows[-1].excused = bad and not scaler.at_floor
-            scaler.update(found_inf=bad)
-            self._step_or_skip(optimizer, skip=bad)
-        elif optimizer.defaults.get("fused"):
-            optimizer.grad_scale, optimizer.found_inf = None, 1.0 - self.gate  # type: ignore[attr-defined]
-            try:
-                optimizer.step()
-            finally:
-                del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
-        else:  # the for-loop AdamW: parameters in host memory, the flag with them
-            self._step_or_skip(optimizer, skip=not bool(self.gate))
-
-    def host_tensors(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        """The flag, where the for-loop AdamW reads it every step from host memory, waiting for
-        no device (for ``llmforge.train.syncs``); none where fused AdamW skips on the device."""
-        return [self.gate] if self.gate.device.type == "cpu" and not optimizer.defaults.get("fused") else []
-
-    @staticmethod
-    def _step_or_skip(optimizer: torch.optim.Optimizer, *, skip: bool) -> None:
-        if skip:  # no gradients: the step updates nothing and counts nothing, its hooks still run
-            optimizer.zero_grad(set_to_none=True)
-        optimizer.step()
+    def excuse_last(self, excused: bool) -> None:
+        """Whether the newest step, if not ``ok``, is the fp16 loss scaler's to handle (its scale
+        was above the floor): then it is no anomaly (``llmforge.train.guarded_step``)."""
+        self._rows[-1].excused = excused
 
     def _spike_test(self, loss: torch.Tensor) -> torch.Tensor | None:
         """loss > mean + sigma * std of the finite losses of the previous ``spike_window`` steps."""
@@ -204,8 +184,8 @@ class StepGuard:
             return
         first, what = over[0]
         count = (
-            f"{len(over)} steps in a row were skipped (steps {first}-{over[-1][0]}), more than "
-            f"train.max_skipped_steps={p.max_skipped_steps}"
+            f"{len(over)} steps in a row were skipped (steps {first}-{over[-1][0]}), "
+            f"more than train.max_skipped_steps={p.max_skipped_steps}"
         )
         if p.action == "skip":
             raise Anomaly(action="stop", first_step=first, step=step, what=what, reason=f"{count}, and train.anomaly=skip then stops")

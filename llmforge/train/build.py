@@ -3,14 +3,15 @@ model parts, parallelism, optimizer, step runner, gradient clipping."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from llmforge.models.gpt import GPT
-from llmforge.models.moe import moe_metrics, set_aux_loss_scale, update_expert_bias
+from llmforge.models.moe import moe_metrics, set_aux_loss_scale
 from llmforge.parallel.clip import GlobalClip
 from llmforge.parallel.expert import global_moe_metrics, load_reducer
-from llmforge.parallel.float8 import precompute_scales
 from llmforge.parallel.materialize import materialize, seeded_values
 from llmforge.parallel.mesh import ParallelMesh, build_mesh
 from llmforge.parallel.pipeline import stage_skeleton, tied_copy_source
@@ -19,49 +20,58 @@ from llmforge.parallel.tied import tied_params
 from llmforge.plan import RunPlan
 from llmforge.train.anomaly import AnomalyPolicy, StepGuard
 from llmforge.train.build_step import build_step
+from llmforge.train.callbacks import Callback
 from llmforge.train.components import Components, RankInfo
+from llmforge.train.guarded_step import GuardedOptimizerStep
 from llmforge.train.host_memory import keep_freed_memory, mmap_threshold
 from llmforge.train.meter import meter_for
+from llmforge.train.model_updates import ExpertBiasUpdate, Fp8ScaleUpdate
 from llmforge.train.optim import build_optimizer, build_scheduler
 from llmforge.train.parallelize import fp8_all_gather, parallelize
 from llmforge.train.precision import LossScaler
 
 
-def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Components:
+def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object, val_sampler: object | None = None) -> Components:
     """This rank's components: ``rank.mesh`` is None in one process, the run's
-    ParallelMesh on a distributed rank. The loop runs every layout the same way."""
+    ParallelMesh on a distributed rank. The loop runs every layout the same way.
+    ``val_sampler``: the held-out stream, or None when the run does not validate."""
     cfg, mesh, device = plan.config, rank.mesh, rank.device
     if device.type == "cpu":
         keep_freed_memory(mmap_threshold(plan))
     parts, ids = build_parts(plan, mesh=mesh, device=device)
     copies = _tied_copies(plan, parts=parts, ids=ids, num_stages=len(plan.layers_per_stage))
-    optimizer = _optimizer(plan, mesh=mesh, parts=parts, copies=copies)
+    optimizer = _optimizer(plan, parts=parts, copies=copies)
     scaler = build_scaler(plan)
+    guard = StepGuard(anomaly_policy(plan), device=device)
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
     skip = {id(p) for p in copies if any(getattr(part, "head", None) is not None and p is part.head.weight for part in parts)}
-    return wire(
-        plan,
-        Components(
-            model_parts=parts,
-            optimizer=optimizer,
-            scheduler=build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps),
-            sampler=sampler,
-            step=build_step(
-                plan, mesh=mesh, parts=parts, ids=ids, tied=copies, scaler=scaler, device=device, eos_id=getattr(sampler, "eos_id", None)
-            ),
-            scaler=scaler,
-            clip_grads=GlobalClip(
-                params=params,
-                ranks_per_stage=plan.world_size // plan.layout.pp,
-                skip=skip,
-                distributed=mesh is not None,
-                device=device,
-                group=_host_group(plan, device=device),
-            ),
-            rank=rank,
-            tokens_per_step=plan.tokens_per_step,
-            guard=StepGuard(anomaly_policy(plan), device=device),
+    moe_updates, moe_stats = wire_moe(plan, parts=parts, rank=rank, scaler=scaler, guard=guard)
+    return Components(
+        model_parts=parts,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, optim=cfg.optim, total_steps=cfg.train.steps),
+        sampler=sampler,
+        val_sampler=val_sampler,
+        step=build_step(
+            plan, mesh=mesh, parts=parts, ids=ids, tied=copies, scaler=scaler, device=device, eos_id=getattr(sampler, "eos_id", None)
         ),
+        scaler=scaler,
+        clip_grads=GlobalClip(
+            params=params,
+            ranks_per_stage=plan.world_size // plan.layout.pp,
+            skip=skip,
+            distributed=mesh is not None,
+            device=device,
+            group=_host_group(plan, device=device),
+        ),
+        rank=rank,
+        tokens_per_step=plan.tokens_per_step,
+        guard=guard,
+        update=GuardedOptimizerStep(optimizer, scaler=scaler, guard=guard),
+        meter=meter_for(plan, device=device),
+        before_step=_qat_switch(plan, parts=parts),
+        extra_metrics=moe_stats,
+        callbacks=(*_fp8_scales(plan, mesh=mesh, parts=parts), *moe_updates),
     )
 
 
@@ -144,16 +154,17 @@ def build_scaler(plan: RunPlan) -> LossScaler:
     )
 
 
-def _optimizer(plan: RunPlan, *, mesh: ParallelMesh | None, parts: list[nn.Module], copies: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """AdamW over every part; the float8 scales of FSDP-gathered weights are
-    recomputed after each step."""
+def _optimizer(plan: RunPlan, *, parts: list[nn.Module], copies: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW over every part (a tied embedding's copies without decay)."""
     cfg = plan.config
     optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr, offloaded=cfg.parallel.offload == "states")
     _no_decay(optimizer, copies)
-    if fp8_all_gather(plan, mesh=mesh):
-        precompute = precompute_scales(parts)
-        optimizer.register_step_post_hook(lambda *_: precompute())
     return optimizer
+
+
+def _fp8_scales(plan: RunPlan, *, mesh: ParallelMesh | None, parts: list[nn.Module]) -> list[Callback]:
+    """The float8 scales of FSDP-gathered weights, recomputed after each optimizer step."""
+    return [Fp8ScaleUpdate(parts)] if fp8_all_gather(plan, mesh=mesh) else []
 
 
 def _tied_copies(plan: RunPlan, *, parts: list[nn.Module], ids: list[int], num_stages: int) -> list[nn.Parameter]:
@@ -175,35 +186,30 @@ def _no_decay(optimizer: torch.optim.Optimizer, copies: list[nn.Parameter]) -> N
             target["params"].extend(moved)
 
 
-def wire(plan: RunPlan, c: Components) -> Components:
-    """What every run's components get once built: the step meter (MFU, peak memory), QAT's start step, MoE wiring."""
-    c.meter = meter_for(plan, device=c.rank.device)
+def _qat_switch(plan: RunPlan, *, parts: list[nn.Module]) -> Callable[[int], None]:
+    """QAT's fake quantization switched on at ``precision.qat_start_step`` (from the start: nothing to do)."""
     precision = plan.config.precision
     if precision.qat != "none" and precision.qat_start_step > 1:
-        c.before_step = switch_at(c.model_parts, start_step=precision.qat_start_step)
-    return wire_moe(plan, c)
+        return switch_at(parts, start_step=precision.qat_start_step)
+    return lambda step: None
 
 
-def wire_moe(plan: RunPlan, c: Components) -> Components:
-    """MoE models: scale the router losses' gradient like the main loss, update the
-    routing bias after each optimizer step (``model.moe.balance=bias``) and log the
-    per-step MoE statistics. A pipeline schedule divides gradients by the
-    microbatch count itself; the accumulation loop divides each loss by it."""
+def wire_moe(
+    plan: RunPlan, *, parts: list[nn.Module], rank: RankInfo, scaler: LossScaler, guard: StepGuard
+) -> tuple[list[Callback], Callable[[], dict]]:
+    """MoE models: scale the router losses' gradient like the main loss; return the routing
+    bias update after each optimizer step (``model.moe.balance=bias``) and what reads the
+    per-step MoE statistics. A pipeline schedule divides gradients by the microbatch count
+    itself; the accumulation loop divides each loss by it."""
     if not plan.moe_layers:
-        return c
+        return [], lambda: {}
     per_loss = 1.0 if plan.layout.pp > 1 else 1.0 / plan.microbatches
-    scaler = c.scaler
-    set_aux_loss_scale(c.model_parts, scale=lambda: (scaler.scale if scaler.enabled else 1.0) * per_loss)
+    set_aux_loss_scale(parts, scale=lambda: (scaler.scale if scaler.enabled else 1.0) * per_loss)
     moe = plan.config.model.moe
+    updates: list[Callback] = []
     if moe.balance == "bias":
-        reduce = None
-        if c.rank.mesh is not None and plan.dp * plan.layout.cp > 1:
-            reduce = load_reducer(c.rank.mesh)
-        c.optimizer.register_step_post_hook(
-            lambda *_: update_expert_bias(c.model_parts, rate=moe.bias_update_rate, reduce=reduce, step_scale=c.guard.gate)
-        )
-    if c.rank.mesh is not None:
-        c.extra_metrics = lambda: global_moe_metrics(c.model_parts)
-    else:
-        c.extra_metrics = lambda: moe_metrics(c.model_parts)
-    return c
+        reduce = load_reducer(rank.mesh) if rank.mesh is not None and plan.dp * plan.layout.cp > 1 else None
+        updates.append(ExpertBiasUpdate(model_parts=tuple(parts), rate=moe.bias_update_rate, gate=guard.gate, reduce=reduce))
+    if rank.mesh is not None:
+        return updates, lambda: global_moe_metrics(parts)
+    return updates, lambda: moe_metrics(parts)

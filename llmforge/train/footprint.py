@@ -23,6 +23,7 @@ from llmforge.parallel.dtensor import local
 from llmforge.parallel.mesh import build_mesh
 from llmforge.plan import RunPlan
 from llmforge.train.build import build_components
+from llmforge.train.callbacks import Callbacks
 from llmforge.train.components import RankInfo
 from llmforge.train.measure import cached_tensors, selective_caches
 from llmforge.train.precision import autocast
@@ -93,6 +94,7 @@ def _measure_on_fake_group(plan: RunPlan, caches: list) -> tuple[tuple[int, int,
         batch = torch.randint(0, cfg.model.vocab_size, (plan.config.train.global_batch_size // plan.dp, cfg.model.seq_len + 1))
         c.step(batch)
         c.optimizer.step()
+        Callbacks(c.callbacks).after_update(1)
         c.optimizer.zero_grad(set_to_none=True)
         saved: dict = {}
 

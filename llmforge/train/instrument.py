@@ -1,5 +1,6 @@
-"""Instruments around a rank's training loop: the profiler over train.profile, memory
-snapshots, the out-of-memory report, and the fault injection that drills restarts and anomalies."""
+"""Instruments around a rank's training loop: the profiler over train.profile (a run part),
+the out-of-memory report, and the fault injection that drills restarts and anomalies (a
+poisoned step, or run parts that end the rank or its node)."""
 
 from __future__ import annotations
 
@@ -7,77 +8,90 @@ import contextlib
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import torch
 from rich.console import Console
 
 from llmforge.config.train_rules import FAULT_ENV, parse_fault  # the spec is checked before launch (llmforge.launch.checks)
-from llmforge.observe.profile import StepProfiler, out_of_memory_error
+from llmforge.observe.profile import MemorySnapshots, StepProfiler, out_of_memory_error
 from llmforge.parallel.dtensor import local
 from llmforge.plan import RunPlan
 from llmforge.rundir import write_plan
+from llmforge.train.callbacks import Callback
 from llmforge.train.components import Components, RankInfo
-from llmforge.train.loop import LoopHooks
 
 
-def add_profiler(
-    plan: RunPlan, hooks: LoopHooks, closers: list[Callable[[], None]], *, snapshots, rank: RankInfo, start_step: int, console: Console
-) -> None:
+class Profiler(Callback):
     """train.profile's trace on this rank, and the memory snapshot at its end (train.memory_snapshot=profile)."""
-    t, out_dir = plan.config.train, plan.run_dir / "profile"
-    if t.profile is None:
-        return
-    say = (lambda text: console.print(text, highlight=False)) if rank.is_main else (lambda text: None)
-    profiler = StepProfiler(
-        steps=t.profile,
-        start_step=start_step,
-        out_dir=out_dir,
-        rank=rank.rank,
-        cuda=rank.device.type == "cuda",
-        on_written=lambda path: say(f"profile trace: {path} (open at ui.perfetto.dev or in TensorBoard)"),
-    )
-    closers.append(profiler.close)
 
-    def after_step(step: int) -> None:
-        profiler.step(step)
-        if step == profiler.last and t.memory_snapshot == "profile":
-            path = snapshots.dump(f"memory_step{step}")
-            say(
+    def __init__(self, plan: RunPlan, *, snapshots: MemorySnapshots, rank: RankInfo, start_step: int, console: Console) -> None:
+        t = plan.config.train
+        self.snapshot_at_end = t.memory_snapshot == "profile"
+        self.snapshots = snapshots
+        self.say = (lambda text: console.print(text, highlight=False)) if rank.is_main else (lambda text: None)
+        self.profiler = StepProfiler(
+            steps=t.profile,
+            start_step=start_step,
+            out_dir=plan.run_dir / "profile",
+            rank=rank.rank,
+            cuda=rank.device.type == "cuda",
+            on_written=lambda path: self.say(f"profile trace: {path} (open at ui.perfetto.dev or in TensorBoard)"),
+        )
+
+    def step_end(self, step: int) -> None:
+        self.profiler.step(step)
+        if step == self.profiler.last and self.snapshot_at_end:
+            path = self.snapshots.dump(f"memory_step{step}")
+            self.say(
                 f"memory snapshot: {path} (open at pytorch.org/memory_viz)"
                 if path
                 else "train.memory_snapshot: CUDA only, nothing recorded on CPU"
             )
 
-    hooks.after_step = after_step
+    def close(self) -> None:
+        self.profiler.close()
 
 
-def inject_fault(hooks: LoopHooks, c: Components, *, rank: RankInfo, spec: str | None = None) -> None:
-    """Arm ``spec`` (default: ``$LLMFORGE_FAULT``) on this rank."""
+def profiler(plan: RunPlan, *, snapshots: MemorySnapshots, rank: RankInfo, start_step: int, console: Console) -> list[Callback]:
+    """The profiler part, when train.profile asks for one."""
+    if plan.config.train.profile is None:
+        return []
+    return [Profiler(plan, snapshots=snapshots, rank=rank, start_step=start_step, console=console)]
+
+
+def inject_fault(c: Components, *, spec: str | None = None) -> tuple[Components, list[Callback]]:
+    """Arm ``spec`` (default: ``$LLMFORGE_FAULT``) on this rank: the components with a poisoned
+    step (``nan``, ``nan-grad``), or the part that exits after a step (``exit``)."""
     spec = spec if spec is not None else os.environ.get(FAULT_ENV)
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
-        return
+        return c, []
     fault_rank, first, last, kind = parse_fault(spec)
-    if fault_rank != rank.rank:
-        return
+    if fault_rank != c.rank.rank:
+        return c, []
     if kind != "exit":
-        c.step = PoisonedStep(inner=c.step, c=c, first=first, last=last, grads=kind == "nan-grad")
-        return
-    inner = hooks.after_step
+        return replace(c, step=PoisonedStep(inner=c.step, c=c, first=first, last=last, grads=kind == "nan-grad")), []
+    return c, [FaultExit(spec=spec, rank=c.rank.rank, step=first)]
 
-    def after_step(step: int) -> None:
-        inner(step)
-        if step == first:
+
+@dataclass(frozen=True)
+class FaultExit(Callback):
+    """Exit (code 1) after optimizer step ``step``, as the drill asks: a rank that dies."""
+
+    spec: str
+    rank: int
+    step: int
+
+    def step_end(self, step: int) -> None:
+        if step == self.step:
             sys.stdout.flush()
             print(
-                f"{FAULT_ENV}={spec}: rank {rank.rank} exits after step {step} (exit code 1), as the drill asks",
+                f"{FAULT_ENV}={self.spec}: rank {self.rank} exits after step {step} (exit code 1), as the drill asks",
                 file=sys.stderr,
                 flush=True,
             )
             os._exit(1)
-
-    hooks.after_step = after_step
 
 
 @dataclass
@@ -112,22 +126,27 @@ class PoisonedStep:
 NODE_LOSS_ENV = "LLMFORGE_NODE_LOSS"
 
 
-def inject_node_loss(hooks: LoopHooks) -> None:
+def node_loss() -> list[Callback]:
+    """The node-loss drill of ``$LLMFORGE_NODE_LOSS`` (first attempt of a torchrun job only)."""
     spec = os.environ.get(NODE_LOSS_ENV)
     if not spec or "TORCHELASTIC_RESTART_COUNT" not in os.environ or int(os.environ["TORCHELASTIC_RESTART_COUNT"] or 0) > 0:
-        return
-    launcher = os.getppid()  # torchrun's agent runs inside the llmforge launcher, which starts the ranks
-    inner = hooks.after_step
+        return []
+    return [NodeLoss(step=int(spec), launcher=os.getppid())]  # torchrun's agent runs inside the llmforge launcher
 
-    def after_step(step: int) -> None:
-        inner(step)
-        if step == int(spec):
+
+@dataclass(frozen=True)
+class NodeLoss(Callback):
+    """After step ``step``, SIGKILL the launcher (its agent and ranks die with it), then this rank."""
+
+    step: int
+    launcher: int
+
+    def step_end(self, step: int) -> None:
+        if step == self.step:
             sys.stdout.flush()
             sys.stderr.flush()
-            os.kill(launcher, signal.SIGKILL)
+            os.kill(self.launcher, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
-
-    hooks.after_step = after_step
 
 
 @contextlib.contextmanager

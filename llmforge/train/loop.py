@@ -1,29 +1,18 @@
-"""The training loop: step seam, clipping, optimizer step, logging, checkpoints."""
+"""The training loop: step seam, clipping, the guarded optimizer step, the run parts' hooks, checkpoints."""
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
 
 from llmforge.parallel.dtensor import local
 from llmforge.train.anomaly import Reading
+from llmforge.train.callbacks import Callback, Callbacks
 from llmforge.train.components import Components
-
-
-@dataclass
-class LoopHooks:
-    """Side effects around the loop, each optional."""
-
-    log: Callable[[dict], None] = lambda record: None
-    progress: Callable[[int, float | None, float | None], None] = lambda step, loss, tps: None
-    checkpoint: Callable[[int], None] = lambda step: None
-    should_stop: Callable[[], bool] = lambda: False
-    validated: Callable[[int, float], None] = lambda step, val_loss: None
-    after_step: Callable[[int], None] = lambda step: None
 
 
 @dataclass
@@ -64,7 +53,8 @@ def train_loop(
     grad_clip: float,
     log_interval: int,
     checkpoint_interval: int,
-    hooks: LoopHooks,
+    callbacks: Iterable[Callback] = (),
+    save: Callable[[int], None] | None = None,
     eval_interval: int = 0,
     eval_steps: int = 1,
 ) -> LoopResult:
@@ -73,12 +63,15 @@ def train_loop(
     A step queues its work and never waits for the device: loss and gradient norm
     stay device tensors, read back once (one synchronisation) at each logged step.
     ``c.guard`` checks every step for a non-finite loss or gradient norm on the device
-    and skips its update there; its flags come back with the logged step's read (and
-    before a checkpoint), when it raises ``llmforge.train.anomaly.Anomaly`` if its policy
+    and ``c.update`` skips its update there; the guard's flags come back with the logged step's
+    read (and before a checkpoint), when it raises ``llmforge.train.anomaly.Anomaly`` if its policy
     says stop or roll back. Step time and tokens/s are averaged over the steps since the previous log.
     With ``c.val_sampler`` set, the validation loss is computed every
     ``eval_interval`` steps (0: never in between) and after the last step, and
-    logged with that step's record."""
+    logged with that step's record. ``c.callbacks`` and then ``callbacks`` are called at the
+    points ``llmforge.train.callbacks`` names; ``save(step)`` writes a checkpoint at every
+    ``checkpoint_interval`` steps, after the last step and when a part asks to stop."""
+    parts = Callbacks((*c.callbacks, *callbacks))
     result = LoopResult(last_step=start_step)
     first: torch.Tensor | None = None
     loss: torch.Tensor | None = None
@@ -90,8 +83,8 @@ def train_loop(
         flags = c.guard.local_flags(out.loss)
         grad_norm = _unscale_and_clip(c, grad_clip, flags=flags)
         lr = c.scheduler.get_last_lr()[0]
-        ok = c.guard.verdict(step=step, loss=out.loss, grad_norm=grad_norm, flags=flags)
-        c.guard.step_optimizer(c.optimizer, ok, scaler=c.scaler)  # skipped on the device when not ok
+        c.update(c.guard.verdict(step=step, loss=out.loss, grad_norm=grad_norm, flags=flags))  # skipped on the device when not ok
+        parts.after_update(step)
         c.optimizer.zero_grad(set_to_none=True)
         c.scheduler.step()
         loss, window.steps = out.loss, window.steps + 1
@@ -101,20 +94,16 @@ def train_loop(
         logged = step % log_interval == 0 or step == total_steps or validate
         if logged:
             record = _record(c, result, step=step, reading=c.guard.read(), lr=lr, elapsed=window.close(), metrics=out.metrics)
-            hooks.progress(step, record["loss"], record["tokens_per_s"])
             if validate:
                 record.update(evaluate(c, steps=eval_steps))
                 window.start = time.perf_counter()  # the next window times training steps, not this validation
                 result.val_loss = record["val_loss"]
-                hooks.validated(step, result.val_loss)
-            hooks.log(record)
+            parts.log(record)
             c.guard.decide(step)
-        else:
-            hooks.progress(step, None, None)
-        hooks.after_step(step)
-        stop = hooks.should_stop()
+        parts.step_end(step)
+        stop = parts.should_stop()
         if step == total_steps or stop or (checkpoint_interval and step % checkpoint_interval == 0):
-            _checkpoint(c, hooks, step=step, read=not logged)
+            _checkpoint(c, save, step=step, read=not logged)
         if stop:
             result.stopped_early = step < total_steps
             break
@@ -123,12 +112,13 @@ def train_loop(
     return result
 
 
-def _checkpoint(c: Components, hooks: LoopHooks, *, step: int, read: bool) -> None:
-    """Save, once the steps since the last read are known to be fine (the hook checks the weights)."""
+def _checkpoint(c: Components, save: Callable[[int], None] | None, *, step: int, read: bool) -> None:
+    """Save, once the steps since the last read are known to be fine (``save`` checks the weights)."""
     if read:
         c.guard.read()
         c.guard.decide(step)
-    hooks.checkpoint(step)
+    if save is not None:
+        save(step)
 
 
 def _record(c: Components, result: LoopResult, *, step: int, reading: Reading, lr: float, elapsed: float, metrics: dict) -> dict:

@@ -1,22 +1,22 @@
-"""One rank's whole run: data, components, resume, loop, logging, checkpoints.
+"""One rank's whole run: build (data, components), restore (a checkpoint's state into every
+stateful part), loop (with the run parts: ``llmforge.train.parts``), close.
 
 On SIGTERM or SIGINT (preemption, Ctrl-C) the current step finishes, a
 checkpoint is saved, the resume command is printed, and the run returns
-normally (exit code 0). A second signal of the same kind stops at once.
+normally (exit code 0). A second signal of the same kind stops at once
+(``llmforge.train.stop``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from rich.console import Console
 from rich.text import Text
 
@@ -29,22 +29,19 @@ from llmforge.data.sampler import BatchSampler
 from llmforge.errors import fail, pasteable
 from llmforge.estimate.core import estimate_plan
 from llmforge.estimate.text import gib
-from llmforge.observe.console import TrainingProgress
-from llmforge.observe.events import EventLog
-from llmforge.observe.metrics import MetricsFile, tidy_metrics
+from llmforge.observe.metrics import tidy_metrics
 from llmforge.observe.profile import MemorySnapshots
-from llmforge.observe.tensorboard import TensorBoardLog
-from llmforge.observe.wandb_run import WandbRun
-from llmforge.parallel.mesh import set_collective_timeout
 from llmforge.plan import RunPlan
 from llmforge.rundir import write_plan
 from llmforge.train.build import build_components
 from llmforge.train.components import Components, RankInfo
-from llmforge.train.instrument import add_profiler, explain_oom, inject_fault, inject_node_loss
-from llmforge.train.loop import LoopHooks, LoopResult, train_loop
+from llmforge.train.instrument import explain_oom
+from llmforge.train.loop import LoopResult
 from llmforge.train.meter import measured_peak_bytes
 from llmforge.train.optim import set_lr_scale
-from llmforge.train.recovery import check_and_save, train_recovering
+from llmforge.train.parts import run_parts
+from llmforge.train.recovery import train_recovering
+from llmforge.train.state import load_train_state
 
 
 @dataclass
@@ -124,13 +121,12 @@ def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
     prepared = prepare_data(plan, console=console)
     if prepared.vocab_size > plan.config.model.vocab_size:
         raise fail(
-            f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={plan.config.model.vocab_size}; raise model.vocab_size "
-            "or set data.vocab_size lower"
+            f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={plan.config.model.vocab_size}; "
+            "raise model.vocab_size or set data.vocab_size lower"
         )
     sampler = make_sampler(plan, prepared)
-    c = build_components(plan, rank=rank, sampler=sampler)
-    c.val_sampler = _val_sampler(plan, prepared, train=sampler, console=console if rank.is_main else None)
-    return c
+    val_sampler = _val_sampler(plan, prepared, train=sampler, console=console if rank.is_main else None)
+    return build_components(plan, rank=rank, sampler=sampler, val_sampler=val_sampler)
 
 
 def _val_sampler(plan: RunPlan, prepared, *, train, console: Console | None):
@@ -151,38 +147,29 @@ def _val_sampler(plan: RunPlan, prepared, *, train, console: Console | None):
     return None
 
 
-def train_state(c: Components) -> dict:
-    """The JSON part of a checkpoint: scheduler, sampler positions, loss scaler, the guard's counts."""
-    state = {
-        "scheduler": c.scheduler.state_dict(),
-        "sampler": c.sampler.state_dict(),
-        "scaler": c.scaler.state_dict(),
-        "anomaly": c.guard.state_dict(),
-    }
-    if c.val_sampler is not None:
-        state["val_sampler"] = c.val_sampler.state_dict()
-    return state
+@dataclass(frozen=True)
+class Restored:
+    """What a resume starts from: the checkpoint's step and its train state (``train_state.json``)."""
+
+    step: int
+    state: dict[str, Any]
 
 
-def restore(c: Components, *, path: Path, console: Console) -> int:
-    """Load a checkpoint into built components (resharding as needed); return its step.
+def restore(c: Components, *, path: Path, console: Console) -> Restored:
+    """Load a checkpoint into built components (resharding as needed).
 
     The learning-rate schedule continues at the saved step but follows this
     plan's lr and length, so ``train.lr``/``train.steps`` overrides apply (times the
     factor of the rollbacks before the save, ``train.rollback_lr_factor``)."""
     state = store.load(path=path, model_parts=c.model_parts, optimizer=c.optimizer)
-    c.scheduler.load_state_dict(state["scheduler"])
-    c.guard.load_state_dict(state.get("anomaly", {}))
+    load_train_state(c.stateful_parts(), state)
     set_lr_scale(c.optimizer, c.scheduler, scale=c.guard.lr_scale)
-    c.sampler.load_state_dict(state["sampler"])
-    if c.val_sampler is not None and "val_sampler" in state:
-        c.val_sampler.load_state_dict(state["val_sampler"])
-    c.scaler.load_state_dict(state["scaler"])
+    step = int(state["step"])
     if not load_rng(path, rank=c.rank.rank, world_size=c.rank.world_size):
-        torch.manual_seed(_reseed(seed=state["sampler"].get("seed", 0), step=int(state["step"]), rank=c.rank.rank))
+        torch.manual_seed(_reseed(seed=state["sampler"].get("seed", 0), step=step, rank=c.rank.rank))
         if c.rank.is_main:
             console.print("the layout changed: random streams (dropout) restart from a seed derived from the step", style="yellow")
-    return int(state["step"])
+    return Restored(step=step, state=state)
 
 
 def _reseed(*, seed: int, step: int, rank: int) -> int:
@@ -217,53 +204,44 @@ def run(
     """Train this rank from scratch or from ``resume_from`` to ``train.steps`` (or a stop signal).
     ``restarted``: a later attempt of the same job, whose metrics past its starting step are dropped."""
     console = console or Console(stderr=True, markup=False, soft_wrap=True)
-    cfg = plan.config
     started = time.perf_counter()
-    torch.manual_seed(cfg.train.seed)
-    snapshots = MemorySnapshots(mode=cfg.train.memory_snapshot, device=rank.device, out_dir=plan.run_dir / "profile", rank=rank.rank)
+    torch.manual_seed(plan.config.train.seed)
+    snapshots = MemorySnapshots(
+        mode=plan.config.train.memory_snapshot, device=rank.device, out_dir=plan.run_dir / "profile", rank=rank.rank
+    )
     built: list[Components] = []
     with explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
         c = build(plan, rank=rank, console=console)
         built.append(c)
-        start_step = restore(c, path=resume_from, console=console) if resume_from is not None else 0
-        if resume_from is None and cfg.model.init_from:
-            load_hf_weights(c.model_parts, folder=cfg.model.init_from, model=cfg.model)
+        resumed = restore(c, path=resume_from, console=console) if resume_from is not None else None
+        if resumed is None and plan.config.model.init_from:
+            load_hf_weights(c.model_parts, folder=plan.config.model.init_from, model=plan.config.model)
+    start_step = resumed.step if resumed is not None else 0
     if rank.is_main:
-        _open_run_dir(plan, resumed=resume_from is not None or restarted, start_step=start_step, console=console)
-    stop = StopSignal(device=rank.device)
-    hooks, closers, saver = _hooks(plan, c, rank=rank, start_step=start_step, console=console, stop=stop)
-    closers.append(snapshots.close)
-    add_profiler(plan, hooks, closers, snapshots=snapshots, rank=rank, start_step=start_step, console=console)
-    inject_fault(hooks, c, rank=rank)
-    inject_node_loss(hooks)
-
-    def loop(start: int) -> LoopResult:
-        return train_loop(
-            c,
-            start_step=start,
-            total_steps=cfg.train.steps,
-            grad_clip=cfg.optim.grad_clip,
-            log_interval=cfg.train.log_interval,
-            checkpoint_interval=plan.checkpoint_interval,
-            hooks=hooks,
-            eval_interval=cfg.train.eval_interval,
-            eval_steps=cfg.train.eval_steps,
-        )
-
+        _open_run_dir(plan, resumed=resumed is not None or restarted, start_step=start_step, console=console)
+    c, parts = run_parts(plan, c, start_step=start_step, snapshots=snapshots, console=console)
+    if resumed is not None:
+        parts.restore(resumed.state)
     try:
-        with stop.installed(), explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
-            result = train_recovering(c, loop=loop, start_step=start_step, root=plan.checkpoint_root, saver=saver, say=_say(console, rank))
-            saver.close()
+        with parts.stop.installed(), explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
+            result = train_recovering(
+                c, loop=parts.loop(plan, c), start_step=start_step, root=plan.checkpoint_root, saver=parts.saver, say=_say(console, rank)
+            )
+            parts.saver.close()
     finally:
-        for close in closers:
-            close()
+        parts.close()
+        snapshots.close()
     if result.stopped_early and rank.is_main:
-        console.print(_stopped_text(stop.name, step=result.last_step, run_dir=plan.run_dir, saved=bool(saver.records)))
+        console.print(_stopped_text(parts.stop.received, step=result.last_step, run_dir=plan.run_dir, saved=bool(parts.saver.records)))
+    return _summary(result, c, saver=parts.saver, wall_s=time.perf_counter() - started)
+
+
+def _summary(result: LoopResult, c: Components, *, saver: store.CheckpointSaver, wall_s: float) -> RunSummary:
     return RunSummary(
         first_loss=result.first_loss,
         last_loss=result.last_loss,
         last_step=result.last_step,
-        wall_s=time.perf_counter() - started,
+        wall_s=wall_s,
         checkpoint=saver.records[-1].path if saver.records else None,
         stopped_early=result.stopped_early,
         step_time_s=_typical(result.step_times),
@@ -277,20 +255,6 @@ def run(
 def _say(console: Console, rank: RankInfo) -> Callable[[str], None]:
     """Print a line on rank 0 (as written), nothing elsewhere."""
     return (lambda text: console.print(text, style="yellow", highlight=False, markup=False)) if rank.is_main else (lambda text: None)
-
-
-def _tighten_after_first_step(should_stop: Callable[[], bool], *, rank: RankInfo, seconds: float) -> Callable[[], bool]:
-    """``should_stop``, which also sets every collective's timeout to cluster.timeout_s once
-    the first step is done (until then collectives get the first-step allowance)."""
-    pending = [dist.is_initialized()]
-
-    def check() -> bool:
-        if pending[0]:
-            set_collective_timeout(rank.mesh, seconds=seconds)
-            pending[0] = False
-        return should_stop()
-
-    return check
 
 
 def _stopped_text(signal_name: str | None, *, step: int, run_dir: Path, saved: bool) -> Text:
@@ -307,114 +271,5 @@ def _stopped_text(signal_name: str | None, *, step: int, run_dir: Path, saved: b
 
 def _typical(times: list[float]) -> float | None:
     """The median step time of the logged windows, leaving out the first (warm-up) when others exist."""
-    import statistics
-
     later = times[1:] or times
     return statistics.median(later) if later else None
-
-
-class StopSignal:
-    """Turns SIGTERM/SIGINT into a request to stop after the current step.
-
-    Ranks agree on it with one all-reduce per step of a flag on ``device``, the
-    rank's compute device (NCCL carries no CPU tensors)."""
-
-    def __init__(self, *, device: torch.device = torch.device("cpu")) -> None:
-        self.name: str | None = None
-        self.device = device
-
-    def _handle(self, signum: int, frame: object) -> None:
-        if self.name == signal.Signals(signum).name:
-            raise KeyboardInterrupt
-        self.name = signal.Signals(signum).name
-
-    def requested(self) -> bool:
-        """True on every rank once any rank received a signal."""
-        flag = self.name is not None
-        if dist.is_initialized():
-            t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = bool(t.item())
-            self.name = self.name or ("SIGTERM" if flag else None)
-        return flag
-
-    def installed(self):
-        """A context that routes SIGTERM/SIGINT here (main thread only) and restores the old handlers."""
-
-        @contextlib.contextmanager
-        def scope():
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
-            try:
-                yield
-            finally:
-                for s, handler in previous.items():
-                    signal.signal(s, handler)
-
-        return scope()
-
-
-def _hooks(plan: RunPlan, c: Components, *, rank: RankInfo, start_step: int, console: Console, stop: StopSignal):
-    cfg = plan.config
-    events = EventLog(plan.run_dir / "events.log")
-    closers: list[Callable[[], None]] = [events.close]
-    saver = store.CheckpointSaver(
-        root=plan.checkpoint_root, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, rank=rank.rank, log=events.write
-    )
-    closers.append(saver.close)
-    hooks = LoopHooks(should_stop=_tighten_after_first_step(stop.requested, rank=rank, seconds=cfg.cluster.timeout_s))
-    saved: list[Callable[[store.SaveRecord], None]] = []
-
-    def checkpoint(step: int) -> None:
-        """Save at intervals, at the end (checkpoint.save_final) and when stopped by a signal."""
-        interval_hit = plan.checkpoint_interval and step % plan.checkpoint_interval == 0
-        if step == cfg.train.steps and not cfg.checkpoint.save_final and not interval_hit and stop.name is None:
-            return
-        check_and_save(c, saver, step=step, train_state=train_state(c), plan=plan.to_dict())
-        for show in saved:
-            show(saver.records[-1])
-
-    hooks.checkpoint = checkpoint
-    if not rank.is_main:
-        return hooks, closers, saver
-    metrics = MetricsFile(plan.run_dir / "metrics.jsonl")
-    id_file = plan.run_dir / "wandb_run_id"
-    resume_id = id_file.read_text().strip() if start_step > 0 and id_file.is_file() else None
-    wandb_run = WandbRun(settings=cfg.logging.wandb, run_dir=plan.run_dir, name=cfg.run.name, config=plan.to_dict(), resume_id=resume_id)
-    if wandb_run.run_id:
-        id_file.write_text(wandb_run.run_id)
-    progress = TrainingProgress(
-        total_steps=cfg.train.steps,
-        start_step=start_step,
-        enabled=cfg.logging.console,
-        console=console,
-        validation=c.val_sampler is not None,
-        mfu_approximate=c.meter is not None and c.meter.peak_approximate,
-    )
-    saved.append(lambda record: progress.update(step=record.step, checkpoint=(record.step, record.stall_s)))
-
-    tensorboard = None
-    if cfg.logging.tensorboard:
-        tensorboard = TensorBoardLog(plan.run_dir)
-        closers.append(tensorboard.close)
-
-    def log(record: dict) -> None:
-        """One metrics.jsonl line, and the W&B and TensorBoard records of a step."""
-        metrics.write(record)
-        wandb_run.log(record, step=record["step"])
-        progress.update(
-            step=record["step"],
-            mfu=record.get("mfu"),
-            memory_gib=record.get("peak_reserved_gib", record.get("peak_rss_gib")),
-            skipped=record.get("skipped_steps"),
-        )
-        if tensorboard is not None:
-            tensorboard.log(record)
-
-    hooks.log = log
-    hooks.progress = lambda step, loss, tps: progress.update(step=step, loss=loss, tokens_per_s=tps)
-    hooks.validated = lambda step, val_loss: progress.update(step=step, val_loss=val_loss)
-    closers[:0] = [progress.close, metrics.close, wandb_run.finish]
-    return hooks, closers, saver

@@ -27,6 +27,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from llmforge.train.callbacks import Callback
+
 aten = torch.ops.aten
 _READS = (torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu)
 
@@ -104,10 +106,10 @@ class HostSyncCounter:
             mode.__exit__(*exc)
 
 
-class StepSyncs:
+class StepSyncs(Callback):
     """Host synchronisations of each training step after the first ``skip`` (the
-    first sets things up), of ``count`` steps (None: all): pass ``after_step`` as the
-    loop's ``should_stop`` hook and run the loop inside ``with StepSyncs(...)``.
+    first sets things up), of ``count`` steps (None: all): pass it as the loop's last
+    run part (it counts at each ``step_end``) and run the loop inside ``with StepSyncs(...)``.
     Disabled, it counts nothing and costs nothing."""
 
     def __init__(
@@ -121,7 +123,7 @@ class StepSyncs:
         self._active = False
         self._seen = 0
 
-    def after_step(self) -> bool:
+    def step_end(self, step: int) -> None:
         self._seen += 1
         if self._active:
             self.per_step.append(self.counter.count)
@@ -131,7 +133,6 @@ class StepSyncs:
         elif self.enabled and self._seen >= self.skip and (self.count is None or len(self.per_step) < self.count):
             self.counter.__enter__()
             self._active = True
-        return False
 
     def __enter__(self) -> StepSyncs:
         return self

@@ -1,0 +1,69 @@
+"""Stop signals as a run part: SIGTERM or SIGINT (preemption, Ctrl-C) ends the run after the
+current step, with a checkpoint; a second signal of the same kind stops at once."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from llmforge.parallel.mesh import set_collective_timeout
+from llmforge.train.callbacks import Callback
+
+
+class StopSignal(Callback):
+    """Turns SIGTERM/SIGINT into a request to stop after the current step.
+
+    Ranks agree on it with one all-reduce per step of a flag on ``device``, the
+    rank's compute device (NCCL carries no CPU tensors). With ``mesh`` and
+    ``timeout_s``, the first step's end also sets every collective's timeout to
+    ``timeout_s`` (until then collectives get the first-step allowance)."""
+
+    def __init__(self, *, device: torch.device | None = None, mesh: object | None = None, timeout_s: float | None = None) -> None:
+        self._received: str | None = None
+        self.device = device if device is not None else torch.device("cpu")
+        self._tighten = (mesh, timeout_s) if timeout_s is not None and dist.is_initialized() else None
+
+    @property
+    def received(self) -> str | None:
+        """The signal's name (``SIGTERM`` when another rank got it), or None."""
+        return self._received
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self._received == signal.Signals(signum).name:
+            raise KeyboardInterrupt
+        self._received = signal.Signals(signum).name
+
+    def requested(self) -> bool:
+        """True on every rank once any rank received a signal."""
+        flag = self._received is not None
+        if dist.is_initialized():
+            t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = bool(t.item())
+            self._received = self._received or ("SIGTERM" if flag else None)
+        return flag
+
+    def should_stop(self) -> bool:
+        if self._tighten is not None:
+            mesh, seconds = self._tighten
+            set_collective_timeout(mesh, seconds=seconds)
+            self._tighten = None
+        return self.requested()
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Route SIGTERM/SIGINT here (main thread only) and restore the old handlers after."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
