@@ -308,9 +308,9 @@ def _paste(layout, *, elastic: bool = False) -> str:
 
 
 def _allowance_words(est) -> str:
-    from llmforge.estimate import memory
+    from llmforge.estimate import allocator, memory
 
     if est.job.on_cpu:
         process = max(est.job.profile.runtime_reserved_bytes, memory.CPU_PROCESS_BYTES)
-        return f"process {gib(process)} (python, torch, gloo) + {memory.CPU_HEAP_SLACK:.0%} heap slack"
-    return f"runtime {gib(est.job.profile.runtime_reserved_bytes)} + {memory.FRAGMENTATION:.0%} fragmentation"
+        return f"process {gib(process)} (python, torch, gloo) + {allocator.CPU_HEAP_SLACK:.0%} heap slack"
+    return f"runtime {gib(est.job.profile.runtime_reserved_bytes)} + {allocator.FRAGMENTATION:.0%} fragmentation"

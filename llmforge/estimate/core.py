@@ -40,6 +40,7 @@ from llmforge.estimate import flops as fl
 from llmforge.estimate import fp8, muon
 from llmforge.estimate import host as tph
 from llmforge.estimate import kernels as kn
+from llmforge.estimate.attention import Documents
 from llmforge.estimate.memory import StageMemory, all_stages, most_loaded, shard_numel, stage_activations
 from llmforge.estimate.node import NodeMemory, node_memory
 from llmforge.estimate.offload import HostUse, host_use, offloads
@@ -47,6 +48,7 @@ from llmforge.estimate.params import active_params, layout_rank_params, represen
 from llmforge.estimate.pipeline import bubble_fraction
 from llmforge.estimate.shape import Job, Shape, from_plan
 from llmforge.layout import Layout
+from llmforge.plan import RunPlan
 
 OPTIMIZER_BYTES_PER_PARAM = 32  # flat model: AdamW reads param, grad, two moments, writes three; clip reads grads
 
@@ -397,6 +399,6 @@ def _stage_seconds(compute: kn.Cost, collective: float) -> float:
     return compute.seconds + collective
 
 
-def estimate_plan(plan) -> Estimate:
-    """The estimate of a built RunPlan."""
-    return estimate(*from_plan(plan))
+def estimate_plan(plan: RunPlan, *, documents: Documents | None = None) -> Estimate:
+    """The estimate of a built RunPlan (``documents``: see ``llmforge.estimate.shape.from_plan``)."""
+    return estimate(*from_plan(plan, documents=documents))

@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from llmforge.errors import UserError
+from llmforge.estimate.attention import Documents
 from llmforge.estimate.core import Estimate, estimate, node_fits, stage_peaks, step_floor
 from llmforge.estimate.memory import most_loaded
 from llmforge.estimate.shape import Job, Shape, from_plan
@@ -134,7 +135,7 @@ def structures(shape: Shape, job: Job, world: int) -> Iterator[Layout]:
     """Every (dp, tp, pp, cp, ep, zero, schedule, v, sp) the rules allow, micro batch unset."""
     node = min(job.node_size, world)
     for tp in tp_options(shape, node):
-        for pp, cp in ((pp, cp) for pp in divisors(shape.num_layers) for cp in cp_options(shape, pp=pp, world=world)):
+        for pp, cp in ((p, c) for p in divisors(shape.num_layers) for c in cp_options(shape, pp=p, world=world)):
             if world % (tp * pp * cp):
                 continue
             dp = world // (tp * pp * cp)
@@ -229,7 +230,8 @@ def search(shape: Shape, job: Job, *, world: int, top: int = 5) -> SearchResult:
     if offloaded:
         result.offloaded = (
             f"No layout fits in device memory alone; these keep {offloaded} in host memory "
-            f"(parallel.offload=states{' parallel.offload_activations=true' if 'activations' in offloaded else ''}) and step the optimizer on the CPU."
+            f"(parallel.offload=states{' parallel.offload_activations=true' if 'activations' in offloaded else ''}) "
+            "and step the optimizer on the CPU."
         )
     if not ranked:
         result.suggestions = suggestions(shape, job, world=world, smallest=result.smallest)
@@ -293,7 +295,10 @@ def why(best: Estimate, runner: Estimate) -> str:
         saved = runner.worst.total - best.worst.total
         if saved > 2**20:
             return f"#1 and #2 have the same estimated step time; #1 needs {saved / 2**30:.2f} GiB less memory per device."
-        return f"#1 and #2 are equivalent by the estimate (same step time and memory); they differ in {_differences(best.layout, runner.layout)}."
+        return (
+            "#1 and #2 are equivalent by the estimate (same step time and memory); "
+            f"they differ in {_differences(best.layout, runner.layout)}."
+        )
     diffs = sorted(((runner.parts[k] - best.parts[k], k) for k in best.parts), reverse=True)
     floor = 0.01 * (runner.step_s - best.step_s)  # ignore terms too small to matter
     wins = [f"{PART_WORDS[k]} {d:.3g} s shorter" for d, k in diffs if d > floor][:2]
@@ -346,7 +351,10 @@ def _leanest(smallest: Estimate, *, world: int) -> str:
     head = f"The leanest layout on {world} x {name} ({smallest.layout.overrides()}) needs {gib(w.total)} per device"
     if not smallest.fits_device:
         states = w.weights + w.grads + w.optimizer
-        return f"{head}, {gib(-smallest.headroom)} more than it has; model states alone are {gib(states)} and activations {gib(w.activations)}."
+        return (
+            f"{head}, {gib(-smallest.headroom)} more than it has; "
+            f"model states alone are {gib(states)} and activations {gib(w.activations)}."
+        )
     node = smallest.node
     return (
         f"{head}, which its device holds, but the {node.ranks} ranks of a node need {gib(node.total)} of host memory together, "
@@ -354,9 +362,9 @@ def _leanest(smallest: Estimate, *, world: int) -> str:
     )
 
 
-def search_plan(plan, *, top: int) -> SearchResult:
+def search_plan(plan: RunPlan, *, top: int, documents: Documents | None = None) -> SearchResult:
     """Search the cluster of a RunPlan (cluster.nodes x cluster.devices_per_node, cluster.accelerator)."""
-    shape, _, job = from_plan(plan)
+    shape, _, job = from_plan(plan, documents=documents)
     c = plan.config.cluster
     world = c.nodes * c.devices_per_node if c.devices_per_node else plan.world_size
     result = search(shape, job, world=world, top=top)

@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmforge.config.dtypes import DTYPE_BYTES
-from llmforge.estimate.attention import attention_cost, mask_fraction
+from llmforge.estimate.attention import Documents, attention_cost, mask_fraction
 from llmforge.hardware import Profile, get_profile, machine_memory
 from llmforge.layout import Layout
+from llmforge.plan import RunPlan
 
 FP32 = 4
 
@@ -199,7 +200,8 @@ def ranks_per_node(plan) -> int:
     return c.devices_per_node or max(1, plan.world_size // c.nodes)
 
 
-def from_plan(plan) -> tuple[Shape, Layout, Job]:
-    """Shape, Layout and Job of a built RunPlan."""
-    fraction = attention_cost(plan.config, data_vocab_size=plan.data_vocab_size).fraction
+def from_plan(plan: RunPlan, *, documents: Documents | None = None) -> tuple[Shape, Layout, Job]:
+    """Shape, Layout and Job of a built RunPlan; ``documents``: the prepared data's document
+    lengths, read by the caller (None: one document per window, llmforge.estimate.attention)."""
+    fraction = attention_cost(plan.config, documents=documents).fraction
     return shape_from_config(plan.config.model, attention_fraction=fraction), plan.layout, job_from_plan(plan)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmforge.estimate.core import Estimate, estimate_plan
 from llmforge.models.gpt import GPT
 from llmforge.models.moe import moe_metrics, set_aux_loss_scale, update_expert_bias
 from llmforge.parallel.clip import GlobalClip
@@ -27,9 +28,10 @@ from llmforge.train.parallelize import fp8_all_gather, parallelize
 from llmforge.train.precision import LossScaler
 
 
-def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Components:
+def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object, estimate: Estimate | None = None) -> Components:
     """This rank's components: ``rank.mesh`` is None in one process, the run's
-    ParallelMesh on a distributed rank. The loop runs every layout the same way."""
+    ParallelMesh on a distributed rank. The loop runs every layout the same way.
+    ``estimate``: the run's one estimate, which the meter reads (None: estimated here)."""
     cfg, mesh, device = plan.config, rank.mesh, rank.device
     if device.type == "cpu":
         keep_freed_memory(mmap_threshold(plan))
@@ -41,6 +43,7 @@ def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object) -> Compo
     skip = {id(p) for p in copies if any(getattr(part, "head", None) is not None and p is part.head.weight for part in parts)}
     return wire(
         plan,
+        estimate if estimate is not None else estimate_plan(plan),
         Components(
             model_parts=parts,
             optimizer=optimizer,
@@ -175,9 +178,9 @@ def _no_decay(optimizer: torch.optim.Optimizer, copies: list[nn.Parameter]) -> N
             target["params"].extend(moved)
 
 
-def wire(plan: RunPlan, c: Components) -> Components:
+def wire(plan: RunPlan, estimate: Estimate, c: Components) -> Components:
     """What every run's components get once built: the step meter (MFU, peak memory), QAT's start step, MoE wiring."""
-    c.meter = meter_for(plan, device=c.rank.device)
+    c.meter = meter_for(estimate, device=c.rank.device)
     precision = plan.config.precision
     if precision.qat != "none" and precision.qat_start_step > 1:
         c.before_step = switch_at(c.model_parts, start_step=precision.qat_start_step)

@@ -24,10 +24,10 @@ from llmforge.calibrate.advice import profile_warning
 from llmforge.checkpoint import store
 from llmforge.checkpoint.hf_import import load_hf_weights
 from llmforge.checkpoint.state import load_rng
-from llmforge.data.prepare import prepare
+from llmforge.data.prepare import document_ends_for, prepare
 from llmforge.data.sampler import BatchSampler
 from llmforge.errors import fail, pasteable
-from llmforge.estimate.core import estimate_plan
+from llmforge.estimate.core import Estimate, estimate_plan
 from llmforge.estimate.text import gib
 from llmforge.observe.console import TrainingProgress
 from llmforge.observe.events import EventLog
@@ -62,6 +62,8 @@ class RunSummary:
     #: Steps skipped on non-finite numbers (train.anomaly; the run's whole count, across resumes) and rollbacks in this launch.
     skipped_steps: int = 0
     rollbacks: int = 0
+    #: The run's one estimate (the launcher's, or this rank's), which the closing line compares with.
+    estimate: Estimate | None = None
 
     def describe(self, plan: RunPlan) -> Text:
         """The closing line a launcher prints (only "done" is styled; paths print as written):
@@ -83,7 +85,7 @@ class RunSummary:
         """'; measured/estimate: step time 1.12x (...), peak memory 0.97x (...)' or ''."""
         if self.step_time_s is None:
             return ""
-        est = estimate_plan(plan)
+        est = self.estimate if self.estimate is not None else estimate_plan(plan)
         parts = [f"step time {self.step_time_s / est.step_s:.2f}x ({self.step_time_s:.3g} s vs {est.step_s:.3g} s)"]
         if self.peak_memory_bytes:
             expected = est.worst.total - (est.job.profile.runtime_reserved_bytes if plan.config.cluster.accelerator != "cpu" else 0)
@@ -119,15 +121,16 @@ def make_sampler(plan: RunPlan, prepared, *, split: str = "train") -> object:
     )
 
 
-def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
+def build(plan: RunPlan, *, rank: RankInfo, console: Console, estimate: Estimate | None = None) -> Components:
     """Data and this rank's components (any layout)."""
     prepared = prepare_data(plan, console=console)
     if prepared.vocab_size > plan.config.model.vocab_size:
         raise fail(
-            f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={plan.config.model.vocab_size}; raise model.vocab_size or set data.vocab_size lower"
+            f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={plan.config.model.vocab_size}; "
+            "raise model.vocab_size or set data.vocab_size lower"
         )
     sampler = make_sampler(plan, prepared)
-    c = build_components(plan, rank=rank, sampler=sampler)
+    c = build_components(plan, rank=rank, sampler=sampler, estimate=estimate)
     c.val_sampler = _val_sampler(plan, prepared, train=sampler, console=console if rank.is_main else None)
     return c
 
@@ -211,10 +214,18 @@ def _open_run_dir(plan: RunPlan, *, resumed: bool, start_step: int, console: Con
 
 
 def run(
-    plan: RunPlan, *, rank: RankInfo, resume_from: Path | None = None, console: Console | None = None, restarted: bool = False
+    plan: RunPlan,
+    *,
+    rank: RankInfo,
+    resume_from: Path | None = None,
+    console: Console | None = None,
+    restarted: bool = False,
+    estimate: Estimate | None = None,
 ) -> RunSummary:
     """Train this rank from scratch or from ``resume_from`` to ``train.steps`` (or a stop signal).
-    ``restarted``: a later attempt of the same job, whose metrics past its starting step are dropped."""
+    ``restarted``: a later attempt of the same job, whose metrics past its starting step are dropped.
+    ``estimate``: the launcher's estimate of the plan, shared by the meter and the closing line
+    (None: this rank estimates once, its prepared data's document lengths included)."""
     console = console or Console(stderr=True, markup=False, soft_wrap=True)
     cfg = plan.config
     started = time.perf_counter()
@@ -222,7 +233,9 @@ def run(
     snapshots = MemorySnapshots(mode=cfg.train.memory_snapshot, device=rank.device, out_dir=plan.run_dir / "profile", rank=rank.rank)
     built: list[Components] = []
     with explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
-        c = build(plan, rank=rank, console=console)
+        if estimate is None:
+            estimate = estimate_plan(plan, documents=document_ends_for(cfg, vocab_size=plan.data_vocab_size))
+        c = build(plan, rank=rank, console=console, estimate=estimate)
         built.append(c)
         start_step = restore(c, path=resume_from, console=console) if resume_from is not None else 0
         if resume_from is None and cfg.model.init_from:
@@ -270,6 +283,7 @@ def run(
         val_loss=result.val_loss,
         skipped_steps=c.guard.skipped,
         rollbacks=c.guard.rollbacks,
+        estimate=estimate,
     )
 
 
@@ -318,9 +332,9 @@ class StopSignal:
     Ranks agree on it with one all-reduce per step of a flag on ``device``, the
     rank's compute device (NCCL carries no CPU tensors)."""
 
-    def __init__(self, *, device: torch.device = torch.device("cpu")) -> None:
+    def __init__(self, *, device: torch.device | None = None) -> None:
         self.name: str | None = None
-        self.device = device
+        self.device = device if device is not None else torch.device("cpu")
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.name == signal.Signals(signum).name:
