@@ -52,6 +52,9 @@ def clear() -> None:
                 value.cache_clear()
 
 
+ENTRIES: Counter = Counter()  # (calling file, params.py function): entries, over every walk
+
+
 def walk(fn, *args, **kwargs) -> Counter:
     counts: Counter = Counter()
 
@@ -66,6 +69,7 @@ def walk(fn, *args, **kwargs) -> Counter:
             counts["calls"] += 1
             if here.endswith("params.py") and caller != here:
                 counts["params_entries"] += 1
+                ENTRIES[(caller.rpartition("/")[2], frame.f_code.co_name)] += 1
         elif caller.startswith(ROOT) and caller != here:
             counts["returns_to_left_file"] += 1
 
@@ -83,13 +87,17 @@ def main() -> None:
     from llmforge.estimate.shape import from_plan
     from llmforge.plan import RunPlan
 
-    runs = [sys.argv[1:]] if len(sys.argv) > 1 else [[], ["recipe=gpt-7b", "parallel=tp2pp2"]]
+    args = [a for a in sys.argv[1:] if a != "-v"]
+    runs = [args] if args else [[], ["recipe=gpt-7b", "parallel=tp2pp2"]]
     for overrides in runs:
         shape, layout, job = from_plan(RunPlan.build(compose(overrides)))
         clear()
         cold = walk(core.estimate, shape, layout, job)
         warm = walk(core.estimate, shape, layout, job)
         print(f"{' '.join(overrides) or '(default recipe)'}: cold {dict(cold)}; warm {dict(warm)}")
+    if "-v" in sys.argv:
+        for (caller, name), n in ENTRIES.most_common():
+            print(f"  {n:4d} {caller} -> params.{name}")
     lru, dicts = caches()
     print(f"lru_caches: {len(lru)}; module-level dicts: {len(dicts)} {dicts}")
 

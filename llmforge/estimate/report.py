@@ -103,7 +103,8 @@ def step_share(est) -> dict:
     tokens = job.global_batch * shape.seq
     per_layer = 4 * shape.attention_span * shape.hidden  # forward, per token
     full = layout.recompute == "full"
-    recomputed = sum(c.dense_ckpt + c.moe_ckpt for c in stage_counts(shape, layout)) if full else 0
+    counts = stage_counts(shape, layout)
+    recomputed = sum(c.dense_ckpt + c.moe_ckpt for c in counts) if full else 0
     flops = tokens * per_layer * (3.5 * shape.num_layers + recomputed)
     local = layout.micro_batch * shape.seq / layout.cp * per_layer / layout.tp  # one block, one microbatch
     sp = kn.speeds(job)
@@ -111,7 +112,7 @@ def step_share(est) -> dict:
         sp.attention(local, 1, head_dim=shape.head_dim).seconds
         + sp.attention(2.5 * local, 3, head_dim=shape.head_dim, backward=True).seconds
     )
-    worst = max(stage_counts(shape, layout), key=lambda c: c.blocks)
+    worst = max(counts, key=lambda c: c.blocks)
     again = (worst.dense_ckpt + worst.moe_ckpt) * sp.attention(local, 1, head_dim=shape.head_dim).seconds if full else 0.0
     seconds = est.microbatches * (worst.blocks * block_s + again)
     return {

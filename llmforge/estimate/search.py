@@ -38,6 +38,7 @@ from dataclasses import dataclass, field, replace
 from llmforge.errors import UserError
 from llmforge.estimate.attention import Documents
 from llmforge.estimate.core import Estimate, estimate, node_fits, stage_peaks, step_floor
+from llmforge.estimate.inventory import Inventories
 from llmforge.estimate.memory import most_loaded
 from llmforge.estimate.shape import Job, Shape, from_plan
 from llmforge.estimate.text import gib
@@ -161,8 +162,9 @@ def structures(shape: Shape, job: Job, world: int) -> Iterator[Layout]:
 _FIELDS = tuple(Layout.__dataclass_fields__)
 
 
-def _evaluate(shape: Shape, job: Job, structure: Layout, keep: list, top: int, counters: dict) -> None:
+def _evaluate(inventories: Inventories, job: Job, structure: Layout, keep: list, top: int, counters: dict) -> None:
     """Micro batches smallest first; per micro batch the least recompute that fits."""
+    shape = inventories.shape
     base = {f: getattr(structure, f) for f in _FIELDS}
     capacity = job.profile.memory_bytes
     tokens = job.global_batch * shape.seq
@@ -170,18 +172,19 @@ def _evaluate(shape: Shape, job: Job, structure: Layout, keep: list, top: int, c
         fitted = False
         for recompute in ("none", "selective", "full"):
             layout = Layout(**{**base, "micro_batch": mb, "recompute": recompute})
-            stages = stage_peaks(shape, layout, job)
+            inv = inventories.of(layout)
+            stages = stage_peaks(inv, job)
             worst = most_loaded(stages)
             peak = worst.total
             counters["evaluated"] += 1
             if peak < counters["smallest"][0]:
                 counters["smallest"] = (peak, layout)
-            if peak <= capacity and node_fits(shape, layout, job, worst):
+            if peak <= capacity and node_fits(inv, job, worst):
                 counters["fitting"] += 1
                 fitted = True
-                if len(keep) >= top and tokens / step_floor(shape, layout, job) < keep[0][0][0]:
+                if len(keep) >= top and tokens / step_floor(inv, job) < keep[0][0][0]:
                     break  # cannot enter the top list even with no communication at all
-                _push(keep, estimate(shape, layout, job, stages=stages), top, counters["evaluated"])
+                _push(keep, estimate(shape, layout, job, stages=stages, inv=inv), top, counters["evaluated"])
                 break
         if not fitted:
             return
@@ -205,13 +208,14 @@ def search(shape: Shape, job: Job, *, world: int, top: int = 5) -> SearchResult:
     start = time.perf_counter()
     keep: list = []
     counters = {"evaluated": 0, "fitting": 0, "smallest": (float("inf"), None)}
+    inventories = Inventories(shape)  # the search's one memo: an inventory per layout structure
     for structure in structures(shape, job, world):
-        _evaluate(shape, job, structure, keep, max(top, 2), counters)
+        _evaluate(inventories, job, structure, keep, max(top, 2), counters)
     offloaded = ""
     if not keep and not job.fp8:  # the plan refuses offload with precision.fp8
         for offload in OFFLOAD_STEPS:
             for structure in offload_structures(shape, job, world, **offload):
-                _evaluate(shape, job, structure, keep, max(top, 2), counters)
+                _evaluate(inventories, job, structure, keep, max(top, 2), counters)
             if keep:
                 offloaded = "the model states (fp32 weights, gradients, AdamW moments)" + (
                     " and the saved activations" if len(offload) > 1 else ""
@@ -225,7 +229,7 @@ def search(shape: Shape, job: Job, *, world: int, top: int = 5) -> SearchResult:
         fitting=counters["fitting"],
         seconds=time.perf_counter() - start,
         world=world,
-        smallest=estimate(shape, lean, job) if lean is not None else None,
+        smallest=estimate(shape, lean, job, inv=inventories.of(lean)) if lean is not None else None,
     )
     if offloaded:
         result.offloaded = (
@@ -262,13 +266,15 @@ def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -
     while n <= limit:
         batch = max(job.global_batch, n)  # each data-parallel rank needs a sequence
         scaled = replace(job, nodes=max(1, n // node), devices_per_node=min(n, node), global_batch=batch)
+        inventories = Inventories(shape)  # (one memo per job)
         for structure in structures(shape, scaled, n):
             if structure.zero != (3 if structure.dp > 1 else 0) or structure.schedule != "1f1b":
                 continue
             for mb in list(_micro_batches(scaled, structure.dp, structure.pp, structure.schedule))[:1]:
                 layout = Layout(**{**{f: getattr(structure, f) for f in _FIELDS}, "micro_batch": mb, "recompute": "full"})
-                worst = most_loaded(stage_peaks(shape, layout, scaled))
-                if worst.total <= scaled.profile.memory_bytes and node_fits(shape, layout, scaled, worst):
+                inv = inventories.of(layout)
+                worst = most_loaded(stage_peaks(inv, scaled))
+                if worst.total <= scaled.profile.memory_bytes and node_fits(inv, scaled, worst):
                     return n, batch, layout
         n *= 2
     return None
