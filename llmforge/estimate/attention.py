@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from llmforge.config.schema import ModelConfig, RunConfig
 
@@ -46,7 +47,7 @@ class AttentionCost:
     note: str
 
 
-def scores(length, window: int):
+def scores(length: Any, window: int) -> Any:
     """Score-matrix entries of causal attention over ``length`` tokens in the full-score convention
     (``length**2``, as the flop counter counts a causal block); each query seeing at most ``window``
     keys (0: all): twice the attended pairs less the diagonal. Numbers and numpy arrays alike."""
@@ -95,7 +96,7 @@ def mask_fraction(model: ModelConfig, *, streams: Documents | None) -> float:
     return total / max(1, model.num_layers)
 
 
-def _windowed_layers(model) -> int:
+def _windowed_layers(model: ModelConfig) -> int:
     if model.sliding_window <= 0:
         return 0
     if model.sliding_window_layers:

@@ -48,14 +48,15 @@ def converted(t: Tensor) -> bool:
 
 
 @lru_cache(maxsize=256)
-def _converted(shape: Shape, moe: bool) -> tuple:
+def _converted(shape: Shape, moe: bool) -> tuple[Tensor, ...]:
     return tuple(t for t in block_tensors(shape, moe) if converted(t))
 
 
 @lru_cache(maxsize=1024)
 def converted_numel(shape: Shape, *, moe: bool, tp: int = 1) -> float:
     """Elements of one block's converted weights on a tensor-parallel rank (MoE layers are not split)."""
-    return sum(t.numel / (tp if t.split != "rep" else 1) for t in _converted(shape, moe))
+    total: float = sum(t.numel / (tp if t.split != "rep" else 1) for t in _converted(shape, moe))
+    return total
 
 
 def _tail(shape: Shape, moe: bool) -> float:

@@ -84,14 +84,34 @@ def _float8_saving(inv: Inventory, job: Job, stage: int) -> float:
 
 def stage_activations(inv: Inventory, job: Job, stage: int, microbatches: int) -> float:
     """Saved activations on this stage's rank at the schedule's peak."""
-    per_mb = act.stage_bytes_per_microbatch(inv.shape, inv.layout, job, inv.counts(stage))
+    counts = inv.counts(stage)
+    key = _activations_key(inv, job, "stage", counts)
+    per_mb = inv.memo.get(key)
+    if not isinstance(per_mb, float):
+        per_mb = inv.memo[key] = act.stage_bytes_per_microbatch(inv.shape, inv.layout, job, counts)
     return per_mb * inflight_microbatches(inv.layout, stage=stage, microbatches=microbatches)
+
+
+def _recompute_working_bytes(inv: Inventory, job: Job) -> float:
+    key = _activations_key(inv, job, "recompute working set")
+    found = inv.memo.get(key)
+    if not isinstance(found, float):
+        found = inv.memo[key] = act.recompute_working_bytes(inv.shape, inv.layout, job)
+    return found
+
+
+def _activations_key(inv: Inventory, job: Job, *what: object) -> tuple[object, ...]:
+    """The layout fields activations depend on (the memo serves one job): layouts that differ in
+    the rest (ZeRO 1-3, schedule, data-parallel degree) keep the same activations per microbatch."""
+    lay = inv.layout
+    gathered = act.weights_gathered(lay, job)
+    return ("activations", *what, lay.tp, lay.sequence_parallel, lay.async_tp, lay.ep, lay.cp, lay.micro_batch, lay.recompute, gathered)
 
 
 def _transient(inv: Inventory, job: Job, stage: int, params: int) -> float:
     """Short-lived buffers: logits at the loss, recompute working set, gradient reduction buffers."""
     shape, layout, counts = inv.shape, inv.layout, inv.counts(stage)
-    out = act.recompute_working_bytes(shape, layout, job)
+    out = _recompute_working_bytes(inv, job)
     if job.fp8 and counts.blocks:
         out += fp8.working_bytes(shape, layout, job)
     if counts.last:

@@ -40,7 +40,7 @@ def is_muon(t: Tensor) -> bool:
 
 
 @lru_cache(maxsize=1024)
-def _muon_tensors(shape: Shape, key: tuple) -> tuple[Tensor, ...]:
+def _muon_tensors(shape: Shape, key: tuple[int, int, tuple[int, ...] | None, int, bool]) -> tuple[Tensor, ...]:
     return tuple(t for t in stage_tensors(shape, key) if is_muon(t))
 
 

@@ -112,7 +112,7 @@ def host_use(inv: Inventory, job: Job, *, stage: int, activations: float, microb
     the most-loaded one; ``activations``: its saved activations before offload; ``compute_s``:
     the step's compute)."""
     layout = inv.layout
-    shard = inv.stages[stage].shard if layout.offload == "states" else 0
+    shard: float = inv.stages[stage].shard if layout.offload == "states" else 0
     m = microbatches
     gathers = 2 * m if layout.zero == 3 and layout.pp == 1 else 1
     scatters = m if layout.zero >= 2 and layout.pp == 1 else 1

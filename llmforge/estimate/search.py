@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from llmforge.config.schema import RunConfig
 from llmforge.errors import UserError
 from llmforge.estimate.attention import Documents
 from llmforge.estimate.core import Estimate, estimate, node_fits, stage_peaks, step_floor
@@ -162,7 +163,21 @@ def structures(shape: Shape, job: Job, world: int) -> Iterator[Layout]:
 _FIELDS = tuple(Layout.__dataclass_fields__)
 
 
-def _evaluate(inventories: Inventories, job: Job, structure: Layout, keep: list, top: int, counters: dict) -> None:
+#: An entry of the top list: (rank key, minus its enumeration order, the estimate); a min-heap.
+Kept = tuple[tuple[float, float], int, Estimate]
+
+
+@dataclass
+class _Counters:
+    """What the search counts as it goes, and the layout needing the least device memory."""
+
+    evaluated: int = 0
+    fitting: int = 0
+    smallest_peak: float = float("inf")
+    smallest: Layout | None = None
+
+
+def _evaluate(inventories: Inventories, job: Job, structure: Layout, keep: list[Kept], top: int, counters: _Counters) -> None:
     """Micro batches smallest first; per micro batch the least recompute that fits."""
     shape = inventories.shape
     base = {f: getattr(structure, f) for f in _FIELDS}
@@ -176,26 +191,26 @@ def _evaluate(inventories: Inventories, job: Job, structure: Layout, keep: list,
             stages = stage_peaks(inv, job)
             worst = most_loaded(stages)
             peak = worst.total
-            counters["evaluated"] += 1
-            if peak < counters["smallest"][0]:
-                counters["smallest"] = (peak, layout)
+            counters.evaluated += 1
+            if peak < counters.smallest_peak:
+                counters.smallest_peak, counters.smallest = peak, layout
             if peak <= capacity and node_fits(inv, job, worst):
-                counters["fitting"] += 1
+                counters.fitting += 1
                 fitted = True
                 if len(keep) >= top and tokens / step_floor(inv, job) < keep[0][0][0]:
                     break  # cannot enter the top list even with no communication at all
-                _push(keep, estimate(shape, layout, job, stages=stages, inv=inv), top, counters["evaluated"])
+                _push(keep, estimate(shape, layout, job, stages=stages, inv=inv), top, counters.evaluated)
                 break
         if not fitted:
             return
 
 
-def _rank_key(est: Estimate) -> tuple:
+def _rank_key(est: Estimate) -> tuple[float, float]:
     return (round(est.tokens_per_s, 6), -est.worst.total)
 
 
-def _push(keep: list, est: Estimate, top: int, seq: int) -> None:
-    item = (_rank_key(est), -seq, est)  # full ties: the earlier enumerated (smaller degrees) first
+def _push(keep: list[Kept], est: Estimate, top: int, seq: int) -> None:
+    item: Kept = (_rank_key(est), -seq, est)  # full ties: the earlier enumerated (smaller degrees) first
     if len(keep) < top:
         heapq.heappush(keep, item)
     elif item[:2] > keep[0][:2]:
@@ -206,8 +221,8 @@ def search(shape: Shape, job: Job, *, world: int, top: int = 5) -> SearchResult:
     """Rank every valid layout of ``world`` devices that fits, fastest first (ties: less memory).
     Only when none fits on the devices are layouts with CPU offload tried (``offloaded``)."""
     start = time.perf_counter()
-    keep: list = []
-    counters = {"evaluated": 0, "fitting": 0, "smallest": (float("inf"), None)}
+    keep: list[Kept] = []
+    counters = _Counters()
     inventories = Inventories(shape)  # the search's one memo: an inventory per layout structure
     for structure in structures(shape, job, world):
         _evaluate(inventories, job, structure, keep, max(top, 2), counters)
@@ -222,11 +237,11 @@ def search(shape: Shape, job: Job, *, world: int, top: int = 5) -> SearchResult:
                 )
                 break
     ranked = [e for _, _, e in sorted(keep, key=lambda x: x[:2], reverse=True)]
-    lean = counters["smallest"][1]
+    lean = counters.smallest
     result = SearchResult(
         ranked=ranked,
-        evaluated=counters["evaluated"],
-        fitting=counters["fitting"],
+        evaluated=counters.evaluated,
+        fitting=counters.fitting,
         seconds=time.perf_counter() - start,
         world=world,
         smallest=estimate(shape, lean, job, inv=inventories.of(lean)) if lean is not None else None,
@@ -362,6 +377,7 @@ def _leanest(smallest: Estimate, *, world: int) -> str:
             f"model states alone are {gib(states)} and activations {gib(w.activations)}."
         )
     node = smallest.node
+    assert node is not None  # every estimate has its node's host memory
     return (
         f"{head}, which its device holds, but the {node.ranks} ranks of a node need {gib(node.total)} of host memory together, "
         f"{gib(node.total - node.capacity)} over the node's {gib(node.capacity)}."
@@ -378,7 +394,7 @@ def search_plan(plan: RunPlan, *, top: int, documents: Documents | None = None) 
     return result
 
 
-def plan_config(plan, layout: Layout):
+def plan_config(plan: RunPlan, layout: Layout) -> RunConfig:
     """The plan's RunConfig with ``layout`` applied (parallel.* and the micro batch)."""
     import dataclasses
 
@@ -408,7 +424,7 @@ def plan_config(plan, layout: Layout):
     return dataclasses.replace(c, parallel=parallel, train=train, cluster=cluster)
 
 
-def _valid(plan, layout: Layout) -> bool:
+def _valid(plan: RunPlan, layout: Layout) -> bool:
     try:
         RunPlan.build(plan_config(plan, layout))
     except UserError:

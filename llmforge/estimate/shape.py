@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmforge.config.dtypes import DTYPE_BYTES
+from llmforge.config.schema import ModelConfig
 from llmforge.estimate.attention import Documents, attention_cost, mask_fraction
 from llmforge.hardware import Profile, get_profile, machine_memory
 from llmforge.layout import Layout
@@ -133,7 +134,7 @@ class Job:
         return self.devices_per_node or self.profile.devices_per_node
 
 
-def shape_from_config(model, *, attention_fraction: float | None = None) -> Shape:
+def shape_from_config(model: ModelConfig, *, attention_fraction: float | None = None) -> Shape:
     """A Shape from a ``ModelConfig``; ``attention_fraction`` None: from the config alone
     (sliding windows; a document mask counted as one document per window)."""
     moe = model.moe
@@ -161,7 +162,7 @@ def shape_from_config(model, *, attention_fraction: float | None = None) -> Shap
     )
 
 
-def job_from_plan(plan) -> Job:
+def job_from_plan(plan: RunPlan) -> Job:
     """The Job of a built RunPlan (hardware profile resolved)."""
     c = plan.config
     profile = get_profile(c.cluster.accelerator, ranks_per_node=ranks_per_node(plan))
@@ -194,10 +195,10 @@ def _host_memory(profile: Profile) -> int | None:
     return machine_memory()
 
 
-def ranks_per_node(plan) -> int:
+def ranks_per_node(plan: RunPlan) -> int:
     """Ranks the plan starts on each node (on a CPU they share its cores)."""
     c = plan.config.cluster
-    return c.devices_per_node or max(1, plan.world_size // c.nodes)
+    return int(c.devices_per_node or max(1, plan.world_size // c.nodes))
 
 
 def from_plan(plan: RunPlan, *, documents: Documents | None = None) -> tuple[Shape, Layout, Job]:
