@@ -5,7 +5,8 @@
 For one cold ``estimate(shape, layout, job)`` (every ``lru_cache`` of ``llmforge.estimate``
 cleared first) it counts, with ``sys.setprofile``, inside ``llmforge/estimate/``:
 
-- entries into ``params.py`` from another file;
+- entries into ``params.py`` from another file (calls of its functions; reads of its classes'
+  properties such as ``Tensor.numel`` are counted apart);
 - returns to a file the walk had left (a function of file A returning into a caller in file B != A);
 - calls in all;
 
@@ -52,6 +53,19 @@ def clear() -> None:
                 value.cache_clear()
 
 
+@functools.cache
+def _params_properties() -> frozenset[str]:
+    """Names of the properties of params.py's classes (``Tensor.numel``, ``StageCounts.blocks``): reading one
+    is counted apart from calling a function."""
+    from llmforge.estimate import params
+
+    names = set()
+    for cls in vars(params).values():
+        if isinstance(cls, type) and cls.__module__ == params.__name__:
+            names |= {n for n, v in vars(cls).items() if isinstance(v, (property, functools.cached_property)) or n == "local_shape"}
+    return frozenset(names)
+
+
 ENTRIES: Counter = Counter()  # (calling file, params.py function): entries, over every walk
 
 
@@ -68,7 +82,8 @@ def walk(fn, *args, **kwargs) -> Counter:
         if event == "call":
             counts["calls"] += 1
             if here.endswith("params.py") and caller != here:
-                counts["params_entries"] += 1
+                read = frame.f_code.co_name in _params_properties()
+                counts["params_property_reads" if read else "params_entries"] += 1
                 ENTRIES[(caller.rpartition("/")[2], frame.f_code.co_name)] += 1
         elif caller.startswith(ROOT) and caller != here:
             counts["returns_to_left_file"] += 1

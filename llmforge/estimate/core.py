@@ -290,13 +290,12 @@ def _stage_kernels(shape: Shape, layout: Layout, job: Job, counts: StageCounts, 
 
 def _optimizer_seconds(inv: Inventory, job: Job, worst: StageMemory) -> float:
     """The optimizer step and clip on the most-loaded rank (memory-bound)."""
-    shape, layout = inv.shape, inv.layout
-    params = worst.optimizer / muon.state_bytes_per_param(shape, layout, job, worst.stage)
+    params = worst.optimizer / muon.state_bytes_per_param(inv, job, worst.stage)
     if job.efficiency is not None:
         adam = OPTIMIZER_BYTES_PER_PARAM * params / job.profile.memory_bandwidth
     else:
         adam = kn.optimizer_cost(kn.speeds(job), int(params), 12 * inv.counts(worst.stage).blocks + 4).seconds
-    return adam + muon.step_seconds(shape, layout, job, worst.stage)
+    return adam + muon.step_seconds(inv, job, worst.stage)
 
 
 def _communication(inv: Inventory, job: Job, m: int, stage: int, t_mb: float) -> cm.Comm:
@@ -373,7 +372,9 @@ def _node_memory(inv: Inventory, job: Job, worst: StageMemory, host: HostUse | N
     """Host memory of the most-loaded node (``worst``: its most-loaded device)."""
     offloaded = 0.0 if host is None else host.states_bytes + host.activations_bytes
     shard = inv.stages[worst.stage].shard
-    return node_memory(inv.shape, inv.layout, job, device_total=worst.total, shard=shard, offloaded=offloaded)
+    return node_memory(
+        inv.shape, inv.layout, job, device_total=worst.total, shard=shard, offloaded=offloaded, largest=inv.largest_parameter
+    )
 
 
 def _tp_host_seconds(inv: Inventory, job: Job, stage: int, m: int) -> float:

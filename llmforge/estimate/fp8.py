@@ -29,8 +29,6 @@ routed experts.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 from llmforge.estimate.params import StageCounts, Tensor, block_tensors
 from llmforge.estimate.shape import Job, Shape
 from llmforge.layout import Layout
@@ -47,12 +45,10 @@ def converted(t: Tensor) -> bool:
     return t.shape[0] % 16 == 0 and t.shape[1] % 16 == 0
 
 
-@lru_cache(maxsize=256)
 def _converted(shape: Shape, moe: bool) -> tuple[Tensor, ...]:
     return tuple(t for t in block_tensors(shape, moe) if converted(t))
 
 
-@lru_cache(maxsize=1024)
 def converted_numel(shape: Shape, *, moe: bool, tp: int = 1) -> float:
     """Elements of one block's converted weights on a tensor-parallel rank (MoE layers are not split)."""
     total: float = sum(t.numel / (tp if t.split != "rep" else 1) for t in _converted(shape, moe))
@@ -66,7 +62,6 @@ def _tail(shape: Shape, moe: bool) -> float:
     return 2 * shape.hidden * shape.moe_ffn * shape.shared_experts
 
 
-@lru_cache(maxsize=1024)
 def block_flops(shape: Shape, *, moe: bool, mode: str) -> float:
     """FP8 FLOPs per token of one block, forward + backward (+ recompute under ``mode``)."""
     forward = 2 * converted_numel(shape, moe=moe)  # every token passes each converted layer once
@@ -85,7 +80,6 @@ def stage_flops_per_token(shape: Shape, layout: Layout, counts: StageCounts) -> 
     )
 
 
-@lru_cache(maxsize=1024)
 def _activation_elements(shape: Shape, *, moe: bool, tp: int) -> tuple[float, float]:
     """Per token on one tensor-parallel rank: elements of the converted linears' inputs
     and of their output gradients (column-parallel: whole input, split output;
@@ -126,7 +120,6 @@ def working_bytes(shape: Shape, layout: Layout, job: Job) -> float:
     return _working_bytes(shape, layout.tp, layout.micro_batch * shape.seq / layout.cp)
 
 
-@lru_cache(maxsize=4096)
 def _working_bytes(shape: Shape, tp: int, tokens: float) -> float:
     largest = 0.0
     for moe in {False, shape.num_experts > 0}:

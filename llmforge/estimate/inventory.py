@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass, field
 
 from llmforge.estimate import fp8
+from llmforge.estimate.node import largest_parameter
 from llmforge.estimate.params import RankParams, StageCounts, Tensor, block_tensors, layout_rank_params, representative_stages, stage_counts
 from llmforge.estimate.shape import Shape
 from llmforge.layout import Layout
@@ -61,6 +62,8 @@ class Inventory:
     representatives: tuple[int, ...]
     dense: BlockKind
     moe: BlockKind | None
+    #: Elements of the model's largest single parameter (llmforge.estimate.node).
+    largest_parameter: int
     #: Figures derived for the one job this inventory is estimated with, which other layouts ask
     #: for again (a stage's kernel time: llmforge.estimate.core); the search's inventories share one.
     memo: dict[tuple[object, ...], object] = field(default_factory=dict, compare=False, repr=False)
@@ -105,6 +108,7 @@ def inventory(shape: Shape, layout: Layout, *, memo: dict[tuple[object, ...], ob
         representatives=representative_stages(shape, layout),
         dense=_block_kind(shape, layout, moe=False),
         moe=_block_kind(shape, layout, moe=True) if shape.num_experts else None,
+        largest_parameter=largest_parameter(shape),
         memo={} if memo is None else memo,
     )
 

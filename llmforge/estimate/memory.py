@@ -150,9 +150,9 @@ def allowance(job: Job, *, working: float) -> float:
 
 def stage_memory(inv: Inventory, job: Job, stage: int, microbatches: int) -> StageMemory:
     """Full breakdown for pipeline ``stage`` (tp rank 0, ep rank 0, dp rank 0: the fullest shards)."""
-    shape, layout = inv.shape, inv.layout
+    layout = inv.layout
     params, weights, grads, optimizer = model_states(inv, stage, job)
-    optimizer = muon.optimizer_bytes(optimizer, shape, layout, job, stage)
+    optimizer = muon.optimizer_bytes(optimizer, inv, job, stage)
     activations = stage_activations(inv, job, stage, microbatches)
     transient = _transient(inv, job, stage, params)
     reserved = allowance(job, working=activations + transient)
