@@ -246,12 +246,12 @@ def _fp8_cost(inv: Inventory, job: Job, counts: StageCounts, tokens: float) -> k
     runs them at the 16-bit peak."""
     if not job.profile.has_fp8:
         return kn.NONE
-    shape, layout = inv.shape, inv.layout
+    layout = inv.layout
     efficiency = job.efficiency if job.efficiency is not None else job.profile.matmul_efficiency
-    f8 = fp8.stage_flops_per_token(shape, layout, counts) * tokens / layout.tp
+    f8 = fp8.stage_flops_per_token(inv, counts) * tokens / layout.tp
     faster = f8 / (job.profile.peak(job.param_dtype) * efficiency) - f8 / (job.profile.peak("fp8") * efficiency)
     shard = layout.dp_shard * layout.cp if job.fp8_all_gather and layout.zero > 0 else 1
-    casts = fp8.stage_cast_seconds(shape, layout, job, counts, tokens, shard=shard, fused=job.compile)
+    casts = fp8.stage_cast_seconds(inv, job, counts, tokens, shard=shard, fused=job.compile)
     return kn.Cost(matmul=-faster, memory=casts)
 
 

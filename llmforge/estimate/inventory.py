@@ -18,7 +18,6 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from llmforge.estimate import fp8
 from llmforge.estimate.node import largest_parameter
 from llmforge.estimate.params import RankParams, StageCounts, Tensor, block_tensors, layout_rank_params, representative_stages, stage_counts
 from llmforge.estimate.shape import Shape
@@ -35,7 +34,8 @@ class BlockKind:
     tensors: tuple[Tensor, ...]
     #: Elements on one rank: each tensor's tensor-parallel shard, of the stacked experts E / ep.
     numel: float
-    #: Elements of the linear weights FP8 converts, on one tensor-parallel rank (llmforge.estimate.fp8).
+    #: The linear weights FP8 converts (``fp8_converts``), and their elements on one tensor-parallel rank.
+    converted: tuple[Tensor, ...]
     converted_numel: float
 
 
@@ -120,13 +120,23 @@ def zero_groups(layout: Layout) -> tuple[int, int]:
     return group, max(1, group // layout.ep)
 
 
+def fp8_converts(t: Tensor) -> bool:
+    """Whether parameter ``t`` of a block is the weight of a linear layer FP8 runs
+    (llmforge.parallel.float8: dimensions multiples of 16; no routed expert)."""
+    if t.expert or len(t.shape) != 2 or not t.name.endswith("_proj.weight"):
+        return False
+    return t.shape[0] % 16 == 0 and t.shape[1] % 16 == 0
+
+
 def _block_kind(shape: Shape, layout: Layout, *, moe: bool) -> BlockKind:
     tensors = block_tensors(shape, moe)
     numel = 0.0
     for t in tensors:
         local = math.prod(t.local_shape(layout.tp))
         numel += local / layout.ep if t.expert else local
-    return BlockKind(moe=moe, tensors=tensors, numel=numel, converted_numel=fp8.converted_numel(shape, moe=moe, tp=layout.tp))
+    converted = tuple(t for t in tensors if fp8_converts(t))
+    converted_numel: float = sum(t.numel / (layout.tp if t.split != "rep" else 1) for t in converted)
+    return BlockKind(moe=moe, tensors=tensors, numel=numel, converted=converted, converted_numel=converted_numel)
 
 
 def _dim0_shards(params: RankParams, *, group: int, expert_group: int) -> int:

@@ -113,7 +113,7 @@ def _transient(inv: Inventory, job: Job, stage: int, params: int) -> float:
     shape, layout, counts = inv.shape, inv.layout, inv.counts(stage)
     out = _recompute_working_bytes(inv, job)
     if job.fp8 and counts.blocks:
-        out += fp8.working_bytes(shape, layout, job)
+        out += fp8.working_bytes(inv, job)
     if counts.last:
         out += act.logits_peak_bytes(shape, layout, job)
     if layout.dp * layout.cp == 1 or not counts.blocks:
