@@ -77,3 +77,25 @@ def test_one_pretrain_computes_one_estimate(monkeypatch, tmp_path, small_data):
     assert result.exit_code == 0, result.output
     assert "measured/estimate" in result.output  # the closing line compared the run with the estimate
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("kind", ["moe", "fp8_muon"])
+def test_the_search_memo_gives_what_a_fresh_estimate_gives(kind):
+    """The search's one memo (inventories and what they derived for its job) changes no figure:
+    each ranked layout's estimate equals the estimate of that layout alone."""
+    from dataclasses import replace
+
+    from llmforge.estimate.shape import Job, Shape
+    from llmforge.hardware import get_profile
+
+    shape = Shape(num_layers=8, hidden=1024, heads=16, kv_heads=4, ffn=4096, vocab=32000, seq=2048, norm="rmsnorm", activation="swiglu")
+    job = Job(global_batch=64, param_dtype="bf16", reduce_dtype="fp32", profile=get_profile("h100-80gb"), nodes=2, devices_per_node=8)
+    if kind == "moe":
+        shape = replace(shape, num_experts=8, top_k=2, moe_ffn=2048, moe_every=2)
+    else:
+        job = replace(job, fp8=True, fp8_all_gather=True, optimizer="muon")
+    result = search(shape, job, world=16, top=6)
+    assert len(result.ranked) == 6
+    for found in result.ranked:
+        alone = estimate(shape, found.layout, job, every_stage=False)
+        assert (found.step_s, found.worst, found.parts, found.node) == (alone.step_s, alone.worst, alone.parts, alone.node)
