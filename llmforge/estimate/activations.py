@@ -38,6 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmforge.estimate.fp8 import converted
+from llmforge.estimate.inventory import Inventory
 from llmforge.estimate.params import StageCounts, Tensor, block_tensors
 from llmforge.estimate.shape import Job, Shape
 from llmforge.layout import Layout
@@ -255,8 +256,9 @@ def layer_bytes(shape: Shape, layout: Layout, job: Job, index: int) -> float:
     return acts.total(layout.micro_batch * shape.seq / layout.cp)
 
 
-def recompute_working_bytes(shape: Shape, layout: Layout, job: Job) -> float:
+def recompute_working_bytes(inv: Inventory, job: Job) -> float:
     """Under recompute, backward rebuilds one block's activations at a time: this extra peak."""
+    shape, layout = inv.shape, inv.layout
     if layout.recompute == "none":
         return 0.0
     moe = shape.num_experts > 0
@@ -265,8 +267,9 @@ def recompute_working_bytes(shape: Shape, layout: Layout, job: Job) -> float:
     return block_activations(shape, layout, job, moe=moe, recompute="none").total(tokens) - kept.total(tokens) + kept.fixed
 
 
-def stage_bytes_per_microbatch(shape: Shape, layout: Layout, job: Job, counts: StageCounts) -> float:
+def stage_bytes_per_microbatch(inv: Inventory, job: Job, counts: StageCounts) -> float:
     """Saved bytes of one microbatch on a pipeline rank: its blocks, plus embedding ids or the output."""
+    shape, layout = inv.shape, inv.layout
     tokens = layout.micro_batch * shape.seq / layout.cp
     mode = layout.recompute
     total = 0.0

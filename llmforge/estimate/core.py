@@ -222,7 +222,7 @@ def _stage_time(inv: Inventory, job: Job, stage: int, m: int) -> tuple[kn.Cost, 
     if job.efficiency is None:
         compute = _kernel_time(inv, job, stage, m)
     else:
-        flops = fl.stage_hardware_flops_per_token(shape, layout, counts) * tokens / layout.tp
+        flops = fl.stage_hardware_flops_per_token(inv, counts) * tokens / layout.tp
         compute = kn.Cost(matmul=flops / (job.profile.peak(job.param_dtype) * job.efficiency))
     if job.fp8:
         compute = compute.plus(_fp8_cost(inv, job, counts, tokens))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmforge.estimate.inventory import Inventory
 from llmforge.estimate.params import StageCounts
 from llmforge.estimate.shape import Shape
 from llmforge.layout import Layout
@@ -129,9 +130,9 @@ def _recompute_per_token(shape: Shape, recompute: str, every: int) -> float:
     return (len(recomputed) - moe) * recompute_extra(shape, moe=False, mode="full") + moe * recompute_extra(shape, moe=True, mode="full")
 
 
-def stage_hardware_flops_per_token(shape: Shape, layout: Layout, counts: StageCounts) -> float:
+def stage_hardware_flops_per_token(inv: Inventory, counts: StageCounts) -> float:
     """Hardware FLOPs per token of one pipeline rank (before tensor/context splitting)."""
-    return _stage_flops(shape, layout.recompute, counts)
+    return _stage_flops(inv.shape, inv.layout.recompute, counts)
 
 
 def _stage_flops(shape: Shape, recompute: str, counts: StageCounts) -> float:

@@ -88,7 +88,7 @@ def stage_activations(inv: Inventory, job: Job, stage: int, microbatches: int) -
     key = _activations_key(inv, job, "stage", counts)
     per_mb = inv.memo.get(key)
     if not isinstance(per_mb, float):
-        per_mb = inv.memo[key] = act.stage_bytes_per_microbatch(inv.shape, inv.layout, job, counts)
+        per_mb = inv.memo[key] = act.stage_bytes_per_microbatch(inv, job, counts)
     return per_mb * inflight_microbatches(inv.layout, stage=stage, microbatches=microbatches)
 
 
@@ -96,7 +96,7 @@ def _recompute_working_bytes(inv: Inventory, job: Job) -> float:
     key = _activations_key(inv, job, "recompute working set")
     found = inv.memo.get(key)
     if not isinstance(found, float):
-        found = inv.memo[key] = act.recompute_working_bytes(inv.shape, inv.layout, job)
+        found = inv.memo[key] = act.recompute_working_bytes(inv, job)
     return found
 
 
