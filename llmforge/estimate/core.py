@@ -150,23 +150,10 @@ def estimate(
     t_mb = t_compute.seconds + t_collective
     comm = _communication(inv, job, m, slowest, t_mb)
     t_compute = t_compute.plus(_fsdp_copy_out(layout, job, comm).times(1 / m))
-    bubble = bubble_fraction(layout, m, w=fl.weight_grad_share(shape))
-    parts = {
-        "compute": m * t_compute.seconds,
-        "tp_ep_comm": m * t_collective,
-        "bubble": m * t_mb * bubble / (1 - bubble),
-        "dp_comm": comm.exposed_of("dp"),
-        "pp_comm": comm.exposed_of("pp"),
-        "cp_comm": comm.exposed_of("cp"),
-        "overlap": job.profile.comm_sm_share * sum(t.hidden for t in comm.kinds.values()),
-        "optimizer": _optimizer_seconds(inv, job, worst),
-        "tp_host": _tp_host_seconds(inv, job, slowest, m),
-    }
     host = _host_use(inv, job, worst, m, compute_s=m * t_compute.seconds)
-    if host is not None:
-        parts.update(offload_copy=host.exposed_copy_s, cpu_optimizer=host.optimizer_s)
-        if layout.offload == "states":
-            parts["optimizer"] = 0.0  # the device runs no optimizer step
+    bubble = bubble_fraction(layout, m, w=fl.weight_grad_share(shape))
+    step = _Step(m=m, compute=t_compute, collective=t_collective, t_mb=t_mb, bubble=bubble, comm=comm, host=host)
+    parts = _step_parts(inv, job, step, worst=worst, slowest=slowest)
     tokens = job.global_batch * shape.seq
     return Estimate(
         shape=shape,
@@ -188,14 +175,45 @@ def estimate(
     )
 
 
+@dataclass(frozen=True)
+class _Step:
+    """What the step time adds up: ``m`` microbatches of the slowest stage's compute and
+    collectives (one microbatch's; ``t_mb`` their seconds before FSDP's copy-out, which the
+    bubble and the overlap windows see), the bubble, the communication and the host's side."""
+
+    m: int
+    compute: kn.Cost
+    collective: float
+    t_mb: float
+    bubble: float
+    comm: cm.Comm
+    host: HostUse | None
+
+
+def _step_parts(inv: Inventory, job: Job, step: _Step, *, worst: StageMemory, slowest: int) -> dict[str, float]:
+    """The step time by part (they sum to ``Estimate.step_s``)."""
+    m, comm, t_mb = step.m, step.comm, step.t_mb
+    parts = {
+        "compute": m * step.compute.seconds,
+        "tp_ep_comm": m * step.collective,
+        "bubble": m * t_mb * step.bubble / (1 - step.bubble),
+        "dp_comm": comm.exposed_of("dp"),
+        "pp_comm": comm.exposed_of("pp"),
+        "cp_comm": comm.exposed_of("cp"),
+        "overlap": job.profile.comm_sm_share * sum(t.hidden for t in comm.kinds.values()),
+        "optimizer": _optimizer_seconds(inv, job, worst),
+        "tp_host": _tp_host_seconds(inv, job, slowest, m),
+    }
+    if step.host is not None:
+        parts.update(offload_copy=step.host.exposed_copy_s, cpu_optimizer=step.host.optimizer_s)
+        if inv.layout.offload == "states":
+            parts["optimizer"] = 0.0  # the device runs no optimizer step
+    return parts
+
+
 def stage_peaks(inv: Inventory, job: Job) -> list[StageMemory]:
     """The memory half of ``estimate`` (one rank per distinct stage), for the search."""
     return all_stages(inv, job, microbatches(inv.layout, job), every_stage=False)
-
-
-def peak_memory(shape: Shape, layout: Layout, job: Job) -> float:
-    """Bytes on the most-loaded device."""
-    return most_loaded(stage_peaks(inventory(shape, layout), job)).total
 
 
 def step_floor(inv: Inventory, job: Job) -> float:
