@@ -55,17 +55,28 @@ def test_a_window_keeps_its_share_and_layers_without_it_keep_everything():
 
 
 def test_without_prepared_data_a_document_mask_saves_nothing_and_says_so(tmp_path):
+    from llmforge.data.prepare import document_ends_for
+
     plan = tiny_plan(["model.attention_mask=document", f"data.cache_dir={tmp_path}"])
-    cost = attention_cost(plan.config, data_vocab_size=plan.data_vocab_size)
+    assert document_ends_for(plan.config, vocab_size=plan.data_vocab_size) is None
+    cost = attention_cost(plan.config, documents=None)
     assert cost.fraction == 1.0 and "not prepared" in cost.note
 
 
-def test_with_prepared_data_the_estimate_reads_its_document_lengths(small_data):
-    from llmforge.data.prepare import prepare, prepared_document_ends
+def test_with_prepared_data_the_command_passes_its_document_lengths(small_data):
+    from llmforge.commands.plans import plan_documents, plan_estimate
+    from llmforge.data.prepare import prepare
+    from llmforge.estimate.core import estimate_plan
 
     plan = tiny_plan(["model.attention_mask=document", "model.seq_len=256", "model.vocab_size=4096"] + list(small_data))
+    before = estimate_plan(plan)
     prepare(data=plan.config.data, vocab_size=plan.data_vocab_size, seed=0)
-    cost = attention_cost(plan.config, data_vocab_size=plan.data_vocab_size)
-    [(ends, _)] = prepared_document_ends(plan.config.data, vocab_size=plan.data_vocab_size)
+    documents = plan_documents(plan)
+    assert documents is not None
+    [(ends, _)] = documents
+    cost = attention_cost(plan.config, documents=documents)
     assert cost.fraction == pytest.approx(document_fraction(ends, seq=256)) and cost.fraction < 1.0
     assert "prepared data" in cost.note
+    # the estimator reads no files: the same inputs give the same numbers after the data is prepared
+    assert estimate_plan(plan) == before and before.shape.attention_fraction == 1.0
+    assert plan_estimate(plan).shape.attention_fraction == pytest.approx(cost.fraction)

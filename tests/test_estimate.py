@@ -14,6 +14,7 @@ from llmforge.estimate import activations as act
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate.core import estimate
+from llmforge.estimate.inventory import inventory
 from llmforge.estimate.memory import model_states
 from llmforge.estimate.params import total_params
 from llmforge.estimate.pipeline import bubble_fraction, inflight_microbatches, simulate, simulated_bubble
@@ -177,7 +178,7 @@ def test_model_states_against_the_zero_paper(zero, reduce):
     keeps an fp32 gradient shard (2/d more)."""
     shape, d = gpt(layers=8, hidden=1024, heads=16, vocab=51200, seq=1024), 8
     jb = Job(global_batch=64, param_dtype="bf16", reduce_dtype=reduce, profile=get_profile("h100-80gb"))
-    n, weights, grads, optimizer = model_states(shape, Layout(dp=d, zero=zero), 0, jb)
+    n, weights, grads, optimizer = model_states(inventory(shape, Layout(dp=d, zero=zero)), 0, jb)
     ours = weights + grads + optimizer
     paper = ZERO_PAPER[zero](n, d)
     extra = {0: 0, 1: 2 * n if reduce == "fp32" else 0, 2: 2 * n / d, 3: 0}[zero]

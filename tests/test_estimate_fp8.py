@@ -10,7 +10,7 @@ import pytest
 from llmforge.estimate import fp8
 from llmforge.estimate.core import estimate
 from llmforge.estimate.flops import block_flops
-from llmforge.estimate.params import stage_counts
+from llmforge.estimate.inventory import inventory
 from llmforge.estimate.pipeline import inflight_microbatches
 from llmforge.estimate.search import replicate_options, search
 from llmforge.estimate.shape import Job, Shape
@@ -63,8 +63,8 @@ def test_profiles_say_which_accelerators_have_fp8(name, has):
 
 def test_every_block_matmul_of_a_dense_model_runs_in_fp8():
     shape = gpt(layers=4, hidden=1024, heads=16)
-    counts = stage_counts(shape, Layout())[0]
-    assert fp8.stage_flops_per_token(shape, Layout(), counts) == pytest.approx(4 * 3 * block_flops(shape, moe=False).weights)
+    inv = inventory(shape, Layout())
+    assert fp8.stage_flops_per_token(inv, inv.counts(0)) == pytest.approx(4 * 3 * block_flops(shape, moe=False).weights)
 
 
 def test_router_and_routed_experts_stay_in_bf16():

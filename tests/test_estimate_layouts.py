@@ -17,6 +17,7 @@ import contextlib  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 from llmforge.config.compose import compose  # noqa: E402
+from llmforge.estimate.inventory import inventory  # noqa: E402
 from llmforge.estimate.memory import model_states  # noqa: E402
 from llmforge.estimate.shape import from_plan  # noqa: E402
 from llmforge.plan import RunPlan  # noqa: E402
@@ -83,7 +84,7 @@ def test_per_rank_parameter_and_optimizer_bytes_are_exact(overrides):
         old = real.get(stage, (0, 0))
         real[stage] = (max(old[0], weights), max(old[1], states))
     for stage, (weights, states) in real.items():
-        params, _, _, optimizer = model_states(shape, layout, stage, job)
+        params, _, _, optimizer = model_states(inventory(shape, layout), stage, job)
         sharded = layout.zero > 0 and layout.dp * layout.cp > 1
         # ZeRO 1-3 (FSDP2) keep the fp32 shard between steps; the moments are sharded alike
         assert weights == (optimizer // 2 if sharded else 4 * params)
@@ -176,7 +177,7 @@ def test_model_states_and_saved_bytes_during_the_step_are_exact(zero, sp, recomp
 
     (weights, grads, states), saved = measure_step(plan)
     shape, lay, job = from_plan(plan)
-    _, est_weights, est_grads, est_states = model_states(shape, lay, 0, job)
+    _, est_weights, est_grads, est_states = model_states(inventory(shape, lay), 0, job)
     assert (weights, grads, states) == (est_weights, est_grads, est_states)
     est = sum(act.layer_bytes(shape, lay, job, i) for i in range(shape.num_layers))
     est += act.embedding_bytes(shape, lay) + act.output_bytes(shape, lay, job)

@@ -102,7 +102,7 @@ def test_search_on_cpu_never_proposes_what_the_machine_cannot_hold(machine_24gib
 
 
 def test_gpu_ranks_keep_the_process_the_build_buffer_and_staging():
-    from llmforge.estimate.memory import shard_numel
+    from llmforge.estimate.inventory import inventory
 
     shape, layout, job = from_plan(_plan("recipe=llama-8b"))
     est = estimate(shape, layout, job)
@@ -111,7 +111,7 @@ def test_gpu_ranks_keep_the_process_the_build_buffer_and_staging():
     assert items["build buffer"] == 4 * shape.vocab * shape.hidden == 4 * largest_parameter(shape)  # the embedding, whole, fp32
     assert "checkpoint staging" not in items and est.node.ranks == min(layout.world, job.devices_per_node or layout.world)
     staged = estimate(shape, layout, dataclasses.replace(job, async_checkpoint=True))
-    assert staged.node.items["checkpoint staging"] == CHECKPOINT_BYTES * shard_numel(shape, layout, staged.worst.stage)
+    assert staged.node.items["checkpoint staging"] == CHECKPOINT_BYTES * inventory(shape, layout).stages[staged.worst.stage].shard
 
 
 def test_gpu_search_proposes_only_layouts_whose_nodes_fit():

@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from llmforge.cli import app
 from llmforge.config.compose import compose
+from llmforge.estimate.core import estimate_plan
 from llmforge.observe.metrics import read_metrics
 from llmforge.plan import RunPlan
 from llmforge.train.meter import meter_for
@@ -106,8 +107,10 @@ def test_a_measured_profile_drops_the_approximate_marker(tmp_path):
     )
     import torch
 
-    assert meter_for(RunPlan.build(compose([])), device=torch.device("cpu")).peak_approximate
-    assert not meter_for(RunPlan.build(compose([f"cluster.accelerator={profile}"])), device=torch.device("cpu")).peak_approximate
+    assert meter_for(estimate_plan(RunPlan.build(compose([]))), device=torch.device("cpu")).peak_approximate
+    assert not meter_for(
+        estimate_plan(RunPlan.build(compose([f"cluster.accelerator={profile}"]))), device=torch.device("cpu")
+    ).peak_approximate
 
 
 def test_config_path_that_is_a_file_names_the_variable(tmp_path, monkeypatch):

@@ -131,6 +131,7 @@ def test_muon_resumes_exactly_and_reshards(tmp_path, small_data):
 
 def test_estimate_counts_one_momentum_buffer_and_the_newton_schulz_step():
     from llmforge.estimate.core import estimate
+    from llmforge.estimate.inventory import inventory
     from llmforge.estimate.muon import step_seconds
     from llmforge.estimate.shape import Job, Shape
     from llmforge.hardware import get_profile
@@ -145,10 +146,11 @@ def test_estimate_counts_one_momentum_buffer_and_the_newton_schulz_step():
     assert m.worst.optimizer == pytest.approx(a.worst.optimizer - 4 * blocks / 8, rel=1e-3)  # 4 bytes less per block matrix element
     assert m.parts["optimizer"] > a.parts["optimizer"]
     # ZeRO over 8 ranks: each orthogonalises an eighth, after a gather; held whole (ZeRO 0), all of them
-    sharded, whole = step_seconds(shape, layout, muon, 0), step_seconds(shape, Layout(dp=8), muon, 0)
+    inv = inventory(shape, layout)
+    sharded, whole = step_seconds(inv, muon, 0), step_seconds(inventory(shape, Layout(dp=8)), muon, 0)
     assert whole / 8 < sharded < whole
-    assert step_seconds(shape, layout, adamw, 0) == 0
-    assert step_seconds(shape, layout, replace(muon, muon_ns_dtype="bf16"), 0) < sharded  # bf16 matmuls are faster
+    assert step_seconds(inv, adamw, 0) == 0
+    assert step_seconds(inv, replace(muon, muon_ns_dtype="bf16"), 0) < sharded  # bf16 matmuls are faster
 
 
 @pytest.mark.parametrize(
@@ -157,6 +159,7 @@ def test_estimate_counts_one_momentum_buffer_and_the_newton_schulz_step():
 def test_estimated_muon_state_is_what_rank_0_holds(layout):
     """Rank 0's real program on a fake process group: its optimizer-state bytes against the estimate."""
     from llmforge.config.compose import compose
+    from llmforge.estimate.inventory import inventory
     from llmforge.estimate.memory import stage_memory
     from llmforge.estimate.shape import from_plan
     from llmforge.plan import RunPlan
@@ -166,4 +169,4 @@ def test_estimated_muon_state_is_what_rank_0_holds(layout):
     plan = RunPlan.build(compose(layout + small + ["optim=muon", "precision=bf16"]))
     (_, _, states), _ = measure_step(plan)
     shape, lay, job = from_plan(plan)
-    assert stage_memory(shape, lay, job, 0, plan.microbatches).optimizer == pytest.approx(states, rel=1e-9)
+    assert stage_memory(inventory(shape, lay), job, 0, plan.microbatches).optimizer == pytest.approx(states, rel=1e-9)

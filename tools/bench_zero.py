@@ -34,6 +34,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from llmforge.config.compose import compose
+    from llmforge.estimate.inventory import inventory
     from llmforge.estimate.memory import model_states
     from llmforge.estimate.shape import from_plan
     from llmforge.plan import RunPlan
@@ -63,7 +64,7 @@ def main() -> None:
         plan = RunPlan.build(compose(overrides))
         (weights, grads, states), _ = measure_step(plan)
         shape, layout, job = from_plan(plan)
-        n, w, g, o = model_states(shape, layout, 0, job)
+        n, w, g, o = model_states(inventory(shape, layout), 0, job)
         measured, estimated, paper = weights + grads + states, w + g + o, PAPER[zero](n, args.dp)
         cells = [f"{v / 1e6:8.1f} ({v / n:5.2f})" for v in (measured, estimated, paper)]
         print(f"{zero:>4} | " + " | ".join(cells) + f" | {weights / 1e6:.1f} / {grads / 1e6:.1f} / {states / 1e6:.1f}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
+from llmforge.commands.plans import plan_documents
 from llmforge.estimate.attention import attention_cost
 from llmforge.estimate.core import estimate_plan
 from llmforge.estimate.report import as_dict, search_dict
@@ -20,9 +21,10 @@ def run_estimate(plan, *, as_json: bool, timeline: bool, measure: bool, search: 
     if search:
         run_search(plan, as_json=as_json, top=top, console=console)
         return
-    est = estimate_plan(plan)
+    documents = plan_documents(plan)  # the only files an estimate depends on, read once
+    est = estimate_plan(plan, documents=documents)
     data = as_dict(est, recipe=plan.config.recipe)
-    cost = attention_cost(plan.config, data_vocab_size=plan.data_vocab_size)
+    cost = attention_cost(plan.config, documents=documents)
     data["attention"].update(mask=cost.mask, sliding_window=cost.sliding_window, windowed_layers=cost.windowed_layers, note=cost.note)
     measured = None
     if measure:
@@ -64,7 +66,7 @@ def run_search(plan, *, as_json: bool, top: int, console) -> None:
     """``llmforge estimate --search``: print the ranked layouts (or why nothing fits)."""
     from llmforge.commands.estimate_tables import render_search
 
-    result = search_plan(plan, top=top)
+    result = search_plan(plan, top=top, documents=plan_documents(plan))
     if as_json:
         sys.stdout.write(json.dumps(search_dict(result, plan=plan), indent=2) + "\n")
         return

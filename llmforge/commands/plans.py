@@ -6,9 +6,14 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from llmforge.errors import Problem, UserError
 from llmforge.plan import RunPlan
+
+if TYPE_CHECKING:
+    from llmforge.estimate.attention import Documents
+    from llmforge.estimate.core import Estimate
 
 
 def build_plan(overrides: Sequence[str], *, config_dir: Sequence[Path] = (), reset: Mapping[str, str] | None = None) -> RunPlan:
@@ -16,6 +21,21 @@ def build_plan(overrides: Sequence[str], *, config_dir: Sequence[Path] = (), res
     from llmforge.config.compose import compose
 
     return RunPlan.build(compose(list(overrides), extra_dirs=list(config_dir), reset=reset))
+
+
+def plan_documents(plan: RunPlan) -> Documents | None:
+    """The prepared data's document lengths where the plan's attention mask follows documents,
+    read here, once, for the estimate (which reads no files); None: not needed or not prepared."""
+    from llmforge.data.prepare import document_ends_for
+
+    return document_ends_for(plan.config, vocab_size=plan.data_vocab_size)
+
+
+def plan_estimate(plan: RunPlan) -> Estimate:
+    """The one estimate of a command's plan (the prepared data's document lengths included)."""
+    from llmforge.estimate.core import estimate_plan
+
+    return estimate_plan(plan, documents=plan_documents(plan))
 
 
 def plan_from_file(

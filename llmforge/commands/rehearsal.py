@@ -49,8 +49,8 @@ def render_rehearsal(rehearsal, est: Estimate, *, console: Console) -> None:
     """The rehearsed peak item by item next to the estimate's."""
     items = rehearsal.as_estimate_items(whole_compute_copy=whole_compute_copy(est))
     table = Table(
-        title=f"Rehearsal of rank {rehearsal.rank} ({rehearsal.where}): fake tensors, the build and two steps (the second shown), "
-        f"{rehearsal.seconds:.0f} s"
+        title=f"Rehearsal of rank {rehearsal.rank} ({rehearsal.where}): fake tensors, the build and two steps "
+        f"(the second shown), {rehearsal.seconds:.0f} s"
     )
     for name in ("", "estimate", "rehearsed", "rehearsed / estimate"):
         table.add_column(name, justify="left" if not name else "right")
@@ -93,16 +93,14 @@ def should_rehearse(plan: RunPlan) -> bool:
     return plan.config.cluster.accelerator != "cpu" and total_params(shape_from_config(plan.config.model)) >= AUTO_MIN_PARAMS
 
 
-def rehearse_before_launch(plan: RunPlan, *, force: bool, console: Console) -> None:
+def rehearse_before_launch(plan: RunPlan, est: Estimate, *, force: bool, console: Console) -> None:
     """``pretrain``'s rehearsal (``train.rehearse``): refuse a plan whose rehearsed peak, with the
-    estimate's reserved bytes, does not fit the device, unless forced."""
+    estimate's reserved bytes (``est``: the run's one estimate), does not fit the device, unless forced."""
     if not should_rehearse(plan):
         return
     from llmforge.errors import fail
-    from llmforge.estimate.core import estimate_plan
     from llmforge.rehearse.run import unsupported
 
-    est = estimate_plan(plan)
     if unsupported(plan):
         console.print(f"note: no rehearsal before launch: {unsupported(plan)}", style="yellow", markup=False, highlight=False)
         return

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from llmforge.commands.plans import build_plan
+from llmforge.commands.plans import build_plan, plan_estimate
 from llmforge.plan import RunPlan
 
 
@@ -19,9 +19,10 @@ def pretrain_command(
     from llmforge.commands.rehearsal import rehearse_before_launch
     from llmforge.launch import launch
 
-    rehearse_before_launch(run_plan, force=force, console=console)
-    _calibrate_cpu(run_plan, dry_run=dry_run, console=console)
-    launch(run_plan, resume_from=None, force=force, dry_run=dry_run, console=console, overwrite=overwrite)
+    _calibrate_cpu(run_plan, dry_run=dry_run, console=console)  # (CPU plans; the rehearsal is for GPU ones)
+    estimate = plan_estimate(run_plan)  # the one estimate of the run: after the calibration, whose profile it reads
+    rehearse_before_launch(run_plan, estimate, force=force, console=console)
+    launch(run_plan, resume_from=None, force=force, dry_run=dry_run, console=console, overwrite=overwrite, estimate=estimate)
 
 
 def resume_command(
@@ -39,7 +40,8 @@ def resume_command(
 
     run_plan, checkpoint = plan_for_resume(list(overrides), from_other_run=from_other_run, config_dir=config_dir)
     _calibrate_cpu(run_plan, dry_run=dry_run, console=console)
-    launch(run_plan, resume_from=checkpoint, force=force, dry_run=dry_run, console=console, overwrite=overwrite)
+    estimate = plan_estimate(run_plan)
+    launch(run_plan, resume_from=checkpoint, force=force, dry_run=dry_run, console=console, overwrite=overwrite, estimate=estimate)
 
 
 def _calibrate_cpu(run_plan: RunPlan, *, dry_run: bool, console: Console) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.text import Text
 
-from llmforge.config.schema import DataConfig
+from llmforge.config.schema import DataConfig, RunConfig
 from llmforge.data import cache
 from llmforge.data.build import build
 from llmforge.data.documents import open_documents
@@ -165,6 +165,15 @@ def prepared_document_ends(data: DataConfig, *, vocab_size: int) -> list[tuple[o
         ]
     except (OSError, ValueError, KeyError):
         return None
+
+
+def document_ends_for(config: RunConfig, *, vocab_size: int) -> list[tuple[object, float]] | None:
+    """The prepared data's document ends where the attention mask follows documents
+    (``model.attention_mask=document``), for the estimate: read once by the command that
+    estimates; None (nothing read) for other masks or data not prepared yet."""
+    if config.model.attention_mask != "document":
+        return None
+    return prepared_document_ends(config.data, vocab_size=vocab_size)
 
 
 def _entry_root(data: DataConfig, *, inputs: Sequence[tuple[Source, float]], spec: dict) -> Path:

@@ -36,10 +36,10 @@ size. Context parallel splits every per-token tensor over cp.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from llmforge.estimate.fp8 import converted
-from llmforge.estimate.params import StageCounts, block_tensors
+from llmforge.estimate.inventory import Inventory
+from llmforge.estimate.params import StageCounts, Tensor, block_tensors
 from llmforge.estimate.shape import Job, Shape
 from llmforge.layout import Layout
 
@@ -172,7 +172,7 @@ def _moe_selective_bytes(shape: Shape, *, c: int) -> float:
     return shape.num_experts * c + k * (mats * f + shape.hidden) * c + shared
 
 
-def _sp_linear(t, layout: Layout, *, moe: bool) -> bool:
+def _sp_linear(t: Tensor, layout: Layout, *, moe: bool) -> bool:
     """A column-parallel weight the sequence-parallel op casts itself (no autocast copy)."""
     sp = layout.sequence_parallel and layout.tp > 1 and not layout.async_tp
     return sp and t.split == "col" and (not moe or t.name.startswith("attn."))
@@ -256,63 +256,21 @@ def layer_bytes(shape: Shape, layout: Layout, job: Job, index: int) -> float:
     return acts.total(layout.micro_batch * shape.seq / layout.cp)
 
 
-def recompute_working_bytes(shape: Shape, layout: Layout, job: Job) -> float:
+def recompute_working_bytes(inv: Inventory, job: Job) -> float:
     """Under recompute, backward rebuilds one block's activations at a time: this extra peak."""
+    shape, layout = inv.shape, inv.layout
     if layout.recompute == "none":
         return 0.0
     moe = shape.num_experts > 0
-    key, jkey = _keys(layout, job)
-    return (
-        _kind_bytes(shape, key, jkey, moe, "none")
-        - _kind_bytes(shape, key, jkey, moe, layout.recompute)
-        + (_kind_fixed(shape, key, jkey, moe, layout.recompute))
-    )
+    tokens = layout.micro_batch * shape.seq / layout.cp
+    kept = block_activations(shape, layout, job, moe=moe, recompute=layout.recompute)
+    return block_activations(shape, layout, job, moe=moe, recompute="none").total(tokens) - kept.total(tokens) + kept.fixed
 
 
-@lru_cache(maxsize=4096)
-def _kind_fixed(shape: Shape, layout_key: tuple, job_key: tuple, moe: bool, mode: str) -> float:
-    layout = _layout_of(layout_key)
-    return block_activations(shape, layout, _JobView(*job_key), moe=moe, recompute=mode).fixed
-
-
-def _keys(layout: Layout, job: Job) -> tuple[tuple, tuple]:
-    """The layout and job fields activations depend on (cheap cache keys)."""
-    gathered = layout.zero > 0 and layout.dp * layout.cp > 1
-    return (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch, gathered, layout.async_tp), (
-        job.compute_bytes,
-        job.mixed,
-        job.fp8,
-        job.residual_bytes,
-        job.on_cpu,
-    )
-
-
-def _layout_of(key: tuple) -> Layout:
-    tp, sp, ep, cp, mb, gathered, async_tp = key
-    return Layout(tp=tp, sequence_parallel=sp, ep=ep, cp=cp, micro_batch=mb, zero=int(gathered), dp=2 if gathered else 1, async_tp=async_tp)
-
-
-@lru_cache(maxsize=65536)
-def _kind_bytes(shape: Shape, layout_key: tuple, job_key: tuple, moe: bool, mode: str) -> float:
-    layout = _layout_of(layout_key)
-    job = _JobView(*job_key)
-    return block_activations(shape, layout, job, moe=moe, recompute=mode).total(layout.micro_batch * shape.seq / layout.cp)
-
-
-@dataclass(frozen=True)
-class _JobView:
-    """The Job fields activations depend on (a cheap cache key)."""
-
-    compute_bytes: int
-    mixed: bool
-    fp8: bool
-    residual_bytes: int
-    on_cpu: bool
-
-
-def stage_bytes_per_microbatch(shape: Shape, layout: Layout, job: Job, counts: StageCounts) -> float:
+def stage_bytes_per_microbatch(inv: Inventory, job: Job, counts: StageCounts) -> float:
     """Saved bytes of one microbatch on a pipeline rank: its blocks, plus embedding ids or the output."""
-    key, jkey = _keys(layout, job)
+    shape, layout = inv.shape, inv.layout
+    tokens = layout.micro_batch * shape.seq / layout.cp
     mode = layout.recompute
     total = 0.0
     for n, moe, applies in (
@@ -322,7 +280,7 @@ def stage_bytes_per_microbatch(shape: Shape, layout: Layout, job: Job, counts: S
         (counts.moe_ckpt, True, True),
     ):
         if n:
-            total += n * _kind_bytes(shape, key, jkey, moe, mode if applies else "none")
+            total += n * block_activations(shape, layout, job, moe=moe, recompute=mode if applies else "none").total(tokens)
     if counts.first:
         total += embedding_bytes(shape, layout)
     if counts.last:

@@ -13,18 +13,25 @@ counts exactly what a flop counter counts when each document runs alone:
 
 - causal: 1;
 - a sliding window of N (itself and N-1 earlier tokens): from N and ``model.seq_len``;
-- document: from the document lengths of the prepared data (``doc_ends.npy``, which
-  ``llmforge data prepare`` writes), cut into the ``model.seq_len`` windows the
-  sampler reads; where the data is not prepared yet, every window is assumed to be
-  one document (no saving) and the estimate says so.
+- document: from the document lengths passed in with the plan (``documents``: the
+  ``doc_ends.npy`` of each stream of the prepared data, which the command reads once,
+  ``llmforge.data.prepare.document_ends_for``), cut into the ``model.seq_len`` windows
+  the sampler reads. Without them every window is assumed to be one document (no
+  saving) and the estimate says so: the estimator itself reads no files, so the same
+  inputs give the same numbers before and after ``llmforge data prepare``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from llmforge.data.prepare import prepared_document_ends
+from llmforge.config.schema import ModelConfig, RunConfig
+
+#: (exclusive end offset of every document of a stream, the stream's mixture weight), per stream
+#: of the prepared data (``llmforge.data.prepare.document_ends_for``).
+Documents = Sequence[tuple[Sequence[int], float]]
 
 MAX_WINDOWS = 1 << 16  # windows of each stream read for the document statistics
 
@@ -40,7 +47,7 @@ class AttentionCost:
     note: str
 
 
-def scores(length, window: int):
+def scores(length: Any, window: int) -> Any:
     """Score-matrix entries of causal attention over ``length`` tokens in the full-score convention
     (``length**2``, as the flop counter counts a causal block); each query seeing at most ``window``
     keys (0: all): twice the attended pairs less the diagonal. Numbers and numpy arrays alike."""
@@ -71,7 +78,7 @@ def document_fraction(doc_ends: Sequence[int], *, seq: int, window: int = 0) -> 
     return float(scores(segments.astype(np.float64), window).sum() / (windows * scores(seq, 0)))
 
 
-def mask_fraction(model, *, streams: list[tuple[Sequence[int], float]] | None) -> float:
+def mask_fraction(model: ModelConfig, *, streams: Documents | None) -> float:
     """Layer-averaged fraction for a ``ModelConfig``; ``streams``: (doc_ends, mixture weight) of the
     prepared data, or None (one document per window)."""
     windowed = _windowed_layers(model)
@@ -89,7 +96,7 @@ def mask_fraction(model, *, streams: list[tuple[Sequence[int], float]] | None) -
     return total / max(1, model.num_layers)
 
 
-def _windowed_layers(model) -> int:
+def _windowed_layers(model: ModelConfig) -> int:
     if model.sliding_window <= 0:
         return 0
     if model.sliding_window_layers:
@@ -97,21 +104,21 @@ def _windowed_layers(model) -> int:
     return len(range(0, model.num_layers, model.sliding_window_every))
 
 
-def attention_cost(config, *, data_vocab_size: int) -> AttentionCost:
-    """The attention cost of a RunConfig (the prepared data read where the mask follows documents)."""
+def attention_cost(config: RunConfig, *, documents: Documents | None = None) -> AttentionCost:
+    """The attention cost of a RunConfig; ``documents``: the prepared data's document lengths
+    (used where the mask follows documents), None where none were read."""
     model = config.model
-    streams, note = None, ""
+    note = ""
     if model.attention_mask == "document":
-        streams = _prepared_streams(config.data, data_vocab_size)
         note = (
             "document lengths from the prepared data"
-            if streams
+            if documents
             else "the data is not prepared yet: every window counted as one document (run llmforge data prepare for the saving)"
         )
     windowed = _windowed_layers(model)
     if windowed:
         note = "; ".join(x for x in (note, f"sliding window of {model.sliding_window} on {windowed} of {model.num_layers} layers") if x)
-    fraction = mask_fraction(model, streams=streams)
+    fraction = mask_fraction(model, streams=documents or None)
     return AttentionCost(
         mask=model.attention_mask,
         sliding_window=model.sliding_window,
@@ -119,14 +126,3 @@ def attention_cost(config, *, data_vocab_size: int) -> AttentionCost:
         fraction=fraction,
         note=note or "causal: every earlier token of the window",
     )
-
-
-_STREAMS: dict = {}
-
-
-def _prepared_streams(data, vocab_size: int) -> list[tuple[Sequence[int], float]] | None:
-    """(doc_ends, weight) of each stream of the prepared data, read once per process; None when not prepared."""
-    key = (repr(data), vocab_size)
-    if key not in _STREAMS:
-        _STREAMS[key] = prepared_document_ends(data, vocab_size=vocab_size)
-    return _STREAMS[key]

@@ -68,7 +68,8 @@ class Comm:
     kinds: dict[str, Traffic] = field(default_factory=dict)
 
     def _sum(self, dim: str, attr: str) -> float:
-        return sum(getattr(t, attr) for k, t in self.kinds.items() if DIMENSIONS[k] == dim)
+        total: float = sum(getattr(t, attr) for k, t in self.kinds.items() if DIMENSIONS[k] == dim)
+        return total
 
     def bytes_of(self, dim: str) -> float:
         """Bytes per step of parallel dimension ``dim`` (dp, tp, pp, cp, ep)."""
@@ -242,7 +243,7 @@ def gloo_defers_reduce(layout: Layout, job: Job) -> bool:
     )
 
 
-def fsdp_exposed_units(layout: Layout, *, blocks: int) -> dict[str, tuple]:
+def fsdp_exposed_units(layout: Layout, *, blocks: int) -> dict[str, tuple[str, ...]]:
     """The FSDP2 collectives of a step that no compute window covers, by kind, as
     ``llmforge.parallel.data`` schedules them (their whole time is exposed; every other
     unit's is hidden as far as the compute it overlaps lasts). Gathers: the root's (its
@@ -393,13 +394,13 @@ def ep_bytes(shape: Shape, layout: Layout, job: Job, *, moe_layers: int, microba
     return microbatches * moe_layers * passes * (ep - 1) / ep * routed
 
 
-def spans(layout: Layout) -> dict:
+def spans(layout: Layout) -> dict[str, int]:
     """Consecutive ranks each group spans (decides NVLink or network)."""
     tp, cp, dp = layout.tp, layout.cp, layout.dp
     return {"tp": tp, "cp": tp * cp, "dp": tp * cp * dp, "ep": tp * cp * layout.ep, "pp": 2 * tp * cp * dp}
 
 
-def groups(layout: Layout) -> dict:
+def groups(layout: Layout) -> dict[str, int]:
     """Ranks in each group (with ``spans``: how many of them share a node)."""
     return {"tp": layout.tp, "cp": layout.cp, "dp": layout.dp * layout.cp, "ep": layout.ep, "pp": 2}
 

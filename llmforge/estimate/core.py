@@ -33,20 +33,22 @@ at the FP8 peak: llmforge.estimate.fp8).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate import fp8, muon
 from llmforge.estimate import host as tph
 from llmforge.estimate import kernels as kn
-from llmforge.estimate.memory import StageMemory, all_stages, most_loaded, shard_numel, stage_activations
+from llmforge.estimate.attention import Documents
+from llmforge.estimate.inventory import Inventory, inventory
+from llmforge.estimate.memory import StageMemory, all_stages, float8_numel, most_loaded, stage_activations
 from llmforge.estimate.node import NodeMemory, node_memory
 from llmforge.estimate.offload import HostUse, host_use, offloads
-from llmforge.estimate.params import active_params, layout_rank_params, representative_stages, stage_counts, total_params
+from llmforge.estimate.params import StageCounts, active_params, total_params
 from llmforge.estimate.pipeline import bubble_fraction
 from llmforge.estimate.shape import Job, Shape, from_plan
 from llmforge.layout import Layout
+from llmforge.plan import RunPlan
 
 OPTIMIZER_BYTES_PER_PARAM = 32  # flat model: AdamW reads param, grad, two moments, writes three; clip reads grads
 
@@ -119,19 +121,129 @@ class Estimate:
         return self.model_flops / (self.step_s * self.layout.world * peak)
 
 
-def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int, m: int) -> tuple[kn.Cost, float]:
+def microbatches(layout: Layout, job: Job) -> int:
+    """Microbatches of one step on each data-parallel rank."""
+    return job.global_batch // (layout.micro_batch * layout.dp)
+
+
+def estimate(
+    shape: Shape,
+    layout: Layout,
+    job: Job,
+    *,
+    every_stage: bool = True,
+    stages: list[StageMemory] | None = None,
+    inv: Inventory | None = None,
+) -> Estimate:
+    """The full estimate of ``layout`` (assumed valid) for ``shape`` on ``job``.
+
+    ``every_stage=False`` (the search) lists only one pipeline rank per distinct
+    stage content; the most-loaded and the slowest rank are the same either way.
+    ``inv``: the layout's inventory where the caller has it (the search), ``stages``: its memory."""
+    inv = inventory(shape, layout) if inv is None else inv
+    m = microbatches(layout, job)
+    stages = all_stages(inv, job, m, every_stage=every_stage) if stages is None else stages
+    worst = most_loaded(stages)
+    times = {s: _stage_time(inv, job, s, m) for s in inv.representatives}
+    slowest = max(times, key=lambda s: _stage_seconds(*times[s]))
+    t_compute, t_collective = times[slowest]
+    t_mb = t_compute.seconds + t_collective
+    comm = _communication(inv, job, m, slowest, t_mb)
+    t_compute = t_compute.plus(_fsdp_copy_out(layout, job, comm).times(1 / m))
+    host = _host_use(inv, job, worst, m, compute_s=m * t_compute.seconds)
+    bubble = bubble_fraction(layout, m, w=fl.weight_grad_share(shape))
+    step = _Step(m=m, compute=t_compute, collective=t_collective, t_mb=t_mb, bubble=bubble, comm=comm, host=host)
+    parts = _step_parts(inv, job, step, worst=worst, slowest=slowest)
+    tokens = job.global_batch * shape.seq
+    return Estimate(
+        shape=shape,
+        layout=layout,
+        job=job,
+        microbatches=m,
+        params_total=total_params(shape),
+        params_active=active_params(shape),
+        stages=stages,
+        worst=worst,
+        bubble=bubble,
+        model_flops=fl.model_flops(shape, tokens),
+        hardware_flops=fl.hardware_flops(shape, layout, tokens),
+        comm=comm,
+        parts=parts,
+        compute=t_compute.times(m),
+        host=host,
+        node=_node_memory(inv, job, worst, host),
+    )
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What the step time adds up: ``m`` microbatches of the slowest stage's compute and
+    collectives (one microbatch's; ``t_mb`` their seconds before FSDP's copy-out, which the
+    bubble and the overlap windows see), the bubble, the communication and the host's side."""
+
+    m: int
+    compute: kn.Cost
+    collective: float
+    t_mb: float
+    bubble: float
+    comm: cm.Comm
+    host: HostUse | None
+
+
+def _step_parts(inv: Inventory, job: Job, step: _Step, *, worst: StageMemory, slowest: int) -> dict[str, float]:
+    """The step time by part (they sum to ``Estimate.step_s``)."""
+    m, comm, t_mb = step.m, step.comm, step.t_mb
+    parts = {
+        "compute": m * step.compute.seconds,
+        "tp_ep_comm": m * step.collective,
+        "bubble": m * t_mb * step.bubble / (1 - step.bubble),
+        "dp_comm": comm.exposed_of("dp"),
+        "pp_comm": comm.exposed_of("pp"),
+        "cp_comm": comm.exposed_of("cp"),
+        "overlap": job.profile.comm_sm_share * sum(t.hidden for t in comm.kinds.values()),
+        "optimizer": _optimizer_seconds(inv, job, worst),
+        "tp_host": _tp_host_seconds(inv, job, slowest, m),
+    }
+    if step.host is not None:
+        parts.update(offload_copy=step.host.exposed_copy_s, cpu_optimizer=step.host.optimizer_s)
+        if inv.layout.offload == "states":
+            parts["optimizer"] = 0.0  # the device runs no optimizer step
+    return parts
+
+
+def stage_peaks(inv: Inventory, job: Job) -> list[StageMemory]:
+    """The memory half of ``estimate`` (one rank per distinct stage), for the search."""
+    return all_stages(inv, job, microbatches(inv.layout, job), every_stage=False)
+
+
+def step_floor(inv: Inventory, job: Job) -> float:
+    """A lower bound of ``estimate(...).step_s``: the slowest stage's microbatches and the bubble,
+    without data-parallel, pipeline and optimizer time (which only add). The search uses it to
+    skip the rest of layouts that cannot reach its current top list."""
+    m = microbatches(inv.layout, job)
+    t_mb = max(_stage_seconds(*_stage_time(inv, job, s, m)) for s in inv.representatives)
+    return m * t_mb / (1 - bubble_fraction(inv.layout, m, w=fl.weight_grad_share(inv.shape)))
+
+
+def node_fits(inv: Inventory, job: Job, worst: StageMemory) -> bool:
+    """Whether the most-loaded node's ranks fit its host memory (``worst``: the most-loaded
+    device), without the rest of the estimate (the search)."""
+    host = _host_use(inv, job, worst, microbatches(inv.layout, job), compute_s=0.0)
+    return _node_memory(inv, job, worst, host).fits
+
+
+def _stage_time(inv: Inventory, job: Job, stage: int, m: int) -> tuple[kn.Cost, float]:
     """(compute, TP/EP collective seconds) of one microbatch on ``stage``
     (``m`` microbatches per step: all but the first add to the gradients)."""
-    counts = stage_counts(shape, layout)[stage]
+    shape, layout, counts = inv.shape, inv.layout, inv.counts(stage)
+    tokens = layout.micro_batch * shape.seq / layout.cp
     if job.efficiency is None:
-        compute = _kernel_time(shape, layout, job, counts, (m - 1) / m)
+        compute = _kernel_time(inv, job, stage, m)
     else:
-        tokens = layout.micro_batch * shape.seq / layout.cp
-        flops = fl.stage_hardware_flops_per_token(shape, layout, counts) * tokens / layout.tp
+        flops = fl.stage_hardware_flops_per_token(inv, counts) * tokens / layout.tp
         compute = kn.Cost(matmul=flops / (job.profile.peak(job.param_dtype) * job.efficiency))
     if job.fp8:
-        tokens = layout.micro_batch * shape.seq / layout.cp
-        compute = compute.plus(_fp8_cost(shape, layout, job, counts, tokens))
+        compute = compute.plus(_fp8_cost(inv, job, counts, tokens))
     span, group = cm.spans(layout), cm.groups(layout)
     collective = cm.seconds(job, cm.tp_bytes(shape, layout, job, layers=counts.blocks, microbatches=1), span["tp"], group["tp"])
     moe = counts.moe + counts.moe_ckpt
@@ -145,34 +257,38 @@ def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int, m: int) -> t
     return compute, collective + sum(latency.values()) - hidden
 
 
-def _fp8_cost(shape: Shape, layout: Layout, job: Job, counts, tokens: float) -> kn.Cost:
+def _fp8_cost(inv: Inventory, job: Job, counts: StageCounts, tokens: float) -> kn.Cost:
     """What FP8 changes in one microbatch's compute: the converted matmuls at the FP8 peak
     instead of the 16-bit one (less matmul time), plus the casts (memory-bound,
     llmforge.estimate.fp8). A profile without FP8 (refused by the plan unless emulated)
     runs them at the 16-bit peak."""
     if not job.profile.has_fp8:
         return kn.NONE
+    layout = inv.layout
     efficiency = job.efficiency if job.efficiency is not None else job.profile.matmul_efficiency
-    f8 = fp8.stage_flops_per_token(shape, layout, counts) * tokens / layout.tp
+    f8 = fp8.stage_flops_per_token(inv, counts) * tokens / layout.tp
     faster = f8 / (job.profile.peak(job.param_dtype) * efficiency) - f8 / (job.profile.peak("fp8") * efficiency)
     shard = layout.dp_shard * layout.cp if job.fp8_all_gather and layout.zero > 0 else 1
-    casts = fp8.stage_cast_seconds(shape, layout, job, counts, tokens, shard=shard, fused=job.compile)
+    casts = fp8.stage_cast_seconds(inv, job, counts, tokens, shard=shard, fused=job.compile)
     return kn.Cost(matmul=-faster, memory=casts)
 
 
-def _kernel_time(shape: Shape, layout: Layout, job: Job, counts, accumulate: float) -> kn.Cost:
-    sp = kn.speeds(job)
-    key = (layout.tp, layout.tp if layout.sequence_parallel else 1, layout.ep, layout.micro_batch * shape.seq / layout.cp)
-    return _kernel_time_cached(
-        shape, key, layout.recompute, sp, job.compute_bytes, job.mixed, counts, accumulate, (layout.micro_batch, layout.cp), job.compile
-    )
+def _kernel_time(inv: Inventory, job: Job, stage: int, m: int) -> kn.Cost:
+    """One microbatch's kernels on ``stage`` (llmforge.estimate.kernels), of ``m`` per step (all
+    but the first add to the gradients); kept in the inventory's memo, as layouts that differ in
+    the rest (ZeRO, schedule, HSDP, other stages of the same content) run the same kernels."""
+    layout, counts = inv.layout, inv.counts(stage)
+    key = ("kernels", counts, m, layout.micro_batch, layout.cp, layout.tp, layout.sequence_parallel, layout.ep, layout.recompute)
+    cost = inv.memo.get(key)
+    if not isinstance(cost, kn.Cost):
+        cost = inv.memo[key] = _stage_kernels(inv.shape, layout, job, counts, (m - 1) / m)
+    return cost
 
 
-@lru_cache(maxsize=8192)
-def _kernel_time_cached(
-    shape: Shape, key: tuple, mode: str, sp: kn.Speeds, c: int, mixed: bool, counts, accumulate: float, ends_key: tuple, fused: bool
-) -> kn.Cost:
-    tp, spd, ep, tokens = key
+def _stage_kernels(shape: Shape, layout: Layout, job: Job, counts: StageCounts, accumulate: float) -> kn.Cost:
+    sp, c, mixed, fused = kn.speeds(job), job.compute_bytes, job.mixed, job.compile
+    tokens = layout.micro_batch * shape.seq / layout.cp
+    spd = layout.tp if layout.sequence_parallel else 1
     out = kn.NONE
     for n, moe, applies in (
         (counts.dense, False, False),
@@ -181,29 +297,34 @@ def _kernel_time_cached(
         (counts.moe_ckpt, True, True),
     ):
         if n:
-            k = kn.block_kernels(shape, t=tokens, tp=tp, sp=spd, ep=ep, c=c, mixed=mixed, moe=moe, fused=fused)
-            out = out.plus(kn.block_cost(sp, k, mode=mode if applies else "none", mixed=mixed, c=c, accumulate=accumulate).times(n))
-    mb, cp = ends_key
+            k = kn.block_kernels(shape, t=tokens, tp=layout.tp, sp=spd, ep=layout.ep, c=c, mixed=mixed, moe=moe, fused=fused)
+            mode = layout.recompute if applies else "none"
+            out = out.plus(kn.block_cost(sp, k, mode=mode, mixed=mixed, c=c, accumulate=accumulate).times(n))
     if counts.first or counts.last:
-        ends = Layout(micro_batch=mb, cp=cp, tp=tp)
+        ends = Layout(micro_batch=layout.micro_batch, cp=layout.cp, tp=layout.tp)
         out = out.plus(kn.ends_cost(sp, shape, ends, c=c, mixed=mixed, first=counts.first, last=counts.last, accumulate=accumulate))
     return out
 
 
-def _optimizer_time(job: Job, params: float, blocks: int) -> float:
+def _optimizer_seconds(inv: Inventory, job: Job, worst: StageMemory) -> float:
+    """The optimizer step and clip on the most-loaded rank (memory-bound)."""
+    params = worst.optimizer / muon.state_bytes_per_param(inv, job, worst.stage)
     if job.efficiency is not None:
-        return OPTIMIZER_BYTES_PER_PARAM * params / job.profile.memory_bandwidth
-    return kn.optimizer_cost(kn.speeds(job), int(params), 12 * blocks + 4).seconds
+        adam = OPTIMIZER_BYTES_PER_PARAM * params / job.profile.memory_bandwidth
+    else:
+        adam = kn.optimizer_cost(kn.speeds(job), int(params), 12 * inv.counts(worst.stage).blocks + 4).seconds
+    return adam + muon.step_seconds(inv, job, worst.stage)
 
 
-def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t_mb: float) -> cm.Comm:
+def _communication(inv: Inventory, job: Job, m: int, stage: int, t_mb: float) -> cm.Comm:
     """Every kind of communication of ``stage`` per step (``t_mb``: one microbatch's compute and collectives)."""
+    shape, layout, counts = inv.shape, inv.layout, inv.counts(stage)
     span, group = cm.spans(layout), cm.groups(layout)
-    counts = stage_counts(shape, layout)[stage]
     nblocks = counts.blocks
-    params = layout_rank_params(shape, layout, stage)
+    params = inv.stages[stage].params
     t_fwd = t_mb / 3  # forward share of a microbatch's compute (backward is twice the forward)
     embedding = shape.vocab * shape.hidden // layout.tp if counts.first else 0
+    gathered8 = float8_numel(inv, counts) if job.fp8_all_gather and layout.zero > 0 else 0.0
     kinds = cm.dp_traffic(
         layout,
         job,
@@ -215,7 +336,7 @@ def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t
         t_bwd=t_mb - t_fwd,
         span=span["dp"],
         last_bucket=embedding,
-        float8=_float8_gathered(shape, layout, job, counts),
+        float8=gathered8,
     )
     pp_total, pp_one = cm.pp_bytes(shape, layout, job, microbatches=m)
     if pp_total:
@@ -252,151 +373,43 @@ def _fsdp_copy_out(layout: Layout, job: Job, comm: cm.Comm) -> kn.Cost:
     return kn.speeds(job).memory(2 * gathers.bytes * group / (group - 1), kernels=1)
 
 
-def _float8_gathered(shape: Shape, layout: Layout, job: Job, counts) -> float:
-    """Elements of this stage's weights that FSDP gathers as float8 (precision.fp8_all_gather)."""
-    if not job.fp8_all_gather or layout.zero == 0:
-        return 0.0
-    dense = (counts.dense + counts.dense_ckpt) * fp8.converted_numel(shape, moe=False, tp=layout.tp)
-    return dense + (counts.moe + counts.moe_ckpt) * fp8.converted_numel(shape, moe=True, tp=layout.tp)
-
-
-@lru_cache(maxsize=256)
 def _attention_share(shape: Shape) -> float:
     f = fl.block_flops(shape, moe=False)
     return f.attention / f.forward
 
 
-def stage_peaks(shape: Shape, layout: Layout, job: Job) -> list[StageMemory]:
-    """The memory half of ``estimate`` (one rank per distinct stage), for the search."""
-    m = job.global_batch // (layout.micro_batch * layout.dp)
-    return all_stages(shape, layout, job, m, every_stage=False)
+def _host_use(inv: Inventory, job: Job, worst: StageMemory, m: int, *, compute_s: float) -> HostUse | None:
+    """The host side of CPU offload for the most-loaded rank (None without offload)."""
+    if not offloads(inv.layout):
+        return None
+    activations = stage_activations(inv, job, worst.stage, m)
+    return host_use(inv, job, stage=worst.stage, activations=activations, microbatches=m, compute_s=compute_s)
 
 
-def peak_memory(shape: Shape, layout: Layout, job: Job) -> float:
-    """Bytes on the most-loaded device."""
-    return most_loaded(stage_peaks(shape, layout, job)).total
-
-
-def step_floor(shape: Shape, layout: Layout, job: Job) -> float:
-    """A lower bound of ``estimate(...).step_s``: the slowest stage's microbatches and the bubble,
-    without data-parallel, pipeline and optimizer time (which only add). The search uses it to
-    skip the rest of layouts that cannot reach its current top list."""
-    m = job.global_batch // (layout.micro_batch * layout.dp)
-    t_mb = max(_stage_seconds(*_stage_time(shape, layout, job, s, m)) for s in representative_stages(shape, layout))
-    return m * t_mb / (1 - bubble_fraction(layout, m, w=fl.weight_grad_share(shape)))
-
-
-def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True, stages: list[StageMemory] | None = None) -> Estimate:
-    """The full estimate of ``layout`` (assumed valid) for ``shape`` on ``job``.
-
-    ``every_stage=False`` (the search) lists only one pipeline rank per distinct
-    stage content; the most-loaded and the slowest rank are the same either way."""
-    m = job.global_batch // (layout.micro_batch * layout.dp)
-    if stages is None:
-        stages = all_stages(shape, layout, job, m, every_stage=every_stage)
-    times = {s: _stage_time(shape, layout, job, s, m) for s in representative_stages(shape, layout)}
-    slowest = max(times, key=lambda s: _stage_seconds(*times[s]))
-    t_compute, t_collective = times[slowest]
-    t_mb = t_compute.seconds + t_collective
-    bubble = bubble_fraction(layout, m, w=fl.weight_grad_share(shape))
-    comm = _communication(shape, layout, job, m, slowest, t_mb)
-    t_compute = t_compute.plus(_fsdp_copy_out(layout, job, comm).times(1 / m))
-    worst = most_loaded(stages)
-    state_params = worst.optimizer / muon.state_bytes_per_param(shape, layout, job, worst.stage)
-    optimizer_s = _optimizer_time(job, state_params, stage_counts(shape, layout)[worst.stage].blocks) + muon.step_seconds(
-        shape, layout, job, worst.stage
-    )
-    parts = {
-        "compute": m * t_compute.seconds,
-        "tp_ep_comm": m * t_collective,
-        "bubble": m * t_mb * bubble / (1 - bubble),
-        "dp_comm": comm.exposed_of("dp"),
-        "pp_comm": comm.exposed_of("pp"),
-        "cp_comm": comm.exposed_of("cp"),
-        "overlap": job.profile.comm_sm_share * sum(t.hidden for t in comm.kinds.values()),
-        "optimizer": optimizer_s,
-        "tp_host": _tp_host_seconds(shape, layout, job, slowest, m),
-    }
-    host = None
-    if offloads(layout):
-        host = host_use(
-            shape,
-            layout,
-            job,
-            stage=worst.stage,
-            shard=shard_numel(shape, layout, worst.stage),
-            activations=stage_activations(shape, layout, job, worst.stage, m),
-            microbatches=m,
-            compute_s=m * t_compute.seconds,
-        )
-        parts.update(offload_copy=host.exposed_copy_s, cpu_optimizer=host.optimizer_s)
-        if layout.offload == "states":
-            parts["optimizer"] = 0.0  # the device runs no optimizer step
-    tokens = job.global_batch * shape.seq
-    node = node_memory(
-        shape,
-        layout,
-        job,
-        device_total=worst.total,
-        shard=shard_numel(shape, layout, worst.stage),
-        offloaded=0.0 if host is None else host.states_bytes + host.activations_bytes,
-    )
-    return Estimate(
-        shape=shape,
-        layout=layout,
-        job=job,
-        microbatches=m,
-        params_total=total_params(shape),
-        params_active=active_params(shape),
-        stages=stages,
-        worst=worst,
-        bubble=bubble,
-        model_flops=fl.model_flops(shape, tokens),
-        hardware_flops=fl.hardware_flops(shape, layout, tokens),
-        comm=comm,
-        parts=parts,
-        compute=t_compute.times(m),
-        host=host,
-        node=node,
+def _node_memory(inv: Inventory, job: Job, worst: StageMemory, host: HostUse | None) -> NodeMemory:
+    """Host memory of the most-loaded node (``worst``: its most-loaded device)."""
+    offloaded = 0.0 if host is None else host.states_bytes + host.activations_bytes
+    shard = inv.stages[worst.stage].shard
+    return node_memory(
+        inv.shape, inv.layout, job, device_total=worst.total, shard=shard, offloaded=offloaded, largest=inv.largest_parameter
     )
 
 
-def node_fits(shape: Shape, layout: Layout, job: Job, worst: StageMemory) -> bool:
-    """Whether the most-loaded node's ranks fit its host memory (``worst``: the most-loaded
-    device), without the rest of the estimate (the search)."""
-    shard = shard_numel(shape, layout, worst.stage)
-    offloaded = 0.0
-    if offloads(layout):
-        m = job.global_batch // (layout.micro_batch * layout.dp)
-        host = host_use(
-            shape,
-            layout,
-            job,
-            stage=worst.stage,
-            shard=shard,
-            activations=stage_activations(shape, layout, job, worst.stage, m),
-            microbatches=m,
-            compute_s=0.0,
-        )
-        offloaded = host.states_bytes + host.activations_bytes
-    return node_memory(shape, layout, job, device_total=worst.total, shard=shard, offloaded=offloaded).fits
-
-
-def _tp_host_seconds(shape: Shape, layout: Layout, job: Job, stage: int, m: int) -> float:
+def _tp_host_seconds(inv: Inventory, job: Job, stage: int, m: int) -> float:
     """Host time of the step's DTensor calls on ``stage``, and the gradient clip's collectives'
     fixed part (``llmforge.estimate.host``): nothing without tensor parallelism."""
+    layout = inv.layout
     if layout.tp == 1:
         return 0.0
-    counts = stage_counts(shape, layout)[stage]
     hops = layout.tp - 1 if layout.sequence_parallel else cm.all_reduce_hops(layout.tp)
     clip = cm.hops_seconds(job, hops) * tph.CLIP_COLLECTIVES
-    return clip + tph.dtensor_seconds(shape, layout, job.profile, counts, microbatches=m)
+    return clip + tph.dtensor_seconds(inv.shape, layout, job.profile, inv.counts(stage), microbatches=m)
 
 
 def _stage_seconds(compute: kn.Cost, collective: float) -> float:
     return compute.seconds + collective
 
 
-def estimate_plan(plan) -> Estimate:
-    """The estimate of a built RunPlan."""
-    return estimate(*from_plan(plan))
+def estimate_plan(plan: RunPlan, *, documents: Documents | None = None) -> Estimate:
+    """The estimate of a built RunPlan (``documents``: see ``llmforge.estimate.shape.from_plan``)."""
+    return estimate(*from_plan(plan, documents=documents))

@@ -21,8 +21,8 @@ Conventions:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
+from llmforge.estimate.inventory import Inventory
 from llmforge.estimate.params import StageCounts
 from llmforge.estimate.shape import Shape
 from llmforge.layout import Layout
@@ -44,7 +44,6 @@ def _mlp(shape: Shape, ffn: int) -> float:
     return (3 if shape.activation == "swiglu" else 2) * 2 * shape.hidden * ffn
 
 
-@lru_cache(maxsize=1024)
 def block_flops(shape: Shape, *, moe: bool) -> TokenFlops:
     """Forward FLOPs per token of block: projections, attention core, MLP or experts."""
     h = shape.hidden
@@ -62,9 +61,10 @@ def head_flops(shape: Shape) -> float:
     return 2 * shape.hidden * shape.vocab
 
 
-@lru_cache(maxsize=256)
 def _forward_per_token(shape: Shape) -> float:
-    return sum(block_flops(shape, moe=shape.is_moe_layer(i)).forward for i in range(shape.num_layers)) + head_flops(shape)
+    moe = shape.num_moe_layers
+    dense = (shape.num_layers - moe) * block_flops(shape, moe=False).forward
+    return dense + (moe * block_flops(shape, moe=True).forward if moe else 0.0) + head_flops(shape)
 
 
 def forward_flops(shape: Shape, tokens: float) -> float:
@@ -77,13 +77,13 @@ def backward_flops(shape: Shape, tokens: float) -> float:
     return tokens * _backward_per_token(shape)
 
 
-@lru_cache(maxsize=256)
 def _backward_per_token(shape: Shape) -> float:
-    total = 0.0
-    for i in range(shape.num_layers):
-        f = block_flops(shape, moe=shape.is_moe_layer(i))
-        total += 2 * f.weights + 2.5 * f.attention
-    return total + 2 * head_flops(shape)
+    def one(moe: bool) -> float:
+        f = block_flops(shape, moe=moe)
+        return 2 * f.weights + 2.5 * f.attention
+
+    moe = shape.num_moe_layers
+    return (shape.num_layers - moe) * one(False) + (moe * one(True) if moe else 0.0) + 2 * head_flops(shape)
 
 
 def model_flops(shape: Shape, tokens: float) -> float:
@@ -122,18 +122,19 @@ def hardware_flops(shape: Shape, layout: Layout, tokens: float) -> float:
     return forward_flops(shape, tokens) + backward_flops(shape, tokens) + tokens * extra
 
 
-@lru_cache(maxsize=1024)
 def _recompute_per_token(shape: Shape, recompute: str, every: int) -> float:
-    layout = Layout(recompute=recompute, recompute_every=every)
-    return sum(recompute_flops_per_token(shape, layout, i) for i in range(shape.num_layers))
+    if recompute != "full":
+        return 0.0  # selective recompute reruns no matmul
+    recomputed = [shape.is_moe_layer(i) for i in range(0, shape.num_layers, every)]
+    moe = sum(recomputed)
+    return (len(recomputed) - moe) * recompute_extra(shape, moe=False, mode="full") + moe * recompute_extra(shape, moe=True, mode="full")
 
 
-def stage_hardware_flops_per_token(shape: Shape, layout: Layout, counts: StageCounts) -> float:
+def stage_hardware_flops_per_token(inv: Inventory, counts: StageCounts) -> float:
     """Hardware FLOPs per token of one pipeline rank (before tensor/context splitting)."""
-    return _stage_flops(shape, layout.recompute, counts)
+    return _stage_flops(inv.shape, inv.layout.recompute, counts)
 
 
-@lru_cache(maxsize=8192)
 def _stage_flops(shape: Shape, recompute: str, counts: StageCounts) -> float:
     def block(moe: bool, mode: str) -> float:
         f = block_flops(shape, moe=moe)

@@ -29,33 +29,22 @@ routed experts.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
+from llmforge.estimate.inventory import BlockKind, Inventory, fp8_converts
 from llmforge.estimate.params import StageCounts, Tensor, block_tensors
 from llmforge.estimate.shape import Job, Shape
-from llmforge.layout import Layout
 
 FP8 = 1
 FP32 = 4
 CAST_READS = 2  # a dynamic-scale cast reads its source for the absolute maximum, then for the cast
 
-
-def converted(t: Tensor) -> bool:
-    """Whether parameter ``t`` of a block is the weight of a linear layer FP8 runs."""
-    if t.expert or len(t.shape) != 2 or not t.name.endswith("_proj.weight"):
-        return False
-    return t.shape[0] % 16 == 0 and t.shape[1] % 16 == 0
+#: Whether a block's parameter is the weight of a linear layer FP8 runs (llmforge.estimate.inventory).
+converted = fp8_converts
 
 
-@lru_cache(maxsize=256)
-def _converted(shape: Shape, moe: bool) -> tuple:
-    return tuple(t for t in block_tensors(shape, moe) if converted(t))
-
-
-@lru_cache(maxsize=1024)
 def converted_numel(shape: Shape, *, moe: bool, tp: int = 1) -> float:
     """Elements of one block's converted weights on a tensor-parallel rank (MoE layers are not split)."""
-    return sum(t.numel / (tp if t.split != "rep" else 1) for t in _converted(shape, moe))
+    total: float = sum(t.numel / (tp if t.split != "rep" else 1) for t in block_tensors(shape, moe) if converted(t))
+    return total
 
 
 def _tail(shape: Shape, moe: bool) -> float:
@@ -65,46 +54,49 @@ def _tail(shape: Shape, moe: bool) -> float:
     return 2 * shape.hidden * shape.moe_ffn * shape.shared_experts
 
 
-@lru_cache(maxsize=1024)
-def block_flops(shape: Shape, *, moe: bool, mode: str) -> float:
-    """FP8 FLOPs per token of one block, forward + backward (+ recompute under ``mode``)."""
-    forward = 2 * converted_numel(shape, moe=moe)  # every token passes each converted layer once
+def block_flops(shape: Shape, *, moe: bool, mode: str, numel: float | None = None) -> float:
+    """FP8 FLOPs per token of one block, forward + backward (+ recompute under ``mode``);
+    ``numel``: its converted weights' elements where the caller has them."""
+    forward = 2 * (converted_numel(shape, moe=moe) if numel is None else numel)  # every token passes each converted layer once
     extra = forward - _tail(shape, moe) if mode == "full" else 0.0
     return 3 * forward + max(0.0, extra)
 
 
-def stage_flops_per_token(shape: Shape, layout: Layout, counts: StageCounts) -> float:
+def stage_flops_per_token(inv: Inventory, counts: StageCounts) -> float:
     """FP8 FLOPs per token of one pipeline rank (before tensor/context splitting)."""
-    mode = layout.recompute
-    return (
-        counts.dense * block_flops(shape, moe=False, mode="none")
-        + counts.moe * block_flops(shape, moe=True, mode="none")
-        + counts.dense_ckpt * block_flops(shape, moe=False, mode=mode)
-        + counts.moe_ckpt * block_flops(shape, moe=True, mode=mode)
-    )
+    shape, mode = inv.shape, inv.layout.recompute
+
+    def block(moe: bool, mode: str) -> float:
+        return block_flops(shape, moe=moe, mode=mode, numel=_whole_numel(inv.block(moe)))
+
+    total = counts.dense * block(False, "none") + counts.dense_ckpt * block(False, mode)
+    if counts.moe + counts.moe_ckpt:
+        total += counts.moe * block(True, "none") + counts.moe_ckpt * block(True, mode)
+    return total
 
 
-@lru_cache(maxsize=1024)
-def _activation_elements(shape: Shape, *, moe: bool, tp: int) -> tuple[float, float]:
+def _whole_numel(kind: BlockKind) -> float:
+    return float(sum(t.numel for t in kind.converted))
+
+
+def _activation_elements(kind: BlockKind, *, tp: int) -> tuple[float, float]:
     """Per token on one tensor-parallel rank: elements of the converted linears' inputs
     and of their output gradients (column-parallel: whole input, split output;
     row-parallel: split input, whole output; MoE layers are not split)."""
     inputs = grads = 0.0
-    for t in _converted(shape, moe):
+    for t in kind.converted:
         out_f, in_f = t.shape
         inputs += in_f / (tp if t.split == "row" else 1)
         grads += out_f / (tp if t.split == "col" else 1)
     return inputs, grads
 
 
-def stage_cast_seconds(
-    shape: Shape, layout: Layout, job: Job, counts: StageCounts, tokens: float, *, shard: int = 1, fused: bool = False
-) -> float:
+def stage_cast_seconds(inv: Inventory, job: Job, counts: StageCounts, tokens: float, *, shard: int = 1, fused: bool = False) -> float:
     """Seconds of float8 casts and amax reductions for one microbatch of ``tokens`` on a stage
     (``shard``: the ZeRO shard group when FSDP gathers float8 weights, else 1). ``fused``
     (``train.compile``): the absolute maximum is taken in the kernel that produces the tensor,
     and one kernel reads it once and writes both float8 casts (``c + 2`` bytes per element)."""
-    c, tp = job.compute_bytes, layout.tp
+    c, layout = job.compute_bytes, inv.layout
     per_element = c + 2 * FP8 if fused else 2 * (CAST_READS * c + FP8)  # the two casts of each activation / gradient element
     weight_cast = (FP32 + 2 * FP8) / 2 if fused else CAST_READS * FP32 + FP8
     blocks = {False: (counts.dense, counts.dense_ckpt), True: (counts.moe, counts.moe_ckpt)}
@@ -112,24 +104,24 @@ def stage_cast_seconds(
     for moe, (plain, ckpt) in blocks.items():
         if not plain + ckpt:
             continue
-        inputs, grads = _activation_elements(shape, moe=moe, tp=tp)
+        kind = inv.block(moe)
+        inputs, grads = _activation_elements(kind, tp=layout.tp)
         recast = ckpt if layout.recompute == "full" else 0  # a recomputed forward casts its inputs again
         nbytes += tokens * ((plain + ckpt) * (inputs + grads) * per_element + recast * inputs * per_element / 2)
-        local = converted_numel(shape, moe=moe, tp=tp)
-        nbytes += (plain + ckpt) * local * weight_cast * (1 / shard + 1)
+        nbytes += (plain + ckpt) * kind.converted_numel * weight_cast * (1 / shard + 1)
     return nbytes / job.profile.memory_bandwidth
 
 
-def working_bytes(shape: Shape, layout: Layout, job: Job) -> float:
+def working_bytes(inv: Inventory, job: Job) -> float:
     """The largest float8 working set of one linear layer: weight and transpose, input and transpose."""
-    return _working_bytes(shape, layout.tp, layout.micro_batch * shape.seq / layout.cp)
-
-
-@lru_cache(maxsize=4096)
-def _working_bytes(shape: Shape, tp: int, tokens: float) -> float:
+    layout = inv.layout
+    tokens = layout.micro_batch * inv.shape.seq / layout.cp
     largest = 0.0
-    for moe in {False, shape.num_experts > 0}:
-        for t in _converted(shape, moe):
-            split = tp if t.split != "rep" else 1
+    for kind in (inv.dense, inv.moe):
+        for t in kind.converted if kind is not None else ():
+            split = layout.tp if t.split != "rep" else 1
             largest = max(largest, 2 * FP8 * (t.numel / split + tokens * t.shape[1] / (split if t.split == "row" else 1)))
     return largest
+
+
+__all__ = ["FP8", "Tensor", "block_flops", "converted", "converted_numel", "stage_cast_seconds", "stage_flops_per_token", "working_bytes"]

@@ -28,7 +28,9 @@ these numbers to it:
 
 from __future__ import annotations
 
+from llmforge.estimate.params import StageCounts
 from llmforge.estimate.shape import Shape
+from llmforge.hardware import Profile
 from llmforge.layout import Layout
 
 DTENSOR_OPS_PER_LINEAR = 13
@@ -59,7 +61,7 @@ def tp_collectives(layout: Layout, *, layers: int, first: bool, last: bool, micr
     return microbatches * per_mb + (CLIP_COLLECTIVES if per_step else 0)
 
 
-def dtensor_ops(shape: Shape, layout: Layout, counts, *, microbatches: int) -> int:
+def dtensor_ops(shape: Shape, layout: Layout, counts: StageCounts, *, microbatches: int) -> int:
     """DTensor operator calls of one rank in one step over ``microbatches`` microbatches of the
     stage ``counts`` describes (``llmforge.estimate.params.StageCounts``), and the optimizer's
     over the rank's DTensor parameters."""
@@ -80,9 +82,9 @@ def dtensor_ops(shape: Shape, layout: Layout, counts, *, microbatches: int) -> i
         params += 1  # the embedding table (no decay)
     if counts.last and not shape.tie_embeddings:
         params, decayed = params + 1, decayed + 1
-    return microbatches * per_mb + ADAMW_OPS_PER_PARAM * params + decayed
+    return int(microbatches * per_mb + ADAMW_OPS_PER_PARAM * params + decayed)
 
 
-def dtensor_seconds(shape: Shape, layout: Layout, profile, counts, *, microbatches: int) -> float:
+def dtensor_seconds(shape: Shape, layout: Layout, profile: Profile, counts: StageCounts, *, microbatches: int) -> float:
     """Host seconds of one step's DTensor calls on a tensor-parallel rank (``dtensor_ops``)."""
-    return dtensor_ops(shape, layout, counts, microbatches=microbatches) * profile.dtensor_op_us * 1e-6
+    return float(dtensor_ops(shape, layout, counts, microbatches=microbatches) * profile.dtensor_op_us * 1e-6)

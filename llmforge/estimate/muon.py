@@ -21,12 +21,12 @@ Imports no torch.
 from __future__ import annotations
 
 import dataclasses
-from functools import lru_cache
 
 from llmforge.estimate import comm as cm
 from llmforge.estimate import kernels as kn
+from llmforge.estimate.inventory import Inventory
 from llmforge.estimate.params import Tensor, stage_tensors
-from llmforge.estimate.shape import Job, Shape
+from llmforge.estimate.shape import Job
 from llmforge.layout import Layout
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
@@ -39,13 +39,18 @@ def is_muon(t: Tensor) -> bool:
     return len(t.shape) >= 2 and not t.name.startswith(("embed", "pos_embed", "head")) and "norm" not in t.name and "router" not in t.name
 
 
-@lru_cache(maxsize=1024)
-def _muon_tensors(shape: Shape, key: tuple) -> tuple[Tensor, ...]:
-    return tuple(t for t in stage_tensors(shape, key) if is_muon(t))
+def _stage_key(layout: Layout, stage: int) -> tuple[int, int, tuple[int, ...] | None, int, bool]:
+    """What selects a pipeline rank's tensors (llmforge.estimate.params.stage_tensors)."""
+    return (layout.pp, layout.virtual_stages, layout.pp_layers, stage, layout.v_shape)
 
 
-def _tensors(shape: Shape, layout: Layout, stage: int) -> tuple[Tensor, ...]:
-    return _muon_tensors(shape, (layout.pp, layout.virtual_stages, layout.pp_layers, stage, layout.v_shape))
+def _tensors(inv: Inventory, stage: int) -> tuple[Tensor, ...]:
+    """The tensors Muon steps on ``stage`` (in the inventory's memo: the search asks per layout)."""
+    key = ("muon tensors", _stage_key(inv.layout, stage))
+    found = inv.memo.get(key)
+    if not isinstance(found, tuple):
+        found = inv.memo[key] = tuple(t for t in stage_tensors(inv.shape, key[1]) if is_muon(t))
+    return found
 
 
 def _local_numel(t: Tensor, layout: Layout) -> float:
@@ -55,25 +60,28 @@ def _local_numel(t: Tensor, layout: Layout) -> float:
     return n / layout.ep if t.expert else n
 
 
-@lru_cache(maxsize=1024)
-def _muon_share(shape: Shape, layout: Layout, stage: int) -> float:
+def _muon_share(inv: Inventory, stage: int) -> float:
     """Share of the stage rank's parameters that Muon steps."""
-    key = (layout.pp, layout.virtual_stages, layout.pp_layers, stage, layout.v_shape)
-    total = sum(_local_numel(t, layout) for t in stage_tensors(shape, key))
-    return sum(_local_numel(t, layout) for t in _tensors(shape, layout, stage)) / total if total else 0.0
+    layout = inv.layout
+    key = ("muon share", _stage_key(layout, stage), layout.tp, layout.ep)
+    found = inv.memo.get(key)
+    if not isinstance(found, float):
+        total = sum(_local_numel(t, layout) for t in stage_tensors(inv.shape, key[1]))
+        found = inv.memo[key] = sum(_local_numel(t, layout) for t in _tensors(inv, stage)) / total if total else 0.0
+    return found
 
 
-def state_bytes_per_param(shape: Shape, layout: Layout, job: Job, stage: int) -> float:
+def state_bytes_per_param(inv: Inventory, job: Job, stage: int) -> float:
     """Optimizer-state bytes per parameter of pipeline rank ``stage`` (8 under AdamW)."""
     if job.optimizer != "muon":
         return ADAM_STATE_BYTES
-    share = _muon_share(shape, layout, stage)
+    share = _muon_share(inv, stage)
     return MUON_STATE_BYTES * share + ADAM_STATE_BYTES * (1 - share)
 
 
-def optimizer_bytes(adam_bytes: float, shape: Shape, layout: Layout, job: Job, stage: int) -> float:
+def optimizer_bytes(adam_bytes: float, inv: Inventory, job: Job, stage: int) -> float:
     """The optimizer state of ``stage``'s rank, from what AdamW would keep there."""
-    return adam_bytes * state_bytes_per_param(shape, layout, job, stage) / ADAM_STATE_BYTES
+    return adam_bytes * state_bytes_per_param(inv, job, stage) / ADAM_STATE_BYTES
 
 
 def _ns_seconds(sp: kn.Speeds, t: Tensor, steps: int, matrices: float) -> float:
@@ -82,14 +90,15 @@ def _ns_seconds(sp: kn.Speeds, t: Tensor, steps: int, matrices: float) -> float:
     return steps * one * matrices
 
 
-def step_seconds(shape: Shape, layout: Layout, job: Job, stage: int) -> float:
+def step_seconds(inv: Inventory, job: Job, stage: int) -> float:
     """Newton-Schulz and its gathers and scatters per step on ``stage``'s rank (0 under AdamW)."""
     if job.optimizer != "muon":
         return 0.0
+    layout = inv.layout
     sp = kn.speeds(dataclasses.replace(job, param_dtype=job.muon_ns_dtype))
     zero_group = layout.dp_shard * layout.cp if layout.zero > 0 else 1
     compute, traffic, gathered, ops = 0.0, 0.0, 0.0, 0
-    for t in _tensors(shape, layout, stage):
+    for t in _tensors(inv, stage):
         count = t.shape[0] if len(t.shape) == 3 else 1
         if t.expert:  # whole experts on each rank, ZeRO splits them over the expert group
             expert_group = max(1, zero_group // layout.ep)

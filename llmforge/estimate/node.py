@@ -23,7 +23,6 @@ machine's memory (physical, or the cgroup's limit where lower), as a calibration
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from llmforge.estimate.params import block_tensors, embedding_tensors, head_tensors
 from llmforge.estimate.shape import Job, Shape
@@ -64,7 +63,6 @@ def host_capacity(job: Job) -> int:
     return job.host_memory if job.host_memory is not None else job.profile.host_memory_bytes
 
 
-@lru_cache(maxsize=256)
 def largest_parameter(shape: Shape) -> int:
     """Elements of the model's largest single parameter (built whole before it is sharded)."""
     tensors = embedding_tensors(shape) + head_tensors(shape, separate_copy=True) + list(block_tensors(shape, False))
@@ -73,15 +71,22 @@ def largest_parameter(shape: Shape) -> int:
     return max(t.numel for t in tensors)
 
 
-def rank_items(shape: Shape, layout: Layout, job: Job, *, device_total: float, shard: int, offloaded: float = 0.0) -> dict[str, float]:
+def rank_items(
+    shape: Shape, layout: Layout, job: Job, *, device_total: float, shard: int, offloaded: float = 0.0, largest: int | None = None
+) -> dict[str, float]:
     """Host bytes of one rank by item (``device_total``: the rank's device estimate; ``shard``:
-    elements of its parameter shard; ``offloaded``: its offloaded states and activations)."""
+    elements of its parameter shard; ``offloaded``: its offloaded states and activations;
+    ``largest``: ``largest_parameter(shape)`` where the caller has it)."""
     staging = CHECKPOINT_BYTES * shard if job.async_checkpoint else 0.0
     if job.on_cpu:
         items = {"rank footprint": device_total}
     else:
         data = PREFETCHED_BATCHES * layout.micro_batch * (shape.seq + 1) * INT64
-        items = {"process": float(RANK_BASE_BYTES), "build buffer": FP32 * largest_parameter(shape), "data buffers": float(data)}
+        items = {
+            "process": float(RANK_BASE_BYTES),
+            "build buffer": FP32 * (largest_parameter(shape) if largest is None else largest),
+            "data buffers": float(data),
+        }
     if staging:
         items["checkpoint staging"] = staging
     if offloaded:
@@ -89,9 +94,11 @@ def rank_items(shape: Shape, layout: Layout, job: Job, *, device_total: float, s
     return items
 
 
-def node_memory(shape: Shape, layout: Layout, job: Job, *, device_total: float, shard: int, offloaded: float = 0.0) -> NodeMemory:
+def node_memory(
+    shape: Shape, layout: Layout, job: Job, *, device_total: float, shard: int, offloaded: float = 0.0, largest: int | None = None
+) -> NodeMemory:
     """The most-loaded node's host memory (see the module docstring)."""
-    items = rank_items(shape, layout, job, device_total=device_total, shard=shard, offloaded=offloaded)
+    items = rank_items(shape, layout, job, device_total=device_total, shard=shard, offloaded=offloaded, largest=largest)
     return NodeMemory(ranks=ranks_per_node(layout, job), items=items, capacity=host_capacity(job), cpu=job.on_cpu)
 
 

@@ -35,10 +35,11 @@ from dataclasses import dataclass
 
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate.allocator import slack_fraction
+from llmforge.estimate.inventory import Inventory
 from llmforge.estimate.node import host_capacity
-from llmforge.estimate.params import stage_counts
 from llmforge.estimate.pipeline import inflight_microbatches
-from llmforge.estimate.shape import Job, Shape
+from llmforge.estimate.shape import Job
+from llmforge.estimate.stage_memory import StageMemory
 from llmforge.layout import Layout
 
 FP32 = 4
@@ -72,19 +73,19 @@ class HostUse:
         return self.node_bytes <= self.node_capacity
 
 
-def device_memory(mem, shape: Shape, layout: Layout, job: Job, *, block: float):
-    """``mem`` (a StageMemory) with the offloaded parts moved off the device (``block``:
-    elements of the stage's largest block on one rank)."""
+def device_memory(mem: StageMemory, inv: Inventory, job: Job) -> StageMemory:
+    """``mem`` with the offloaded parts moved off the device."""
+    layout = inv.layout
     if layout.offload == "states":
-        mem = _states_off(mem, layout, job, block=block)
+        mem = _states_off(mem, layout, job, block=inv.largest_block(mem.stage))
     if layout.offload_activations:
-        blocks = max(1, stage_counts(shape, layout)[mem.stage].blocks)
+        blocks = max(1, inv.counts(mem.stage).blocks)
         kept = min(mem.activations, 2 * mem.activations / blocks)
         mem = dataclasses.replace(mem, activations=kept, reserved=mem.reserved - slack_fraction(job) * (mem.activations - kept))
     return mem
 
 
-def _states_off(mem, layout: Layout, job: Job, *, block: float):
+def _states_off(mem: StageMemory, layout: Layout, job: Job, *, block: float) -> StageMemory:
     full = mem.params
     whole_copy = layout.zero < 3 or layout.pp > 1
     whole_grads = layout.zero == 1 or layout.pp > 1
@@ -106,13 +107,12 @@ def _states_off(mem, layout: Layout, job: Job, *, block: float):
     )
 
 
-def host_use(
-    shape: Shape, layout: Layout, job: Job, *, stage: int, shard: int, activations: float, microbatches: int, compute_s: float
-) -> HostUse:
-    """Host memory, link transfers and CPU optimizer time of ``layout`` (``stage``: the most-loaded
-    one; ``shard``: the elements of its parameter shard; ``activations``: its saved activations
-    before offload; ``compute_s``: the step's compute)."""
-    shard = shard if layout.offload == "states" else 0
+def host_use(inv: Inventory, job: Job, *, stage: int, activations: float, microbatches: int, compute_s: float) -> HostUse:
+    """Host memory, link transfers and CPU optimizer time of the inventory's layout (``stage``:
+    the most-loaded one; ``activations``: its saved activations before offload; ``compute_s``:
+    the step's compute)."""
+    layout = inv.layout
+    shard: float = inv.stages[stage].shard if layout.offload == "states" else 0
     m = microbatches
     gathers = 2 * m if layout.zero == 3 and layout.pp == 1 else 1
     scatters = m if layout.zero >= 2 and layout.pp == 1 else 1
@@ -126,7 +126,7 @@ def host_use(
     per_step = held / inflight_microbatches(layout, stage=stage, microbatches=m) * m if held else 0.0
     up, down = up + per_step, down + per_step
     copy_s = max(up, down) / bandwidth
-    blocks = max(1, stage_counts(shape, layout)[stage].blocks)
+    blocks = max(1, inv.counts(stage).blocks)
     overlapped = copy_s - blocking_s
     exposed = blocking_s + max(0.0, overlapped - compute_s) + overlapped / (2 * m * blocks) if copy_s else 0.0
     devices = min(layout.world, job.node_size)

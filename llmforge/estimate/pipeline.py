@@ -67,7 +67,15 @@ class Slot:
     length: int
 
 
-def _order(schedule: str, p: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+#: (kind F/B/W, microbatch, chunk): one action of a schedule.
+Action = tuple[str, int, int]
+#: When each finished action ended.
+Done = dict[Action, int]
+#: Per rank: the (microbatch, chunk) of the weight gradients it deferred.
+Deferred = dict[int, list[tuple[int, int]]]
+
+
+def _order(schedule: str, p: int, v: int, m: int, rank: int) -> list[Action]:
     """The (kind, microbatch, local chunk index) sequence a rank executes."""
     if schedule == "gpipe":
         return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
@@ -80,7 +88,7 @@ def _order(schedule: str, p: int, v: int, m: int, rank: int) -> list[tuple[str, 
     return _one_f_one_b(fwd, bwd, min(m * v, (v - 1) * p + 2 * (p - 1 - rank)))
 
 
-def _one_f_one_b(fwd: list, bwd: list, warmup: int) -> list:
+def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
     out = list(fwd[:warmup])
     f, b = warmup, 0
     while f < len(fwd) or b < len(bwd):
@@ -102,9 +110,10 @@ def simulate(layout: Layout, microbatches: int) -> dict[int, list[Slot]]:
     split = sched in ZERO_BUBBLE_SCHEDULES
     orders = {r: _order(sched, p, v, m, r) for r in range(p)}
     local = {r: stage_ids(pp_rank=r, pp=p, virtual=v, schedule=sched) for r in range(p)}
-    done: dict[tuple[str, int, int], int] = {}
+    done: Done = {}
     slots: dict[int, list[Slot]] = {r: [] for r in range(p)}
-    clock, pos, pending_w = [0] * p, [0] * p, {r: [] for r in range(p)}
+    pending_w: Deferred = {r: [] for r in range(p)}
+    clock, pos = [0] * p, [0] * p
     progress = True
     while progress:
         progress = False
@@ -117,7 +126,7 @@ def simulate(layout: Layout, microbatches: int) -> dict[int, list[Slot]]:
     return slots
 
 
-def _ready_time(kind: str, mb: int, chunk: int, done: dict, nchunks: int):
+def _ready_time(kind: str, mb: int, chunk: int, done: Done, nchunks: int) -> int | None:
     if kind == "F":
         return 0 if chunk == 0 else done.get(("F", mb, chunk - 1))
     after = done.get(("F", mb, chunk))
@@ -125,7 +134,19 @@ def _ready_time(kind: str, mb: int, chunk: int, done: dict, nchunks: int):
     return None if after is None or nxt is None else max(after, nxt)
 
 
-def _advance(r, orders, local, done, slots, clock, pos, pending_w, *, split: bool, nchunks: int) -> bool:
+def _advance(
+    r: int,
+    orders: dict[int, list[Action]],
+    local: dict[int, list[int]],
+    done: Done,
+    slots: dict[int, list[Slot]],
+    clock: list[int],
+    pos: list[int],
+    pending_w: Deferred,
+    *,
+    split: bool,
+    nchunks: int,
+) -> bool:
     if pos[r] >= len(orders[r]):
         return False
     kind, mb, idx = orders[r][pos[r]]
@@ -158,10 +179,12 @@ def simulated_bubble(slots: dict[int, list[Slot]]) -> float:
 def _simulate_greedy(p: int, m: int) -> dict[int, list[Slot]]:
     """ZB-V: two chunks per rank in a V; each free rank runs a ready B first, then a ready F
     while it holds fewer than 2p chunk activations, else a deferred W, else idles one unit."""
-    nchunks, done = 2 * p, {}
+    nchunks = 2 * p
+    done: Done = {}
     local = {r: tuple(stage_ids(pp_rank=r, pp=p, virtual=2, schedule="zbv")) for r in range(p)}
     slots: dict[int, list[Slot]] = {r: [] for r in range(p)}
-    held, pending_w, busy_until = [0] * p, {r: [] for r in range(p)}, [0] * p
+    pending_w: Deferred = {r: [] for r in range(p)}
+    held, busy_until = [0] * p, [0] * p
     next_f = {c: 0 for c in range(nchunks)}
     next_b = {c: 0 for c in range(nchunks)}
     t, total = 0, 3 * nchunks * m
@@ -181,7 +204,19 @@ def _simulate_greedy(p: int, m: int) -> dict[int, list[Slot]]:
     return slots
 
 
-def _pick(r, t, local, done, next_f, next_b, held, pending_w, *, p: int, m: int):
+def _pick(
+    r: int,
+    t: int,
+    local: dict[int, tuple[int, ...]],
+    done: Done,
+    next_f: dict[int, int],
+    next_b: dict[int, int],
+    held: list[int],
+    pending_w: Deferred,
+    *,
+    p: int,
+    m: int,
+) -> Action | None:
     nchunks = 2 * p
     for chunk in sorted(local[r], reverse=True):  # backward: later chunks first
         mb = next_b[chunk]

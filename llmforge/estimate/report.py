@@ -16,6 +16,7 @@ from llmforge.estimate.node import fix
 from llmforge.estimate.params import stage_counts
 from llmforge.estimate.search import SearchResult, why
 from llmforge.estimate.text import duration, gib, verdict, where
+from llmforge.plan import RunPlan
 
 SCHEMA = "llmforge.estimate/1"
 DIMS = ("dp", "tp", "pp", "cp", "ep")
@@ -96,14 +97,15 @@ def as_dict(est: Estimate, *, recipe: str = "") -> dict[str, Any]:
     }
 
 
-def step_share(est) -> dict:
+def step_share(est: Estimate) -> dict[str, float]:
     """The attention core's share of an estimate's step: of the hardware FLOPs (every device,
     forward, backward and recomputation) and of the step time (the most-loaded pipeline rank)."""
     shape, layout, job = est.shape, est.layout, est.job
     tokens = job.global_batch * shape.seq
     per_layer = 4 * shape.attention_span * shape.hidden  # forward, per token
     full = layout.recompute == "full"
-    recomputed = sum(c.dense_ckpt + c.moe_ckpt for c in stage_counts(shape, layout)) if full else 0
+    counts = stage_counts(shape, layout)
+    recomputed = sum(c.dense_ckpt + c.moe_ckpt for c in counts) if full else 0
     flops = tokens * per_layer * (3.5 * shape.num_layers + recomputed)
     local = layout.micro_batch * shape.seq / layout.cp * per_layer / layout.tp  # one block, one microbatch
     sp = kn.speeds(job)
@@ -111,7 +113,7 @@ def step_share(est) -> dict:
         sp.attention(local, 1, head_dim=shape.head_dim).seconds
         + sp.attention(2.5 * local, 3, head_dim=shape.head_dim, backward=True).seconds
     )
-    worst = max(stage_counts(shape, layout), key=lambda c: c.blocks)
+    worst = max(counts, key=lambda c: c.blocks)
     again = (worst.dense_ckpt + worst.moe_ckpt) * sp.attention(local, 1, head_dim=shape.head_dim).seconds if full else 0.0
     seconds = est.microbatches * (worst.blocks * block_s + again)
     return {
@@ -121,7 +123,7 @@ def step_share(est) -> dict:
     }
 
 
-def short_summary(plan) -> tuple[str, bool]:
+def short_summary(plan: RunPlan) -> tuple[str, bool]:
     """One paragraph for ``pretrain`` before launch, and whether the plan fits."""
     est = estimate_plan(plan)
     return summary_text(est), est.fits
@@ -147,8 +149,8 @@ def fit_problems(est: Estimate) -> list[Problem]:
             Problem(
                 "cluster.accelerator",
                 est.job.profile.name,
-                f"the most-loaded device ({where(est)}) needs {gib(est.worst.total)}, {gib(-est.headroom)} over its "
-                f"{gib(est.job.profile.memory_bytes)}",
+                f"the most-loaded device ({where(est)}) needs {gib(est.worst.total)}, "
+                f"{gib(-est.headroom)} over its {gib(est.job.profile.memory_bytes)}",
                 "change the layout (llmforge estimate --search lists the ones that fit), or pass --force",
             )
         )
@@ -164,22 +166,21 @@ def fit_problems(est: Estimate) -> list[Problem]:
     node = est.node
     if node is not None and not node.fits:
         items = ", ".join(f"{name} {gib(value)}" for name, value in node.items.items())
+        capacity = "this machine" if est.job.host_memory is not None else "the profile's host_memory_gib"
         out.append(
             Problem(
                 "cluster.devices_per_node",
                 node.ranks,
-                f"the {node.ranks} ranks of a node need {gib(node.total)} of host memory together ({node.ranks} x {gib(node.per_rank)}: "
-                f"{items}), "
-                f"{gib(node.total - node.capacity)} over the node's {gib(node.capacity)} "
-                f"({'this machine' if est.job.host_memory is not None else 'the profile' + chr(39) + 's host_memory_gib'}); layout "
-                f"{overrides}",
+                f"the {node.ranks} ranks of a node need {gib(node.total)} of host memory together "
+                f"({node.ranks} x {gib(node.per_rank)}: {items}), "
+                f"{gib(node.total - node.capacity)} over the node's {gib(node.capacity)} ({capacity}); layout {overrides}",
                 fix(node, est.layout),
             )
         )
     return out
 
 
-def search_dict(result: SearchResult, *, plan) -> dict:
+def search_dict(result: SearchResult, *, plan: RunPlan) -> dict[str, Any]:
     """The ``--search --json`` object."""
     top = [{"rank": i + 1, "overrides": e.layout.overrides(), **as_dict(e, recipe=plan.config.recipe)} for i, e in enumerate(result.ranked)]
     return {

@@ -35,8 +35,11 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from llmforge.config.schema import RunConfig
 from llmforge.errors import UserError
+from llmforge.estimate.attention import Documents
 from llmforge.estimate.core import Estimate, estimate, node_fits, stage_peaks, step_floor
+from llmforge.estimate.inventory import Inventories
 from llmforge.estimate.memory import most_loaded
 from llmforge.estimate.shape import Job, Shape, from_plan
 from llmforge.estimate.text import gib
@@ -160,8 +163,23 @@ def structures(shape: Shape, job: Job, world: int) -> Iterator[Layout]:
 _FIELDS = tuple(Layout.__dataclass_fields__)
 
 
-def _evaluate(shape: Shape, job: Job, structure: Layout, keep: list, top: int, counters: dict) -> None:
+#: An entry of the top list: (rank key, minus its enumeration order, the estimate); a min-heap.
+Kept = tuple[tuple[float, float], int, Estimate]
+
+
+@dataclass
+class _Counters:
+    """What the search counts as it goes, and the layout needing the least device memory."""
+
+    evaluated: int = 0
+    fitting: int = 0
+    smallest_peak: float = float("inf")
+    smallest: Layout | None = None
+
+
+def _evaluate(inventories: Inventories, job: Job, structure: Layout, keep: list[Kept], top: int, counters: _Counters) -> None:
     """Micro batches smallest first; per micro batch the least recompute that fits."""
+    shape = inventories.shape
     base = {f: getattr(structure, f) for f in _FIELDS}
     capacity = job.profile.memory_bytes
     tokens = job.global_batch * shape.seq
@@ -169,29 +187,30 @@ def _evaluate(shape: Shape, job: Job, structure: Layout, keep: list, top: int, c
         fitted = False
         for recompute in ("none", "selective", "full"):
             layout = Layout(**{**base, "micro_batch": mb, "recompute": recompute})
-            stages = stage_peaks(shape, layout, job)
+            inv = inventories.of(layout)
+            stages = stage_peaks(inv, job)
             worst = most_loaded(stages)
             peak = worst.total
-            counters["evaluated"] += 1
-            if peak < counters["smallest"][0]:
-                counters["smallest"] = (peak, layout)
-            if peak <= capacity and node_fits(shape, layout, job, worst):
-                counters["fitting"] += 1
+            counters.evaluated += 1
+            if peak < counters.smallest_peak:
+                counters.smallest_peak, counters.smallest = peak, layout
+            if peak <= capacity and node_fits(inv, job, worst):
+                counters.fitting += 1
                 fitted = True
-                if len(keep) >= top and tokens / step_floor(shape, layout, job) < keep[0][0][0]:
+                if len(keep) >= top and tokens / step_floor(inv, job) < keep[0][0][0]:
                     break  # cannot enter the top list even with no communication at all
-                _push(keep, estimate(shape, layout, job, stages=stages), top, counters["evaluated"])
+                _push(keep, estimate(shape, layout, job, stages=stages, inv=inv), top, counters.evaluated)
                 break
         if not fitted:
             return
 
 
-def _rank_key(est: Estimate) -> tuple:
+def _rank_key(est: Estimate) -> tuple[float, float]:
     return (round(est.tokens_per_s, 6), -est.worst.total)
 
 
-def _push(keep: list, est: Estimate, top: int, seq: int) -> None:
-    item = (_rank_key(est), -seq, est)  # full ties: the earlier enumerated (smaller degrees) first
+def _push(keep: list[Kept], est: Estimate, top: int, seq: int) -> None:
+    item: Kept = (_rank_key(est), -seq, est)  # full ties: the earlier enumerated (smaller degrees) first
     if len(keep) < top:
         heapq.heappush(keep, item)
     elif item[:2] > keep[0][:2]:
@@ -202,35 +221,36 @@ def search(shape: Shape, job: Job, *, world: int, top: int = 5) -> SearchResult:
     """Rank every valid layout of ``world`` devices that fits, fastest first (ties: less memory).
     Only when none fits on the devices are layouts with CPU offload tried (``offloaded``)."""
     start = time.perf_counter()
-    keep: list = []
-    counters = {"evaluated": 0, "fitting": 0, "smallest": (float("inf"), None)}
+    keep: list[Kept] = []
+    counters = _Counters()
+    inventories = Inventories(shape)  # the search's one memo: an inventory per layout structure
     for structure in structures(shape, job, world):
-        _evaluate(shape, job, structure, keep, max(top, 2), counters)
+        _evaluate(inventories, job, structure, keep, max(top, 2), counters)
     offloaded = ""
     if not keep and not job.fp8:  # the plan refuses offload with precision.fp8
         for offload in OFFLOAD_STEPS:
             for structure in offload_structures(shape, job, world, **offload):
-                _evaluate(shape, job, structure, keep, max(top, 2), counters)
+                _evaluate(inventories, job, structure, keep, max(top, 2), counters)
             if keep:
                 offloaded = "the model states (fp32 weights, gradients, AdamW moments)" + (
                     " and the saved activations" if len(offload) > 1 else ""
                 )
                 break
     ranked = [e for _, _, e in sorted(keep, key=lambda x: x[:2], reverse=True)]
-    lean = counters["smallest"][1]
+    lean = counters.smallest
     result = SearchResult(
         ranked=ranked,
-        evaluated=counters["evaluated"],
-        fitting=counters["fitting"],
+        evaluated=counters.evaluated,
+        fitting=counters.fitting,
         seconds=time.perf_counter() - start,
         world=world,
-        smallest=estimate(shape, lean, job) if lean is not None else None,
+        smallest=estimate(shape, lean, job, inv=inventories.of(lean)) if lean is not None else None,
     )
     if offloaded:
         result.offloaded = (
             f"No layout fits in device memory alone; these keep {offloaded} in host memory "
-            f"(parallel.offload=states{' parallel.offload_activations=true' if 'activations' in offloaded else ''}) and step the "
-            "optimizer on the CPU."
+            f"(parallel.offload=states{' parallel.offload_activations=true' if 'activations' in offloaded else ''}) "
+            "and step the optimizer on the CPU."
         )
     if not ranked:
         result.suggestions = suggestions(shape, job, world=world, smallest=result.smallest)
@@ -261,13 +281,15 @@ def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -
     while n <= limit:
         batch = max(job.global_batch, n)  # each data-parallel rank needs a sequence
         scaled = replace(job, nodes=max(1, n // node), devices_per_node=min(n, node), global_batch=batch)
+        inventories = Inventories(shape)  # (one memo per job)
         for structure in structures(shape, scaled, n):
             if structure.zero != (3 if structure.dp > 1 else 0) or structure.schedule != "1f1b":
                 continue
             for mb in list(_micro_batches(scaled, structure.dp, structure.pp, structure.schedule))[:1]:
                 layout = Layout(**{**{f: getattr(structure, f) for f in _FIELDS}, "micro_batch": mb, "recompute": "full"})
-                worst = most_loaded(stage_peaks(shape, layout, scaled))
-                if worst.total <= scaled.profile.memory_bytes and node_fits(shape, layout, scaled, worst):
+                inv = inventories.of(layout)
+                worst = most_loaded(stage_peaks(inv, scaled))
+                if worst.total <= scaled.profile.memory_bytes and node_fits(inv, scaled, worst):
                     return n, batch, layout
         n *= 2
     return None
@@ -295,8 +317,8 @@ def why(best: Estimate, runner: Estimate) -> str:
         if saved > 2**20:
             return f"#1 and #2 have the same estimated step time; #1 needs {saved / 2**30:.2f} GiB less memory per device."
         return (
-            "#1 and #2 are equivalent by the estimate (same step time and memory); they differ in "
-            f"{_differences(best.layout, runner.layout)}."
+            "#1 and #2 are equivalent by the estimate (same step time and memory); "
+            f"they differ in {_differences(best.layout, runner.layout)}."
         )
     diffs = sorted(((runner.parts[k] - best.parts[k], k) for k in best.parts), reverse=True)
     floor = 0.01 * (runner.step_s - best.step_s)  # ignore terms too small to matter
@@ -351,19 +373,20 @@ def _leanest(smallest: Estimate, *, world: int) -> str:
     if not smallest.fits_device:
         states = w.weights + w.grads + w.optimizer
         return (
-            f"{head}, {gib(-smallest.headroom)} more than it has; model states alone are {gib(states)} and activations "
-            f"{gib(w.activations)}."
+            f"{head}, {gib(-smallest.headroom)} more than it has; "
+            f"model states alone are {gib(states)} and activations {gib(w.activations)}."
         )
     node = smallest.node
+    assert node is not None  # every estimate has its node's host memory
     return (
         f"{head}, which its device holds, but the {node.ranks} ranks of a node need {gib(node.total)} of host memory together, "
         f"{gib(node.total - node.capacity)} over the node's {gib(node.capacity)}."
     )
 
 
-def search_plan(plan, *, top: int) -> SearchResult:
+def search_plan(plan: RunPlan, *, top: int, documents: Documents | None = None) -> SearchResult:
     """Search the cluster of a RunPlan (cluster.nodes x cluster.devices_per_node, cluster.accelerator)."""
-    shape, _, job = from_plan(plan)
+    shape, _, job = from_plan(plan, documents=documents)
     c = plan.config.cluster
     world = c.nodes * c.devices_per_node if c.devices_per_node else plan.world_size
     result = search(shape, job, world=world, top=top)
@@ -371,7 +394,7 @@ def search_plan(plan, *, top: int) -> SearchResult:
     return result
 
 
-def plan_config(plan, layout: Layout):
+def plan_config(plan: RunPlan, layout: Layout) -> RunConfig:
     """The plan's RunConfig with ``layout`` applied (parallel.* and the micro batch)."""
     import dataclasses
 
@@ -401,7 +424,7 @@ def plan_config(plan, layout: Layout):
     return dataclasses.replace(c, parallel=parallel, train=train, cluster=cluster)
 
 
-def _valid(plan, layout: Layout) -> bool:
+def _valid(plan: RunPlan, layout: Layout) -> bool:
     try:
         RunPlan.build(plan_config(plan, layout))
     except UserError:

@@ -12,9 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmforge.config.dtypes import DTYPE_BYTES
-from llmforge.estimate.attention import attention_cost, mask_fraction
+from llmforge.config.schema import ModelConfig
+from llmforge.estimate.attention import Documents, attention_cost, mask_fraction
 from llmforge.hardware import Profile, get_profile, machine_memory
 from llmforge.layout import Layout
+from llmforge.plan import RunPlan
 
 FP32 = 4
 
@@ -132,7 +134,7 @@ class Job:
         return self.devices_per_node or self.profile.devices_per_node
 
 
-def shape_from_config(model, *, attention_fraction: float | None = None) -> Shape:
+def shape_from_config(model: ModelConfig, *, attention_fraction: float | None = None) -> Shape:
     """A Shape from a ``ModelConfig``; ``attention_fraction`` None: from the config alone
     (sliding windows; a document mask counted as one document per window)."""
     moe = model.moe
@@ -160,7 +162,7 @@ def shape_from_config(model, *, attention_fraction: float | None = None) -> Shap
     )
 
 
-def job_from_plan(plan) -> Job:
+def job_from_plan(plan: RunPlan) -> Job:
     """The Job of a built RunPlan (hardware profile resolved)."""
     c = plan.config
     profile = get_profile(c.cluster.accelerator, ranks_per_node=ranks_per_node(plan))
@@ -193,13 +195,14 @@ def _host_memory(profile: Profile) -> int | None:
     return machine_memory()
 
 
-def ranks_per_node(plan) -> int:
+def ranks_per_node(plan: RunPlan) -> int:
     """Ranks the plan starts on each node (on a CPU they share its cores)."""
     c = plan.config.cluster
-    return c.devices_per_node or max(1, plan.world_size // c.nodes)
+    return int(c.devices_per_node or max(1, plan.world_size // c.nodes))
 
 
-def from_plan(plan) -> tuple[Shape, Layout, Job]:
-    """Shape, Layout and Job of a built RunPlan."""
-    fraction = attention_cost(plan.config, data_vocab_size=plan.data_vocab_size).fraction
+def from_plan(plan: RunPlan, *, documents: Documents | None = None) -> tuple[Shape, Layout, Job]:
+    """Shape, Layout and Job of a built RunPlan; ``documents``: the prepared data's document
+    lengths, read by the caller (None: one document per window, llmforge.estimate.attention)."""
+    fraction = attention_cost(plan.config, documents=documents).fraction
     return shape_from_config(plan.config.model, attention_fraction=fraction), plan.layout, job_from_plan(plan)

@@ -17,8 +17,8 @@ def verdict(est: Estimate) -> str:
     states' host memory or the node's host memory (all its ranks together)."""
     cap = est.job.profile.memory_bytes
     host, node = est.host, est.node
-    node_over = node is not None and not node.fits
-    over_node = f"; and the node does not fit either: {words(node)}" if node_over else ""
+    over = node if node is not None and not node.fits else None
+    over_node = f"; and the node does not fit either: {words(over)}" if over is not None else ""
     if est.headroom < 0:
         return f"does not fit: {gib(-est.headroom)} over the {gib(cap)} of a {est.job.profile.name}{over_node}"
     if host is not None and not host.fits:
@@ -26,8 +26,8 @@ def verdict(est: Estimate) -> str:
             f"does not fit: the offloaded states need {gib(host.node_bytes)} of host memory per node, "
             f"{gib(host.node_bytes - host.node_capacity)} over the {gib(host.node_capacity)} of the profile's host_memory_gib"
         )
-    if node_over:
-        return f"does not fit the node: {words(node)}, {gib(node.total - node.capacity)} over"
+    if over is not None:
+        return f"does not fit the node: {words(over)}, {gib(over.total - over.capacity)} over"
     offloaded = f"; host memory {gib(host.node_bytes)} of {gib(host.node_capacity)} per node" if host is not None else ""
     on_node = f"; node host memory {gib(node.total)} of {gib(node.capacity)}" if node is not None else ""
     return f"fits, {gib(est.headroom)} headroom ({est.headroom / cap:.0%} of {gib(cap)}){offloaded}{on_node}"

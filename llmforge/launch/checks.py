@@ -12,7 +12,7 @@ from llmforge.config.train_rules import FAULT_ENV, fault_problem, parse_fault
 from llmforge.data.tokenizer import load_tokenizer
 from llmforge.elastic import smallest
 from llmforge.errors import Problem, UserError
-from llmforge.estimate.core import estimate_plan
+from llmforge.estimate.core import Estimate, estimate_plan
 from llmforge.estimate.report import fit_problems, summary_text
 from llmforge.estimate.text import verdict
 from llmforge.observe.tensorboard import check_installed
@@ -22,26 +22,27 @@ from llmforge.plan import RunPlan, launch_problems, tokenizer_problems
 CHECKPOINT_BYTES_PER_PARAM = 12
 
 
-def preflight(plan: RunPlan, *, force: bool, resume: bool, console: Console) -> None:
+def preflight(plan: RunPlan, *, force: bool, resume: bool, console: Console, estimate: Estimate | None = None) -> None:
     """Refuse what cannot start (a missing tool, a too-small or unfit tokenizer, a plan estimated
-    not to fit unless forced); show the short estimate and notes on the weights to load."""
+    not to fit unless forced); show the short estimate and notes on the weights to load.
+    ``estimate``: the launch's one estimate of ``plan`` (None: estimated here)."""
     if plan.config.data.tokenizer:  # missing, unreadable, or ids past the vocabulary: refused before any rank starts
         load_tokenizer(plan.config.data.tokenizer, vocab_size=plan.data_vocab_size)
     if plan.config.logging.tensorboard:
         check_installed()
-    _check_estimate(plan, force=force, console=console)
+    _check_estimate(plan, estimate, force=force, console=console)
     if not resume and plan.config.model.init_from:
         for note in check_folder(plan.config.model.init_from, plan.config.model):
             console.print(note, style="yellow", markup=False, highlight=False)
 
 
-def _check_estimate(plan: RunPlan, *, force: bool, console: Console) -> None:
+def _check_estimate(plan: RunPlan, estimate: Estimate | None, *, force: bool, console: Console) -> None:
     """Show the short estimate; refuse a plan estimated not to fit (on its devices, or in the
     host memory of its nodes, every rank of a node together) unless forced."""
     problems = tokenizer_problems(plan.config) + launch_problems(plan.config)
     if problems:
         raise UserError(problems, title="the run plan is not valid")
-    est = estimate_plan(plan)
+    est = estimate if estimate is not None else estimate_plan(plan)
     console.print(summary_text(est), markup=False, highlight=False)
     if not est.fits and not force:
         raise UserError(fit_problems(est), title="the plan is estimated not to fit in device or host memory")
@@ -69,12 +70,12 @@ def _check_smallest_world(plan: RunPlan, *, force: bool) -> None:
         )
 
 
-def check_host_memory(plan: RunPlan) -> None:
+def check_host_memory(plan: RunPlan, *, estimate: Estimate | None = None) -> None:
     """Refuse an offloaded plan whose host-side states and activations (every rank of a node
     together) exceed this machine's memory."""
     import os
 
-    host = estimate_plan(plan).host
+    host = (estimate if estimate is not None else estimate_plan(plan)).host
     if host is None:
         return
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -84,24 +85,24 @@ def check_host_memory(plan: RunPlan) -> None:
                 Problem(
                     "parallel.offload",
                     plan.config.parallel.offload,
-                    f"the ranks of this node would keep {host.node_bytes / 2**30:.3g} GiB in host memory (offloaded states and "
-                    f"activations) and this machine has {total / 2**30:.3g} GiB",
-                    "shard over more ranks (parallel.dp, parallel.zero=3), offload less (parallel.offload_activations=false), or run on "
-                    "nodes with more memory",
+                    f"the ranks of this node would keep {host.node_bytes / 2**30:.3g} GiB in host memory "
+                    f"(offloaded states and activations) and this machine has {total / 2**30:.3g} GiB",
+                    "shard over more ranks (parallel.dp, parallel.zero=3), offload less (parallel.offload_activations=false), "
+                    "or run on nodes with more memory",
                 )
             ],
             title="not enough host memory",
         )
 
 
-def check_space(plan: RunPlan) -> None:
+def check_space(plan: RunPlan, *, estimate: Estimate | None = None) -> None:
     """Refuse a run whose first checkpoint cannot fit on run.dir's file system."""
     import shutil
 
     folder = plan.run_dir
     while not folder.exists() and folder != folder.parent:
         folder = folder.parent
-    need = estimate_plan(plan).params_total * CHECKPOINT_BYTES_PER_PARAM
+    need = (estimate if estimate is not None else estimate_plan(plan)).params_total * CHECKPOINT_BYTES_PER_PARAM
     free = shutil.disk_usage(folder).free
     if free < need:
         raise UserError(
@@ -109,8 +110,8 @@ def check_space(plan: RunPlan) -> None:
                 Problem(
                     "run.dir",
                     str(plan.run_dir),
-                    f"a checkpoint of this model needs about {need / 2**30:.3g} GiB and the file system of {folder} has "
-                    f"{free / 2**30:.3g} GiB free",
+                    f"a checkpoint of this model needs about {need / 2**30:.3g} GiB "
+                    f"and the file system of {folder} has {free / 2**30:.3g} GiB free",
                     "free space there or choose a run.dir on a larger file system",
                 )
             ],
@@ -164,8 +165,8 @@ def check_fault(plan: RunPlan, *, resume_from: Path | None, here: bool, console:
         if rank >= plan.world_size
         else f"step {first} comes after the last step ({steps})"
         if first > steps
-        else f"step{'s' if last > first else ''} {first}{'-' + str(last) if last > first else ''} came before this resume from step "
-        f"{resumed_at}"
+        else f"step{'s' if last > first else ''} {first}{'-' + str(last) if last > first else ''} "
+        f"came before this resume from step {resumed_at}"
         if (first if kind == "exit" else last) <= resumed_at
         else ""
     )

@@ -16,7 +16,9 @@ from typing import Any
 from rich.console import Console
 
 from llmforge.config.launchers import PLATFORM_LAUNCHERS
+from llmforge.data.prepare import document_ends_for
 from llmforge.errors import UserError, fail, pasteable
+from llmforge.estimate.core import Estimate, estimate_plan
 from llmforge.launch import kubernetes, skypilot
 from llmforge.launch.checks import check_devices, check_fault, check_host_memory, check_space, preflight
 from llmforge.launch.local import run_here
@@ -28,14 +30,27 @@ from llmforge.rundir import RunLock, check_writable, plan_path, write_plan
 from llmforge.storage import check_reachable, is_url
 
 
-def launch(plan: RunPlan, *, resume_from: Path | None, force: bool, dry_run: bool, console: Console, overwrite: bool = False) -> None:
+def launch(
+    plan: RunPlan,
+    *,
+    resume_from: Path | None,
+    force: bool,
+    dry_run: bool,
+    console: Console,
+    overwrite: bool = False,
+    estimate: Estimate | None = None,
+) -> None:
     """Check, then run ``plan`` here or through torchrun, holding the run folder's lock.
-    (The first CPU run on a machine has measured it already: ``llmforge.commands.train``.)"""
+    (The first CPU run on a machine has measured it already: ``llmforge.commands.train``.)
+    ``estimate``: the command's one estimate of ``plan``, which the checks, and a run in this
+    process (its meter and closing line), share; None: estimated here, once."""
+    if estimate is None:
+        estimate = estimate_plan(plan, documents=document_ends_for(plan.config, vocab_size=plan.data_vocab_size))
     check_fault(plan, resume_from=resume_from, here=runs_here(plan), console=console)
     if plan.config.cluster.launcher in PLATFORM_LAUNCHERS:
-        _launch_on_platform(plan, resume_from=resume_from, force=force, dry_run=dry_run, console=console)
+        _launch_on_platform(plan, estimate, resume_from=resume_from, force=force, dry_run=dry_run, console=console)
         return
-    preflight(plan, force=force, resume=resume_from is not None, console=console)
+    preflight(plan, force=force, resume=resume_from is not None, console=console, estimate=estimate)
     here = runs_here(plan)
     if dry_run:
         if here:
@@ -56,28 +71,30 @@ def launch(plan: RunPlan, *, resume_from: Path | None, force: bool, dry_run: boo
     else:
         check_writable(plan.checkpoint_root, key="run.dir")
     if launcher != "slurm" and not is_url(plan.checkpoint_root):
-        check_space(plan)
-        check_host_memory(plan)
+        check_space(plan, estimate=estimate)
+        check_host_memory(plan, estimate=estimate)
     with _lock(plan):
         if resume_from is None or not _holds(plan, resume_from):
             claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
         if here:
-            run_here(plan, resume_from=resume_from, console=console)
+            run_here(plan, resume_from=resume_from, console=console, estimate=estimate)
             return
         launch_distributed(plan, resume_from=resume_from, dry_run=False, console=console)
 
 
-def _launch_on_platform(plan: RunPlan, *, resume_from: Path | None, force: bool, dry_run: bool, console: Console) -> None:
+def _launch_on_platform(
+    plan: RunPlan, estimate: Estimate, *, resume_from: Path | None, force: bool, dry_run: bool, console: Console
+) -> None:
     """Kubernetes or SkyPilot: check the plan, then print or submit its manifest; nothing is
     written here (run.dir is on the platform's storage)."""
     if resume_from is not None:
         raise fail(
-            f"cluster.launcher={plan.config.cluster.launcher}: a job there always continues from the newest complete checkpoint in "
-            "run.dir; "
+            f"cluster.launcher={plan.config.cluster.launcher}: "
+            "a job there always continues from the newest complete checkpoint in run.dir; "
             "submit it again with `llmforge pretrain` and the same run.dir instead of `llmforge resume`"
         )
     check_platform(plan)
-    preflight(plan, force=force, resume=False, console=console)
+    preflight(plan, force=force, resume=False, console=console, estimate=estimate)
     platform = kubernetes if plan.config.cluster.launcher == "kubernetes" else skypilot
     manifest = platform.manifest(plan)
     if dry_run:  # the manifest alone on stdout (`> job.yaml`), the notes on the console
@@ -142,8 +159,8 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
         names = ", ".join(p.name for p in found)
         if any((run_dir / "checkpoints").glob("step_*/manifest.json")):
             raise fail(
-                f"run.dir={run_dir} already holds a run ({names}); continue it with `llmforge resume "
-                f"{pasteable('ckpt', run_dir, override=False)}`, "
+                f"run.dir={run_dir} already holds a run ({names}); "
+                f"continue it with `llmforge resume {pasteable('ckpt', run_dir, override=False)}`, "
                 "choose another run.dir=..., or pass --overwrite to start over"
             )
         raise fail(

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from llmforge.estimate.core import Estimate, estimate_plan
 from llmforge.models.gpt import GPT
 from llmforge.models.moe import moe_metrics, set_aux_loss_scale
 from llmforge.parallel.clip import GlobalClip
@@ -31,10 +32,13 @@ from llmforge.train.parallelize import fp8_all_gather, parallelize
 from llmforge.train.precision import LossScaler
 
 
-def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object, val_sampler: object | None = None) -> Components:
+def build_components(
+    plan: RunPlan, *, rank: RankInfo, sampler: object, val_sampler: object | None = None, estimate: Estimate | None = None
+) -> Components:
     """This rank's components: ``rank.mesh`` is None in one process, the run's
     ParallelMesh on a distributed rank. The loop runs every layout the same way.
-    ``val_sampler``: the held-out stream, or None when the run does not validate."""
+    ``val_sampler``: the held-out stream, or None when the run does not validate;
+    ``estimate``: the run's one estimate, which the meter reads (None: estimated here)."""
     cfg, mesh, device = plan.config, rank.mesh, rank.device
     if device.type == "cpu":
         keep_freed_memory(mmap_threshold(plan))
@@ -68,7 +72,7 @@ def build_components(plan: RunPlan, *, rank: RankInfo, sampler: object, val_samp
         tokens_per_step=plan.tokens_per_step,
         guard=guard,
         update=GuardedOptimizerStep(optimizer, scaler=scaler, guard=guard),
-        meter=meter_for(plan, device=device),
+        meter=meter_for(estimate if estimate is not None else estimate_plan(plan), device=device),
         before_step=_qat_switch(plan, parts=parts),
         extra_metrics=moe_stats,
         callbacks=(*_fp8_scales(plan, mesh=mesh, parts=parts), *moe_updates),

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmforge.estimate import flops as fl
-from llmforge.estimate.shape import from_plan
+from llmforge.estimate.core import Estimate
 
 GIB = 1024**3
 
@@ -68,13 +67,13 @@ class StepMeter:
         return self.model_flops_per_step / (step_time_s * self.world_size * self.peak_flops)
 
 
-def meter_for(plan, *, device: torch.device) -> StepMeter:
-    """The meter of a plan: model FLOPs from the estimator, peak from ``cluster.accelerator``."""
-    shape, layout, job = from_plan(plan)
+def meter_for(est: Estimate, *, device: torch.device) -> StepMeter:
+    """The meter of a run from its estimate: model FLOPs per step, peak from ``cluster.accelerator``."""
+    job = est.job
     return StepMeter(
-        model_flops_per_step=fl.model_flops(shape, plan.tokens_per_step),
+        model_flops_per_step=est.model_flops,
         peak_flops=job.profile.peak(job.param_dtype),
-        world_size=layout.world,
+        world_size=est.layout.world,
         device=device,
         peak_approximate=job.profile.peak_approximate and not job.profile.calibrated,
     )

@@ -24,10 +24,10 @@ from llmforge.calibrate.advice import profile_warning
 from llmforge.checkpoint import store
 from llmforge.checkpoint.hf_import import load_hf_weights
 from llmforge.checkpoint.state import load_rng
-from llmforge.data.prepare import prepare
+from llmforge.data.prepare import document_ends_for, prepare
 from llmforge.data.sampler import BatchSampler
 from llmforge.errors import fail, pasteable
-from llmforge.estimate.core import estimate_plan
+from llmforge.estimate.core import Estimate, estimate_plan
 from llmforge.estimate.text import gib
 from llmforge.observe.metrics import tidy_metrics
 from llmforge.observe.profile import MemorySnapshots
@@ -59,6 +59,8 @@ class RunSummary:
     #: Steps skipped on non-finite numbers (train.anomaly; the run's whole count, across resumes) and rollbacks in this launch.
     skipped_steps: int = 0
     rollbacks: int = 0
+    #: The run's one estimate (the launcher's, or this rank's), which the closing line compares with.
+    estimate: Estimate | None = None
 
     def describe(self, plan: RunPlan) -> Text:
         """The closing line a launcher prints (only "done" is styled; paths print as written):
@@ -80,7 +82,7 @@ class RunSummary:
         """'; measured/estimate: step time 1.12x (...), peak memory 0.97x (...)' or ''."""
         if self.step_time_s is None:
             return ""
-        est = estimate_plan(plan)
+        est = self.estimate if self.estimate is not None else estimate_plan(plan)
         parts = [f"step time {self.step_time_s / est.step_s:.2f}x ({self.step_time_s:.3g} s vs {est.step_s:.3g} s)"]
         if self.peak_memory_bytes:
             expected = est.worst.total - (est.job.profile.runtime_reserved_bytes if plan.config.cluster.accelerator != "cpu" else 0)
@@ -116,7 +118,7 @@ def make_sampler(plan: RunPlan, prepared, *, split: str = "train") -> object:
     )
 
 
-def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
+def build(plan: RunPlan, *, rank: RankInfo, console: Console, estimate: Estimate | None = None) -> Components:
     """Data and this rank's components (any layout)."""
     prepared = prepare_data(plan, console=console)
     if prepared.vocab_size > plan.config.model.vocab_size:
@@ -126,7 +128,7 @@ def build(plan: RunPlan, *, rank: RankInfo, console: Console) -> Components:
         )
     sampler = make_sampler(plan, prepared)
     val_sampler = _val_sampler(plan, prepared, train=sampler, console=console if rank.is_main else None)
-    return build_components(plan, rank=rank, sampler=sampler, val_sampler=val_sampler)
+    return build_components(plan, rank=rank, sampler=sampler, val_sampler=val_sampler, estimate=estimate)
 
 
 def _val_sampler(plan: RunPlan, prepared, *, train, console: Console | None):
@@ -199,10 +201,18 @@ def _open_run_dir(plan: RunPlan, *, resumed: bool, start_step: int, console: Con
 
 
 def run(
-    plan: RunPlan, *, rank: RankInfo, resume_from: Path | None = None, console: Console | None = None, restarted: bool = False
+    plan: RunPlan,
+    *,
+    rank: RankInfo,
+    resume_from: Path | None = None,
+    console: Console | None = None,
+    restarted: bool = False,
+    estimate: Estimate | None = None,
 ) -> RunSummary:
     """Train this rank from scratch or from ``resume_from`` to ``train.steps`` (or a stop signal).
-    ``restarted``: a later attempt of the same job, whose metrics past its starting step are dropped."""
+    ``restarted``: a later attempt of the same job, whose metrics past its starting step are dropped.
+    ``estimate``: the launcher's estimate of the plan, shared by the meter and the closing line
+    (None: this rank estimates once, its prepared data's document lengths included)."""
     console = console or Console(stderr=True, markup=False, soft_wrap=True)
     started = time.perf_counter()
     torch.manual_seed(plan.config.train.seed)
@@ -211,7 +221,9 @@ def run(
     )
     built: list[Components] = []
     with explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
-        c = build(plan, rank=rank, console=console)
+        if estimate is None:
+            estimate = estimate_plan(plan, documents=document_ends_for(plan.config, vocab_size=plan.data_vocab_size))
+        c = build(plan, rank=rank, console=console, estimate=estimate)
         built.append(c)
         resumed = restore(c, path=resume_from, console=console) if resume_from is not None else None
         if resumed is None and plan.config.model.init_from:
@@ -233,10 +245,10 @@ def run(
         snapshots.close()
     if result.stopped_early and rank.is_main:
         console.print(_stopped_text(parts.stop.received, step=result.last_step, run_dir=plan.run_dir, saved=bool(parts.saver.records)))
-    return _summary(result, c, saver=parts.saver, wall_s=time.perf_counter() - started)
+    return _summary(result, c, saver=parts.saver, wall_s=time.perf_counter() - started, estimate=estimate)
 
 
-def _summary(result: LoopResult, c: Components, *, saver: store.CheckpointSaver, wall_s: float) -> RunSummary:
+def _summary(result: LoopResult, c: Components, *, saver: store.CheckpointSaver, wall_s: float, estimate: Estimate) -> RunSummary:
     return RunSummary(
         first_loss=result.first_loss,
         last_loss=result.last_loss,
@@ -249,6 +261,7 @@ def _summary(result: LoopResult, c: Components, *, saver: store.CheckpointSaver,
         val_loss=result.val_loss,
         skipped_steps=c.guard.skipped,
         rollbacks=c.guard.rollbacks,
+        estimate=estimate,
     )
 
 
