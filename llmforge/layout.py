@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from llmforge.config.choices import Offload
 from llmforge.config.schema import RunConfig
 from llmforge.errors import Problem
 
@@ -137,7 +138,7 @@ class Layout:
         ]
         if self.pp > 1:
             parts += [f"parallel.pp_schedule={self.schedule}", f"parallel.pp_virtual_stages={self.virtual_stages}"]
-        if self.offload != "none":
+        if self.offload != Offload.NONE:
             parts.append(f"parallel.offload={self.offload}")
         if self.offload_activations:
             parts.append("parallel.offload_activations=true")
@@ -508,7 +509,7 @@ def check_offload(config: RunConfig) -> list[Problem]:
     """CPU offload runs on FSDP2 (ZeRO 1-3) and not with float8 training or compiled blocks' saved activations."""
     p = config.parallel
     out: list[Problem] = []
-    if p.offload == "states" and p.zero == 0:
+    if p.offload == Offload.STATES and p.zero == 0:
         out.append(
             Problem(
                 "parallel.offload",
@@ -518,7 +519,7 @@ def check_offload(config: RunConfig) -> list[Problem]:
             )
         )
     dp = _dp(config)
-    if p.offload == "states" and p.zero > 0 and dp is not None and ints(p.cp) and dp * p.cp == 1 and world_and_dp(config)[0] > 1:
+    if p.offload == Offload.STATES and p.zero > 0 and dp is not None and ints(p.cp) and dp * p.cp == 1 and world_and_dp(config)[0] > 1:
         out.append(
             Problem(
                 "parallel.offload",
@@ -527,7 +528,7 @@ def check_offload(config: RunConfig) -> list[Problem]:
                 "use data parallelism (parallel.dp > 1) with ZeRO, or parallel.offload=none",
             )
         )
-    if p.offload == "states" and config.precision.fp8:
+    if p.offload == Offload.STATES and config.precision.fp8:
         out.append(
             Problem(
                 "parallel.offload",

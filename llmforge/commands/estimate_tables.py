@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 from rich.text import Text
 
+from llmforge.config.choices import Offload, Optimizer
 from llmforge.estimate.core import Estimate
 from llmforge.estimate.node import words
 from llmforge.estimate.pipeline import simulate, simulated_bubble
@@ -15,7 +16,7 @@ from llmforge.layout import ZERO_BUBBLE_SCHEDULES
 def _state_notes(est: Estimate) -> tuple[str, str]:
     """How the weights and gradients are kept under the layout's ZeRO stage."""
     lay, c, r = est.layout, est.job.param_dtype, est.job.reduce_dtype
-    if lay.offload == "states":
+    if lay.offload == Offload.STATES:
         whole = lay.zero < 3 or lay.pp > 1
         return (
             f"whole {c} compute copy (fp32 shard in host memory)" if whole else "gathered block by block (fp32 shard in host memory)",
@@ -37,7 +38,7 @@ def _memory_table(est: Estimate) -> Table:
     weights, grads = _state_notes(est)
     table.add_row("weights", gib(w.weights), f"{w.params / 1e6:,.1f}M params on this rank; ZeRO-{lay.zero}: {weights}")
     table.add_row("gradients", gib(w.grads), grads)
-    if est.job.optimizer == "muon":
+    if est.job.optimizer == Optimizer.MUON:
         table.add_row(
             "optimizer (Muon)", gib(w.optimizer), "one fp32 momentum per block matrix, two fp32 AdamW moments per other parameter"
         )
@@ -45,7 +46,7 @@ def _memory_table(est: Estimate) -> Table:
         table.add_row(
             "optimizer (AdamW)",
             gib(w.optimizer),
-            "two fp32 moments per parameter" + (", in host memory (stepped on the CPU)" if lay.offload == "states" else ""),
+            "two fp32 moments per parameter" + (", in host memory (stepped on the CPU)" if lay.offload == Offload.STATES else ""),
         )
     table.add_row(
         "activations",
@@ -289,8 +290,8 @@ def _short(layout) -> str:
     if layout.pp > 1:
         parts.append(f"{layout.schedule}" + (f" v{layout.virtual_stages}" if layout.virtual_stages > 1 else ""))
     parts += [f"mb{layout.micro_batch}", f"rc:{layout.recompute}"]
-    if layout.offload != "none" or layout.offload_activations:
-        parts.append("offload:" + "+".join(["states"] * (layout.offload == "states") + ["activations"] * layout.offload_activations))
+    if layout.offload != Offload.NONE or layout.offload_activations:
+        parts.append("offload:" + "+".join(["states"] * (layout.offload == Offload.STATES) + ["activations"] * layout.offload_activations))
     return " ".join(parts)
 
 

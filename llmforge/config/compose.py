@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmforge.config.choices import Choice, choice_problem
 from llmforge.config.schema import GROUPS, RunConfig, iter_keys
 from llmforge.errors import Problem, UserError, nearest
 
@@ -254,6 +255,9 @@ def _explain(exc: BaseException, *, options: dict[str, dict[str, OptionInfo]]) -
     where = next((str(e).split(":")[0] for e in chain if str(e).startswith("In '")), "")
     keyed = next((e for e in chain if getattr(e, "full_key", None)), None)
     root = keyed or chain[-1]
+    choice = _choice_of(root)
+    if choice is not None:
+        return choice_problem(str(getattr(root, "full_key", "")), getattr(root, "value", ""), choice.names())
     # The first paragraph: Hydra appends the available options and its search path.
     text = str(root).split("\n    full_key")[0].split("\n\n")[0].replace("\n", " ").strip() or type(root).__name__
     key = str(getattr(root, "full_key", "") or "")
@@ -262,6 +266,12 @@ def _explain(exc: BaseException, *, options: dict[str, dict[str, OptionInfo]]) -
     if key and "not in" in text:
         fix = f"remove or rename it{nearest(key, [k for k, *_ in iter_keys()])}; `llmforge keys` lists every key"
     return Problem(key, "", text + source, fix)
+
+
+def _choice_of(exc: BaseException) -> type[Choice] | None:
+    """The choice enum of the field an OmegaConf validation error is about, if it is one."""
+    kind = getattr(getattr(exc, "child_node", None), "enum_type", None)
+    return kind if isinstance(kind, type) and issubclass(kind, Choice) else None
 
 
 def _file_of(config_name: str, *, options: dict[str, dict[str, OptionInfo]]) -> str:

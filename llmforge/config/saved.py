@@ -151,6 +151,8 @@ def _kind(type_name: str) -> str:
         "list[int]": "a list of integers",
         "list[str]": "a list of strings",
     }
+    if "|" in type_name.removesuffix(" | None"):  # a choice key (llmforge.config.choices)
+        return "one of " + ", ".join(type_name.removesuffix(" | None").split("|"))
     if type_name.endswith(" | None"):
         inner = type_name.removesuffix(" | None")
         return f"{names.get(inner, inner)} or null"

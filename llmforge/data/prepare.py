@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rich.text import Text
 
+from llmforge.config.choices import DataSource
 from llmforge.config.schema import DataConfig
 from llmforge.data import cache
 from llmforge.data.build import build
@@ -180,7 +181,7 @@ def resolve_inputs(data: DataConfig) -> list[tuple[Source, float]]:
         ]
     if data.path:
         return [(file_source(data.path, text_key=data.text_key), 1.0)]
-    if data.source == "files":
+    if data.source == DataSource.FILES:
         raise UserError(
             [
                 Problem(
@@ -191,7 +192,7 @@ def resolve_inputs(data: DataConfig) -> list[tuple[Source, float]]:
                 )
             ]
         )
-    if data.source != "builtin":
+    if data.source != DataSource.BUILTIN:
         raise UserError([Problem("data.source", data.source, "unknown data source", "use builtin or files")])
     return [(builtin_source(max_mb=data.builtin_max_mb), 1.0)]
 

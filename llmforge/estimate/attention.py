@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from llmforge.config.choices import AttentionMask
 from llmforge.data.prepare import prepared_document_ends
 
 MAX_WINDOWS = 1 << 16  # windows of each stream read for the document statistics
@@ -80,7 +81,7 @@ def mask_fraction(model, *, streams: list[tuple[Sequence[int], float]] | None) -
     for count, window in kinds:
         if count == 0:
             continue
-        if model.attention_mask == "document" and streams:
+        if model.attention_mask == AttentionMask.DOCUMENT and streams:
             weight = sum(w for _, w in streams)
             kept = sum(w * document_fraction(ends, seq=model.seq_len, window=window) for ends, w in streams) / weight
         else:
@@ -101,7 +102,7 @@ def attention_cost(config, *, data_vocab_size: int) -> AttentionCost:
     """The attention cost of a RunConfig (the prepared data read where the mask follows documents)."""
     model = config.model
     streams, note = None, ""
-    if model.attention_mask == "document":
+    if model.attention_mask == AttentionMask.DOCUMENT:
         streams = _prepared_streams(config.data, data_vocab_size)
         note = (
             "document lengths from the prepared data"

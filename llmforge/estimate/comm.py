@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from llmforge.config.choices import Activation, Dtype, Offload, Recompute
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate.host import tp_collectives
 from llmforge.estimate.shape import Job, Shape
@@ -233,11 +234,11 @@ def gloo_defers_reduce(layout: Layout, job: Job) -> bool:
     ``parallel.overlap_grad_reduce``, no pipeline, no HSDP, no offload, no expert units."""
     return (
         layout.zero == 1
-        and job.reduce_dtype == "fp32"
+        and job.reduce_dtype == Dtype.FP32
         and job.overlap_grad_reduce
         and layout.pp == 1
         and layout.dp_replicate == 1
-        and layout.offload == "none"
+        and layout.offload == Offload.NONE
         and layout.ep == 1
     )
 
@@ -306,7 +307,7 @@ def tp_bytes(shape: Shape, layout: Layout, job: Job, *, layers: int, microbatche
         return 0.0
     tokens = layout.micro_batch * shape.seq / layout.cp
     size = tokens * shape.hidden * job.compute_bytes
-    per_layer = (6 if layout.recompute == "full" else 4) * 2 * (t - 1) / t * size
+    per_layer = (6 if layout.recompute == Recompute.FULL else 4) * 2 * (t - 1) / t * size
     if layout.sequence_parallel and not layout.async_tp:  # async TP's linears keep the gathered input
         per_layer += 2 * (t - 1) / t * size
     return microbatches * (layers * per_layer + 2 * (t - 1) / t * size)  # + vocab-parallel embedding
@@ -332,9 +333,9 @@ def async_tp_hidden(shape: Shape, layout: Layout, job: Job, *, attention_layers:
     tokens = layout.micro_batch * shape.seq / layout.cp
     one = seconds(job, (t - 1) / t * tokens * shape.hidden * job.compute_bytes, spans(layout)["tp"], t)
     rate = job.profile.peak(job.param_dtype) * job.profile.matmul_efficiency
-    pairs = 3 if layout.recompute == "full" else 2  # windows per projection: forward (again in recompute), backward
+    pairs = 3 if layout.recompute == Recompute.FULL else 2  # windows per projection: forward (again in recompute), backward
     q = shape.heads * shape.head_dim
-    up = (2 if shape.activation == "swiglu" else 1) * shape.ffn
+    up = (2 if shape.activation == Activation.SWIGLU else 1) * shape.ffn
     hidden = 0.0
     for count, widths in ((attention_layers, (q + 2 * shape.kv_dim, q)), (mlp_layers, (up, shape.ffn))):
         for width in widths:  # the column-parallel projection, then the row-parallel one
@@ -352,7 +353,7 @@ def critical_latency(
     output layer's and the vocab-parallel loss's on the ``first`` and ``last`` stage) and ``ep``
     (two all-to-alls per MoE layer and pass)."""
     t, e = layout.tp, layout.ep
-    passes = 6 if layout.recompute == "full" else 4
+    passes = 6 if layout.recompute == Recompute.FULL else 4
     out = {"tp": 0.0, "ep": 0.0}
     if t > 1:
         hops = t - 1 if layout.sequence_parallel else all_reduce_hops(t)
@@ -389,7 +390,7 @@ def ep_bytes(shape: Shape, layout: Layout, job: Job, *, moe_layers: int, microba
         return 0.0
     tokens = layout.micro_batch * shape.seq / layout.cp / (layout.tp if layout.sequence_parallel else 1)
     routed = tokens * shape.top_k * (shape.capacity_factor or 1.0) * shape.hidden * job.compute_bytes
-    passes = 6 if layout.recompute == "full" else 4
+    passes = 6 if layout.recompute == Recompute.FULL else 4
     return microbatches * moe_layers * passes * (ep - 1) / ep * routed
 
 

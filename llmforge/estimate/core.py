@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from llmforge.config.choices import Offload
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate import fp8, muon
@@ -330,7 +331,7 @@ def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True
             compute_s=m * t_compute.seconds,
         )
         parts.update(offload_copy=host.exposed_copy_s, cpu_optimizer=host.optimizer_s)
-        if layout.offload == "states":
+        if layout.offload == Offload.STATES:
             parts["optimizer"] = 0.0  # the device runs no optimizer step
     tokens = job.global_batch * shape.seq
     node = node_memory(

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from llmforge.config.choices import Activation, Recompute
 from llmforge.estimate.params import StageCounts
 from llmforge.estimate.shape import Shape
 from llmforge.layout import Layout
@@ -41,7 +42,7 @@ class TokenFlops:
 
 
 def _mlp(shape: Shape, ffn: int) -> float:
-    return (3 if shape.activation == "swiglu" else 2) * 2 * shape.hidden * ffn
+    return (3 if shape.activation == Activation.SWIGLU else 2) * 2 * shape.hidden * ffn
 
 
 @lru_cache(maxsize=1024)
@@ -94,7 +95,7 @@ def model_flops(shape: Shape, tokens: float) -> float:
 def recompute_flops_per_token(shape: Shape, layout: Layout, index: int) -> float:
     """Extra forward FLOPs per token of block ``index`` caused by activation recomputation."""
     mode = layout.recompute
-    if mode == "full" and index % layout.recompute_every:
+    if mode == Recompute.FULL and index % layout.recompute_every:
         mode = "none"
     return recompute_extra(shape, moe=shape.is_moe_layer(index), mode=mode)
 
@@ -102,7 +103,7 @@ def recompute_flops_per_token(shape: Shape, layout: Layout, index: int) -> float
 def recompute_extra(shape: Shape, *, moe: bool, mode: str) -> float:
     """Extra forward FLOPs per token of one block recomputed under ``mode``."""
     f = block_flops(shape, moe=moe)
-    if mode == "full":
+    if mode == Recompute.FULL:
         return f.forward - _unrecomputed_tail(shape, moe=moe)
     return 0.0
 

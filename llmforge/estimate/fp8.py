@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from llmforge.config.choices import Recompute
 from llmforge.estimate.params import StageCounts, Tensor, block_tensors
 from llmforge.estimate.shape import Job, Shape
 from llmforge.layout import Layout
@@ -69,7 +70,7 @@ def _tail(shape: Shape, moe: bool) -> float:
 def block_flops(shape: Shape, *, moe: bool, mode: str) -> float:
     """FP8 FLOPs per token of one block, forward + backward (+ recompute under ``mode``)."""
     forward = 2 * converted_numel(shape, moe=moe)  # every token passes each converted layer once
-    extra = forward - _tail(shape, moe) if mode == "full" else 0.0
+    extra = forward - _tail(shape, moe) if mode == Recompute.FULL else 0.0
     return 3 * forward + max(0.0, extra)
 
 
@@ -113,7 +114,7 @@ def stage_cast_seconds(
         if not plain + ckpt:
             continue
         inputs, grads = _activation_elements(shape, moe=moe, tp=tp)
-        recast = ckpt if layout.recompute == "full" else 0  # a recomputed forward casts its inputs again
+        recast = ckpt if layout.recompute == Recompute.FULL else 0  # a recomputed forward casts its inputs again
         nbytes += tokens * ((plain + ckpt) * (inputs + grads) * per_element + recast * inputs * per_element / 2)
         local = converted_numel(shape, moe=moe, tp=tp)
         nbytes += (plain + ckpt) * local * weight_cast * (1 / shard + 1)

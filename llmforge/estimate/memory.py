@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from llmforge.config.choices import Offload
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate import activations as act
 from llmforge.estimate import fp8, muon
@@ -244,7 +245,7 @@ def stage_memory(shape: Shape, layout: Layout, job: Job, stage: int, microbatche
     transient = _transient(shape, layout, job, stage, params)
     reserved = allowance(job, working=activations + transient)
     mem = StageMemory(stage, params, weights, grads, optimizer, activations, transient, reserved)
-    if layout.offload != "none" or layout.offload_activations:
+    if layout.offload != Offload.NONE or layout.offload_activations:
         return device_memory(mem, shape, layout, job, block=largest_block(shape, layout, stage))
     return mem
 

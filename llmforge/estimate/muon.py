@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
+from llmforge.config.choices import Optimizer
 from llmforge.estimate import comm as cm
 from llmforge.estimate import kernels as kn
 from llmforge.estimate.params import Tensor, stage_tensors
@@ -65,7 +66,7 @@ def _muon_share(shape: Shape, layout: Layout, stage: int) -> float:
 
 def state_bytes_per_param(shape: Shape, layout: Layout, job: Job, stage: int) -> float:
     """Optimizer-state bytes per parameter of pipeline rank ``stage`` (8 under AdamW)."""
-    if job.optimizer != "muon":
+    if job.optimizer != Optimizer.MUON:
         return ADAM_STATE_BYTES
     share = _muon_share(shape, layout, stage)
     return MUON_STATE_BYTES * share + ADAM_STATE_BYTES * (1 - share)
@@ -84,7 +85,7 @@ def _ns_seconds(sp: kn.Speeds, t: Tensor, steps: int, matrices: float) -> float:
 
 def step_seconds(shape: Shape, layout: Layout, job: Job, stage: int) -> float:
     """Newton-Schulz and its gathers and scatters per step on ``stage``'s rank (0 under AdamW)."""
-    if job.optimizer != "muon":
+    if job.optimizer != Optimizer.MUON:
         return 0.0
     sp = kn.speeds(dataclasses.replace(job, param_dtype=job.muon_ns_dtype))
     zero_group = layout.dp_shard * layout.cp if layout.zero > 0 else 1

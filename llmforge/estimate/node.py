@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from llmforge.config.choices import Recompute
 from llmforge.estimate.params import block_tensors, embedding_tensors, head_tensors
 from llmforge.estimate.shape import Job, Shape
 from llmforge.layout import Layout
@@ -118,7 +119,7 @@ def fix(node: NodeMemory, layout: Layout) -> str:
         k
         for k, wanted in (
             ("parallel.zero=3", layout.zero < 3),
-            ("parallel.recompute=full", layout.recompute != "full"),
+            ("parallel.recompute=full", layout.recompute != Recompute.FULL),
             ("a smaller train.micro_batch_size", layout.micro_batch > 1),
         )
         if wanted

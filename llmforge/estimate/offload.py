@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from llmforge.config.choices import Offload
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate.allocator import slack_fraction
 from llmforge.estimate.node import host_capacity
@@ -52,7 +53,7 @@ ACCUMULATE_BYTES = 12  # host gradient accumulation: reads two fp32 values, writ
 
 
 def offloads(layout: Layout) -> bool:
-    return layout.offload != "none" or layout.offload_activations
+    return layout.offload != Offload.NONE or layout.offload_activations
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class HostUse:
 def device_memory(mem, shape: Shape, layout: Layout, job: Job, *, block: float):
     """``mem`` (a StageMemory) with the offloaded parts moved off the device (``block``:
     elements of the stage's largest block on one rank)."""
-    if layout.offload == "states":
+    if layout.offload == Offload.STATES:
         mem = _states_off(mem, layout, job, block=block)
     if layout.offload_activations:
         blocks = max(1, stage_counts(shape, layout)[mem.stage].blocks)
@@ -112,7 +113,7 @@ def host_use(
     """Host memory, link transfers and CPU optimizer time of ``layout`` (``stage``: the most-loaded
     one; ``shard``: the elements of its parameter shard; ``activations``: its saved activations
     before offload; ``compute_s``: the step's compute)."""
-    shard = shard if layout.offload == "states" else 0
+    shard = shard if layout.offload == Offload.STATES else 0
     m = microbatches
     gathers = 2 * m if layout.zero == 3 and layout.pp == 1 else 1
     scatters = m if layout.zero >= 2 and layout.pp == 1 else 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmforge.config.choices import Schedule
 from llmforge.layout import ZERO_BUBBLE_SCHEDULES, Layout, stage_ids
 
 
@@ -27,14 +28,14 @@ def inflight_microbatches(layout: Layout, *, stage: int, microbatches: int) -> f
     if p == 1:
         return 1.0
     sched = layout.schedule
-    if sched in ("gpipe", "looped_bfs"):
+    if sched in (Schedule.GPIPE, Schedule.LOOPED_BFS):
         return float(m)
-    if sched == "1f1b":
+    if sched == Schedule.ONE_F_ONE_B:
         return float(min(m, p - stage))
-    if sched == "zbv":
+    if sched == Schedule.ZBV:
         return float(min(m, p))
     chunks = min(m * v, (v - 1) * p + 2 * (p - 1 - stage) + 1)  # Megatron/torch warm-up + one
-    if sched == "zb_interleaved":
+    if sched == Schedule.ZB_INTERLEAVED:
         chunks = min(m * v, chunks + 1)  # a weight-gradient step deferred keeps one more input
     return chunks / v
 
@@ -44,12 +45,12 @@ def bubble_fraction(layout: Layout, microbatches: int, *, w: float = 1.0) -> flo
     p, v, m = layout.pp, layout.virtual_stages, microbatches
     if p == 1:
         return 0.0
-    if layout.schedule in ("gpipe", "1f1b"):
+    if layout.schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
         return (p - 1) / (m + p - 1)
-    if layout.schedule in ("interleaved_1f1b", "looped_bfs"):
+    if layout.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.LOOPED_BFS):
         return (p - 1) / (v * m + p - 1)
     per_chunk = 3.0  # T_F + T_B + T_W
-    if layout.schedule == "zb_interleaved":
+    if layout.schedule == Schedule.ZB_INTERLEAVED:
         idle = (p - 1) * (1 + (2 - w) - w) / per_chunk
     else:  # zbv
         idle = (p - 1) * max(0.0, 1 + (2 - w) - 2 * w) / per_chunk
@@ -69,11 +70,11 @@ class Slot:
 
 def _order(schedule: str, p: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
     """The (kind, microbatch, local chunk index) sequence a rank executes."""
-    if schedule == "gpipe":
+    if schedule == Schedule.GPIPE:
         return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
-    if schedule == "looped_bfs":
+    if schedule == Schedule.LOOPED_BFS:
         return [("F", i, c) for c in range(v) for i in range(m)] + [("B", i, c) for c in reversed(range(v)) for i in range(m)]
-    if schedule == "1f1b":
+    if schedule == Schedule.ONE_F_ONE_B:
         return _one_f_one_b([("F", i, 0) for i in range(m)], [("B", i, 0) for i in range(m)], min(m, p - 1 - rank))
     fwd = [("F", (k // (p * v)) * p + k % p, (k // p) % v) for k in range(m * v)]
     bwd = [("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v) for k in range(m * v)]
@@ -96,7 +97,7 @@ def _one_f_one_b(fwd: list, bwd: list, warmup: int) -> list:
 def simulate(layout: Layout, microbatches: int) -> dict[int, list[Slot]]:
     """Run the schedule with unit forward time per chunk (backward 2, or B 1 + W 1 for zero-bubble)."""
     p, v, m, sched = layout.pp, layout.virtual_stages, microbatches, layout.schedule
-    if sched == "zbv":
+    if sched == Schedule.ZBV:
         return _simulate_greedy(p, m)
     nchunks = p * v
     split = sched in ZERO_BUBBLE_SCHEDULES

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmforge.config.choices import Recompute
 from llmforge.errors import Problem
 from llmforge.estimate import kernels as kn
 from llmforge.estimate.core import Estimate, estimate_plan
@@ -102,7 +103,7 @@ def step_share(est) -> dict:
     shape, layout, job = est.shape, est.layout, est.job
     tokens = job.global_batch * shape.seq
     per_layer = 4 * shape.attention_span * shape.hidden  # forward, per token
-    full = layout.recompute == "full"
+    full = layout.recompute == Recompute.FULL
     recomputed = sum(c.dense_ckpt + c.moe_ckpt for c in stage_counts(shape, layout)) if full else 0
     flops = tokens * per_layer * (3.5 * shape.num_layers + recomputed)
     local = layout.micro_batch * shape.seq / layout.cp * per_layer / layout.tp  # one block, one microbatch

@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from llmforge.config.choices import Schedule
 from llmforge.errors import UserError
 from llmforge.estimate.core import Estimate, estimate, node_fits, stage_peaks, step_floor
 from llmforge.estimate.memory import most_loaded
@@ -125,7 +126,7 @@ def _micro_batches(job: Job, dp: int, pp: int, schedule: str) -> Iterator[int]:
         m = per_rank // mb
         if pp > 1 and m < pp:
             continue
-        if pp > 1 and schedule not in ("1f1b", "gpipe") and m % pp:
+        if pp > 1 and schedule not in (Schedule.ONE_F_ONE_B, Schedule.GPIPE) and m % pp:
             continue
         yield mb
 
@@ -261,7 +262,7 @@ def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -
         batch = max(job.global_batch, n)  # each data-parallel rank needs a sequence
         scaled = replace(job, nodes=max(1, n // node), devices_per_node=min(n, node), global_batch=batch)
         for structure in structures(shape, scaled, n):
-            if structure.zero != (3 if structure.dp > 1 else 0) or structure.schedule != "1f1b":
+            if structure.zero != (3 if structure.dp > 1 else 0) or structure.schedule != Schedule.ONE_F_ONE_B:
                 continue
             for mb in list(_micro_batches(scaled, structure.dp, structure.pp, structure.schedule))[:1]:
                 layout = Layout(**{**{f: getattr(structure, f) for f in _FIELDS}, "micro_batch": mb, "recompute": "full"})

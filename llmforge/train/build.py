@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from llmforge.config.choices import Dtype, MoeBalance, Offload, Qat
 from llmforge.models.gpt import GPT
 from llmforge.models.moe import moe_metrics, set_aux_loss_scale, update_expert_bias
 from llmforge.parallel.clip import GlobalClip
@@ -111,7 +112,7 @@ def build_parts(plan: RunPlan, *, mesh: ParallelMesh | None, device: torch.devic
             part,
             device=device,
             values=seeded_values(part, seed=plan.config.train.seed, aliases=aliases),
-            param_device=torch.device("cpu") if plan.config.parallel.offload == "states" else device,
+            param_device=torch.device("cpu") if plan.config.parallel.offload == Offload.STATES else device,
         )
         parts.append(part)
     return parts, ids
@@ -128,7 +129,7 @@ def model_skeleton(plan: RunPlan, *, stage: int) -> GPT:
 def _host_group(plan: RunPlan, *, device: torch.device):
     """A gloo group over every rank for the norm of offloaded (host) gradients on GPU ranks;
     None where the default group carries host tensors already (CPU ranks) or there are none."""
-    if plan.config.parallel.offload != "states" or device.type == "cpu":
+    if plan.config.parallel.offload != Offload.STATES or device.type == "cpu":
         return None
     import torch.distributed as dist
 
@@ -140,7 +141,7 @@ def build_scaler(plan: RunPlan) -> LossScaler:
     return LossScaler(
         scale=precision.initial_loss_scale,
         growth_interval=precision.loss_scale_growth_interval,
-        enabled=precision.param_dtype == "fp16",
+        enabled=precision.param_dtype == Dtype.FP16,
     )
 
 
@@ -148,7 +149,7 @@ def _optimizer(plan: RunPlan, *, mesh: ParallelMesh | None, parts: list[nn.Modul
     """AdamW over every part; the float8 scales of FSDP-gathered weights are
     recomputed after each step."""
     cfg = plan.config
-    optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr, offloaded=cfg.parallel.offload == "states")
+    optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr, offloaded=cfg.parallel.offload == Offload.STATES)
     _no_decay(optimizer, copies)
     if fp8_all_gather(plan, mesh=mesh):
         precompute = precompute_scales(parts)
@@ -179,7 +180,7 @@ def wire(plan: RunPlan, c: Components) -> Components:
     """What every run's components get once built: the step meter (MFU, peak memory), QAT's start step, MoE wiring."""
     c.meter = meter_for(plan, device=c.rank.device)
     precision = plan.config.precision
-    if precision.qat != "none" and precision.qat_start_step > 1:
+    if precision.qat != Qat.NONE and precision.qat_start_step > 1:
         c.before_step = switch_at(c.model_parts, start_step=precision.qat_start_step)
     return wire_moe(plan, c)
 
@@ -195,7 +196,7 @@ def wire_moe(plan: RunPlan, c: Components) -> Components:
     scaler = c.scaler
     set_aux_loss_scale(c.model_parts, scale=lambda: (scaler.scale if scaler.enabled else 1.0) * per_loss)
     moe = plan.config.model.moe
-    if moe.balance == "bias":
+    if moe.balance == MoeBalance.BIAS:
         reduce = None
         if c.rank.mesh is not None and plan.dp * plan.layout.cp > 1:
             reduce = load_reducer(c.rank.mesh)

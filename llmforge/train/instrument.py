@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from rich.console import Console
 
+from llmforge.config.choices import MemorySnapshot
 from llmforge.config.train_rules import FAULT_ENV, parse_fault  # the spec is checked before launch (llmforge.launch.checks)
 from llmforge.observe.profile import StepProfiler, out_of_memory_error
 from llmforge.parallel.dtensor import local
@@ -42,7 +43,7 @@ def add_profiler(
 
     def after_step(step: int) -> None:
         profiler.step(step)
-        if step == profiler.last and t.memory_snapshot == "profile":
+        if step == profiler.last and t.memory_snapshot == MemorySnapshot.PROFILE:
             path = snapshots.dump(f"memory_step{step}")
             say(
                 f"memory snapshot: {path} (open at pytorch.org/memory_viz)"

@@ -25,6 +25,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 import llmforge.parallel.recompute as recompute
+from llmforge.config.choices import Dtype, Recompute
 from llmforge.estimate import activations as act
 from llmforge.estimate import flops as fl
 from llmforge.estimate.params import total_params
@@ -71,7 +72,7 @@ def _recompute_wrap(model, *, mode: str, every: int) -> list:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     caches: list = []
-    if mode != "selective":
+    if mode != Recompute.SELECTIVE:
         apply_recompute(model, mode=mode, every=every)
         return caches
 
@@ -132,7 +133,7 @@ def run_once(model, *, micro_batch: int, param_dtype: str, vocab: int, seq: int,
         return t
 
     tokens = torch.randint(0, vocab, (micro_batch, seq + 1))
-    cast = torch.autocast("cpu", dtype=DTYPES[param_dtype]) if param_dtype != "fp32" else contextlib.nullcontext()
+    cast = torch.autocast("cpu", dtype=DTYPES[param_dtype]) if param_dtype != Dtype.FP32 else contextlib.nullcontext()
     counter = FlopCounterMode(display=False, custom_mapping=cpu_flop_mapping())
     with counter:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -169,7 +170,7 @@ def measure_config(
         torch.manual_seed(0)
         model = GPT(model_cfg)
         model.train()
-        if param_dtype != "fp32":
+        if param_dtype != Dtype.FP32:
             apply_residual_dtype(model, dtype=residual_dtype(param_dtype=param_dtype, fp32_residual=fp32_residual))
         caches = _recompute_wrap(model, mode=recompute, every=every)
         return run_once(
