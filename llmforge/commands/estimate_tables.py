@@ -51,7 +51,7 @@ def _memory_table(est: Estimate) -> Table:
     table.add_row(
         "activations",
         gib(w.activations),
-        f"recompute={lay.recompute}; microbatches in flight per the {lay.schedule if lay.pp > 1 else 'accumulation'} schedule",
+        f"recompute={lay.recompute}; microbatches in flight per the {lay.pp_schedule if lay.pp > 1 else 'accumulation'} schedule",
     )
     table.add_row("transient buffers", gib(w.transient), "logits at the loss, recompute working set, gathers, buckets")
     table.add_row("allowance", gib(w.reserved), _allowance_words(est))
@@ -125,7 +125,7 @@ def _summary_table(est: Estimate, recipe: str) -> Table:
     table.add_column("value")
     table.add_row("layout", lay.overrides())
     table.add_row("parameters", f"{est.params_total:,} total, {est.params_active:,} active per token")
-    pipe = f"{lay.schedule}, {lay.pp} stages x {lay.virtual_stages} chunks, " if lay.pp > 1 else "no pipeline, "
+    pipe = f"{lay.pp_schedule}, {lay.pp} stages x {lay.pp_virtual_stages} chunks, " if lay.pp > 1 else "no pipeline, "
     table.add_row("pipeline", f"{pipe}{est.microbatches} microbatches, bubble {est.bubble:.2%}")
     table.add_row("FLOPs / step", f"model {est.model_flops:.4g}, hardware {est.hardware_flops:.4g} (causal not halved)")
     vols = ", ".join(f"{k} {gib(c.bytes_of(k))}" for k in ("dp", "tp", "pp", "cp", "ep") if c.bytes_of(k))
@@ -167,7 +167,7 @@ def render_estimate(est: Estimate, *, recipe: str, console) -> None:
 def _shown_microbatches(est: Estimate) -> int:
     lay, m = est.layout, est.microbatches
     shown = min(m, max(2 * lay.pp, 4))
-    if lay.virtual_stages > 1:
+    if lay.pp_virtual_stages > 1:
         shown = max(lay.pp, shown // lay.pp * lay.pp)
     return shown
 
@@ -175,7 +175,7 @@ def _shown_microbatches(est: Estimate) -> int:
 def _fitting_slots(est: Estimate, width: int, cell: int):
     """Simulate with as many microbatches as fit the console width (at least enough to fill the pipe)."""
     lay = est.layout
-    step = lay.pp if lay.virtual_stages > 1 else 1
+    step = lay.pp if lay.pp_virtual_stages > 1 else 1
     m = _shown_microbatches(est)
     while True:
         slots = simulate(lay, m)
@@ -191,13 +191,13 @@ def render_timeline(est: Estimate, *, console) -> None:
     if lay.pp == 1:
         console.print("Timeline: no pipeline (pp=1); every device runs each microbatch forward then backward.")
         return
-    multi = lay.virtual_stages > 1
+    multi = lay.pp_virtual_stages > 1
     cell = 5 if multi else 4
     m, slots, end = _fitting_slots(est, console.width, cell)
     colours = ["cyan", "magenta", "yellow", "green", "blue", "red"]
     console.print(
-        f"Timeline ({lay.schedule}, {m} of {est.microbatches} microbatches; one column = one forward of one chunk; "
-        f"F forward, B backward{', W weight gradient' if lay.schedule in ZERO_BUBBLE_SCHEDULES else ''}, "
+        f"Timeline ({lay.pp_schedule}, {m} of {est.microbatches} microbatches; one column = one forward of one chunk; "
+        f"F forward, B backward{', W weight gradient' if lay.pp_schedule in ZERO_BUBBLE_SCHEDULES else ''}, "
         f". idle{'; the letter is the model chunk on that rank' if multi else ''})"
     )
     for rank, row in slots.items():
@@ -288,8 +288,8 @@ def _short(layout) -> str:
         parts[0] = f"hsdp{layout.dp_replicate}x{layout.dp_shard}"
     parts.append(f"zero{layout.zero}" + (" sp" if layout.sequence_parallel else ""))
     if layout.pp > 1:
-        parts.append(f"{layout.schedule}" + (f" v{layout.virtual_stages}" if layout.virtual_stages > 1 else ""))
-    parts += [f"mb{layout.micro_batch}", f"rc:{layout.recompute}"]
+        parts.append(f"{layout.pp_schedule}" + (f" v{layout.pp_virtual_stages}" if layout.pp_virtual_stages > 1 else ""))
+    parts += [f"mb{layout.micro_batch_size}", f"rc:{layout.recompute}"]
     if layout.offload != Offload.NONE or layout.offload_activations:
         parts.append("offload:" + "+".join(["states"] * (layout.offload == Offload.STATES) + ["activations"] * layout.offload_activations))
     return " ".join(parts)

@@ -211,7 +211,7 @@ def _fixed_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) -> float:
 
 def embedding_bytes(shape: Shape, layout: Layout) -> float:
     """First stage, per microbatch: token ids (and position ids) kept by the embedding lookups."""
-    b, s = layout.micro_batch, shape.seq // layout.cp
+    b, s = layout.micro_batch_size, shape.seq // layout.cp
     return b * (s + 1) * INT64 + (s * INT64 if shape.position == Position.LEARNED else 0)
 
 
@@ -221,7 +221,7 @@ def output_bytes(shape: Shape, layout: Layout, job: Job) -> float:
     The chunked loss (``llmforge.train.loss``) keeps the logits in the compute
     dtype; the vocabulary-parallel loss under tensor parallelism keeps fp32
     log-probabilities of its vocabulary shard."""
-    b, s, tp = layout.micro_batch, shape.seq // layout.cp, layout.tp
+    b, s, tp = layout.micro_batch_size, shape.seq // layout.cp, layout.tp
     sp = tp if layout.sequence_parallel else 1
     r = job.residual_bytes
     kept, out = _norm_bytes(shape, consumers=1, c=job.compute_bytes, r=r, sp=sp, cpu=job.on_cpu)
@@ -240,7 +240,7 @@ def logits_peak_bytes(shape: Shape, layout: Layout, job: Job) -> float:
     """Transient at the loss. Chunked loss: the logits' gradient in the compute dtype
     and two fp32 chunks of temporaries. Vocabulary-parallel loss (tp > 1): the
     logits' fp32 copy and fp32 gradient besides the logits of the shard."""
-    b, s, tp = layout.micro_batch, shape.seq // layout.cp, layout.tp
+    b, s, tp = layout.micro_batch_size, shape.seq // layout.cp, layout.tp
     if tp == 1:
         rows = min(b * s, max(1, LOSS_CHUNK_ELEMENTS // shape.vocab))
         return b * s * shape.vocab * job.compute_bytes + 2 * rows * shape.vocab * FP32
@@ -254,7 +254,7 @@ def layer_bytes(shape: Shape, layout: Layout, job: Job, index: int) -> float:
     if mode == Recompute.FULL and index % layout.recompute_every:
         mode = "none"
     acts = block_activations(shape, layout, job, moe=shape.is_moe_layer(index), recompute=mode)
-    return acts.total(layout.micro_batch * shape.seq / layout.cp)
+    return acts.total(layout.micro_batch_size * shape.seq / layout.cp)
 
 
 def recompute_working_bytes(shape: Shape, layout: Layout, job: Job) -> float:
@@ -279,7 +279,7 @@ def _kind_fixed(shape: Shape, layout_key: tuple, job_key: tuple, moe: bool, mode
 def _keys(layout: Layout, job: Job) -> tuple[tuple, tuple]:
     """The layout and job fields activations depend on (cheap cache keys)."""
     gathered = layout.zero > 0 and layout.dp * layout.cp > 1
-    return (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch, gathered, layout.async_tp), (
+    return (layout.tp, layout.sequence_parallel, layout.ep, layout.cp, layout.micro_batch_size, gathered, layout.async_tp), (
         job.compute_bytes,
         job.mixed,
         job.fp8,
@@ -290,14 +290,16 @@ def _keys(layout: Layout, job: Job) -> tuple[tuple, tuple]:
 
 def _layout_of(key: tuple) -> Layout:
     tp, sp, ep, cp, mb, gathered, async_tp = key
-    return Layout(tp=tp, sequence_parallel=sp, ep=ep, cp=cp, micro_batch=mb, zero=int(gathered), dp=2 if gathered else 1, async_tp=async_tp)
+    return Layout(
+        tp=tp, sequence_parallel=sp, ep=ep, cp=cp, micro_batch_size=mb, zero=int(gathered), dp=2 if gathered else 1, async_tp=async_tp
+    )
 
 
 @lru_cache(maxsize=65536)
 def _kind_bytes(shape: Shape, layout_key: tuple, job_key: tuple, moe: bool, mode: str) -> float:
     layout = _layout_of(layout_key)
     job = _JobView(*job_key)
-    return block_activations(shape, layout, job, moe=moe, recompute=mode).total(layout.micro_batch * shape.seq / layout.cp)
+    return block_activations(shape, layout, job, moe=moe, recompute=mode).total(layout.micro_batch_size * shape.seq / layout.cp)
 
 
 @dataclass(frozen=True)

@@ -305,7 +305,7 @@ def tp_bytes(shape: Shape, layout: Layout, job: Job, *, layers: int, microbatche
     t = layout.tp
     if t == 1:
         return 0.0
-    tokens = layout.micro_batch * shape.seq / layout.cp
+    tokens = layout.micro_batch_size * shape.seq / layout.cp
     size = tokens * shape.hidden * job.compute_bytes
     per_layer = (6 if layout.recompute == Recompute.FULL else 4) * 2 * (t - 1) / t * size
     if layout.sequence_parallel and not layout.async_tp:  # async TP's linears keep the gathered input
@@ -330,7 +330,7 @@ def async_tp_hidden(shape: Shape, layout: Layout, job: Job, *, attention_layers:
     t = layout.tp
     if not (layout.async_tp and layout.sequence_parallel and t > 1):
         return 0.0
-    tokens = layout.micro_batch * shape.seq / layout.cp
+    tokens = layout.micro_batch_size * shape.seq / layout.cp
     one = seconds(job, (t - 1) / t * tokens * shape.hidden * job.compute_bytes, spans(layout)["tp"], t)
     rate = job.profile.peak(job.param_dtype) * job.profile.matmul_efficiency
     pairs = 3 if layout.recompute == Recompute.FULL else 2  # windows per projection: forward (again in recompute), backward
@@ -369,8 +369,8 @@ def pp_bytes(shape: Shape, layout: Layout, job: Job, *, microbatches: int) -> tu
     if layout.pp == 1:
         return 0.0, 0.0
     sp = layout.tp if layout.sequence_parallel else 1
-    one = layout.micro_batch * shape.seq / layout.cp * shape.hidden * job.residual_bytes / sp  # the residual stream
-    return 2 * microbatches * layout.virtual_stages * one, one
+    one = layout.micro_batch_size * shape.seq / layout.cp * shape.hidden * job.residual_bytes / sp  # the residual stream
+    return 2 * microbatches * layout.pp_virtual_stages * one, one
 
 
 def cp_bytes(shape: Shape, layout: Layout, job: Job, *, layers: int, microbatches: int) -> float:
@@ -378,7 +378,7 @@ def cp_bytes(shape: Shape, layout: Layout, job: Job, *, layers: int, microbatche
     cp = layout.cp
     if cp == 1:
         return 0.0
-    tokens = layout.micro_batch * shape.seq / cp
+    tokens = layout.micro_batch_size * shape.seq / cp
     kv = tokens * 2 * shape.kv_dim / layout.tp * job.compute_bytes
     return microbatches * layers * 3 * (cp - 1) * kv
 
@@ -388,7 +388,7 @@ def ep_bytes(shape: Shape, layout: Layout, job: Job, *, moe_layers: int, microba
     ep = layout.ep
     if ep == 1 or moe_layers == 0:
         return 0.0
-    tokens = layout.micro_batch * shape.seq / layout.cp / (layout.tp if layout.sequence_parallel else 1)
+    tokens = layout.micro_batch_size * shape.seq / layout.cp / (layout.tp if layout.sequence_parallel else 1)
     routed = tokens * shape.top_k * (shape.capacity_factor or 1.0) * shape.hidden * job.compute_bytes
     passes = 6 if layout.recompute == Recompute.FULL else 4
     return microbatches * moe_layers * passes * (ep - 1) / ep * routed

@@ -127,11 +127,11 @@ def _stage_time(shape: Shape, layout: Layout, job: Job, stage: int, m: int) -> t
     if job.efficiency is None:
         compute = _kernel_time(shape, layout, job, counts, (m - 1) / m)
     else:
-        tokens = layout.micro_batch * shape.seq / layout.cp
+        tokens = layout.micro_batch_size * shape.seq / layout.cp
         flops = fl.stage_hardware_flops_per_token(shape, layout, counts) * tokens / layout.tp
         compute = kn.Cost(matmul=flops / (job.profile.peak(job.param_dtype) * job.efficiency))
     if job.fp8:
-        tokens = layout.micro_batch * shape.seq / layout.cp
+        tokens = layout.micro_batch_size * shape.seq / layout.cp
         compute = compute.plus(_fp8_cost(shape, layout, job, counts, tokens))
     span, group = cm.spans(layout), cm.groups(layout)
     collective = cm.seconds(job, cm.tp_bytes(shape, layout, job, layers=counts.blocks, microbatches=1), span["tp"], group["tp"])
@@ -163,9 +163,18 @@ def _fp8_cost(shape: Shape, layout: Layout, job: Job, counts, tokens: float) -> 
 
 def _kernel_time(shape: Shape, layout: Layout, job: Job, counts, accumulate: float) -> kn.Cost:
     sp = kn.speeds(job)
-    key = (layout.tp, layout.tp if layout.sequence_parallel else 1, layout.ep, layout.micro_batch * shape.seq / layout.cp)
+    key = (layout.tp, layout.tp if layout.sequence_parallel else 1, layout.ep, layout.micro_batch_size * shape.seq / layout.cp)
     return _kernel_time_cached(
-        shape, key, layout.recompute, sp, job.compute_bytes, job.mixed, counts, accumulate, (layout.micro_batch, layout.cp), job.compile
+        shape,
+        key,
+        layout.recompute,
+        sp,
+        job.compute_bytes,
+        job.mixed,
+        counts,
+        accumulate,
+        (layout.micro_batch_size, layout.cp),
+        job.compile,
     )
 
 
@@ -186,7 +195,7 @@ def _kernel_time_cached(
             out = out.plus(kn.block_cost(sp, k, mode=mode if applies else "none", mixed=mixed, c=c, accumulate=accumulate).times(n))
     mb, cp = ends_key
     if counts.first or counts.last:
-        ends = Layout(micro_batch=mb, cp=cp, tp=tp)
+        ends = Layout(micro_batch_size=mb, cp=cp, tp=tp)
         out = out.plus(kn.ends_cost(sp, shape, ends, c=c, mixed=mixed, first=counts.first, last=counts.last, accumulate=accumulate))
     return out
 
@@ -222,7 +231,7 @@ def _communication(shape: Shape, layout: Layout, job: Job, m: int, stage: int, t
     if pp_total:
         one_s = cm.seconds(job, pp_one, span["pp"]) + cm.hops_seconds(job, 1)
         pp_s = pp_total / pp_one * one_s
-        kinds["pp"] = cm.Traffic(pp_total, pp_s, min(pp_s, 2 * (layout.pp - 1) * layout.virtual_stages * one_s))
+        kinds["pp"] = cm.Traffic(pp_total, pp_s, min(pp_s, 2 * (layout.pp - 1) * layout.pp_virtual_stages * one_s))
     moe = counts.moe + counts.moe_ckpt
     latency = cm.critical_latency(shape, layout, job, layers=nblocks, moe_layers=moe, microbatches=m, first=counts.first, last=counts.last)
     hidden = {
@@ -269,7 +278,7 @@ def _attention_share(shape: Shape) -> float:
 
 def stage_peaks(shape: Shape, layout: Layout, job: Job) -> list[StageMemory]:
     """The memory half of ``estimate`` (one rank per distinct stage), for the search."""
-    m = job.global_batch // (layout.micro_batch * layout.dp)
+    m = job.global_batch // (layout.micro_batch_size * layout.dp)
     return all_stages(shape, layout, job, m, every_stage=False)
 
 
@@ -282,7 +291,7 @@ def step_floor(shape: Shape, layout: Layout, job: Job) -> float:
     """A lower bound of ``estimate(...).step_s``: the slowest stage's microbatches and the bubble,
     without data-parallel, pipeline and optimizer time (which only add). The search uses it to
     skip the rest of layouts that cannot reach its current top list."""
-    m = job.global_batch // (layout.micro_batch * layout.dp)
+    m = job.global_batch // (layout.micro_batch_size * layout.dp)
     t_mb = max(_stage_seconds(*_stage_time(shape, layout, job, s, m)) for s in representative_stages(shape, layout))
     return m * t_mb / (1 - bubble_fraction(layout, m, w=fl.weight_grad_share(shape)))
 
@@ -292,7 +301,7 @@ def estimate(shape: Shape, layout: Layout, job: Job, *, every_stage: bool = True
 
     ``every_stage=False`` (the search) lists only one pipeline rank per distinct
     stage content; the most-loaded and the slowest rank are the same either way."""
-    m = job.global_batch // (layout.micro_batch * layout.dp)
+    m = job.global_batch // (layout.micro_batch_size * layout.dp)
     if stages is None:
         stages = all_stages(shape, layout, job, m, every_stage=every_stage)
     times = {s: _stage_time(shape, layout, job, s, m) for s in representative_stages(shape, layout)}
@@ -368,7 +377,7 @@ def node_fits(shape: Shape, layout: Layout, job: Job, worst: StageMemory) -> boo
     shard = shard_numel(shape, layout, worst.stage)
     offloaded = 0.0
     if offloads(layout):
-        m = job.global_batch // (layout.micro_batch * layout.dp)
+        m = job.global_batch // (layout.micro_batch_size * layout.dp)
         host = host_use(
             shape,
             layout,

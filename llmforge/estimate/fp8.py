@@ -123,7 +123,7 @@ def stage_cast_seconds(
 
 def working_bytes(shape: Shape, layout: Layout, job: Job) -> float:
     """The largest float8 working set of one linear layer: weight and transpose, input and transpose."""
-    return _working_bytes(shape, layout.tp, layout.micro_batch * shape.seq / layout.cp)
+    return _working_bytes(shape, layout.tp, layout.micro_batch_size * shape.seq / layout.cp)
 
 
 @lru_cache(maxsize=4096)

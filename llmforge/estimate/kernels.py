@@ -278,7 +278,7 @@ def block_cost(sp: Speeds, k: Kernels, *, mode: str, mixed: bool, c: int, accumu
 def ends_cost(sp: Speeds, shape: Shape, layout: Layout, *, c: int, mixed: bool, first: bool, last: bool, accumulate: float) -> Cost:
     """Embedding (first stage) and final norm, output layer and loss (last stage), one microbatch
     (never compiled: ``train.compile`` compiles the blocks)."""
-    t = layout.micro_batch * shape.seq / layout.cp
+    t = layout.micro_batch_size * shape.seq / layout.cp
     tp = layout.tp
     h, v = shape.hidden, shape.vocab / tp
     out = NONE

@@ -98,7 +98,7 @@ def model_states(shape: Shape, layout: Layout, stage: int, job: Job) -> tuple[in
         layout.cp,
         layout.ep,
         layout.zero,
-        layout.virtual_stages,
+        layout.pp_virtual_stages,
         layout.pp_layers,
         layout.v_shape,
         layout.dp_replicate,

@@ -46,7 +46,7 @@ def _muon_tensors(shape: Shape, key: tuple) -> tuple[Tensor, ...]:
 
 
 def _tensors(shape: Shape, layout: Layout, stage: int) -> tuple[Tensor, ...]:
-    return _muon_tensors(shape, (layout.pp, layout.virtual_stages, layout.pp_layers, stage, layout.v_shape))
+    return _muon_tensors(shape, (layout.pp, layout.pp_virtual_stages, layout.pp_layers, stage, layout.v_shape))
 
 
 def _local_numel(t: Tensor, layout: Layout) -> float:
@@ -59,7 +59,7 @@ def _local_numel(t: Tensor, layout: Layout) -> float:
 @lru_cache(maxsize=1024)
 def _muon_share(shape: Shape, layout: Layout, stage: int) -> float:
     """Share of the stage rank's parameters that Muon steps."""
-    key = (layout.pp, layout.virtual_stages, layout.pp_layers, stage, layout.v_shape)
+    key = (layout.pp, layout.pp_virtual_stages, layout.pp_layers, stage, layout.v_shape)
     total = sum(_local_numel(t, layout) for t in stage_tensors(shape, key))
     return sum(_local_numel(t, layout) for t in _tensors(shape, layout, stage)) / total if total else 0.0
 

@@ -81,7 +81,7 @@ def rank_items(shape: Shape, layout: Layout, job: Job, *, device_total: float, s
     if job.on_cpu:
         items = {"rank footprint": device_total}
     else:
-        data = PREFETCHED_BATCHES * layout.micro_batch * (shape.seq + 1) * INT64
+        data = PREFETCHED_BATCHES * layout.micro_batch_size * (shape.seq + 1) * INT64
         items = {"process": float(RANK_BASE_BYTES), "build buffer": FP32 * largest_parameter(shape), "data buffers": float(data)}
     if staging:
         items["checkpoint staging"] = staging
@@ -120,7 +120,7 @@ def fix(node: NodeMemory, layout: Layout) -> str:
         for k, wanted in (
             ("parallel.zero=3", layout.zero < 3),
             ("parallel.recompute=full", layout.recompute != Recompute.FULL),
-            ("a smaller train.micro_batch_size", layout.micro_batch > 1),
+            ("a smaller train.micro_batch_size", layout.micro_batch_size > 1),
         )
         if wanted
     ]

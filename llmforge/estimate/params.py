@@ -198,7 +198,7 @@ def layout_rank_params(shape: Shape, layout: Layout, stage: int) -> RankParams:
     return rank_params(
         shape,
         pp=layout.pp,
-        v=layout.virtual_stages,
+        v=layout.pp_virtual_stages,
         pp_layers=layout.pp_layers,
         stage=stage,
         tp=layout.tp,
@@ -256,7 +256,7 @@ def stage_counts(shape: Shape, layout: Layout) -> tuple[StageCounts, ...]:
     if memo is not None and memo[0] is shape:
         return memo[1]
     every = layout.recompute_every if layout.recompute == Recompute.FULL else 1
-    counts = _stage_counts(shape, layout.pp, layout.virtual_stages, layout.pp_layers, layout.v_shape, every)
+    counts = _stage_counts(shape, layout.pp, layout.pp_virtual_stages, layout.pp_layers, layout.v_shape, every)
     object.__setattr__(layout, "_counts", (shape, counts))
     return counts
 

@@ -24,10 +24,10 @@ from llmforge.layout import ZERO_BUBBLE_SCHEDULES, Layout, stage_ids
 
 def inflight_microbatches(layout: Layout, *, stage: int, microbatches: int) -> float:
     """Microbatches whose activations rank ``stage`` holds at its peak, in whole-stage units."""
-    p, v, m = layout.pp, layout.virtual_stages, microbatches
+    p, v, m = layout.pp, layout.pp_virtual_stages, microbatches
     if p == 1:
         return 1.0
-    sched = layout.schedule
+    sched = layout.pp_schedule
     if sched in (Schedule.GPIPE, Schedule.LOOPED_BFS):
         return float(m)
     if sched == Schedule.ONE_F_ONE_B:
@@ -42,15 +42,15 @@ def inflight_microbatches(layout: Layout, *, stage: int, microbatches: int) -> f
 
 def bubble_fraction(layout: Layout, microbatches: int, *, w: float = 1.0) -> float:
     """Idle share of the step for the layout's schedule (see the module docstring)."""
-    p, v, m = layout.pp, layout.virtual_stages, microbatches
+    p, v, m = layout.pp, layout.pp_virtual_stages, microbatches
     if p == 1:
         return 0.0
-    if layout.schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+    if layout.pp_schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
         return (p - 1) / (m + p - 1)
-    if layout.schedule in (Schedule.INTERLEAVED_1F1B, Schedule.LOOPED_BFS):
+    if layout.pp_schedule in (Schedule.INTERLEAVED_1F1B, Schedule.LOOPED_BFS):
         return (p - 1) / (v * m + p - 1)
     per_chunk = 3.0  # T_F + T_B + T_W
-    if layout.schedule == Schedule.ZB_INTERLEAVED:
+    if layout.pp_schedule == Schedule.ZB_INTERLEAVED:
         idle = (p - 1) * (1 + (2 - w) - w) / per_chunk
     else:  # zbv
         idle = (p - 1) * max(0.0, 1 + (2 - w) - 2 * w) / per_chunk
@@ -96,7 +96,7 @@ def _one_f_one_b(fwd: list, bwd: list, warmup: int) -> list:
 
 def simulate(layout: Layout, microbatches: int) -> dict[int, list[Slot]]:
     """Run the schedule with unit forward time per chunk (backward 2, or B 1 + W 1 for zero-bubble)."""
-    p, v, m, sched = layout.pp, layout.virtual_stages, microbatches, layout.schedule
+    p, v, m, sched = layout.pp, layout.pp_virtual_stages, microbatches, layout.pp_schedule
     if sched == Schedule.ZBV:
         return _simulate_greedy(p, m)
     nchunks = p * v

@@ -47,9 +47,9 @@ def as_dict(est: Estimate, *, recipe: str = "") -> dict[str, Any]:
         "headroom_bytes": est.headroom,
         "stages": [{"stage": s.stage, "params": s.params, "total_bytes": s.total, "activations_bytes": s.activations} for s in est.stages],
         "pipeline": {
-            "schedule": lay.schedule if lay.pp > 1 else "none",
+            "schedule": lay.pp_schedule if lay.pp > 1 else "none",
             "stages": lay.pp,
-            "virtual_stages": lay.virtual_stages,
+            "virtual_stages": lay.pp_virtual_stages,
             "microbatches": est.microbatches,
             "bubble_fraction": est.bubble,
         },
@@ -106,7 +106,7 @@ def step_share(est) -> dict:
     full = layout.recompute == Recompute.FULL
     recomputed = sum(c.dense_ckpt + c.moe_ckpt for c in stage_counts(shape, layout)) if full else 0
     flops = tokens * per_layer * (3.5 * shape.num_layers + recomputed)
-    local = layout.micro_batch * shape.seq / layout.cp * per_layer / layout.tp  # one block, one microbatch
+    local = layout.micro_batch_size * shape.seq / layout.cp * per_layer / layout.tp  # one block, one microbatch
     sp = kn.speeds(job)
     block_s = (
         sp.attention(local, 1, head_dim=shape.head_dim).seconds

@@ -152,8 +152,8 @@ def structures(shape: Shape, job: Job, world: int) -> Iterator[Layout]:
                                     ep=ep,
                                     zero=zero,
                                     sequence_parallel=sp,
-                                    schedule=schedule,
-                                    virtual_stages=v,
+                                    pp_schedule=schedule,
+                                    pp_virtual_stages=v,
                                     dp_replicate=r,
                                 )
 
@@ -166,10 +166,10 @@ def _evaluate(shape: Shape, job: Job, structure: Layout, keep: list, top: int, c
     base = {f: getattr(structure, f) for f in _FIELDS}
     capacity = job.profile.memory_bytes
     tokens = job.global_batch * shape.seq
-    for mb in _micro_batches(job, structure.dp, structure.pp, structure.schedule):
+    for mb in _micro_batches(job, structure.dp, structure.pp, structure.pp_schedule):
         fitted = False
         for recompute in ("none", "selective", "full"):
-            layout = Layout(**{**base, "micro_batch": mb, "recompute": recompute})
+            layout = Layout(**{**base, "micro_batch_size": mb, "recompute": recompute})
             stages = stage_peaks(shape, layout, job)
             worst = most_loaded(stages)
             peak = worst.total
@@ -262,9 +262,9 @@ def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -
         batch = max(job.global_batch, n)  # each data-parallel rank needs a sequence
         scaled = replace(job, nodes=max(1, n // node), devices_per_node=min(n, node), global_batch=batch)
         for structure in structures(shape, scaled, n):
-            if structure.zero != (3 if structure.dp > 1 else 0) or structure.schedule != Schedule.ONE_F_ONE_B:
+            if structure.zero != (3 if structure.dp > 1 else 0) or structure.pp_schedule != Schedule.ONE_F_ONE_B:
                 continue
-            for mb in list(_micro_batches(scaled, structure.dp, structure.pp, structure.schedule))[:1]:
+            for mb in list(_micro_batches(scaled, structure.dp, structure.pp, structure.pp_schedule))[:1]:
                 layout = Layout(**{**{f: getattr(structure, f) for f in _FIELDS}, "micro_batch": mb, "recompute": "full"})
                 worst = most_loaded(stage_peaks(shape, layout, scaled))
                 if worst.total <= scaled.profile.memory_bytes and node_fits(shape, layout, scaled, worst):
@@ -380,8 +380,8 @@ def plan_config(plan, layout: Layout):
         ep=layout.ep,
         zero=layout.zero,
         sequence_parallel=layout.sequence_parallel,
-        pp_schedule=layout.schedule,
-        pp_virtual_stages=layout.virtual_stages,
+        pp_schedule=layout.pp_schedule,
+        pp_virtual_stages=layout.pp_virtual_stages,
         recompute=layout.recompute,
         recompute_every=layout.recompute_every,
         pp_layers=None,
@@ -390,7 +390,7 @@ def plan_config(plan, layout: Layout):
         offload_activations=layout.offload_activations,
         async_tp=layout.async_tp,
     )
-    train = dataclasses.replace(c.train, micro_batch_size=layout.micro_batch)
+    train = dataclasses.replace(c.train, micro_batch_size=layout.micro_batch_size)
     cluster = c.cluster if c.cluster.devices_per_node else dataclasses.replace(c.cluster, devices_per_node=layout.world // c.cluster.nodes)
     return dataclasses.replace(c, parallel=parallel, train=train, cluster=cluster)
 

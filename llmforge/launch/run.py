@@ -99,7 +99,7 @@ def runs_here(plan: RunPlan) -> bool:
     """One rank, no restarts, no offloaded states (FSDP2's, which needs a process group) and
     ``cluster.launcher=local``: train in this process."""
     c = plan.config.cluster
-    return plan.world_size == 1 and c.launcher == Launcher.LOCAL and c.max_restarts == 0 and plan.config.parallel.offload == Offload.NONE
+    return plan.world_size == 1 and c.launcher == Launcher.LOCAL and c.max_restarts == 0 and plan.layout.offload == Offload.NONE
 
 
 def launch_distributed(plan: RunPlan, *, resume_from: Path | None, dry_run: bool, console: Console) -> None:

@@ -112,7 +112,7 @@ def build_parts(plan: RunPlan, *, mesh: ParallelMesh | None, device: torch.devic
             part,
             device=device,
             values=seeded_values(part, seed=plan.config.train.seed, aliases=aliases),
-            param_device=torch.device("cpu") if plan.config.parallel.offload == Offload.STATES else device,
+            param_device=torch.device("cpu") if plan.layout.offload == Offload.STATES else device,
         )
         parts.append(part)
     return parts, ids
@@ -129,7 +129,7 @@ def model_skeleton(plan: RunPlan, *, stage: int) -> GPT:
 def _host_group(plan: RunPlan, *, device: torch.device):
     """A gloo group over every rank for the norm of offloaded (host) gradients on GPU ranks;
     None where the default group carries host tensors already (CPU ranks) or there are none."""
-    if plan.config.parallel.offload != Offload.STATES or device.type == "cpu":
+    if plan.layout.offload != Offload.STATES or device.type == "cpu":
         return None
     import torch.distributed as dist
 
@@ -149,7 +149,7 @@ def _optimizer(plan: RunPlan, *, mesh: ParallelMesh | None, parts: list[nn.Modul
     """AdamW over every part; the float8 scales of FSDP-gathered weights are
     recomputed after each step."""
     cfg = plan.config
-    optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr, offloaded=cfg.parallel.offload == Offload.STATES)
+    optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr, offloaded=plan.layout.offload == Offload.STATES)
     _no_decay(optimizer, copies)
     if fp8_all_gather(plan, mesh=mesh):
         precompute = precompute_scales(parts)

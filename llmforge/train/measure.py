@@ -228,7 +228,7 @@ def _scaled(
 
 def single_process_estimate(shape, job: Job, *, micro_batch: int, recompute: str, every: int) -> dict:
     """The estimator's figures for one process running one microbatch (what ``measure`` sees)."""
-    layout = Layout(micro_batch=micro_batch, recompute=recompute, recompute_every=every)
+    layout = Layout(micro_batch_size=micro_batch, recompute=recompute, recompute_every=every)
     tokens = micro_batch * shape.seq
     saved = sum(act.layer_bytes(shape, layout, job, i) for i in range(shape.num_layers))
     saved += act.embedding_bytes(shape, layout) + act.output_bytes(shape, layout, job)
@@ -244,7 +244,7 @@ def single_process_estimate(shape, job: Job, *, micro_batch: int, recompute: str
 def measure_plan(plan, est) -> MeasuredReport:
     """Estimate and measurement side by side for the plan's model, one process, one microbatch."""
     cfg = plan.config
-    p = cfg.parallel
+    p = plan.layout
     mb = cfg.train.micro_batch_size
     names = count_parameters(cfg.model)
     measured_params = sum(_numel(s) for s in names.values())

@@ -32,7 +32,7 @@ from llmforge.train.precision import DTYPES, residual_dtype
 def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh | None) -> None:
     """Shard one model (or pipeline chunk) in place: float8 or QAT -> TP -> EP -> CP -> residual dtype -> recompute -> compile -> FSDP.
     ``mesh`` may be None in one process, where only float8 or QAT, the residual dtype, recompute and compile apply."""
-    p = plan.config.parallel
+    p = plan.layout
     if plan.config.precision.fp8:
         apply_float8(
             model,
@@ -91,7 +91,7 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh | None) -
 
 def uses_fsdp(plan: RunPlan, *, mesh: ParallelMesh | None) -> bool:
     """ZeRO 1-3 on a distributed rank that reduces over its data-parallel group: FSDP2 shards the model."""
-    return plan.config.parallel.zero > 0 and reduces_over_dp(plan, mesh=mesh)
+    return plan.layout.zero > 0 and reduces_over_dp(plan, mesh=mesh)
 
 
 def fp8_all_gather(plan: RunPlan, *, mesh: ParallelMesh | None) -> bool:
