@@ -85,7 +85,7 @@ def export_quantization(config, *, quantize: str, group_size: int | None) -> tup
             ],
             title="bad option",
         )
-    if scheme != Qat.NONE and pr.qat not in ("none", scheme):
+    if scheme != Qat.NONE and pr.qat not in (Qat.NONE, scheme):
         raise UserError(
             [
                 Problem(

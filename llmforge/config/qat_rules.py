@@ -11,7 +11,7 @@ from llmforge.config.schema import RunConfig
 from llmforge.errors import Problem
 
 #: precision.qat: none, or a scheme of llmforge.parallel.qat.SCHEMES.
-QAT_SCHEMES = ("none", "int8-int4", "int4")
+QAT_SCHEMES = Qat.names()
 
 
 def check_qat(config: RunConfig) -> list[Problem]:
