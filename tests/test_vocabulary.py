@@ -70,7 +70,7 @@ def string_comparisons(source: str, names: dict[str, set[str]]) -> list[str]:
         if not isinstance(node, ast.Compare):
             continue
         sides = [node.left, *node.comparators]
-        for left, right in zip(sides, sides[1:]):
+        for left, right in zip(sides, sides[1:], strict=False):
             for holder, literal in ((left, right), (right, left)):
                 name = _holder(holder)
                 if name in names and _literals(literal) & names[name]:
