@@ -130,7 +130,7 @@ def test_every_structure_passes_plan_validation():
     seen = 0
     for structure in structures(shape, jb, 8):
         for mb in _micro_batches(jb, structure.dp, structure.pp, structure.pp_schedule):
-            layout = Layout(**{**{f: getattr(structure, f) for f in Layout.__dataclass_fields__}, "micro_batch": mb})
+            layout = Layout(**{**{f: getattr(structure, f) for f in Layout.__dataclass_fields__}, "micro_batch_size": mb})
             RunPlan.build(plan_config(plan, layout))
             seen += 1
     assert seen > 50

@@ -96,7 +96,7 @@ def recompute_flops_per_token(shape: Shape, layout: Layout, index: int) -> float
     """Extra forward FLOPs per token of block ``index`` caused by activation recomputation."""
     mode = layout.recompute
     if mode == Recompute.FULL and index % layout.recompute_every:
-        mode = "none"
+        mode = Recompute.NONE
     return recompute_extra(shape, moe=shape.is_moe_layer(index), mode=mode)
 
 
@@ -141,8 +141,8 @@ def _stage_flops(shape: Shape, recompute: str, counts: StageCounts) -> float:
         return 3 * f.weights + 3.5 * f.attention + recompute_extra(shape, moe=moe, mode=mode)
 
     total = (
-        counts.dense * block(False, "none")
-        + counts.moe * block(True, "none")
+        counts.dense * block(False, Recompute.NONE)
+        + counts.moe * block(True, Recompute.NONE)
         + counts.dense_ckpt * block(False, recompute)
         + counts.moe_ckpt * block(True, recompute)
     )

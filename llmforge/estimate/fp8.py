@@ -78,8 +78,8 @@ def stage_flops_per_token(shape: Shape, layout: Layout, counts: StageCounts) -> 
     """FP8 FLOPs per token of one pipeline rank (before tensor/context splitting)."""
     mode = layout.recompute
     return (
-        counts.dense * block_flops(shape, moe=False, mode="none")
-        + counts.moe * block_flops(shape, moe=True, mode="none")
+        counts.dense * block_flops(shape, moe=False, mode=Recompute.NONE)
+        + counts.moe * block_flops(shape, moe=True, mode=Recompute.NONE)
         + counts.dense_ckpt * block_flops(shape, moe=False, mode=mode)
         + counts.moe_ckpt * block_flops(shape, moe=True, mode=mode)
     )

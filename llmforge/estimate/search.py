@@ -35,7 +35,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from llmforge.config.choices import Schedule
+from llmforge.config.choices import Offload, Recompute, Schedule
 from llmforge.errors import UserError
 from llmforge.estimate.core import Estimate, estimate, node_fits, stage_peaks, step_floor
 from llmforge.estimate.memory import most_loaded
@@ -104,21 +104,21 @@ def replicate_options(*, dp: int, tp: int, cp: int, ep: int, zero: int, node_siz
     return [1] + [r for r in divisors(dp) if r > 1 and (tp * (dp // r)) % node_size == 0]
 
 
-def schedule_options(shape: Shape, pp: int) -> list[tuple[str, int]]:
+def schedule_options(shape: Shape, pp: int) -> list[tuple[Schedule, int]]:
     """(schedule, virtual stages) worth trying for pp stages."""
     if pp == 1:
-        return [("1f1b", 1)]
-    out = [("1f1b", 1)]
+        return [(Schedule.ONE_F_ONE_B, 1)]
+    out = [(Schedule.ONE_F_ONE_B, 1)]
     per_rank = shape.num_layers // pp
     for v in divisors(per_rank):
         if 2 <= v <= MAX_VIRTUAL:
-            out += [("interleaved_1f1b", v), ("zb_interleaved", v)]
+            out += [(Schedule.INTERLEAVED_1F1B, v), (Schedule.ZB_INTERLEAVED, v)]
     if per_rank % 2 == 0:
-        out.append(("zbv", 2))
+        out.append((Schedule.ZBV, 2))
     return out
 
 
-def _micro_batches(job: Job, dp: int, pp: int, schedule: str) -> Iterator[int]:
+def _micro_batches(job: Job, dp: int, pp: int, schedule: Schedule) -> Iterator[int]:
     if job.global_batch % dp:
         return
     per_rank = job.global_batch // dp
@@ -168,7 +168,7 @@ def _evaluate(shape: Shape, job: Job, structure: Layout, keep: list, top: int, c
     tokens = job.global_batch * shape.seq
     for mb in _micro_batches(job, structure.dp, structure.pp, structure.pp_schedule):
         fitted = False
-        for recompute in ("none", "selective", "full"):
+        for recompute in Recompute:
             layout = Layout(**{**base, "micro_batch_size": mb, "recompute": recompute})
             stages = stage_peaks(shape, layout, job)
             worst = most_loaded(stages)
@@ -238,7 +238,7 @@ def search(shape: Shape, job: Job, *, world: int, top: int = 5) -> SearchResult:
 
 
 #: What the search offloads when nothing fits on the devices, least first.
-OFFLOAD_STEPS = ({"offload": "states"}, {"offload": "states", "offload_activations": True})
+OFFLOAD_STEPS = ({"offload": Offload.STATES}, {"offload": Offload.STATES, "offload_activations": True})
 
 
 def offload_structures(shape: Shape, job: Job, world: int, *, offload: str, offload_activations: bool = False) -> Iterator[Layout]:
@@ -265,7 +265,7 @@ def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -
             if structure.zero != (3 if structure.dp > 1 else 0) or structure.pp_schedule != Schedule.ONE_F_ONE_B:
                 continue
             for mb in list(_micro_batches(scaled, structure.dp, structure.pp, structure.pp_schedule))[:1]:
-                layout = Layout(**{**{f: getattr(structure, f) for f in _FIELDS}, "micro_batch": mb, "recompute": "full"})
+                layout = Layout(**{**{f: getattr(structure, f) for f in _FIELDS}, "micro_batch_size": mb, "recompute": Recompute.FULL})
                 worst = most_loaded(stage_peaks(shape, layout, scaled))
                 if worst.total <= scaled.profile.memory_bytes and node_fits(shape, layout, scaled, worst):
                     return n, batch, layout

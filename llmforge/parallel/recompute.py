@@ -36,7 +36,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import llmforge.parallel.sequence  # noqa: F401  (registers llmforge::sp_column_linears, which _save_ops names)
 from llmforge.config.choices import Recompute
 
-MODES = ("none", "selective", "full")
+MODES = Recompute.names()
 
 aten = torch.ops.aten
 

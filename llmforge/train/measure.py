@@ -152,7 +152,7 @@ def measure_config(
     *,
     micro_batch: int,
     param_dtype: str,
-    recompute: str = "none",
+    recompute: Recompute = Recompute.NONE,
     every: int = 1,
     fake: bool | None = None,
     fp32_residual: bool = False,
