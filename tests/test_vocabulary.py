@@ -14,6 +14,7 @@ import pytest
 import llmforge.config.choices as choices
 from llmforge.config.choices import Choice, Recompute, Schedule
 from llmforge.config.compose import compose
+from llmforge.config.saved import compose_saved
 from llmforge.config.schema import choice_keys, iter_keys
 from llmforge.errors import UserError
 from llmforge.plan import CHOICES, RunPlan, config_from_dict
@@ -147,11 +148,24 @@ def test_names_compose_to_members_and_serialise_as_plain_strings():
     assert again.parallel.recompute is Recompute.FULL and again == plan.config
 
 
-def test_a_wrong_name_names_the_key_and_the_choices():
+WRONG = "parallel.recompute = 'fulll': not a valid choice (did you mean 'full'?). Fix: use one of: none, selective, full"
+
+
+def test_a_wrong_name_is_reported_with_every_other_problem():
     with pytest.raises(UserError) as info:
-        compose(["parallel.recompute=fulll"])
-    assert info.value.exit_code == 2
-    assert "parallel.recompute = 'fulll': not a valid choice (did you mean 'full'?). Fix: use one of: none, selective, full" in (
-        info.value.message()
-    )
-    assert not Recompute.__members__.get("fulll")
+        RunPlan.build(compose(["parallel.recompute=fulll", "model.norm=batchnorm", "train.steps=0"]))
+    text = info.value.message()
+    assert info.value.exit_code == 2 and WRONG in text
+    assert "model.norm = 'batchnorm'" in text and "train.steps = 0" in text
+
+
+def test_a_wrong_name_in_a_file_or_on_a_saved_plan_names_the_key_and_the_choices(tmp_path):
+    (tmp_path / "parallel").mkdir()
+    (tmp_path / "parallel" / "mine.yaml").write_text("recompute: fulll\n")
+    with pytest.raises(UserError) as info:
+        compose(["parallel=mine"], extra_dirs=[tmp_path])
+    assert WRONG in info.value.message()
+    saved = RunPlan.build(compose([])).to_dict()["config"]
+    with pytest.raises(UserError) as info:
+        RunPlan.build(compose_saved(saved, ["parallel.recompute=fulll"], source="plan.json"))
+    assert WRONG in info.value.message()

@@ -9,13 +9,14 @@ their options shadow the built-in ones of the same name.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from llmforge.config.choices import Choice, choice_problem
-from llmforge.config.schema import GROUPS, RunConfig, iter_keys
+from llmforge.config.schema import GROUPS, RunConfig, choice_keys, iter_keys
 from llmforge.errors import Problem, UserError, nearest
 
 BUILTIN_CONFIG_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -213,7 +214,7 @@ def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] =
 
     dirs = config_dirs(extra_dirs)
     options = available_options(dirs)
-    checked = check_overrides(overrides, options)
+    checked, unknown_names = split_unknown_names(check_overrides(overrides, options))
     file_problems = check_files(checked, options)
     if file_problems:
         raise UserError(file_problems, title="a configuration file is not valid")
@@ -227,9 +228,34 @@ def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] =
         with initialize(version_base=None, config_path=None, job_name="llmforge"):
             cfg = hydra_compose(config_name=_ROOT_NAME, overrides=checked)
         cfg = OmegaConf.masked_copy(cfg, [str(f) for f in cfg if f != "hydra"]) if "hydra" in cfg else cfg
-        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+        config: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except (HydraException, OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:
         raise UserError([_explain(exc, options=options)], title="the configuration does not compose") from None
+    return with_names(config, unknown_names)
+
+
+def with_names(config: RunConfig, names: Mapping[str, str]) -> RunConfig:
+    """``config`` with these choice keys set to these plain names (RunPlan.build reports the
+    unknown ones with every other problem)."""
+    for key, value in names.items():
+        *path, leaf = key.split(".")
+        setattr(functools.reduce(getattr, path, config), leaf, value)
+    return config
+
+
+def split_unknown_names(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The overrides without those giving a choice key none of its names, and those (key -> value):
+    OmegaConf would stop at the first, and the plan's checks report them all at once."""
+    kinds = choice_keys()
+    kept, unknown = [], {}
+    for item in overrides:
+        key, value = item.split("=", 1)
+        name = value.strip().strip("'\"")
+        if key in kinds and name not in kinds[key].names():
+            unknown[key] = name
+        else:
+            kept.append(item)
+    return kept, unknown
 
 
 def with_reset(overrides: Sequence[str], reset: Mapping[str, str] | None) -> list[str]:
