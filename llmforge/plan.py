@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from llmforge.config.choices import DataSource, Dtype, Position, Qat, choice_problem, plain
+from llmforge.config.compose import split_unknown_names, with_names
 from llmforge.config.qat_rules import check_qat
 from llmforge.config.ranges import INT64_MAX, range_problems
 from llmforge.config.schema import ModelConfig, RunConfig, choice_keys
@@ -155,9 +156,10 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), data)
-    if overrides:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    dotted, unknown_names = split_unknown_names(list(overrides or []))
+    if dotted:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotted))
+    return with_names(OmegaConf.to_object(cfg), unknown_names)  # type: ignore[arg-type]
 
 
 def _validate(config: RunConfig) -> list[Problem]:

@@ -249,7 +249,7 @@ def split_unknown_names(overrides: list[str]) -> tuple[list[str], dict[str, str]
     kinds = choice_keys()
     kept, unknown = [], {}
     for item in overrides:
-        key, value = item.split("=", 1)
+        key, _, value = item.partition("=")
         name = value.strip().strip("'\"")
         if key in kinds and name not in kinds[key].names():
             unknown[key] = name
