@@ -34,7 +34,8 @@ ALIASES: dict[str, tuple[type[Choice], ...]] = {
     "shape": (choices.DecayShape,),
     "dtype": (choices.Dtype,),
 }
-#: Packages on the trainer's side of the plan: they read the parallel settings from plan.layout.
+#: Packages on the trainer's side of the plan: they read the parallel settings from plan.layout
+#: (``rehearse/`` is left out: it rewrites a plan's config to plan the rehearsal).
 LAYOUT_READERS = ("train", "parallel", "checkpoint", "launch", "observe", "models", "data", "calibrate", "processes")
 
 
