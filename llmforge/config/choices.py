@@ -24,12 +24,15 @@ _E = TypeVar("_E")
 
 
 class _ByValue(EnumMeta):
-    """``Kind["value"]`` also finds a member by its value: OmegaConf reads a YAML or
-    command-line string into an Enum field with ``Kind[string]``."""
+    """``Kind["value"]`` finds a member by its value, the name a config writes (never by its
+    Python name): OmegaConf reads a YAML or command-line string into an Enum field with
+    ``Kind[string]``, so ``recompute: FULL`` is refused as ``parallel.recompute=FULL`` is."""
 
     def __getitem__(cls: type[_E], name: str) -> _E:
-        member = cls._value2member_map_.get(name)  # type: ignore[attr-defined]
-        return member if member is not None else EnumMeta.__getitem__(cls, name)
+        member: _E | None = cls._value2member_map_.get(name)  # type: ignore[attr-defined]
+        if member is None:
+            raise KeyError(name)
+        return member
 
 
 class Choice(str, Enum, metaclass=_ByValue):
