@@ -107,13 +107,21 @@ def test_the_scan_finds_string_comparisons_of_choices_only(code, flagged):
     assert bool(string_comparisons(code, _names_holding_choices())) is flagged
 
 
+def _is_config(node: ast.expr) -> bool:
+    owner = ast.unparse(node)
+    return owner in ("cfg", "config") or owner.endswith(".config")
+
+
 def _config_parallel_reads(source: str) -> list[str]:
+    """``config.parallel`` (any spelling of the config) and ``config.train.micro_batch_size``: Layout's fields."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute) and node.attr == "parallel":
-            owner = ast.unparse(node.value)
-            if owner in ("cfg", "config") or owner.endswith(".config"):
-                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        if not isinstance(node, ast.Attribute):
+            continue
+        parallel = node.attr == "parallel" and _is_config(node.value)
+        batch = node.attr == "micro_batch_size" and isinstance(node.value, ast.Attribute) and node.value.attr == "train"
+        if parallel or (batch and _is_config(node.value.value)):
+            found.append(f"{node.lineno}: {ast.unparse(node)}")
     return found
 
 
@@ -126,7 +134,7 @@ def test_the_trainer_reads_the_layout_never_config_parallel():
         for hit in _config_parallel_reads(path.read_text())
     ]
     assert not found, "read plan.layout instead:\n" + "\n".join(found)
-    assert _config_parallel_reads("z = plan.config.parallel.zero\np = cfg.parallel")  # the scan sees both spellings
+    assert len(_config_parallel_reads("z = plan.config.parallel.zero\np = cfg.parallel\nb = cfg.train.micro_batch_size")) == 3
 
 
 def test_choices_and_keys_come_from_the_schema_types():

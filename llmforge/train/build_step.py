@@ -136,7 +136,7 @@ def _accumulation_step(
         positions = cp_positions(seq_len=cfg.model.seq_len, cp_rank=mesh.local_rank("cp"), cp=plan.layout.cp, device=device)
     return GradAccumulationStep(
         model=model,
-        micro_batch_size=cfg.train.micro_batch_size,
+        micro_batch_size=plan.layout.micro_batch_size,
         param_dtype=cfg.precision.param_dtype,
         scaler=scaler,
         device=device,
@@ -189,7 +189,7 @@ def stage_shapes(plan: RunPlan) -> StageShapes:
     ``llmforge.parallel.residual``)."""
     m, p, lay = plan.config.model, plan.config.precision, plan.layout
     return StageShapes(
-        micro_batch=plan.config.train.micro_batch_size,
+        micro_batch=plan.layout.micro_batch_size,
         seq_len=m.seq_len,
         stream_tokens=m.seq_len // lay.tp if plan.layout.sequence_parallel else m.seq_len,
         hidden=m.hidden_size,

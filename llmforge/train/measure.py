@@ -245,7 +245,7 @@ def measure_plan(plan, est) -> MeasuredReport:
     """Estimate and measurement side by side for the plan's model, one process, one microbatch."""
     cfg = plan.config
     p = plan.layout
-    mb = cfg.train.micro_batch_size
+    mb = plan.layout.micro_batch_size
     names = count_parameters(cfg.model)
     measured_params = sum(_numel(s) for s in names.values())
     m, how = _scaled(
