@@ -107,11 +107,12 @@ def show_keys(prefix: str, *, console: Console) -> None:
     overrides: the schema's defaults under the default recipe) and its help."""
     values = values_by_key(compose([]))
     table = Table(show_header=True, header_style="bold", caption="default: the value `llmforge pretrain` uses with no overrides")
-    for col in ("key", "type", "default", "meaning"):
+    table.add_column("key", no_wrap=True)  # whole, to copy into an override
+    for col in ("type", "default", "meaning"):
         table.add_column(col)
     for key, typ, _, help_text in iter_keys():
         if key.startswith(prefix):
-            kind = typ.removesuffix(" | None")
+            kind = typ.removesuffix(" | None").replace("|", " | ")  # a choice's names wrap between them
             table.add_row(key, kind, Text(repr(values.get(key))), Text(help_text))
     console.print(table)
 

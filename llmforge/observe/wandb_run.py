@@ -16,7 +16,7 @@ def resolve_mode(mode: str) -> str:
     has_key = bool(os.environ.get("WANDB_API_KEY")) or _netrc_has_wandb()
     if mode in (WandbMode.AUTO, WandbMode.ONLINE):
         return "online" if has_key else "offline"
-    return mode
+    return str(mode)
 
 
 def _netrc_has_wandb() -> bool:

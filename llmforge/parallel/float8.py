@@ -75,7 +75,7 @@ def float8_config(*, recipe: str, emulate: bool, fsdp_all_gather: bool):
 
     if recipe == Fp8Recipe.TENSORWISE:
         return Float8LinearConfig(emulate=emulate, enable_fsdp_float8_all_gather=fsdp_all_gather)
-    base = Float8LinearConfig.from_recipe_name(recipe)
+    base = Float8LinearConfig.from_recipe_name(str(recipe))  # torchao takes a plain str
     return Float8LinearConfig(**{**_fields(base), "emulate": emulate})
 
 
