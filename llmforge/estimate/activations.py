@@ -252,7 +252,7 @@ def layer_bytes(shape: Shape, layout: Layout, job: Job, index: int) -> float:
     """Saved bytes of block ``index`` for one microbatch under the layout's recompute mode."""
     mode = layout.recompute
     if mode == Recompute.FULL and index % layout.recompute_every:
-        mode = "none"
+        mode = Recompute.NONE
     acts = block_activations(shape, layout, job, moe=shape.is_moe_layer(index), recompute=mode)
     return acts.total(layout.micro_batch_size * shape.seq / layout.cp)
 
@@ -264,7 +264,7 @@ def recompute_working_bytes(shape: Shape, layout: Layout, job: Job) -> float:
     moe = shape.num_experts > 0
     key, jkey = _keys(layout, job)
     return (
-        _kind_bytes(shape, key, jkey, moe, "none")
+        _kind_bytes(shape, key, jkey, moe, Recompute.NONE)
         - _kind_bytes(shape, key, jkey, moe, layout.recompute)
         + (_kind_fixed(shape, key, jkey, moe, layout.recompute))
     )
@@ -325,7 +325,7 @@ def stage_bytes_per_microbatch(shape: Shape, layout: Layout, job: Job, counts: S
         (counts.moe_ckpt, True, True),
     ):
         if n:
-            total += n * _kind_bytes(shape, key, jkey, moe, mode if applies else "none")
+            total += n * _kind_bytes(shape, key, jkey, moe, mode if applies else Recompute.NONE)
     if counts.first:
         total += embedding_bytes(shape, layout)
     if counts.last:

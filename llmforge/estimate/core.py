@@ -35,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from llmforge.config.choices import Offload
+from llmforge.config.choices import Offload, Recompute
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate import fp8, muon
@@ -192,7 +192,7 @@ def _kernel_time_cached(
     ):
         if n:
             k = kn.block_kernels(shape, t=tokens, tp=tp, sp=spd, ep=ep, c=c, mixed=mixed, moe=moe, fused=fused)
-            out = out.plus(kn.block_cost(sp, k, mode=mode if applies else "none", mixed=mixed, c=c, accumulate=accumulate).times(n))
+            out = out.plus(kn.block_cost(sp, k, mode=mode if applies else Recompute.NONE, mixed=mixed, c=c, accumulate=accumulate).times(n))
     mb, cp = ends_key
     if counts.first or counts.last:
         ends = Layout(micro_batch_size=mb, cp=cp, tp=tp)

@@ -160,7 +160,7 @@ def _simulate_greedy(p: int, m: int) -> dict[int, list[Slot]]:
     """ZB-V: two chunks per rank in a V; each free rank runs a ready B first, then a ready F
     while it holds fewer than 2p chunk activations, else a deferred W, else idles one unit."""
     nchunks, done = 2 * p, {}
-    local = {r: tuple(stage_ids(pp_rank=r, pp=p, virtual=2, schedule="zbv")) for r in range(p)}
+    local = {r: tuple(stage_ids(pp_rank=r, pp=p, virtual=2, schedule=Schedule.ZBV)) for r in range(p)}
     slots: dict[int, list[Slot]] = {r: [] for r in range(p)}
     held, pending_w, busy_until = [0] * p, {r: [] for r in range(p)}, [0] * p
     next_f = {c: 0 for c in range(nchunks)}
