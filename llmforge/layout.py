@@ -18,20 +18,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from llmforge.config.choices import Offload, Recompute, Schedule
 from llmforge.config.schema import RunConfig
 from llmforge.errors import Problem
 
-# Groups of the pipeline schedule names (llmforge.config.schema.SCHEDULES) the rules use.
+# Groups of the pipeline schedules (llmforge.config.choices.Schedule) the rules use.
 #: Schedules running one model chunk per pipeline rank.
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+SINGLE_STAGE_SCHEDULES = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
 #: Schedules running several chunks (virtual stages) per pipeline rank.
-MULTI_CHUNK_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "zb_interleaved", "zbv")
+MULTI_CHUNK_SCHEDULES = (Schedule.INTERLEAVED_1F1B, Schedule.LOOPED_BFS, Schedule.ZB_INTERLEAVED, Schedule.ZBV)
 #: Schedules that deadlock or refuse to run with fewer microbatches than pipeline ranks.
-FILLING_SCHEDULES = ("1f1b", "interleaved_1f1b", "zb_interleaved", "zbv")
+FILLING_SCHEDULES = (Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED_1F1B, Schedule.ZB_INTERLEAVED, Schedule.ZBV)
 #: Zero-bubble schedules: the backward splits into input- and weight-gradient steps.
-ZERO_BUBBLE_SCHEDULES = ("zb_interleaved", "zbv")
+ZERO_BUBBLE_SCHEDULES = (Schedule.ZB_INTERLEAVED, Schedule.ZBV)
 #: Schedules whose two chunks per rank form a V: rank r holds chunks r and 2 pp - 1 - r.
-V_SCHEDULES = ("zbv",)
+V_SCHEDULES = (Schedule.ZBV,)
 
 
 def chunk_rank(chunk: int, *, pp: int, v_shape: bool = False) -> int:
@@ -42,7 +43,7 @@ def chunk_rank(chunk: int, *, pp: int, v_shape: bool = False) -> int:
     return chunk % pp
 
 
-def stage_ids(*, pp_rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+def stage_ids(*, pp_rank: int, pp: int, virtual: int, schedule: Schedule) -> list[int]:
     """The pipeline chunks pipeline rank ``pp_rank`` runs, in order."""
     v_shape = schedule in V_SCHEDULES
     return [c for c in range(pp * virtual) if chunk_rank(c, pp=pp, v_shape=v_shape) == pp_rank]
@@ -61,17 +62,19 @@ class Layout:
     sequence_parallel: bool = False
     #: ``parallel.async_tp``: the sequence-parallel collectives overlap the matmuls they feed.
     async_tp: bool = False
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    recompute: str = "none"
+    pp_schedule: Schedule = Schedule.ONE_F_ONE_B
+    pp_virtual_stages: int = 1
+    recompute: Recompute = Recompute.NONE
     recompute_every: int = 1
-    micro_batch: int = 1
+    micro_batch_size: int = 1
     #: Layers of each chunk for an uneven split (``parallel.pp_layers``); None: even.
     pp_layers: tuple[int, ...] | None = None
     dp_replicate: int = 1
     #: ``parallel.offload``: ``states`` keeps the shard's fp32 model states in host memory.
-    offload: str = "none"
+    offload: Offload = Offload.NONE
     offload_activations: bool = False
+    #: ``parallel.bucket_mb``: ZeRO-0 gradient bucket size in MB when the reduction overlaps backward.
+    bucket_mb: float = 25.0
 
     @classmethod
     def from_config(cls, config: RunConfig, *, dp: int) -> Layout:
@@ -86,15 +89,16 @@ class Layout:
             zero=p.zero,
             sequence_parallel=p.sequence_parallel,
             async_tp=p.async_tp,
-            schedule=p.pp_schedule,
-            virtual_stages=p.pp_virtual_stages,
+            pp_schedule=p.pp_schedule,
+            pp_virtual_stages=p.pp_virtual_stages,
             recompute=p.recompute,
             recompute_every=p.recompute_every,
-            micro_batch=config.train.micro_batch_size,
+            micro_batch_size=config.train.micro_batch_size,
             pp_layers=tuple(p.pp_layers) if p.pp_layers else None,
             dp_replicate=p.dp_replicate,
             offload=p.offload,
             offload_activations=p.offload_activations,
+            bucket_mb=p.bucket_mb,
         )
 
     @property
@@ -109,11 +113,11 @@ class Layout:
     @property
     def v_shape(self) -> bool:
         """The schedule places chunks in a V (``chunk_rank``)."""
-        return self.schedule in V_SCHEDULES
+        return self.pp_schedule in V_SCHEDULES
 
     def stage_ids(self, pp_rank: int) -> list[int]:
         """The pipeline chunks pipeline rank ``pp_rank`` runs, in order."""
-        return stage_ids(pp_rank=pp_rank, pp=self.pp, virtual=self.virtual_stages, schedule=self.schedule)
+        return stage_ids(pp_rank=pp_rank, pp=self.pp, virtual=self.pp_virtual_stages, schedule=self.pp_schedule)
 
     def __str__(self) -> str:
         """Short name of the degrees: ``single``, ``dp2xtp2``, ``hsdp2x4xtp2``."""
@@ -136,14 +140,14 @@ class Layout:
             f"parallel.recompute={self.recompute}",
         ]
         if self.pp > 1:
-            parts += [f"parallel.pp_schedule={self.schedule}", f"parallel.pp_virtual_stages={self.virtual_stages}"]
-        if self.offload != "none":
+            parts += [f"parallel.pp_schedule={self.pp_schedule}", f"parallel.pp_virtual_stages={self.pp_virtual_stages}"]
+        if self.offload != Offload.NONE:
             parts.append(f"parallel.offload={self.offload}")
         if self.offload_activations:
             parts.append("parallel.offload_activations=true")
         if self.async_tp:
             parts.append("parallel.async_tp=true")
-        parts.append(f"train.micro_batch_size={self.micro_batch}")
+        parts.append(f"train.micro_batch_size={self.micro_batch_size}")
         return " ".join(parts)
 
 
@@ -510,7 +514,7 @@ def check_offload(config: RunConfig) -> list[Problem]:
     """CPU offload runs on FSDP2 (ZeRO 1-3) and not with float8 training or compiled blocks' saved activations."""
     p = config.parallel
     out: list[Problem] = []
-    if p.offload == "states" and p.zero == 0:
+    if p.offload == Offload.STATES and p.zero == 0:
         out.append(
             Problem(
                 "parallel.offload",
@@ -521,7 +525,7 @@ def check_offload(config: RunConfig) -> list[Problem]:
             )
         )
     dp = _dp(config)
-    if p.offload == "states" and p.zero > 0 and dp is not None and ints(p.cp) and dp * p.cp == 1 and world_and_dp(config)[0] > 1:
+    if p.offload == Offload.STATES and p.zero > 0 and dp is not None and ints(p.cp) and dp * p.cp == 1 and world_and_dp(config)[0] > 1:
         out.append(
             Problem(
                 "parallel.offload",
@@ -531,7 +535,7 @@ def check_offload(config: RunConfig) -> list[Problem]:
                 "use data parallelism (parallel.dp > 1) with ZeRO, or parallel.offload=none",
             )
         )
-    if p.offload == "states" and config.precision.fp8:
+    if p.offload == Offload.STATES and config.precision.fp8:
         out.append(
             Problem(
                 "parallel.offload",

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from llmforge.config.dtypes import DTYPES
-from llmforge.config.launchers import KUBERNETES_KINDS, LAUNCHERS
-from llmforge.config.qat_rules import QAT_SCHEMES, check_qat
+from llmforge.config.choices import DataSource, Dtype, Position, Qat, choice_problem, plain
+from llmforge.config.compose import split_unknown_names, with_names
+from llmforge.config.qat_rules import check_qat
 from llmforge.config.ranges import INT64_MAX, range_problems
-from llmforge.config.schema import ANOMALY_POLICIES, OFFLOAD_MODES, OPTIMIZERS, RECOMPUTE_MODES, SCHEDULES, ModelConfig, RunConfig
+from llmforge.config.schema import ModelConfig, RunConfig, choice_keys
 from llmforge.config.train_rules import check_training
 from llmforge.elastic import check_elastic, world_problems
-from llmforge.errors import Problem, UserError, fail, nearest
+from llmforge.errors import Problem, UserError, fail
 from llmforge.hardware import get_profile, is_known, unknown_problem
 from llmforge.layout import (
     Layout,
@@ -41,31 +41,8 @@ from llmforge.layout import (
 )
 from llmforge.storage import is_url
 
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model.norm": ("layernorm", "rmsnorm"),
-    "model.activation": ("gelu", "swiglu"),
-    "model.position": ("learned", "rope"),
-    "model.attention_mask": ("causal", "document"),
-    "model.moe.balance": ("aux", "bias", "none"),
-    "parallel.pp_schedule": SCHEDULES,
-    "parallel.recompute": RECOMPUTE_MODES,
-    "parallel.offload": OFFLOAD_MODES,
-    "precision.param_dtype": DTYPES,
-    "precision.reduce_dtype": DTYPES,
-    "precision.fp8_recipe": ("tensorwise", "rowwise"),
-    "precision.qat": QAT_SCHEMES,
-    "data.source": ("builtin", "files"),
-    "optim.name": OPTIMIZERS,
-    "optim.muon_ns_dtype": ("fp32", "bf16"),
-    "optim.schedule": ("cosine", "linear", "constant", "wsd"),
-    "optim.decay_shape": ("linear", "cosine", "sqrt"),
-    "train.memory_snapshot": ("off", "oom", "profile"),
-    "train.anomaly": ANOMALY_POLICIES,
-    "train.rehearse": ("auto", "always", "never"),
-    "cluster.launcher": LAUNCHERS,
-    "cluster.kubernetes.kind": KUBERNETES_KINDS,
-    "logging.wandb.mode": ("auto", "online", "offline", "disabled"),
-}
+#: Every choice key with its names, read from the schema's enum types (llmforge.config.choices).
+CHOICES: dict[str, tuple[str, ...]] = {key: kind.names() for key, kind in choice_keys().items()}
 
 
 def get_key(config: Any, key: str) -> Any:
@@ -157,7 +134,7 @@ class RunPlan:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"config": dataclasses.asdict(self.config), "derived": self.derived()}
+        return {"config": plain(dataclasses.asdict(self.config)), "derived": plain(self.derived())}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -179,9 +156,10 @@ def config_from_dict(data: dict[str, Any], overrides: list[str] | None = None) -
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.merge(OmegaConf.structured(RunConfig), data)
-    if overrides:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides)))
-    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+    dotted, unknown_names = split_unknown_names(list(overrides or []))
+    if dotted:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotted))
+    return with_names(OmegaConf.to_object(cfg), unknown_names)  # type: ignore[arg-type]
 
 
 def _validate(config: RunConfig) -> list[Problem]:
@@ -243,7 +221,7 @@ def _check_choices(config: RunConfig) -> list[Problem]:
     for key, allowed in CHOICES.items():
         value = get_key(config, key)
         if value not in allowed:
-            out.append(Problem(key, value, f"not a valid choice{nearest(str(value), allowed)}", f"use one of: {', '.join(allowed)}"))
+            out.append(choice_problem(key, value, allowed))
     return out
 
 
@@ -278,7 +256,7 @@ def _check_model(config: RunConfig) -> list[Problem]:
                 "use a divisor of num_heads (GQA groups)",
             )
         )
-    if m.position == "rope" and m.num_heads > 0 and (m.hidden_size // m.num_heads) % 2:
+    if m.position == Position.ROPE and m.num_heads > 0 and (m.hidden_size // m.num_heads) % 2:
         out.append(Problem("model.position", m.position, "RoPE needs an even head dimension", "change hidden_size or num_heads"))
     return out + _check_window(m)
 
@@ -341,7 +319,7 @@ def _check_moe(config: RunConfig) -> list[Problem]:
 def _check_data(config: RunConfig) -> list[Problem]:
     d = config.data
     out: list[Problem] = []
-    if d.source == "files" and not d.path and not d.mixture:
+    if d.source == DataSource.FILES and not d.path and not d.mixture:
         out.append(Problem("data.path", d.path, "data.source=files needs files to read", "set data.path=FILE_OR_FOLDER"))
     if d.vocab_size is not None and d.vocab_size > config.model.vocab_size:
         out.append(
@@ -402,7 +380,7 @@ def launch_problems(config: RunConfig) -> list[Problem]:
                 "pip install 'llmforge[fp8]' (or pip install torchao), or use precision=bf16",
             )
         ]
-    if config.precision.qat != "none" and not _installed("torchao"):
+    if config.precision.qat != Qat.NONE and not _installed("torchao"):
         return [
             Problem(
                 "precision.qat",
@@ -421,7 +399,7 @@ def _check_fp8(config: RunConfig) -> list[Problem]:
     out: list[Problem] = []
     if not pr.fp8:
         return out
-    if pr.param_dtype == "fp16":
+    if pr.param_dtype == Dtype.FP16:
         out.append(
             Problem(
                 "precision.param_dtype",

@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from llmforge.config.choices import AnomalyAction, DataSource, Offload, Qat
 from llmforge.config.compose import compose
 from llmforge.config.schema import iter_keys, values_by_key
 from llmforge.plan import RunPlan
@@ -57,7 +58,7 @@ def show_plan(plan: RunPlan, *, console: Console) -> None:
         ),
         ("schedule", f"{t.steps} steps, lr {t.lr:g} ({cfg.optim.schedule}, warm-up {cfg.optim.warmup_steps}), seed {t.seed}"),
         ("anomaly", _anomaly(t)),
-        ("data", cfg.data.source if cfg.data.source == "builtin" else f"{cfg.data.path or cfg.data.mixture}"),
+        ("data", cfg.data.source if cfg.data.source == DataSource.BUILTIN else f"{cfg.data.path or cfg.data.mixture}"),
         ("run dir", cfg.run.dir),
         ("checkpoints", f"{plan.checkpoint_root}, keep {cfg.checkpoint.keep}" + (", async" if cfg.checkpoint.async_save else "")),
     ]
@@ -77,7 +78,7 @@ def _attention(m) -> str:
 
 
 def _offload(p) -> str:
-    parts = (["states (master weights, gradients, AdamW moments; CPU AdamW)"] if p.offload == "states" else []) + (
+    parts = (["states (master weights, gradients, AdamW moments; CPU AdamW)"] if p.offload == Offload.STATES else []) + (
         ["saved activations"] if p.offload_activations else []
     )
     return " + ".join(parts) + " in host memory" if parts else "none"
@@ -85,10 +86,10 @@ def _offload(p) -> str:
 
 def _anomaly(t) -> str:
     """train.anomaly and the limits it uses."""
-    if t.anomaly == "stop":
+    if t.anomaly == AnomalyAction.STOP:
         return "a non-finite step stops the run"
-    rollback = f", at most {t.max_rollbacks} rollback(s)" if t.anomaly == "rollback" else ""
-    then = "stop" if t.anomaly == "skip" else "roll back"
+    rollback = f", at most {t.max_rollbacks} rollback(s)" if t.anomaly == AnomalyAction.ROLLBACK else ""
+    then = "stop" if t.anomaly == AnomalyAction.SKIP else "roll back"
     return f"{t.anomaly}: a non-finite step is skipped; more than {t.max_skipped_steps} in a row {then}{rollback}" + (
         ", loss spikes too" if t.loss_spike_skip else ""
     )
@@ -110,17 +111,18 @@ def show_keys(prefix: str, *, console: Console) -> None:
     overrides: the schema's defaults under the default recipe) and its help."""
     values = values_by_key(compose([]))
     table = Table(show_header=True, header_style="bold", caption="default: the value `llmforge pretrain` uses with no overrides")
-    for col in ("key", "type", "default", "meaning"):
+    table.add_column("key", no_wrap=True)  # whole, to copy into an override
+    for col in ("type", "default", "meaning"):
         table.add_column(col)
     for key, typ, _, help_text in iter_keys():
         if key.startswith(prefix):
-            kind = typ.removesuffix(" | None")
+            kind = typ.removesuffix(" | None").replace("|", " | ")  # a choice's names wrap between them
             table.add_row(key, kind, Text(repr(values.get(key))), Text(help_text))
     console.print(table)
 
 
 def _qat(pr) -> str:
     """', QAT int8-int4 (group 32) from step N' or ''."""
-    if pr.qat == "none":
+    if pr.qat == Qat.NONE:
         return ""
     return f", QAT {pr.qat} (group {pr.qat_group_size})" + (f" from step {pr.qat_start_step}" if pr.qat_start_step > 1 else "")

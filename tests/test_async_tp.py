@@ -125,7 +125,9 @@ def _megatron(async_tp: bool):
 
     shape = gpt(heads=48, hidden=6144, layers=40, vocab=131072, seq=4096)
     jb = dataclasses.replace(job("h100-80gb", batch=512, world=256), compile=True)
-    return estimate(shape, Layout(dp=32, tp=8, zero=1, sequence_parallel=True, micro_batch=1, async_tp=async_tp), jb, every_stage=False)
+    return estimate(
+        shape, Layout(dp=32, tp=8, zero=1, sequence_parallel=True, micro_batch_size=1, async_tp=async_tp), jb, every_stage=False
+    )
 
 
 def test_the_estimate_hides_what_async_tp_overlaps():

@@ -191,7 +191,7 @@ def test_model_states_against_the_zero_paper(zero, reduce):
 @pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2), ("zb_interleaved", 2)])
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 12)])
 def test_simulated_schedule_matches_the_bubble_formula(schedule, v, p, m):
-    layout = Layout(pp=p, schedule=schedule, virtual_stages=v)
+    layout = Layout(pp=p, pp_schedule=schedule, pp_virtual_stages=v)
     slots = simulate(layout, m)
     units = 3 if schedule == "zb_interleaved" else 2
     assert sum(len(r) for r in slots.values()) == p * v * m * (units if units == 3 else 2)
@@ -199,21 +199,21 @@ def test_simulated_schedule_matches_the_bubble_formula(schedule, v, p, m):
 
 
 def test_zbv_timeline_runs_every_action_and_bubble_is_below_1f1b():
-    layout = Layout(pp=4, schedule="zbv", virtual_stages=2)
+    layout = Layout(pp=4, pp_schedule="zbv", pp_virtual_stages=2)
     slots = simulate(layout, 8)
     assert sum(len(r) for r in slots.values()) == 4 * 2 * 8 * 3
-    assert simulated_bubble(slots) < bubble_fraction(Layout(pp=4, schedule="1f1b"), 8)
+    assert simulated_bubble(slots) < bubble_fraction(Layout(pp=4, pp_schedule="1f1b"), 8)
     assert bubble_fraction(layout, 8, w=1.0) == 0.0 < bubble_fraction(layout, 8, w=0.8)
 
 
 def test_bubble_formulas_and_inflight_microbatches():
-    assert bubble_fraction(Layout(pp=4, schedule="1f1b"), 12) == pytest.approx(3 / 15)
-    assert bubble_fraction(Layout(pp=4, schedule="interleaved_1f1b", virtual_stages=2), 12) == pytest.approx(3 / 27)
-    assert inflight_microbatches(Layout(pp=4, schedule="gpipe"), stage=3, microbatches=12) == 12
-    assert [inflight_microbatches(Layout(pp=4, schedule="1f1b"), stage=s, microbatches=12) for s in range(4)] == [4, 3, 2, 1]
+    assert bubble_fraction(Layout(pp=4, pp_schedule="1f1b"), 12) == pytest.approx(3 / 15)
+    assert bubble_fraction(Layout(pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2), 12) == pytest.approx(3 / 27)
+    assert inflight_microbatches(Layout(pp=4, pp_schedule="gpipe"), stage=3, microbatches=12) == 12
+    assert [inflight_microbatches(Layout(pp=4, pp_schedule="1f1b"), stage=s, microbatches=12) for s in range(4)] == [4, 3, 2, 1]
     # Korthikanti: interleaving multiplies the first stage's activations by 1 + (p-1)/(p v)
     p, v = 4, 2
-    got = inflight_microbatches(Layout(pp=p, schedule="interleaved_1f1b", virtual_stages=v), stage=0, microbatches=64)
+    got = inflight_microbatches(Layout(pp=p, pp_schedule="interleaved_1f1b", pp_virtual_stages=v), stage=0, microbatches=64)
     assert got == pytest.approx(p * (1 + (p - 1) / (p * v)))
 
 
@@ -247,11 +247,11 @@ def test_most_loaded_device_and_verdict():
 
 def test_recompute_and_zero_reduce_memory_as_expected():
     shape, jb = gpt(layers=24, hidden=2048, heads=16), job(batch=64)
-    base = estimate(shape, Layout(dp=8, micro_batch=8), jb).worst
-    full = estimate(shape, Layout(dp=8, micro_batch=8, recompute="full"), jb).worst
-    sel = estimate(shape, Layout(dp=8, micro_batch=8, recompute="selective"), jb).worst
+    base = estimate(shape, Layout(dp=8, micro_batch_size=8), jb).worst
+    full = estimate(shape, Layout(dp=8, micro_batch_size=8, recompute="full"), jb).worst
+    sel = estimate(shape, Layout(dp=8, micro_batch_size=8, recompute="selective"), jb).worst
     assert full.activations < sel.activations < base.activations
-    z3 = estimate(shape, Layout(dp=8, micro_batch=8, zero=3), jb).worst
+    z3 = estimate(shape, Layout(dp=8, micro_batch_size=8, zero=3), jb).worst
     assert z3.weights + z3.grads + z3.optimizer == pytest.approx((base.weights + base.grads + base.optimizer) / 8, rel=1e-3)
 
 
@@ -360,13 +360,13 @@ def test_hidden_communication_slows_the_compute_under_it():
     the hidden communication."""
     shape = gpt(layers=24, hidden=2048, heads=16)
     jb = job(batch=64)
-    est = estimate(shape, Layout(dp=8, micro_batch=8, zero=3), jb)
+    est = estimate(shape, Layout(dp=8, micro_batch_size=8, zero=3), jb)
     hidden = sum(t.hidden for t in est.comm.kinds.values())
     assert hidden > 0 and est.terms["comm_overlap"] == pytest.approx(jb.profile.comm_sm_share * hidden)
-    idle = estimate(shape, Layout(dp=8, micro_batch=8, zero=3), replace(jb, profile=replace(jb.profile, comm_sm_share=0.0)))
+    idle = estimate(shape, Layout(dp=8, micro_batch_size=8, zero=3), replace(jb, profile=replace(jb.profile, comm_sm_share=0.0)))
     assert idle.terms["comm_overlap"] == 0 and idle.step_s < est.step_s
     copy_out = 2 * est.comm.kinds["dp_all_gather"].bytes * 8 / 7 / (jb.profile.memory_bandwidth * jb.profile.bandwidth_efficiency)
-    replicated = estimate(shape, Layout(dp=8, micro_batch=8), jb)  # ZeRO 0 gathers nothing
+    replicated = estimate(shape, Layout(dp=8, micro_batch_size=8), jb)  # ZeRO 0 gathers nothing
     assert est.compute.memory - replicated.compute.memory == pytest.approx(copy_out, rel=1e-6)
 
 
@@ -380,9 +380,9 @@ def test_groups_across_nodes_use_every_nic_of_a_node():
 
 def test_zero0_step_time_charges_less_than_the_whole_allreduce():
     shape, jb = gpt(layers=24, hidden=2048, heads=16), job(batch=64)
-    est = estimate(shape, Layout(dp=8, micro_batch=8), jb)
+    est = estimate(shape, Layout(dp=8, micro_batch_size=8), jb)
     assert 0 < est.parts["dp_comm"] < est.comm.seconds_of("dp")
-    piped = estimate(shape, Layout(dp=4, pp=2, micro_batch=8), jb)
+    piped = estimate(shape, Layout(dp=4, pp=2, micro_batch_size=8), jb)
     assert piped.parts["dp_comm"] == pytest.approx(piped.comm.seconds_of("dp"))
 
 

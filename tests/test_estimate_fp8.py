@@ -81,7 +81,7 @@ def test_fp8_pays_off_with_width():
     the casts cost more than the faster matmuls save (0.83x measured)."""
     gains = []
     for hidden, heads, mb in ((768, 12, 8), (2048, 16, 4), (4096, 32, 2)):
-        shape, layout = gpt(layers=8, hidden=hidden, heads=heads), Layout(micro_batch=mb)
+        shape, layout = gpt(layers=8, hidden=hidden, heads=heads), Layout(micro_batch_size=mb)
         bf16 = estimate(shape, layout, job(fp8_on=False, batch=mb, devices=1))
         ours = estimate(shape, layout, job(fp8_on=True, batch=mb, devices=1))
         if hidden > 768:
@@ -91,14 +91,14 @@ def test_fp8_pays_off_with_width():
 
 
 def test_without_fp8_tensor_cores_nothing_gets_faster():
-    shape, layout = gpt(layers=4, hidden=2048, heads=16), Layout(micro_batch=2)
+    shape, layout = gpt(layers=4, hidden=2048, heads=16), Layout(micro_batch_size=2)
     bf16 = estimate(shape, layout, job(fp8_on=False, batch=2, devices=1, accel="a100-80gb"))
     ours = estimate(shape, layout, job(fp8_on=True, batch=2, devices=1, accel="a100-80gb"))
     assert ours.parts["compute"] == bf16.parts["compute"]
 
 
 def test_fp8_keeps_no_16_bit_copies_of_the_converted_weights():
-    shape, layout = gpt(layers=4, hidden=1024, heads=16), Layout(micro_batch=2)
+    shape, layout = gpt(layers=4, hidden=1024, heads=16), Layout(micro_batch_size=2)
     bf16 = estimate(shape, layout, job(fp8_on=False, batch=4, devices=1))
     ours = estimate(shape, layout, job(fp8_on=True, batch=4, devices=1))
     copies = 4 * fp8.converted_numel(shape, moe=False) * 2 * inflight_microbatches(layout, stage=0, microbatches=2)
@@ -107,7 +107,7 @@ def test_fp8_keeps_no_16_bit_copies_of_the_converted_weights():
 
 
 def test_float8_all_gather_moves_fewer_bytes_under_zero3():
-    shape, layout = gpt(layers=4, hidden=2048, heads=16), Layout(dp=8, zero=3, micro_batch=1)
+    shape, layout = gpt(layers=4, hidden=2048, heads=16), Layout(dp=8, zero=3, micro_batch_size=1)
     wide = estimate(shape, layout, job(fp8_on=True, all_gather=False))
     narrow = estimate(shape, layout, job(fp8_on=True))
     # one microbatch per rank: every block gathered for forward, all but the last (kept gathered) for backward
@@ -123,8 +123,8 @@ def test_hsdp_keeps_gathers_on_nvlink_and_pays_in_memory():
     reduce-scatter. ZeRO-3 over all 64 ranks drives every NIC of a node at once (8 of a
     node's ranks are in the group), so HSDP buys no bandwidth here and pays in memory."""
     jb = job(fp8_on=False, batch=64, nodes=8)
-    plain = estimate(LLAMA_8B, Layout(dp=64, zero=3, recompute="full", micro_batch=1), jb)
-    hsdp = estimate(LLAMA_8B, Layout(dp=64, zero=3, recompute="full", micro_batch=1, dp_replicate=8), jb)
+    plain = estimate(LLAMA_8B, Layout(dp=64, zero=3, recompute="full", micro_batch_size=1), jb)
+    hsdp = estimate(LLAMA_8B, Layout(dp=64, zero=3, recompute="full", micro_batch_size=1, dp_replicate=8), jb)
     gathers, reduces = (lambda e: e.comm.kinds["dp_all_gather"].seconds), (lambda e: e.comm.kinds["dp_reduce_scatter"].seconds)
     assert gathers(hsdp) < gathers(plain) and reduces(hsdp) > reduces(plain)
     assert hsdp.parts["dp_comm"] < 0.05 * hsdp.step_s and plain.parts["dp_comm"] < 0.05 * plain.step_s  # mostly hidden behind blocks

@@ -128,7 +128,7 @@ def test_bf16_residual_stream_activations_match_measurement(name, recompute, bal
     got = _measure_bf16_model(cfg, recompute=recompute)
     shape = shape_from_config(cfg)
     job = dataclasses.replace(_job("bf16"), fp32_residual=False)
-    layout = Layout(dp=2, zero=3, micro_batch=2, recompute=recompute)
+    layout = Layout(dp=2, zero=3, micro_batch_size=2, recompute=recompute)
     est = sum(act.layer_bytes(shape, layout, job, i) for i in range(shape.num_layers))
     est += act.embedding_bytes(shape, layout) + act.output_bytes(shape, layout, job)
     assert est == pytest.approx(got.saved_bytes, rel=0.10)

@@ -130,7 +130,7 @@ def test_gpu_search_proposes_only_layouts_whose_nodes_fit():
 
 def test_offloaded_states_count_on_the_node():
     shape, _, job = from_plan(_plan("recipe=llama-8b", "cluster=h100-node"))
-    layout = Layout(dp=8, zero=3, recompute="full", micro_batch=1, offload="states")
+    layout = Layout(dp=8, zero=3, recompute="full", micro_batch_size=1, offload="states")
     est = estimate(shape, layout, dataclasses.replace(job, global_batch=8))
     assert est.node.items["offloaded"] == pytest.approx(est.host.states_bytes + est.host.activations_bytes)
     assert est.node.total == pytest.approx(8 * est.node.per_rank)

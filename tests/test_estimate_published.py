@@ -74,11 +74,11 @@ def llama(layers: int, hidden: int, heads: int, ffn: int) -> Shape:
 
 
 LLAMA_8B, LLAMA_70B, LLAMA_405B = llama(32, 4096, 32, 14336), llama(80, 8192, 64, 28672), llama(126, 16384, 128, 53248)
-FSDP8 = Layout(dp=8, zero=3, recompute="selective", micro_batch=2)
+FSDP8 = Layout(dp=8, zero=3, recompute="selective", micro_batch_size=2)
 FSDP128 = dataclasses.replace(FSDP8, dp=128)
-TP8 = Layout(dp=32, tp=8, zero=3, sequence_parallel=True, recompute="full", micro_batch=16)
-PP8 = Layout(dp=8, tp=8, pp=8, zero=3, sequence_parallel=True, recompute="full", micro_batch=4, pp_layers=(16,) * 7 + (14,))
-PP8_INTERLEAVED = dataclasses.replace(PP8, schedule="interleaved_1f1b", virtual_stages=2, pp_layers=(8,) * 14 + (7, 7))
+TP8 = Layout(dp=32, tp=8, zero=3, sequence_parallel=True, recompute="full", micro_batch_size=16)
+PP8 = Layout(dp=8, tp=8, pp=8, zero=3, sequence_parallel=True, recompute="full", micro_batch_size=4, pp_layers=(16,) * 7 + (14,))
+PP8_INTERLEAVED = dataclasses.replace(PP8, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, pp_layers=(8,) * 14 + (7, 7))
 
 
 class Row(NamedTuple):
@@ -128,7 +128,7 @@ def recomputed_matmul_seconds(est: Estimate) -> float:
         return 0.0
     lay, job_, shape = est.layout, est.job, est.shape
     sp = kn.speeds(job_)
-    t, h, kv, f = lay.micro_batch * shape.seq, shape.hidden, shape.kv_dim / lay.tp, shape.ffn / lay.tp
+    t, h, kv, f = lay.micro_batch_size * shape.seq, shape.hidden, shape.kv_dim / lay.tp, shape.ffn / lay.tp
     # torchtitan's matmuls, unfused, in the order they run: wq, wk, wv, wo, w1, w3, w2
     gemms = [(t, h, h / lay.tp), (t, h, kv), (t, h, kv), (t, h / lay.tp, h), (t, h, f), (t, h, f), (t, f, h)]
     recomputed = range(len(gemms)) if job_.fp8 else (1, 3, 5)
@@ -141,7 +141,7 @@ def recomputed_matmul_seconds(est: Estimate) -> float:
 def fp32_logits_seconds(est: Estimate) -> float:
     """What ``cross_entropy(logits.float())`` costs more than llmforge's chunked loss (the last stage)."""
     sp, lay = kn.speeds(est.job), est.layout
-    tokens, vocab = lay.micro_batch * est.shape.seq, est.shape.vocab / lay.tp
+    tokens, vocab = lay.micro_batch_size * est.shape.seq, est.shape.vocab / lay.tp
     kinds = [kn.loss_cost(sp, tokens=tokens, vocab=vocab, c=2, kind=k).seconds for k in ("fp32_logits", "chunked")]
     return est.microbatches * (kinds[0] - kinds[1])
 
@@ -180,7 +180,7 @@ def test_an_fp32_residual_stream_misses_the_70b_memory():
     row = ROWS["70B 256 GPUs"]
     est, _ = per_gpu(row)
     fp32 = estimate(row.shape, row.layout, dataclasses.replace(job(row), fp32_residual=True), every_stage=False)
-    blocks = row.layout.micro_batch * row.shape.seq * row.shape.hidden / row.layout.tp * row.shape.num_layers
+    blocks = row.layout.micro_batch_size * row.shape.seq * row.shape.hidden / row.layout.tp * row.shape.num_layers
     assert 2 * blocks <= fp32.worst.activations - est.worst.activations <= 1.02 * 2 * blocks  # and the final norm's input
     assert fp32.worst.total / 2**30 > 1.2 * row.memory_gib
 

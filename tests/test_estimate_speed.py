@@ -34,7 +34,7 @@ def gpt(layers: int, hidden: int, heads: int) -> Shape:
 
 def plain_loop_tokens_per_s(shape: Shape, micro_batch: int, job: Job) -> float:
     """llmforge's estimate with its chunked loss swapped for the plain loop's cross-entropy on fp32 logits."""
-    est = estimate(shape, Layout(micro_batch=micro_batch), job)
+    est = estimate(shape, Layout(micro_batch_size=micro_batch), job)
     sp, tokens = kn.speeds(job), micro_batch * shape.seq
     chunked = kn.loss_cost(sp, tokens=tokens, vocab=shape.vocab, c=2).seconds
     fp32 = kn.loss_cost(sp, tokens=tokens, vocab=shape.vocab, c=2, kind="fp32_logits").seconds
@@ -71,14 +71,14 @@ def test_selective_recompute_costs_only_elementwise_work():
     and no attention: on gpt-1b that is about a tenth of a step, full recompute a third."""
     job = Job(global_batch=4, param_dtype="bf16", reduce_dtype="fp32", profile=get_profile("h100-80gb"))
     shape = gpt(24, 2048, 16)
-    none, selective, full = (estimate(shape, Layout(micro_batch=4, recompute=r), job) for r in ("none", "selective", "full"))
+    none, selective, full = (estimate(shape, Layout(micro_batch_size=4, recompute=r), job) for r in ("none", "selective", "full"))
     assert selective.hardware_flops == none.hardware_flops < full.hardware_flops
     assert none.step_s < selective.step_s < 1.15 * none.step_s < full.step_s
 
 
 def test_a_flat_efficiency_overrides_the_kernel_model():
     job = Job(global_batch=8, param_dtype="bf16", reduce_dtype="fp32", profile=get_profile("h100-80gb"), efficiency=0.5)
-    shape, layout = gpt(12, 768, 12), Layout(micro_batch=8)
+    shape, layout = gpt(12, 768, 12), Layout(micro_batch_size=8)
     est = estimate(shape, layout, job)
     assert est.parts["compute"] == pytest.approx(hardware_flops(shape, layout, 8 * 2048) / (989.4e12 * 0.5))
 
@@ -96,6 +96,6 @@ def test_profile_rates_are_read_from_the_yaml(tmp_path):
     job = Job(global_batch=8, param_dtype="bf16", reduce_dtype="fp32", profile=base)
     shape = gpt(12, 768, 12)
     assert (
-        estimate(shape, Layout(micro_batch=8), dataclasses.replace(job, profile=slow)).step_s
-        > estimate(shape, Layout(micro_batch=8), job).step_s
+        estimate(shape, Layout(micro_batch_size=8), dataclasses.replace(job, profile=slow)).step_s
+        > estimate(shape, Layout(micro_batch_size=8), job).step_s
     )

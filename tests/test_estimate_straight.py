@@ -48,7 +48,7 @@ def test_the_estimate_of_a_document_masked_plan_reads_no_files(monkeypatch, smal
     with monkeypatch.context() as patch:
         _without_file_io(patch)
         s, _, job = shape.from_plan(plan)
-        one = estimate(s, Layout(dp=2, tp=2, micro_batch=2), job)
+        one = estimate(s, Layout(dp=2, tp=2, micro_batch_size=2), job)
         ranked = search(s, job, world=4, top=2).ranked
     assert s.attention_fraction == 1.0  # no document lengths passed: one document per window
     assert one.step_s > 0 and ranked

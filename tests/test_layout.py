@@ -95,7 +95,7 @@ def test_what_the_backend_cannot_run_is_refused_alike_by_every_command(refusals,
 def test_the_search_proposes_only_layouts_the_plan_accepts():
     plan = RunPlan.build(compose(["model.num_layers=4", "parallel.dp=4"]))
     with pytest.raises(UserError) as info:
-        RunPlan.build(plan_config(plan, Layout(cp=2, pp=2, dp=1, micro_batch=1)))
+        RunPlan.build(plan_config(plan, Layout(cp=2, pp=2, dp=1, micro_batch_size=1)))
     assert [p.key for p in info.value.problems] == ["parallel.cp"]
 
 

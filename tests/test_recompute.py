@@ -116,7 +116,7 @@ def hooked_bytes(model: GPT, x: torch.Tensor) -> int:
 
 def estimated_bytes(cfg: ModelConfig, *, mode: str, every: int = 1) -> float:
     job = Job(global_batch=BATCH, param_dtype="fp32", reduce_dtype="fp32", profile=get_profile("cpu"))
-    layout = Layout(recompute=mode, recompute_every=every, micro_batch=BATCH)
+    layout = Layout(recompute=mode, recompute_every=every, micro_batch_size=BATCH)
     return sum(layer_bytes(shape_from_config(cfg), layout, job, i) for i in range(cfg.num_layers))
 
 

@@ -43,7 +43,7 @@ def _published_estimate(shape: Shape, jb: Job, *, t: int, p: int, world: int):
     (ZeRO-1), sequence parallel, micro batch 1, the least recompute that fits."""
     dp = world // (t * p)
     for recompute in ("none", "selective", "full"):
-        layout = Layout(dp=dp, tp=t, pp=p, zero=1, sequence_parallel=t > 1, micro_batch=1, recompute=recompute)
+        layout = Layout(dp=dp, tp=t, pp=p, zero=1, sequence_parallel=t > 1, micro_batch_size=1, recompute=recompute)
         est = estimate(shape, layout, jb)
         if est.fits:
             return est
@@ -129,8 +129,8 @@ def test_every_structure_passes_plan_validation():
     shape, _, jb = from_plan(plan)
     seen = 0
     for structure in structures(shape, jb, 8):
-        for mb in _micro_batches(jb, structure.dp, structure.pp, structure.schedule):
-            layout = Layout(**{**{f: getattr(structure, f) for f in Layout.__dataclass_fields__}, "micro_batch": mb})
+        for mb in _micro_batches(jb, structure.dp, structure.pp, structure.pp_schedule):
+            layout = Layout(**{**{f: getattr(structure, f) for f in Layout.__dataclass_fields__}, "micro_batch_size": mb})
             RunPlan.build(plan_config(plan, layout))
             seen += 1
     assert seen > 50
@@ -139,8 +139,8 @@ def test_every_structure_passes_plan_validation():
 def test_why_names_the_term_that_differs():
     shape = gpt(heads=32, hidden=4096, layers=32, vocab=50304)
     jb = job("h100-80gb", batch=512, world=16, devices=8)
-    flat = estimate(shape, Layout(dp=8, tp=2, sequence_parallel=True, zero=1, micro_batch=1), jb)
-    piped = estimate(shape, Layout(dp=2, tp=2, pp=4, sequence_parallel=True, zero=1, micro_batch=1), jb)
+    flat = estimate(shape, Layout(dp=8, tp=2, sequence_parallel=True, zero=1, micro_batch_size=1), jb)
+    piped = estimate(shape, Layout(dp=2, tp=2, pp=4, sequence_parallel=True, zero=1, micro_batch_size=1), jb)
     best, runner = sorted([flat, piped], key=lambda e: e.step_s)
     text = why(best, runner)
     assert text.startswith("#1 is") and ("bubble" in text or "communication" in text or "compute" in text)

@@ -37,7 +37,7 @@ def counted():
 def _estimator_counts(plan):
     shape, layout, job = from_plan(plan)
     c = stage_counts(shape, layout)[0]
-    m = plan.config.train.global_batch_size // layout.micro_batch
+    m = plan.config.train.global_batch_size // layout.micro_batch_size
     collectives_ = host.tp_collectives(layout, layers=c.blocks, first=c.first, last=c.last, microbatches=m)
     calls = host.dtensor_ops(shape, layout, c, microbatches=m)
     return collectives_, calls

@@ -75,7 +75,7 @@ def _megatron_462b() -> None:
     jb = megatron.job("h100-80gb", batch=3072, world=6144)
     print(f"\nMegatron-LM 462B, TP 8 x PP 16 x DP 48 on h100-80gb ({jb.profile.memory_bytes / GIB:.1f} GiB), ran there:")
     for recompute in ("none", "selective", "full"):
-        layout = Layout(dp=48, tp=8, pp=16, zero=1, sequence_parallel=True, micro_batch=1, recompute=recompute)
+        layout = Layout(dp=48, tp=8, pp=16, zero=1, sequence_parallel=True, micro_batch_size=1, recompute=recompute)
         now = estimate(shape, layout, jb, every_stage=False)
         before = estimate(shape, layout, dataclasses.replace(jb, fp32_residual=True), every_stage=False)
         print(
@@ -101,7 +101,7 @@ def megatron_style(name, dims, t, p, world, batch, *, async_tp: bool, reduce_dty
     jb = dataclasses.replace(megatron.job("h100-80gb", batch=batch, world=world), compile=True, reduce_dtype=reduce_dtype)
     for recompute in ("none", "selective", "full"):
         layout = Layout(
-            dp=world // (t * p), tp=t, pp=p, zero=1, sequence_parallel=True, micro_batch=1, recompute=recompute, async_tp=async_tp
+            dp=world // (t * p), tp=t, pp=p, zero=1, sequence_parallel=True, micro_batch_size=1, recompute=recompute, async_tp=async_tp
         )
         est = estimate(shape, layout, jb, every_stage=False)
         if est.fits:

@@ -22,6 +22,7 @@ from llmforge.calibrate.host_probe import in_subprocess
 from llmforge.calibrate.probe import CpuLoad
 from llmforge.calibrate.timing import seconds_per_call
 from llmforge.calibrate.trust import PASSES, combine
+from llmforge.config.choices import Dtype
 from llmforge.config.dtypes import TORCH_NAMES
 from llmforge.hardware import cpu_model
 
@@ -97,7 +98,9 @@ def matmuls(grid: Grid, *, dtype: str, device: torch.device, tick: Tick) -> list
     """The grid's matmuls in ``dtype``; on a CPU only the reference dtype (fp32) runs the whole
     grid, the others (often emulated, up to 100x slower) one small MLP shape."""
     out = []
-    shapes = grid.matmul_shapes() if device.type == "cuda" or dtype == "fp32" else [(grid.tokens[0], grid.widths[0], 4 * grid.widths[0])]
+    shapes = (
+        grid.matmul_shapes() if device.type == "cuda" or dtype == Dtype.FP32 else [(grid.tokens[0], grid.widths[0], 4 * grid.widths[0])]
+    )
     for m, k, n in shapes:
         out.append(MatmulSample(m, k, n, time_matmul(m, k, n, dtype=dtype, device=device, budget_s=grid.budget_s)))
         tick(f"matmul {dtype} {m}x{k}x{n}")

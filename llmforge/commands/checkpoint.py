@@ -9,6 +9,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from llmforge.config.choices import Qat
 from llmforge.errors import Problem, UserError
 from llmforge.rundir import check_writable, refuse_run_outputs
 
@@ -70,9 +71,9 @@ def export_quantization(config, *, quantize: str, group_size: int | None) -> tup
             [Problem("--quantize", quantize, "not a quantization scheme", f"use one of: auto, {', '.join(QAT_SCHEMES)}")],
             title="bad option",
         )
-    size = group_size if group_size is not None else (pr.qat_group_size if pr.qat != "none" else 32)
+    size = group_size if group_size is not None else (pr.qat_group_size if pr.qat != Qat.NONE else 32)
     widths = (config.model.hidden_size, config.model.ffn_hidden_size)
-    if scheme != "none" and (size < 1 or all(w % size for w in widths)):
+    if scheme != Qat.NONE and (size < 1 or all(w % size for w in widths)):
         raise UserError(
             [
                 Problem(
@@ -84,7 +85,7 @@ def export_quantization(config, *, quantize: str, group_size: int | None) -> tup
             ],
             title="bad option",
         )
-    if scheme != "none" and pr.qat not in ("none", scheme):
+    if scheme != Qat.NONE and pr.qat not in (Qat.NONE, scheme):
         raise UserError(
             [
                 Problem(
@@ -96,7 +97,7 @@ def export_quantization(config, *, quantize: str, group_size: int | None) -> tup
             ],
             title="bad option",
         )
-    return None if scheme == "none" else (scheme, size)
+    return None if scheme == Qat.NONE else (scheme, size)
 
 
 def generate_command(

@@ -10,6 +10,7 @@ import json
 import sys
 
 from llmforge.commands.plans import plan_documents
+from llmforge.config.choices import AttentionMask
 from llmforge.estimate.attention import attention_cost
 from llmforge.estimate.core import estimate_plan
 from llmforge.estimate.report import as_dict, search_dict
@@ -44,7 +45,7 @@ def run_estimate(plan, *, as_json: bool, timeline: bool, measure: bool, search: 
     from llmforge.commands.estimate_tables import render_estimate, render_measured, render_timeline
 
     render_estimate(est, recipe=plan.config.recipe, console=console)
-    if cost.fraction < 1.0 or cost.mask != "causal":
+    if cost.fraction < 1.0 or cost.mask != AttentionMask.CAUSAL:
         share = data["attention"]
         console.print(
             f"Attention: {cost.fraction:.3f} of causal attention's work ({cost.note}); "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 from rich.text import Text
 
+from llmforge.config.choices import Offload, Optimizer
 from llmforge.estimate.allocator import CPU_HEAP_SLACK, FRAGMENTATION
 from llmforge.estimate.core import Estimate
 from llmforge.estimate.memory import CPU_PROCESS_BYTES
@@ -17,7 +18,7 @@ from llmforge.layout import ZERO_BUBBLE_SCHEDULES
 def _state_notes(est: Estimate) -> tuple[str, str]:
     """How the weights and gradients are kept under the layout's ZeRO stage."""
     lay, c, r = est.layout, est.job.param_dtype, est.job.reduce_dtype
-    if lay.offload == "states":
+    if lay.offload == Offload.STATES:
         whole = lay.zero < 3 or lay.pp > 1
         return (
             f"whole {c} compute copy (fp32 shard in host memory)" if whole else "gathered block by block (fp32 shard in host memory)",
@@ -39,7 +40,7 @@ def _memory_table(est: Estimate) -> Table:
     weights, grads = _state_notes(est)
     table.add_row("weights", gib(w.weights), f"{w.params / 1e6:,.1f}M params on this rank; ZeRO-{lay.zero}: {weights}")
     table.add_row("gradients", gib(w.grads), grads)
-    if est.job.optimizer == "muon":
+    if est.job.optimizer == Optimizer.MUON:
         table.add_row(
             "optimizer (Muon)", gib(w.optimizer), "one fp32 momentum per block matrix, two fp32 AdamW moments per other parameter"
         )
@@ -47,12 +48,12 @@ def _memory_table(est: Estimate) -> Table:
         table.add_row(
             "optimizer (AdamW)",
             gib(w.optimizer),
-            "two fp32 moments per parameter" + (", in host memory (stepped on the CPU)" if lay.offload == "states" else ""),
+            "two fp32 moments per parameter" + (", in host memory (stepped on the CPU)" if lay.offload == Offload.STATES else ""),
         )
     table.add_row(
         "activations",
         gib(w.activations),
-        f"recompute={lay.recompute}; microbatches in flight per the {lay.schedule if lay.pp > 1 else 'accumulation'} schedule",
+        f"recompute={lay.recompute}; microbatches in flight per the {lay.pp_schedule if lay.pp > 1 else 'accumulation'} schedule",
     )
     table.add_row("transient buffers", gib(w.transient), "logits at the loss, recompute working set, gathers, buckets")
     table.add_row("allowance", gib(w.reserved), _allowance_words(est))
@@ -126,7 +127,7 @@ def _summary_table(est: Estimate, recipe: str) -> Table:
     table.add_column("value")
     table.add_row("layout", lay.overrides())
     table.add_row("parameters", f"{est.params_total:,} total, {est.params_active:,} active per token")
-    pipe = f"{lay.schedule}, {lay.pp} stages x {lay.virtual_stages} chunks, " if lay.pp > 1 else "no pipeline, "
+    pipe = f"{lay.pp_schedule}, {lay.pp} stages x {lay.pp_virtual_stages} chunks, " if lay.pp > 1 else "no pipeline, "
     table.add_row("pipeline", f"{pipe}{est.microbatches} microbatches, bubble {est.bubble:.2%}")
     table.add_row("FLOPs / step", f"model {est.model_flops:.4g}, hardware {est.hardware_flops:.4g} (causal not halved)")
     vols = ", ".join(f"{k} {gib(c.bytes_of(k))}" for k in ("dp", "tp", "pp", "cp", "ep") if c.bytes_of(k))
@@ -168,7 +169,7 @@ def render_estimate(est: Estimate, *, recipe: str, console) -> None:
 def _shown_microbatches(est: Estimate) -> int:
     lay, m = est.layout, est.microbatches
     shown = min(m, max(2 * lay.pp, 4))
-    if lay.virtual_stages > 1:
+    if lay.pp_virtual_stages > 1:
         shown = max(lay.pp, shown // lay.pp * lay.pp)
     return shown
 
@@ -176,7 +177,7 @@ def _shown_microbatches(est: Estimate) -> int:
 def _fitting_slots(est: Estimate, width: int, cell: int):
     """Simulate with as many microbatches as fit the console width (at least enough to fill the pipe)."""
     lay = est.layout
-    step = lay.pp if lay.virtual_stages > 1 else 1
+    step = lay.pp if lay.pp_virtual_stages > 1 else 1
     m = _shown_microbatches(est)
     while True:
         slots = simulate(lay, m)
@@ -192,13 +193,13 @@ def render_timeline(est: Estimate, *, console) -> None:
     if lay.pp == 1:
         console.print("Timeline: no pipeline (pp=1); every device runs each microbatch forward then backward.")
         return
-    multi = lay.virtual_stages > 1
+    multi = lay.pp_virtual_stages > 1
     cell = 5 if multi else 4
     m, slots, end = _fitting_slots(est, console.width, cell)
     colours = ["cyan", "magenta", "yellow", "green", "blue", "red"]
     console.print(
-        f"Timeline ({lay.schedule}, {m} of {est.microbatches} microbatches; one column = one forward of one chunk; "
-        f"F forward, B backward{', W weight gradient' if lay.schedule in ZERO_BUBBLE_SCHEDULES else ''}, "
+        f"Timeline ({lay.pp_schedule}, {m} of {est.microbatches} microbatches; one column = one forward of one chunk; "
+        f"F forward, B backward{', W weight gradient' if lay.pp_schedule in ZERO_BUBBLE_SCHEDULES else ''}, "
         f". idle{'; the letter is the model chunk on that rank' if multi else ''})"
     )
     for rank, row in slots.items():
@@ -289,10 +290,10 @@ def _short(layout) -> str:
         parts[0] = f"hsdp{layout.dp_replicate}x{layout.dp_shard}"
     parts.append(f"zero{layout.zero}" + (" sp" if layout.sequence_parallel else ""))
     if layout.pp > 1:
-        parts.append(f"{layout.schedule}" + (f" v{layout.virtual_stages}" if layout.virtual_stages > 1 else ""))
-    parts += [f"mb{layout.micro_batch}", f"rc:{layout.recompute}"]
-    if layout.offload != "none" or layout.offload_activations:
-        parts.append("offload:" + "+".join(["states"] * (layout.offload == "states") + ["activations"] * layout.offload_activations))
+        parts.append(f"{layout.pp_schedule}" + (f" v{layout.pp_virtual_stages}" if layout.pp_virtual_stages > 1 else ""))
+    parts += [f"mb{layout.micro_batch_size}", f"rc:{layout.recompute}"]
+    if layout.offload != Offload.NONE or layout.offload_activations:
+        parts.append("offload:" + "+".join(["states"] * (layout.offload == Offload.STATES) + ["activations"] * layout.offload_activations))
     return " ".join(parts)
 
 

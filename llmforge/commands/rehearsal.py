@@ -6,6 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
+from llmforge.config.choices import Rehearse
 from llmforge.estimate.core import Estimate
 from llmforge.estimate.text import gib, where
 from llmforge.plan import RunPlan
@@ -85,8 +86,8 @@ def should_rehearse(plan: RunPlan) -> bool:
     """``train.rehearse``: always, never, or auto (plans of ``AUTO_MIN_PARAMS`` parameters or more
     on accelerators, whose launch a rehearsal on this CPU can save)."""
     choice = plan.config.train.rehearse
-    if choice != "auto":
-        return choice == "always"
+    if choice != Rehearse.AUTO:
+        return choice == Rehearse.ALWAYS
     from llmforge.estimate.params import total_params
     from llmforge.estimate.shape import shape_from_config
 

@@ -9,12 +9,14 @@ their options shadow the built-in ones of the same name.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmforge.config.schema import GROUPS, RunConfig, iter_keys
+from llmforge.config.choices import Choice, choice_problem
+from llmforge.config.schema import GROUPS, RunConfig, choice_keys, iter_keys
 from llmforge.errors import Problem, UserError, nearest
 
 BUILTIN_CONFIG_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -212,7 +214,7 @@ def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] =
 
     dirs = config_dirs(extra_dirs)
     options = available_options(dirs)
-    checked = check_overrides(overrides, options)
+    checked, unknown_names = split_unknown_names(check_overrides(overrides, options))
     file_problems = check_files(checked, options)
     if file_problems:
         raise UserError(file_problems, title="a configuration file is not valid")
@@ -226,9 +228,34 @@ def compose(overrides: Sequence[str] = (), *, extra_dirs: Sequence[str | Path] =
         with initialize(version_base=None, config_path=None, job_name="llmforge"):
             cfg = hydra_compose(config_name=_ROOT_NAME, overrides=checked)
         cfg = OmegaConf.masked_copy(cfg, [str(f) for f in cfg if f != "hydra"]) if "hydra" in cfg else cfg
-        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+        config: RunConfig = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except (HydraException, OmegaConfBaseException, yaml.YAMLError, ValueError) as exc:
         raise UserError([_explain(exc, options=options)], title="the configuration does not compose") from None
+    return with_names(config, unknown_names)
+
+
+def with_names(config: RunConfig, names: Mapping[str, str]) -> RunConfig:
+    """``config`` with these choice keys set to these plain names (RunPlan.build reports the
+    unknown ones with every other problem)."""
+    for key, value in names.items():
+        *path, leaf = key.split(".")
+        setattr(functools.reduce(getattr, path, config), leaf, value)
+    return config
+
+
+def split_unknown_names(overrides: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The overrides without those giving a choice key none of its names, and those (key -> value):
+    OmegaConf would stop at the first, and the plan's checks report them all at once."""
+    kinds = choice_keys()
+    kept, unknown = [], {}
+    for item in overrides:
+        key, _, value = item.partition("=")
+        name = value.strip().strip("'\"")
+        if key in kinds and name not in kinds[key].names():
+            unknown[key] = name
+        else:
+            kept.append(item)
+    return kept, unknown
 
 
 def with_reset(overrides: Sequence[str], reset: Mapping[str, str] | None) -> list[str]:
@@ -254,6 +281,9 @@ def _explain(exc: BaseException, *, options: dict[str, dict[str, OptionInfo]]) -
     where = next((str(e).split(":")[0] for e in chain if str(e).startswith("In '")), "")
     keyed = next((e for e in chain if getattr(e, "full_key", None)), None)
     root = keyed or chain[-1]
+    choice = _choice_of(root)
+    if choice is not None:
+        return choice_problem(str(getattr(root, "full_key", "")), getattr(root, "value", ""), choice.names())
     # The first paragraph: Hydra appends the available options and its search path.
     text = str(root).split("\n    full_key")[0].split("\n\n")[0].replace("\n", " ").strip() or type(root).__name__
     key = str(getattr(root, "full_key", "") or "")
@@ -262,6 +292,12 @@ def _explain(exc: BaseException, *, options: dict[str, dict[str, OptionInfo]]) -
     if key and "not in" in text:
         fix = f"remove or rename it{nearest(key, [k for k, *_ in iter_keys()])}; `llmforge keys` lists every key"
     return Problem(key, "", text + source, fix)
+
+
+def _choice_of(exc: BaseException) -> type[Choice] | None:
+    """The choice enum of the field an OmegaConf validation error is about, if it is one."""
+    kind = getattr(getattr(exc, "child_node", None), "enum_type", None)
+    return kind if isinstance(kind, type) and issubclass(kind, Choice) else None
 
 
 def _file_of(config_name: str, *, options: dict[str, dict[str, OptionInfo]]) -> str:

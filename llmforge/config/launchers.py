@@ -6,20 +6,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmforge.config.choices import KubernetesKind, Launcher
 from llmforge.config.fields import knob
 
-#: cluster.launcher: where and how a run starts.
-LAUNCHERS = ("local", "torchrun", "slurm", "kubernetes", "skypilot")
 #: Launchers that write a job for a platform to run elsewhere (nothing runs or is written here).
-PLATFORM_LAUNCHERS = ("kubernetes", "skypilot")
-#: cluster.kubernetes.kind: the Kubernetes resource a launch writes.
-KUBERNETES_KINDS = ("trainjob", "jobset")
+PLATFORM_LAUNCHERS = (Launcher.KUBERNETES, Launcher.SKYPILOT)
 
 
 @dataclass
 class KubernetesConfig:
-    kind: str = knob(
-        "trainjob",
+    kind: KubernetesKind = knob(
+        KubernetesKind.TRAINJOB,
         help="trainjob: a Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1) on the runtime cluster.kubernetes.runtime; "
         "jobset: a JobSet (jobset.x-k8s.io/v1alpha2) that needs only the JobSet controller.",
     )

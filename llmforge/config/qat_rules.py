@@ -6,16 +6,17 @@ has no configuration for is refused here, with the key and the fix. No torch.
 
 from __future__ import annotations
 
+from llmforge.config.choices import Qat
 from llmforge.config.schema import RunConfig
 from llmforge.errors import Problem
 
 #: precision.qat: none, or a scheme of llmforge.parallel.qat.SCHEMES.
-QAT_SCHEMES = ("none", "int8-int4", "int4")
+QAT_SCHEMES = Qat.names()
 
 
 def check_qat(config: RunConfig) -> list[Problem]:
     pr = config.precision
-    if pr.qat == "none":
+    if pr.qat == Qat.NONE:
         if pr.qat_start_step != 0:
             return [
                 Problem(

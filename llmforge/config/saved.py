@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmforge.config.compose import available_options, check_overrides, config_dirs, with_reset
+from llmforge.config.compose import available_options, check_overrides, config_dirs, split_unknown_names, with_names, with_reset
 from llmforge.config.schema import RunConfig, iter_keys, values_by_key
 from llmforge.errors import Problem, UserError, fail, nearest
 
@@ -56,10 +56,11 @@ def compose_saved(
             cfg[key] = _group_option(key, options[key][value].path)
         else:
             dotted.append(f"{key}={value}")
+    dotted, unknown_names = split_unknown_names(dotted)
     try:
         if dotted:
             cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(dotted))
-        return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+        return with_names(OmegaConf.to_object(cfg), unknown_names)  # type: ignore[arg-type]
     except Exception as exc:  # noqa: BLE001 - OmegaConf validation errors (wrong type, ...)
         raise fail(f"the overrides do not apply to the saved plan: {str(exc).splitlines()[0]}", title="bad overrides") from None
 
@@ -151,6 +152,8 @@ def _kind(type_name: str) -> str:
         "list[int]": "a list of integers",
         "list[str]": "a list of strings",
     }
+    if "|" in type_name.removesuffix(" | None"):  # a choice key (llmforge.config.choices)
+        return "one of " + ", ".join(type_name.removesuffix(" | None").split("|"))
     if type_name.endswith(" | None"):
         inner = type_name.removesuffix(" | None")
         return f"{names.get(inner, inner)} or null"

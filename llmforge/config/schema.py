@@ -13,23 +13,46 @@ This module imports no torch.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from llmforge.config.choices import (
+    Activation,
+    AnomalyAction,
+    AttentionMask,
+    Choice,
+    DataSource,
+    DecayShape,
+    Dtype,
+    Fp8Recipe,
+    Launcher,
+    LrSchedule,
+    MemorySnapshot,
+    MoeBalance,
+    Norm,
+    NsDtype,
+    Offload,
+    Optimizer,
+    Position,
+    Qat,
+    Recompute,
+    Rehearse,
+    Schedule,
+    WandbMode,
+    choice_type,
+    plain,
+)
 from llmforge.config.fields import knob
 from llmforge.config.launchers import KubernetesConfig, SkyPilotConfig
 
-#: Pipeline schedule names (``parallel.pp_schedule``), as torch.distributed.pipelining runs them.
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "zb_interleaved", "zbv")
-#: Activation recomputation modes (``parallel.recompute``).
-RECOMPUTE_MODES = ("none", "selective", "full")
-#: What a step with a non-finite loss or gradient norm makes the run do (``train.anomaly``).
-ANOMALY_POLICIES = ("stop", "skip", "rollback")
-#: parallel.offload: what lives in host memory.
-OFFLOAD_MODES = ("none", "states")
-#: optim.name: the optimizers a run can use.
-OPTIMIZERS = ("adamw", "muon")
+#: The names of the choice keys, derived from their enums (llmforge.config.choices) for callers that list them.
+SCHEDULES = Schedule.names()
+RECOMPUTE_MODES = Recompute.names()
+ANOMALY_POLICIES = AnomalyAction.names()
+OFFLOAD_MODES = Offload.names()
+OPTIMIZERS = Optimizer.names()
 
 
 @dataclass
@@ -47,8 +70,9 @@ class MoEConfig:
     z_loss_coef: float = knob(0.0, range="[0, inf)", help="Weight of the router z-loss (ST-MoE).")
     normalize_top_k: bool = knob(True, help="Renormalise the top-k routing weights to sum to one.")
     every: int = knob(1, range="[1, inf)", help="Make every N-th transformer block an MoE block (1 = all).")
-    balance: str = knob(
-        "aux", help="Load balancing: aux (the aux_loss_coef loss), bias (DeepSeek-V3's per-expert routing bias, no aux loss) or none."
+    balance: MoeBalance = knob(
+        MoeBalance.AUX,
+        help="Load balancing: aux (the aux_loss_coef loss), bias (DeepSeek-V3's per-expert routing bias, no aux loss) or none.",
     )
     bias_update_rate: float = knob(
         0.001, range="[0, inf)", help="balance=bias: each step, every expert's bias moves by this toward an even load."
@@ -64,13 +88,13 @@ class ModelConfig:
     ffn_hidden_size: int = knob(256, range="[1, inf)", help="Hidden size of the MLP.")
     vocab_size: int = knob(4096, range="[1, inf)", help="Vocabulary size of embedding and output layer.")
     seq_len: int = knob(128, range="[1, inf)", help="Training sequence length in tokens.")
-    norm: str = knob("layernorm", help="Normalisation: layernorm or rmsnorm.")
+    norm: Norm = knob(Norm.LAYERNORM, help="Normalisation: layernorm or rmsnorm.")
     norm_eps: float = knob(1e-5, range="(0, inf)", help="Epsilon of the normalisation layers.")
-    activation: str = knob("gelu", help="MLP activation: gelu (2-matrix MLP) or swiglu (gated, 3 matrices).")
-    position: str = knob("learned", help="Position encoding: learned (absolute embedding) or rope.")
+    activation: Activation = knob(Activation.GELU, help="MLP activation: gelu (2-matrix MLP) or swiglu (gated, 3 matrices).")
+    position: Position = knob(Position.LEARNED, help="Position encoding: learned (absolute embedding) or rope.")
     rope_theta: float = knob(10000.0, range="(0, inf)", help="RoPE base frequency.")
-    attention_mask: str = knob(
-        "causal",
+    attention_mask: AttentionMask = knob(
+        AttentionMask.CAUSAL,
         help="causal: every token attends to all earlier tokens of its window (the fastest path). document: "
         "only to earlier tokens of its own document, the documents delimited by the end-of-document token the data "
         "preparation writes after each one (block-causal).",
@@ -126,10 +150,12 @@ class ParallelConfig:
         "sequence-parallel all-gather and reduce-scatter into chunks that overlap the matmuls they feed. Needs CUDA "
         "(not cluster.accelerator=cpu), train.compile=true, parallel.tp>1 and parallel.sequence_parallel=true.",
     )
-    pp_schedule: str = knob("1f1b", help=f"Pipeline schedule: {', '.join(SCHEDULES)}.")
+    pp_schedule: Schedule = knob(Schedule.ONE_F_ONE_B, help=f"Pipeline schedule: {', '.join(SCHEDULES)}.")
     pp_virtual_stages: int = knob(1, range="[1, inf)", help="Model chunks per pipeline rank (interleaved schedules).")
     pp_layers: list[int] | None = knob(None, help="Layers per pipeline stage for an uneven split (length pp*virtual stages).")
-    recompute: str = knob("none", help=f"Activation recomputation: {', '.join(RECOMPUTE_MODES[:-1])} or {RECOMPUTE_MODES[-1]}.")
+    recompute: Recompute = knob(
+        Recompute.NONE, help=f"Activation recomputation: {', '.join(RECOMPUTE_MODES[:-1])} or {RECOMPUTE_MODES[-1]}."
+    )
     recompute_every: int = knob(1, range="[1, inf)", help="With full recompute, checkpoint every N-th block only.")
     overlap_grad_reduce: bool | None = knob(
         None,
@@ -144,8 +170,8 @@ class ParallelConfig:
         help="ZeRO-0 gradient bucket size in MB when the reduction overlaps backward. ZeRO 1-3 (FSDP2) reduce one "
         "transformer block per collective (the root: embedding, final norm, output layer, is one more).",
     )
-    offload: str = knob(
-        "none",
+    offload: Offload = knob(
+        Offload.NONE,
         help="states: keep this rank's shard of the fp32 master weights, gradients and AdamW moments in host memory and "
         "run the optimizer step on the CPU (FSDP2 CPUOffloadPolicy; needs parallel.zero 1-3); none: all on the device.",
     )
@@ -156,11 +182,13 @@ class ParallelConfig:
 
 @dataclass
 class PrecisionConfig:
-    param_dtype: str = knob(
-        "fp32",
+    param_dtype: Dtype = knob(
+        Dtype.FP32,
         help="Compute dtype of parameters and activations: fp32, bf16 or fp16 (master weights stay fp32; ZeRO 1-3 gather weights in it).",
     )
-    reduce_dtype: str = knob("fp32", help="Dtype of gradient reduction across data-parallel ranks (and of ZeRO-1's accumulated gradients).")
+    reduce_dtype: Dtype = knob(
+        Dtype.FP32, help="Dtype of gradient reduction across data-parallel ranks (and of ZeRO-1's accumulated gradients)."
+    )
     initial_loss_scale: float = knob(65536.0, range="(0, inf)", help="fp16 only: starting dynamic loss scale.")
     loss_scale_growth_interval: int = knob(2000, range="[1, inf)", help="fp16 only: steps without overflow before the scale doubles.")
     fp32_residual: bool = knob(
@@ -173,8 +201,8 @@ class PrecisionConfig:
         help="FP8 training (torchao float8) of the transformer blocks' linear layers; the rest computes in param_dtype (bf16). "
         "Needs torchao (pip install 'llmforge[fp8]') and an FP8 accelerator (H100, H200, B200) or precision.fp8_emulate=true.",
     )
-    fp8_recipe: str = knob(
-        "tensorwise", help="FP8 scaling: tensorwise (one scale per tensor, float8 FSDP all-gather) or rowwise (one per row)."
+    fp8_recipe: Fp8Recipe = knob(
+        Fp8Recipe.TENSORWISE, help="FP8 scaling: tensorwise (one scale per tensor, float8 FSDP all-gather) or rowwise (one per row)."
     )
     fp8_emulate: bool = knob(False, help="Emulate the FP8 matmuls in high precision (CPU, GPUs without FP8): same casts, no speed-up.")
     fp8_all_gather: bool = knob(
@@ -182,8 +210,8 @@ class PrecisionConfig:
         help="fp8 tensorwise under ZeRO 1-3: all-gather weights cast to float8 (half the bytes), scales computed once after each "
         "optimizer step.",
     )
-    qat: str = knob(
-        "none",
+    qat: Qat = knob(
+        Qat.NONE,
         help="Quantization-aware training (torchao) of the transformer blocks' linear layers: none; int8-int4 (int8 dynamic "
         "per-token activations, int4 weights per group); int4 (int4 weights per group). The forward rounds as the "
         "quantized model will, the master weights stay in full precision; llmforge export writes the quantized model (docs/qat.md).",
@@ -204,7 +232,7 @@ class PrecisionConfig:
 
 @dataclass
 class DataConfig:
-    source: str = knob("builtin", help="builtin (Python standard library text, no download) or files (data.path).")
+    source: DataSource = knob(DataSource.BUILTIN, help="builtin (Python standard library text, no download) or files (data.path).")
     path: str | None = knob(None, help="A .txt/.jsonl/.parquet file or folder of them (sets source=files).")
     text_key: str = knob("text", help="Column holding the text in .jsonl/.parquet files.")
     tokenizer: str | None = knob(None, help="A tokenizer.json to use instead of training a byte-level BPE.")
@@ -265,13 +293,13 @@ class TrainConfig:
         help="Steps to trace with torch.profiler, START-END (or one step N): run.dir/profile/rank<R>.steps<START>-<END>.pt.trace.json per "
         "rank (Perfetto, TensorBoard). null = off.",
     )
-    memory_snapshot: str = knob(
-        "oom",
+    memory_snapshot: MemorySnapshot = knob(
+        MemorySnapshot.OOM,
         help="GPUs: oom = record live CUDA allocations and write run.dir/profile/oom_rank<R>.pickle on out-of-memory; profile = record "
         "every allocation from the start and also write a snapshot at the end of train.profile (open at pytorch.org/memory_viz); off.",
     )
-    anomaly: str = knob(
-        "skip",
+    anomaly: AnomalyAction = knob(
+        AnomalyAction.SKIP,
         help="A step whose loss or gradient norm is non-finite on any rank never updates the weights or optimizer state; then: "
         "stop = end the run (exit code 2) naming the step and the resume command; skip = go on, and after more than "
         "train.max_skipped_steps "
@@ -301,8 +329,8 @@ class TrainConfig:
         6.0, range="(0, inf)", help="Loss spikes: standard deviations above the window's mean that make a spike."
     )
     loss_spike_skip: bool = knob(False, help="Treat a loss spike like a non-finite step (skipped, and counted by train.anomaly).")
-    rehearse: str = knob(
-        "auto",
+    rehearse: Rehearse = knob(
+        Rehearse.AUTO,
         help="Before launch, run the most-loaded rank's build and one step on fake tensors on this CPU (llmforge estimate --rehearse) "
         "and refuse a plan whose rehearsed peak does not fit the device: always, never, or auto (plans of 1B parameters or more on "
         "accelerators).",
@@ -311,8 +339,8 @@ class TrainConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = knob(
-        "adamw",
+    name: Optimizer = knob(
+        Optimizer.ADAMW,
         help="Optimizer: adamw, or muon (Newton-Schulz orthogonalised momentum for the blocks' weight matrices, "
         "AdamW for embeddings, output layer, norms, biases and routers; see docs/muon.md).",
     )
@@ -322,21 +350,21 @@ class OptimConfig:
     eps: float = knob(1e-8, range="(0, inf)", help="AdamW epsilon.")
     grad_clip: float = knob(1.0, range="[0, inf)", help="Clip the global gradient norm to this (0 = off).")
     warmup_steps: int = knob(10, range="[0, inf)", help="Linear warm-up steps.")
-    schedule: str = knob(
-        "cosine",
+    schedule: LrSchedule = knob(
+        LrSchedule.COSINE,
         help="After warm-up: cosine, linear, constant, or wsd (warmup-stable-decay: constant, then a decay over the last "
         "optim.decay_fraction of the steps).",
     )
     min_lr_ratio: float = knob(0.1, range="[0, 1]", help="Final learning rate as a fraction of train.lr.")
     decay_fraction: float = knob(0.2, range="(0, 1]", help="wsd only: fraction of train.steps spent decaying to min_lr_ratio at the end.")
-    decay_shape: str = knob("sqrt", help="wsd only: shape of the decay: linear, cosine or sqrt (1 - sqrt(progress)).")
+    decay_shape: DecayShape = knob(DecayShape.SQRT, help="wsd only: shape of the decay: linear, cosine or sqrt (1 - sqrt(progress)).")
     muon_momentum: float = knob(0.95, range="[0, 1)", help="muon only: momentum of the matrices' gradient buffer.")
     muon_nesterov: bool = knob(
         True, help="muon only: orthogonalise the Nesterov look-ahead (gradient + momentum x buffer) instead of the buffer."
     )
     muon_ns_steps: int = knob(5, range="[1, 99]", help="muon only: Newton-Schulz iterations per matrix and step.")
-    muon_ns_dtype: str = knob(
-        "fp32", help="muon only: dtype of the Newton-Schulz iterations: fp32, or bf16 (faster on GPUs, as torch.optim.Muon does)."
+    muon_ns_dtype: NsDtype = knob(
+        NsDtype.FP32, help="muon only: dtype of the Newton-Schulz iterations: fp32, or bf16 (faster on GPUs, as torch.optim.Muon does)."
     )
     adamw_lr: float | None = knob(
         None,
@@ -366,8 +394,8 @@ class ClusterConfig:
     devices_per_node: int | None = knob(
         None, range="[1, inf)", help="Processes (GPUs) per node; world size = nodes * devices_per_node. null = as many as the layout needs."
     )
-    launcher: str = knob(
-        "local",
+    launcher: Launcher = knob(
+        Launcher.LOCAL,
         help="local: torchrun on this node (a one-rank plan trains in this process); torchrun: torchrun even "
         "for one rank, through the process group, device mesh and NCCL as multi-GPU runs go (checks that path "
         "on one GPU); slurm: write an sbatch script; kubernetes: a TrainJob or JobSet (cluster.kubernetes); "
@@ -413,7 +441,7 @@ class ClusterConfig:
 
 @dataclass
 class WandbConfig:
-    mode: str = knob("auto", help="auto (online with WANDB_API_KEY or a login, else offline), online, offline or disabled.")
+    mode: WandbMode = knob(WandbMode.AUTO, help="auto (online with WANDB_API_KEY or a login, else offline), online, offline or disabled.")
     project: str = knob("llmforge", help="W&B project.")
     entity: str | None = knob(None, help="W&B entity (team or user).")
 
@@ -474,7 +502,9 @@ GROUPS = ("model", "parallel", "precision", "data", "checkpoint", "optim", "clus
 
 
 def iter_keys(cls: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, str, Any, str]]:
-    """Yield (dotted key, type name, default, help) for every leaf field."""
+    """Yield (dotted key, type name, default, help) for every leaf field; a choice's type
+    name lists its names (``none|selective|full``)."""
+    hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
         if isinstance(f.type, type) and dataclasses.is_dataclass(f.type):
@@ -487,12 +517,27 @@ def iter_keys(cls: type = RunConfig, prefix: str = "") -> Iterator[tuple[str, st
         default = f.default if f.default is not dataclasses.MISSING else None
         allowed = f.metadata.get("range")
         help_text = f.metadata.get("help", "") + (f" Range: {allowed}." if allowed is not None else "")
-        yield key, str(f.type), default, help_text
+        kind = choice_type(hints[f.name])
+        yield key, "|".join(kind.names()) if kind else str(f.type), plain(default), help_text
+
+
+def choice_keys(cls: type = RunConfig, prefix: str = "") -> dict[str, type[Choice]]:
+    """Every choice key (``parallel.recompute``) with its enum, read from the schema's types."""
+    out: dict[str, type[Choice]] = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        sub = hints[f.name] if dataclasses.is_dataclass(hints[f.name]) else None
+        kind = choice_type(hints[f.name])
+        if sub is not None:
+            out.update(choice_keys(sub, f"{prefix}{f.name}."))
+        elif kind is not None:
+            out[f"{prefix}{f.name}"] = kind
+    return out
 
 
 def values_by_key(config: Any) -> dict[str, Any]:
     """Every leaf value of a config dataclass (or nested dict) by its dotted key."""
-    data = dataclasses.asdict(config) if dataclasses.is_dataclass(config) and not isinstance(config, type) else config
+    data = plain(dataclasses.asdict(config)) if dataclasses.is_dataclass(config) and not isinstance(config, type) else config
     out: dict[str, Any] = {}
 
     def walk(node: dict[str, Any], prefix: str) -> None:

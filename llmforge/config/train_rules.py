@@ -6,6 +6,7 @@ number is declared on its schema field (llmforge.config.ranges). No torch.
 
 from __future__ import annotations
 
+from llmforge.config.choices import MemorySnapshot, Offload, Optimizer
 from llmforge.config.schema import RunConfig
 from llmforge.errors import Problem
 
@@ -95,7 +96,7 @@ def _check_profile(config: RunConfig) -> list[Problem]:
                     "write START-END (1-based, inclusive) or one step, e.g. train.profile=3-5",
                 )
             )
-    if t.memory_snapshot == "profile" and t.profile is None:
+    if t.memory_snapshot == MemorySnapshot.PROFILE and t.profile is None:
         out.append(
             Problem(
                 "train.memory_snapshot",
@@ -119,7 +120,7 @@ def _check_spikes(config: RunConfig) -> list[Problem]:
 
 
 def _check_optimizer(config: RunConfig) -> list[Problem]:
-    if config.optim.name == "muon" and config.parallel.offload != "none":
+    if config.optim.name == Optimizer.MUON and config.parallel.offload != Offload.NONE:
         return [
             Problem(
                 "parallel.offload",

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from rich.text import Text
 
+from llmforge.config.choices import AttentionMask, DataSource
 from llmforge.config.schema import DataConfig, RunConfig
 from llmforge.data import cache
 from llmforge.data.build import build
@@ -171,7 +172,7 @@ def document_ends_for(config: RunConfig, *, vocab_size: int) -> list[tuple[objec
     """The prepared data's document ends where the attention mask follows documents
     (``model.attention_mask=document``), for the estimate: read once by the command that
     estimates; None (nothing read) for other masks or data not prepared yet."""
-    if config.model.attention_mask != "document":
+    if config.model.attention_mask != AttentionMask.DOCUMENT:
         return None
     return prepared_document_ends(config.data, vocab_size=vocab_size)
 
@@ -189,7 +190,7 @@ def resolve_inputs(data: DataConfig) -> list[tuple[Source, float]]:
         ]
     if data.path:
         return [(file_source(data.path, text_key=data.text_key), 1.0)]
-    if data.source == "files":
+    if data.source == DataSource.FILES:
         raise UserError(
             [
                 Problem(
@@ -200,7 +201,7 @@ def resolve_inputs(data: DataConfig) -> list[tuple[Source, float]]:
                 )
             ]
         )
-    if data.source != "builtin":
+    if data.source != DataSource.BUILTIN:
         raise UserError([Problem("data.source", data.source, "unknown data source", "use builtin or files")])
     return [(builtin_source(max_mb=data.builtin_max_mb), 1.0)]
 

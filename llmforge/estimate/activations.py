@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmforge.config.choices import Activation, Norm, Position, Recompute
 from llmforge.estimate.fp8 import converted
 from llmforge.estimate.inventory import Inventory
 from llmforge.estimate.params import StageCounts, Tensor, block_tensors
@@ -64,9 +65,9 @@ def _norm_bytes(shape: Shape, *, consumers: int, c: int, r: int, sp: float, shar
     output (once per linear when autocast casts an fp32 one), or with ``shard``
     (sequence parallel) only its sequence shard, once, in the compute dtype."""
     h = shape.hidden
-    if shape.norm == "rmsnorm" and not cpu:  # CUDA's fused kernel: the input and the fp32 statistic
+    if shape.norm == Norm.RMSNORM and not cpu:  # CUDA's fused kernel: the input and the fp32 statistic
         kept = h * r + FP32
-    elif shape.norm == "rmsnorm":  # fp32 input (upcast) and statistic, the normalised input for the weight gradient
+    elif shape.norm == Norm.RMSNORM:  # fp32 input (upcast) and statistic, the normalised input for the weight gradient
         kept = 2 * h * FP32 + FP32
     else:
         kept = h * r + 2 * r  # input, mean and inverse deviation
@@ -79,13 +80,13 @@ def _norm_bytes(shape: Shape, *, consumers: int, c: int, r: int, sp: float, shar
 def _attention_bytes(shape: Shape, *, c: int, tp: int) -> float:
     """Per token, one tp rank: q, k, v for the fused kernel, its output and log-sum-exp."""
     h, a = shape.hidden, shape.heads
-    out = h * c + (h * c if shape.position == "rope" else 0) + a * FP32
+    out = h * c + (h * c if shape.position == Position.ROPE else 0) + a * FP32
     return (3 * h * c + out) / tp
 
 
 def _mlp_bytes(shape: Shape, ffn: int, *, c: int, tp: int) -> float:
     """Per token: gelu keeps its input and output; swiglu gate, silu(gate), up and their product."""
-    return (4 if shape.activation == "swiglu" else 2) * ffn * c / tp
+    return (4 if shape.activation == Activation.SWIGLU else 2) * ffn * c / tp
 
 
 def _selective_bytes(shape: Shape, *, c: int, r: int, tp: int, sp: int, moe: bool, gathered: bool = False) -> float:
@@ -106,16 +107,16 @@ def _selective_bytes(shape: Shape, *, c: int, r: int, tp: int, sp: int, moe: boo
     attn = h * r / sp + ((h + 2 * kv) / tp + h) * c + attention + collective
     if moe:
         return attn + _moe_selective_bytes(shape, c=c) / sp
-    return attn + ((2 if shape.activation == "swiglu" else 1) * shape.ffn / tp + h) * c + collective
+    return attn + ((2 if shape.activation == Activation.SWIGLU else 1) * shape.ffn / tp + h) * c + collective
 
 
 def block_activations(shape: Shape, layout: Layout, job: Job, *, moe: bool, recompute: str) -> BlockActivations:
     """What one block saves for backward under ``recompute`` (none, selective or full)."""
     c, r, tp = job.compute_bytes, job.residual_bytes, layout.tp
     sp = tp if layout.sequence_parallel else 1
-    if recompute == "full":
+    if recompute == Recompute.FULL:
         return BlockActivations(per_token=shape.hidden * r / sp, fixed=0.0)
-    if recompute == "selective":
+    if recompute == Recompute.SELECTIVE:
         return BlockActivations(
             per_token=_selective_bytes(shape, c=c, r=r, tp=tp, sp=sp, moe=moe, gathered=layout.async_tp),
             fixed=4 * shape.num_experts if moe else 0.0,
@@ -151,7 +152,7 @@ def moe_bytes(shape: Shape, *, c: int, r: int) -> float:
     Balanced routing: each expert's padded batch holds tokens x top_k / E rows."""
     mixed = c != FP32
     h, e, k, f = shape.hidden, shape.num_experts, _routed(shape), shape.moe_ffn
-    swiglu = shape.activation == "swiglu"
+    swiglu = shape.activation == Activation.SWIGLU
     routing = 8 * e + 4 + 4 + (8 + 4 + 1 + 4 * INT64) * shape.top_k  # probs, logits, lse, norm sum, ids, weights, masks, indices
     if mixed:
         dispatch = (2 if swiglu and r != c else 1) * k * h * c  # an fp32 buffer is cast once per bmm
@@ -167,7 +168,7 @@ def moe_bytes(shape: Shape, *, c: int, r: int) -> float:
 def _moe_selective_bytes(shape: Shape, *, c: int) -> float:
     """Selective recompute of an MoE layer keeps router logits and every (b)mm output."""
     k, f = _routed(shape), shape.moe_ffn
-    mats = 2 if shape.activation == "swiglu" else 1
+    mats = 2 if shape.activation == Activation.SWIGLU else 1
     shared = (mats * f * shape.shared_experts + shape.hidden) * c if shape.shared_experts else 0
     return shape.num_experts * c + k * (mats * f + shape.hidden) * c + shared
 
@@ -180,7 +181,7 @@ def _sp_linear(t: Tensor, layout: Layout, *, moe: bool) -> bool:
 
 def _norm_params(shape: Shape) -> int:
     """Weight (and LayerNorm bias) elements of one norm: what it keeps a copy of."""
-    return shape.hidden * (2 if shape.norm == "layernorm" and shape.bias else 1)
+    return shape.hidden * (2 if shape.norm == Norm.LAYERNORM and shape.bias else 1)
 
 
 def weights_gathered(layout: Layout, job: Job) -> bool:
@@ -191,7 +192,7 @@ def weights_gathered(layout: Layout, job: Job) -> bool:
 def _fixed_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) -> float:
     """Per-microbatch bytes independent of the micro batch: autocast weight copies,
     copies of the norm weights in the residual dtype where it is not theirs, RoPE tables."""
-    rope = 4 * shape.seq * (shape.head_dim // 2) * job.compute_bytes if shape.position == "rope" and job.mixed else 0
+    rope = 4 * shape.seq * (shape.head_dim // 2) * job.compute_bytes if shape.position == Position.ROPE and job.mixed else 0
     share = 4 * shape.num_experts if moe else 0  # the aux loss's per-expert load
     if not job.mixed:
         return share
@@ -210,8 +211,8 @@ def _fixed_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) -> float:
 
 def embedding_bytes(shape: Shape, layout: Layout) -> float:
     """First stage, per microbatch: token ids (and position ids) kept by the embedding lookups."""
-    b, s = layout.micro_batch, shape.seq // layout.cp
-    return b * (s + 1) * INT64 + (s * INT64 if shape.position == "learned" else 0)
+    b, s = layout.micro_batch_size, shape.seq // layout.cp
+    return b * (s + 1) * INT64 + (s * INT64 if shape.position == Position.LEARNED else 0)
 
 
 def output_bytes(shape: Shape, layout: Layout, job: Job) -> float:
@@ -220,7 +221,7 @@ def output_bytes(shape: Shape, layout: Layout, job: Job) -> float:
     The chunked loss (``llmforge.train.loss``) keeps the logits in the compute
     dtype; the vocabulary-parallel loss under tensor parallelism keeps fp32
     log-probabilities of its vocabulary shard."""
-    b, s, tp = layout.micro_batch, shape.seq // layout.cp, layout.tp
+    b, s, tp = layout.micro_batch_size, shape.seq // layout.cp, layout.tp
     sp = tp if layout.sequence_parallel else 1
     r = job.residual_bytes
     kept, out = _norm_bytes(shape, consumers=1, c=job.compute_bytes, r=r, sp=sp, cpu=job.on_cpu)
@@ -239,7 +240,7 @@ def logits_peak_bytes(shape: Shape, layout: Layout, job: Job) -> float:
     """Transient at the loss. Chunked loss: the logits' gradient in the compute dtype
     and two fp32 chunks of temporaries. Vocabulary-parallel loss (tp > 1): the
     logits' fp32 copy and fp32 gradient besides the logits of the shard."""
-    b, s, tp = layout.micro_batch, shape.seq // layout.cp, layout.tp
+    b, s, tp = layout.micro_batch_size, shape.seq // layout.cp, layout.tp
     if tp == 1:
         rows = min(b * s, max(1, LOSS_CHUNK_ELEMENTS // shape.vocab))
         return b * s * shape.vocab * job.compute_bytes + 2 * rows * shape.vocab * FP32
@@ -250,19 +251,19 @@ def logits_peak_bytes(shape: Shape, layout: Layout, job: Job) -> float:
 def layer_bytes(shape: Shape, layout: Layout, job: Job, index: int) -> float:
     """Saved bytes of block ``index`` for one microbatch under the layout's recompute mode."""
     mode = layout.recompute
-    if mode == "full" and index % layout.recompute_every:
-        mode = "none"
+    if mode == Recompute.FULL and index % layout.recompute_every:
+        mode = Recompute.NONE
     acts = block_activations(shape, layout, job, moe=shape.is_moe_layer(index), recompute=mode)
-    return acts.total(layout.micro_batch * shape.seq / layout.cp)
+    return acts.total(layout.micro_batch_size * shape.seq / layout.cp)
 
 
 def recompute_working_bytes(inv: Inventory, job: Job) -> float:
     """Under recompute, backward rebuilds one block's activations at a time: this extra peak."""
     shape, layout = inv.shape, inv.layout
-    if layout.recompute == "none":
+    if layout.recompute == Recompute.NONE:
         return 0.0
     moe = shape.num_experts > 0
-    tokens = layout.micro_batch * shape.seq / layout.cp
+    tokens = layout.micro_batch_size * shape.seq / layout.cp
     kept = block_activations(shape, layout, job, moe=moe, recompute=layout.recompute)
     return block_activations(shape, layout, job, moe=moe, recompute="none").total(tokens) - kept.total(tokens) + kept.fixed
 
@@ -270,7 +271,7 @@ def recompute_working_bytes(inv: Inventory, job: Job) -> float:
 def stage_bytes_per_microbatch(inv: Inventory, job: Job, counts: StageCounts) -> float:
     """Saved bytes of one microbatch on a pipeline rank: its blocks, plus embedding ids or the output."""
     shape, layout = inv.shape, inv.layout
-    tokens = layout.micro_batch * shape.seq / layout.cp
+    tokens = layout.micro_batch_size * shape.seq / layout.cp
     mode = layout.recompute
     total = 0.0
     for n, moe, applies in (

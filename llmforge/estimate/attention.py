@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from llmforge.config.choices import AttentionMask
 from llmforge.config.schema import ModelConfig, RunConfig
 
 #: (exclusive end offset of every document of a stream, the stream's mixture weight), per stream
@@ -87,7 +88,7 @@ def mask_fraction(model: ModelConfig, *, streams: Documents | None) -> float:
     for count, window in kinds:
         if count == 0:
             continue
-        if model.attention_mask == "document" and streams:
+        if model.attention_mask == AttentionMask.DOCUMENT and streams:
             weight = sum(w for _, w in streams)
             kept = sum(w * document_fraction(ends, seq=model.seq_len, window=window) for ends, w in streams) / weight
         else:
@@ -109,7 +110,7 @@ def attention_cost(config: RunConfig, *, documents: Documents | None = None) -> 
     (used where the mask follows documents), None where none were read."""
     model = config.model
     note = ""
-    if model.attention_mask == "document":
+    if model.attention_mask == AttentionMask.DOCUMENT:
         note = (
             "document lengths from the prepared data"
             if documents

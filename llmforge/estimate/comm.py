@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from llmforge.config.choices import Activation, Dtype, Offload, Recompute
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate.host import tp_collectives
 from llmforge.estimate.shape import Job, Shape
@@ -234,11 +235,11 @@ def gloo_defers_reduce(layout: Layout, job: Job) -> bool:
     ``parallel.overlap_grad_reduce``, no pipeline, no HSDP, no offload, no expert units."""
     return (
         layout.zero == 1
-        and job.reduce_dtype == "fp32"
+        and job.reduce_dtype == Dtype.FP32
         and job.overlap_grad_reduce
         and layout.pp == 1
         and layout.dp_replicate == 1
-        and layout.offload == "none"
+        and layout.offload == Offload.NONE
         and layout.ep == 1
     )
 
@@ -305,9 +306,9 @@ def tp_bytes(shape: Shape, layout: Layout, job: Job, *, layers: int, microbatche
     t = layout.tp
     if t == 1:
         return 0.0
-    tokens = layout.micro_batch * shape.seq / layout.cp
+    tokens = layout.micro_batch_size * shape.seq / layout.cp
     size = tokens * shape.hidden * job.compute_bytes
-    per_layer = (6 if layout.recompute == "full" else 4) * 2 * (t - 1) / t * size
+    per_layer = (6 if layout.recompute == Recompute.FULL else 4) * 2 * (t - 1) / t * size
     if layout.sequence_parallel and not layout.async_tp:  # async TP's linears keep the gathered input
         per_layer += 2 * (t - 1) / t * size
     return microbatches * (layers * per_layer + 2 * (t - 1) / t * size)  # + vocab-parallel embedding
@@ -330,12 +331,12 @@ def async_tp_hidden(shape: Shape, layout: Layout, job: Job, *, attention_layers:
     t = layout.tp
     if not (layout.async_tp and layout.sequence_parallel and t > 1):
         return 0.0
-    tokens = layout.micro_batch * shape.seq / layout.cp
+    tokens = layout.micro_batch_size * shape.seq / layout.cp
     one = seconds(job, (t - 1) / t * tokens * shape.hidden * job.compute_bytes, spans(layout)["tp"], t)
     rate = job.profile.peak(job.param_dtype) * job.profile.matmul_efficiency
-    pairs = 3 if layout.recompute == "full" else 2  # windows per projection: forward (again in recompute), backward
+    pairs = 3 if layout.recompute == Recompute.FULL else 2  # windows per projection: forward (again in recompute), backward
     q = shape.heads * shape.head_dim
-    up = (2 if shape.activation == "swiglu" else 1) * shape.ffn
+    up = (2 if shape.activation == Activation.SWIGLU else 1) * shape.ffn
     hidden = 0.0
     for count, widths in ((attention_layers, (q + 2 * shape.kv_dim, q)), (mlp_layers, (up, shape.ffn))):
         for width in widths:  # the column-parallel projection, then the row-parallel one
@@ -353,7 +354,7 @@ def critical_latency(
     output layer's and the vocab-parallel loss's on the ``first`` and ``last`` stage) and ``ep``
     (two all-to-alls per MoE layer and pass)."""
     t, e = layout.tp, layout.ep
-    passes = 6 if layout.recompute == "full" else 4
+    passes = 6 if layout.recompute == Recompute.FULL else 4
     out = {"tp": 0.0, "ep": 0.0}
     if t > 1:
         hops = t - 1 if layout.sequence_parallel else all_reduce_hops(t)
@@ -369,8 +370,8 @@ def pp_bytes(shape: Shape, layout: Layout, job: Job, *, microbatches: int) -> tu
     if layout.pp == 1:
         return 0.0, 0.0
     sp = layout.tp if layout.sequence_parallel else 1
-    one = layout.micro_batch * shape.seq / layout.cp * shape.hidden * job.residual_bytes / sp  # the residual stream
-    return 2 * microbatches * layout.virtual_stages * one, one
+    one = layout.micro_batch_size * shape.seq / layout.cp * shape.hidden * job.residual_bytes / sp  # the residual stream
+    return 2 * microbatches * layout.pp_virtual_stages * one, one
 
 
 def cp_bytes(shape: Shape, layout: Layout, job: Job, *, layers: int, microbatches: int) -> float:
@@ -378,7 +379,7 @@ def cp_bytes(shape: Shape, layout: Layout, job: Job, *, layers: int, microbatche
     cp = layout.cp
     if cp == 1:
         return 0.0
-    tokens = layout.micro_batch * shape.seq / cp
+    tokens = layout.micro_batch_size * shape.seq / cp
     kv = tokens * 2 * shape.kv_dim / layout.tp * job.compute_bytes
     return microbatches * layers * 3 * (cp - 1) * kv
 
@@ -388,9 +389,9 @@ def ep_bytes(shape: Shape, layout: Layout, job: Job, *, moe_layers: int, microba
     ep = layout.ep
     if ep == 1 or moe_layers == 0:
         return 0.0
-    tokens = layout.micro_batch * shape.seq / layout.cp / (layout.tp if layout.sequence_parallel else 1)
+    tokens = layout.micro_batch_size * shape.seq / layout.cp / (layout.tp if layout.sequence_parallel else 1)
     routed = tokens * shape.top_k * (shape.capacity_factor or 1.0) * shape.hidden * job.compute_bytes
-    passes = 6 if layout.recompute == "full" else 4
+    passes = 6 if layout.recompute == Recompute.FULL else 4
     return microbatches * moe_layers * passes * (ep - 1) / ep * routed
 
 

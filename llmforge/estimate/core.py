@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmforge.config.choices import Offload
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate import fp8, muon
@@ -123,7 +124,7 @@ class Estimate:
 
 def microbatches(layout: Layout, job: Job) -> int:
     """Microbatches of one step on each data-parallel rank."""
-    return job.global_batch // (layout.micro_batch * layout.dp)
+    return job.global_batch // (layout.micro_batch_size * layout.dp)
 
 
 def estimate(
@@ -206,7 +207,7 @@ def _step_parts(inv: Inventory, job: Job, step: _Step, *, worst: StageMemory, sl
     }
     if step.host is not None:
         parts.update(offload_copy=step.host.exposed_copy_s, cpu_optimizer=step.host.optimizer_s)
-        if inv.layout.offload == "states":
+        if inv.layout.offload == Offload.STATES:
             parts["optimizer"] = 0.0  # the device runs no optimizer step
     return parts
 
@@ -236,7 +237,7 @@ def _stage_time(inv: Inventory, job: Job, stage: int, m: int) -> tuple[kn.Cost, 
     """(compute, TP/EP collective seconds) of one microbatch on ``stage``
     (``m`` microbatches per step: all but the first add to the gradients)."""
     shape, layout, counts = inv.shape, inv.layout, inv.counts(stage)
-    tokens = layout.micro_batch * shape.seq / layout.cp
+    tokens = layout.micro_batch_size * shape.seq / layout.cp
     if job.efficiency is None:
         compute = _kernel_time(inv, job, stage, m)
     else:
@@ -278,7 +279,7 @@ def _kernel_time(inv: Inventory, job: Job, stage: int, m: int) -> kn.Cost:
     but the first add to the gradients); kept in the inventory's memo, as layouts that differ in
     the rest (ZeRO, schedule, HSDP, other stages of the same content) run the same kernels."""
     layout, counts = inv.layout, inv.counts(stage)
-    key = ("kernels", counts, m, layout.micro_batch, layout.cp, layout.tp, layout.sequence_parallel, layout.ep, layout.recompute)
+    key = ("kernels", counts, m, layout.micro_batch_size, layout.cp, layout.tp, layout.sequence_parallel, layout.ep, layout.recompute)
     cost = inv.memo.get(key)
     if not isinstance(cost, kn.Cost):
         cost = inv.memo[key] = _stage_kernels(inv.shape, layout, job, counts, (m - 1) / m)
@@ -287,7 +288,7 @@ def _kernel_time(inv: Inventory, job: Job, stage: int, m: int) -> kn.Cost:
 
 def _stage_kernels(shape: Shape, layout: Layout, job: Job, counts: StageCounts, accumulate: float) -> kn.Cost:
     sp, c, mixed, fused = kn.speeds(job), job.compute_bytes, job.mixed, job.compile
-    tokens = layout.micro_batch * shape.seq / layout.cp
+    tokens = layout.micro_batch_size * shape.seq / layout.cp
     spd = layout.tp if layout.sequence_parallel else 1
     out = kn.NONE
     for n, moe, applies in (
@@ -301,7 +302,7 @@ def _stage_kernels(shape: Shape, layout: Layout, job: Job, counts: StageCounts, 
             mode = layout.recompute if applies else "none"
             out = out.plus(kn.block_cost(sp, k, mode=mode, mixed=mixed, c=c, accumulate=accumulate).times(n))
     if counts.first or counts.last:
-        ends = Layout(micro_batch=layout.micro_batch, cp=layout.cp, tp=layout.tp)
+        ends = Layout(micro_batch_size=layout.micro_batch_size, cp=layout.cp, tp=layout.tp)
         out = out.plus(kn.ends_cost(sp, shape, ends, c=c, mixed=mixed, first=counts.first, last=counts.last, accumulate=accumulate))
     return out
 
@@ -342,7 +343,7 @@ def _communication(inv: Inventory, job: Job, m: int, stage: int, t_mb: float) ->
     if pp_total:
         one_s = cm.seconds(job, pp_one, span["pp"]) + cm.hops_seconds(job, 1)
         pp_s = pp_total / pp_one * one_s
-        kinds["pp"] = cm.Traffic(pp_total, pp_s, min(pp_s, 2 * (layout.pp - 1) * layout.virtual_stages * one_s))
+        kinds["pp"] = cm.Traffic(pp_total, pp_s, min(pp_s, 2 * (layout.pp - 1) * layout.pp_virtual_stages * one_s))
     moe = counts.moe + counts.moe_ckpt
     latency = cm.critical_latency(shape, layout, job, layers=nblocks, moe_layers=moe, microbatches=m, first=counts.first, last=counts.last)
     hidden = {

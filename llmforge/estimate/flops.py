@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmforge.config.choices import Activation, Recompute
 from llmforge.estimate.inventory import Inventory
 from llmforge.estimate.params import StageCounts
 from llmforge.estimate.shape import Shape
@@ -41,7 +42,7 @@ class TokenFlops:
 
 
 def _mlp(shape: Shape, ffn: int) -> float:
-    return (3 if shape.activation == "swiglu" else 2) * 2 * shape.hidden * ffn
+    return (3 if shape.activation == Activation.SWIGLU else 2) * 2 * shape.hidden * ffn
 
 
 def block_flops(shape: Shape, *, moe: bool) -> TokenFlops:
@@ -94,15 +95,15 @@ def model_flops(shape: Shape, tokens: float) -> float:
 def recompute_flops_per_token(shape: Shape, layout: Layout, index: int) -> float:
     """Extra forward FLOPs per token of block ``index`` caused by activation recomputation."""
     mode = layout.recompute
-    if mode == "full" and index % layout.recompute_every:
-        mode = "none"
+    if mode == Recompute.FULL and index % layout.recompute_every:
+        mode = Recompute.NONE
     return recompute_extra(shape, moe=shape.is_moe_layer(index), mode=mode)
 
 
 def recompute_extra(shape: Shape, *, moe: bool, mode: str) -> float:
     """Extra forward FLOPs per token of one block recomputed under ``mode``."""
     f = block_flops(shape, moe=moe)
-    if mode == "full":
+    if mode == Recompute.FULL:
         return f.forward - _unrecomputed_tail(shape, moe=moe)
     return 0.0
 
@@ -123,7 +124,7 @@ def hardware_flops(shape: Shape, layout: Layout, tokens: float) -> float:
 
 
 def _recompute_per_token(shape: Shape, recompute: str, every: int) -> float:
-    if recompute != "full":
+    if recompute != Recompute.FULL:
         return 0.0  # selective recompute reruns no matmul
     recomputed = [shape.is_moe_layer(i) for i in range(0, shape.num_layers, every)]
     moe = sum(recomputed)
@@ -141,8 +142,8 @@ def _stage_flops(shape: Shape, recompute: str, counts: StageCounts) -> float:
         return 3 * f.weights + 3.5 * f.attention + recompute_extra(shape, moe=moe, mode=mode)
 
     total = (
-        counts.dense * block(False, "none")
-        + counts.moe * block(True, "none")
+        counts.dense * block(False, Recompute.NONE)
+        + counts.moe * block(True, Recompute.NONE)
         + counts.dense_ckpt * block(False, recompute)
         + counts.moe_ckpt * block(True, recompute)
     )

@@ -29,6 +29,7 @@ routed experts.
 
 from __future__ import annotations
 
+from llmforge.config.choices import Recompute
 from llmforge.estimate.inventory import BlockKind, Inventory, fp8_converts
 from llmforge.estimate.params import StageCounts, Tensor, block_tensors
 from llmforge.estimate.shape import Job, Shape
@@ -58,7 +59,7 @@ def block_flops(shape: Shape, *, moe: bool, mode: str, numel: float | None = Non
     """FP8 FLOPs per token of one block, forward + backward (+ recompute under ``mode``);
     ``numel``: its converted weights' elements where the caller has them."""
     forward = 2 * (converted_numel(shape, moe=moe) if numel is None else numel)  # every token passes each converted layer once
-    extra = forward - _tail(shape, moe) if mode == "full" else 0.0
+    extra = forward - _tail(shape, moe) if mode == Recompute.FULL else 0.0
     return 3 * forward + max(0.0, extra)
 
 
@@ -106,7 +107,7 @@ def stage_cast_seconds(inv: Inventory, job: Job, counts: StageCounts, tokens: fl
             continue
         kind = inv.block(moe)
         inputs, grads = _activation_elements(kind, tp=layout.tp)
-        recast = ckpt if layout.recompute == "full" else 0  # a recomputed forward casts its inputs again
+        recast = ckpt if layout.recompute == Recompute.FULL else 0  # a recomputed forward casts its inputs again
         nbytes += tokens * ((plain + ckpt) * (inputs + grads) * per_element + recast * inputs * per_element / 2)
         nbytes += (plain + ckpt) * kind.converted_numel * weight_cast * (1 / shard + 1)
     return nbytes / job.profile.memory_bandwidth
@@ -115,7 +116,7 @@ def stage_cast_seconds(inv: Inventory, job: Job, counts: StageCounts, tokens: fl
 def working_bytes(inv: Inventory, job: Job) -> float:
     """The largest float8 working set of one linear layer: weight and transpose, input and transpose."""
     layout = inv.layout
-    tokens = layout.micro_batch * inv.shape.seq / layout.cp
+    tokens = layout.micro_batch_size * inv.shape.seq / layout.cp
     largest = 0.0
     for kind in (inv.dense, inv.moe):
         for t in kind.converted if kind is not None else ():

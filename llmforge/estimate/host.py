@@ -28,6 +28,7 @@ these numbers to it:
 
 from __future__ import annotations
 
+from llmforge.config.choices import Recompute
 from llmforge.estimate.params import StageCounts
 from llmforge.estimate.shape import Shape
 from llmforge.hardware import Profile
@@ -54,7 +55,7 @@ def tp_collectives(layout: Layout, *, layers: int, first: bool, last: bool, micr
     ``per_step``: also the gradient clip's, once."""
     if layout.tp == 1:
         return 0
-    passes = 6 if layout.recompute == "full" else 4
+    passes = 6 if layout.recompute == Recompute.FULL else 4
     per_mb = (
         layers * (passes + (1 if layout.sequence_parallel and not layout.async_tp else 0)) + int(first) + (1 + LOSS_COLLECTIVES) * int(last)
     )
@@ -70,7 +71,7 @@ def dtensor_ops(shape: Shape, layout: Layout, counts: StageCounts, *, microbatch
     per_linear = DTENSOR_OPS_PER_LINEAR + (DTENSOR_OPS_PER_BIAS if shape.bias else 0)
     dense, moe = counts.dense + counts.dense_ckpt, counts.moe + counts.moe_ckpt
     linears = dense * sharded_linears(shape, moe=False) + moe * sharded_linears(shape, moe=True)
-    if layout.recompute == "full":  # the recomputed blocks' forward calls again (about a third of theirs)
+    if layout.recompute == Recompute.FULL:  # the recomputed blocks' forward calls again (about a third of theirs)
         recomputed = counts.dense_ckpt * sharded_linears(shape, moe=False) + counts.moe_ckpt * sharded_linears(shape, moe=True)
         linears_calls = linears * per_linear + recomputed * per_linear // 3
     else:

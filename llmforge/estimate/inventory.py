@@ -18,6 +18,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from llmforge.config.choices import Recompute
 from llmforge.estimate.node import largest_parameter
 from llmforge.estimate.params import RankParams, StageCounts, Tensor, block_tensors, layout_rank_params, representative_stages, stage_counts
 from llmforge.estimate.shape import Shape
@@ -90,8 +91,8 @@ class Inventory:
 
 def structure_key(layout: Layout) -> StructureKey:
     """The layout fields an inventory depends on."""
-    every = layout.recompute_every if layout.recompute == "full" else 1
-    return (layout.pp, layout.virtual_stages, layout.pp_layers, layout.v_shape, every, layout.tp, layout.ep, layout.dp_shard, layout.cp)
+    every = layout.recompute_every if layout.recompute == Recompute.FULL else 1
+    return (layout.pp, layout.pp_virtual_stages, layout.pp_layers, layout.v_shape, every, layout.tp, layout.ep, layout.dp_shard, layout.cp)
 
 
 def inventory(shape: Shape, layout: Layout, *, memo: dict[tuple[object, ...], object] | None = None) -> Inventory:

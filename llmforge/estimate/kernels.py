@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
+from llmforge.config.choices import Activation, Position, Recompute
 from llmforge.estimate.params import Tensor, block_tensors, embedding_tensors
 from llmforge.estimate.shape import Job, Shape
 from llmforge.layout import Layout
@@ -155,11 +156,11 @@ def _elementwise(
     bwd_k = 4 + 2 + 2 + ((attn_in + mlp_in) if mixed else 0) + attn_in + mlp_in - 2
     # the fused outputs' gradients are put together from their parts' (q, k, v; gate, up)
     bwd, bwd_k = bwd + 2 * c * (q + 2 * kv) + (4 * c * f if mlp_mats == 2 else 0), bwd_k + mlp_mats
-    if shape.activation == "swiglu":
+    if shape.activation == Activation.SWIGLU:
         fwd, fwd_k, bwd, bwd_k = fwd + 5 * c * f, fwd_k + 2, bwd + 9 * c * f, bwd_k + 3
     else:
         fwd, fwd_k, bwd, bwd_k = fwd + 2 * c * f, fwd_k + 1, bwd + 3 * c * f, bwd_k + 1
-    if shape.position == "rope":  # rotate q and k: four products, a sum, a difference, a concatenation
+    if shape.position == Position.ROPE:  # rotate q and k: four products, a sum, a difference, a concatenation
         fwd, fwd_k, bwd, bwd_k = fwd + 9 * c * (q + kv) + 2 * c * q, fwd_k + 15, bwd + 14 * c * (q + kv) + 2 * c * q, bwd_k + 20
     if kv < q:  # grouped-query attention repeats k and v to every head
         fwd, fwd_k, bwd, bwd_k = fwd + 2 * c * (kv + q), fwd_k + 2, bwd + 2 * c * (kv + q), bwd_k + 2
@@ -191,7 +192,7 @@ def _fused(shape: Shape, *, t: float, tp: int, sp: int, c: int, ffn: float, mlp_
     act_in = mlp_mats * c * f
     fwd, bwd = fwd + act_in + c * f, bwd + 2 * act_in + c * f
     fwd_k, bwd_k = fwd_k + 1, bwd_k + 1
-    if shape.position == "rope" or kv < q:
+    if shape.position == Position.ROPE or kv < q:
         heads_out = 3 * q if kv < q else q + 2 * kv
         fwd, bwd = fwd + c * (q + 2 * kv) + c * heads_out, bwd + c * heads_out + c * (q + 2 * kv)
         fwd_k, bwd_k = fwd_k + 1, bwd_k + 1
@@ -206,7 +207,7 @@ def block_kernels(shape: Shape, *, t: float, tp: int, sp: int, ep: int, c: int, 
     block is compiled (``_fused``), else eager (``_elementwise``)."""
     h, kv = shape.hidden, shape.kv_dim
     gemms: list[tuple[float, float, float]] = [(t, h, (h + 2 * kv) / tp), (t, h / tp, h)]  # fused q/k/v, o
-    mats = 2 if shape.activation == "swiglu" else 1
+    mats = 2 if shape.activation == Activation.SWIGLU else 1
     if moe:
         rows = t * shape.top_k * min(1.0, shape.capacity_factor or 1.0)  # routed rows this rank's experts see (balanced)
         local = max(1, shape.num_experts // ep)
@@ -263,13 +264,13 @@ def block_cost(sp: Speeds, k: Kernels, *, mode: str, mixed: bool, c: int, accumu
     fwd_mem, bwd_mem = sp.memory(k.fwd_bytes, k.fwd_kernels), sp.memory(k.bwd_bytes, k.bwd_kernels)
     weights = _weights_cost(sp, k.weights, mixed=mixed, accumulate=accumulate, c=c)
     out = total((fwd_gemm, bwd_gemm, attn_f, attn_b, fwd_mem, bwd_mem, weights))
-    if mode == "full":  # the whole forward again, but its last matmul
+    if mode == Recompute.FULL:  # the whole forward again, but its last matmul
         m, kk, n = k.gemms[-1]
         last = sp.gemm(m, kk, n)
         out = total((out, fwd_gemm, last.times(-1), attn_f, fwd_mem))
-    if mode in ("full", "selective") and mixed:  # the weights are cast again
+    if mode in (Recompute.FULL, Recompute.SELECTIVE) and mixed:  # the weights are cast again
         out = out.plus(total(sp.memory(n * (FP32 + c), 1) for n in k.weights))
-    if mode == "selective":  # norms, casts, activations, RoPE: the memory-bound forward (fused when compiled)
+    if mode == Recompute.SELECTIVE:  # norms, casts, activations, RoPE: the memory-bound forward (fused when compiled)
         out = out.plus(fwd_mem)
     return out
 
@@ -277,7 +278,7 @@ def block_cost(sp: Speeds, k: Kernels, *, mode: str, mixed: bool, c: int, accumu
 def ends_cost(sp: Speeds, shape: Shape, layout: Layout, *, c: int, mixed: bool, first: bool, last: bool, accumulate: float) -> Cost:
     """Embedding (first stage) and final norm, output layer and loss (last stage), one microbatch
     (never compiled: ``train.compile`` compiles the blocks)."""
-    t = layout.micro_batch * shape.seq / layout.cp
+    t = layout.micro_batch_size * shape.seq / layout.cp
     tp = layout.tp
     h, v = shape.hidden, shape.vocab / tp
     out = NONE

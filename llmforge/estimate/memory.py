@@ -11,6 +11,7 @@ shards), and computes from gathered copies in ``precision.param_dtype``.
 
 from __future__ import annotations
 
+from llmforge.config.choices import Offload
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate import activations as act
 from llmforge.estimate import fp8, muon
@@ -105,7 +106,18 @@ def _activations_key(inv: Inventory, job: Job, *what: object) -> tuple[object, .
     the rest (ZeRO 1-3, schedule, data-parallel degree) keep the same activations per microbatch."""
     lay = inv.layout
     gathered = act.weights_gathered(lay, job)
-    return ("activations", *what, lay.tp, lay.sequence_parallel, lay.async_tp, lay.ep, lay.cp, lay.micro_batch, lay.recompute, gathered)
+    return (
+        "activations",
+        *what,
+        lay.tp,
+        lay.sequence_parallel,
+        lay.async_tp,
+        lay.ep,
+        lay.cp,
+        lay.micro_batch_size,
+        lay.recompute,
+        gathered,
+    )
 
 
 def _transient(inv: Inventory, job: Job, stage: int, params: int) -> float:
@@ -157,7 +169,7 @@ def stage_memory(inv: Inventory, job: Job, stage: int, microbatches: int) -> Sta
     transient = _transient(inv, job, stage, params)
     reserved = allowance(job, working=activations + transient)
     mem = StageMemory(stage, params, weights, grads, optimizer, activations, transient, reserved)
-    if layout.offload != "none" or layout.offload_activations:
+    if layout.offload != Offload.NONE or layout.offload_activations:
         return device_memory(mem, inv, job)
     return mem
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from llmforge.config.choices import Optimizer
 from llmforge.estimate import comm as cm
 from llmforge.estimate import kernels as kn
 from llmforge.estimate.inventory import Inventory
@@ -41,7 +42,7 @@ def is_muon(t: Tensor) -> bool:
 
 def _stage_key(layout: Layout, stage: int) -> tuple[int, int, tuple[int, ...] | None, int, bool]:
     """What selects a pipeline rank's tensors (llmforge.estimate.params.stage_tensors)."""
-    return (layout.pp, layout.virtual_stages, layout.pp_layers, stage, layout.v_shape)
+    return (layout.pp, layout.pp_virtual_stages, layout.pp_layers, stage, layout.v_shape)
 
 
 def _tensors(inv: Inventory, stage: int) -> tuple[Tensor, ...]:
@@ -73,7 +74,7 @@ def _muon_share(inv: Inventory, stage: int) -> float:
 
 def state_bytes_per_param(inv: Inventory, job: Job, stage: int) -> float:
     """Optimizer-state bytes per parameter of pipeline rank ``stage`` (8 under AdamW)."""
-    if job.optimizer != "muon":
+    if job.optimizer != Optimizer.MUON:
         return ADAM_STATE_BYTES
     share = _muon_share(inv, stage)
     return MUON_STATE_BYTES * share + ADAM_STATE_BYTES * (1 - share)
@@ -92,7 +93,7 @@ def _ns_seconds(sp: kn.Speeds, t: Tensor, steps: int, matrices: float) -> float:
 
 def step_seconds(inv: Inventory, job: Job, stage: int) -> float:
     """Newton-Schulz and its gathers and scatters per step on ``stage``'s rank (0 under AdamW)."""
-    if job.optimizer != "muon":
+    if job.optimizer != Optimizer.MUON:
         return 0.0
     layout = inv.layout
     sp = kn.speeds(dataclasses.replace(job, param_dtype=job.muon_ns_dtype))

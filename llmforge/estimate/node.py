@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmforge.config.choices import Recompute
 from llmforge.estimate.params import block_tensors, embedding_tensors, head_tensors
 from llmforge.estimate.shape import Job, Shape
 from llmforge.layout import Layout
@@ -81,7 +82,7 @@ def rank_items(
     if job.on_cpu:
         items = {"rank footprint": device_total}
     else:
-        data = PREFETCHED_BATCHES * layout.micro_batch * (shape.seq + 1) * INT64
+        data = PREFETCHED_BATCHES * layout.micro_batch_size * (shape.seq + 1) * INT64
         items = {
             "process": float(RANK_BASE_BYTES),
             "build buffer": FP32 * (largest_parameter(shape) if largest is None else largest),
@@ -125,8 +126,8 @@ def fix(node: NodeMemory, layout: Layout) -> str:
         k
         for k, wanted in (
             ("parallel.zero=3", layout.zero < 3),
-            ("parallel.recompute=full", layout.recompute != "full"),
-            ("a smaller train.micro_batch_size", layout.micro_batch > 1),
+            ("parallel.recompute=full", layout.recompute != Recompute.FULL),
+            ("a smaller train.micro_batch_size", layout.micro_batch_size > 1),
         )
         if wanted
     ]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from llmforge.config.choices import Offload
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate.allocator import slack_fraction
 from llmforge.estimate.inventory import Inventory
@@ -53,7 +54,7 @@ ACCUMULATE_BYTES = 12  # host gradient accumulation: reads two fp32 values, writ
 
 
 def offloads(layout: Layout) -> bool:
-    return layout.offload != "none" or layout.offload_activations
+    return layout.offload != Offload.NONE or layout.offload_activations
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ class HostUse:
 def device_memory(mem: StageMemory, inv: Inventory, job: Job) -> StageMemory:
     """``mem`` with the offloaded parts moved off the device."""
     layout = inv.layout
-    if layout.offload == "states":
+    if layout.offload == Offload.STATES:
         mem = _states_off(mem, layout, job, block=inv.largest_block(mem.stage))
     if layout.offload_activations:
         blocks = max(1, inv.counts(mem.stage).blocks)
@@ -112,7 +113,7 @@ def host_use(inv: Inventory, job: Job, *, stage: int, activations: float, microb
     the most-loaded one; ``activations``: its saved activations before offload; ``compute_s``:
     the step's compute)."""
     layout = inv.layout
-    shard: float = inv.stages[stage].shard if layout.offload == "states" else 0
+    shard: float = inv.stages[stage].shard if layout.offload == Offload.STATES else 0
     m = microbatches
     gathers = 2 * m if layout.zero == 3 and layout.pp == 1 else 1
     scatters = m if layout.zero >= 2 and layout.pp == 1 else 1

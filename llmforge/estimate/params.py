@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
+from llmforge.config.choices import Activation, Norm, Position, Recompute
 from llmforge.estimate.shape import Shape
 from llmforge.layout import Layout, chunk_rank
 
@@ -42,7 +43,7 @@ class Tensor:
 
 def _norm(shape: Shape, name: str) -> list[Tensor]:
     out = [Tensor(f"{name}.weight", (shape.hidden,))]
-    if shape.norm == "layernorm" and shape.bias:
+    if shape.norm == Norm.LAYERNORM and shape.bias:
         out.append(Tensor(f"{name}.bias", (shape.hidden,)))
     return out
 
@@ -58,7 +59,7 @@ def _linear(name: str, out_f: int, in_f: int, split: str, bias: bool, expert: bo
 def mlp_tensors(shape: Shape, name: str, ffn: int, *, expert: bool = False) -> list[Tensor]:
     """The MLP: gelu (up, down) or swiglu (gate and up fused in one linear, down)."""
     h, b = shape.hidden, shape.bias
-    if shape.activation == "swiglu":
+    if shape.activation == Activation.SWIGLU:
         return _linear(f"{name}.gate_up_proj", 2 * ffn, h, "col", b, expert) + _linear(f"{name}.down_proj", h, ffn, "row", b, expert)
     return _linear(f"{name}.up_proj", ffn, h, "col", b, expert) + _linear(f"{name}.down_proj", h, ffn, "row", b, expert)
 
@@ -75,7 +76,7 @@ def moe_tensors(shape: Shape) -> list[Tensor]:
     Tensor parallelism leaves MoE layers whole (replicated over tp ranks)."""
     h, f, e = shape.hidden, shape.moe_ffn, shape.num_experts
     out = [Tensor("mlp.router.weight", (e, h))]
-    if shape.activation == "swiglu":
+    if shape.activation == Activation.SWIGLU:
         out.append(Tensor("mlp.experts.w_gate", (e, h, f), expert=True))
     out += [Tensor("mlp.experts.w_up", (e, h, f), expert=True), Tensor("mlp.experts.w_down", (e, f, h), expert=True)]
     if shape.shared_experts:
@@ -97,7 +98,7 @@ def block_tensors(shape: Shape, moe: bool) -> tuple[Tensor, ...]:
 def embedding_tensors(shape: Shape) -> list[Tensor]:
     """Token embedding (vocab-parallel) and learned positions (replicated)."""
     out = [Tensor("embed.weight", (shape.vocab, shape.hidden), "vocab")]
-    if shape.position == "learned":
+    if shape.position == Position.LEARNED:
         out.append(Tensor("pos_embed.weight", (shape.seq, shape.hidden)))
     return out
 
@@ -197,7 +198,7 @@ def layout_rank_params(shape: Shape, layout: Layout, stage: int) -> RankParams:
     return rank_params(
         shape,
         pp=layout.pp,
-        v=layout.virtual_stages,
+        v=layout.pp_virtual_stages,
         pp_layers=layout.pp_layers,
         stage=stage,
         tp=layout.tp,
@@ -254,8 +255,8 @@ def stage_counts(shape: Shape, layout: Layout) -> tuple[StageCounts, ...]:
     memo = layout.__dict__.get("_counts")  # asked ~10 times per estimate: kept on the layout
     if memo is not None and memo[0] is shape:
         return memo[1]
-    every = layout.recompute_every if layout.recompute == "full" else 1
-    counts = _stage_counts(shape, layout.pp, layout.virtual_stages, layout.pp_layers, layout.v_shape, every)
+    every = layout.recompute_every if layout.recompute == Recompute.FULL else 1
+    counts = _stage_counts(shape, layout.pp, layout.pp_virtual_stages, layout.pp_layers, layout.v_shape, every)
     object.__setattr__(layout, "_counts", (shape, counts))
     return counts
 

@@ -18,38 +18,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmforge.config.choices import Schedule
 from llmforge.layout import ZERO_BUBBLE_SCHEDULES, Layout, stage_ids
 
 
 def inflight_microbatches(layout: Layout, *, stage: int, microbatches: int) -> float:
     """Microbatches whose activations rank ``stage`` holds at its peak, in whole-stage units."""
-    p, v, m = layout.pp, layout.virtual_stages, microbatches
+    p, v, m = layout.pp, layout.pp_virtual_stages, microbatches
     if p == 1:
         return 1.0
-    sched = layout.schedule
-    if sched in ("gpipe", "looped_bfs"):
+    sched = layout.pp_schedule
+    if sched in (Schedule.GPIPE, Schedule.LOOPED_BFS):
         return float(m)
-    if sched == "1f1b":
+    if sched == Schedule.ONE_F_ONE_B:
         return float(min(m, p - stage))
-    if sched == "zbv":
+    if sched == Schedule.ZBV:
         return float(min(m, p))
     chunks = min(m * v, (v - 1) * p + 2 * (p - 1 - stage) + 1)  # Megatron/torch warm-up + one
-    if sched == "zb_interleaved":
+    if sched == Schedule.ZB_INTERLEAVED:
         chunks = min(m * v, chunks + 1)  # a weight-gradient step deferred keeps one more input
     return chunks / v
 
 
 def bubble_fraction(layout: Layout, microbatches: int, *, w: float = 1.0) -> float:
     """Idle share of the step for the layout's schedule (see the module docstring)."""
-    p, v, m = layout.pp, layout.virtual_stages, microbatches
+    p, v, m = layout.pp, layout.pp_virtual_stages, microbatches
     if p == 1:
         return 0.0
-    if layout.schedule in ("gpipe", "1f1b"):
+    if layout.pp_schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
         return (p - 1) / (m + p - 1)
-    if layout.schedule in ("interleaved_1f1b", "looped_bfs"):
+    if layout.pp_schedule in (Schedule.INTERLEAVED_1F1B, Schedule.LOOPED_BFS):
         return (p - 1) / (v * m + p - 1)
     per_chunk = 3.0  # T_F + T_B + T_W
-    if layout.schedule == "zb_interleaved":
+    if layout.pp_schedule == Schedule.ZB_INTERLEAVED:
         idle = (p - 1) * (1 + (2 - w) - w) / per_chunk
     else:  # zbv
         idle = (p - 1) * max(0.0, 1 + (2 - w) - 2 * w) / per_chunk
@@ -77,11 +78,11 @@ Deferred = dict[int, list[tuple[int, int]]]
 
 def _order(schedule: str, p: int, v: int, m: int, rank: int) -> list[Action]:
     """The (kind, microbatch, local chunk index) sequence a rank executes."""
-    if schedule == "gpipe":
+    if schedule == Schedule.GPIPE:
         return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
-    if schedule == "looped_bfs":
+    if schedule == Schedule.LOOPED_BFS:
         return [("F", i, c) for c in range(v) for i in range(m)] + [("B", i, c) for c in reversed(range(v)) for i in range(m)]
-    if schedule == "1f1b":
+    if schedule == Schedule.ONE_F_ONE_B:
         return _one_f_one_b([("F", i, 0) for i in range(m)], [("B", i, 0) for i in range(m)], min(m, p - 1 - rank))
     fwd = [("F", (k // (p * v)) * p + k % p, (k // p) % v) for k in range(m * v)]
     bwd = [("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v) for k in range(m * v)]
@@ -103,8 +104,8 @@ def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Acti
 
 def simulate(layout: Layout, microbatches: int) -> dict[int, list[Slot]]:
     """Run the schedule with unit forward time per chunk (backward 2, or B 1 + W 1 for zero-bubble)."""
-    p, v, m, sched = layout.pp, layout.virtual_stages, microbatches, layout.schedule
-    if sched == "zbv":
+    p, v, m, sched = layout.pp, layout.pp_virtual_stages, microbatches, layout.pp_schedule
+    if sched == Schedule.ZBV:
         return _simulate_greedy(p, m)
     nchunks = p * v
     split = sched in ZERO_BUBBLE_SCHEDULES
@@ -181,7 +182,7 @@ def _simulate_greedy(p: int, m: int) -> dict[int, list[Slot]]:
     while it holds fewer than 2p chunk activations, else a deferred W, else idles one unit."""
     nchunks = 2 * p
     done: Done = {}
-    local = {r: tuple(stage_ids(pp_rank=r, pp=p, virtual=2, schedule="zbv")) for r in range(p)}
+    local = {r: tuple(stage_ids(pp_rank=r, pp=p, virtual=2, schedule=Schedule.ZBV)) for r in range(p)}
     slots: dict[int, list[Slot]] = {r: [] for r in range(p)}
     pending_w: Deferred = {r: [] for r in range(p)}
     held, busy_until = [0] * p, [0] * p

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from llmforge.config.choices import Recompute
 from llmforge.errors import Problem
 from llmforge.estimate import kernels as kn
 from llmforge.estimate.core import Estimate, estimate_plan
@@ -47,9 +48,9 @@ def as_dict(est: Estimate, *, recipe: str = "") -> dict[str, Any]:
         "headroom_bytes": est.headroom,
         "stages": [{"stage": s.stage, "params": s.params, "total_bytes": s.total, "activations_bytes": s.activations} for s in est.stages],
         "pipeline": {
-            "schedule": lay.schedule if lay.pp > 1 else "none",
+            "schedule": lay.pp_schedule if lay.pp > 1 else "none",
             "stages": lay.pp,
-            "virtual_stages": lay.virtual_stages,
+            "virtual_stages": lay.pp_virtual_stages,
             "microbatches": est.microbatches,
             "bubble_fraction": est.bubble,
         },
@@ -103,11 +104,11 @@ def step_share(est: Estimate) -> dict[str, float]:
     shape, layout, job = est.shape, est.layout, est.job
     tokens = job.global_batch * shape.seq
     per_layer = 4 * shape.attention_span * shape.hidden  # forward, per token
-    full = layout.recompute == "full"
+    full = layout.recompute == Recompute.FULL
     counts = stage_counts(shape, layout)
     recomputed = sum(c.dense_ckpt + c.moe_ckpt for c in counts) if full else 0
     flops = tokens * per_layer * (3.5 * shape.num_layers + recomputed)
-    local = layout.micro_batch * shape.seq / layout.cp * per_layer / layout.tp  # one block, one microbatch
+    local = layout.micro_batch_size * shape.seq / layout.cp * per_layer / layout.tp  # one block, one microbatch
     sp = kn.speeds(job)
     block_s = (
         sp.attention(local, 1, head_dim=shape.head_dim).seconds

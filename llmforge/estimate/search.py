@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
+from llmforge.config.choices import Offload, Recompute, Schedule
 from llmforge.config.schema import RunConfig
 from llmforge.errors import UserError
 from llmforge.estimate.attention import Documents
@@ -106,21 +107,21 @@ def replicate_options(*, dp: int, tp: int, cp: int, ep: int, zero: int, node_siz
     return [1] + [r for r in divisors(dp) if r > 1 and (tp * (dp // r)) % node_size == 0]
 
 
-def schedule_options(shape: Shape, pp: int) -> list[tuple[str, int]]:
+def schedule_options(shape: Shape, pp: int) -> list[tuple[Schedule, int]]:
     """(schedule, virtual stages) worth trying for pp stages."""
     if pp == 1:
-        return [("1f1b", 1)]
-    out = [("1f1b", 1)]
+        return [(Schedule.ONE_F_ONE_B, 1)]
+    out = [(Schedule.ONE_F_ONE_B, 1)]
     per_rank = shape.num_layers // pp
     for v in divisors(per_rank):
         if 2 <= v <= MAX_VIRTUAL:
-            out += [("interleaved_1f1b", v), ("zb_interleaved", v)]
+            out += [(Schedule.INTERLEAVED_1F1B, v), (Schedule.ZB_INTERLEAVED, v)]
     if per_rank % 2 == 0:
-        out.append(("zbv", 2))
+        out.append((Schedule.ZBV, 2))
     return out
 
 
-def _micro_batches(job: Job, dp: int, pp: int, schedule: str) -> Iterator[int]:
+def _micro_batches(job: Job, dp: int, pp: int, schedule: Schedule) -> Iterator[int]:
     if job.global_batch % dp:
         return
     per_rank = job.global_batch // dp
@@ -128,7 +129,7 @@ def _micro_batches(job: Job, dp: int, pp: int, schedule: str) -> Iterator[int]:
         m = per_rank // mb
         if pp > 1 and m < pp:
             continue
-        if pp > 1 and schedule not in ("1f1b", "gpipe") and m % pp:
+        if pp > 1 and schedule not in (Schedule.ONE_F_ONE_B, Schedule.GPIPE) and m % pp:
             continue
         yield mb
 
@@ -154,8 +155,8 @@ def structures(shape: Shape, job: Job, world: int) -> Iterator[Layout]:
                                     ep=ep,
                                     zero=zero,
                                     sequence_parallel=sp,
-                                    schedule=schedule,
-                                    virtual_stages=v,
+                                    pp_schedule=schedule,
+                                    pp_virtual_stages=v,
                                     dp_replicate=r,
                                 )
 
@@ -183,10 +184,10 @@ def _evaluate(inventories: Inventories, job: Job, structure: Layout, keep: list[
     base = {f: getattr(structure, f) for f in _FIELDS}
     capacity = job.profile.memory_bytes
     tokens = job.global_batch * shape.seq
-    for mb in _micro_batches(job, structure.dp, structure.pp, structure.schedule):
+    for mb in _micro_batches(job, structure.dp, structure.pp, structure.pp_schedule):
         fitted = False
         for recompute in ("none", "selective", "full"):
-            layout = Layout(**{**base, "micro_batch": mb, "recompute": recompute})
+            layout = Layout(**{**base, "micro_batch_size": mb, "recompute": recompute})
             inv = inventories.of(layout)
             stages = stage_peaks(inv, job)
             worst = most_loaded(stages)
@@ -258,19 +259,17 @@ def search(shape: Shape, job: Job, *, world: int, top: int = 5) -> SearchResult:
 
 
 #: What the search offloads when nothing fits on the devices, least first.
-OFFLOAD_STEPS = ({"offload": "states"}, {"offload": "states", "offload_activations": True})
+OFFLOAD_STEPS = ({"offload": Offload.STATES}, {"offload": Offload.STATES, "offload_activations": True})
 
 
-def offload_structures(shape: Shape, job: Job, world: int, *, offload: str, offload_activations: bool = False) -> Iterator[Layout]:
+def offload_structures(shape: Shape, job: Job, world: int, *, offload: Offload, offload_activations: bool = False) -> Iterator[Layout]:
     """The structures that can offload (FSDP2: ZeRO 1-3; on a data-parallel group of one, ZeRO 3's
     code path with the same FSDP2 units), with the offload set."""
-    import dataclasses
-
     for structure in structures(shape, job, world):
         if structure.zero == 0 and structure.dp * structure.cp > 1:
             continue
         zero = structure.zero or 1
-        yield dataclasses.replace(structure, zero=zero, offload=offload, offload_activations=offload_activations)
+        yield replace(structure, zero=zero, offload=offload, offload_activations=offload_activations)
 
 
 def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -> tuple[int, int, Layout] | None:
@@ -283,10 +282,10 @@ def minimum_devices(shape: Shape, job: Job, *, world: int, limit: int = 16384) -
         scaled = replace(job, nodes=max(1, n // node), devices_per_node=min(n, node), global_batch=batch)
         inventories = Inventories(shape)  # (one memo per job)
         for structure in structures(shape, scaled, n):
-            if structure.zero != (3 if structure.dp > 1 else 0) or structure.schedule != "1f1b":
+            if structure.zero != (3 if structure.dp > 1 else 0) or structure.pp_schedule != Schedule.ONE_F_ONE_B:
                 continue
-            for mb in list(_micro_batches(scaled, structure.dp, structure.pp, structure.schedule))[:1]:
-                layout = Layout(**{**{f: getattr(structure, f) for f in _FIELDS}, "micro_batch": mb, "recompute": "full"})
+            for mb in list(_micro_batches(scaled, structure.dp, structure.pp, structure.pp_schedule))[:1]:
+                layout = Layout(**{**{f: getattr(structure, f) for f in _FIELDS}, "micro_batch_size": mb, "recompute": Recompute.FULL})
                 inv = inventories.of(layout)
                 worst = most_loaded(stage_peaks(inv, scaled))
                 if worst.total <= scaled.profile.memory_bytes and node_fits(inv, scaled, worst):
@@ -396,11 +395,9 @@ def search_plan(plan: RunPlan, *, top: int, documents: Documents | None = None) 
 
 def plan_config(plan: RunPlan, layout: Layout) -> RunConfig:
     """The plan's RunConfig with ``layout`` applied (parallel.* and the micro batch)."""
-    import dataclasses
-
     c = plan.config
     elastic = c.cluster.min_nodes is not None  # an elastic plan's dp follows the world it gets
-    parallel = dataclasses.replace(
+    parallel = replace(
         c.parallel,
         dp="auto" if elastic else layout.dp,
         tp=layout.tp,
@@ -409,8 +406,8 @@ def plan_config(plan: RunPlan, layout: Layout) -> RunConfig:
         ep=layout.ep,
         zero=layout.zero,
         sequence_parallel=layout.sequence_parallel,
-        pp_schedule=layout.schedule,
-        pp_virtual_stages=layout.virtual_stages,
+        pp_schedule=layout.pp_schedule,
+        pp_virtual_stages=layout.pp_virtual_stages,
         recompute=layout.recompute,
         recompute_every=layout.recompute_every,
         pp_layers=None,
@@ -419,9 +416,9 @@ def plan_config(plan: RunPlan, layout: Layout) -> RunConfig:
         offload_activations=layout.offload_activations,
         async_tp=layout.async_tp,
     )
-    train = dataclasses.replace(c.train, micro_batch_size=layout.micro_batch)
-    cluster = c.cluster if c.cluster.devices_per_node else dataclasses.replace(c.cluster, devices_per_node=layout.world // c.cluster.nodes)
-    return dataclasses.replace(c, parallel=parallel, train=train, cluster=cluster)
+    train = replace(c.train, micro_batch_size=layout.micro_batch_size)
+    cluster = c.cluster if c.cluster.devices_per_node else replace(c.cluster, devices_per_node=layout.world // c.cluster.nodes)
+    return replace(c, parallel=parallel, train=train, cluster=cluster)
 
 
 def _valid(plan: RunPlan, layout: Layout) -> bool:

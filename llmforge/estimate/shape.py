@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from llmforge.config.choices import Dtype, Fp8Recipe
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.config.schema import ModelConfig
 from llmforge.estimate.attention import Documents, attention_cost, mask_fraction
@@ -122,7 +123,7 @@ class Job:
     @property
     def mixed(self) -> bool:
         """Autocast mixed precision: fp32 weights, 16-bit compute."""
-        return self.param_dtype != "fp32"
+        return self.param_dtype != Dtype.FP32
 
     @property
     def on_cpu(self) -> bool:
@@ -176,7 +177,7 @@ def job_from_plan(plan: RunPlan) -> Job:
         efficiency=c.cluster.efficiency,
         overlap_grad_reduce=plan.overlap_grad_reduce,
         fp8=c.precision.fp8,
-        fp8_all_gather=c.precision.fp8 and c.precision.fp8_recipe == "tensorwise" and c.precision.fp8_all_gather,
+        fp8_all_gather=c.precision.fp8 and c.precision.fp8_recipe == Fp8Recipe.TENSORWISE and c.precision.fp8_all_gather,
         compile=c.train.compile,
         bucket_bytes=max(1, int(c.parallel.bucket_mb * 2**20)),
         fp32_residual=c.precision.fp32_residual,

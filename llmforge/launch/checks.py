@@ -84,7 +84,7 @@ def check_host_memory(plan: RunPlan, *, estimate: Estimate | None = None) -> Non
             [
                 Problem(
                     "parallel.offload",
-                    plan.config.parallel.offload,
+                    plan.layout.offload,
                     f"the ranks of this node would keep {host.node_bytes / 2**30:.3g} GiB in host memory "
                     f"(offloaded states and activations) and this machine has {total / 2**30:.3g} GiB",
                     "shard over more ranks (parallel.dp, parallel.zero=3), offload less (parallel.offload_activations=false), "

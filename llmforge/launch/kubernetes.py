@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
+from llmforge.config.choices import KubernetesKind
 from llmforge.errors import Problem, UserError
 from llmforge.launch.platform import PLAN_ENV, job_name, mounts, node_script, plan_text
 from llmforge.launch.torchrun import procs_per_node
@@ -28,7 +29,7 @@ SUBMIT_HINT = "without it the job is created with the kubernetes Python client, 
 
 
 def manifest(plan: RunPlan) -> dict:
-    return trainjob(plan) if plan.config.cluster.kubernetes.kind == "trainjob" else jobset(plan)
+    return trainjob(plan) if plan.config.cluster.kubernetes.kind == KubernetesKind.TRAINJOB else jobset(plan)
 
 
 def _metadata(plan: RunPlan) -> dict:

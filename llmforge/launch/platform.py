@@ -16,6 +16,7 @@ import posixpath
 import re
 import shlex
 
+from llmforge.config.choices import KubernetesKind, Launcher
 from llmforge.elastic import is_elastic
 from llmforge.errors import Problem, UserError
 from llmforge.plan import RunPlan
@@ -36,7 +37,7 @@ def job_name(plan: RunPlan, *, limit: int = 40) -> str:
 def mounts(plan: RunPlan) -> dict:
     """{"data"|"runs": (source, mount path)} of the launcher's volumes or buckets that are set."""
     c = plan.config.cluster
-    if c.launcher == "kubernetes":
+    if c.launcher == Launcher.KUBERNETES:
         k = c.kubernetes
         found = {"data": (k.data_claim, k.data_mount), "runs": (k.runs_claim, k.runs_mount)}
     else:
@@ -54,10 +55,10 @@ def platform_problems(plan: RunPlan) -> list[Problem]:
     """What a plan needs before it can be written for ``cluster.launcher`` (kubernetes or skypilot)."""
     c = plan.config.cluster
     launcher = c.launcher
-    key = "cluster.kubernetes.runs_claim" if launcher == "kubernetes" else "cluster.skypilot.runs_bucket"
+    key = "cluster.kubernetes.runs_claim" if launcher == Launcher.KUBERNETES else "cluster.skypilot.runs_bucket"
     mount_key = key.rsplit(".", 1)[0] + ".runs_mount"
     out = []
-    if launcher == "kubernetes" and not c.image:
+    if launcher == Launcher.KUBERNETES and not c.image:
         out.append(
             Problem(
                 "cluster.image",
@@ -68,7 +69,9 @@ def platform_problems(plan: RunPlan) -> list[Problem]:
         )
     found = mounts(plan)
     if "runs" not in found:
-        example = "NAME (a ReadWriteMany PersistentVolumeClaim)" if launcher == "kubernetes" else "s3://BUCKET/runs (or gs://, r2://, ...)"
+        example = (
+            "NAME (a ReadWriteMany PersistentVolumeClaim)" if launcher == Launcher.KUBERNETES else "s3://BUCKET/runs (or gs://, r2://, ...)"
+        )
         out.append(
             Problem(
                 key,
@@ -103,7 +106,7 @@ def platform_problems(plan: RunPlan) -> list[Problem]:
 def _elastic_problems(plan: RunPlan) -> list[Problem]:
     """An elastic plan runs where the platform has a mechanism for it (docs/launch.md)."""
     c = plan.config.cluster
-    if not is_elastic(plan.config) or c.launcher == "skypilot":
+    if not is_elastic(plan.config) or c.launcher == Launcher.SKYPILOT:
         return []
     kind = c.kubernetes.kind
     why = (
@@ -111,7 +114,7 @@ def _elastic_problems(plan: RunPlan) -> list[Problem]:
             "a TrainJob takes its node count and torchrun settings from its runtime, and Kubeflow Trainer's torch policy has no "
             "elastic range (the v1alpha1 API as of Trainer 2.3)"
         )
-        if kind == "trainjob"
+        if kind == KubernetesKind.TRAINJOB
         else "a JobSet runs a fixed number of pods and restarts all of them together (failurePolicy), so no smaller world ever forms"
     )
     return [
@@ -166,7 +169,8 @@ def to_yaml(manifest: dict) -> str:
         pass
 
     def text(dumper, value: str):
-        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+        return dumper.represent_scalar("tag:yaml.org,2002:str", str(value), style="|" if "\n" in value else None)
 
     Dumper.add_representer(str, text)
+    Dumper.add_multi_representer(str, text)  # str subclasses too: the choice keys (llmforge.config.choices)
     return yaml.dump(manifest, Dumper=Dumper, sort_keys=False, width=200)

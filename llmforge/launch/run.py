@@ -15,6 +15,7 @@ from typing import Any
 
 from rich.console import Console
 
+from llmforge.config.choices import Launcher, Offload
 from llmforge.config.launchers import PLATFORM_LAUNCHERS
 from llmforge.data.prepare import document_ends_for
 from llmforge.errors import UserError, fail, pasteable
@@ -63,14 +64,14 @@ def launch(
         launch_distributed(plan, resume_from=resume_from, dry_run=True, console=console)
         return
     launcher = plan.config.cluster.launcher
-    if launcher != "slurm":
+    if launcher != Launcher.SLURM:
         check_devices(plan)
     check_writable(plan.run_dir, key="run.dir")
     if is_url(plan.checkpoint_root):
         check_reachable(plan.checkpoint_root, key="checkpoint.dir")
     else:
         check_writable(plan.checkpoint_root, key="run.dir")
-    if launcher != "slurm" and not is_url(plan.checkpoint_root):
+    if launcher != Launcher.SLURM and not is_url(plan.checkpoint_root):
         check_space(plan, estimate=estimate)
         check_host_memory(plan, estimate=estimate)
     with _lock(plan):
@@ -95,7 +96,7 @@ def _launch_on_platform(
         )
     check_platform(plan)
     preflight(plan, force=force, resume=False, console=console, estimate=estimate)
-    platform = kubernetes if plan.config.cluster.launcher == "kubernetes" else skypilot
+    platform = kubernetes if plan.config.cluster.launcher == Launcher.KUBERNETES else skypilot
     manifest = platform.manifest(plan)
     if dry_run:  # the manifest alone on stdout (`> job.yaml`), the notes on the console
         print(to_yaml(manifest), end="", flush=True)
@@ -116,7 +117,7 @@ def runs_here(plan: RunPlan) -> bool:
     """One rank, no restarts, no offloaded states (FSDP2's, which needs a process group) and
     ``cluster.launcher=local``: train in this process."""
     c = plan.config.cluster
-    return plan.world_size == 1 and c.launcher == "local" and c.max_restarts == 0 and plan.config.parallel.offload == "none"
+    return plan.world_size == 1 and c.launcher == Launcher.LOCAL and c.max_restarts == 0 and plan.layout.offload == Offload.NONE
 
 
 def launch_distributed(plan: RunPlan, *, resume_from: Path | None, dry_run: bool, console: Console) -> None:
@@ -126,7 +127,7 @@ def launch_distributed(plan: RunPlan, *, resume_from: Path | None, dry_run: bool
         raise UserError(problems, title="this layout cannot be launched")
     if not dry_run:
         write_plan(plan)
-    if plan.config.cluster.launcher == "slurm":
+    if plan.config.cluster.launcher == Launcher.SLURM:
         submit_script(plan, plan_path=plan_path(plan), resume_from=resume_from, dry_run=dry_run, console=console)
         return
     start(plan, plan_path=plan_path(plan), resume_from=resume_from, dry_run=dry_run, console=console)
@@ -137,7 +138,7 @@ def _lock(plan: RunPlan):
     rank 0 takes it after the rendezvous (every node's launcher shares the folder); a
     SLURM script only gets written."""
     c = plan.config.cluster
-    if c.launcher != "slurm" and c.nodes == 1:
+    if c.launcher != Launcher.SLURM and c.nodes == 1:
         return RunLock(plan.run_dir)
     return contextlib.nullcontext()
 

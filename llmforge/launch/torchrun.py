@@ -13,6 +13,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from llmforge.config.choices import Launcher
 from llmforge.elastic import is_elastic
 from llmforge.errors import Problem
 from llmforge.estimate.shape import ranks_per_node
@@ -29,7 +30,7 @@ def check_supported(plan: RunPlan) -> list[Problem]:
     the plan's: ``llmforge.layout``)."""
     out = []
     c = plan.config.cluster
-    if c.nodes > 1 and c.launcher != "slurm" and not c.rdzv_endpoint:
+    if c.nodes > 1 and c.launcher != Launcher.SLURM and not c.rdzv_endpoint:
         out.append(
             Problem(
                 "cluster.rdzv_endpoint",

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmforge.config.choices import Position
 from llmforge.config.schema import ModelConfig
 from llmforge.models.fused import fuse, gate_up_groups, layout_of, parts_of
 from llmforge.models.kvcache import KVCache
@@ -69,12 +70,14 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.embed: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.pos_embed: nn.Embedding | None = nn.Embedding(config.seq_len, config.hidden_size) if config.position == "learned" else None
+        self.pos_embed: nn.Embedding | None = (
+            nn.Embedding(config.seq_len, config.hidden_size) if config.position == Position.LEARNED else None
+        )
         self.embed_dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleDict({str(i): Block(config, layer_id=i) for i in range(config.num_layers)})
         self.norm: nn.Module | None = make_norm(config)
         self.head: nn.Linear | None = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.position == "rope":
+        if config.position == Position.ROPE:
             cos, sin = rope_tables(head_dim=config.hidden_size // config.num_heads, seq_len=config.seq_len, theta=config.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
@@ -167,7 +170,7 @@ class GPT(nn.Module):
         """Give the buffers their fresh values on ``device``: the RoPE tables, and the
         training state some layers keep (the MoE routing bias). A model built on the meta
         device and allocated with ``to_empty`` has none of them yet."""
-        if self.config.position == "rope":
+        if self.config.position == Position.ROPE:
             cos, sin = rope_tables(
                 head_dim=self.config.hidden_size // self.config.num_heads, seq_len=self.config.seq_len, theta=self.config.rope_theta
             )

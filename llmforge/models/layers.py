@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmforge.config.choices import Activation, Norm
 from llmforge.config.schema import ModelConfig
 from llmforge.models.fused import kv_groups
 
@@ -44,7 +45,7 @@ class RMSNorm(nn.RMSNorm):
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
-    if config.norm == "rmsnorm":
+    if config.norm == Norm.RMSNORM:
         return RMSNorm(config.hidden_size, eps=config.norm_eps)
     return LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.bias)
 
@@ -140,7 +141,7 @@ class MLP(nn.Module):
 
     def __init__(self, *, hidden_size: int, ffn_hidden_size: int, activation: str, bias: bool, groups: int = 1) -> None:
         super().__init__()
-        swiglu = activation == "swiglu"
+        swiglu = activation == Activation.SWIGLU
         self.block = ffn_hidden_size // groups
         self.gate_up_proj = nn.Linear(hidden_size, 2 * ffn_hidden_size, bias=bias) if swiglu else None
         self.up_proj = None if swiglu else nn.Linear(hidden_size, ffn_hidden_size, bias=bias)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from llmforge.config.choices import AttentionMask
 from llmforge.config.schema import ModelConfig
 
 
@@ -34,7 +35,7 @@ def windowed_layer(config: ModelConfig, layer_id: int) -> bool:
 
 def needs_eos(config: ModelConfig) -> bool:
     """Whether the model needs the end-of-document token (its mask or positions follow documents)."""
-    return config.attention_mask == "document" or config.position_reset
+    return config.attention_mask == AttentionMask.DOCUMENT or config.position_reset
 
 
 def model_documents(config: ModelConfig, tokens: torch.Tensor, *, eos_id: int | None) -> torch.Tensor | None:
@@ -119,7 +120,7 @@ def build_masks(
 ) -> AttentionMasks:
     """Every mask the given layers need, built once. ``windowed``: which of the kinds (True, False) occur;
     ``q_positions``: the queries' global positions under context parallelism (else None)."""
-    docs = documents if config.attention_mask == "document" else None
+    docs = documents if config.attention_mask == AttentionMask.DOCUMENT else None
     masks = AttentionMasks()
     for kind in windowed:
         window = config.sliding_window if kind else 0

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmforge.config.choices import Activation, MoeBalance
 from llmforge.config.schema import ModelConfig
 from llmforge.models import balanced
 from llmforge.models.fused import gate_up_groups
@@ -112,7 +113,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, *, num_experts: int, hidden_size: int, ffn_hidden_size: int, activation: str) -> None:
         super().__init__()
         self.num_experts = num_experts
-        self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size)) if activation == "swiglu" else None
+        self.w_gate = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size)) if activation == Activation.SWIGLU else None
         self.w_up = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.w_down = nn.Parameter(torch.empty(num_experts, ffn_hidden_size, hidden_size))
 
@@ -243,9 +244,9 @@ class MoE(nn.Module):
         ffn = moe.ffn_hidden_size or config.ffn_hidden_size
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.normalize_top_k, self.capacity_factor = moe.normalize_top_k, moe.capacity_factor
-        self.aux_loss_coef = moe.aux_loss_coef if moe.balance == "aux" else 0.0
+        self.aux_loss_coef = moe.aux_loss_coef if moe.balance == MoeBalance.AUX else 0.0
         self.z_loss_coef = moe.z_loss_coef
-        bias = moe.balance == "bias"  # routing state: saved in checkpoints; the load since the last update is not
+        bias = moe.balance == MoeBalance.BIAS  # routing state: saved in checkpoints; the load since the last update is not
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if bias else None)
         self.register_buffer("expert_load", torch.zeros(moe.num_experts, dtype=torch.int64) if bias else None, persistent=False)
         self.router = nn.Linear(config.hidden_size, moe.num_experts, bias=False)

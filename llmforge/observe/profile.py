@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from llmforge.config.choices import MemorySnapshot
 from llmforge.config.train_rules import parse_steps
 from llmforge.errors import UserError, fail
 
@@ -72,10 +73,10 @@ class MemorySnapshots:
     records every allocation and free. Nothing happens off CUDA or with ``off``."""
 
     def __init__(self, *, mode: str, device: torch.device, out_dir: Path, rank: int) -> None:
-        self.active = device.type == "cuda" and mode != "off"
+        self.active = device.type == "cuda" and mode != MemorySnapshot.OFF
         self.out_dir, self.rank = out_dir, rank
         if self.active:
-            everything = mode == "profile"
+            everything = mode == MemorySnapshot.PROFILE
             torch.cuda.memory._record_memory_history(
                 enabled="all" if everything else "state",
                 context="all" if everything else "alloc",

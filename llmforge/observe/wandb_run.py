@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from llmforge.config.choices import WandbMode
 from llmforge.config.schema import WandbConfig
 
 
@@ -13,9 +14,9 @@ def resolve_mode(mode: str) -> str:
     """``auto`` is online with credentials, offline without; ``online`` without
     credentials also degrades to ``offline`` instead of prompting."""
     has_key = bool(os.environ.get("WANDB_API_KEY")) or _netrc_has_wandb()
-    if mode in ("auto", "online"):
+    if mode in (WandbMode.AUTO, WandbMode.ONLINE):
         return "online" if has_key else "offline"
-    return mode
+    return str(mode)
 
 
 def _netrc_has_wandb() -> bool:
@@ -29,7 +30,7 @@ class WandbRun:
     def __init__(self, *, settings: WandbConfig, run_dir: Path, name: str, config: dict[str, Any], resume_id: str | None) -> None:
         self._run = None
         mode = resolve_mode(settings.mode)
-        if mode == "disabled":
+        if mode == WandbMode.DISABLED:
             return
         import wandb
 

@@ -46,6 +46,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
+from llmforge.config.choices import Fp8Recipe
 from llmforge.errors import fail
 
 #: Modules under a block that stay in high precision, by name.
@@ -72,9 +73,9 @@ def float8_config(*, recipe: str, emulate: bool, fsdp_all_gather: bool):
     with quiet_torchao():
         from torchao.float8 import Float8LinearConfig
 
-    if recipe == "tensorwise":
+    if recipe == Fp8Recipe.TENSORWISE:
         return Float8LinearConfig(emulate=emulate, enable_fsdp_float8_all_gather=fsdp_all_gather)
-    base = Float8LinearConfig.from_recipe_name(recipe)
+    base = Float8LinearConfig.from_recipe_name(str(recipe))  # torchao takes a plain str
     return Float8LinearConfig(**{**_fields(base), "emulate": emulate})
 
 

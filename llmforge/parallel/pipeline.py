@@ -35,17 +35,18 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
+from llmforge.config.choices import Schedule
 from llmforge.config.schema import ModelConfig
 from llmforge.layout import SINGLE_STAGE_SCHEDULES
 from llmforge.models.gpt import GPT
 
 SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "looped_bfs": ScheduleLoopedBFS,
-    "zb_interleaved": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
+    Schedule.GPIPE: ScheduleGPipe,
+    Schedule.ONE_F_ONE_B: Schedule1F1B,
+    Schedule.INTERLEAVED_1F1B: ScheduleInterleaved1F1B,
+    Schedule.LOOPED_BFS: ScheduleLoopedBFS,
+    Schedule.ZB_INTERLEAVED: ScheduleInterleavedZeroBubble,
+    Schedule.ZBV: ScheduleZBVZeroBubble,
 }
 
 

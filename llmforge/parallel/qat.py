@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from llmforge.config.choices import Qat
 from llmforge.parallel.float8 import SKIPPED, quiet_torchao
 
 
@@ -37,9 +38,9 @@ def base_config(*, scheme: str, group_size: int):
         from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
         from torchao.quantization.granularity import PerGroup
 
-    if scheme == "int8-int4":
+    if scheme == Qat.INT8_INT4:
         return Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(group_size))
-    if scheme == "int4":
+    if scheme == Qat.INT4:
         return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(group_size))
     raise ValueError(f"unknown QAT scheme {scheme!r} (llmforge.config.qat_rules.QAT_SCHEMES)")
 

@@ -34,8 +34,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import llmforge.parallel.sequence  # noqa: F401  (registers llmforge::sp_column_linears, which _save_ops names)
+from llmforge.config.choices import Recompute
 
-MODES = ("none", "selective", "full")
+MODES = Recompute.names()
 
 aten = torch.ops.aten
 
@@ -111,10 +112,10 @@ def apply_recompute(model: nn.Module, *, mode: str, every: int = 1) -> nn.Module
         raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(MODES)}")
     if every < 1:
         raise ValueError(f"recompute every must be at least 1, got {every}")
-    if mode == "none":
+    if mode == Recompute.NONE:
         return model
     for name, block in model.layers.items():
-        if mode == "full" and int(name) % every:
+        if mode == Recompute.FULL and int(name) % every:
             continue
-        checkpoint_module(block, context=selective_context if mode == "selective" else None)
+        checkpoint_module(block, context=selective_context if mode == Recompute.SELECTIVE else None)
     return model

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmforge.config.choices import Dtype, Optimizer
 from llmforge.launch.run import runs_here
 from llmforge.models.balanced import balanced_routing
 from llmforge.models.masks import needs_eos
@@ -86,12 +87,12 @@ def unsupported(plan: RunPlan) -> str:
     """Why the rehearsal cannot run ``plan`` ("" when it can): steps that read a tensor's value on
     the host, which fake tensors do not have."""
     cfg = plan.config
-    if cfg.precision.param_dtype == "fp16":
+    if cfg.precision.param_dtype == Dtype.FP16:
         return (
             "fp16's dynamic loss scaling reads on the host whether the gradients are finite, every step; "
             "rehearse the plan with precision.param_dtype=bf16 (the same bytes)"
         )
-    if cfg.optim.name != "adamw":
+    if cfg.optim.name != Optimizer.ADAMW:
         return (
             f"optim.name={cfg.optim.name} steps without fused AdamW's on-device skip flag: the step guard reads "
             "on the host whether to skip the step; rehearse the plan with optim=adamw (other optimizer states)"

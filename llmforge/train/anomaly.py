@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from llmforge.config.choices import AnomalyAction
 from llmforge.parallel.dtensor import local_values
 
 
@@ -167,7 +168,7 @@ class StepGuard:
         self.first_anomaly = row.step if self.first_anomaly is None else self.first_anomaly
         self._streak.append((row.step, what))
         self._seen_since_read.append((row.step, what))
-        if len(self._streak) > self.policy.max_skipped_steps and self.policy.action != "stop":
+        if len(self._streak) > self.policy.max_skipped_steps and self.policy.action != AnomalyAction.STOP:
             self._over = list(self._streak)
 
     def decide(self, step: int) -> None:
@@ -175,7 +176,7 @@ class StepGuard:
         seen, self._seen_since_read = self._seen_since_read, []
         over, self._over = self._over, None
         p = self.policy
-        if p.action == "stop" and seen:
+        if p.action == AnomalyAction.STOP and seen:
             first, what = seen[0]
             raise Anomaly(
                 action="stop", first_step=first, step=step, what=what, reason="train.anomaly=stop ends the run at the first non-finite step"
@@ -187,7 +188,7 @@ class StepGuard:
             f"{len(over)} steps in a row were skipped (steps {first}-{over[-1][0]}), "
             f"more than train.max_skipped_steps={p.max_skipped_steps}"
         )
-        if p.action == "skip":
+        if p.action == AnomalyAction.SKIP:
             raise Anomaly(action="stop", first_step=first, step=step, what=what, reason=f"{count}, and train.anomaly=skip then stops")
         if self.rollbacks >= p.max_rollbacks:
             raise Anomaly(
@@ -203,7 +204,7 @@ class StepGuard:
         """What to raise when the weights themselves are non-finite before a save: they cannot be skipped."""
         first = self._streak[0][0] if self._streak else step
         what = "the weights were non-finite before the checkpoint"
-        if self.policy.action == "rollback" and self.rollbacks < self.policy.max_rollbacks:
+        if self.policy.action == AnomalyAction.ROLLBACK and self.rollbacks < self.policy.max_rollbacks:
             return Anomaly(action="rollback", first_step=first, step=step, what=what, reason="no checkpoint is written from them")
         return Anomaly(action="stop", first_step=first, step=step, what=what, reason="no checkpoint is written from them")
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from llmforge.config.choices import Dtype, MoeBalance, Offload, Qat
 from llmforge.estimate.core import Estimate, estimate_plan
 from llmforge.models.gpt import GPT
 from llmforge.models.moe import moe_metrics, set_aux_loss_scale
@@ -125,7 +126,7 @@ def build_parts(plan: RunPlan, *, mesh: ParallelMesh | None, device: torch.devic
             part,
             device=device,
             values=seeded_values(part, seed=plan.config.train.seed, aliases=aliases),
-            param_device=torch.device("cpu") if plan.config.parallel.offload == "states" else device,
+            param_device=torch.device("cpu") if plan.layout.offload == Offload.STATES else device,
         )
         parts.append(part)
     return parts, ids
@@ -142,7 +143,7 @@ def model_skeleton(plan: RunPlan, *, stage: int) -> GPT:
 def _host_group(plan: RunPlan, *, device: torch.device):
     """A gloo group over every rank for the norm of offloaded (host) gradients on GPU ranks;
     None where the default group carries host tensors already (CPU ranks) or there are none."""
-    if plan.config.parallel.offload != "states" or device.type == "cpu":
+    if plan.layout.offload != Offload.STATES or device.type == "cpu":
         return None
     import torch.distributed as dist
 
@@ -154,14 +155,14 @@ def build_scaler(plan: RunPlan) -> LossScaler:
     return LossScaler(
         scale=precision.initial_loss_scale,
         growth_interval=precision.loss_scale_growth_interval,
-        enabled=precision.param_dtype == "fp16",
+        enabled=precision.param_dtype == Dtype.FP16,
     )
 
 
 def _optimizer(plan: RunPlan, *, parts: list[nn.Module], copies: list[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW over every part (a tied embedding's copies without decay)."""
     cfg = plan.config
-    optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr, offloaded=cfg.parallel.offload == "states")
+    optimizer = build_optimizer(nn.ModuleList(parts), optim=cfg.optim, lr=cfg.train.lr, offloaded=plan.layout.offload == Offload.STATES)
     _no_decay(optimizer, copies)
     return optimizer
 
@@ -193,7 +194,7 @@ def _no_decay(optimizer: torch.optim.Optimizer, copies: list[nn.Parameter]) -> N
 def _qat_switch(plan: RunPlan, *, parts: list[nn.Module]) -> Callable[[int], None]:
     """QAT's fake quantization switched on at ``precision.qat_start_step`` (from the start: nothing to do)."""
     precision = plan.config.precision
-    if precision.qat != "none" and precision.qat_start_step > 1:
+    if precision.qat != Qat.NONE and precision.qat_start_step > 1:
         return switch_at(parts, start_step=precision.qat_start_step)
     return lambda step: None
 
@@ -211,7 +212,7 @@ def wire_moe(
     set_aux_loss_scale(parts, scale=lambda: (scaler.scale if scaler.enabled else 1.0) * per_loss)
     moe = plan.config.model.moe
     updates: list[Callback] = []
-    if moe.balance == "bias":
+    if moe.balance == MoeBalance.BIAS:
         reduce = load_reducer(rank.mesh) if rank.mesh is not None and plan.dp * plan.layout.cp > 1 else None
         updates.append(ExpertBiasUpdate(model_parts=tuple(parts), rate=moe.bias_update_rate, gate=guard.gate, reduce=reduce))
     if rank.mesh is not None:

@@ -48,7 +48,7 @@ def build_step(
     else:
         step = _pipeline_step(plan, mesh=mesh, parts=parts, ids=ids, scaler=scaler, device=device, finish=finish)
     step.documents_of = documents_of
-    if plan.config.parallel.offload_activations:
+    if plan.layout.offload_activations:
         return OffloadedStep(step, device=device)
     return step
 
@@ -65,7 +65,7 @@ def documents_function(plan: RunPlan, *, eos_id: int | None):
 
 def _bucket_bytes(plan: RunPlan) -> tuple[int, int]:
     """Bucket caps: ``parallel.bucket_mb`` and a first bucket of at most 1 MB."""
-    cap = max(1, int(plan.config.parallel.bucket_mb * 2**20))
+    cap = max(1, int(plan.layout.bucket_mb * 2**20))
     return cap, min(cap, FIRST_BUCKET_BYTES)
 
 
@@ -73,7 +73,7 @@ def _zero0_reducers(plan: RunPlan, *, mesh: ParallelMesh | None, parts: list[nn.
     """ZeRO 0 gradient reductions over dp x cp (expert weights over their replicas
     only, divided by dp): bucketed and overlapped with backward when ``overlap``,
     else one flat all-reduce each after backward."""
-    if not reduces_over_dp(plan, mesh=mesh) or plan.config.parallel.zero != 0:
+    if not reduces_over_dp(plan, mesh=mesh) or plan.layout.zero != 0:
         return []
     dtype = DTYPES[plan.config.precision.reduce_dtype]
     params = [p for part in parts for p in part.parameters() if p.requires_grad]
@@ -126,8 +126,8 @@ def _accumulation_step(
 ) -> GradAccumulationStep:
     cfg = plan.config
     no_sync = None
-    if reduces_over_dp(plan, mesh=mesh) and cfg.parallel.zero > 0:
-        no_sync = lambda last: fsdp_sync(model, zero=cfg.parallel.zero, last=last)  # noqa: E731
+    if reduces_over_dp(plan, mesh=mesh) and plan.layout.zero > 0:
+        no_sync = lambda last: fsdp_sync(model, zero=plan.layout.zero, last=last)  # noqa: E731
     bucketed = [r for r in reducers or [] if isinstance(r, BucketedGradReduce)]
     if bucketed:
         no_sync = lambda last: grad_sync(bucketed, sync=last)  # noqa: E731
@@ -136,7 +136,7 @@ def _accumulation_step(
         positions = cp_positions(seq_len=cfg.model.seq_len, cp_rank=mesh.local_rank("cp"), cp=plan.layout.cp, device=device)
     return GradAccumulationStep(
         model=model,
-        micro_batch_size=cfg.train.micro_batch_size,
+        micro_batch_size=plan.layout.micro_batch_size,
         param_dtype=cfg.precision.param_dtype,
         scaler=scaler,
         device=device,
@@ -171,7 +171,7 @@ def _pipeline_step(
         modules=list(parts),
     )
     step.schedule = build_schedule(
-        name=cfg.parallel.pp_schedule,
+        name=plan.layout.pp_schedule,
         modules=parts,
         ids=ids,
         num_stages=num_stages,
@@ -189,9 +189,9 @@ def stage_shapes(plan: RunPlan) -> StageShapes:
     ``llmforge.parallel.residual``)."""
     m, p, lay = plan.config.model, plan.config.precision, plan.layout
     return StageShapes(
-        micro_batch=plan.config.train.micro_batch_size,
+        micro_batch=plan.layout.micro_batch_size,
         seq_len=m.seq_len,
-        stream_tokens=m.seq_len // lay.tp if plan.config.parallel.sequence_parallel else m.seq_len,
+        stream_tokens=m.seq_len // lay.tp if plan.layout.sequence_parallel else m.seq_len,
         hidden=m.hidden_size,
         stream_dtype=residual_dtype(param_dtype=p.param_dtype, fp32_residual=p.fp32_residual),
         logits=m.vocab_size // lay.tp,

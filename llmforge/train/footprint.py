@@ -104,7 +104,7 @@ def _measure_on_fake_group(plan: RunPlan, caches: list) -> tuple[tuple[int, int,
             return t
 
         caches.clear()
-        step, mb = c.step, batch[: cfg.train.micro_batch_size].clone()
+        step, mb = c.step, batch[: plan.layout.micro_batch_size].clone()
         no_sync = step.no_sync(False) if step.no_sync is not None else contextlib.nullcontext()
         with no_sync, step.loss_context():
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -42,7 +42,7 @@ def mmap_threshold(plan) -> int:
     """The smallest power of two above the largest activation of one microbatch of ``plan``
     (fp32, whole: an upper bound under tensor or context parallelism), within
     [``MMAP_THRESHOLD_MIN``, ``MMAP_THRESHOLD_MAX``]."""
-    model, tokens = plan.config.model, plan.layout.micro_batch * plan.config.model.seq_len
+    model, tokens = plan.config.model, plan.layout.micro_batch_size * plan.config.model.seq_len
     widest = max(model.vocab_size, model.ffn_hidden_size, model.num_heads * model.seq_len)
     largest = FP32 * tokens * widest
     threshold = MMAP_THRESHOLD_MIN

@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 from rich.console import Console
 
+from llmforge.config.choices import MemorySnapshot
 from llmforge.config.train_rules import FAULT_ENV, parse_fault  # the spec is checked before launch (llmforge.launch.checks)
 from llmforge.observe.profile import MemorySnapshots, StepProfiler, out_of_memory_error
 from llmforge.parallel.dtensor import local
@@ -28,7 +29,7 @@ class Profiler(Callback):
 
     def __init__(self, plan: RunPlan, *, snapshots: MemorySnapshots, rank: RankInfo, start_step: int, console: Console) -> None:
         t = plan.config.train
-        self.snapshot_at_end = t.memory_snapshot == "profile"
+        self.snapshot_at_end = t.memory_snapshot == MemorySnapshot.PROFILE
         self.snapshots = snapshots
         self.say = (lambda text: console.print(text, highlight=False)) if rank.is_main else (lambda text: None)
         self.profiler = StepProfiler(

@@ -25,6 +25,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 import llmforge.parallel.recompute as recompute
+from llmforge.config.choices import Dtype, Recompute
 from llmforge.estimate import activations as act
 from llmforge.estimate import flops as fl
 from llmforge.estimate.params import total_params
@@ -71,7 +72,7 @@ def _recompute_wrap(model, *, mode: str, every: int) -> list:
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     caches: list = []
-    if mode != "selective":
+    if mode != Recompute.SELECTIVE:
         apply_recompute(model, mode=mode, every=every)
         return caches
 
@@ -132,7 +133,7 @@ def run_once(model, *, micro_batch: int, param_dtype: str, vocab: int, seq: int,
         return t
 
     tokens = torch.randint(0, vocab, (micro_batch, seq + 1))
-    cast = torch.autocast("cpu", dtype=DTYPES[param_dtype]) if param_dtype != "fp32" else contextlib.nullcontext()
+    cast = torch.autocast("cpu", dtype=DTYPES[param_dtype]) if param_dtype != Dtype.FP32 else contextlib.nullcontext()
     counter = FlopCounterMode(display=False, custom_mapping=cpu_flop_mapping())
     with counter:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -151,7 +152,7 @@ def measure_config(
     *,
     micro_batch: int,
     param_dtype: str,
-    recompute: str = "none",
+    recompute: Recompute = Recompute.NONE,
     every: int = 1,
     fake: bool | None = None,
     fp32_residual: bool = False,
@@ -169,7 +170,7 @@ def measure_config(
         torch.manual_seed(0)
         model = GPT(model_cfg)
         model.train()
-        if param_dtype != "fp32":
+        if param_dtype != Dtype.FP32:
             apply_residual_dtype(model, dtype=residual_dtype(param_dtype=param_dtype, fp32_residual=fp32_residual))
         caches = _recompute_wrap(model, mode=recompute, every=every)
         return run_once(
@@ -227,7 +228,7 @@ def _scaled(
 
 def single_process_estimate(shape, job: Job, *, micro_batch: int, recompute: str, every: int) -> dict:
     """The estimator's figures for one process running one microbatch (what ``measure`` sees)."""
-    layout = Layout(micro_batch=micro_batch, recompute=recompute, recompute_every=every)
+    layout = Layout(micro_batch_size=micro_batch, recompute=recompute, recompute_every=every)
     tokens = micro_batch * shape.seq
     saved = sum(act.layer_bytes(shape, layout, job, i) for i in range(shape.num_layers))
     saved += act.embedding_bytes(shape, layout) + act.output_bytes(shape, layout, job)
@@ -243,8 +244,8 @@ def single_process_estimate(shape, job: Job, *, micro_batch: int, recompute: str
 def measure_plan(plan, est) -> MeasuredReport:
     """Estimate and measurement side by side for the plan's model, one process, one microbatch."""
     cfg = plan.config
-    p = cfg.parallel
-    mb = cfg.train.micro_batch_size
+    p = plan.layout
+    mb = plan.layout.micro_batch_size
     names = count_parameters(cfg.model)
     measured_params = sum(_numel(s) for s in names.values())
     m, how = _scaled(

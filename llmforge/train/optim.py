@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from llmforge.config.choices import DecayShape, LrSchedule, Optimizer
 from llmforge.config.schema import OptimConfig
 from llmforge.train.muon import build_muon
 
@@ -55,7 +56,7 @@ def build_optimizer(model: nn.Module, *, optim: OptimConfig, lr: float, offloade
     ``offloaded``: the parameters are FSDP2-offloaded to host memory), or with
     ``optim.name=muon`` Muon for the blocks' matrices and AdamW for the rest
     (llmforge.train.muon)."""
-    if optim.name == "muon":
+    if optim.name == Optimizer.MUON:
         return build_muon(model, optim=optim, lr=lr)
     groups = [g for g in parameter_groups(model, weight_decay=optim.weight_decay) if g["params"]]
     kind = implementation([p for g in groups for p in g["params"]], offloaded=offloaded)
@@ -69,9 +70,9 @@ def lr_factor(step: int, *, optim: OptimConfig, total_steps: int) -> float:
     """Multiplier of the peak learning rate before optimizer step ``step`` (0-based)."""
     if optim.warmup_steps > 0 and step < optim.warmup_steps:
         return (step + 1) / optim.warmup_steps
-    if optim.schedule == "constant":
+    if optim.schedule == LrSchedule.CONSTANT:
         return 1.0
-    if optim.schedule == "wsd":
+    if optim.schedule == LrSchedule.WSD:
         decay_steps = max(1, round(optim.decay_fraction * total_steps))
         decay_start = max(optim.warmup_steps, total_steps - decay_steps)
         if step < decay_start:
@@ -80,15 +81,15 @@ def lr_factor(step: int, *, optim: OptimConfig, total_steps: int) -> float:
         return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * decay_shape(optim.decay_shape, progress)
     decay_steps = max(1, total_steps - optim.warmup_steps)
     progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
-    shape = decay_shape("linear" if optim.schedule == "linear" else "cosine", progress)
+    shape = decay_shape("linear" if optim.schedule == LrSchedule.LINEAR else "cosine", progress)
     return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * shape
 
 
 def decay_shape(shape: str, progress: float) -> float:
     """From 1 at progress 0 down to 0 at progress 1: linear, cosine or sqrt (1 - sqrt(progress))."""
-    if shape == "linear":
+    if shape == DecayShape.LINEAR:
         return 1.0 - progress
-    if shape == "sqrt":
+    if shape == DecayShape.SQRT:
         return 1.0 - math.sqrt(progress)
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 

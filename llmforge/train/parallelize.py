@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from llmforge.config.choices import Dtype, Fp8Recipe, Offload, Qat, Recompute
 from llmforge.parallel.compile import apply_async_tp, apply_compile
 from llmforge.parallel.context import apply_cp
 from llmforge.parallel.data import apply_fsdp, can_defer_reduce
@@ -31,7 +32,7 @@ from llmforge.train.precision import DTYPES, residual_dtype
 def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh | None) -> None:
     """Shard one model (or pipeline chunk) in place: float8 or QAT -> TP -> EP -> CP -> residual dtype -> recompute -> compile -> FSDP.
     ``mesh`` may be None in one process, where only float8 or QAT, the residual dtype, recompute and compile apply."""
-    p = plan.config.parallel
+    p = plan.layout
     if plan.config.precision.fp8:
         apply_float8(
             model,
@@ -39,7 +40,7 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh | None) -
             emulate=plan.config.precision.fp8_emulate,
             fsdp_all_gather=fp8_all_gather(plan, mesh=mesh),
         )
-    if plan.config.precision.qat != "none":
+    if plan.config.precision.qat != Qat.NONE:
         apply_qat(model, scheme=plan.config.precision.qat, group_size=plan.config.precision.qat_group_size)
     if plan.layout.tp > 1:
         apply_tp(model, tp_mesh=mesh.tp, sequence_parallel=p.sequence_parallel, async_tp=p.async_tp)
@@ -48,9 +49,9 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh | None) -
     if plan.layout.cp > 1:
         apply_cp(model, cp_mesh=mesh.cp)
     precision = plan.config.precision
-    if precision.param_dtype != "fp32":
+    if precision.param_dtype != Dtype.FP32:
         apply_residual_dtype(model, dtype=residual_dtype(param_dtype=precision.param_dtype, fp32_residual=precision.fp32_residual))
-    if p.recompute != "none":
+    if p.recompute != Recompute.NONE:
         apply_recompute(model, mode=p.recompute, every=p.recompute_every)
     if plan.config.train.compile:
         if p.async_tp:  # refused by the plan without compile, CUDA, tp > 1 and sequence parallel
@@ -65,7 +66,7 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh | None) -
                 device_type=mesh.fsdp.device_type,
                 zero=p.zero,
                 reduce_dtype=DTYPES[precision.reduce_dtype],
-                offload=p.offload == "states",
+                offload=p.offload == Offload.STATES,
                 replicated=p.dp_replicate > 1,
                 experts=experts is not None,
             )
@@ -77,12 +78,12 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh | None) -
             param_dtype=DTYPES[precision.param_dtype],
             reduce_dtype=DTYPES[precision.reduce_dtype],
             expert_mesh=experts,
-            offload=p.offload == "states",
+            offload=p.offload == Offload.STATES,
             fp32_residual=precision.fp32_residual,
             defer=defer,
             release_reduce_input=plan.config.cluster.accelerator == "cpu",
         )
-    elif p.offload == "states":
+    elif p.offload == Offload.STATES:
         raise RuntimeError(
             "parallel.offload=states needs FSDP2 on a process group: a one-rank plan goes through torchrun (llmforge.launch.run.runs_here)"
         )
@@ -90,13 +91,13 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh | None) -
 
 def uses_fsdp(plan: RunPlan, *, mesh: ParallelMesh | None) -> bool:
     """ZeRO 1-3 on a distributed rank that reduces over its data-parallel group: FSDP2 shards the model."""
-    return plan.config.parallel.zero > 0 and reduces_over_dp(plan, mesh=mesh)
+    return plan.layout.zero > 0 and reduces_over_dp(plan, mesh=mesh)
 
 
 def fp8_all_gather(plan: RunPlan, *, mesh: ParallelMesh | None) -> bool:
     """Float8 all-gather of FSDP-sharded weights: tensorwise fp8 under FSDP, unless turned off."""
     precision = plan.config.precision
-    return precision.fp8 and precision.fp8_recipe == "tensorwise" and precision.fp8_all_gather and uses_fsdp(plan, mesh=mesh)
+    return precision.fp8 and precision.fp8_recipe == Fp8Recipe.TENSORWISE and precision.fp8_all_gather and uses_fsdp(plan, mesh=mesh)
 
 
 def reduces_over_dp(plan: RunPlan, *, mesh: ParallelMesh | None) -> bool:

@@ -14,13 +14,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
 
+from llmforge.config.choices import Dtype
 from llmforge.train.precision import DTYPES, LossScaler
 from llmforge.train.step import StepOutput, eval_mode, to_device
 
 
 def autocast_forward(module: nn.Module, *, param_dtype: str, device: torch.device) -> None:
     """Run ``module``'s forward under autocast (pipeline schedules call forward themselves)."""
-    if param_dtype == "fp32":
+    if param_dtype == Dtype.FP32:
         return
     inner = module.forward
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from llmforge.config.choices import Dtype
 from llmforge.config.dtypes import TORCH_NAMES
 
 #: The smallest dynamic loss scale (fp16).
@@ -21,7 +22,7 @@ DTYPES = {name: getattr(torch, torch_name) for name, torch_name in TORCH_NAMES.i
 def autocast(*, param_dtype: str, device: torch.device):
     """Autocast context for the forward pass; a no-op in fp32. Master weights stay fp32:
     autocast casts them for each matmul (the compute copies where FSDP2 does not gather them)."""
-    if param_dtype == "fp32":
+    if param_dtype == Dtype.FP32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=DTYPES[param_dtype])
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch.distributed as dist
 
 from llmforge.checkpoint import store
+from llmforge.config.choices import AnomalyAction
 from llmforge.errors import UserError, fail, pasteable
 from llmforge.storage import is_url
 from llmforge.train.anomaly import Anomaly, check_weights
@@ -37,7 +38,7 @@ def train_recovering(
         try:
             return loop(start)
         except Anomaly as anomaly:
-            if anomaly.action != "rollback":
+            if anomaly.action != AnomalyAction.ROLLBACK:
                 raise stop_error(anomaly, root=root) from None
             start = roll_back(c, anomaly=anomaly, root=root, saver=saver, say=say)
 
