@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
+from llmforge.blockspec import costs
+from llmforge.blockspec.block import describe
 from llmforge.estimate.params import Tensor, block_tensors, embedding_tensors
 from llmforge.estimate.shape import Job, Shape
 from llmforge.layout import Layout
@@ -139,34 +141,10 @@ class Kernels:
     head_dim: int = 64
 
 
-def _elementwise(
-    shape: Shape, *, t: float, tp: int, sp: int, c: int, mixed: bool, ffn: float, mlp_mats: int
-) -> tuple[float, int, float, int]:
-    """(forward bytes, kernels, backward bytes, kernels) of a block's non-matmul work."""
-    h, kv = shape.hidden, shape.kv_dim / tp
-    q, f = h / tp, ffn / tp
-    attn_in, mlp_in = 1, 1  # the fused projections: one linear consumes each norm output
-    norm_fwd, norm_bwd = 8 * h / sp, 20 * h / sp  # fp32 in/out; backward: input grad + weight grads
-    cast = (FP32 + c) * h if mixed else 0  # one cast of a norm output per consuming linear
-    fwd = 2 * norm_fwd + (attn_in + mlp_in) * cast + 2 * (FP32 + c + FP32) * h / sp  # norms, casts, residual adds
-    fwd_k = 2 + (attn_in + mlp_in if mixed else 0) + 2
-    bwd = 2 * norm_bwd + 2 * 12 * h / sp + 2 * (FP32 + c) * h / sp  # norms, residual grad sums, grads cast for the branches
-    bwd += (attn_in + mlp_in) * cast + (attn_in + mlp_in - 2) * 12 * h  # casts back, sums of the consumers' grads
-    bwd_k = 4 + 2 + 2 + ((attn_in + mlp_in) if mixed else 0) + attn_in + mlp_in - 2
-    # the fused outputs' gradients are put together from their parts' (q, k, v; gate, up)
-    bwd, bwd_k = bwd + 2 * c * (q + 2 * kv) + (4 * c * f if mlp_mats == 2 else 0), bwd_k + mlp_mats
-    if shape.activation == "swiglu":
-        fwd, fwd_k, bwd, bwd_k = fwd + 5 * c * f, fwd_k + 2, bwd + 9 * c * f, bwd_k + 3
-    else:
-        fwd, fwd_k, bwd, bwd_k = fwd + 2 * c * f, fwd_k + 1, bwd + 3 * c * f, bwd_k + 1
-    if shape.position == "rope":  # rotate q and k: four products, a sum, a difference, a concatenation
-        fwd, fwd_k, bwd, bwd_k = fwd + 9 * c * (q + kv) + 2 * c * q, fwd_k + 15, bwd + 14 * c * (q + kv) + 2 * c * q, bwd_k + 20
-    if kv < q:  # grouped-query attention repeats k and v to every head
-        fwd, fwd_k, bwd, bwd_k = fwd + 2 * c * (kv + q), fwd_k + 2, bwd + 2 * c * (kv + q), bwd_k + 2
-    if kv < q and shape.kv_heads > tp:  # q heads of several KV groups are copied out of the fused output
-        fwd, fwd_k = fwd + 2 * c * q, fwd_k + 1
-    if shape.bias:
-        bwd, bwd_k = bwd + c * (2 * q + 2 * kv + mlp_mats * f + h), bwd_k + 3
+def _elementwise(shape: Shape, *, t: float, tp: int, sp: int, c: int, mixed: bool, ffn: float, moe: bool) -> tuple[float, int, float, int]:
+    """(forward bytes, kernels, backward bytes, kernels) of a block's non-matmul work: the sum of
+    its description's eager ops (``llmforge.blockspec.costs``)."""
+    fwd, fwd_k, bwd, bwd_k = costs.totals(costs.eager_ops(describe(shape, moe=moe), shape, tp=tp, sp=sp, c=c, mixed=mixed, ffn=ffn))
     return fwd * t, fwd_k, bwd * t, bwd_k
 
 
@@ -204,30 +182,30 @@ def _fused(shape: Shape, *, t: float, tp: int, sp: int, c: int, ffn: float, mlp_
 def block_kernels(shape: Shape, *, t: float, tp: int, sp: int, ep: int, c: int, mixed: bool, moe: bool, fused: bool = False) -> Kernels:
     """One block's kernels for ``t`` local tokens (after context splitting); ``fused``: the
     block is compiled (``_fused``), else eager (``_elementwise``)."""
-    h, kv = shape.hidden, shape.kv_dim
-    gemms: list[tuple[float, float, float]] = [(t, h, (h + 2 * kv) / tp), (t, h / tp, h)]  # fused q/k/v, o
+    block = describe(shape, moe=moe)
+    gemms: list[tuple[float, float, float]] = []
+    for x in block.linears:  # in order, the experts' batched matmuls after the router
+        gemms.append((t, x.in_features / (tp if x.split == "row" else 1), x.out_features / (tp if x.split == "col" else 1)))
+        if x.name == "mlp.router":
+            gemms += _expert_gemms(shape, t=t, ep=ep)
     mats = 2 if shape.activation == "swiglu" else 1
-    if moe:
-        rows = t * shape.top_k * min(1.0, shape.capacity_factor or 1.0)  # routed rows this rank's experts see (balanced)
-        local = max(1, shape.num_experts // ep)
-        per_expert = rows * ep / shape.num_experts
-        gemms.append((t, h, shape.num_experts))
-        gemms += [(per_expert, h, shape.moe_ffn)] * (mats * local) + [(per_expert, shape.moe_ffn, h)] * local
-        shared = shape.shared_experts * shape.moe_ffn  # one MLP, gate and up fused
-        gemms += [(t, h, mats * shared), (t, shared, h)] if shared else []
-        ffn = (shape.top_k + shape.shared_experts) * shape.moe_ffn * tp  # elementwise MLP work per token (not split over tp)
-    else:
-        gemms += [(t, h, mats * shape.ffn / tp), (t, shape.ffn / tp, h)]  # fused gate/up (or up), down
-        ffn = shape.ffn
+    # elementwise MLP work per token over all tp ranks (an MoE layer's is not split over tp)
+    ffn = (shape.top_k + shape.shared_experts) * shape.moe_ffn * tp if moe else shape.ffn
     if fused:
         fwd, fwd_k, bwd, bwd_k = _fused(shape, t=t, tp=tp, sp=sp, c=c, ffn=ffn, mlp_mats=mats)
     else:
-        fwd, fwd_k, bwd, bwd_k = _elementwise(shape, t=t, tp=tp, sp=sp, c=c, mixed=mixed, ffn=ffn, mlp_mats=mats)
-    if moe:  # routing softmax and top-k, dispatch into expert batches and the weighted combine
-        extra = t * (shape.top_k * h * (c + FP32) * 2 + 16 * shape.num_experts)
-        fwd, fwd_k, bwd, bwd_k = fwd + extra, fwd_k + 12, bwd + 2 * extra, bwd_k + 16
+        fwd, fwd_k, bwd, bwd_k = _elementwise(shape, t=t, tp=tp, sp=sp, c=c, mixed=mixed, ffn=ffn, moe=moe)
     weights = tuple(_local_numel(x, tp=tp, ep=ep) for x in block_tensors(shape, moe) if _cast(x))
-    return Kernels(tuple(gemms), 4 * shape.attention_span * h / tp * t, fwd, fwd_k, bwd, bwd_k, weights, shape.head_dim)
+    return Kernels(tuple(gemms), 4 * shape.attention_span * shape.hidden / tp * t, fwd, fwd_k, bwd, bwd_k, weights, shape.head_dim)
+
+
+def _expert_gemms(shape: Shape, *, t: float, ep: int) -> list[tuple[float, float, float]]:
+    """The matmuls of this rank's experts (``num_experts / ep``), balanced routing: up (and gate), down."""
+    rows = t * shape.top_k * min(1.0, shape.capacity_factor or 1.0)  # routed rows this rank's experts see (balanced)
+    local = max(1, shape.num_experts // ep)
+    per_expert = rows * ep / shape.num_experts
+    mats = 2 if shape.activation == "swiglu" else 1
+    return [(per_expert, shape.hidden, shape.moe_ffn)] * (mats * local) + [(per_expert, shape.moe_ffn, shape.hidden)] * local
 
 
 def _cast(t: Tensor) -> bool:
@@ -258,8 +236,9 @@ def block_cost(sp: Speeds, k: Kernels, *, mode: str, mixed: bool, c: int, accumu
     """Forward, backward and recomputation of one block for one microbatch."""
     fwd_gemm = total(sp.gemm(m, kk, n) for m, kk, n in k.gemms)
     bwd_gemm = total(sp.gemm(m, n, kk).plus(sp.gemm(kk, m, n)) for m, kk, n in k.gemms)
-    attn_f = sp.attention(k.attention_flops, 1, head_dim=k.head_dim)
-    attn_b = sp.attention(2.5 * k.attention_flops, 3, head_dim=k.head_dim, backward=True)
+    fwd_kernels, bwd_kernels = costs.ATTENTION_KERNELS
+    attn_f = sp.attention(k.attention_flops, fwd_kernels, head_dim=k.head_dim)
+    attn_b = sp.attention(2.5 * k.attention_flops, bwd_kernels, head_dim=k.head_dim, backward=True)
     fwd_mem, bwd_mem = sp.memory(k.fwd_bytes, k.fwd_kernels), sp.memory(k.bwd_bytes, k.bwd_kernels)
     weights = _weights_cost(sp, k.weights, mixed=mixed, accumulate=accumulate, c=c)
     out = total((fwd_gemm, bwd_gemm, attn_f, attn_b, fwd_mem, bwd_mem, weights))

@@ -1,0 +1,105 @@
+"""What each op of a block costs when it runs eagerly on a GPU: kernels launched and bytes
+moved per token, forward and backward. One entry per place in the model code that runs
+memory-bound work (the module named in ``where``); matmuls and attention are costed from
+the block's linears and its attention by ``llmforge.estimate.kernels``.
+
+Bytes follow llmforge's GPT as it runs: the residual stream and norms in fp32 (4 bytes), matmul
+inputs in the compute dtype (``c`` bytes) under autocast, norms and residual adds on a sequence
+shard under sequence parallelism (``sp``), the rest on this rank's heads and MLP columns (``tp``).
+``tests/test_kernel_count.py`` holds the kernel counts to the profiled model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from llmforge.blockspec.block import Block
+from llmforge.blockspec.dims import ModelDims, head_dim
+
+FP32 = 4
+#: Kernels of fused (flash) attention: forward, backward.
+ATTENTION_KERNELS = (1, 3)
+
+
+@dataclass(frozen=True)
+class Op:
+    """``count`` times: ``fwd_kernels`` kernels moving ``fwd_bytes`` per token forward, and
+    ``bwd_kernels`` kernels moving ``bwd_bytes`` backward."""
+
+    name: str
+    where: str
+    fwd_kernels: int
+    bwd_kernels: int
+    fwd_bytes: float
+    bwd_bytes: float
+    count: int = 1
+
+
+def _attention_ops(block: Block, d: ModelDims, *, tp: int, c: int) -> list[Op]:
+    q, kv = d.hidden / tp, d.kv_heads * head_dim(d) / tp
+    out = []
+    if block.position == "rope":
+        # q and k: four products, a difference, a sum and a concatenation each; backward
+        # the products' gradients, the halves put back (slice backward) and summed
+        out.append(Op("rope", "models.layers.apply_rope", 14, 20, 9 * c * (q + kv), 14 * c * (q + kv) + 2 * c * q))
+        # attention then returns [b, heads, s, d]-strided output: o_proj's input is a copy
+        out.append(Op("attention output copy", "models.layers.Attention.forward", 1, 0, 2 * c * q, 0))
+    if block.attention == "gqa":
+        out.append(Op("repeat k and v", "models.layers.Attention.core_attention", 2, 2, 2 * c * (kv + q), 2 * c * (kv + q)))
+        if d.kv_heads > tp:  # q heads of several KV groups are copied out of the fused output
+            out.append(Op("gather q heads", "models.layers.Attention.project", 1, 0, 2 * c * q, 0))
+    return out
+
+
+def _mlp_ops(block: Block, *, f: float, c: int) -> list[Op]:
+    if block.activation == "swiglu":  # silu(gate) * up; backward silu's, and the product's two
+        return [Op("swiglu", "models.layers.MLP / models.moe.expert_mlp", 2, 3, 5 * c * f, 9 * c * f)]
+    return [Op("gelu", "models.layers.MLP / models.moe.expert_mlp", 1, 1, 2 * c * f, 3 * c * f)]
+
+
+def _linear_ops(block: Block, *, tp: int, c: int) -> list[Op]:
+    """Backward of the linears: a fused output's gradient put together from its parts'
+    (one kernel per fused linear), and each bias's gradient (a sum over tokens)."""
+    out = []
+    for x in block.linears:
+        rows = x.out_features / tp if x.split == "col" else x.out_features
+        if x.parts:
+            out.append(Op(f"{x.name} gradient of the parts", "models.layers", 0, 1, 0, 2 * c * rows))
+        if x.bias:
+            out.append(Op(f"{x.name} bias gradient", "nn.Linear", 0, 1, 0, c * rows))
+    return out
+
+
+def eager_ops(block: Block, d: ModelDims, *, tp: int, sp: int, c: int, mixed: bool, ffn: float) -> list[Op]:
+    """The memory-bound ops of one eager block; ``ffn``: the activation's width per token over
+    all tp ranks (an MoE block's is its experts' times top_k plus the shared ones'), ``mixed``:
+    autocast to ``c`` bytes over fp32 weights and residual stream."""
+    h = d.hidden
+    cast = (FP32 + c) * h
+    ops = [
+        Op("norm", "models.layers.make_norm", 1, 2, 8 * h / sp, 20 * h / sp, count=len(block.norms)),
+        # forward x + branch; backward the residual gradient and the branch's summed
+        Op("residual add", "models.gpt.Block.forward", 1, 1, (FP32 + c + FP32) * h / sp, 12 * h / sp, count=2),
+    ]
+    if mixed:
+        ops += [
+            # autocast casts each norm output once for the linear that reads it, and the gradient back
+            Op("norm output cast", "autocast", 1, 1, cast, cast, count=len(block.norms)),
+            Op("branch gradient cast", "autocast", 0, 1, 0, (FP32 + c) * h / sp, count=2),
+        ]
+    ops += _attention_ops(block, d, tp=tp, c=c)
+    ops += _mlp_ops(block, f=ffn / tp, c=c)
+    ops += _linear_ops(block, tp=tp, c=c)
+    if block.experts is not None:
+        e = block.experts.num
+        # router softmax and top-k, the sort by expert, dispatch into expert batches, the weighted combine
+        extra = d.top_k * h * (c + FP32) * 2 + 16 * e
+        ops.append(Op("moe routing", "models.moe.MoE", 12, 16, extra, 2 * extra))
+    return ops
+
+
+def totals(ops: list[Op]) -> tuple[float, int, float, int]:
+    """(forward bytes per token, forward kernels, backward bytes per token, backward kernels)."""
+    fwd = sum(o.fwd_bytes * o.count for o in ops)
+    bwd = sum(o.bwd_bytes * o.count for o in ops)
+    return fwd, sum(o.fwd_kernels * o.count for o in ops), bwd, sum(o.bwd_kernels * o.count for o in ops)
