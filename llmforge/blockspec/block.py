@@ -147,6 +147,10 @@ class Block:
     def linear(self, name: str) -> Linear:
         return next(x for x in self.linears if x.name == name)
 
+    def under(self, parent: str) -> list[Linear]:
+        """The linears of the module at ``parent`` (``mlp``, ``mlp.shared``), in order."""
+        return [x for x in self.linears if x.parent == parent]
+
     def sharded(self, split: str) -> list[Linear]:
         """The linears tensor parallelism splits ``split``-wise (``col`` or ``row``)."""
         return [x for x in self.linears if x.split == split]

@@ -23,8 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmforge.blockspec.block import describe
+from llmforge.blockspec.dims import dims_of, is_moe_layer
 from llmforge.config.schema import ModelConfig
-from llmforge.models.fused import fuse, gate_up_groups, layout_of, parts_of
+from llmforge.models.fused import fuse, layout_of, parts_of
 from llmforge.models.kvcache import KVCache
 from llmforge.models.layers import MLP, Attention, make_norm, rope_tables
 from llmforge.models.masks import AttentionMasks, build_masks, document_positions, windowed_layer
@@ -32,16 +34,10 @@ from llmforge.models.moe import MoE
 
 
 def make_mlp(config: ModelConfig, *, layer_id: int) -> nn.Module:
-    moe = config.moe
-    if moe.num_experts > 0 and (layer_id + 1) % moe.every == 0:
+    dims = dims_of(config)
+    if is_moe_layer(dims, layer_id):
         return MoE(config)
-    return MLP(
-        hidden_size=config.hidden_size,
-        ffn_hidden_size=config.ffn_hidden_size,
-        activation=config.activation,
-        bias=config.bias,
-        groups=gate_up_groups(config, ffn=config.ffn_hidden_size),
-    )
+    return MLP(describe(dims).under("mlp"))
 
 
 class Block(nn.Module):
