@@ -51,10 +51,45 @@ def _attention_ops(block: Block, d: ModelDims, *, tp: int, c: int) -> list[Op]:
     return out
 
 
-def _mlp_ops(block: Block, *, f: float, c: int) -> list[Op]:
-    if block.activation == "swiglu":  # silu(gate) * up; backward silu's, and the product's two
-        return [Op("swiglu", "models.layers.MLP / models.moe.expert_mlp", 2, 3, 5 * c * f, 9 * c * f)]
-    return [Op("gelu", "models.layers.MLP / models.moe.expert_mlp", 1, 1, 2 * c * f, 3 * c * f)]
+def _activation(activation: str, *, name: str, f: float, c: int) -> Op:
+    """The activation between an MLP's matmuls over ``f`` columns per token."""
+    where = "models.layers.MLP / models.moe.expert_mlp"
+    if activation == "swiglu":  # silu(gate) * up; backward silu's, and the product's two
+        return Op(f"{name} swiglu", where, 2, 3, 5 * c * f, 9 * c * f)
+    return Op(f"{name} gelu", where, 1, 1, 2 * c * f, 3 * c * f)
+
+
+def _mlp_ops(block: Block, d: ModelDims, *, tp: int, c: int) -> list[Op]:
+    if block.experts is None:
+        return [_activation(block.activation, name="mlp", f=d.ffn / tp, c=c)]
+    out = [_activation(block.activation, name="experts", f=d.top_k * d.moe_ffn, c=c)]  # MoE layers are not split over tp
+    if d.shared_experts:
+        out.append(_activation(block.activation, name="shared experts", f=d.shared_experts * d.moe_ffn, c=c))
+    return out + _moe_ops(block, d, c=c)
+
+
+def _moe_ops(block: Block, d: ModelDims, *, c: int) -> list[Op]:
+    """Routing, dispatch into the experts' batches and the weighted combine, and the router's
+    losses, in training (``models.moe.MoE.forward``; the default ``balance=aux`` and
+    ``normalize_top_k``). Backward counts the sums of a gradient that several ops read."""
+    shared, gated, capacity = d.shared_experts > 0, block.activation == "swiglu", d.capacity_factor is not None
+    normalize = d.top_k > 1  # weights / their sum: the division's backward and the sum's accumulation
+    # softmax, top-k, (normalize), the kept mask: ones, or under capacity the choices made choice-major
+    # (a copy when top_k > 1), one-hot, cumsum, less one, gather, compare; backward softmax's, top-k's,
+    # and two sums (probs: read by top-k and the aux loss; logits: by softmax and the z-loss)
+    keep = 5 + (d.top_k > 1) if capacity else 1
+    route = Op("moe route", "models.moe.route", 2 + 2 * normalize + keep, 4 + 7 * normalize, 0, 0)
+    # kept assignments, their tokens, the sort by expert, the weights in that order, the counts; the
+    # gathered tokens and their packing into [E, capacity, h]; backward the gathers' scatters and sums
+    # of the tokens' gradient (router, experts, shared experts) and the packed input's (gate and up)
+    moved = d.top_k * d.hidden * (c + FP32) * 2 + 16 * block.experts.num if block.experts else 0.0
+    dispatch = Op("moe dispatch", "models.moe.MoE._dispatch_combine, expert_mlp", 23, 8 + gated + shared, moved, 2 * moved)
+    # unpack, weight, scatter-add back to the tokens (plus the shared experts' output)
+    combine = Op("moe combine", "models.moe.MoE._run_experts", 4 + shared, 6, 0, 0)
+    # load balancing loss (the counts cast to float), z-loss, their weighted sum, and the statistics
+    # added to the step's (a forward after the first since they were read); backward the losses'
+    losses = Op("moe router losses", "models.moe.load_balancing_loss, z_loss, MoEStats.add", 24, 13, 0, 0)
+    return [route, dispatch, combine, losses]
 
 
 def _linear_ops(block: Block, *, tp: int, c: int) -> list[Op]:
@@ -70,10 +105,9 @@ def _linear_ops(block: Block, *, tp: int, c: int) -> list[Op]:
     return out
 
 
-def eager_ops(block: Block, d: ModelDims, *, tp: int, sp: int, c: int, mixed: bool, ffn: float) -> list[Op]:
-    """The memory-bound ops of one eager block; ``ffn``: the activation's width per token over
-    all tp ranks (an MoE block's is its experts' times top_k plus the shared ones'), ``mixed``:
-    autocast to ``c`` bytes over fp32 weights and residual stream."""
+def eager_ops(block: Block, d: ModelDims, *, tp: int, sp: int, c: int, mixed: bool) -> list[Op]:
+    """The memory-bound ops of one eager block; ``mixed``: autocast to ``c`` bytes over fp32
+    weights and residual stream."""
     h = d.hidden
     cast = (FP32 + c) * h
     ops = [
@@ -88,14 +122,8 @@ def eager_ops(block: Block, d: ModelDims, *, tp: int, sp: int, c: int, mixed: bo
             Op("branch gradient cast", "autocast", 0, 1, 0, (FP32 + c) * h / sp, count=2),
         ]
     ops += _attention_ops(block, d, tp=tp, c=c)
-    ops += _mlp_ops(block, f=ffn / tp, c=c)
-    ops += _linear_ops(block, tp=tp, c=c)
-    if block.experts is not None:
-        e = block.experts.num
-        # router softmax and top-k, the sort by expert, dispatch into expert batches, the weighted combine
-        extra = d.top_k * h * (c + FP32) * 2 + 16 * e
-        ops.append(Op("moe routing", "models.moe.MoE", 12, 16, extra, 2 * extra))
-    return ops
+    ops += _mlp_ops(block, d, tp=tp, c=c)
+    return ops + _linear_ops(block, tp=tp, c=c)
 
 
 def totals(ops: list[Op]) -> tuple[float, int, float, int]:

@@ -51,6 +51,8 @@ class ModelDims(Protocol):
     def shared_experts(self) -> int: ...
     @property
     def moe_every(self) -> int: ...
+    @property
+    def capacity_factor(self) -> float | None: ...
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class Dims:
     moe_ffn: int
     shared_experts: int
     moe_every: int
+    capacity_factor: float | None
 
 
 def dims_of(model: ModelConfig) -> Dims:
@@ -97,6 +100,7 @@ def dims_of(model: ModelConfig) -> Dims:
         moe_ffn=moe.ffn_hidden_size or model.ffn_hidden_size,
         shared_experts=moe.num_shared_experts,
         moe_every=moe.every,
+        capacity_factor=moe.capacity_factor,
     )
 
 

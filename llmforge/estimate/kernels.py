@@ -87,11 +87,11 @@ class Speeds:
     floor: float
     attention_backward_efficiency: float = 0.0  # 0: as the forward
 
-    def gemm(self, m: float, k: float, n: float, count: int = 1) -> Cost:
-        """``count`` matmuls ``[m x k] @ [k x n]``."""
+    def gemm(self, m: float, k: float, n: float, count: int = 1, batch: int = 1) -> Cost:
+        """``count`` kernels, each ``batch`` matmuls ``[m x k] @ [k x n]`` (a batched matmul)."""
         if m <= 0 or k <= 0 or n <= 0:
             return NONE
-        work = 2 * m * k * n / (self.peak * self.matmul_efficiency) * (1 + self.matmul_dim * (1 / m + 1 / k + 1 / n))
+        work = batch * 2 * m * k * n / (self.peak * self.matmul_efficiency) * (1 + self.matmul_dim * (1 / m + 1 / k + 1 / n))
         return Cost(matmul=count * work, floor=count * max(0.0, self.floor - work))
 
     def memory(self, nbytes: float, kernels: int) -> Cost:
@@ -131,7 +131,7 @@ def speeds(job: Job) -> Speeds:
 class Kernels:
     """The work of one block (or the ends) for one microbatch."""
 
-    gemms: tuple[tuple[float, float, float], ...]  # forward matmuls (m, k, n)
+    gemms: tuple[tuple[float, float, float, int], ...]  # forward matmul kernels (m, k, n, matmuls in the batch)
     attention_flops: float  # forward, full-score convention
     fwd_bytes: float
     fwd_kernels: int
@@ -141,10 +141,10 @@ class Kernels:
     head_dim: int = 64
 
 
-def _elementwise(shape: Shape, *, t: float, tp: int, sp: int, c: int, mixed: bool, ffn: float, moe: bool) -> tuple[float, int, float, int]:
+def _elementwise(shape: Shape, *, t: float, tp: int, sp: int, c: int, mixed: bool, moe: bool) -> tuple[float, int, float, int]:
     """(forward bytes, kernels, backward bytes, kernels) of a block's non-matmul work: the sum of
     its description's eager ops (``llmforge.blockspec.costs``)."""
-    fwd, fwd_k, bwd, bwd_k = costs.totals(costs.eager_ops(describe(shape, moe=moe), shape, tp=tp, sp=sp, c=c, mixed=mixed, ffn=ffn))
+    fwd, fwd_k, bwd, bwd_k = costs.totals(costs.eager_ops(describe(shape, moe=moe), shape, tp=tp, sp=sp, c=c, mixed=mixed))
     return fwd * t, fwd_k, bwd * t, bwd_k
 
 
@@ -183,9 +183,9 @@ def block_kernels(shape: Shape, *, t: float, tp: int, sp: int, ep: int, c: int, 
     """One block's kernels for ``t`` local tokens (after context splitting); ``fused``: the
     block is compiled (``_fused``), else eager (``_elementwise``)."""
     block = describe(shape, moe=moe)
-    gemms: list[tuple[float, float, float]] = []
+    gemms: list[tuple[float, float, float, int]] = []
     for x in block.linears:  # in order, the experts' batched matmuls after the router
-        gemms.append((t, x.in_features / (tp if x.split == "row" else 1), x.out_features / (tp if x.split == "col" else 1)))
+        gemms.append((t, x.in_features / (tp if x.split == "row" else 1), x.out_features / (tp if x.split == "col" else 1), 1))
         if x.name == "mlp.router":
             gemms += _expert_gemms(shape, t=t, ep=ep)
     mats = 2 if shape.activation == "swiglu" else 1
@@ -194,18 +194,19 @@ def block_kernels(shape: Shape, *, t: float, tp: int, sp: int, ep: int, c: int, 
     if fused:
         fwd, fwd_k, bwd, bwd_k = _fused(shape, t=t, tp=tp, sp=sp, c=c, ffn=ffn, mlp_mats=mats)
     else:
-        fwd, fwd_k, bwd, bwd_k = _elementwise(shape, t=t, tp=tp, sp=sp, c=c, mixed=mixed, ffn=ffn, moe=moe)
+        fwd, fwd_k, bwd, bwd_k = _elementwise(shape, t=t, tp=tp, sp=sp, c=c, mixed=mixed, moe=moe)
     weights = tuple(_local_numel(x, tp=tp, ep=ep) for x in block_tensors(shape, moe) if _cast(x))
     return Kernels(tuple(gemms), 4 * shape.attention_span * shape.hidden / tp * t, fwd, fwd_k, bwd, bwd_k, weights, shape.head_dim)
 
 
-def _expert_gemms(shape: Shape, *, t: float, ep: int) -> list[tuple[float, float, float]]:
-    """The matmuls of this rank's experts (``num_experts / ep``), balanced routing: up (and gate), down."""
+def _expert_gemms(shape: Shape, *, t: float, ep: int) -> list[tuple[float, float, float, int]]:
+    """This rank's experts (``num_experts / ep``), balanced routing: one batched matmul over them
+    each for up (and gate), and down."""
     rows = t * shape.top_k * min(1.0, shape.capacity_factor or 1.0)  # routed rows this rank's experts see (balanced)
     local = max(1, shape.num_experts // ep)
     per_expert = rows * ep / shape.num_experts
     mats = 2 if shape.activation == "swiglu" else 1
-    return [(per_expert, shape.hidden, shape.moe_ffn)] * (mats * local) + [(per_expert, shape.moe_ffn, shape.hidden)] * local
+    return [(per_expert, shape.hidden, shape.moe_ffn, local)] * mats + [(per_expert, shape.moe_ffn, shape.hidden, local)]
 
 
 def _cast(t: Tensor) -> bool:
@@ -234,8 +235,8 @@ def _weights_cost(sp: Speeds, numels: Iterable[int], *, mixed: bool, accumulate:
 
 def block_cost(sp: Speeds, k: Kernels, *, mode: str, mixed: bool, c: int, accumulate: float) -> Cost:
     """Forward, backward and recomputation of one block for one microbatch."""
-    fwd_gemm = total(sp.gemm(m, kk, n) for m, kk, n in k.gemms)
-    bwd_gemm = total(sp.gemm(m, n, kk).plus(sp.gemm(kk, m, n)) for m, kk, n in k.gemms)
+    fwd_gemm = total(sp.gemm(m, kk, n, batch=b) for m, kk, n, b in k.gemms)
+    bwd_gemm = total(sp.gemm(m, n, kk, batch=b).plus(sp.gemm(kk, m, n, batch=b)) for m, kk, n, b in k.gemms)
     fwd_kernels, bwd_kernels = costs.ATTENTION_KERNELS
     attn_f = sp.attention(k.attention_flops, fwd_kernels, head_dim=k.head_dim)
     attn_b = sp.attention(2.5 * k.attention_flops, bwd_kernels, head_dim=k.head_dim, backward=True)
@@ -243,8 +244,8 @@ def block_cost(sp: Speeds, k: Kernels, *, mode: str, mixed: bool, c: int, accumu
     weights = _weights_cost(sp, k.weights, mixed=mixed, accumulate=accumulate, c=c)
     out = total((fwd_gemm, bwd_gemm, attn_f, attn_b, fwd_mem, bwd_mem, weights))
     if mode == "full":  # the whole forward again, but its last matmul
-        m, kk, n = k.gemms[-1]
-        last = sp.gemm(m, kk, n)
+        m, kk, n, b = k.gemms[-1]
+        last = sp.gemm(m, kk, n, batch=b)
         out = total((out, fwd_gemm, last.times(-1), attn_f, fwd_mem))
     if mode in ("full", "selective") and mixed:  # the weights are cast again
         out = out.plus(total(sp.memory(n * (FP32 + c), 1) for n in k.weights))
