@@ -24,6 +24,8 @@ from llmforge.blockspec.dims import ModelDims, gate_up_groups, head_dim
 SPLITS = ("col", "row", "vocab", "rep")
 #: Hugging Face formats a dense model exports to.
 HF_STYLES = ("llama", "gpt2")
+#: Each fused linear and the unfused linears it stands for, in order (``llmforge.models.fused``).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass(frozen=True)
@@ -165,9 +167,10 @@ def _mlp(d: ModelDims, name: str, *, ffn: int, split_in: str, split_out: str, hf
     """A dense MLP of width ``ffn``: gelu (up, down) or swiglu (gate and up fused, down)."""
     h = d.hidden
     if d.activation == "swiglu":
-        names = (HFName("llama", ("mlp.gate_proj", "mlp.up_proj")),) if hf else ()
+        parts = FUSED["gate_up_proj"]
+        names = (HFName("llama", tuple(f"mlp.{p}" for p in parts)),) if hf else ()
         first = Linear(
-            f"{name}.gate_up_proj", h, 2 * ffn, d.bias, split_in, (("gate_proj", ffn), ("up_proj", ffn)), gate_up_groups(d, ffn=ffn), names
+            f"{name}.gate_up_proj", h, 2 * ffn, d.bias, split_in, ((parts[0], ffn), (parts[1], ffn)), gate_up_groups(d, ffn=ffn), names
         )
     else:
         names = (HFName("gpt2", ("mlp.c_fc",), transpose=True),) if hf else ()
@@ -179,8 +182,9 @@ def _mlp(d: ModelDims, name: str, *, ffn: int, split_in: str, split_out: str, hf
 def _attention(d: ModelDims) -> list[Linear]:
     """q, k and v fused in one column-parallel projection (rows grouped by KV head), o row-parallel."""
     h, kv = d.hidden, d.kv_heads * head_dim(d)
-    qkv_hf = (HFName("llama", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")), HFName("gpt2", ("attn.c_attn",), True))
-    parts = (("q_proj", h), ("k_proj", kv), ("v_proj", kv))
+    q, k, v = FUSED["qkv_proj"]
+    qkv_hf = (HFName("llama", (f"self_attn.{q}", f"self_attn.{k}", f"self_attn.{v}")), HFName("gpt2", ("attn.c_attn",), True))
+    parts = ((q, h), (k, kv), (v, kv))
     o_hf = (HFName("llama", ("self_attn.o_proj",)), HFName("gpt2", ("attn.c_proj",), True))
     return [
         Linear("attn.qkv_proj", h, h + 2 * kv, d.bias, "col", parts, d.kv_heads, qkv_hf),
@@ -229,6 +233,11 @@ def describe(d: ModelDims, *, moe: bool = False) -> Block:
     return _describe(d, moe)
 
 
+def final_norm(d: ModelDims) -> Norm:
+    """The norm after the last block."""
+    return _norm(d, "norm", {})
+
+
 def model_tensors(d: ModelDims, *, separate_head: bool = False) -> tuple[list[Param], list[Param]]:
     """(before the blocks, after them): token embedding (vocab-parallel) and learned positions;
     final norm and output layer. A tied output layer owns no weight unless ``separate_head``
@@ -236,7 +245,7 @@ def model_tensors(d: ModelDims, *, separate_head: bool = False) -> tuple[list[Pa
     first = [Param("embed.weight", (d.vocab, d.hidden), "vocab")]
     if d.position == "learned":
         first.append(Param("pos_embed.weight", (d.seq, d.hidden)))
-    last = _norm(d, "norm", {}).params()
+    last = final_norm(d).params()
     if not d.tie_embeddings or separate_head:
         last.append(Param("head.weight", (d.vocab, d.hidden), "vocab"))
     return first, last

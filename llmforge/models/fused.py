@@ -21,12 +21,10 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from llmforge.blockspec.block import FUSED
 from llmforge.blockspec.dims import dims_of
 from llmforge.blockspec.dims import gate_up_groups as blockspec_gate_up_groups
 from llmforge.config.schema import ModelConfig
-
-#: Each fused linear and the unfused linears it stands for, in order.
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def kv_groups(config: ModelConfig) -> int:

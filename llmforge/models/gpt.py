@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmforge.blockspec.block import describe
+from llmforge.blockspec.block import describe, final_norm
 from llmforge.blockspec.dims import dims_of, is_moe_layer
 from llmforge.config.schema import ModelConfig
 from llmforge.models.fused import fuse, layout_of, parts_of
@@ -46,9 +46,10 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, *, layer_id: int) -> None:
         super().__init__()
         self.windowed = windowed_layer(config, layer_id)
-        self.attn_norm = make_norm(config)
+        attn_norm, mlp_norm = describe(dims_of(config)).norms
+        self.attn_norm = make_norm(attn_norm, eps=config.norm_eps)
         self.attn = Attention(config, windowed=self.windowed)
-        self.mlp_norm = make_norm(config)
+        self.mlp_norm = make_norm(mlp_norm, eps=config.norm_eps)
         self.mlp = make_mlp(config, layer_id=layer_id)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -68,7 +69,7 @@ class GPT(nn.Module):
         self.pos_embed: nn.Embedding | None = nn.Embedding(config.seq_len, config.hidden_size) if config.position == "learned" else None
         self.embed_dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleDict({str(i): Block(config, layer_id=i) for i in range(config.num_layers)})
-        self.norm: nn.Module | None = make_norm(config)
+        self.norm: nn.Module | None = make_norm(final_norm(dims_of(config)), eps=config.norm_eps)
         self.head: nn.Linear | None = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.position == "rope":
             cos, sin = rope_tables(head_dim=config.hidden_size // config.num_heads, seq_len=config.seq_len, theta=config.rope_theta)

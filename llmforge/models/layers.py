@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmforge.blockspec.block import Linear as LinearSpec
+from llmforge.blockspec.block import Norm as NormSpec
 from llmforge.blockspec.block import describe
 from llmforge.blockspec.dims import dims_of
 from llmforge.config.schema import ModelConfig
@@ -45,10 +46,11 @@ class RMSNorm(nn.RMSNorm):
             return F.rms_norm(x, self.normalized_shape, _like(self.weight, x), self.eps)
 
 
-def make_norm(config: ModelConfig) -> nn.Module:
-    if config.norm == "rmsnorm":
-        return RMSNorm(config.hidden_size, eps=config.norm_eps)
-    return LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.bias)
+def make_norm(spec: NormSpec, *, eps: float) -> nn.Module:
+    """The norm a description lists (``llmforge.blockspec``): RMSNorm, or LayerNorm with or without bias."""
+    if spec.kind == "rmsnorm":
+        return RMSNorm(spec.size, eps=eps)
+    return LayerNorm(spec.size, eps=eps, bias=spec.bias)
 
 
 def rope_tables(*, head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
