@@ -131,3 +131,30 @@ def totals(ops: list[Op]) -> tuple[float, int, float, int]:
     fwd = sum(o.fwd_bytes * o.count for o in ops)
     bwd = sum(o.bwd_bytes * o.count for o in ops)
     return fwd, sum(o.fwd_kernels * o.count for o in ops), bwd, sum(o.bwd_kernels * o.count for o in ops)
+
+
+def compiled_ops(block: Block, d: ModelDims, *, tp: int, sp: int, c: int) -> list[Op]:
+    """The memory-bound work of a compiled block (``train.compile``): each chain of memory-bound
+    ops between two matmuls (or attention) is one fused kernel that reads the chain's inputs once
+    and writes its outputs once, forward and backward; per token, the residual stream in fp32 (r),
+    matmul operands in the compute dtype (c), the norm regions on a sequence shard (``sp``)."""
+    r, h, kv = FP32, d.hidden / sp, d.kv_heads * head_dim(d) / tp
+    q = d.hidden / tp
+    # the activation's width per token (an MoE layer's experts' times top_k and the shared
+    # experts', over all tp ranks: not split over tp)
+    f = (d.top_k + d.shared_experts) * d.moe_ffn if block.experts else d.ffn / tp
+    mats = 2 if block.activation == "swiglu" else 1
+    ops = [
+        # norm 1 and its cast; backward reads x, the q/k/v linear's input gradient and the residual gradient
+        Op("norm 1 region", "compiled", 1, 2, (r + c) * h, (3 * r + c) * h),
+        Op("residual add, norm 2 and its cast", "compiled", 1, 2, (2 * r + 2 * c) * h, (3 * r + 2 * c) * h),
+        Op("residual add", "compiled", 1, 2, (2 * r + c) * h, (r + c) * h),
+        Op("activation", "compiled", 1, 1, mats * c * f + c * f, 2 * mats * c * f + c * f),
+    ]
+    if block.position == "rope" or block.attention == "gqa":  # reads q, k, v; writes them rotated and repeated
+        heads_out = 3 * q if block.attention == "gqa" else q + 2 * kv
+        ops.append(Op("rope and repeat", "compiled", 1, 1, c * (q + 2 * kv) + c * heads_out, c * heads_out + c * (q + 2 * kv)))
+    if d.bias:
+        ops.append(Op("bias gradients", "compiled", 0, 3, 0, c * (2 * q + 2 * kv + mats * f + d.hidden)))
+    # an MoE layer's routing and dispatch depend on the values (the experts' counts): they stay eager
+    return ops + (_moe_ops(block, d, c=c) if block.experts else [])

@@ -19,7 +19,7 @@ Each kernel llmforge's eager step runs is costed by what bounds it:
 The byte counts follow llmforge's GPT as it runs (fp32 residual stream and norms,
 16-bit matmul inputs under autocast, one cast of a norm output per consuming
 linear, the chunked loss); with ``train.compile`` each block's memory-bound chains
-are fused kernels (``_fused``). Every cost is a ``Cost``: seconds of matmuls,
+are fused kernels (``llmforge.blockspec.costs.compiled_ops``). Every cost is a ``Cost``: seconds of matmuls,
 attention, memory-bound work and what the launch floor adds, so the estimate can
 report each term. The profile's rates are calibrated on measured runs
 (docs/estimator.md).
@@ -141,62 +141,25 @@ class Kernels:
     head_dim: int = 64
 
 
-def _elementwise(shape: Shape, *, t: float, tp: int, sp: int, c: int, mixed: bool, moe: bool) -> tuple[float, int, float, int]:
-    """(forward bytes, kernels, backward bytes, kernels) of a block's non-matmul work: the sum of
-    its description's eager ops (``llmforge.blockspec.costs``)."""
-    fwd, fwd_k, bwd, bwd_k = costs.totals(costs.eager_ops(describe(shape, moe=moe), shape, tp=tp, sp=sp, c=c, mixed=mixed))
-    return fwd * t, fwd_k, bwd * t, bwd_k
-
-
-def _fused(shape: Shape, *, t: float, tp: int, sp: int, c: int, ffn: float, mlp_mats: int) -> tuple[float, int, float, int]:
-    """As ``_elementwise`` for a compiled block (``train.compile``): each chain of memory-bound ops
-    between two matmuls (or attention) is one fused kernel that reads the chain's inputs once
-    and writes its outputs once. Per token, the residual stream in fp32 (r), matmul operands in
-    the compute dtype (c), forward and backward:
-
-    - norm 1 and its cast: reads x, writes the normed input of the fused q/k/v once ((r + c) h);
-      backward reads x, that linear's input gradient and the residual gradient, writes x's;
-    - RoPE and the GQA repeat (if any): reads q, k, v, writes them rotated and repeated;
-    - the residual add, norm 2 and its cast after the attention projection ((2r + 2c) h);
-    - the activation between the MLP matmuls (SwiGLU reads 2f, writes f);
-    - the residual add after the down projection ((2r + c) h).
-
-    The norm region is split over tp with sequence parallel (``sp``)."""
-    r, h, kv = FP32, shape.hidden / sp, shape.kv_dim / tp
-    q, f = shape.hidden / tp, ffn / tp
-    fwd, bwd = (r + c) * h + (2 * r + 2 * c) * h + (2 * r + c) * h, (3 * r + c) * h + (3 * r + 2 * c) * h + (r + c) * h
-    fwd_k, bwd_k = 3, 6
-    act_in = mlp_mats * c * f
-    fwd, bwd = fwd + act_in + c * f, bwd + 2 * act_in + c * f
-    fwd_k, bwd_k = fwd_k + 1, bwd_k + 1
-    if shape.position == "rope" or kv < q:
-        heads_out = 3 * q if kv < q else q + 2 * kv
-        fwd, bwd = fwd + c * (q + 2 * kv) + c * heads_out, bwd + c * heads_out + c * (q + 2 * kv)
-        fwd_k, bwd_k = fwd_k + 1, bwd_k + 1
-    if shape.bias:
-        bwd, bwd_k = bwd + c * (2 * q + 2 * kv + mlp_mats * f + shape.hidden), bwd_k + 3
-    return fwd * t, fwd_k, bwd * t, bwd_k
-
-
 @lru_cache(maxsize=4096)
 def block_kernels(shape: Shape, *, t: float, tp: int, sp: int, ep: int, c: int, mixed: bool, moe: bool, fused: bool = False) -> Kernels:
-    """One block's kernels for ``t`` local tokens (after context splitting); ``fused``: the
-    block is compiled (``_fused``), else eager (``_elementwise``)."""
+    """One block's kernels for ``t`` local tokens (after context splitting): the matmuls of its
+    description's linears and experts, and its memory-bound ops (``llmforge.blockspec.costs``),
+    compiled (``fused``: ``train.compile``) or eager."""
     block = describe(shape, moe=moe)
     gemms: list[tuple[float, float, float, int]] = []
     for x in block.linears:  # in order, the experts' batched matmuls after the router
         gemms.append((t, x.in_features / (tp if x.split == "row" else 1), x.out_features / (tp if x.split == "col" else 1), 1))
         if x.name == "mlp.router":
             gemms += _expert_gemms(shape, t=t, ep=ep)
-    mats = 2 if shape.activation == "swiglu" else 1
-    # elementwise MLP work per token over all tp ranks (an MoE layer's is not split over tp)
-    ffn = (shape.top_k + shape.shared_experts) * shape.moe_ffn * tp if moe else shape.ffn
     if fused:
-        fwd, fwd_k, bwd, bwd_k = _fused(shape, t=t, tp=tp, sp=sp, c=c, ffn=ffn, mlp_mats=mats)
+        ops = costs.compiled_ops(block, shape, tp=tp, sp=sp, c=c)
     else:
-        fwd, fwd_k, bwd, bwd_k = _elementwise(shape, t=t, tp=tp, sp=sp, c=c, mixed=mixed, moe=moe)
+        ops = costs.eager_ops(block, shape, tp=tp, sp=sp, c=c, mixed=mixed)
+    fwd, fwd_k, bwd, bwd_k = costs.totals(ops)
     weights = tuple(_local_numel(x, tp=tp, ep=ep) for x in block_tensors(shape, moe) if _cast(x))
-    return Kernels(tuple(gemms), 4 * shape.attention_span * shape.hidden / tp * t, fwd, fwd_k, bwd, bwd_k, weights, shape.head_dim)
+    flops = 4 * shape.attention_span * shape.hidden / tp * t
+    return Kernels(tuple(gemms), flops, fwd * t, fwd_k, bwd * t, bwd_k, weights, shape.head_dim)
 
 
 def _expert_gemms(shape: Shape, *, t: float, ep: int) -> list[tuple[float, float, float, int]]:
