@@ -33,6 +33,8 @@ class Op:
     fwd_bytes: float
     bwd_bytes: float
     count: int = 1
+    #: bytes moved once per microbatch besides the per-token ones (forward, backward)
+    once: tuple[float, float] = (0.0, 0.0)
 
 
 def _attention_ops(block: Block, d: ModelDims, *, tp: int, c: int) -> list[Op]:
@@ -158,3 +160,18 @@ def compiled_ops(block: Block, d: ModelDims, *, tp: int, sp: int, c: int) -> lis
         ops.append(Op("bias gradients", "compiled", 0, 3, 0, c * (2 * q + 2 * kv + mats * f + d.hidden)))
     # an MoE layer's routing and dispatch depend on the values (the experts' counts): they stay eager
     return ops + (_moe_ops(block, d, c=c) if block.experts else [])
+
+
+def ends_ops(d: ModelDims, *, tp: int, c: int, mixed: bool, first: bool, last: bool) -> list[Op]:
+    """The memory-bound work outside the blocks, always eager (``train.compile`` compiles the
+    blocks): on the first stage the embedding, on the last the final norm (the output layer is a
+    matmul, the loss ``llmforge.estimate.kernels.loss_cost``). ``tests/test_kernel_count.py``
+    holds the blocks only: a CPU runs the embedding's backward and the loss with other kernels."""
+    h, vocab = d.hidden, d.vocab / tp
+    out = []
+    if first:  # token and position lookups, their sum; backward scatters into the tables (zeroed first)
+        out.append(Op("embedding", "models.gpt.GPT.forward", 3, 4, 28 * h, 12 * h, once=(0.0, FP32 * vocab * h)))
+    if last:
+        cast = (FP32 + c) * h if mixed else 0
+        out.append(Op("final norm and its cast", "models.gpt.GPT.forward", 2, 3, 8 * h + cast, 20 * h + cast))
+    return out

@@ -223,13 +223,13 @@ def ends_cost(sp: Speeds, shape: Shape, layout: Layout, *, c: int, mixed: bool, 
     t = layout.micro_batch * shape.seq / layout.cp
     tp = layout.tp
     h, v = shape.hidden, shape.vocab / tp
-    out = NONE
-    if first:  # token and position lookups, their sum; backward scatters into the tables
-        out = total((sp.memory(t * 28 * h, 3), sp.memory(t * 12 * h + FP32 * v * h, 4)))
+    ops = costs.ends_ops(shape, tp=tp, c=c, mixed=mixed, first=first, last=last)
+    out = total(
+        sp.memory(t * o.fwd_bytes + o.once[0], o.fwd_kernels).plus(sp.memory(t * o.bwd_bytes + o.once[1], o.bwd_kernels)) for o in ops
+    )
+    if first:
         out = out.plus(_weights_cost(sp, [x.numel // tp for x in embedding_tensors(shape)], mixed=False, accumulate=accumulate, c=c))
     if last:
-        cast = (FP32 + c) * h if mixed else 0
-        out = total((out, sp.memory(t * (8 * h + cast), 2), sp.memory(t * (20 * h + cast), 3)))
         out = total((out, sp.gemm(t, h, v), sp.gemm(t, v, h), sp.gemm(h, t, v), loss_cost(sp, tokens=t, vocab=v, c=c)))
         out = out.plus(_weights_cost(sp, [int(v * h)], mixed=mixed, accumulate=accumulate, c=c))
     return out
