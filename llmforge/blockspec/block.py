@@ -19,18 +19,14 @@ from functools import lru_cache
 
 from llmforge.blockspec.dims import ModelDims, gate_up_groups, head_dim
 
-#: Tensor-parallel splits: ``col`` output rows, ``row`` input columns, ``vocab`` vocabulary
-#: rows (embedding-like), ``rep`` replicated.
-SPLITS = ("col", "row", "vocab", "rep")
-#: Hugging Face formats a dense model exports to.
-HF_STYLES = ("llama", "gpt2")
 #: Each fused linear and the unfused linears it stands for, in order (``llmforge.models.fused``).
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 @dataclass(frozen=True)
 class Param:
-    """One parameter tensor: its name, shape, tensor-parallel split, and whether it is
+    """One parameter tensor: its name, shape, tensor-parallel split (``col`` output rows,
+    ``row`` input columns, ``vocab`` vocabulary rows, ``rep`` replicated), and whether it is
     an expert weight (stacked ``[E, ...]``, split over expert-parallel ranks on dim 0)."""
 
     name: str
@@ -56,7 +52,7 @@ class Param:
 
 @dataclass(frozen=True)
 class HFName:
-    """A tensor's Hugging Face name(s) in one ``style``, without the ``.weight``/``.bias``
+    """A tensor's Hugging Face name(s) in one ``style`` (``llama`` or ``gpt2``), without the ``.weight``/``.bias``
     suffix: one per part of a fused linear, or one that concatenates the parts (GPT-2's
     ``c_attn``); ``transpose``: the weight is stored ``[in, out]`` (GPT-2's ``Conv1D``)."""
 
