@@ -17,9 +17,15 @@ ops run differently on a CPU, and the test maps them to their GPU counts:
   profiled model runs its RMSNorms as LayerNorms without bias (the same kernels a GPU runs);
 - flash attention's backward: one CPU op, three GPU kernels.
 
+Under autocast (bf16 here) ``linear`` (and ``bmm``) casts its input and its weights inside the op;
+a GPU runs each cast as a kernel of its own, so those casts count one each (the estimator's weight
+casts forward, and their gradients' back, are ``llmforge.estimate.kernels._weights_cost``'s). A
+CPU's ``add`` of an fp32 and a bf16 tensor copies one of them first, which a GPU's kernel does not.
+The mixed-precision step keeps the residual stream in fp32 (``precision.fp32_residual``), as the
+estimator's memory-bound model assumes.
+
 A block's kernels are those of a model with two blocks less those of a model with one (the
-embedding, the output layer and the loss cancel). The step runs fp32: under autocast the casts
-of weights and norm outputs happen inside ``linear`` and the profile cannot tell them apart.
+embedding, the output layer and the loss cancel).
 """
 
 from __future__ import annotations
@@ -116,25 +122,36 @@ def _ancestor(event, prefix: str):
     return parent
 
 
+#: The ops autocast runs in the compute dtype whose casts the model meets (``linear``; ``bmm``: the experts).
+AUTOCAST_OPS = ("aten::linear", "aten::bmm")
+
+
+def _autocast_cast(event) -> bool:
+    return event.name == "aten::_to_copy" and any(_ancestor(event, op) is not None for op in AUTOCAST_OPS)
+
+
 def count_kernels(events) -> tuple[int, int]:
     """(forward, backward) kernels of a profiled step, as a GPU runs them (module docstring)."""
     counts: Counter[str] = Counter()
     for e in events:
-        if _launches(e) and _outermost(e):
+        if _launches(e) and (_outermost(e) or _autocast_cast(e)):
             backward = _ancestor(e, "autograd::engine::evaluate_function") is not None
             counts["bwd" if backward else "fwd"] += GPU_KERNELS.get(e.name, 1)
     return counts["fwd"], counts["bwd"]
 
 
-def profiled_step(cfg: ModelConfig) -> tuple[int, int]:
-    """Kernels of one forward, loss and backward of ``GPT(cfg)`` (gradients unset before, as at a step's first microbatch)."""
+def profiled_step(cfg: ModelConfig, *, mixed: bool) -> tuple[int, int]:
+    """Kernels of one forward, loss and backward of ``GPT(cfg)`` (gradients unset before, as at a
+    step's first microbatch); ``mixed``: the forward under bf16 autocast."""
     torch.manual_seed(0)
     model = GPT(cfg)
     model.train()
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len + 1))
 
     def step() -> None:
-        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mixed):
+            logits = model(tokens[:, :-1])
+        cross_entropy(logits, tokens[:, 1:]).backward()
 
     step()  # the first call of some ops does one-time work
     model.zero_grad(set_to_none=True)
@@ -143,19 +160,22 @@ def profiled_step(cfg: ModelConfig) -> tuple[int, int]:
     return count_kernels(prof.events())
 
 
-def profiled_block(cfg: ModelConfig) -> tuple[int, int]:
+def profiled_block(cfg: ModelConfig, *, mixed: bool) -> tuple[int, int]:
     """Kernels of the model's second block: two blocks less one."""
-    two, one = profiled_step(dataclasses.replace(cfg, num_layers=2)), profiled_step(dataclasses.replace(cfg, num_layers=1))
+    two = profiled_step(dataclasses.replace(cfg, num_layers=2), mixed=mixed)
+    one = profiled_step(dataclasses.replace(cfg, num_layers=1), mixed=mixed)
     return two[0] - one[0], two[1] - one[1]
 
 
-def estimated_block(cfg: ModelConfig) -> tuple[int, int]:
-    """The estimator's kernels of block 1 (fp32, one rank): matmuls (backward: the input's and the
-    weight's gradient each), fused attention, and the description's memory-bound ops."""
+def estimated_block(cfg: ModelConfig, *, mixed: bool) -> tuple[int, int]:
+    """The estimator's kernels of block 1 (one rank): matmuls (backward: the input's and the
+    weight's gradient each), fused attention, the description's memory-bound ops, and under
+    autocast each linear weight's cast and its gradient's back."""
     shape = shape_from_config(cfg)
-    k = kn.block_kernels(shape, t=BATCH * cfg.seq_len, tp=1, sp=1, ep=1, c=4, mixed=False, moe=shape.is_moe_layer(1))
+    k = kn.block_kernels(shape, t=BATCH * cfg.seq_len, tp=1, sp=1, ep=1, c=2 if mixed else 4, mixed=mixed, moe=shape.is_moe_layer(1))
     attention_fwd, attention_bwd = costs.ATTENTION_KERNELS
-    return len(k.gemms) + attention_fwd + k.fwd_kernels, 2 * len(k.gemms) + attention_bwd + k.bwd_kernels
+    casts = len(k.weights) if mixed else 0
+    return len(k.gemms) + attention_fwd + k.fwd_kernels + casts, 2 * len(k.gemms) + attention_bwd + k.bwd_kernels + casts
 
 
 def _rms_norm_as_a_gpu_runs_it(x, normalized_shape, weight=None, eps=None):
@@ -170,4 +190,10 @@ def fused_rms_norm(monkeypatch):
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_the_estimator_counts_the_kernels_of_a_block(name, fused_rms_norm):
     cfg = CONFIGS[name]
-    assert estimated_block(cfg) == profiled_block(cfg)
+    assert estimated_block(cfg, mixed=False) == profiled_block(cfg, mixed=False)
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama", "llama-mha-bias", "gelu-rope-gqa"])
+def test_the_estimator_counts_the_kernels_of_a_block_under_autocast(name, fused_rms_norm):
+    cfg = CONFIGS[name]
+    assert estimated_block(cfg, mixed=True) == profiled_block(cfg, mixed=True)

@@ -37,13 +37,14 @@ class Op:
     once: tuple[float, float] = (0.0, 0.0)
 
 
-def _attention_ops(block: Block, d: ModelDims, *, tp: int, c: int) -> list[Op]:
+def _attention_ops(block: Block, d: ModelDims, *, tp: int, c: int, mixed: bool) -> list[Op]:
     q, kv = d.hidden / tp, d.kv_heads * head_dim(d) / tp
     out = []
     if block.position == "rope":
-        # q and k: four products, a difference, a sum and a concatenation each; backward
-        # the products' gradients, the halves put back (slice backward) and summed
-        out.append(Op("rope", "models.layers.apply_rope", 14, 20, 9 * c * (q + kv), 14 * c * (q + kv) + 2 * c * q))
+        # q and k: four products, a difference, a sum and a concatenation each (and under autocast
+        # the cos and sin rows cast to the compute dtype for each); backward the products'
+        # gradients, the halves put back (slice backward) and summed
+        out.append(Op("rope", "models.layers.apply_rope", 14 + 4 * mixed, 20, 9 * c * (q + kv), 14 * c * (q + kv) + 2 * c * q))
         # attention then returns [b, heads, s, d]-strided output: o_proj's input is a copy
         out.append(Op("attention output copy", "models.layers.Attention.forward", 1, 0, 2 * c * q, 0))
     if block.attention == "gqa":
@@ -123,7 +124,7 @@ def eager_ops(block: Block, d: ModelDims, *, tp: int, sp: int, c: int, mixed: bo
             Op("norm output cast", "autocast", 1, 1, cast, cast, count=len(block.norms)),
             Op("branch gradient cast", "autocast", 0, 1, 0, (FP32 + c) * h / sp, count=2),
         ]
-    ops += _attention_ops(block, d, tp=tp, c=c)
+    ops += _attention_ops(block, d, tp=tp, c=c, mixed=mixed)
     ops += _mlp_ops(block, d, tp=tp, c=c)
     return ops + _linear_ops(block, tp=tp, c=c)
 
