@@ -1,12 +1,16 @@
-"""What each op of a block costs when it runs eagerly on a GPU: kernels launched and bytes
-moved per token, forward and backward. One entry per place in the model code that runs
-memory-bound work (the module named in ``where``); matmuls and attention are costed from
-the block's linears and its attention by ``llmforge.estimate.kernels``.
+"""What each op of a block costs on a GPU: kernels launched and bytes moved per token, forward
+and backward. One entry per place in the model code that runs memory-bound work (the module
+named in ``where``): ``eager_ops`` as the eager step runs them, ``compiled_ops`` as a compiled
+block's fused regions, ``ends_ops`` outside the blocks; matmuls and attention are costed from the
+block's linears and its attention by ``llmforge.estimate.kernels``.
 
-Bytes follow llmforge's GPT as it runs: the residual stream and norms in fp32 (4 bytes), matmul
-inputs in the compute dtype (``c`` bytes) under autocast, norms and residual adds on a sequence
-shard under sequence parallelism (``sp``), the rest on this rank's heads and MLP columns (``tp``).
-``tests/test_kernel_count.py`` holds the kernel counts to the profiled model.
+Bytes follow llmforge's GPT as it runs with an fp32 residual stream: the residual stream and
+norms in fp32 (4 bytes), matmul inputs in the compute dtype (``c`` bytes) under autocast, norms
+and residual adds on a sequence shard under sequence parallelism (``sp``), the rest on this rank's
+heads and MLP columns (``tp``). With the residual stream in the compute dtype (the default under
+16-bit compute) a run casts the norms' weights instead of their outputs and no branch gradient,
+which these costs do not follow yet. ``tests/test_kernel_count.py`` holds the eager kernel counts
+to the profiled model.
 """
 
 from __future__ import annotations
