@@ -193,7 +193,7 @@ def test_the_estimator_counts_the_kernels_of_a_block(name, fused_rms_norm):
     assert estimated_block(cfg, mixed=False) == profiled_block(cfg, mixed=False)
 
 
-@pytest.mark.parametrize("name", ["gpt", "llama", "llama-mha-bias", "gelu-rope-gqa"])
+@pytest.mark.parametrize("name", ["gpt", "llama", "llama-mha-bias", "moe", "moe-gelu-capacity"])
 def test_the_estimator_counts_the_kernels_of_a_block_under_autocast(name, fused_rms_norm):
     cfg = CONFIGS[name]
     assert estimated_block(cfg, mixed=True) == profiled_block(cfg, mixed=True)

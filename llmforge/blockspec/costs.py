@@ -66,16 +66,16 @@ def _activation(activation: str, *, name: str, f: float, c: int) -> Op:
     return Op(f"{name} gelu", where, 1, 1, 2 * c * f, 3 * c * f)
 
 
-def _mlp_ops(block: Block, d: ModelDims, *, tp: int, c: int) -> list[Op]:
+def _mlp_ops(block: Block, d: ModelDims, *, tp: int, c: int, mixed: bool) -> list[Op]:
     if block.experts is None:
         return [_activation(block.activation, name="mlp", f=d.ffn / tp, c=c)]
     out = [_activation(block.activation, name="experts", f=d.top_k * d.moe_ffn, c=c)]  # MoE layers are not split over tp
     if d.shared_experts:
         out.append(_activation(block.activation, name="shared experts", f=d.shared_experts * d.moe_ffn, c=c))
-    return out + _moe_ops(block, d, c=c)
+    return out + _moe_ops(block, d, c=c, mixed=mixed)
 
 
-def _moe_ops(block: Block, d: ModelDims, *, c: int) -> list[Op]:
+def _moe_ops(block: Block, d: ModelDims, *, c: int, mixed: bool) -> list[Op]:
     """Routing, dispatch into the experts' batches and the weighted combine, and the router's
     losses, in training (``models.moe.MoE.forward``; the default ``balance=aux`` and
     ``normalize_top_k``). Backward counts the sums of a gradient that several ops read."""
@@ -96,7 +96,18 @@ def _moe_ops(block: Block, d: ModelDims, *, c: int) -> list[Op]:
     # load balancing loss (the counts cast to float), z-loss, their weighted sum, and the statistics
     # added to the step's (a forward after the first since they were read); backward the losses'
     losses = Op("moe router losses", "models.moe.load_balancing_loss, z_loss, MoEStats.add", 24, 13, 0, 0)
-    return [route, dispatch, combine, losses]
+    out = [route, dispatch, combine, losses]
+    if mixed:
+        # autocast's casts (each cast back in backward): the router's logits to fp32, the packed tokens
+        # for each of the experts' first matmuls, the combine weights and the experts' output, and the
+        # normed tokens once more for the shared experts (a second linear reads them); backward also
+        # the shared experts' output gradient, added to the layer's fp32 output
+        k, h = d.top_k, d.hidden
+        casts = 3 + (2 if gated else 1) + shared
+        moved = (FP32 + c) * (block.experts.num if block.experts else 0) + (FP32 + c) * k * ((2 if gated else 1) * h + h + 1)
+        moved += (FP32 + c) * h * shared
+        out.append(Op("moe casts", "autocast", casts, casts + shared, moved, moved + (FP32 + c) * h * shared))
+    return out
 
 
 def _linear_ops(block: Block, *, tp: int, c: int) -> list[Op]:
@@ -126,10 +137,11 @@ def eager_ops(block: Block, d: ModelDims, *, tp: int, sp: int, c: int, mixed: bo
         ops += [
             # autocast casts each norm output once for the linear that reads it, and the gradient back
             Op("norm output cast", "autocast", 1, 1, cast, cast, count=len(block.norms)),
-            Op("branch gradient cast", "autocast", 0, 1, 0, (FP32 + c) * h / sp, count=2),
+            # (an MoE layer's output is in the residual stream's dtype already)
+            Op("branch gradient cast", "autocast", 0, 1, 0, (FP32 + c) * h / sp, count=1 + (block.experts is None)),
         ]
     ops += _attention_ops(block, d, tp=tp, c=c, mixed=mixed)
-    ops += _mlp_ops(block, d, tp=tp, c=c)
+    ops += _mlp_ops(block, d, tp=tp, c=c, mixed=mixed)
     return ops + _linear_ops(block, tp=tp, c=c)
 
 
@@ -164,7 +176,7 @@ def compiled_ops(block: Block, d: ModelDims, *, tp: int, sp: int, c: int) -> lis
     if d.bias:
         ops.append(Op("bias gradients", "compiled", 0, 3, 0, c * (2 * q + 2 * kv + mats * f + d.hidden)))
     # an MoE layer's routing and dispatch depend on the values (the experts' counts): they stay eager
-    return ops + (_moe_ops(block, d, c=c) if block.experts else [])
+    return ops + (_moe_ops(block, d, c=c, mixed=False) if block.experts else [])
 
 
 def ends_ops(d: ModelDims, *, tp: int, c: int, mixed: bool, first: bool, last: bool) -> list[Op]:
