@@ -22,6 +22,7 @@ LIGHT = (
     "llmforge.elastic",
     "llmforge.hardware",
     "llmforge.errors",
+    "llmforge.blockspec",
 )
 #: What the light layers must not import.
 HEAVY = (
@@ -163,7 +164,7 @@ LAYERS = (
     ("errors", "files"),
     ("storage",),
     ("config",),
-    ("layout", "hardware"),
+    ("layout", "hardware", "blockspec"),
     ("elastic",),
     ("plan",),
     ("data", "observe", "rundir", "report", "processes"),

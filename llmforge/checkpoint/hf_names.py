@@ -18,9 +18,11 @@ from dataclasses import dataclass
 
 import torch
 
+from llmforge.blockspec.block import HF_BLOCK_PREFIX, HF_MODEL, HFName, Linear, Norm, describe, model_tensors
+from llmforge.blockspec.dims import dims_of
 from llmforge.config.schema import ModelConfig
 from llmforge.errors import Problem, UserError
-from llmforge.models.fused import FUSED, fuse, layout_of, unfuse
+from llmforge.models.fused import fuse, unfuse
 
 
 @dataclass(frozen=True)
@@ -63,12 +65,6 @@ def _one(hf: str, ours: str, *, transpose: bool = False) -> Rule:
     return Rule((hf,), (ours,), transpose=transpose)
 
 
-def _fused(m: ModelConfig, hf: tuple[str, ...], ours: str, *, rows: int, transpose: bool = False) -> Rule:
-    """A fused llmforge tensor and its parts, one Hugging Face tensor each or concatenated in one."""
-    sizes, groups = layout_of(m, name=ours, rows=rows)
-    return Rule(hf, (ours,), transpose=transpose, sizes=tuple(sizes), groups=groups)
-
-
 def style_of(m: ModelConfig) -> str:
     """``llama`` or ``gpt2``; a UserError listing what matches neither."""
     if m.moe.num_experts > 0:
@@ -101,54 +97,29 @@ def style_of(m: ModelConfig) -> str:
 
 
 def rules(m: ModelConfig) -> list[Rule]:
-    """The whole table for the model's style."""
-    return _llama_rules(m) if style_of(m) == "llama" else _gpt2_rules(m)
-
-
-def _qkv_rows(m: ModelConfig) -> int:
-    return (m.num_heads + 2 * (m.num_kv_heads or m.num_heads)) * (m.hidden_size // m.num_heads)
-
-
-def _llama_rules(m: ModelConfig) -> list[Rule]:
-    out = [_one("model.embed_tokens.weight", "embed.weight"), _one("model.norm.weight", "norm.weight")]
-    if not m.tie_embeddings:
-        out.append(_one("lm_head.weight", "head.weight"))
-    suffixes = ("weight", "bias") if m.bias else ("weight",)
-    fused = {("self_attn", "qkv_proj"): _qkv_rows(m), ("mlp", "gate_up_proj"): 2 * m.ffn_hidden_size}
+    """The whole table for the model's style, read from the block description
+    (``llmforge.blockspec``): each norm's and linear's Hugging Face names, and how a fused
+    linear's parts sit in its rows."""
+    style, dims = style_of(m), dims_of(m)
+    first, last = model_tensors(dims)
+    out = [_one(HF_MODEL[style][p.name], p.name) for p in first + last]
+    spec = describe(dims)
     for i in range(m.num_layers):
-        src, dst = f"layers.{i}.", f"model.layers.{i}."
-        out += [
-            _one(f"{dst}input_layernorm.weight", f"{src}attn_norm.weight"),
-            _one(f"{dst}post_attention_layernorm.weight", f"{src}mlp_norm.weight"),
-        ]
-        for (parent, linear), rows in fused.items():
-            ours = f"{src}{parent.replace('self_attn', 'attn')}.{linear}"
-            out += [_fused(m, tuple(f"{dst}{parent}.{part}.{s}" for part in FUSED[linear]), f"{ours}.{s}", rows=rows) for s in suffixes]
-        for theirs, ours in (("self_attn.o_proj", "attn.o_proj"), ("mlp.down_proj", "mlp.down_proj")):
-            out += [_one(f"{dst}{theirs}.{s}", f"{src}{ours}.{s}") for s in suffixes]
+        prefix = HF_BLOCK_PREFIX[style].format(i=i)
+        for item in (*spec.norms, *spec.linears):
+            names = next(h for h in item.hf if h.style == style)
+            for param in item.params():
+                out.append(_rule(item, names, param.name, ours=f"layers.{i}.{param.name}", prefix=prefix))
     return out
 
 
-def _gpt2_rules(m: ModelConfig) -> list[Rule]:
-    out = [
-        _one("transformer.wte.weight", "embed.weight"),
-        _one("transformer.wpe.weight", "pos_embed.weight"),
-        _one("transformer.ln_f.weight", "norm.weight"),
-        _one("transformer.ln_f.bias", "norm.bias"),
-    ]
-    if not m.tie_embeddings:
-        out.append(_one("lm_head.weight", "head.weight"))
-    for i in range(m.num_layers):
-        src, dst = f"layers.{i}.", f"transformer.h.{i}."
-        out += [
-            _fused(m, (dst + "attn.c_attn.weight",), src + "attn.qkv_proj.weight", rows=_qkv_rows(m), transpose=True),
-            _fused(m, (dst + "attn.c_attn.bias",), src + "attn.qkv_proj.bias", rows=_qkv_rows(m)),
-        ]
-        for ours, theirs in (("attn.o_proj", "attn.c_proj"), ("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj")):
-            out += [_one(f"{dst}{theirs}.weight", f"{src}{ours}.weight", transpose=True), _one(f"{dst}{theirs}.bias", f"{src}{ours}.bias")]
-        for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-            out += [_one(f"{dst}{theirs}.{s}", f"{src}{ours}.{s}") for s in ("weight", "bias")]
-    return out
+def _rule(item: Norm | Linear, names: HFName, param: str, *, ours: str, prefix: str) -> Rule:
+    suffix = param.rpartition(".")[2]
+    hf = tuple(f"{prefix}{name}.{suffix}" for name in names.names)
+    transpose = names.transpose and suffix == "weight"
+    if isinstance(item, Linear) and item.parts:
+        return Rule(hf, (ours,), transpose=transpose, sizes=tuple(rows for _, rows in item.parts), groups=item.groups)
+    return Rule(hf, (ours,), transpose=transpose)
 
 
 def to_hf(weights: dict[str, torch.Tensor], m: ModelConfig) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ Each kernel llmforge's eager step runs is costed by what bounds it:
 The byte counts follow llmforge's GPT as it runs (fp32 residual stream and norms,
 16-bit matmul inputs under autocast, one cast of a norm output per consuming
 linear, the chunked loss); with ``train.compile`` each block's memory-bound chains
-are fused kernels (``_fused``). Every cost is a ``Cost``: seconds of matmuls,
+are fused kernels (``llmforge.blockspec.costs.compiled_ops``). Every cost is a ``Cost``: seconds of matmuls,
 attention, memory-bound work and what the launch floor adds, so the estimate can
 report each term. The profile's rates are calibrated on measured runs
 (docs/estimator.md).
@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import NamedTuple
 
-from llmforge.config.choices import Activation, Position, Recompute
+from llmforge.blockspec import costs
+from llmforge.blockspec.block import describe
+from llmforge.config.choices import Activation, Recompute
 from llmforge.estimate.params import Tensor, block_tensors, embedding_tensors
 from llmforge.estimate.shape import Job, Shape
 from llmforge.layout import Layout
@@ -86,11 +88,11 @@ class Speeds:
     floor: float
     attention_backward_efficiency: float = 0.0  # 0: as the forward
 
-    def gemm(self, m: float, k: float, n: float, count: int = 1) -> Cost:
-        """``count`` matmuls ``[m x k] @ [k x n]``."""
+    def gemm(self, m: float, k: float, n: float, count: int = 1, batch: int = 1) -> Cost:
+        """``count`` kernels, each ``batch`` matmuls ``[m x k] @ [k x n]`` (a batched matmul)."""
         if m <= 0 or k <= 0 or n <= 0:
             return NONE
-        work = 2 * m * k * n / (self.peak * self.matmul_efficiency) * (1 + self.matmul_dim * (1 / m + 1 / k + 1 / n))
+        work = batch * 2 * m * k * n / (self.peak * self.matmul_efficiency) * (1 + self.matmul_dim * (1 / m + 1 / k + 1 / n))
         return Cost(matmul=count * work, floor=count * max(0.0, self.floor - work))
 
     def memory(self, nbytes: float, kernels: int) -> Cost:
@@ -130,7 +132,7 @@ def speeds(job: Job) -> Speeds:
 class Kernels:
     """The work of one block (or the ends) for one microbatch."""
 
-    gemms: tuple[tuple[float, float, float], ...]  # forward matmuls (m, k, n)
+    gemms: tuple[tuple[float, float, float, int], ...]  # forward matmul kernels (m, k, n, matmuls in the batch)
     attention_flops: float  # forward, full-score convention
     fwd_bytes: float
     fwd_kernels: int
@@ -140,95 +142,36 @@ class Kernels:
     head_dim: int = 64
 
 
-def _elementwise(
-    shape: Shape, *, t: float, tp: int, sp: int, c: int, mixed: bool, ffn: float, mlp_mats: int
-) -> tuple[float, int, float, int]:
-    """(forward bytes, kernels, backward bytes, kernels) of a block's non-matmul work."""
-    h, kv = shape.hidden, shape.kv_dim / tp
-    q, f = h / tp, ffn / tp
-    attn_in, mlp_in = 1, 1  # the fused projections: one linear consumes each norm output
-    norm_fwd, norm_bwd = 8 * h / sp, 20 * h / sp  # fp32 in/out; backward: input grad + weight grads
-    cast = (FP32 + c) * h if mixed else 0  # one cast of a norm output per consuming linear
-    fwd = 2 * norm_fwd + (attn_in + mlp_in) * cast + 2 * (FP32 + c + FP32) * h / sp  # norms, casts, residual adds
-    fwd_k = 2 + (attn_in + mlp_in if mixed else 0) + 2
-    bwd = 2 * norm_bwd + 2 * 12 * h / sp + 2 * (FP32 + c) * h / sp  # norms, residual grad sums, grads cast for the branches
-    bwd += (attn_in + mlp_in) * cast + (attn_in + mlp_in - 2) * 12 * h  # casts back, sums of the consumers' grads
-    bwd_k = 4 + 2 + 2 + ((attn_in + mlp_in) if mixed else 0) + attn_in + mlp_in - 2
-    # the fused outputs' gradients are put together from their parts' (q, k, v; gate, up)
-    bwd, bwd_k = bwd + 2 * c * (q + 2 * kv) + (4 * c * f if mlp_mats == 2 else 0), bwd_k + mlp_mats
-    if shape.activation == Activation.SWIGLU:
-        fwd, fwd_k, bwd, bwd_k = fwd + 5 * c * f, fwd_k + 2, bwd + 9 * c * f, bwd_k + 3
-    else:
-        fwd, fwd_k, bwd, bwd_k = fwd + 2 * c * f, fwd_k + 1, bwd + 3 * c * f, bwd_k + 1
-    if shape.position == Position.ROPE:  # rotate q and k: four products, a sum, a difference, a concatenation
-        fwd, fwd_k, bwd, bwd_k = fwd + 9 * c * (q + kv) + 2 * c * q, fwd_k + 15, bwd + 14 * c * (q + kv) + 2 * c * q, bwd_k + 20
-    if kv < q:  # grouped-query attention repeats k and v to every head
-        fwd, fwd_k, bwd, bwd_k = fwd + 2 * c * (kv + q), fwd_k + 2, bwd + 2 * c * (kv + q), bwd_k + 2
-    if kv < q and shape.kv_heads > tp:  # q heads of several KV groups are copied out of the fused output
-        fwd, fwd_k = fwd + 2 * c * q, fwd_k + 1
-    if shape.bias:
-        bwd, bwd_k = bwd + c * (2 * q + 2 * kv + mlp_mats * f + h), bwd_k + 3
-    return fwd * t, fwd_k, bwd * t, bwd_k
-
-
-def _fused(shape: Shape, *, t: float, tp: int, sp: int, c: int, ffn: float, mlp_mats: int) -> tuple[float, int, float, int]:
-    """As ``_elementwise`` for a compiled block (``train.compile``): each chain of memory-bound ops
-    between two matmuls (or attention) is one fused kernel that reads the chain's inputs once
-    and writes its outputs once. Per token, the residual stream in fp32 (r), matmul operands in
-    the compute dtype (c), forward and backward:
-
-    - norm 1 and its cast: reads x, writes the normed input of the fused q/k/v once ((r + c) h);
-      backward reads x, that linear's input gradient and the residual gradient, writes x's;
-    - RoPE and the GQA repeat (if any): reads q, k, v, writes them rotated and repeated;
-    - the residual add, norm 2 and its cast after the attention projection ((2r + 2c) h);
-    - the activation between the MLP matmuls (SwiGLU reads 2f, writes f);
-    - the residual add after the down projection ((2r + c) h).
-
-    The norm region is split over tp with sequence parallel (``sp``)."""
-    r, h, kv = FP32, shape.hidden / sp, shape.kv_dim / tp
-    q, f = shape.hidden / tp, ffn / tp
-    fwd, bwd = (r + c) * h + (2 * r + 2 * c) * h + (2 * r + c) * h, (3 * r + c) * h + (3 * r + 2 * c) * h + (r + c) * h
-    fwd_k, bwd_k = 3, 6
-    act_in = mlp_mats * c * f
-    fwd, bwd = fwd + act_in + c * f, bwd + 2 * act_in + c * f
-    fwd_k, bwd_k = fwd_k + 1, bwd_k + 1
-    if shape.position == Position.ROPE or kv < q:
-        heads_out = 3 * q if kv < q else q + 2 * kv
-        fwd, bwd = fwd + c * (q + 2 * kv) + c * heads_out, bwd + c * heads_out + c * (q + 2 * kv)
-        fwd_k, bwd_k = fwd_k + 1, bwd_k + 1
-    if shape.bias:
-        bwd, bwd_k = bwd + c * (2 * q + 2 * kv + mlp_mats * f + shape.hidden), bwd_k + 3
-    return fwd * t, fwd_k, bwd * t, bwd_k
-
-
 @lru_cache(maxsize=4096)
 def block_kernels(shape: Shape, *, t: float, tp: int, sp: int, ep: int, c: int, mixed: bool, moe: bool, fused: bool = False) -> Kernels:
-    """One block's kernels for ``t`` local tokens (after context splitting); ``fused``: the
-    block is compiled (``_fused``), else eager (``_elementwise``)."""
-    h, kv = shape.hidden, shape.kv_dim
-    gemms: list[tuple[float, float, float]] = [(t, h, (h + 2 * kv) / tp), (t, h / tp, h)]  # fused q/k/v, o
-    mats = 2 if shape.activation == Activation.SWIGLU else 1
-    if moe:
-        rows = t * shape.top_k * min(1.0, shape.capacity_factor or 1.0)  # routed rows this rank's experts see (balanced)
-        local = max(1, shape.num_experts // ep)
-        per_expert = rows * ep / shape.num_experts
-        gemms.append((t, h, shape.num_experts))
-        gemms += [(per_expert, h, shape.moe_ffn)] * (mats * local) + [(per_expert, shape.moe_ffn, h)] * local
-        shared = shape.shared_experts * shape.moe_ffn  # one MLP, gate and up fused
-        gemms += [(t, h, mats * shared), (t, shared, h)] if shared else []
-        ffn = (shape.top_k + shape.shared_experts) * shape.moe_ffn * tp  # elementwise MLP work per token (not split over tp)
-    else:
-        gemms += [(t, h, mats * shape.ffn / tp), (t, shape.ffn / tp, h)]  # fused gate/up (or up), down
-        ffn = shape.ffn
+    """One block's kernels for ``t`` local tokens (after context splitting): the matmuls of its
+    description's linears and experts, and its memory-bound ops (``llmforge.blockspec.costs``),
+    compiled (``fused``: ``train.compile``) or eager."""
+    block = describe(shape, moe=moe)
+    gemms: list[tuple[float, float, float, int]] = []
+    for x in block.linears:  # in order, the experts' batched matmuls after the router
+        gemms.append((t, x.in_features / (tp if x.split == "row" else 1), x.out_features / (tp if x.split == "col" else 1), 1))
+        if x.name == "mlp.router":
+            gemms += _expert_gemms(shape, t=t, ep=ep)
     if fused:
-        fwd, fwd_k, bwd, bwd_k = _fused(shape, t=t, tp=tp, sp=sp, c=c, ffn=ffn, mlp_mats=mats)
+        ops = costs.compiled_ops(block, shape, tp=tp, sp=sp, c=c)
     else:
-        fwd, fwd_k, bwd, bwd_k = _elementwise(shape, t=t, tp=tp, sp=sp, c=c, mixed=mixed, ffn=ffn, mlp_mats=mats)
-    if moe:  # routing softmax and top-k, dispatch into expert batches and the weighted combine
-        extra = t * (shape.top_k * h * (c + FP32) * 2 + 16 * shape.num_experts)
-        fwd, fwd_k, bwd, bwd_k = fwd + extra, fwd_k + 12, bwd + 2 * extra, bwd_k + 16
+        ops = costs.eager_ops(block, shape, tp=tp, sp=sp, c=c, mixed=mixed)
+    fwd, fwd_k, bwd, bwd_k = costs.totals(ops)
     weights = tuple(_local_numel(x, tp=tp, ep=ep) for x in block_tensors(shape, moe) if _cast(x))
-    return Kernels(tuple(gemms), 4 * shape.attention_span * h / tp * t, fwd, fwd_k, bwd, bwd_k, weights, shape.head_dim)
+    flops = 4 * shape.attention_span * shape.hidden / tp * t
+    return Kernels(tuple(gemms), flops, fwd * t, fwd_k, bwd * t, bwd_k, weights, shape.head_dim)
+
+
+def _expert_gemms(shape: Shape, *, t: float, ep: int) -> list[tuple[float, float, float, int]]:
+    """This rank's experts (``num_experts / ep``), balanced routing: one batched matmul over them
+    each for up (and gate), and down."""
+    rows = t * shape.top_k * min(1.0, shape.capacity_factor or 1.0)  # routed rows this rank's experts see (balanced)
+    local = max(1, shape.num_experts // ep)
+    per_expert = rows * ep / shape.num_experts
+    mats = 2 if shape.activation == Activation.SWIGLU else 1
+    gemm: list[tuple[float, float, float, int]] = [(per_expert, shape.hidden, shape.moe_ffn, local)]
+    return gemm * mats + [(per_expert, shape.moe_ffn, shape.hidden, local)]
 
 
 def _cast(t: Tensor) -> bool:
@@ -257,16 +200,17 @@ def _weights_cost(sp: Speeds, numels: Iterable[int], *, mixed: bool, accumulate:
 
 def block_cost(sp: Speeds, k: Kernels, *, mode: str, mixed: bool, c: int, accumulate: float) -> Cost:
     """Forward, backward and recomputation of one block for one microbatch."""
-    fwd_gemm = total(sp.gemm(m, kk, n) for m, kk, n in k.gemms)
-    bwd_gemm = total(sp.gemm(m, n, kk).plus(sp.gemm(kk, m, n)) for m, kk, n in k.gemms)
-    attn_f = sp.attention(k.attention_flops, 1, head_dim=k.head_dim)
-    attn_b = sp.attention(2.5 * k.attention_flops, 3, head_dim=k.head_dim, backward=True)
+    fwd_gemm = total(sp.gemm(m, kk, n, batch=b) for m, kk, n, b in k.gemms)
+    bwd_gemm = total(sp.gemm(m, n, kk, batch=b).plus(sp.gemm(kk, m, n, batch=b)) for m, kk, n, b in k.gemms)
+    fwd_kernels, bwd_kernels = costs.ATTENTION_KERNELS
+    attn_f = sp.attention(k.attention_flops, fwd_kernels, head_dim=k.head_dim)
+    attn_b = sp.attention(2.5 * k.attention_flops, bwd_kernels, head_dim=k.head_dim, backward=True)
     fwd_mem, bwd_mem = sp.memory(k.fwd_bytes, k.fwd_kernels), sp.memory(k.bwd_bytes, k.bwd_kernels)
     weights = _weights_cost(sp, k.weights, mixed=mixed, accumulate=accumulate, c=c)
     out = total((fwd_gemm, bwd_gemm, attn_f, attn_b, fwd_mem, bwd_mem, weights))
     if mode == Recompute.FULL:  # the whole forward again, but its last matmul
-        m, kk, n = k.gemms[-1]
-        last = sp.gemm(m, kk, n)
+        m, kk, n, b = k.gemms[-1]
+        last = sp.gemm(m, kk, n, batch=b)
         out = total((out, fwd_gemm, last.times(-1), attn_f, fwd_mem))
     if mode in (Recompute.FULL, Recompute.SELECTIVE) and mixed:  # the weights are cast again
         out = out.plus(total(sp.memory(n * (FP32 + c), 1) for n in k.weights))
@@ -281,13 +225,13 @@ def ends_cost(sp: Speeds, shape: Shape, layout: Layout, *, c: int, mixed: bool, 
     t = layout.micro_batch_size * shape.seq / layout.cp
     tp = layout.tp
     h, v = shape.hidden, shape.vocab / tp
-    out = NONE
-    if first:  # token and position lookups, their sum; backward scatters into the tables
-        out = total((sp.memory(t * 28 * h, 3), sp.memory(t * 12 * h + FP32 * v * h, 4)))
+    ops = costs.ends_ops(shape, tp=tp, c=c, mixed=mixed, first=first, last=last)
+    out = total(
+        sp.memory(t * o.fwd_bytes + o.once[0], o.fwd_kernels).plus(sp.memory(t * o.bwd_bytes + o.once[1], o.bwd_kernels)) for o in ops
+    )
+    if first:
         out = out.plus(_weights_cost(sp, [x.numel // tp for x in embedding_tensors(shape)], mixed=False, accumulate=accumulate, c=c))
     if last:
-        cast = (FP32 + c) * h if mixed else 0
-        out = total((out, sp.memory(t * (8 * h + cast), 2), sp.memory(t * (20 * h + cast), 3)))
         out = total((out, sp.gemm(t, h, v), sp.gemm(t, v, h), sp.gemm(h, t, v), loss_cost(sp, tokens=t, vocab=v, c=c)))
         out = out.plus(_weights_cost(sp, [int(v * h)], mixed=mixed, accumulate=accumulate, c=c))
     return out

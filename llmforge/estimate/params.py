@@ -11,104 +11,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
-from llmforge.config.choices import Activation, Norm, Position, Recompute
+from llmforge.blockspec.block import Param, describe, model_tensors
+from llmforge.config.choices import Recompute
 from llmforge.estimate.shape import Shape
 from llmforge.layout import Layout, chunk_rank
 
-
-@dataclass(frozen=True)
-class Tensor:
-    """One parameter tensor: its shape, its TP split, and whether it is an expert weight."""
-
-    name: str
-    shape: tuple[int, ...]
-    split: str = "rep"
-    expert: bool = False
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    def local_shape(self, tp: int) -> tuple[int, ...]:
-        """Shape of this tensor on one tensor-parallel rank."""
-        if tp == 1 or self.split == "rep":
-            return self.shape
-        if self.split in ("col", "vocab"):
-            return (self.shape[0] // tp,) + self.shape[1:]
-        return self.shape[:-1] + (self.shape[-1] // tp,)  # row: input dim split
-
-
-def _norm(shape: Shape, name: str) -> list[Tensor]:
-    out = [Tensor(f"{name}.weight", (shape.hidden,))]
-    if shape.norm == Norm.LAYERNORM and shape.bias:
-        out.append(Tensor(f"{name}.bias", (shape.hidden,)))
-    return out
-
-
-def _linear(name: str, out_f: int, in_f: int, split: str, bias: bool, expert: bool = False) -> list[Tensor]:
-    out = [Tensor(f"{name}.weight", (out_f, in_f), split, expert)]
-    if bias:
-        # a row-parallel layer adds its bias once, after the reduction
-        out.append(Tensor(f"{name}.bias", (out_f,), "col" if split == "col" else "rep", expert))
-    return out
-
-
-def mlp_tensors(shape: Shape, name: str, ffn: int, *, expert: bool = False) -> list[Tensor]:
-    """The MLP: gelu (up, down) or swiglu (gate and up fused in one linear, down)."""
-    h, b = shape.hidden, shape.bias
-    if shape.activation == Activation.SWIGLU:
-        return _linear(f"{name}.gate_up_proj", 2 * ffn, h, "col", b, expert) + _linear(f"{name}.down_proj", h, ffn, "row", b, expert)
-    return _linear(f"{name}.up_proj", ffn, h, "col", b, expert) + _linear(f"{name}.down_proj", h, ffn, "row", b, expert)
-
-
-def attention_tensors(shape: Shape, name: str) -> list[Tensor]:
-    """q, k and v fused in one column-parallel projection, o row-parallel."""
-    h, kv, b = shape.hidden, shape.kv_dim, shape.bias
-    return _linear(f"{name}.qkv_proj", h + 2 * kv, h, "col", b) + _linear(f"{name}.o_proj", h, h, "row", b)
-
-
-def moe_tensors(shape: Shape) -> list[Tensor]:
-    """The MoE layer: router, stacked experts ``[E, ...]`` (split over ep on dim 0), shared MLP.
-
-    Tensor parallelism leaves MoE layers whole (replicated over tp ranks)."""
-    h, f, e = shape.hidden, shape.moe_ffn, shape.num_experts
-    out = [Tensor("mlp.router.weight", (e, h))]
-    if shape.activation == Activation.SWIGLU:
-        out.append(Tensor("mlp.experts.w_gate", (e, h, f), expert=True))
-    out += [Tensor("mlp.experts.w_up", (e, h, f), expert=True), Tensor("mlp.experts.w_down", (e, f, h), expert=True)]
-    if shape.shared_experts:
-        shared = mlp_tensors(shape, "mlp.shared", f * shape.shared_experts)
-        out += [Tensor(t.name, t.shape, "rep") for t in shared]
-    return out
+#: One parameter tensor (``llmforge.blockspec.block.Param``): shape, TP split, expert or not.
+Tensor = Param
 
 
 @lru_cache(maxsize=64)
 def block_tensors(shape: Shape, moe: bool) -> tuple[Tensor, ...]:
-    """Parameters of one transformer block (dense or MoE)."""
-    out = _norm(shape, "attn_norm") + attention_tensors(shape, "attn") + _norm(shape, "mlp_norm")
-    if not moe:
-        return tuple(out + mlp_tensors(shape, "mlp", shape.ffn))
-    out += moe_tensors(shape)
-    return tuple(out)
+    """Parameters of one transformer block (dense or MoE), as its description lists them."""
+    return describe(shape, moe=moe).params
+
+
+def moe_tensors(shape: Shape) -> list[Tensor]:
+    """The MoE layer's parameters: router, stacked experts ``[E, ...]`` (split over ep on
+    dim 0), shared MLP; tensor parallelism leaves them whole."""
+    return [t for t in block_tensors(shape, True) if t.name.startswith("mlp.")]
 
 
 def embedding_tensors(shape: Shape) -> list[Tensor]:
     """Token embedding (vocab-parallel) and learned positions (replicated)."""
-    out = [Tensor("embed.weight", (shape.vocab, shape.hidden), "vocab")]
-    if shape.position == Position.LEARNED:
-        out.append(Tensor("pos_embed.weight", (shape.seq, shape.hidden)))
-    return out
+    return model_tensors(shape)[0]
 
 
 def head_tensors(shape: Shape, *, separate_copy: bool) -> list[Tensor]:
     """Final norm and output projection; a tied head owns no weight unless on another stage."""
-    out = _norm(shape, "norm")
-    if not shape.tie_embeddings or separate_copy:
-        out.append(Tensor("head.weight", (shape.vocab, shape.hidden), "vocab"))
-    return out
+    return model_tensors(shape, separate_head=separate_copy)[1]
 
 
 @lru_cache(maxsize=256)
@@ -123,7 +54,7 @@ def stage_layers(shape: Shape, pp: int, v: int, pp_layers: tuple[int, ...] | Non
 
 
 @lru_cache(maxsize=4096)
-def stage_tensors(shape: Shape, layout_key: tuple) -> tuple[Tensor, ...]:
+def stage_tensors(shape: Shape, layout_key: tuple[int, int, tuple[int, ...] | None, int, bool]) -> tuple[Tensor, ...]:
     """Every parameter tensor held by pipeline rank ``stage`` (before TP/EP/ZeRO splits)."""
     pp, v, pp_layers, stage, v_shape = layout_key
     layers = stage_layers(shape, pp, v, pp_layers, v_shape)[stage]
@@ -181,7 +112,9 @@ def _prod(shape: tuple[int, ...]) -> int:
 
 
 @lru_cache(maxsize=4096)
-def rank_params(shape: Shape, *, pp: int, v: int, pp_layers, stage: int, tp: int, ep: int, v_shape: bool = False) -> RankParams:
+def rank_params(
+    shape: Shape, *, pp: int, v: int, pp_layers: tuple[int, ...] | None, stage: int, tp: int, ep: int, v_shape: bool = False
+) -> RankParams:
     """Local parameter shapes on (pipeline ``stage``, tp rank 0, ep rank 0)."""
     dense: list[tuple[int, ...]] = []
     expert: list[tuple[int, ...]] = []
@@ -207,7 +140,7 @@ def layout_rank_params(shape: Shape, layout: Layout, stage: int) -> RankParams:
     )
 
 
-def named_shapes(shape: Shape) -> dict:
+def named_shapes(shape: Shape) -> dict[str, tuple[int, ...]]:
     """``{parameter name: shape}`` of the whole one-process model, named as ``GPT`` names them."""
     out = {t.name: t.shape for t in embedding_tensors(shape)}
     for i in range(shape.num_layers):
@@ -233,7 +166,7 @@ class StageCounts:
 
 
 @lru_cache(maxsize=8192)
-def _stage_counts(shape: Shape, pp: int, v: int, pp_layers, v_shape: bool, every: int) -> tuple[StageCounts, ...]:
+def _stage_counts(shape: Shape, pp: int, v: int, pp_layers: tuple[int, ...] | None, v_shape: bool, every: int) -> tuple[StageCounts, ...]:
     out = []
     for stage, layers in enumerate(stage_layers(shape, pp, v, pp_layers, v_shape)):
         kinds = [(shape.is_moe_layer(i), i % every == 0) for i in layers]
@@ -254,7 +187,8 @@ def stage_counts(shape: Shape, layout: Layout) -> tuple[StageCounts, ...]:
     """Per pipeline rank: blocks by kind (checkpointed = recomputed in full under ``recompute_every``)."""
     memo = layout.__dict__.get("_counts")  # asked ~10 times per estimate: kept on the layout
     if memo is not None and memo[0] is shape:
-        return memo[1]
+        counted: tuple[StageCounts, ...] = memo[1]
+        return counted
     every = layout.recompute_every if layout.recompute == Recompute.FULL else 1
     counts = _stage_counts(shape, layout.pp, layout.pp_virtual_stages, layout.pp_layers, layout.v_shape, every)
     object.__setattr__(layout, "_counts", (shape, counts))
@@ -263,7 +197,7 @@ def stage_counts(shape: Shape, layout: Layout) -> tuple[StageCounts, ...]:
 
 @lru_cache(maxsize=8192)
 def _representatives(counts: tuple[StageCounts, ...]) -> tuple[int, ...]:
-    first: dict = {}
+    first: dict[StageCounts, int] = {}
     for stage, c in enumerate(counts):
         first.setdefault(c, stage)
     return tuple(sorted(first.values()))

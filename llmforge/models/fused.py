@@ -17,15 +17,14 @@ Hugging Face names map to the parts.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 
 import torch
 
+from llmforge.blockspec.block import FUSED
+from llmforge.blockspec.dims import dims_of
+from llmforge.blockspec.dims import gate_up_groups as blockspec_gate_up_groups
 from llmforge.config.schema import ModelConfig
-
-#: Each fused linear and the unfused linears it stands for, in order.
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def kv_groups(config: ModelConfig) -> int:
@@ -34,9 +33,8 @@ def kv_groups(config: ModelConfig) -> int:
 
 
 def gate_up_groups(config: ModelConfig, *, ffn: int) -> int:
-    """Blocks of a ``gate_up_proj`` of width ``ffn``: every tp the plan allows divides both
-    ``num_kv_heads`` and ``ffn_hidden_size``, hence their greatest common divisor."""
-    return math.gcd(kv_groups(config), ffn)
+    """Blocks of a ``gate_up_proj`` of width ``ffn`` (``llmforge.blockspec.dims.gate_up_groups``)."""
+    return blockspec_gate_up_groups(dims_of(config), ffn=ffn)
 
 
 def parts_of(name: str) -> list[str] | None:

@@ -23,9 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmforge.blockspec.block import describe, final_norm
+from llmforge.blockspec.dims import dims_of, is_moe_layer
 from llmforge.config.choices import Position
 from llmforge.config.schema import ModelConfig
-from llmforge.models.fused import fuse, gate_up_groups, layout_of, parts_of
+from llmforge.models.fused import fuse, layout_of, parts_of
 from llmforge.models.kvcache import KVCache
 from llmforge.models.layers import MLP, Attention, make_norm, rope_tables
 from llmforge.models.masks import AttentionMasks, build_masks, document_positions, windowed_layer
@@ -33,16 +35,10 @@ from llmforge.models.moe import MoE
 
 
 def make_mlp(config: ModelConfig, *, layer_id: int) -> nn.Module:
-    moe = config.moe
-    if moe.num_experts > 0 and (layer_id + 1) % moe.every == 0:
+    dims = dims_of(config)
+    if is_moe_layer(dims, layer_id):
         return MoE(config)
-    return MLP(
-        hidden_size=config.hidden_size,
-        ffn_hidden_size=config.ffn_hidden_size,
-        activation=config.activation,
-        bias=config.bias,
-        groups=gate_up_groups(config, ffn=config.ffn_hidden_size),
-    )
+    return MLP(describe(dims).under("mlp"))
 
 
 class Block(nn.Module):
@@ -51,9 +47,10 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, *, layer_id: int) -> None:
         super().__init__()
         self.windowed = windowed_layer(config, layer_id)
-        self.attn_norm = make_norm(config)
+        attn_norm, mlp_norm = describe(dims_of(config)).norms
+        self.attn_norm = make_norm(attn_norm, eps=config.norm_eps)
         self.attn = Attention(config, windowed=self.windowed)
-        self.mlp_norm = make_norm(config)
+        self.mlp_norm = make_norm(mlp_norm, eps=config.norm_eps)
         self.mlp = make_mlp(config, layer_id=layer_id)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -75,7 +72,7 @@ class GPT(nn.Module):
         )
         self.embed_dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleDict({str(i): Block(config, layer_id=i) for i in range(config.num_layers)})
-        self.norm: nn.Module | None = make_norm(config)
+        self.norm: nn.Module | None = make_norm(final_norm(dims_of(config)), eps=config.norm_eps)
         self.head: nn.Linear | None = None if config.tie_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.position == Position.ROPE:
             cos, sin = rope_tables(head_dim=config.hidden_size // config.num_heads, seq_len=config.seq_len, theta=config.rope_theta)

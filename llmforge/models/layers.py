@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmforge.config.choices import Activation, Norm
+from llmforge.blockspec.block import Linear as LinearSpec
+from llmforge.blockspec.block import Norm as NormSpec
+from llmforge.blockspec.block import describe
+from llmforge.blockspec.dims import dims_of
 from llmforge.config.schema import ModelConfig
-from llmforge.models.fused import kv_groups
 
 
 def _like(weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
@@ -44,10 +46,11 @@ class RMSNorm(nn.RMSNorm):
             return F.rms_norm(x, self.normalized_shape, _like(self.weight, x), self.eps)
 
 
-def make_norm(config: ModelConfig) -> nn.Module:
-    if config.norm == Norm.RMSNORM:
-        return RMSNorm(config.hidden_size, eps=config.norm_eps)
-    return LayerNorm(config.hidden_size, eps=config.norm_eps, bias=config.bias)
+def make_norm(spec: NormSpec, *, eps: float) -> nn.Module:
+    """The norm a description lists (``llmforge.blockspec``): RMSNorm, or LayerNorm with or without bias."""
+    if spec.kind == "rmsnorm":
+        return RMSNorm(spec.size, eps=eps)
+    return LayerNorm(spec.size, eps=eps, bias=spec.bias)
 
 
 def rope_tables(*, head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -69,22 +72,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def linear(spec: LinearSpec) -> nn.Linear:
+    """The ``nn.Linear`` a block description lists (``llmforge.blockspec``)."""
+    return nn.Linear(spec.in_features, spec.out_features, bias=spec.bias)
+
+
 class Attention(nn.Module):
     """Multi-head attention; ``windowed``: this layer uses ``model.sliding_window``.
-    q, k and v are one linear, its rows grouped by KV head (``llmforge.models.fused``)."""
-
-    #: Linears that tensor parallelism splits by output rows, and by input columns.
-    column_parallel = ("qkv_proj",)
-    row_parallel = ("o_proj",)
+    q, k and v are one linear, its rows grouped by KV head (``llmforge.models.fused``);
+    sizes and names as the block description lists them (``llmforge.blockspec``)."""
 
     def __init__(self, config: ModelConfig, *, windowed: bool = False) -> None:
         super().__init__()
+        spec = describe(dims_of(config))
+        qkv = spec.linear("attn.qkv_proj")
         self.windowed = windowed
         self.head_dim = config.hidden_size // config.num_heads
-        self.q_per_group = config.num_heads // kv_groups(config)
-        rows = (config.num_heads + 2 * kv_groups(config)) * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, rows, bias=config.bias)
-        self.o_proj = nn.Linear(config.num_heads * self.head_dim, config.hidden_size, bias=config.bias)
+        self.q_per_group = config.num_heads // qkv.groups
+        self.qkv_proj = linear(qkv)
+        self.o_proj = linear(spec.linear("attn.o_proj"))
         self.dropout = config.dropout
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None, mask: Any = None, cache: Any = None) -> torch.Tensor:
@@ -135,18 +141,17 @@ def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: 
 
 class MLP(nn.Module):
     """GELU: down(gelu(up x)). SwiGLU: down(silu(gate x) * up x), gate and up one linear
-    whose rows alternate in ``groups`` blocks (``llmforge.models.fused``)."""
+    whose rows alternate in ``groups`` blocks (``llmforge.models.fused``). ``linears``: the
+    first linear (``up_proj`` or ``gate_up_proj``) and ``down_proj`` of a block description."""
 
-    row_parallel = ("down_proj",)
-
-    def __init__(self, *, hidden_size: int, ffn_hidden_size: int, activation: str, bias: bool, groups: int = 1) -> None:
+    def __init__(self, linears: list[LinearSpec]) -> None:
         super().__init__()
-        swiglu = activation == Activation.SWIGLU
-        self.block = ffn_hidden_size // groups
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * ffn_hidden_size, bias=bias) if swiglu else None
-        self.up_proj = None if swiglu else nn.Linear(hidden_size, ffn_hidden_size, bias=bias)
-        self.down_proj = nn.Linear(ffn_hidden_size, hidden_size, bias=bias)
-        self.column_parallel = ("gate_up_proj",) if swiglu else ("up_proj",)
+        first, down = linears
+        swiglu = first.leaf == "gate_up_proj"
+        self.block = first.out_features // 2 // first.groups
+        self.gate_up_proj = linear(first) if swiglu else None
+        self.up_proj = None if swiglu else linear(first)
+        self.down_proj = linear(down)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:

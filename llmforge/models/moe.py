@@ -52,11 +52,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmforge.blockspec.block import describe
+from llmforge.blockspec.dims import dims_of
 from llmforge.config.choices import Activation, MoeBalance
 from llmforge.config.schema import ModelConfig
 from llmforge.models import balanced
-from llmforge.models.fused import gate_up_groups
-from llmforge.models.layers import MLP
+from llmforge.models.layers import MLP, linear
 
 
 class AuxLossInjector(torch.autograd.Function):
@@ -240,8 +241,7 @@ class MoE(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        moe = config.moe
-        ffn = moe.ffn_hidden_size or config.ffn_hidden_size
+        moe, spec = config.moe, describe(dims_of(config), moe=True)
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.normalize_top_k, self.capacity_factor = moe.normalize_top_k, moe.capacity_factor
         self.aux_loss_coef = moe.aux_loss_coef if moe.balance == MoeBalance.AUX else 0.0
@@ -249,20 +249,14 @@ class MoE(nn.Module):
         bias = moe.balance == MoeBalance.BIAS  # routing state: saved in checkpoints; the load since the last update is not
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts) if bias else None)
         self.register_buffer("expert_load", torch.zeros(moe.num_experts, dtype=torch.int64) if bias else None, persistent=False)
-        self.router = nn.Linear(config.hidden_size, moe.num_experts, bias=False)
+        self.router = linear(spec.linear("mlp.router"))
+        experts = spec.experts
+        assert experts is not None
         self.experts = GroupedExperts(
-            num_experts=moe.num_experts, hidden_size=config.hidden_size, ffn_hidden_size=ffn, activation=config.activation
+            num_experts=experts.num, hidden_size=experts.hidden, ffn_hidden_size=experts.ffn, activation=spec.activation
         )
-        self.shared: MLP | None = None
-        if moe.num_shared_experts > 0:
-            width = ffn * moe.num_shared_experts
-            self.shared = MLP(
-                hidden_size=config.hidden_size,
-                ffn_hidden_size=width,
-                activation=config.activation,
-                bias=config.bias,
-                groups=gate_up_groups(config, ffn=width),
-            )
+        shared = spec.under("mlp.shared")
+        self.shared: MLP | None = MLP(shared) if shared else None
         self.aux_loss_scale: Callable[[], float] = _one
         self.stats = MoEStats(moe.num_experts)
 

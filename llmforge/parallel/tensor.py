@@ -47,8 +47,10 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from llmforge.blockspec.block import Block
+from llmforge.blockspec.block import describe as describe_block
+from llmforge.blockspec.dims import dims_of, is_moe_layer
 from llmforge.models.gpt import GPT
-from llmforge.models.layers import MLP
 from llmforge.parallel.dtensor import local
 from llmforge.parallel.sequence import apply_sp_linears
 
@@ -63,9 +65,11 @@ def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool, async_
             # Positions are added to the full sequence; each rank then keeps its shard.
             to_shard = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
             parallelize_module(model.embed_dropout, tp_mesh, to_shard)
-    for block in model.layers.values():
-        own = _sp_groups(block) if sequence_parallel and not async_tp else {}
-        parallelize_module(block, tp_mesh, _block_plan(block, seq=seq, sequence_parallel=sequence_parallel, own=own))
+    dims = dims_of(model.config)
+    for index, block in model.layers.items():
+        spec = describe_block(dims, moe=is_moe_layer(dims, int(index)))
+        own = _sp_groups(block, spec) if sequence_parallel and not async_tp else {}
+        parallelize_module(block, tp_mesh, _block_plan(spec, seq=seq, sequence_parallel=sequence_parallel, own=own))
         for parent, names in own.items():
             apply_sp_linears(getattr(block, parent), names, tp_mesh=tp_mesh)
     if sequence_parallel and model.embed is None:
@@ -93,34 +97,31 @@ def _whole_sequence_positions(tp: int):
     return hook
 
 
-def _sp_groups(block: nn.Module) -> dict[str, list[str]]:
+def _sp_groups(block: nn.Module, spec: Block) -> dict[str, list[str]]:
     """The column-parallel linears that ``apply_sp_linears`` runs under sequence
     parallel, by parent module: plain ``nn.Linear`` layers only (float8 linears keep
     torch's styles, which gather the input before them)."""
     return {
         parent: names
-        for parent, names in _column_linears(block).items()
-        if all(type(getattr(getattr(block, parent), n)) is nn.Linear for n in names)
+        for parent, names in _column_linears(spec).items()
+        if all(type(block.get_submodule(f"{parent}.{n}")) is nn.Linear for n in names)
     }
 
 
-def _column_linears(block: nn.Module) -> dict[str, list[str]]:
-    """The column-parallel linears of a block by parent module, as the modules name them
+def _column_linears(spec: Block) -> dict[str, list[str]]:
+    """The column-parallel linears of a block by parent module, as its description lists them
     (an MoE layer has none: it is not sharded)."""
-    groups = {"attn": list(block.attn.column_parallel)}
-    if isinstance(block.mlp, MLP):
-        groups["mlp"] = list(block.mlp.column_parallel)
+    groups: dict[str, list[str]] = {}
+    for linear in spec.sharded("col"):
+        groups.setdefault(linear.parent, []).append(linear.leaf)
     return groups
 
 
-def _block_plan(block: nn.Module, *, seq, sequence_parallel: bool, own: dict[str, list[str]]) -> dict[str, ParallelStyle]:
+def _block_plan(spec: Block, *, seq, sequence_parallel: bool, own: dict[str, list[str]]) -> dict[str, ParallelStyle]:
     """Row-parallel outputs, and the column-parallel linears that ``own`` (run by
     ``apply_sp_linears``) does not name, their inputs gathered first under sequence parallel."""
-    columns = _column_linears(block)
-    plan: dict[str, ParallelStyle] = {
-        f"{parent}.{name}": RowwiseParallel(output_layouts=seq) for parent in columns for name in getattr(block, parent).row_parallel
-    }
-    for parent, names in columns.items():
+    plan: dict[str, ParallelStyle] = {linear.name: RowwiseParallel(output_layouts=seq) for linear in spec.sharded("row")}
+    for parent, names in _column_linears(spec).items():
         if parent in own:
             continue
         plan.update({f"{parent}.{n}": ColwiseParallel() for n in names})
@@ -130,9 +131,8 @@ def _block_plan(block: nn.Module, *, seq, sequence_parallel: bool, own: dict[str
                 input_layouts=inputs, desired_input_layouts=(Replicate(),) + inputs[1:], use_local_output=True
             )
     if sequence_parallel:
-        plan["attn_norm"] = SequenceParallel()
-        plan["mlp_norm"] = SequenceParallel()
-        if not isinstance(block.mlp, MLP):
+        plan.update({norm.name: SequenceParallel() for norm in spec.norms})
+        if spec.mlp == "moe":
             plan["mlp"] = PrepareModuleInputOutput(
                 input_layouts=(Shard(1),),
                 desired_input_layouts=(Replicate(),),
