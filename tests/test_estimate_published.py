@@ -18,9 +18,11 @@ the expected gap is named, computed by the model where it can be:
 - their loss is ``cross_entropy(logits.float())``: an fp32 copy of the logits that llmforge's
   chunked loss does not make (``fp32_logits_seconds``, as tests/test_estimate_speed.py
   swaps it for the plain loop);
-- async tensor parallel (overlapping the TP collectives with the matmuls) in the 70B and
-  405B rows: the published figure is above the estimate without it by what the 70B pair
-  measures (876 / 829 = +5.7%).
+- async tensor parallel in the 70B and 405B rows: the 70B async-TP row is estimated with
+  ``parallel.async_tp`` and the pairs torch's pass fuses in their graph in place of llmforge's
+  (``their_async_tp_seconds``), and its gain over the 70B row is held against the published
+  one (876 / 829 = +5.7%); the 405B rows are estimated without it and held against the
+  published figure / that gain.
 
 Memory is held on the 70B rows (full recompute, no pipeline: both trainers keep the same set,
 the bf16 block inputs) within 10%, each against its own published figure (async TP's 67.6 GiB,

@@ -3,16 +3,17 @@
     python tools/published_runs.py
 
 Prints torchtitan's Llama 3.1 H100 rows: per row, llmforge's estimate (tokens/s per GPU), the
-same with torchtitan's recompute policy and loss added, the published figure (and the one held,
-without async TP), their ratio; then the memory of the most-loaded GPU with an fp32 residual
-stream (``precision.fp32_residual=true``), with the default bf16 one, and the published
-figure (docs/estimator.md has the estimate before the residual stream followed the compute
-dtype next to them); then the responses
-(compile, Float8, schedule, 128 vs 8 GPUs), estimated against published; then Megatron-LM's
-462B row (README model table, H100 80 GB: TP 8, PP 16, DP 48), which ran on 80 GB GPUs; last
-Megatron-style layouts of 18B-175B GPTs (TP 8 + SP, ZeRO 1, micro batch 1, compiled) without
-and with ``parallel.async_tp``, term by term, and the async-TP gain the estimate gives
-torchtitan's 70B row next to the published one.
+same with torchtitan's recompute policy, loss and async-TP pairs added, the published figure
+(and the one held: the 405B rows, run with async TP, are estimated without it), their ratio;
+then the memory of the most-loaded GPU with an fp32 residual stream
+(``precision.fp32_residual=true``), with the default bf16 one, and the published figure
+(docs/estimator.md has the estimate before the residual stream followed the compute dtype next
+to them); then the responses (compile, Float8, schedule, 128 vs 8 GPUs), estimated against
+published; then Megatron-LM's 462B row (README model table, H100 80 GB: TP 8, PP 16, DP 48),
+which ran on 80 GB GPUs; last Megatron-style layouts of 18B-175B GPTs (TP 8 + SP, ZeRO 1, micro
+batch 1, compiled), gradients reduced in fp32 and in bf16 (Megatron's default), without and
+with ``parallel.async_tp``, term by term, and the async-TP gain the estimate gives torchtitan's
+70B row next to the published one.
 """
 
 from __future__ import annotations
