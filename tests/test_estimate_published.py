@@ -18,9 +18,11 @@ the expected gap is named, computed by the model where it can be:
 - their loss is ``cross_entropy(logits.float())``: an fp32 copy of the logits that llmforge's
   chunked loss does not make (``fp32_logits_seconds``, as tests/test_estimate_speed.py
   swaps it for the plain loop);
-- async tensor parallel (overlapping the TP collectives with the matmuls) in the 70B and
-  405B rows: the published figure is above the estimate without it by what the 70B pair
-  measures (876 / 829 = +5.7%).
+- async tensor parallel in the 70B and 405B rows: the 70B async-TP row is estimated with
+  ``parallel.async_tp`` and the pairs torch's pass fuses in their graph in place of llmforge's
+  (``their_async_tp_seconds``), and its gain over the 70B row is held against the published
+  one (876 / 829 = +5.7%); the 405B rows are estimated without it and held against the
+  published figure / that gain.
 
 Memory is held on the 70B rows (full recompute, no pipeline: both trainers keep the same set,
 the bf16 block inputs) within 10%, each against its own published figure (async TP's 67.6 GiB,
@@ -45,6 +47,7 @@ from typing import NamedTuple
 
 import pytest
 
+from llmforge.estimate import async_tp as atp
 from llmforge.estimate import kernels as kn
 from llmforge.estimate.core import Estimate, estimate
 from llmforge.estimate.params import stage_counts
@@ -79,6 +82,7 @@ FSDP128 = dataclasses.replace(FSDP8, dp=128)
 TP8 = Layout(dp=32, tp=8, zero=3, sequence_parallel=True, recompute="full", micro_batch_size=16)
 PP8 = Layout(dp=8, tp=8, pp=8, zero=3, sequence_parallel=True, recompute="full", micro_batch_size=4, pp_layers=(16,) * 7 + (14,))
 PP8_INTERLEAVED = dataclasses.replace(PP8, pp_schedule="interleaved_1f1b", pp_virtual_stages=2, pp_layers=(8,) * 14 + (7, 7))
+TP8_ASYNC = dataclasses.replace(TP8, async_tp=True)
 
 
 class Row(NamedTuple):
@@ -101,7 +105,7 @@ ROWS = {
     "8B 128 GPUs compile": Row(LLAMA_8B, FSDP128, 256, True, False, 6514, 62.0),
     "8B 128 GPUs compile float8": Row(LLAMA_8B, FSDP128, 256, True, True, 8380, 61.8),
     "70B 256 GPUs": Row(LLAMA_70B, TP8, 512, True, True, 829, 71.9, memory_held=True),
-    "70B 256 GPUs async TP": Row(LLAMA_70B, TP8, 512, True, True, 876, 67.6, async_tp=True, memory_held=True),
+    "70B 256 GPUs async TP": Row(LLAMA_70B, TP8_ASYNC, 512, True, True, 876, 67.6, async_tp=True, memory_held=True),
     "405B 512 GPUs 1F1B": Row(LLAMA_405B, PP8, 256, True, True, 100, 82.5, async_tp=True),
     "405B 512 GPUs interleaved": Row(LLAMA_405B, PP8_INTERLEAVED, 256, True, True, 128, 72.7, async_tp=True),
 }
@@ -146,24 +150,50 @@ def fp32_logits_seconds(est: Estimate) -> float:
     return est.microbatches * (kinds[0] - kinds[1])
 
 
+def their_async_tp_seconds(est: Estimate) -> float:
+    """What torchtitan's async TP hides less (or more) than llmforge's, per step: their q, k, v and
+    gate, up are separate linears, so a column-parallel input gradient is a sum of matmuls and its
+    reduce-scatter is not fused (pytorch/pytorch#149946); Float8ColwiseParallel gathers the input
+    already in float8, so the forward gather feeds ``_scaled_mm`` and fuses, where the output
+    gradient is gathered in bf16 and cast before its matmul (no fusion under Float8)."""
+    lay = est.layout
+    if not lay.async_tp:
+        return 0.0
+    theirs = {"forward_gather", "forward_scatter"} | (set() if est.job.fp8 else {"backward_gather"})
+    counts = stage_counts(est.shape, lay)[0]
+    kwargs = {"attention_layers": counts.blocks, "mlp_layers": counts.dense + counts.dense_ckpt}
+    ours = atp.async_tp(est.shape, lay, est.job, **kwargs)
+    them = atp.async_tp(est.shape, lay, est.job, pairs=frozenset(theirs), **kwargs)
+    return est.microbatches * (ours.hidden - them.hidden + them.cost.seconds - ours.cost.seconds)
+
+
 def per_gpu(row: Row) -> tuple[Estimate, float]:
-    """The estimate, and its tokens/s per GPU with torchtitan's recompute policy and loss."""
+    """The estimate, and its tokens/s per GPU with torchtitan's recompute policy, loss and async TP."""
     est = estimate(row.shape, row.layout, job(row), every_stage=False)
-    step = est.step_s + recomputed_matmul_seconds(est) + fp32_logits_seconds(est)
+    step = est.step_s + recomputed_matmul_seconds(est) + fp32_logits_seconds(est) + their_async_tp_seconds(est)
     return est, est.tokens_per_step / step / row.layout.world
 
 
-#: Rows whose step the estimate holds: the 70B async TP row is the 70B row's plan, and its
-#: published gain defines ASYNC_TP_GAIN, so its throughput would assert what the 70B row does.
-TIMED = [name for name in ROWS if name != "70B 256 GPUs async TP"]
+def held(row: Row) -> float:
+    """The published tokens/s per GPU the estimate is held to: a row run with async TP but
+    estimated without it (the 405B rows) against the published figure / ASYNC_TP_GAIN."""
+    return row.tokens_per_s_per_gpu / (ASYNC_TP_GAIN if row.async_tp and not row.layout.async_tp else 1.0)
 
 
-@pytest.mark.parametrize("name", TIMED)
+@pytest.mark.parametrize("name", list(ROWS))
 def test_published_tokens_per_gpu_within_15_percent(name):
     row = ROWS[name]
     _, tokens = per_gpu(row)
-    published = row.tokens_per_s_per_gpu / (ASYNC_TP_GAIN if row.async_tp else 1.0)
-    assert tokens == pytest.approx(published, rel=0.15)
+    assert tokens == pytest.approx(held(row), rel=0.15)
+
+
+def test_async_tp_gain_on_the_70b_row_follows_the_published_one():
+    """torchtitan's one published pair, the same 70B plan without and with async TP (829 -> 876
+    tokens/s per GPU): the estimate's gain within 15%. It used to be 1.30x, every TP collective
+    hidden as far as a whole matmul lasted; torch's pass fuses only the pairs it finds, the
+    decomposed matmuls run slower and the reduce-scatter's sum is a kernel of its own."""
+    gain = per_gpu(ROWS["70B 256 GPUs async TP"])[1] / per_gpu(ROWS["70B 256 GPUs"])[1]
+    assert gain > 1 and gain == pytest.approx(ASYNC_TP_GAIN, rel=0.15)
 
 
 @pytest.mark.parametrize("name", [name for name, row in ROWS.items() if row.memory_held])

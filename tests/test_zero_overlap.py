@@ -172,3 +172,49 @@ def test_the_estimate_defers_the_reduce_scatters_the_backend_defers_on_gloo(zero
     )
     assert cm.gloo_defers_reduce(layout, job) == backend
     assert backend == (zero == 1 and change == "none")
+
+
+def _megatron_zero1(*, zero: int = 1, reduce_dtype: str = "bf16", batch: int = 512):
+    """The 18B Megatron-style layout on H100 nodes (TP 8 + SP, micro batch 1, compiled)."""
+    import dataclasses
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_search import gpt, job
+
+    from llmforge.estimate.core import estimate
+    from llmforge.layout import Layout
+
+    shape = gpt(heads=48, hidden=6144, layers=40, vocab=131072, seq=4096)
+    jb = dataclasses.replace(job("h100-80gb", batch=batch, world=256), compile=True, reduce_dtype=reduce_dtype)
+    return estimate(shape, Layout(dp=32, tp=8, zero=zero, sequence_parallel=True, micro_batch_size=1), jb, every_stage=False)
+
+
+def test_zero1_on_gpus_gathers_and_reduce_scatters_once_a_step_as_the_backend_schedules():
+    """ZeRO 1 on CUDA (FSDP2 units, ``fsdp_sync``): the compute weights are gathered in the first
+    microbatch's forward and kept, gradients accumulate whole and are reduce-scattered in the
+    last microbatch's backward only, in ``precision.reduce_dtype``. So the exposed parts do not
+    grow with the microbatches, where ZeRO 2 reduce-scatters in every one."""
+    est = _megatron_zero1()
+    numel = est.worst.params * (est.layout.dp - 1) / est.layout.dp
+    gathers, scatters = est.comm.kinds["dp_all_gather"], est.comm.kinds["dp_reduce_scatter"]
+    assert gathers.bytes == pytest.approx(2 * numel, rel=1e-6)  # one bf16 gather of the stage's weights
+    assert scatters.bytes == pytest.approx(2 * numel, rel=1e-6)  # one bf16 reduce-scatter of its gradients
+    twice = _megatron_zero1(batch=1024)
+    assert twice.microbatches == 2 * est.microbatches
+    for kind in ("dp_all_gather", "dp_reduce_scatter"):  # (a microbatch that accumulates computes a little more)
+        assert twice.comm.kinds[kind].exposed == pytest.approx(est.comm.kinds[kind].exposed, rel=0.03)
+    zero2 = _megatron_zero1(zero=2)
+    assert zero2.comm.kinds["dp_reduce_scatter"].bytes == pytest.approx(est.microbatches * scatters.bytes)
+    # every block's reduce-scatter but the first's and the root's runs under the blocks' backward
+    assert 0 < scatters.exposed < 0.5 * scatters.seconds
+
+
+def test_reducing_in_bf16_halves_zero1s_reduce_scatter_and_what_it_exposes():
+    """Megatron-LM reduces gradients in bf16 unless ``--accumulate-allreduce-grads-in-fp32``
+    (``grad_reduce_in_fp32`` defaults to False); llmforge's ``precision.reduce_dtype=bf16``."""
+    bf16, fp32 = _megatron_zero1(), _megatron_zero1(reduce_dtype="fp32")
+    b, f = bf16.comm.kinds["dp_reduce_scatter"], fp32.comm.kinds["dp_reduce_scatter"]
+    assert b.bytes == pytest.approx(f.bytes / 2)
+    assert b.exposed < f.exposed / 2  # the blocks' backward now covers most of each block's
+    assert bf16.comm.kinds["dp_all_gather"].exposed == pytest.approx(fp32.comm.kinds["dp_all_gather"].exposed)

@@ -3,16 +3,17 @@
     python tools/published_runs.py
 
 Prints torchtitan's Llama 3.1 H100 rows: per row, llmforge's estimate (tokens/s per GPU), the
-same with torchtitan's recompute policy and loss added, the published figure (and the one held,
-without async TP), their ratio; then the memory of the most-loaded GPU with an fp32 residual
-stream (``precision.fp32_residual=true``), with the default bf16 one, and the published
-figure (docs/estimator.md has the estimate before the residual stream followed the compute
-dtype next to them); then the responses
-(compile, Float8, schedule, 128 vs 8 GPUs), estimated against published; then Megatron-LM's
-462B row (README model table, H100 80 GB: TP 8, PP 16, DP 48), which ran on 80 GB GPUs; last
-Megatron-style layouts of 18B-175B GPTs (TP 8 + SP, ZeRO 1, micro batch 1, compiled) without
-and with ``parallel.async_tp``, term by term, and the async-TP gain the estimate gives
-torchtitan's 70B row next to the published one.
+same with torchtitan's recompute policy, loss and async-TP pairs added, the published figure
+(and the one held: the 405B rows, run with async TP, are estimated without it), their ratio;
+then the memory of the most-loaded GPU with an fp32 residual stream
+(``precision.fp32_residual=true``), with the default bf16 one, and the published figure
+(docs/estimator.md has the estimate before the residual stream followed the compute dtype next
+to them); then the responses (compile, Float8, schedule, 128 vs 8 GPUs), estimated against
+published; then Megatron-LM's 462B row (README model table, H100 80 GB: TP 8, PP 16, DP 48),
+which ran on 80 GB GPUs; last Megatron-style layouts of 18B-175B GPTs (TP 8 + SP, ZeRO 1, micro
+batch 1, compiled), gradients reduced in fp32 and in bf16 (Megatron's default), without and
+with ``parallel.async_tp``, term by term, and the async-TP gain the estimate gives torchtitan's
+70B row next to the published one.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _throughput() -> None:
     print(f"{'row':28s} {'estimate':>9s} {'+theirs':>8s} {'published':>9s} {'held':>6s} {'ratio':>6s}")
     for name, row in published.ROWS.items():
         est, tokens = published.per_gpu(row)
-        held = row.tokens_per_s_per_gpu / (published.ASYNC_TP_GAIN if row.async_tp else 1.0)
+        held = published.held(row)
         print(
             f"{name:28s} {est.tokens_per_s / row.layout.world:9,.0f} {tokens:8,.0f} {row.tokens_per_s_per_gpu:9,.0f} "
             f"{held:6,.0f} {tokens / held:6.3f}"
@@ -94,7 +95,13 @@ MEGATRON_STYLE = [
 ]
 
 
-def megatron_style(name, dims, t, p, world, batch, *, async_tp: bool, reduce_dtype: str = "fp32"):
+#: Megatron-LM reduces gradients in the parameters' dtype unless told otherwise (its
+#: ``DistributedDataParallelConfig.grad_reduce_in_fp32`` defaults to False; the command-line flag
+#: ``--accumulate-allreduce-grads-in-fp32`` turns it on), so its layouts run with bf16 reduction.
+MEGATRON_REDUCE_DTYPE = "bf16"
+
+
+def megatron_style(name, dims, t, p, world, batch, *, async_tp: bool, reduce_dtype: str = MEGATRON_REDUCE_DTYPE):
     """The estimate of one MEGATRON_STYLE row with the least recompute that fits."""
     heads, hidden, layers = dims
     shape = megatron.gpt(heads=heads, hidden=hidden, layers=layers, vocab=131072, seq=4096)
@@ -123,14 +130,21 @@ def _megatron_style() -> None:
         "comm_overlap",
         "optimizer",
     )
-    print("\nMegatron-style layouts on h100-80gb (TP 8 + SP, ZeRO 1, micro batch 1, compiled), seconds per step:")
-    print(f"{'row':22s} {'async':>5s} " + " ".join(f"{k.replace('_exposed', ''):>9.9s}" for k in keys) + f" {'step':>6s} {'MFU':>6s}")
+    print(
+        "\nMegatron-style layouts on h100-80gb (TP 8 + SP, ZeRO 1, micro batch 1, compiled), seconds per step,"
+        " gradients reduced in fp32 and in bf16 (Megatron's default):"
+    )
+    print(
+        f"{'row':22s} {'red':>4s} {'async':>5s} "
+        + " ".join(f"{k.replace('_exposed', ''):>9.9s}" for k in keys)
+        + f" {'step':>6s} {'MFU':>6s}"
+    )
     for name, dims, t, p, world, batch in MEGATRON_STYLE:
-        for async_tp in (False, True):
-            est = megatron_style(name, dims, t, p, world, batch, async_tp=async_tp)
+        for reduce_dtype, async_tp in (("fp32", False), ("bf16", False), ("bf16", True)):
+            est = megatron_style(name, dims, t, p, world, batch, async_tp=async_tp, reduce_dtype=reduce_dtype)
             row = f"{name} tp{t} pp{p} dp{world // (t * p)} {est.layout.recompute[:3]}"
             print(
-                f"{row:22s} {'on' if async_tp else 'off':>5s} "
+                f"{row:22s} {reduce_dtype:>4s} {'on' if async_tp else 'off':>5s} "
                 + " ".join(f"{est.terms.get(k, 0.0):9.3f}" for k in keys)
                 + f" {est.step_s:6.3f} {100 * est.mfu:5.1f}%"
             )

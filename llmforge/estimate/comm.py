@@ -18,8 +18,9 @@ exposed part, ``KINDS``):
   reduce-scatters hide block by block behind the blocks' forward and backward
   (``fsdp_traffic``), but for the root's and the first and last blocks';
 - tensor parallel and expert all-to-all sit on the critical path: fully exposed, but
-  under ``parallel.async_tp`` each TP collective hides under the matmul it feeds or
-  follows, as far as that matmul lasts (``async_tp_hidden``);
+  under ``parallel.async_tp`` the collectives torch's micro-pipelining fuses with the
+  matmul they feed or follow hide as far as the decomposed matmul lasts
+  (``llmforge.estimate.async_tp``);
 - pipeline point-to-point overlaps in steady state; the fill and drain transfers
   (2(p-1) per chunk) are exposed;
 - context parallel ring exchange overlaps with the attention it feeds.
@@ -34,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from llmforge.config.choices import Activation, Dtype, Offload, Recompute
+from llmforge.config.choices import Dtype, Offload, Recompute
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate.host import tp_collectives
 from llmforge.estimate.shape import Job, Shape
@@ -312,37 +313,6 @@ def tp_bytes(shape: Shape, layout: Layout, job: Job, *, layers: int, microbatche
     if layout.sequence_parallel and not layout.async_tp:  # async TP's linears keep the gathered input
         per_layer += 2 * (t - 1) / t * size
     return microbatches * (layers * per_layer + 2 * (t - 1) / t * size)  # + vocab-parallel embedding
-
-
-def async_tp_hidden(shape: Shape, layout: Layout, job: Job, *, attention_layers: int, mlp_layers: int, microbatches: int) -> float:
-    """Seconds of tensor-parallel collectives per step that ``parallel.async_tp`` hides.
-
-    torch's micro-pipelined TP rewrites, in the compiled blocks, each all-gather followed by
-    the matmul it feeds and each matmul followed by a reduce-scatter into chunked ops whose
-    chunks' transfers run under the other chunks' matmuls. Under async TP every one of a
-    sublayer's collectives is such a pair (``llmforge.parallel.tensor``: torch's styles):
-    forward, the gather of the input into the column-parallel projection (fused q/k/v,
-    gate/up) and the reduce-scatter of the row-parallel one (o, down); backward, the gather
-    of the row-parallel output's gradient into its input-gradient matmul and the
-    reduce-scatter of the column-parallel input gradient; full recompute repeats the
-    forward pair. Each window hides min(collective, its matmul): hidden fraction
-    min(1, compute/comm), the matmul at the profile's ``matmul_efficiency`` of peak.
-    MoE MLPs are not tensor-parallel (``mlp_layers`` counts the dense ones)."""
-    t = layout.tp
-    if not (layout.async_tp and layout.sequence_parallel and t > 1):
-        return 0.0
-    tokens = layout.micro_batch_size * shape.seq / layout.cp
-    one = seconds(job, (t - 1) / t * tokens * shape.hidden * job.compute_bytes, spans(layout)["tp"], t)
-    rate = job.profile.peak(job.param_dtype) * job.profile.matmul_efficiency
-    pairs = 3 if layout.recompute == Recompute.FULL else 2  # windows per projection: forward (again in recompute), backward
-    q = shape.heads * shape.head_dim
-    up = (2 if shape.activation == Activation.SWIGLU else 1) * shape.ffn
-    hidden = 0.0
-    for count, widths in ((attention_layers, (q + 2 * shape.kv_dim, q)), (mlp_layers, (up, shape.ffn))):
-        for width in widths:  # the column-parallel projection, then the row-parallel one
-            matmul = 2 * tokens * width / t * shape.hidden / rate
-            hidden += count * pairs * min(one, matmul)
-    return microbatches * hidden
 
 
 def critical_latency(

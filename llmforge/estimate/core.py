@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from llmforge.config.choices import Offload
+from llmforge.estimate import async_tp as atp
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
 from llmforge.estimate import fp8, muon
@@ -201,7 +202,7 @@ def _step_parts(inv: Inventory, job: Job, step: _Step, *, worst: StageMemory, sl
         "dp_comm": comm.exposed_of("dp"),
         "pp_comm": comm.exposed_of("pp"),
         "cp_comm": comm.exposed_of("cp"),
-        "overlap": job.profile.comm_sm_share * sum(t.hidden for t in comm.kinds.values()),
+        "overlap": job.profile.comm_sm_share * sum(t.hidden for k, t in comm.kinds.items() if k != "tp"),  # async TP: copy engines
         "optimizer": _optimizer_seconds(inv, job, worst),
         "tp_host": _tp_host_seconds(inv, job, slowest, m),
     }
@@ -252,10 +253,14 @@ def _stage_time(inv: Inventory, job: Job, stage: int, m: int) -> tuple[kn.Cost, 
     latency = cm.critical_latency(
         shape, layout, job, layers=counts.blocks, moe_layers=moe, microbatches=1, first=counts.first, last=counts.last
     )
-    hidden = cm.async_tp_hidden(
-        shape, layout, job, attention_layers=counts.blocks, mlp_layers=counts.dense + counts.dense_ckpt, microbatches=1
-    )
-    return compute, collective + sum(latency.values()) - hidden
+    overlap = _async_tp(inv, job, stage)
+    return compute.plus(overlap.cost), collective + sum(latency.values()) - overlap.hidden
+
+
+def _async_tp(inv: Inventory, job: Job, stage: int) -> atp.AsyncTP:
+    """One microbatch of ``stage`` under ``parallel.async_tp``: the TP seconds hidden and the compute added."""
+    counts = inv.counts(stage)
+    return atp.async_tp(inv.shape, inv.layout, job, attention_layers=counts.blocks, mlp_layers=counts.dense + counts.dense_ckpt)
 
 
 def _fp8_cost(inv: Inventory, job: Job, counts: StageCounts, tokens: float) -> kn.Cost:
@@ -346,10 +351,7 @@ def _communication(inv: Inventory, job: Job, m: int, stage: int, t_mb: float) ->
         kinds["pp"] = cm.Traffic(pp_total, pp_s, min(pp_s, 2 * (layout.pp - 1) * layout.pp_virtual_stages * one_s))
     moe = counts.moe + counts.moe_ckpt
     latency = cm.critical_latency(shape, layout, job, layers=nblocks, moe_layers=moe, microbatches=m, first=counts.first, last=counts.last)
-    hidden = {
-        "tp": cm.async_tp_hidden(shape, layout, job, attention_layers=nblocks, mlp_layers=counts.dense + counts.dense_ckpt, microbatches=m),
-        "ep": 0.0,
-    }
+    hidden = {"tp": m * _async_tp(inv, job, stage).hidden, "ep": 0.0}
     for kind, nbytes in (
         ("tp", cm.tp_bytes(shape, layout, job, layers=nblocks, microbatches=m)),
         ("ep", cm.ep_bytes(shape, layout, job, moe_layers=moe, microbatches=m)),
