@@ -57,12 +57,14 @@ def drill(tmp_path_factory, small_data):
     run(RunPlan.build(compose([*TINY, *small_data, f"run.dir={reference}"])), rank=RankInfo())
     port = pick_free_port()
     nodes = tmp / "nodes"
-    # short rendezvous waits: the survivor goes on 2 s after it is alone; a silent agent is dropped after 3 s
+    # short rendezvous waits: the first agent waits 6 s for the second (which starts a Python process
+    # and plans on a busy 2-core machine meanwhile), the survivor goes on 6 s after it is alone, and a
+    # silent agent is dropped after 3 s
     args = [
         *TINY,
         *small_data,
         *ELASTIC,
-        "cluster.elastic_wait_s=2",
+        "cluster.elastic_wait_s=6",
         "cluster.timeout_s=60",
         f"cluster.rdzv_endpoint=127.0.0.1:{port}",
         f"run.dir={nodes}",
