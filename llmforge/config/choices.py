@@ -119,7 +119,7 @@ class Fp8Recipe(Choice):
 
 
 class Qat(Choice):
-    """``precision.qat``: none, or a scheme of llmforge.parallel.qat.SCHEMES."""
+    """``precision.qat``: none, or the torchao scheme llmforge.parallel.qat applies."""
 
     NONE = "none"
     INT8_INT4 = "int8-int4"

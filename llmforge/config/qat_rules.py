@@ -10,7 +10,7 @@ from llmforge.config.choices import Qat
 from llmforge.config.schema import RunConfig
 from llmforge.errors import Problem
 
-#: precision.qat: none, or a scheme of llmforge.parallel.qat.SCHEMES.
+#: precision.qat: none, or a scheme (llmforge.config.choices.Qat).
 QAT_SCHEMES = Qat.names()
 
 
