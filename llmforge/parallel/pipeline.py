@@ -1,6 +1,6 @@
 """Pipeline parallelism with ``torch.distributed.pipelining``.
 
-The model is cut into ``pp x virtual_stages`` chunks of consecutive blocks
+The model is cut into ``pp x pp_virtual_stages`` chunks of consecutive blocks
 (``plan.layers_per_stage``; the first chunk also embeds, the last also holds the
 final norm and output layer). Each chunk is a GPT with the other blocks removed,
 so parameter names are those of the full model. Which chunks a pipeline rank
