@@ -41,8 +41,9 @@ def train_row(overrides: Sequence[str], *, steps: int, warmup: int, prepared=Non
     from llmforge.estimate.core import estimate_plan
     from llmforge.plan import RunPlan
     from llmforge.train.build import build_components
+    from llmforge.train.callbacks import Recorder
     from llmforge.train.components import RankInfo
-    from llmforge.train.loop import LoopHooks, train_loop
+    from llmforge.train.loop import train_loop
     from llmforge.train.run import make_sampler, prepare_data
 
     plan = RunPlan.build(compose([*overrides, f"train.steps={steps}"]))
@@ -53,7 +54,7 @@ def train_row(overrides: Sequence[str], *, steps: int, warmup: int, prepared=Non
     torch.manual_seed(plan.config.train.seed)
     torch.cuda.reset_peak_memory_stats()
     c = build_components(plan, rank=RankInfo(device=torch.device("cuda", 0)), sampler=make_sampler(plan, prepared))
-    records: list[dict] = []
+    recorder = Recorder()
     train_loop(
         c,
         start_step=0,
@@ -61,13 +62,13 @@ def train_row(overrides: Sequence[str], *, steps: int, warmup: int, prepared=Non
         grad_clip=plan.config.optim.grad_clip,
         log_interval=1,
         checkpoint_interval=0,
-        hooks=LoopHooks(log=records.append),
+        callbacks=[recorder],
     )
     torch.cuda.synchronize()
-    later = [r["tokens_per_s"] for r in records[warmup:]] or [records[-1]["tokens_per_s"]]
+    later = [r["tokens_per_s"] for r in recorder.records[warmup:]] or [recorder.records[-1]["tokens_per_s"]]
     return {
         "tokens_per_s": statistics.median(later),
-        "loss": records[-1]["loss"],
+        "loss": recorder.records[-1]["loss"],
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "estimate_tokens_per_s": estimate_plan(plan).tokens_per_s,
     }

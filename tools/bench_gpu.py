@@ -140,8 +140,9 @@ def plain_loop(plan, *, compiled: bool, warmup: int, steps: int, device: torch.d
 def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Result:
     from llmforge.testing.harness import SyntheticSampler
     from llmforge.train.build import build_components
+    from llmforge.train.callbacks import Callback
     from llmforge.train.components import RankInfo
-    from llmforge.train.loop import LoopHooks, train_loop
+    from llmforge.train.loop import train_loop
     from llmforge.train.syncs import StepSyncs
 
     cfg = plan.config
@@ -151,7 +152,7 @@ def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Res
     c = build_components(plan, rank=RankInfo(device=device), sampler=sampler)
     done = [0]
 
-    def run(until: int, hooks: LoopHooks | None = None) -> None:
+    def run(until: int, callbacks: tuple[Callback, ...] = ()) -> None:
         train_loop(
             c,
             start_step=done[0],
@@ -159,7 +160,7 @@ def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Res
             grad_clip=cfg.optim.grad_clip,
             log_interval=10**9,
             checkpoint_interval=0,
-            hooks=hooks or LoopHooks(),
+            callbacks=callbacks,
         )
         done[0] = until
 
@@ -172,7 +173,7 @@ def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Res
     result = Result(steps * plan.tokens_per_step / seconds, *_peaks(device))
     syncs = StepSyncs(host=c.host_tensors)
     with syncs:
-        run(done[0] + 4, LoopHooks(should_stop=syncs.after_step))  # the last of these is logged
+        run(done[0] + 4, (syncs,))  # the last of these is logged
     result.syncs = "/".join(str(n) for n in syncs.per_step)
     return result
 

@@ -32,7 +32,7 @@ from llmforge.models.gpt import GPT
 from llmforge.plan import RunPlan
 from llmforge.train.build import build_components
 from llmforge.train.components import RankInfo
-from llmforge.train.loop import LoopHooks, train_loop
+from llmforge.train.loop import train_loop
 from llmforge.train.run import make_sampler, prepare_data
 
 
@@ -72,7 +72,6 @@ def llmforge_loop(plan: RunPlan, prepared, steps: int, clock: Callable[[], float
         grad_clip=cfg.optim.grad_clip,
         log_interval=cfg.train.log_interval,
         checkpoint_interval=0,
-        hooks=LoopHooks(),
     )
     return clock() - started
 
