@@ -16,7 +16,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from typer.testing import CliRunner
 
+from llmforge.blockspec.block import describe
 from llmforge.cli import app
+from llmforge.config.choices import Activation
 from llmforge.estimate.core import estimate
 from llmforge.layout import Layout
 
@@ -182,11 +184,11 @@ def test_the_fused_pairs_are_the_ones_the_backend_gives_the_pass():
     bf16; under float8 the gathered tensors are cast before their matmul, so only the
     reduce-scatters do, and the estimate hides less."""
     from llmforge.estimate import async_tp as atp
-    from llmforge.models.layers import MLP, Attention
 
-    assert Attention.column_parallel == ("qkv_proj",)
-    mlp = MLP(hidden_size=64, ffn_hidden_size=128, activation="swiglu", bias=False)
-    assert mlp.column_parallel == ("gate_up_proj",)
+    shape = _megatron(True).shape
+    for activation, mlp_in in ((Activation.GELU, "mlp.up_proj"), (Activation.SWIGLU, "mlp.gate_up_proj")):
+        block = describe(dataclasses.replace(shape, activation=activation), moe=False)
+        assert [x.name for x in block.linears if x.split == "col"] == ["attn.qkv_proj", mlp_in]  # one linear per sublayer
     bf16 = _megatron(True).job
     fp8 = dataclasses.replace(bf16, fp8=True)
     assert atp.backend_pairs(bf16) == frozenset(atp.PAIRS)
