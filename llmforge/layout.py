@@ -8,13 +8,15 @@ sequence parallel, pipeline schedule and split, recompute, micro batch). A
 The ``check_*`` functions are the layout rules of ``RunPlan.build``, including
 what the backend cannot run: a layout they accept can be planned, estimated,
 searched and launched alike. ``chunk_rank`` is the one rule placing pipeline
-chunks on pipeline ranks.
+chunks on pipeline ranks; ``expert_shard_dim`` the one rule choosing the dimension
+ZeRO shards an expert weight on (the backend and the estimator both follow it).
 
 This module imports no torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,18 @@ def chunk_rank(chunk: int, *, pp: int, v_shape: bool = False) -> int:
     if v_shape:
         return chunk if chunk < pp else 2 * pp - 1 - chunk
     return chunk % pp
+
+
+def expert_shard_dim(local_shape: Sequence[int], *, group: int) -> int:
+    """The dimension FSDP2 shards a rank's stacked expert weight (``[E / ep, ...]``) on over the
+    ``group`` ranks holding the same experts (ZeRO 1-3, llmforge.parallel.data). Dim 0, the local
+    experts, when they split evenly; otherwise the first later dimension that does (FSDP2 shards
+    dimensions other than 0 only evenly), as torchtitan shards experts on dim 1 when the group is
+    larger than the local expert count: dim 0 would leave each rank a whole padded expert.
+    Dim 0, padded, when no dimension splits evenly."""
+    if local_shape[0] % group == 0:
+        return 0
+    return next((d for d in range(1, len(local_shape)) if local_shape[d] % group == 0), 0)
 
 
 def stage_ids(*, pp_rank: int, pp: int, virtual: int, schedule: Schedule) -> list[int]:
