@@ -17,8 +17,10 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from llmforge.config.compose import compose
+from llmforge.estimate.core import estimate
 from llmforge.estimate.inventory import inventory
 from llmforge.estimate.shape import from_plan
+from llmforge.hardware import GIB
 from llmforge.layout import expert_shard_dim
 from llmforge.parallel.dtensor import local
 from llmforge.parallel.expert import expert_parameters
@@ -77,6 +79,15 @@ def test_fsdp2_allocates_the_estimated_expert_shards_on_every_rank(overrides):
         total, experts = _allocated(plan, rank)
         assert total == estimated, rank
         assert experts and all(held * layout.ep * replicas == whole for held, whole in experts), (rank, experts)
+
+
+def test_the_mixtral_recipe_fits_its_h100s_with_headroom():
+    """ep 8 over 32 data-parallel ranks: each rank holds a quarter of its one expert per layer."""
+    plan = RunPlan.build(compose(["recipe=mixtral-8x7b"]))
+    shape, layout, job = from_plan(plan)
+    assert (layout.ep, plan.dp, layout.zero) == (8, 32, 1)
+    est = estimate(shape, layout, job)
+    assert est.fits and est.headroom > 8 * GIB
 
 
 # The tiny test model with 2 experts top-2 over ep 2: one local expert, sharded over 2 replicas.
