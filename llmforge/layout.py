@@ -422,7 +422,25 @@ def check_ep(config: RunConfig) -> list[Problem]:
                 "choose ep dividing dp x cp",
             )
         )
+    if ints(p.zero) and p.recompute == Recompute.SELECTIVE and not selective_recompute_runs(ep=p.ep, zero=p.zero):
+        out.append(
+            Problem(
+                "parallel.recompute",
+                p.recompute,
+                f"selective recompute does not run with expert parallelism under ZeRO 1-3 (parallel.ep={p.ep}, parallel.zero={p.zero}): "
+                "torch's selective checkpointing stops on the experts' own FSDP2 unit inside each block",
+                "set parallel.recompute=full (or none), or parallel.zero=0",
+            )
+        )
     return out
+
+
+def selective_recompute_runs(*, ep: int, zero: int) -> bool:
+    """Whether the backend runs selective recompute: not with each MoE layer's experts in their own
+    FSDP2 unit inside the checkpointed block (ep > 1 under ZeRO 1-3), whose gathers and profiler
+    annotations the recompute issues differently from the forward, which torch's selective
+    checkpointing refuses."""
+    return ep == 1 or zero == 0
 
 
 def check_hsdp(config: RunConfig) -> list[Problem]:

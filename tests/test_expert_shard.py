@@ -17,11 +17,13 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from llmforge.config.compose import compose
+from llmforge.errors import UserError
 from llmforge.estimate.core import estimate
 from llmforge.estimate.inventory import inventory
+from llmforge.estimate.search import _recompute_modes
 from llmforge.estimate.shape import from_plan
 from llmforge.hardware import GIB
-from llmforge.layout import expert_shard_dim
+from llmforge.layout import Layout, expert_shard_dim
 from llmforge.parallel.dtensor import local
 from llmforge.parallel.expert import expert_parameters
 from llmforge.parallel.mesh import build_mesh
@@ -82,12 +84,25 @@ def test_fsdp2_allocates_the_estimated_expert_shards_on_every_rank(overrides):
 
 
 def test_the_mixtral_recipe_fits_its_h100s_with_headroom():
-    """ep 8 over 32 data-parallel ranks: each rank holds a quarter of its one expert per layer."""
+    """ep 8 over 32 data-parallel ranks (each rank holds a quarter of its one expert per layer), full recompute."""
     plan = RunPlan.build(compose(["recipe=mixtral-8x7b"]))
     shape, layout, job = from_plan(plan)
-    assert (layout.ep, plan.dp, layout.zero) == (8, 32, 1)
+    assert (layout.ep, plan.dp, layout.zero, layout.recompute) == (8, 32, 1, "full")
     est = estimate(shape, layout, job)
     assert est.fits and est.headroom > 8 * GIB
+
+
+def test_selective_recompute_with_expert_units_is_refused_by_name():
+    with pytest.raises(UserError, match="parallel.recompute") as info:
+        RunPlan.build(compose(["recipe=mixtral-8x7b", "parallel.recompute=selective"]))
+    assert "parallel.recompute=full" in info.value.message()
+    RunPlan.build(compose(["recipe=mixtral-8x7b", "parallel.recompute=selective", "parallel.zero=0"]))  # no expert units
+
+
+def test_the_search_tries_selective_recompute_only_where_it_runs():
+    assert _recompute_modes(Layout(dp=2, ep=2, zero=1)) == ("none", "full")
+    assert _recompute_modes(Layout(dp=2, ep=2, zero=0)) == ("none", "selective", "full")
+    assert _recompute_modes(Layout(dp=2, zero=3)) == ("none", "selective", "full")
 
 
 # The tiny test model with 2 experts top-2 over ep 2: one local expert, sharded over 2 replicas.
@@ -101,7 +116,8 @@ TWO_EXPERTS = [
     "model.seq_len=16",
 ]
 SHARDED = {
-    "dp4_ep2_zero1": TWO_EXPERTS + ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1"],
+    # as the mixtral-8x7b recipe runs: ZeRO-1, full recompute
+    "dp4_ep2_zero1_full": TWO_EXPERTS + ["parallel.dp=4", "parallel.ep=2", "parallel.zero=1", "parallel.recompute=full"],
     "dp4_ep2_zero3": TWO_EXPERTS + ["parallel.dp=4", "parallel.ep=2", "parallel.zero=3"],
 }
 
