@@ -8,13 +8,15 @@ sequence parallel, pipeline schedule and split, recompute, micro batch). A
 The ``check_*`` functions are the layout rules of ``RunPlan.build``, including
 what the backend cannot run: a layout they accept can be planned, estimated,
 searched and launched alike. ``chunk_rank`` is the one rule placing pipeline
-chunks on pipeline ranks.
+chunks on pipeline ranks; ``expert_shard_dim`` the one rule choosing the dimension
+ZeRO shards an expert weight on (the backend and the estimator both follow it).
 
 This module imports no torch.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +43,18 @@ def chunk_rank(chunk: int, *, pp: int, v_shape: bool = False) -> int:
     if v_shape:
         return chunk if chunk < pp else 2 * pp - 1 - chunk
     return chunk % pp
+
+
+def expert_shard_dim(local_shape: Sequence[int], *, group: int) -> int:
+    """The dimension FSDP2 shards a rank's stacked expert weight (``[E / ep, ...]``) on over the
+    ``group`` ranks holding the same experts (ZeRO 1-3, llmforge.parallel.data). Dim 0, the local
+    experts, when they split evenly; otherwise the first later dimension that does (FSDP2 shards
+    dimensions other than 0 only evenly), as torchtitan shards experts on dim 1 when the group is
+    larger than the local expert count: dim 0 would leave each rank a whole padded expert.
+    Dim 0, padded, when no dimension splits evenly."""
+    if local_shape[0] % group == 0:
+        return 0
+    return next((d for d in range(1, len(local_shape)) if local_shape[d] % group == 0), 0)
 
 
 def stage_ids(*, pp_rank: int, pp: int, virtual: int, schedule: Schedule) -> list[int]:
@@ -408,7 +422,25 @@ def check_ep(config: RunConfig) -> list[Problem]:
                 "choose ep dividing dp x cp",
             )
         )
+    if ints(p.zero) and p.recompute == Recompute.SELECTIVE and not selective_recompute_runs(ep=p.ep, zero=p.zero):
+        out.append(
+            Problem(
+                "parallel.recompute",
+                p.recompute,
+                f"selective recompute does not run with expert parallelism under ZeRO 1-3 (parallel.ep={p.ep}, parallel.zero={p.zero}): "
+                "torch's selective checkpointing stops on the experts' own FSDP2 unit inside each block",
+                "set parallel.recompute=full (or none), or parallel.zero=0",
+            )
+        )
     return out
+
+
+def selective_recompute_runs(*, ep: int, zero: int) -> bool:
+    """Whether the backend runs selective recompute: not with each MoE layer's experts in their own
+    FSDP2 unit inside the checkpointed block (ep > 1 under ZeRO 1-3), whose gathers and profiler
+    annotations the recompute issues differently from the forward, which torch's selective
+    checkpointing refuses."""
+    return ep == 1 or zero == 0
 
 
 def check_hsdp(config: RunConfig) -> list[Problem]:

@@ -22,7 +22,7 @@ from llmforge.config.choices import Recompute
 from llmforge.estimate.node import largest_parameter
 from llmforge.estimate.params import RankParams, StageCounts, Tensor, block_tensors, layout_rank_params, representative_stages, stage_counts
 from llmforge.estimate.shape import Shape
-from llmforge.layout import Layout
+from llmforge.layout import Layout, expert_shard_dim
 
 StructureKey = tuple[object, ...]
 
@@ -47,8 +47,8 @@ class Stage:
     index: int
     counts: StageCounts
     params: RankParams
-    #: Elements this rank keeps of its parameters under FSDP2 (each split along dim 0 over its
-    #: data-parallel group, padded; the whole stage on a group of one).
+    #: Elements this rank keeps of its parameters under FSDP2 (each split over its data-parallel
+    #: group, padded: dense ones on dim 0, experts on ``expert_shard_dim``; the whole stage on a group of one).
     shard: int
 
 
@@ -101,7 +101,7 @@ def inventory(shape: Shape, layout: Layout, *, memo: dict[tuple[object, ...], ob
     stages = []
     for index, counts in enumerate(stage_counts(shape, layout)):
         params = layout_rank_params(shape, layout, index)
-        stages.append(Stage(index, counts, params, _dim0_shards(params, group=group, expert_group=expert_group)))
+        stages.append(Stage(index, counts, params, _fsdp_shards(params, group=group, expert_group=expert_group)))
     return Inventory(
         shape=shape,
         layout=layout,
@@ -140,13 +140,15 @@ def _block_kind(shape: Shape, layout: Layout, *, moe: bool) -> BlockKind:
     return BlockKind(moe=moe, tensors=tensors, numel=numel, converted=converted, converted_numel=converted_numel)
 
 
-def _dim0_shards(params: RankParams, *, group: int, expert_group: int) -> int:
-    dense = sum(_dim0_shard(s, group) for s in params.dense)
-    return dense + sum(_dim0_shard(s, expert_group) for s in params.expert)
+def _fsdp_shards(params: RankParams, *, group: int, expert_group: int) -> int:
+    dense = sum(fsdp_shard(s, group=group, dim=0) for s in params.dense)
+    return dense + sum(fsdp_shard(s, group=expert_group, dim=expert_shard_dim(s, group=expert_group)) for s in params.expert)
 
 
-def _dim0_shard(shape: tuple[int, ...], group: int) -> int:
-    return math.ceil(shape[0] / group) * math.prod(shape[1:])
+def fsdp_shard(shape: tuple[int, ...], *, group: int, dim: int) -> int:
+    """Elements FSDP2 allocates on each of ``group`` ranks for a parameter of local ``shape``
+    sharded on ``dim``: torch.chunk's first (largest) piece, to which every rank pads."""
+    return math.ceil(shape[dim] / group) * math.prod(shape) // max(1, shape[dim])
 
 
 class Inventories:

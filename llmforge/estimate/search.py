@@ -19,7 +19,7 @@ It prunes what cannot win, and says so:
   only adds FLOPs), and once even full recompute does not fit, larger micro
   batches are skipped;
 - layouts the backend cannot run are not proposed: cp > 1 with pp > 1 or with
-  an MoE model, HSDP with cp or ep.
+  an MoE model, HSDP with cp or ep, selective recompute with ep > 1 under ZeRO 1-3.
 
 CPU offload (``parallel.offload=states``, then also ``parallel.offload_activations``) is
 tried only when no layout fits in device memory, and the result says so.
@@ -45,7 +45,7 @@ from llmforge.estimate.memory import most_loaded
 from llmforge.estimate.shape import Job, Shape, from_plan
 from llmforge.estimate.text import gib
 from llmforge.hardware import known_profiles
-from llmforge.layout import Layout
+from llmforge.layout import Layout, selective_recompute_runs
 from llmforge.plan import RunPlan
 
 MAX_VIRTUAL = 8
@@ -178,6 +178,13 @@ class _Counters:
     smallest: Layout | None = None
 
 
+def _recompute_modes(structure: Layout) -> tuple[str, ...]:
+    """Least recompute first, leaving out selective where the backend does not run it."""
+    if selective_recompute_runs(ep=structure.ep, zero=structure.zero):
+        return ("none", "selective", "full")
+    return ("none", "full")
+
+
 def _evaluate(inventories: Inventories, job: Job, structure: Layout, keep: list[Kept], top: int, counters: _Counters) -> None:
     """Micro batches smallest first; per micro batch the least recompute that fits."""
     shape = inventories.shape
@@ -186,7 +193,7 @@ def _evaluate(inventories: Inventories, job: Job, structure: Layout, keep: list[
     tokens = job.global_batch * shape.seq
     for mb in _micro_batches(job, structure.dp, structure.pp, structure.pp_schedule):
         fitted = False
-        for recompute in ("none", "selective", "full"):
+        for recompute in _recompute_modes(structure):
             layout = Layout(**{**base, "micro_batch_size": mb, "recompute": recompute})
             inv = inventories.of(layout)
             stages = stage_peaks(inv, job)

@@ -40,14 +40,17 @@ that hold replicas of the same experts. Their gradient is the sum over those
 ranks divided by the whole data-parallel size (each rank's loss is its own mean),
 so ZeRO 0 divides by dp after the replica all-reduce, and ZeRO 1-3 put each
 MoE layer's experts in their own FSDP2 unit on the ``dp_rest`` mesh with a
-gradient divide factor of dp.
+gradient divide factor of dp. That unit shards each expert weight on dim 0 (the
+local experts) when they split evenly over ``dp_rest``, otherwise on a later
+dimension that does (``expert_placement``): with 8 experts over ep 8 and 4
+replicas, each rank holds a quarter of its one expert, not the whole of it padded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -56,8 +59,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
+from llmforge.layout import expert_shard_dim
 from llmforge.parallel.dtensor import local
 from llmforge.parallel.expert import ExpertParallelExperts
 
@@ -203,12 +207,26 @@ def _shard_experts(
 ) -> None:
     for module in list(block.modules()):
         if isinstance(module, ExpertParallelExperts):
-            unit = fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy)
+            unit = fully_shard(
+                module,
+                mesh=mesh,
+                reshard_after_forward=reshard,
+                mp_policy=mp,
+                offload_policy=policy,
+                shard_placement_fn=expert_placement(group=mesh.size()),
+            )
             unit.set_gradient_divide_factor(float(dp_size))
             if mesh.device_type == "cpu" and mesh.size() > 1:
                 # gloo has no PREMUL_SUM. (On one rank FSDP2 divides without a
                 # collective, and forcing sums there would divide twice.)
                 unit.set_force_sum_reduction_for_comms(True)
+
+
+def expert_placement(*, group: int) -> Callable[[nn.Parameter], Shard]:
+    """FSDP2's placement of each expert weight over ``group`` ranks: ``Shard`` on
+    ``llmforge.layout.expert_shard_dim`` of its ep-local shape, so that with fewer local
+    experts than ranks each rank holds 1/group of them instead of one padded expert."""
+    return lambda param: Shard(expert_shard_dim(local(param.detach()).shape, group=group))
 
 
 @contextlib.contextmanager
