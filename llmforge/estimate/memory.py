@@ -19,6 +19,7 @@ from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate import activations as act
 from llmforge.estimate import fp8, muon
 from llmforge.estimate.allocator import slack_fraction
+from llmforge.estimate.cpu_memory import cpu_step_bytes
 from llmforge.estimate.offload import device_memory
 from llmforge.estimate.params import RankParams, block_tensors, layout_rank_params, representative_stages, stage_counts
 from llmforge.estimate.pipeline import inflight_microbatches
@@ -243,6 +244,8 @@ def stage_memory(shape: Shape, layout: Layout, job: Job, stage: int, microbatche
     activations = stage_activations(shape, layout, job, stage, microbatches)
     transient = _transient(shape, layout, job, stage, params)
     reserved = allowance(job, working=activations + transient)
+    if job.on_cpu:
+        reserved += cpu_step_bytes(shape, micro_batch=layout.micro_batch)
     mem = StageMemory(stage, params, weights, grads, optimizer, activations, transient, reserved)
     if layout.offload != "none" or layout.offload_activations:
         return device_memory(mem, shape, layout, job, block=largest_block(shape, layout, stage))
