@@ -45,9 +45,10 @@ def mmap_threshold(plan) -> int:
 
 def return_freed_memory() -> bool:
     """Give the heap's free memory back to the operating system (glibc's ``malloc_trim``); False
-    where none went back or the C library is not glibc. A rank calls it before its build: whatever the process
-    freed before, such as the first CPU run's calibration in the launcher's own process (about
-    0.27 GiB of freed matmul buffers), would otherwise stay resident through the run."""
+    where none went back or the C library is not glibc. A CPU rank calls it before its build
+    (``llmforge.train.run.start_host_peak``): what the process freed before, such as the first
+    CPU run's calibration in the launcher's own process (about 0.27 GiB of freed matmul
+    buffers), would otherwise stay resident through the run."""
     libc = _glibc()
     return libc is not None and bool(libc.malloc_trim(0))
 
