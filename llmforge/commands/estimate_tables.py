@@ -8,6 +8,7 @@ from rich.text import Text
 from llmforge.config.choices import Offload, Optimizer
 from llmforge.estimate.allocator import CPU_HEAP_SLACK, FRAGMENTATION
 from llmforge.estimate.core import Estimate
+from llmforge.estimate.cpu_memory import cpu_step_bytes
 from llmforge.estimate.memory import CPU_PROCESS_BYTES
 from llmforge.estimate.node import words
 from llmforge.estimate.pipeline import simulate, simulated_bubble
@@ -313,5 +314,6 @@ def _paste(layout, *, elastic: bool = False) -> str:
 def _allowance_words(est) -> str:
     if est.job.on_cpu:
         process = max(est.job.profile.runtime_reserved_bytes, CPU_PROCESS_BYTES)
-        return f"process {gib(process)} (python, torch, gloo) + {CPU_HEAP_SLACK:.0%} heap slack"
+        step = cpu_step_bytes(est.shape, micro_batch=est.layout.micro_batch_size)
+        return f"process {gib(process)} (python, torch, gloo) + {gib(step)} step code and heap holes + {CPU_HEAP_SLACK:.0%} heap slack"
     return f"runtime {gib(est.job.profile.runtime_reserved_bytes)} + {FRAGMENTATION:.0%} fragmentation"

@@ -16,6 +16,7 @@ from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.estimate import activations as act
 from llmforge.estimate import fp8, muon
 from llmforge.estimate.allocator import slack_fraction
+from llmforge.estimate.cpu_memory import cpu_step_bytes
 from llmforge.estimate.inventory import Inventory
 from llmforge.estimate.offload import device_memory
 from llmforge.estimate.params import StageCounts
@@ -168,6 +169,8 @@ def stage_memory(inv: Inventory, job: Job, stage: int, microbatches: int) -> Sta
     activations = stage_activations(inv, job, stage, microbatches)
     transient = _transient(inv, job, stage, params)
     reserved = allowance(job, working=activations + transient)
+    if job.on_cpu:
+        reserved += cpu_step_bytes(inv.shape, micro_batch=layout.micro_batch_size)
     mem = StageMemory(stage, params, weights, grads, optimizer, activations, transient, reserved)
     if layout.offload != Offload.NONE or layout.offload_activations:
         return device_memory(mem, inv, job)

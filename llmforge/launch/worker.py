@@ -28,7 +28,7 @@ from llmforge.processes.watch import guard_rank
 from llmforge.rundir import RunLock
 from llmforge.storage import is_url
 from llmforge.train.build import distributed_rank
-from llmforge.train.run import prepare_data, run
+from llmforge.train.run import prepare_data, run, with_most_loaded_peak
 
 
 def restart_point(plan, *, resume: Path | None, console, launched=None) -> Path | None:
@@ -128,6 +128,7 @@ def run_rank(*, plan_path: Path, resume: Path | None, resume_newest: bool = Fals
     dist.barrier()
     # a platform's job may be a restart of itself: metrics past its starting step are dropped
     summary = run(plan, rank=rank, resume_from=resume, console=console, restarted=attempt() > 0 or resume_newest)
+    summary = with_most_loaded_peak(summary, device=device)
     if main:
         console.print(summary.describe(plan))
     dist.barrier()

@@ -27,28 +27,41 @@ import ctypes.util
 import sys
 from functools import lru_cache
 
+from llmforge.estimate.cpu_memory import MMAP_THRESHOLD_MAX, heap_mmap_threshold
+
 #: glibc mallopt parameters (malloc.h).
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-#: The largest mmap threshold glibc accepts on 64-bit hosts (half its 64 MiB heap size).
-MMAP_THRESHOLD_MAX = 32 * 2**20
-#: The smallest this module sets: glibc's own starting point is 128 KiB.
-MMAP_THRESHOLD_MIN = 2**20
 #: Freed memory at the heap's top kept rather than returned: far more than one step frees.
 TRIM_THRESHOLD = 2**30
-FP32 = 4
 
 
 def mmap_threshold(plan) -> int:
     """The smallest power of two above the largest activation of one microbatch of ``plan``
     (fp32, whole: an upper bound under tensor or context parallelism), within
-    [``MMAP_THRESHOLD_MIN``, ``MMAP_THRESHOLD_MAX``]."""
+    [``MMAP_THRESHOLD_MIN``, ``MMAP_THRESHOLD_MAX``] (the estimate counts the holes such blocks leave)."""
     model, tokens = plan.config.model, plan.layout.micro_batch_size * plan.config.model.seq_len
-    widest = max(model.vocab_size, model.ffn_hidden_size, model.num_heads * model.seq_len)
-    largest = FP32 * tokens * widest
-    threshold = MMAP_THRESHOLD_MIN
-    while threshold <= largest and threshold < MMAP_THRESHOLD_MAX:
-        threshold *= 2
-    return threshold
+    return heap_mmap_threshold(tokens=tokens, widest=max(model.vocab_size, model.ffn_hidden_size, model.num_heads * model.seq_len))
+
+
+def return_freed_memory() -> bool:
+    """Give the heap's free memory back to the operating system (glibc's ``malloc_trim``); False
+    where none went back or the C library is not glibc. A CPU rank calls it before its build
+    (``llmforge.train.run.start_host_peak``): what the process freed before, such as the first
+    CPU run's calibration in the launcher's own process (about 0.27 GiB of freed matmul
+    buffers), would otherwise stay resident through the run."""
+    libc = _glibc()
+    return libc is not None and bool(libc.malloc_trim(0))
+
+
+def _glibc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+        return libc
+    except (OSError, AttributeError):
+        return None
 
 
 @lru_cache(maxsize=4)

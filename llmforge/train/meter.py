@@ -6,7 +6,8 @@ At each logged step the loop adds, for this rank:
   convention) / step time / (world size x the accelerator profile's dense peak);
 - peak memory since the start: ``peak_allocated_gib`` and ``peak_reserved_gib``
   (``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``) on a GPU,
-  ``peak_rss_gib`` (the process's peak resident memory) on a CPU.
+  ``peak_rss_gib`` (the process's peak resident memory since ``reset_peak_rss``, which
+  the rank calls before its build) on a CPU.
 
 Reading these asks the allocator or the OS, never the device: no synchronisation.
 """
@@ -31,8 +32,32 @@ def peak_memory(device: torch.device) -> dict[str, float]:
             "peak_allocated_gib": torch.cuda.max_memory_allocated(device) / GIB,
             "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / GIB,
         }
+    return {"peak_rss_gib": peak_rss_bytes() / GIB}
+
+
+def reset_peak_rss() -> None:
+    """Start the peak resident memory afresh from what the process holds now (Linux), so that
+    the peak is the rank's run (what it still holds included) and not what this process did
+    before it: the launcher's estimate and a first CPU run's calibration in one process."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_rss_bytes() -> float:
+    """The process's peak resident memory: Linux's high-water mark (``VmHWM``, which
+    ``reset_peak_rss`` resets), else ``getrusage``'s lifetime peak."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"peak_rss_gib": rss * (1 if sys.platform == "darwin" else 1024) / GIB}
+    return float(rss * (1 if sys.platform == "darwin" else 1024))
 
 
 def measured_peak_bytes(memory: dict[str, float]) -> float | None:

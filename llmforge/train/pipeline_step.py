@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -31,6 +32,18 @@ def autocast_forward(module: nn.Module, *, param_dtype: str, device: torch.devic
             return inner(*args, **kwargs)
 
     module.forward = forward  # type: ignore[method-assign]
+
+
+@functools.cache
+def _takes_return_outputs(schedule_type: type) -> bool:
+    return "return_outputs" in inspect.signature(schedule_type.step).parameters
+
+
+def _no_outputs(schedule) -> dict[str, bool]:
+    """``return_outputs=False`` where the schedule takes it (torch 2.7 and later): the last
+    stage then keeps no microbatch's logits after its loss (they would wait, every microbatch's,
+    for the next step to clear them), as the loss is all the step returns."""
+    return {"return_outputs": False} if _takes_return_outputs(type(schedule)) else {}
 
 
 _BACKWARD_ACTIONS = {"B", "I", "W", "SEND_B", "RECV_B", "REDUCE_GRAD"}
@@ -82,7 +95,7 @@ class PipelineStep:
         losses: list[torch.Tensor] = []
         args, kwargs = self._inputs(batch, losses)
         with self.context():
-            self.schedule.step(*args, **kwargs)
+            self.schedule.step(*args, **kwargs, **_no_outputs(self.schedule))
         if self.finish is not None:
             self.finish()
         return StepOutput(loss=self._mean(losses))

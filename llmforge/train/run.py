@@ -9,6 +9,7 @@ normally (exit code 0). A second signal of the same kind stops at once
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from rich.console import Console
 from rich.text import Text
 
@@ -35,9 +37,10 @@ from llmforge.plan import RunPlan
 from llmforge.rundir import write_plan
 from llmforge.train.build import build_components
 from llmforge.train.components import Components, RankInfo
+from llmforge.train.host_memory import return_freed_memory
 from llmforge.train.instrument import explain_oom
 from llmforge.train.loop import LoopResult
-from llmforge.train.meter import measured_peak_bytes
+from llmforge.train.meter import measured_peak_bytes, reset_peak_rss
 from llmforge.train.optim import set_lr_scale
 from llmforge.train.parts import run_parts
 from llmforge.train.recovery import train_recovering
@@ -52,7 +55,8 @@ class RunSummary:
     wall_s: float
     checkpoint: Path | None
     stopped_early: bool = False
-    #: Measured step time (median of the logged windows after the first) and peak memory of rank 0.
+    #: Measured step time (median of the logged windows after the first) and peak memory of this rank
+    #: (of the most-loaded rank once ``with_most_loaded_peak`` gathered it).
     step_time_s: float | None = None
     peak_memory_bytes: float | None = None
     val_loss: float | None = None
@@ -98,6 +102,14 @@ class RunSummary:
         return "; measured/estimate: " + ", ".join(parts) + warning
 
 
+def with_most_loaded_peak(summary: RunSummary, *, device: torch.device) -> RunSummary:
+    """``summary`` with the largest peak memory of any rank, the figure the estimate's
+    most-loaded rank stands for (on a pipeline, rank 0 is rarely it). Collective."""
+    peak = torch.tensor([summary.peak_memory_bytes or 0.0], dtype=torch.float64, device=device)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return dataclasses.replace(summary, peak_memory_bytes=float(peak.item()) or None)
+
+
 def prepare_data(plan: RunPlan, *, console: Console):
     """Tokenized data for the plan (prepared once, then reused from the cache)."""
     cfg = plan.config
@@ -119,8 +131,11 @@ def make_sampler(plan: RunPlan, prepared, *, split: str = "train") -> object:
 
 
 def build(plan: RunPlan, *, rank: RankInfo, console: Console, estimate: Estimate | None = None) -> Components:
-    """Data and this rank's components (any layout)."""
+    """Data and this rank's components (any layout). On a CPU the peak resident memory
+    the closing line reads starts here, from a trimmed heap (``start_host_peak``)."""
     prepared = prepare_data(plan, console=console)
+    if rank.device.type == "cpu":
+        start_host_peak()
     if prepared.vocab_size > plan.config.model.vocab_size:
         raise fail(
             f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={plan.config.model.vocab_size}; "
@@ -129,6 +144,13 @@ def build(plan: RunPlan, *, rank: RankInfo, console: Console, estimate: Estimate
     sampler = make_sampler(plan, prepared)
     val_sampler = _val_sampler(plan, prepared, train=sampler, console=console if rank.is_main else None)
     return build_components(plan, rank=rank, sampler=sampler, val_sampler=val_sampler, estimate=estimate)
+
+
+def start_host_peak() -> None:
+    """Give back what the process freed before the run (data preparation, a calibration in
+    the launcher's process) and start the peak resident memory from what it holds now."""
+    return_freed_memory()
+    reset_peak_rss()
 
 
 def _val_sampler(plan: RunPlan, prepared, *, train, console: Console | None):
