@@ -84,10 +84,10 @@ def test_fsdp2_allocates_the_estimated_expert_shards_on_every_rank(overrides):
 
 
 def test_the_mixtral_recipe_fits_its_h100s_with_headroom():
-    """ep 8 over 32 data-parallel ranks (each rank holds a quarter of its one expert per layer), full recompute."""
+    """ep 8 over 64 data-parallel ranks (each rank holds an eighth of its one expert per layer), full recompute."""
     plan = RunPlan.build(compose(["recipe=mixtral-8x7b"]))
     shape, layout, job = from_plan(plan)
-    assert (layout.ep, plan.dp, layout.zero, layout.recompute) == (8, 32, 1, "full")
+    assert (layout.ep, layout.tp, plan.dp, layout.zero, layout.recompute) == (8, 1, 64, 1, "full")
     est = estimate(shape, layout, job)
     assert est.fits and est.headroom > 8 * GIB
 
