@@ -9,8 +9,9 @@ batch, precision, cluster and hardware. The search builds thousands of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+from llmforge.blockspec.dims import dims_of
 from llmforge.config.choices import Dtype, Fp8Recipe
 from llmforge.config.dtypes import DTYPE_BYTES
 from llmforge.config.schema import ModelConfig
@@ -138,27 +139,10 @@ class Job:
 def shape_from_config(model: ModelConfig, *, attention_fraction: float | None = None) -> Shape:
     """A Shape from a ``ModelConfig``; ``attention_fraction`` None: from the config alone
     (sliding windows; a document mask counted as one document per window)."""
-    moe = model.moe
+    dims = dims_of(model)
     return Shape(
-        num_layers=model.num_layers,
-        hidden=model.hidden_size,
-        heads=model.num_heads,
-        kv_heads=model.num_kv_heads or model.num_heads,
-        ffn=model.ffn_hidden_size,
-        vocab=model.vocab_size,
-        seq=model.seq_len,
-        norm=model.norm,
-        activation=model.activation,
-        position=model.position,
-        tie_embeddings=model.tie_embeddings,
-        bias=model.bias,
+        **{f.name: getattr(dims, f.name) for f in fields(dims)},
         dropout=model.dropout,
-        num_experts=moe.num_experts,
-        top_k=moe.top_k,
-        moe_ffn=moe.ffn_hidden_size or model.ffn_hidden_size,
-        shared_experts=moe.num_shared_experts,
-        capacity_factor=moe.capacity_factor,
-        moe_every=moe.every,
         attention_fraction=mask_fraction(model, streams=None) if attention_fraction is None else attention_fraction,
     )
 
