@@ -147,7 +147,7 @@ def profile_data(result: Result, *, name: str, provenance: dict) -> dict:
     provenance whether the figures can be trusted."""
     data = fit.compute_keys(fit.fit_compute(result.compute), as_mapping(result.datasheet))
     if result.comm:
-        data = fit.comm_keys(fit.fit_comm(result.comm), data)
+        data = fit.sync_keys(result.comm, fit.comm_keys(fit.fit_comm(result.comm), data))
     data["name"] = name
     data["calibration"] = {**provenance, **result.verdict.provenance()}
     return data

@@ -47,6 +47,8 @@ def run_rank(*, accelerator: str, out: Path, quick: bool, timeout_s: float) -> N
         comm = []
         for link, group in comm_groups:
             comm += collectives.sweep(link=link, group=group, device=device, byte_sizes=sizes, tick=tick)
+            if device.type == "cpu":
+                comm += collectives.sync_samples(link=link, group=group, device=device)
     if main:
         write_text_atomic(out, json.dumps(samples_to_dict(samples, comm)))
     dist.barrier()

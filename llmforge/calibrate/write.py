@@ -41,7 +41,7 @@ def as_mapping(p: Profile) -> dict:
         {
             k: getattr(p, k)
             for k in SPEED_KEYS
-            if getattr(p, k) or k not in ("attention_backward_efficiency", "comm_sm_share", "dtensor_op_us")
+            if getattr(p, k) or k not in ("attention_backward_efficiency", "comm_sm_share", "dtensor_op_us", "comm_sync_share")
         }
     )
     if p.host_memory is not None:

@@ -91,7 +91,7 @@ class Estimate:
         out = {"matmul": c.matmul, "attention": c.attention, "memory_bound": c.memory, "launch_floor": c.floor}
         out.update({f"{k}_exposed": kinds[k].exposed for k in cm.KINDS if k in kinds})
         out.update(bubble=self.parts["bubble"], comm_overlap=self.parts["overlap"], optimizer=self.parts["optimizer"])
-        out.update(tp_host=self.parts.get("tp_host", 0.0))
+        out.update(tp_host=self.parts.get("tp_host", 0.0), tp_sync=self.parts.get("tp_sync", 0.0))
         out.update({k: self.parts[k] for k in ("offload_copy", "cpu_optimizer") if k in self.parts})
         return out
 
@@ -206,6 +206,7 @@ def _step_parts(inv: Inventory, job: Job, step: _Step, *, worst: StageMemory, sl
         "optimizer": _optimizer_seconds(inv, job, worst),
         "tp_host": _tp_host_seconds(inv, job, slowest, m),
     }
+    parts["tp_sync"] = tph.sync_seconds(inv.layout, job.profile, between_s=parts["compute"] + parts["tp_host"])
     if step.host is not None:
         parts.update(offload_copy=step.host.exposed_copy_s, cpu_optimizer=step.host.optimizer_s)
         if inv.layout.offload == Offload.STATES:

@@ -24,6 +24,12 @@ these numbers to it:
   vocab-sharded logits (the maximum, the sum of exponentials, the target logit); per step,
   ``CLIP_COLLECTIVES`` for the gradient norm. Sequence parallel swaps each block's all-reduces
   for an all-gather and a reduce-scatter and gathers once more in backward.
+
+A blocking collective also waits beyond its back-to-back time when it follows compute on every
+rank: the ranks drift apart over the compute, and on CPU ranks a woken rank's threads can wait
+for a core its peer computes on. ``llmforge calibrate`` over several ranks times it per second of
+the compute before the collective (the profile's ``comm_sync_share``); a tensor-parallel rank
+pays it on all the compute and host time between its collectives (``sync_seconds``).
 """
 
 from __future__ import annotations
@@ -89,3 +95,10 @@ def dtensor_ops(shape: Shape, layout: Layout, counts: StageCounts, *, microbatch
 def dtensor_seconds(shape: Shape, layout: Layout, profile: Profile, counts: StageCounts, *, microbatches: int) -> float:
     """Host seconds of one step's DTensor calls on a tensor-parallel rank (``dtensor_ops``)."""
     return float(dtensor_ops(shape, layout, counts, microbatches=microbatches) * profile.dtensor_op_us * 1e-6)
+
+
+def sync_seconds(layout: Layout, profile: Profile, *, between_s: float) -> float:
+    """What a tensor-parallel rank's collectives wait beyond their back-to-back time, over the
+    ``between_s`` seconds of compute and host work they follow: the profile's ``comm_sync_share``
+    of them (nothing without tensor parallelism)."""
+    return profile.comm_sync_share * between_s if layout.tp > 1 else 0.0
