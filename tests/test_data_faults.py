@@ -146,8 +146,13 @@ def test_full_disk_names_the_cache_folder_and_removes_the_partial_entry(tmp_path
     assert _left_in_cache(tmp_path) == []
 
 
-@pytest.mark.parametrize("signum,code,said", [(signal.SIGTERM, -signal.SIGTERM, "stopped by SIGTERM"), (signal.SIGINT, 130, "interrupted")])
-def test_sigterm_and_sigint_during_preparation_remove_the_temporary_folder_with_a_message(tmp_path, signum, code, said):
+# A shell reports 130 for both an exit with code 130 and a death by SIGINT: Python ends by SIGINT
+# itself when the interrupt lands after the command's own handler has run (in interpreter shutdown).
+@pytest.mark.parametrize(
+    "signum,codes,said",
+    [(signal.SIGTERM, (-signal.SIGTERM,), "stopped by SIGTERM"), (signal.SIGINT, (130, -signal.SIGINT), "interrupted")],
+)
+def test_sigterm_and_sigint_during_preparation_remove_the_temporary_folder_with_a_message(tmp_path, signum, codes, said):
     child = _prepare_in_child(tmp_path, "data.builtin_max_mb=2", f"data.vocab_size={VOCAB}")
     prepared = tmp_path / "cache" / "prepared"
     deadline = time.monotonic() + 120
@@ -156,7 +161,7 @@ def test_sigterm_and_sigint_during_preparation_remove_the_temporary_folder_with_
         time.sleep(0.05)
     child.send_signal(signum)
     _, err = child.communicate(timeout=120)
-    assert child.returncode == code, err
+    assert child.returncode in codes, err
     assert said in err and "Traceback" not in err
     assert _left_in_cache(tmp_path) == []
 
