@@ -146,8 +146,8 @@ def test_full_disk_names_the_cache_folder_and_removes_the_partial_entry(tmp_path
     assert _left_in_cache(tmp_path) == []
 
 
-# A shell reports 130 for both an exit with code 130 and a death by SIGINT: Python ends by SIGINT
-# itself when the interrupt lands after the command's own handler has run (in interpreter shutdown).
+# A shell reports 130 both for an exit with code 130 and for a death by SIGINT, which Python chooses
+# itself when a KeyboardInterrupt reaches it after the command's own handler has run.
 @pytest.mark.parametrize(
     "signum,codes,said",
     [(signal.SIGTERM, (-signal.SIGTERM,), "stopped by SIGTERM"), (signal.SIGINT, (130, -signal.SIGINT), "interrupted")],
