@@ -9,6 +9,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tiny_models import GPT_TINY, LLAMA_TINY  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.tensor import Replicate  # noqa: E402
 
@@ -19,21 +20,6 @@ from llmforge.config.schema import ModelConfig, MoEConfig  # noqa: E402
 from llmforge.models.gpt import GPT  # noqa: E402
 from llmforge.parallel.tensor import _block_plan  # noqa: E402
 
-GPT_TINY = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=256, vocab_size=512, seq_len=32)
-LLAMA_TINY = ModelConfig(
-    num_layers=2,
-    hidden_size=64,
-    num_heads=4,
-    num_kv_heads=2,
-    ffn_hidden_size=160,
-    vocab_size=512,
-    seq_len=32,
-    norm="rmsnorm",
-    activation="swiglu",
-    position="rope",
-    tie_embeddings=False,
-    bias=False,
-)
 MOE = MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=48, num_shared_experts=1, every=2)
 CONFIGS = {
     "gpt": GPT_TINY,

@@ -8,27 +8,17 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from llmforge.config.schema import ModelConfig, MoEConfig  # noqa: E402
+from tiny_models import GPT_TINY as GPT_TWO_BLOCKS  # noqa: E402
+from tiny_models import LLAMA_TINY as LLAMA_TWO_BLOCKS  # noqa: E402
+
+from llmforge.config.schema import MoEConfig  # noqa: E402
 from llmforge.estimate.params import named_shapes  # noqa: E402
 from llmforge.estimate.shape import Job, shape_from_config  # noqa: E402
 from llmforge.hardware import get_profile  # noqa: E402
 from llmforge.train import measure as ms  # noqa: E402
 
-GPT_TINY = ModelConfig(num_layers=3, hidden_size=64, num_heads=4, ffn_hidden_size=256, vocab_size=512, seq_len=32)
-LLAMA_TINY = ModelConfig(
-    num_layers=3,
-    hidden_size=64,
-    num_heads=4,
-    num_kv_heads=2,
-    ffn_hidden_size=160,
-    vocab_size=512,
-    seq_len=32,
-    norm="rmsnorm",
-    activation="swiglu",
-    position="rope",
-    tie_embeddings=False,
-    bias=False,
-)
+GPT_TINY = dataclasses.replace(GPT_TWO_BLOCKS, num_layers=3)
+LLAMA_TINY = dataclasses.replace(LLAMA_TWO_BLOCKS, num_layers=3)
 GELU_ROPE_NOBIAS = dataclasses.replace(GPT_TINY, position="rope", bias=False, num_kv_heads=2)
 MOE_TINY = dataclasses.replace(
     LLAMA_TINY, num_layers=4, moe=MoEConfig(num_experts=4, top_k=2, ffn_hidden_size=48, num_shared_experts=1, every=2)

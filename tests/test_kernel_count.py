@@ -38,6 +38,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
+from tiny_models import GPT_TINY, LLAMA_TINY  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 from llmforge.blockspec import costs  # noqa: E402
@@ -47,21 +48,6 @@ from llmforge.estimate.shape import shape_from_config  # noqa: E402
 from llmforge.models.gpt import GPT  # noqa: E402
 from llmforge.train.loss import cross_entropy  # noqa: E402
 
-GPT_TINY = ModelConfig(num_layers=2, hidden_size=64, num_heads=4, ffn_hidden_size=256, vocab_size=512, seq_len=32)
-LLAMA_TINY = ModelConfig(
-    num_layers=2,
-    hidden_size=64,
-    num_heads=4,
-    num_kv_heads=2,
-    ffn_hidden_size=160,
-    vocab_size=512,
-    seq_len=32,
-    norm="rmsnorm",
-    activation="swiglu",
-    position="rope",
-    tie_embeddings=False,
-    bias=False,
-)
 CONFIGS = {
     "gpt": GPT_TINY,
     "llama": LLAMA_TINY,
