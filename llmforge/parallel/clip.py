@@ -72,8 +72,9 @@ class GlobalClip:
             squares = torch.stack(torch._foreach_norm(tensors)).double().square().sum()
             total = total + (squares / copies if copies > 1 else squares)
         if flags is not None and self.distributed:
-            both = torch.cat([total.reshape(1), flags])
-            dist.all_reduce(both)
+            # Offloaded gradients are summed on the host while the flags stay on the device.
+            both = torch.cat([total.reshape(1), flags.to(total.device)])
+            dist.all_reduce(both, group=self.group)
             flags.copy_(both[1:])
             return both[0].sqrt()
         if self.distributed:

@@ -133,6 +133,16 @@ def apply_fsdp(
 _DEFERRED: weakref.WeakKeyDictionary[nn.Module, DeferredReduceScatter] = weakref.WeakKeyDictionary()
 
 
+def reshard_gathered(parts: Sequence[nn.Module]) -> None:
+    """Put every FSDP module of ``parts`` back on its sharded parameters. A forward with no
+    backward (validation) leaves the modules that keep their gathered weights after forward
+    (ZeRO 1/2, and ZeRO 3's last block) holding them, float8 ones under fp8 all-gather."""
+    for part in parts:
+        for module in part.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+
 def deferred_reduce(model: nn.Module) -> DeferredReduceScatter | None:
     """The deferred reduce-scatters ``apply_fsdp(defer=True)`` gave ``model``, if any."""
     return _DEFERRED.get(model)

@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor
 from llmforge.errors import fail
 from llmforge.launch.guard import install_from_env
 from llmforge.models.masks import needs_eos
+from llmforge.parallel.data import reshard_gathered
 from llmforge.parallel.dtensor import local_numel
 from llmforge.parallel.mesh import backend_for
 from llmforge.parallel.offload import OffloadedStep
@@ -285,11 +286,7 @@ def full_parameters(c: Components) -> dict[str, torch.Tensor]:
     other ranks return an empty dict). Collective over all ranks."""
     local: dict[str, torch.Tensor] = {}
     for part in c.model_parts:
-        # ZeRO 1/2 keep the gathered compute weights (float8 ones under fp8) after
-        # forward: read the sharded fp32 parameters instead
-        for module in part.modules():
-            if isinstance(module, FSDPModule):
-                module.reshard()
+        reshard_gathered([part])  # read the sharded fp32 parameters, not the gathered compute weights
         for name, p in part.named_parameters():
             local[name] = (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone()
     if not dist.is_initialized():

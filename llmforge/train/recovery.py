@@ -21,6 +21,7 @@ import torch.distributed as dist
 from llmforge.checkpoint import store
 from llmforge.config.choices import AnomalyAction
 from llmforge.errors import UserError, fail, pasteable
+from llmforge.parallel.data import reshard_gathered
 from llmforge.storage import is_url
 from llmforge.train.anomaly import Anomaly, check_weights
 from llmforge.train.components import Components
@@ -45,6 +46,7 @@ def train_recovering(
 
 def check_and_save(c: Components, saver, *, step: int, train_state: dict[str, Any], plan: dict[str, Any]) -> None:
     """Save a checkpoint of finite weights only; rotation keeps the newest one before the first anomaly."""
+    reshard_gathered(c.model_parts)  # check and save the sharded parameters, whatever ran last
     check_weights(c.guard, c.parameters(), step=step, distributed=c.rank.mesh is not None, device=c.rank.device)
     saver.save(step=step, model_parts=c.model_parts, optimizer=c.optimizer, train_state=train_state, plan=plan, protect=c.guard.protected())
 

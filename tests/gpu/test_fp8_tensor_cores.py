@@ -16,6 +16,7 @@ SHAPE = [
     "model.num_layers=4",
     "model.hidden_size=256",
     "model.num_heads=4",
+    "model.num_kv_heads=4",
     "model.ffn_hidden_size=1024",
     "model.vocab_size=4096",
     "model.seq_len=256",
