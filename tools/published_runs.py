@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import test_estimate_published as published  # noqa: E402
 import test_search as megatron  # noqa: E402
 
+from llmforge.config.choices import Schedule  # noqa: E402
 from llmforge.estimate.core import estimate  # noqa: E402
 from llmforge.layout import Layout  # noqa: E402
 
@@ -101,14 +102,33 @@ MEGATRON_STYLE = [
 MEGATRON_REDUCE_DTYPE = "bf16"
 
 
-def megatron_style(name, dims, t, p, world, batch, *, async_tp: bool, reduce_dtype: str = MEGATRON_REDUCE_DTYPE):
-    """The estimate of one MEGATRON_STYLE row with the least recompute that fits."""
+def megatron_virtual(layers: int, pp: int) -> int:
+    """Megatron's interleaved schedule as its users set it: the fewest virtual stages above one
+    that split each pipeline stage's layers evenly (1 without a pipeline)."""
+    if pp == 1:
+        return 1
+    per_stage = layers // pp
+    return next((v for v in range(2, per_stage + 1) if per_stage % v == 0), 1)
+
+
+def megatron_style(name, dims, t, p, world, batch, *, async_tp: bool, reduce_dtype: str = MEGATRON_REDUCE_DTYPE, virtual: int = 1):
+    """The estimate of one MEGATRON_STYLE row with the least recompute that fits; ``virtual``
+    stages per pipeline rank run the interleaved 1F1B schedule."""
     heads, hidden, layers = dims
     shape = megatron.gpt(heads=heads, hidden=hidden, layers=layers, vocab=131072, seq=4096)
     jb = dataclasses.replace(megatron.job("h100-80gb", batch=batch, world=world), compile=True, reduce_dtype=reduce_dtype)
     for recompute in ("none", "selective", "full"):
         layout = Layout(
-            dp=world // (t * p), tp=t, pp=p, zero=1, sequence_parallel=True, micro_batch_size=1, recompute=recompute, async_tp=async_tp
+            dp=world // (t * p),
+            tp=t,
+            pp=p,
+            zero=1,
+            sequence_parallel=True,
+            micro_batch_size=1,
+            recompute=recompute,
+            async_tp=async_tp,
+            pp_schedule=Schedule.INTERLEAVED_1F1B if virtual > 1 else Schedule.ONE_F_ONE_B,
+            pp_virtual_stages=virtual,
         )
         est = estimate(shape, layout, jb, every_stage=False)
         if est.fits:
@@ -132,7 +152,7 @@ def _megatron_style() -> None:
     )
     print(
         "\nMegatron-style layouts on h100-80gb (TP 8 + SP, ZeRO 1, micro batch 1, compiled), seconds per step,"
-        " gradients reduced in fp32 and in bf16 (Megatron's default):"
+        " gradients reduced in fp32 and in bf16 (Megatron's default); v: virtual stages of the interleaved schedule:"
     )
     print(
         f"{'row':22s} {'red':>4s} {'async':>5s} "
@@ -140,9 +160,11 @@ def _megatron_style() -> None:
         + f" {'step':>6s} {'MFU':>6s}"
     )
     for name, dims, t, p, world, batch in MEGATRON_STYLE:
-        for reduce_dtype, async_tp in (("fp32", False), ("bf16", False), ("bf16", True)):
-            est = megatron_style(name, dims, t, p, world, batch, async_tp=async_tp, reduce_dtype=reduce_dtype)
-            row = f"{name} tp{t} pp{p} dp{world // (t * p)} {est.layout.recompute[:3]}"
+        virtual = megatron_virtual(dims[2], p)
+        variants = [("fp32", False, 1), ("bf16", False, 1), ("bf16", True, 1)] + ([("bf16", True, virtual)] if virtual > 1 else [])
+        for reduce_dtype, async_tp, v in variants:
+            est = megatron_style(name, dims, t, p, world, batch, async_tp=async_tp, reduce_dtype=reduce_dtype, virtual=v)
+            row = f"{name} tp{t} pp{p}{f'v{v}' if v > 1 else ''} dp{world // (t * p)} {est.layout.recompute[:3]}"
             print(
                 f"{row:22s} {reduce_dtype:>4s} {'on' if async_tp else 'off':>5s} "
                 + " ".join(f"{est.terms.get(k, 0.0):9.3f}" for k in keys)
