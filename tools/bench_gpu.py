@@ -3,8 +3,8 @@
     python tools/bench_gpu.py [--model gpt-125m] [--micro-batch 8] [--steps 30] [--warmup 10]
                               [--modes eager compiled] [--rounds 1] [--fp8] [overrides...]
 
-The plain loop is what a user writes: a nanoGPT-style model of the same shape (fused
-q/k/v projection, SDPA, tanh-GELU, LayerNorm, learned positions, tied embeddings),
+The plain loop is what a user writes: ``tools/plain_gpt.py``'s nanoGPT-style model of the same
+shape (fused q/k/v projection, SDPA, tanh-GELU, LayerNorm, learned positions, tied embeddings),
 fp32 weights, bf16 autocast, ``torch.optim.AdamW(fused=True)``,
 ``clip_grad_norm_``, ``F.cross_entropy`` on the fp32 logits, ``loss.item()`` every
 step. llmforge trains the same shape through its own loop (``train.compile`` for the
@@ -30,43 +30,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+from plain_gpt import GPT  # tools/ is on the path when a tool runs
 
 GIB = 1024**3
-
-
-class PlainBlock(nn.Module):
-    def __init__(self, h: int, heads: int, ffn: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
-        self.fc, self.out = nn.Linear(h, ffn), nn.Linear(ffn, h)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, s, h))
-        return x + self.out(F.gelu(self.fc(self.ln2(x)), approximate="tanh"))
-
-
-class PlainGPT(nn.Module):
-    def __init__(self, *, layers: int, h: int, heads: int, ffn: int, vocab: int, seq: int) -> None:
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, h), nn.Embedding(seq, h)
-        self.blocks = nn.ModuleList(PlainBlock(h, heads, ffn) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(h)
-        for p in self.parameters():
-            if p.dim() > 1:
-                nn.init.normal_(p, std=0.02)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return F.linear(self.ln_f(x), self.wte.weight)
 
 
 @dataclass
@@ -111,9 +77,8 @@ def _timed(step: Callable[[int], None], *, warmup: int, steps: int, device: torc
 
 def plain_loop(plan, *, compiled: bool, warmup: int, steps: int, device: torch.device) -> Result:
     m, cfg = plan.config.model, plan.config
-    model = PlainGPT(layers=m.num_layers, h=m.hidden_size, heads=m.num_heads, ffn=m.ffn_hidden_size, vocab=m.vocab_size, seq=m.seq_len).to(
-        device
-    )
+    model = GPT(layers=m.num_layers, width=m.hidden_size, heads=m.num_heads, ffn=m.ffn_hidden_size, vocab=m.vocab_size, seq=m.seq_len)
+    model.to(device)
     if compiled:
         for block in model.blocks:
             block.compile()
@@ -125,8 +90,7 @@ def plain_loop(plan, *, compiled: bool, warmup: int, steps: int, device: torch.d
         micro = batch.split(mb)
         for x in micro:
             with torch.autocast(device.type, dtype=torch.bfloat16):
-                logits = model(x[:, :-1])
-            loss = F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten())
+                loss = model(x[:, :-1], x[:, 1:].contiguous())  # the logits' cross-entropy runs in fp32 under autocast
             (loss / len(micro)).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         opt.step()
