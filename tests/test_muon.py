@@ -170,3 +170,27 @@ def test_estimated_muon_state_is_what_rank_0_holds(layout):
     (_, _, states), _ = measure_step(plan)
     shape, lay, job = from_plan(plan)
     assert stage_memory(inventory(shape, lay), job, 0, plan.microbatches).optimizer == pytest.approx(states, rel=1e-9)
+
+
+def test_estimate_gathers_experts_that_zero_cuts_inside_each_expert(monkeypatch):
+    """dp 8, ep 2: four ranks share each rank's local experts. With two local experts FSDP2 cuts
+    each expert on dim 1, so Muon gathers every rank's stack to one owner
+    (llmforge.parallel.orthogonalize) and scatters it back; with four each rank holds one whole."""
+    from llmforge.estimate import muon as muon_estimate
+    from llmforge.estimate.inventory import inventory
+    from llmforge.estimate.shape import Job, Shape
+    from llmforge.hardware import get_profile
+    from llmforge.layout import Layout
+
+    monkeypatch.setattr(muon_estimate, "is_muon", lambda t: t.expert and len(t.shape) == 3)  # the experts alone
+    muon = Job(global_batch=64, param_dtype="bf16", reduce_dtype="fp32", profile=get_profile("h100-80gb"), optimizer="muon")
+    free = replace(muon, profile=replace(muon.profile, intra_node_bandwidth=1e18, inter_node_bandwidth=1e18, comm_latency_us=0.0))
+
+    def seconds(job: Job, *, experts: int) -> float:
+        shape = Shape(num_layers=2, hidden=1024, heads=8, kv_heads=8, ffn=2816, vocab=32000, seq=2048, num_experts=experts, top_k=2)
+        return muon_estimate.step_seconds(inventory(shape, Layout(dp=8, ep=2, zero=1)), job, 0)
+
+    assert seconds(muon, experts=4) > seconds(free, experts=4)  # the gather and scatter of the cut experts
+    assert seconds(muon, experts=8) == seconds(free, experts=8)  # whole experts: no traffic
+    # the owners share the group's Newton-Schulz work: half an expert per rank, against one whole
+    assert seconds(free, experts=4) == pytest.approx(seconds(free, experts=8) / 2)

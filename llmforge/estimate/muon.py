@@ -6,7 +6,9 @@ iterations (``steps`` x (4 m^2 n + 2 m^3) FLOPs per m x n matrix, m <= n) and th
 traffic that brings each matrix whole to one rank (llmforge.parallel.orthogonalize):
 
 - held whole (no ZeRO shard, no TP split; expert weights split over experts): no
-  traffic, every rank orthogonalises its own matrices;
+  traffic, every rank orthogonalises its own matrices; expert weights that ZeRO cuts inside
+  each expert (``expert_shard_dim`` > 0: fewer local experts than ranks sharing them) take
+  the owner route below over the expert group, a rank's whole stack at a time;
 - sharded over one group of n ranks (ZeRO or TP): each rank orthogonalises 1/n of
   the group's matrices; the gather to the owners and the scatter back move
   ``(n - 1) / n^2`` of the matrices' fp32 bytes per rank each way, plus two
@@ -28,7 +30,7 @@ from llmforge.estimate import kernels as kn
 from llmforge.estimate.inventory import Inventory
 from llmforge.estimate.params import Tensor, stage_tensors
 from llmforge.estimate.shape import Job
-from llmforge.layout import Layout
+from llmforge.layout import Layout, expert_shard_dim
 
 ADAM_STATE_BYTES = 8  # exp_avg + exp_avg_sq, fp32
 MUON_STATE_BYTES = 4  # momentum_buffer, fp32
@@ -101,9 +103,15 @@ def step_seconds(inv: Inventory, job: Job, stage: int) -> float:
     compute, traffic, gathered, ops = 0.0, 0.0, 0.0, 0
     for t in _tensors(inv, stage):
         count = t.shape[0] if len(t.shape) == 3 else 1
-        if t.expert:  # whole experts on each rank, ZeRO splits them over the expert group
-            expert_group = max(1, zero_group // layout.ep)
-            compute += _ns_seconds(sp, t, job.muon_ns_steps, -(-(count // layout.ep) // expert_group))
+        if t.expert:
+            local_experts, expert_group = count // layout.ep, max(1, zero_group // layout.ep)
+            if expert_group == 1 or expert_shard_dim((local_experts, *t.shape[1:]), group=expert_group) == 0:
+                # whole experts on each rank: ZeRO splits them over the expert group
+                compute += _ns_seconds(sp, t, job.muon_ns_steps, -(-local_experts // expert_group))
+            else:  # each expert cut inside: the rank's stack goes whole to one owner of the group and back
+                compute += _ns_seconds(sp, t, job.muon_ns_steps, local_experts) / expert_group
+                traffic += 2 * FP32 * t.numel / layout.ep * (expert_group - 1) / expert_group**2
+                ops += 2
             continue
         groups = [g for g in (layout.tp if t.split != "rep" else 1, zero_group) if g > 1]
         if not groups:
