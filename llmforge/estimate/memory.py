@@ -131,7 +131,7 @@ def _working(inv: Inventory, job: Job, stage: int, params: int) -> Working:
     offloaded = layout.offload != Offload.NONE or layout.offload_activations  # its model moves the items itself
     return Working(
         loss=act.logits_peak_bytes(shape, layout, job) if counts.last else 0.0,
-        recompute=_recompute_working_bytes(inv, job),
+        recompute=max(0.0, _recompute_working_bytes(inv, job)),  # negative where selective keeps more than none
         fp8=fp8.working_bytes(inv, job) if job.fp8 and counts.blocks else 0.0,
         reduce=reduce,
         reduce_at_end=at_end,
