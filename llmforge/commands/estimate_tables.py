@@ -25,16 +25,25 @@ def _state_notes(est: Estimate) -> tuple[str, str]:
             f"whole {c} compute copy (fp32 shard in host memory)" if whole else "gathered block by block (fp32 shard in host memory)",
             f"whole, in {r}, until copied to the host" if lay.zero == 1 or lay.pp > 1 else "one block's, copied to the host",
         )
+    made = "" if est.worst.grads else "; made in backward as the activations are freed: none yet at the peak"
     if lay.zero == 0 or lay.dp * lay.cp == 1:
-        return "fp32, replicated", "fp32, one per parameter"
+        return "fp32, replicated", "fp32, one per parameter" + made
     whole_grads = lay.zero == 1 or lay.pp > 1
     weights = "fp32 shard" + ("" if lay.zero == 3 and lay.pp == 1 else f" + whole {c} compute copy")
-    return weights, (f"whole, in {r} (reduce-scattered once)" if whole_grads else "fp32 shard")
+    return weights, (f"whole, in {r} (reduce-scattered once)" if whole_grads else "fp32 shard") + made
+
+
+#: What the transient buffers are at each moment the step may peak (llmforge.estimate.phases).
+_TRANSIENT_WORDS = {
+    "": "logits at the loss, recompute working set, gathers, buckets",
+    "end of the forward": "autocast's cached weight copies of recomputed blocks; under accumulation the last logits",
+    "end of the backward": "recompute working set or the tied embedding's gradient, buckets",
+}
 
 
 def _memory_table(est: Estimate) -> Table:
     w, lay = est.worst, est.layout
-    table = Table(title=f"Memory of the most-loaded device: {where(est)}", title_justify="left")
+    table = Table(title=f"Memory of the most-loaded device: {where(est)}, at the {w.peak}", title_justify="left")
     table.add_column("item")
     table.add_column("bytes", justify="right")
     table.add_column("how it is counted")
@@ -56,7 +65,7 @@ def _memory_table(est: Estimate) -> Table:
         gib(w.activations),
         f"recompute={lay.recompute}; microbatches in flight per the {lay.pp_schedule if lay.pp > 1 else 'accumulation'} schedule",
     )
-    table.add_row("transient buffers", gib(w.transient), "logits at the loss, recompute working set, gathers, buckets")
+    table.add_row("transient buffers", gib(w.transient), _TRANSIENT_WORDS.get(w.peak, _TRANSIENT_WORDS[""]))
     table.add_row("allowance", gib(w.reserved), _allowance_words(est))
     table.add_row(
         Text("total", style="bold"),

@@ -198,6 +198,15 @@ def _fixed_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) -> float:
         return share
     gathered, r = weights_gathered(layout, job), job.residual_bytes
     norms = 2 * _norm_params(shape) * r if gathered == (r == FP32) else 0.0
+    return autocast_copies_bytes(shape, layout, job, moe=moe) + norms + rope + share
+
+
+def autocast_copies_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) -> float:
+    """The 16-bit copies autocast casts of one block's matrix weights on this rank (none
+    where FSDP gathers 16-bit weights, but expert weights under an fp32 residual stream)."""
+    if not job.mixed:
+        return 0.0
+    gathered, r = weights_gathered(layout, job), job.residual_bytes
     weights = 0.0
     for t in block_tensors(shape, moe):
         if len(t.shape) < 2 or (job.fp8 and converted(t)):  # Float8Linear keeps the fp32 master for backward
@@ -206,7 +215,24 @@ def _fixed_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) -> float:
             weights += t.numel / layout.ep if not gathered or r == FP32 else 0.0
         elif not gathered and not _sp_linear(t, layout, moe=moe):
             weights += t.numel / (layout.tp if t.split != "rep" else 1)
-    return weights * job.compute_bytes + norms + rope + share
+    return weights * job.compute_bytes
+
+
+def cached_copies_bytes(shape: Shape, layout: Layout, job: Job, counts: StageCounts) -> float:
+    """Autocast's cache at the end of a forward: the weight copies of the recomputed blocks,
+    which those blocks do not save (they cast again in backward) but which the cache holds
+    until the forward's autocast region ends (the blocks that save everything count theirs
+    in their activations)."""
+    if layout.recompute == Recompute.NONE:
+        return 0.0
+    dense = counts.dense_ckpt * autocast_copies_bytes(shape, layout, job, moe=False)
+    return dense + (counts.moe_ckpt * autocast_copies_bytes(shape, layout, job, moe=True) if counts.moe_ckpt else 0.0)
+
+
+def logits_bytes(shape: Shape, layout: Layout, job: Job) -> float:
+    """The logits of one microbatch on the last stage (its vocabulary shard under tp), in the
+    compute dtype: the step holds them until its backward returns."""
+    return layout.micro_batch_size * shape.seq / layout.cp * shape.vocab / layout.tp * job.compute_bytes
 
 
 def embedding_bytes(shape: Shape, layout: Layout) -> float:

@@ -20,9 +20,11 @@ from llmforge.estimate.cpu_memory import cpu_step_bytes
 from llmforge.estimate.inventory import Inventory
 from llmforge.estimate.offload import device_memory
 from llmforge.estimate.params import StageCounts
+from llmforge.estimate.phases import Working, live_at_peak
 from llmforge.estimate.pipeline import inflight_microbatches
 from llmforge.estimate.shape import Job
 from llmforge.estimate.stage_memory import StageMemory
+from llmforge.layout import Layout
 
 __all__ = ["StageMemory", "all_stages", "allowance", "model_states", "most_loaded", "stage_activations", "stage_memory"]
 
@@ -121,25 +123,45 @@ def _activations_key(inv: Inventory, job: Job, *what: object) -> tuple[object, .
     )
 
 
-def _transient(inv: Inventory, job: Job, stage: int, params: int) -> float:
-    """Short-lived buffers: logits at the loss, recompute working set, gradient reduction buffers."""
+def _working(inv: Inventory, job: Job, stage: int, params: int) -> Working:
+    """Short-lived buffers by when they live: logits at the loss, recompute working set,
+    float8 casts, gradient reduction buffers, autocast's cache, the embedding's gradient."""
     shape, layout, counts = inv.shape, inv.layout, inv.counts(stage)
-    out = _recompute_working_bytes(inv, job)
-    if job.fp8 and counts.blocks:
-        out += fp8.working_bytes(inv, job)
-    if counts.last:
-        out += act.logits_peak_bytes(shape, layout, job)
-    if layout.dp * layout.cp == 1 or not counts.blocks:
-        return out
+    reduce, at_end = _reduce_bytes(inv, job, stage, params)
+    offloaded = layout.offload != Offload.NONE or layout.offload_activations  # its model moves the items itself
+    return Working(
+        loss=act.logits_peak_bytes(shape, layout, job) if counts.last else 0.0,
+        recompute=max(0.0, _recompute_working_bytes(inv, job)),  # negative where selective keeps more than none
+        fp8=fp8.working_bytes(inv, job) if job.fp8 and counts.blocks else 0.0,
+        reduce=reduce,
+        reduce_at_end=at_end,
+        cached=0.0 if offloaded else act.cached_copies_bytes(shape, layout, job, counts),
+        embedding=shape.vocab * shape.hidden * FP32 if shape.tie_embeddings and counts.first and counts.last else 0.0,
+        kept_to_end=act.logits_bytes(shape, layout, job) if counts.last and layout.pp == 1 else 0.0,
+    )
+
+
+def _reduce_bytes(inv: Inventory, job: Job, stage: int, params: int) -> tuple[float, bool]:
+    """Gradient reduction buffers (and ZeRO 3's gathers), and whether they fill up only as the
+    backward ends (ZeRO 0's flat copies)."""
+    layout = inv.layout
+    if layout.dp * layout.cp == 1 or not inv.counts(stage).blocks:
+        return 0.0, False
     rb = DTYPE_BYTES[job.reduce_dtype]
     if layout.zero == 0:
         # one flat fp32 copy of every gradient (and its cast to reduce_dtype) for the all-reduce
-        return out + params * (FP32 + (rb if rb != FP32 else 0))
+        return params * (FP32 + (rb if rb != FP32 else 0)), True
     block = inv.largest_block(stage)
-    c = job.compute_bytes
+    out = 0.0
     if layout.zero == 3 and layout.pp == 1:
         out += 2 * _gathered_bytes(inv, job, block)  # the gathered block and the prefetched next one
-    return out + block * (c + rb)  # one block's whole gradient (compute dtype) and its reduce_dtype copy
+    return out + block * (job.compute_bytes + rb), False  # one block's whole gradient (compute dtype) and its reduce_dtype copy
+
+
+def grads_meet_activations(layout: Layout, microbatches: int) -> bool:
+    """Whether a microbatch's activations meet the gradients of earlier ones (llmforge.estimate.phases):
+    gradient accumulation, a pipeline schedule, or an offload model that counts them together."""
+    return microbatches > 1 or layout.pp > 1 or layout.offload != Offload.NONE or layout.offload_activations
 
 
 def _gathered_bytes(inv: Inventory, job: Job, block: float) -> float:
@@ -166,12 +188,13 @@ def stage_memory(inv: Inventory, job: Job, stage: int, microbatches: int) -> Sta
     layout = inv.layout
     params, weights, grads, optimizer = model_states(inv, stage, job)
     optimizer = muon.optimizer_bytes(optimizer, inv, job, stage)
-    activations = stage_activations(inv, job, stage, microbatches)
-    transient = _transient(inv, job, stage, params)
-    reserved = allowance(job, working=activations + transient)
+    saved = stage_activations(inv, job, stage, microbatches)
+    working = _working(inv, job, stage, params)
+    live = live_at_peak(grads=grads, activations=saved, working=working, concurrent=grads_meet_activations(layout, microbatches))
+    reserved = allowance(job, working=live.activations + live.transient)
     if job.on_cpu:
         reserved += cpu_step_bytes(inv.shape, micro_batch=layout.micro_batch_size)
-    mem = StageMemory(stage, params, weights, grads, optimizer, activations, transient, reserved)
+    mem = StageMemory(stage, params, weights, live.grads, optimizer, live.activations, live.transient, reserved, peak=live.when)
     if layout.offload != Offload.NONE or layout.offload_activations:
         return device_memory(mem, inv, job)
     return mem

@@ -42,7 +42,7 @@ def as_dict(est: Estimate, *, recipe: str = "") -> dict[str, Any]:
             "reserved": w.reserved,
             "total": w.total,
         },
-        "most_loaded": {"pipeline_stage": w.stage, "description": where(est)},
+        "most_loaded": {"pipeline_stage": w.stage, "description": where(est), "peak": w.peak},
         "device_memory_bytes": est.job.profile.memory_bytes,
         "fits": est.fits,
         "headroom_bytes": est.headroom,

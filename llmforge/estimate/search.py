@@ -380,7 +380,7 @@ def _leanest(smallest: Estimate, *, world: int) -> str:
         states = w.weights + w.grads + w.optimizer
         return (
             f"{head}, {gib(-smallest.headroom)} more than it has; "
-            f"model states alone are {gib(states)} and activations {gib(w.activations)}."
+            f"model states alone are {gib(states)} and activations {gib(w.activations)} at the peak ({w.peak})."
         )
     node = smallest.node
     assert node is not None  # every estimate has its node's host memory

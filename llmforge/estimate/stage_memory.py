@@ -18,6 +18,8 @@ class StageMemory:
     activations: float
     transient: float
     reserved: float
+    #: When the step peaks (llmforge.estimate.phases): the items are what is live then.
+    peak: str = "start of the backward"
 
     @property
     def total(self) -> float:
