@@ -146,11 +146,12 @@ def test_recompute_gives_the_same_gradients(moe: bool, flavour: str) -> None:
             torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=f"{mode}/{every}/{compiled}: {name}")
 
 
+@pytest.mark.parametrize("residual", ["bf16", "fp32"])
 @pytest.mark.parametrize("flavour", ["gpt", "llama"])
-def test_rebuilt_steps_give_the_same_bf16_gradients_without_a_dispatch_mode(flavour: str, monkeypatch) -> None:
-    """Under autocast with a bf16 residual stream the rebuilt norms, RoPE, repeat and activation run as
-    in forward: the same bits as without recompute, and fewer bytes kept; no op passes through op-level
-    checkpointing's dispatch mode."""
+def test_rebuilt_steps_give_the_same_bf16_gradients_without_a_dispatch_mode(flavour: str, residual: str, monkeypatch) -> None:
+    """Under autocast the rebuilt norms (and, with an fp32 residual stream, autocast's casts of their
+    outputs), RoPE, repeat and activation run as in forward: the same bits as without recompute, and
+    fewer bytes kept; no op passes through op-level checkpointing's dispatch mode."""
     from torch.utils import checkpoint
 
     def refuse(*args, **kwargs):
@@ -158,7 +159,8 @@ def test_rebuilt_steps_give_the_same_bf16_gradients_without_a_dispatch_mode(flav
 
     monkeypatch.setattr(checkpoint._CachingTorchDispatchMode, "__torch_dispatch__", refuse)
     base = model_for(config(moe=False, flavour=flavour))
-    apply_residual_dtype(base, dtype=torch.bfloat16)  # as a run keeps it: the norms' outputs feed the linears as they are
+    if residual == "bf16":  # the default: the norms' outputs feed the linears as they are
+        apply_residual_dtype(base, dtype=torch.bfloat16)
     tokens = torch.randint(0, 96, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     expected = grads_after_backward(copy.deepcopy(base), tokens, bf16=True)
     model = apply_recompute(copy.deepcopy(base), mode="selective")
@@ -166,7 +168,8 @@ def test_rebuilt_steps_give_the_same_bf16_gradients_without_a_dispatch_mode(flav
     got = grads_after_backward(model, tokens, bf16=True)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
-    x = torch.randn(BATCH, SEQ, 32, generator=torch.Generator().manual_seed(1), dtype=torch.bfloat16, requires_grad=True)
+    dtype = torch.bfloat16 if residual == "bf16" else torch.float32
+    x = torch.randn(BATCH, SEQ, 32, generator=torch.Generator().manual_seed(1), dtype=dtype, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         kept = {mode: kept_bytes(apply_recompute(copy.deepcopy(base), mode=mode), x) for mode in ("none", "selective")}
     assert kept["selective"] < 0.85 * kept["none"], kept

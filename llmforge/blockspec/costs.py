@@ -142,7 +142,7 @@ def eager_ops(block: Block, d: ModelDims, *, tp: int, sp: int, c: int, mixed: bo
     if mixed:
         ops += [
             # autocast casts each norm output once for the linear that reads it, and the gradient back
-            Op("norm output cast", "autocast", 1, 1, cast, cast, count=len(block.norms)),
+            Op("norm output cast", "autocast", 1, 1, cast, cast, count=len(block.norms), rebuilt=len(block.norms)),
             # (an MoE layer's output is in the residual stream's dtype already)
             Op("branch gradient cast", "autocast", 0, 1, 0, (FP32 + c) * h / sp, count=1 + (block.experts is None)),
         ]

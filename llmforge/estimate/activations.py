@@ -111,23 +111,23 @@ def _selective_bytes(shape: Shape, *, c: int, r: int, tp: int, sp: int, moe: boo
 
 
 def _rebuilt_bytes(shape: Shape, *, c: int, r: int, cpu: bool) -> float:
-    """Selective recompute of an eager dense block without tensor parallelism (``llmforge.parallel.rebuild``):
-    the block input, what each norm keeps besides its input (its statistics; on a CPU RMSNorm's fp32
-    normalised input and, from a 16-bit stream, its fp32 upcast), the norm outputs' casts under an fp32
-    residual stream with 16-bit compute, the fused q/k/v output, the attention's output and log-sum-exp,
-    the output projection's output (the residual add's other input) and the first MLP linear's output.
-    Rebuilt from these: the norms' outputs, the residual add between them, the queries taken out of
-    their groups, RoPE, the GQA repeat, the heads' merge and the activation. Autograd's other saved
-    tensors (autocast's weight copies, the RoPE tables) are kept as without recompute (``_fixed_bytes``)."""
+    """Selective recompute of an eager dense block without tensor parallelism (``llmforge.parallel.rebuild``)
+    keeps the block input, what each norm keeps besides its input (its statistics; on a CPU RMSNorm's
+    fp32 normalised input and, from a 16-bit block input, the first norm's fp32 upcast), the fused q/k/v
+    output, the attention's output and log-sum-exp, the output projection's output (the residual add's
+    other input) and the first MLP linear's output. Rebuilt from these: the norms' outputs (and the
+    casts of them autocast makes under an fp32 residual stream), the residual add between them, the
+    queries taken out of their groups, RoPE, the GQA repeat, the heads' merge and the activation.
+    Autograd's other saved tensors (autocast's weight copies, the RoPE tables) are kept as without
+    recompute (``_fixed_bytes``)."""
     h, kv = shape.hidden, shape.kv_dim
-    if shape.norm == Norm.RMSNORM and cpu:
-        stats = 2 * h * FP32 + FP32 - (h * FP32 if r == FP32 else 0)  # an fp32 input is its own upcast
+    if shape.norm == Norm.RMSNORM and cpu:  # the first norm's upcast of a 16-bit block input (the second's is rebuilt)
+        norms = 2 * (h * FP32 + FP32) + (h * FP32 if r != FP32 else 0)
     else:
-        stats = FP32 if shape.norm == Norm.RMSNORM else 2 * r
-    casts = 2 * h * c if r != c else 0
+        norms = 2 * (FP32 if shape.norm == Norm.RMSNORM else 2 * r)
     attention = h * c + shape.heads * FP32
     mlp = (2 if shape.activation == Activation.SWIGLU else 1) * shape.ffn * c
-    return h * r + 2 * stats + casts + (h + 2 * kv) * c + attention + h * c + mlp
+    return h * r + norms + (h + 2 * kv) * c + attention + h * c + mlp
 
 
 def block_activations(shape: Shape, layout: Layout, job: Job, *, moe: bool, recompute: str) -> BlockActivations:

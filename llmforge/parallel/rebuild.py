@@ -81,6 +81,14 @@ class _Rebuilt:
         return value.as_strided(self.size, self.stride, value.storage_offset() + self.offset)
 
 
+#: Autograd nodes of the views a linear takes of its input (3-d to 2-d) before its matmul.
+_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AsStridedBackward0"})
+
+
+def _cast_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype)
+
+
 def _autocast_state(device_type: str) -> Callable[[], Any]:
     if not torch.is_autocast_enabled(device_type):
         return contextlib.nullcontext
@@ -95,6 +103,8 @@ class BlockRebuild:
         self.made: dict[int, tuple[torch.Tensor, _Recipe]] = {}  # by storage, until forward ends
         self.recipes: dict[int, _Recipe] = {}
         self.inputs: dict[int, tuple[torch.Tensor, _Packed]] = {}  # the tensor held so its id stays its own
+        self.nodes: dict[Any, tuple[torch.Tensor, _Recipe]] = {}  # by the autograd node that made the output
+        self.casts: dict[Any, _Recipe] = {}
         self.autocast = _autocast_state(device_type)
         self.outer = outer
 
@@ -107,6 +117,8 @@ class BlockRebuild:
         recipe = _Recipe(fn, tuple(self._input(a) for a in args), autocast=self.autocast, unpack=self.outer and self.outer[1])
         self.made[key] = (out, recipe)
         self.recipes[id(out)] = recipe
+        if out.grad_fn is not None:
+            self.nodes[out.grad_fn] = (out, recipe)
 
     def _input(self, arg: Any) -> Any:
         if not isinstance(arg, torch.Tensor):
@@ -124,7 +136,29 @@ class BlockRebuild:
             entry = self.made.get(t.untyped_storage()._cdata)
             if entry is not None and entry[0].dtype == t.dtype:
                 return _Rebuilt(entry[1], entry[0], t)
+            if t.grad_fn is not None:
+                cast = self._cast(t)
+                if cast is not None:
+                    return cast
         return self.outer[0](t) if self.outer else t
+
+    def _cast(self, t: torch.Tensor) -> _Rebuilt | None:
+        """A dtype cast of a rebuildable output, or a view of it, rebuilt as that output cast again:
+        autocast's copy of a norm's fp32 output a linear saves (fp32 residual stream, 16-bit compute),
+        a CPU RMSNorm's fp32 upcast of the residual add."""
+        node = t.grad_fn
+        if node.name() in _VIEWS:
+            node = node.next_functions[0][0]
+        if node is None or node.name() != "ToCopyBackward0":
+            return None
+        entry = self.nodes.get(node.next_functions[0][0])
+        whole = t if t._base is None else t._base  # the cast itself
+        if entry is None or (whole.size(), whole.stride(), whole.device) != (entry[0].size(), entry[0].stride(), entry[0].device):
+            return None
+        cast = self.casts.get(node)
+        if cast is None:
+            cast = self.casts[node] = _Recipe(_cast_to, (entry[1], t.dtype), autocast=contextlib.nullcontext, unpack=None)
+        return _Rebuilt(cast, whole, t)
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Rebuilt):
@@ -137,9 +171,8 @@ class BlockRebuild:
             with watching(self.watch), torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield
         finally:
-            self.made.clear()
-            self.recipes.clear()
-            self.inputs.clear()
+            for held in (self.made, self.recipes, self.inputs, self.nodes, self.casts):
+                held.clear()
 
 
 def _outer_hooks() -> Hooks | None:
