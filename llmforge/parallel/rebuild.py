@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from llmforge.models.rebuild import watching
 
@@ -81,6 +82,10 @@ class _Rebuilt:
         return value.as_strided(self.size, self.stride, value.storage_offset() + self.offset)
 
 
+#: The tensors whose outputs are rebuilt: plain ones, and the fake ones of a rehearsal or ``--measure``
+#: (not parameters, not DTensors).
+_PLAIN = (torch.Tensor, FakeTensor)
+
 #: Autograd nodes of the views a linear takes of its input (3-d to 2-d) before its matmul.
 _VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AsStridedBackward0"})
 
@@ -109,7 +114,7 @@ class BlockRebuild:
         self.outer = outer
 
     def watch(self, out: torch.Tensor, fn: Callable[..., torch.Tensor], args: tuple) -> None:
-        if type(out) is not torch.Tensor:
+        if type(out) not in _PLAIN:
             return
         key = out.untyped_storage()._cdata  # the storage (fake tensors have one too)
         if not out.numel() or any(isinstance(a, torch.Tensor) and a.untyped_storage()._cdata == key for a in args):
@@ -132,7 +137,7 @@ class BlockRebuild:
         return known[1]
 
     def pack(self, t: torch.Tensor) -> Any:
-        if type(t) is torch.Tensor:
+        if type(t) in _PLAIN:
             entry = self.made.get(t.untyped_storage()._cdata)
             if entry is not None and entry[0].dtype == t.dtype:
                 return _Rebuilt(entry[1], entry[0], t)
