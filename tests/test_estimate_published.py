@@ -15,8 +15,8 @@ the expected gap is named, computed by the model where it can be:
   forward (k, o and the MLP's up projection, of q, k, v, o, gate, up, down), and under Float8
   every matmul (``_scaled_mm`` is not on its save list), which llmforge's selective keeps:
   the published run pays those matmuls again (``recomputed_matmul_seconds``); in eager mode it
-  also reruns every memory-bound op of the forward, where llmforge's eager dense blocks rebuild
-  only their cheap steps (``op_level_recompute_seconds``);
+  also reruns every memory-bound op of the forward and the weights' casts, where llmforge's eager
+  dense blocks rebuild only their cheap steps (``op_level_recompute_seconds``);
 - their loss is ``cross_entropy(logits.float())``: an fp32 copy of the logits that llmforge's
   chunked loss does not make (``fp32_logits_seconds``, as tests/test_estimate_speed.py
   swaps it for the plain loop);
@@ -146,10 +146,9 @@ def recomputed_matmul_seconds(est: Estimate) -> float:
 
 def op_level_recompute_seconds(est: Estimate) -> float:
     """What torchtitan's eager selective recompute runs again beyond llmforge's: theirs is op-level
-    (torch's selective checkpointing), rerunning every memory-bound op of a block's forward, where
-    llmforge's eager dense blocks rebuild only their norms, one residual add, RoPE, the GQA repeat,
-    the heads' merge and the activation (``llmforge.layout.selective_rebuilds``); both cast the
-    weights again."""
+    (torch's selective checkpointing), rerunning every memory-bound op of a block's forward and the
+    weights' casts, where llmforge's eager dense blocks rebuild only their norms, one residual add,
+    RoPE, the GQA repeat, the heads' merge and the activation (``llmforge.layout.selective_rebuilds``)."""
     lay, job_, shape = est.layout, est.job, est.shape
     if lay.recompute != "selective" or not selective_rebuilds(tp=lay.tp, moe=False, compiled=job_.compile):
         return 0.0

@@ -137,8 +137,7 @@ def block_activations(shape: Shape, layout: Layout, job: Job, *, moe: bool, reco
     if recompute == Recompute.FULL:
         return BlockActivations(per_token=shape.hidden * r / sp, fixed=0.0)
     if recompute == Recompute.SELECTIVE and selective_rebuilds(tp=tp, moe=moe, compiled=job.compile):
-        fixed = _fixed_bytes(shape, layout, job, moe=moe, weights=False)
-        return BlockActivations(per_token=_rebuilt_bytes(shape, c=c, r=r, cpu=job.on_cpu), fixed=fixed)
+        return BlockActivations(per_token=_rebuilt_bytes(shape, c=c, r=r, cpu=job.on_cpu), fixed=_fixed_bytes(shape, layout, job, moe=moe))
     if recompute == Recompute.SELECTIVE:
         return BlockActivations(
             per_token=_selective_bytes(shape, c=c, r=r, tp=tp, sp=sp, moe=moe, gathered=layout.async_tp),
@@ -212,25 +211,24 @@ def weights_gathered(layout: Layout, job: Job) -> bool:
     return job.mixed and layout.zero > 0 and layout.dp * layout.cp > 1
 
 
-def _fixed_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool, weights: bool = True) -> float:
-    """Per-microbatch bytes independent of the micro batch: autocast weight copies (not when
-    selective recompute rebuilds them: ``weights=False``), copies of the norm weights in the
-    residual dtype where it is not theirs, RoPE tables."""
+def _fixed_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) -> float:
+    """Per-microbatch bytes independent of the micro batch: autocast weight copies,
+    copies of the norm weights in the residual dtype where it is not theirs, RoPE tables."""
     rope = 4 * shape.seq * (shape.head_dim // 2) * job.compute_bytes if shape.position == Position.ROPE and job.mixed else 0
     share = 4 * shape.num_experts if moe else 0  # the aux loss's per-expert load
     if not job.mixed:
         return share
     gathered, r = weights_gathered(layout, job), job.residual_bytes
     norms = 2 * _norm_params(shape) * r if gathered == (r == FP32) else 0.0
-    copies = 0.0
-    for t in block_tensors(shape, moe) if weights else ():
+    weights = 0.0
+    for t in block_tensors(shape, moe):
         if len(t.shape) < 2 or (job.fp8 and converted(t)):  # Float8Linear keeps the fp32 master for backward
             continue
         if t.expert:
-            copies += t.numel / layout.ep if not gathered or r == FP32 else 0.0
+            weights += t.numel / layout.ep if not gathered or r == FP32 else 0.0
         elif not gathered and not _sp_linear(t, layout, moe=moe):
-            copies += t.numel / (layout.tp if t.split != "rep" else 1)
-    return copies * job.compute_bytes + norms + rope + share
+            weights += t.numel / (layout.tp if t.split != "rep" else 1)
+    return weights * job.compute_bytes + norms + rope + share
 
 
 def embedding_bytes(shape: Shape, layout: Layout) -> float:

@@ -216,10 +216,10 @@ def block_cost(sp: Speeds, k: Kernels, *, mode: str, mixed: bool, c: int, accumu
         m, kk, n, b = k.gemms[-1]
         last = sp.gemm(m, kk, n, batch=b)
         out = total((out, fwd_gemm, last.times(-1), attn_f, fwd_mem))
-    if mode in (Recompute.FULL, Recompute.SELECTIVE) and mixed:  # the weights are cast again
-        out = out.plus(total(sp.memory(n * (FP32 + c), 1) for n in k.weights))
     if mode == Recompute.SELECTIVE and rebuilds:  # norms, one residual add, RoPE, GQA repeat, heads' merge, activation
         return out.plus(sp.memory(k.rebuilt_bytes, k.rebuilt_kernels))
+    if mode in (Recompute.FULL, Recompute.SELECTIVE) and mixed:  # the weights are cast again
+        out = out.plus(total(sp.memory(n * (FP32 + c), 1) for n in k.weights))
     if mode == Recompute.SELECTIVE:  # op-level: the memory-bound forward (norms, casts, activations, RoPE; fused when compiled)
         out = out.plus(fwd_mem)
     return out

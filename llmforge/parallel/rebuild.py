@@ -7,11 +7,9 @@ replaces any tensor autograd saves that is such a step's output (or a view of it
 so the output itself is freed after forward; when backward unpacks it, the recipe runs again
 (no grad, the forward's autocast state) and gives the same values. A recipe's inputs are kept:
 the block input, the fused q/k/v and first MLP linear's outputs, the attention output, the output
-projection's (the residual add's other input). A dtype cast of such an output, or of a parameter
-(autocast's 16-bit weight copies, which op-level checkpointing recomputes too), is rebuilt as the
-cast again. What the matmuls and attention save besides is kept as usual, so no matmul and no
-attention runs twice, and forward pays one Python call per step and one per saved tensor instead
-of a Python dispatch of every aten op.
+projection's (the residual add's other input). What the matmuls and attention save besides is
+kept as usual, so no matmul and no attention runs twice, and forward pays one Python call per
+step and one per saved tensor instead of a Python dispatch of every aten op.
 
 Saved-tensor hooks already active around the block (activation offload, the memory measurement)
 receive every kept tensor: what autograd saves besides the rebuilt outputs, and each recipe input.
@@ -88,8 +86,8 @@ class _Rebuilt:
 #: (not parameters, not DTensors).
 _PLAIN = (torch.Tensor, FakeTensor)
 
-#: Autograd nodes of the views a linear takes of its input (3-d to 2-d) and weight (transposed) for its matmul.
-_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AsStridedBackward0", "TBackward0"})
+#: Autograd nodes of the views a linear takes of its input (3-d to 2-d) before its matmul.
+_VIEWS = frozenset({"ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0", "AsStridedBackward0"})
 
 
 def _cast_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -150,32 +148,22 @@ class BlockRebuild:
         return self.outer[0](t) if self.outer else t
 
     def _cast(self, t: torch.Tensor) -> _Rebuilt | None:
-        """A dtype cast of a rebuildable output or of a parameter, or a view of it, rebuilt as that cast
-        again: autocast's copy of a weight a matmul saves (16-bit compute over fp32 weights), of a norm's
-        fp32 output (fp32 residual stream), a CPU RMSNorm's fp32 upcast of the residual add."""
+        """A dtype cast of a rebuildable output, or a view of it, rebuilt as that output cast again:
+        autocast's copy of a norm's fp32 output a linear saves (fp32 residual stream, 16-bit compute),
+        a CPU RMSNorm's fp32 upcast of the residual add."""
         node = t.grad_fn
         if node.name() in _VIEWS:
             node = node.next_functions[0][0]
         if node is None or node.name() != "ToCopyBackward0":
             return None
-        source = self._source(node.next_functions[0][0])
+        entry = self.nodes.get(node.next_functions[0][0])
         whole = t if t._base is None else t._base  # the cast itself
-        if source is None or (whole.size(), whole.stride(), whole.device) != (source[0].size(), source[0].stride(), source[0].device):
+        if entry is None or (whole.size(), whole.stride(), whole.device) != (entry[0].size(), entry[0].stride(), entry[0].device):
             return None
         cast = self.casts.get(node)
         if cast is None:
-            cast = self.casts[node] = _Recipe(_cast_to, (source[1], t.dtype), autocast=contextlib.nullcontext, unpack=None)
+            cast = self.casts[node] = _Recipe(_cast_to, (entry[1], t.dtype), autocast=contextlib.nullcontext, unpack=None)
         return _Rebuilt(cast, whole, t)
-
-    def _source(self, node: Any) -> tuple[torch.Tensor, Any] | None:
-        """What a cast was made from: a rebuildable output (and its recipe), or a parameter (itself)."""
-        if node is None:
-            return None
-        entry = self.nodes.get(node)
-        if entry is not None:
-            return entry
-        leaf = getattr(node, "variable", None)  # AccumulateGrad: the cast of a parameter
-        return (leaf, leaf) if isinstance(leaf, torch.nn.Parameter) else None
 
     def unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, _Rebuilt):

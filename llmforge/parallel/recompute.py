@@ -16,8 +16,9 @@ recompute in backward, in place:
   - an eager dense block without tensor parallelism keeps recipes for the steps
     the model marks rebuildable and rebuilds their outputs when backward unpacks
     them (``llmforge.parallel.rebuild``): one Python call per step and per saved
-    tensor, none per aten op. Autocast's 16-bit weight copies are cast again in
-    backward; the norms' statistics are kept; the last matmul's output is not;
+    tensor, none per aten op. Autograd's other saved tensors (norm statistics,
+    autocast's weight copies) are kept as without recompute; the last matmul's
+    output is not kept;
   - a compiled block (the policy is applied when the graph is traced and costs
     nothing per step), an MoE block and a tensor-parallel one use torch's op-level
     selective checkpointing (``create_selective_checkpoint_contexts`` with a
