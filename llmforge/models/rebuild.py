@@ -23,7 +23,8 @@ _WATCHERS: list[Watcher] = []
 
 
 def rebuildable(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-    """``fn(*args)``, a step that depends on nothing but its arguments (no randomness)."""
+    """``fn(*args)``, a step that depends on nothing but its arguments (no randomness), whose output
+    and arguments nothing modifies in place afterwards (backward may run it again from them)."""
     out = fn(*args)
     if _WATCHERS:
         _WATCHERS[-1](out, fn, args)
