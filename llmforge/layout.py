@@ -443,6 +443,14 @@ def selective_recompute_runs(*, ep: int, zero: int) -> bool:
     return ep == 1 or zero == 0
 
 
+def selective_rebuilds(*, tp: int, moe: bool, compiled: bool) -> bool:
+    """How the backend runs selective recompute of one block (``llmforge.parallel.recompute``), which
+    the estimator follows: an eager dense block without tensor parallelism rebuilds its cheap steps
+    from recipes kept in forward (no dispatch mode, no weight cast again, its last matmul's output not
+    kept); a compiled, MoE or tensor-parallel block runs torch's op-level selective checkpointing."""
+    return not compiled and not moe and tp == 1
+
+
 def check_hsdp(config: RunConfig) -> list[Problem]:
     """parallel.dp_replicate splits the FSDP (ZeRO 1-3) data-parallel group into replicas of a shard group."""
     p = config.parallel

@@ -94,6 +94,14 @@ def test_fake_tensors_and_layer_reduced_copies_measure_what_real_ones_do():
     assert (scaled.saved_bytes, scaled.forward_flops, scaled.backward_flops) == (real.saved_bytes, real.forward_flops, real.backward_flops)
 
 
+def test_fake_tensors_measure_the_rebuilt_steps_of_selective_recompute():
+    """Blocks that rebuild their cheap steps do it on fake tensors too (``--measure``, the rehearsal)."""
+    for dtype in ("fp32", "bf16"):
+        real = ms.measure_config(LLAMA_TINY, micro_batch=2, param_dtype=dtype, recompute="selective", fake=False)
+        fake = ms.measure_config(LLAMA_TINY, micro_batch=2, param_dtype=dtype, recompute="selective", fake=True)
+        assert fake.saved_bytes == real.saved_bytes
+
+
 def _measure_bf16_model(cfg, *, recompute: str):
     """Saved bytes of one microbatch of 2 with 16-bit compute copies of every weight and a bf16
     residual stream: the model cast to bf16, as FSDP2's MixedPrecisionPolicy gathers it."""

@@ -14,7 +14,9 @@ the expected gap is named, computed by the model where it can be:
   second one, of attention and of ``max``) also recomputes every second matmul of a block's
   forward (k, o and the MLP's up projection, of q, k, v, o, gate, up, down), and under Float8
   every matmul (``_scaled_mm`` is not on its save list), which llmforge's selective keeps:
-  the published run pays those matmuls again (``recomputed_matmul_seconds``);
+  the published run pays those matmuls again (``recomputed_matmul_seconds``); in eager mode it
+  also reruns every memory-bound op of the forward and the weights' casts, where llmforge's eager
+  dense blocks rebuild only their cheap steps (``op_level_recompute_seconds``);
 - their loss is ``cross_entropy(logits.float())``: an fp32 copy of the logits that llmforge's
   chunked loss does not make (``fp32_logits_seconds``, as tests/test_estimate_speed.py
   swaps it for the plain loop);
@@ -53,7 +55,7 @@ from llmforge.estimate.core import Estimate, estimate
 from llmforge.estimate.params import stage_counts
 from llmforge.estimate.shape import Job, Shape
 from llmforge.hardware import get_profile
-from llmforge.layout import Layout
+from llmforge.layout import Layout, selective_rebuilds
 
 PROFILE = "h100-96gb-hbm2e"
 ASYNC_TP_GAIN = 876 / 829  # their 70B pair, with and without async TP
@@ -142,6 +144,20 @@ def recomputed_matmul_seconds(est: Estimate) -> float:
     return est.microbatches * stage_counts(est.shape, lay)[0].blocks * seconds
 
 
+def op_level_recompute_seconds(est: Estimate) -> float:
+    """What torchtitan's eager selective recompute runs again beyond llmforge's: theirs is op-level
+    (torch's selective checkpointing), rerunning every memory-bound op of a block's forward and the
+    weights' casts, where llmforge's eager dense blocks rebuild only their norms, one residual add,
+    RoPE, the GQA repeat, the heads' merge and the activation (``llmforge.layout.selective_rebuilds``)."""
+    lay, job_, shape = est.layout, est.job, est.shape
+    if lay.recompute != "selective" or not selective_rebuilds(tp=lay.tp, moe=False, compiled=job_.compile):
+        return 0.0
+    sp, c = kn.speeds(job_), job_.compute_bytes
+    k = kn.block_kernels(shape, t=lay.micro_batch_size * shape.seq / lay.cp, tp=lay.tp, sp=1, ep=lay.ep, c=c, mixed=job_.mixed, moe=False)
+    costs = [kn.block_cost(sp, k, mode="selective", mixed=job_.mixed, c=c, accumulate=0.0, rebuilds=r).seconds for r in (False, True)]
+    return est.microbatches * stage_counts(shape, lay)[0].blocks * (costs[0] - costs[1])
+
+
 def fp32_logits_seconds(est: Estimate) -> float:
     """What ``cross_entropy(logits.float())`` costs more than llmforge's chunked loss (the last stage)."""
     sp, lay = kn.speeds(est.job), est.layout
@@ -170,7 +186,8 @@ def their_async_tp_seconds(est: Estimate) -> float:
 def per_gpu(row: Row) -> tuple[Estimate, float]:
     """The estimate, and its tokens/s per GPU with torchtitan's recompute policy, loss and async TP."""
     est = estimate(row.shape, row.layout, job(row), every_stage=False)
-    step = est.step_s + recomputed_matmul_seconds(est) + fp32_logits_seconds(est) + their_async_tp_seconds(est)
+    step = est.step_s + recomputed_matmul_seconds(est) + op_level_recompute_seconds(est) + fp32_logits_seconds(est)
+    step += their_async_tp_seconds(est)
     return est, est.tokens_per_step / step / row.layout.world
 
 

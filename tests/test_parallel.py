@@ -46,6 +46,7 @@ LLAMA = [
     "model.bias=false",
 ]
 HSDP = ["parallel.dp=4", "parallel.dp_replicate=2"]
+SELECTIVE = "parallel.recompute=selective"
 OFFLOAD = ["parallel.offload=states"]
 ACTIVATIONS = ["parallel.offload_activations=true"]
 # Document masks with positions restarting at each document, RoPE, GQA and a sliding
@@ -108,6 +109,11 @@ WORLD2 = {
     "cp2_zero1_offload": OFFLOAD + CP2 + ["parallel.zero=1"],
     "moe_ep2_zero3_offload": EP2 + OFFLOAD + ["parallel.zero=3"],
     "pp2_offload_activations": PP + ACTIVATIONS,
+    # selective recompute: rebuilt cheap steps under FSDP2's resharding and offloaded activations,
+    # op-level checkpointing of tensor-parallel blocks
+    "dp2_zero3_selective": ["parallel.dp=2", "parallel.zero=3", SELECTIVE],
+    "pp2_offload_activations_selective": PP + ACTIVATIONS + [SELECTIVE],
+    "llama_tp2_sp_selective": LLAMA + ["parallel.tp=2", "parallel.sequence_parallel=true", SELECTIVE],
 }
 WORLD4 = {
     "dp2_tp2": ["parallel.dp=2", "parallel.tp=2"],

@@ -17,7 +17,8 @@ from llmforge.hardware import get_profile
 from llmforge.layout import Layout
 from llmforge.models.gpt import GPT
 from llmforge.models.moe import moe_layers, moe_metrics
-from llmforge.parallel.recompute import CheckpointedModule, apply_recompute
+from llmforge.parallel.recompute import CheckpointedModule, RebuiltModule, apply_recompute
+from llmforge.parallel.residual import apply_residual_dtype
 from llmforge.train.step import cross_entropy
 
 BATCH, SEQ, LAYERS = 4, 16, 4
@@ -120,25 +121,58 @@ def estimated_bytes(cfg: ModelConfig, *, mode: str, every: int = 1) -> float:
     return sum(layer_bytes(shape_from_config(cfg), layout, job, i) for i in range(cfg.num_layers))
 
 
-def grads_after_backward(model: GPT, tokens: torch.Tensor) -> dict:
+def grads_after_backward(model: GPT, tokens: torch.Tensor, *, bf16: bool = False) -> dict:
     torch.manual_seed(5)  # dropout masks
-    cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        logits = model(tokens[:, :-1])
+    cross_entropy(logits, tokens[:, 1:]).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 @pytest.mark.parametrize("flavour", ["gpt", "llama"])
 def test_recompute_gives_the_same_gradients(moe: bool, flavour: str) -> None:
+    """Every mode, and selective recompute by both mechanisms: rebuilt cheap steps (eager) and
+    op-level checkpointing (what compiled blocks run, here eager)."""
     cfg = config(moe=moe, flavour=flavour, dropout=0.1)
     base = model_for(cfg)
     tokens = torch.randint(0, 96, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
     expected = grads_after_backward(copy.deepcopy(base), tokens)
-    for mode, every in (("selective", 1), ("full", 1), ("full", 2)):
-        model = apply_recompute(copy.deepcopy(base), mode=mode, every=every)
+    for mode, every, compiled in (("selective", 1, False), ("selective", 1, True), ("full", 1, False), ("full", 2, False)):
+        model = apply_recompute(copy.deepcopy(base), mode=mode, every=every, compiled=compiled)
         got = grads_after_backward(model, tokens)
         assert got.keys() == expected.keys()
         for name in expected:
-            torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=f"{mode}/{every}: {name}")
+            torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-6, msg=f"{mode}/{every}/{compiled}: {name}")
+
+
+@pytest.mark.parametrize("residual", ["bf16", "fp32"])
+@pytest.mark.parametrize("flavour", ["gpt", "llama"])
+def test_rebuilt_steps_give_the_same_bf16_gradients_without_a_dispatch_mode(flavour: str, residual: str, monkeypatch) -> None:
+    """Under autocast the rebuilt norms (and, with an fp32 residual stream, autocast's casts of their
+    outputs), RoPE, repeat and activation run as in forward: the same bits as without recompute, and
+    fewer bytes kept; no op passes through op-level checkpointing's dispatch mode."""
+    from torch.utils import checkpoint
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager dense block ran op-level selective checkpointing")
+
+    monkeypatch.setattr(checkpoint._CachingTorchDispatchMode, "__torch_dispatch__", refuse)
+    base = model_for(config(moe=False, flavour=flavour))
+    if residual == "bf16":  # the default: the norms' outputs feed the linears as they are
+        apply_residual_dtype(base, dtype=torch.bfloat16)
+    tokens = torch.randint(0, 96, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    expected = grads_after_backward(copy.deepcopy(base), tokens, bf16=True)
+    model = apply_recompute(copy.deepcopy(base), mode="selective")
+    assert all(isinstance(b, RebuiltModule) for b in model.layers.values())
+    got = grads_after_backward(model, tokens, bf16=True)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=0, msg=name)
+    dtype = torch.bfloat16 if residual == "bf16" else torch.float32
+    x = torch.randn(BATCH, SEQ, 32, generator=torch.Generator().manual_seed(1), dtype=dtype, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept = {mode: kept_bytes(apply_recompute(copy.deepcopy(base), mode=mode), x) for mode in ("none", "selective")}
+    assert kept["selective"] < 0.85 * kept["none"], kept
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])

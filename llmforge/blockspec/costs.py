@@ -40,6 +40,9 @@ class Op:
     count: int = 1
     #: bytes moved once per microbatch besides the per-token ones (forward, backward)
     once: tuple[float, float] = (0.0, 0.0)
+    #: how many of ``count`` an eager selective recompute runs again in backward: the steps the
+    #: model marks rebuildable (``llmforge.models.rebuild``), whose outputs it does not keep
+    rebuilt: int = 0
 
 
 def _attention_ops(block: Block, d: ModelDims, *, tp: int, c: int, mixed: bool) -> list[Op]:
@@ -49,27 +52,28 @@ def _attention_ops(block: Block, d: ModelDims, *, tp: int, c: int, mixed: bool) 
         # q and k: four products, a difference, a sum and a concatenation each (and under autocast
         # the cos and sin rows cast to the compute dtype for each); backward the products'
         # gradients, the halves put back (slice backward) and summed
-        out.append(Op("rope", "models.layers.apply_rope", 14 + 4 * mixed, 20, 9 * c * (q + kv), 14 * c * (q + kv) + 2 * c * q))
+        rope = Op("rope", "models.layers.apply_rope", 14 + 4 * mixed, 20, 9 * c * (q + kv), 14 * c * (q + kv) + 2 * c * q, rebuilt=1)
+        out.append(rope)
         # attention then returns [b, heads, s, d]-strided output: o_proj's input is a copy
-        out.append(Op("attention output copy", "models.layers.Attention.forward", 1, 0, 2 * c * q, 0))
+        out.append(Op("attention output copy", "models.layers.merge_heads", 1, 0, 2 * c * q, 0, rebuilt=1))
     if block.attention == "gqa":
-        out.append(Op("repeat k and v", "models.layers.Attention.core_attention", 2, 2, 2 * c * (kv + q), 2 * c * (kv + q)))
+        out.append(Op("repeat k and v", "models.layers.repeat_heads", 2, 2, 2 * c * (kv + q), 2 * c * (kv + q), rebuilt=1))
         if d.kv_heads > tp:  # q heads of several KV groups are copied out of the fused output
-            out.append(Op("gather q heads", "models.layers.Attention.project", 1, 0, 2 * c * q, 0))
+            out.append(Op("gather q heads", "models.layers.query_heads", 1, 0, 2 * c * q, 0, rebuilt=1))
     return out
 
 
-def _activation(activation: str, *, name: str, f: float, c: int) -> Op:
+def _activation(activation: str, *, name: str, f: float, c: int, rebuilt: int = 0) -> Op:
     """The activation between an MLP's matmuls over ``f`` columns per token."""
     where = "models.layers.MLP / models.moe.expert_mlp"
     if activation == Activation.SWIGLU:  # silu(gate) * up; backward silu's, and the product's two
-        return Op(f"{name} swiglu", where, 2, 3, 5 * c * f, 9 * c * f)
-    return Op(f"{name} gelu", where, 1, 1, 2 * c * f, 3 * c * f)
+        return Op(f"{name} swiglu", where, 2, 3, 5 * c * f, 9 * c * f, rebuilt=rebuilt)
+    return Op(f"{name} gelu", where, 1, 1, 2 * c * f, 3 * c * f, rebuilt=rebuilt)
 
 
 def _mlp_ops(block: Block, d: ModelDims, *, tp: int, c: int, mixed: bool) -> list[Op]:
     if block.experts is None:
-        return [_activation(block.activation, name="mlp", f=d.ffn / tp, c=c)]
+        return [_activation(block.activation, name="mlp", f=d.ffn / tp, c=c, rebuilt=1)]
     out = [_activation(block.activation, name="experts", f=d.top_k * d.moe_ffn, c=c)]  # MoE layers are not split over tp
     if d.shared_experts:
         out.append(_activation(block.activation, name="shared experts", f=d.shared_experts * d.moe_ffn, c=c))
@@ -130,14 +134,15 @@ def eager_ops(block: Block, d: ModelDims, *, tp: int, sp: int, c: int, mixed: bo
     h = d.hidden
     cast = (FP32 + c) * h
     ops = [
-        Op("norm", "models.layers.make_norm", 1, 2, 8 * h / sp, 20 * h / sp, count=len(block.norms)),
-        # forward x + branch; backward the residual gradient and the branch's summed
-        Op("residual add", "models.gpt.Block.forward", 1, 1, (FP32 + c + FP32) * h / sp, 12 * h / sp, count=2),
+        Op("norm", "models.layers.make_norm", 1, 2, 8 * h / sp, 20 * h / sp, count=len(block.norms), rebuilt=len(block.norms)),
+        # forward x + branch; backward the residual gradient and the branch's summed (the first add feeds
+        # the second norm and is rebuilt; the block's output is not)
+        Op("residual add", "models.gpt.Block.forward", 1, 1, (FP32 + c + FP32) * h / sp, 12 * h / sp, count=2, rebuilt=1),
     ]
     if mixed:
         ops += [
             # autocast casts each norm output once for the linear that reads it, and the gradient back
-            Op("norm output cast", "autocast", 1, 1, cast, cast, count=len(block.norms)),
+            Op("norm output cast", "autocast", 1, 1, cast, cast, count=len(block.norms), rebuilt=len(block.norms)),
             # (an MoE layer's output is in the residual stream's dtype already)
             Op("branch gradient cast", "autocast", 0, 1, 0, (FP32 + c) * h / sp, count=1 + (block.experts is None)),
         ]
@@ -151,6 +156,11 @@ def totals(ops: list[Op]) -> tuple[float, int, float, int]:
     fwd = sum(o.fwd_bytes * o.count for o in ops)
     bwd = sum(o.bwd_bytes * o.count for o in ops)
     return fwd, sum(o.fwd_kernels * o.count for o in ops), bwd, sum(o.bwd_kernels * o.count for o in ops)
+
+
+def rebuilt_totals(ops: list[Op]) -> tuple[float, int]:
+    """(forward bytes per token, forward kernels) an eager selective recompute runs again in backward."""
+    return sum(o.fwd_bytes * o.rebuilt for o in ops), sum(o.fwd_kernels * o.rebuilt for o in ops)
 
 
 def compiled_ops(block: Block, d: ModelDims, *, tp: int, sp: int, c: int) -> list[Op]:

@@ -42,7 +42,7 @@ from llmforge.estimate.fp8 import converted
 from llmforge.estimate.inventory import Inventory
 from llmforge.estimate.params import StageCounts, Tensor, block_tensors
 from llmforge.estimate.shape import Job, Shape
-from llmforge.layout import Layout
+from llmforge.layout import Layout, selective_rebuilds
 
 FP32 = 4
 INT64 = 8
@@ -110,12 +110,34 @@ def _selective_bytes(shape: Shape, *, c: int, r: int, tp: int, sp: int, moe: boo
     return attn + ((2 if shape.activation == Activation.SWIGLU else 1) * shape.ffn / tp + h) * c + collective
 
 
+def _rebuilt_bytes(shape: Shape, *, c: int, r: int, cpu: bool) -> float:
+    """Selective recompute of an eager dense block without tensor parallelism (``llmforge.parallel.rebuild``)
+    keeps the block input, what each norm keeps besides its input (its statistics; on a CPU RMSNorm's
+    fp32 normalised input and, from a 16-bit block input, the first norm's fp32 upcast), the fused q/k/v
+    output, the attention's output and log-sum-exp, the output projection's output (the residual add's
+    other input) and the first MLP linear's output. Rebuilt from these: the norms' outputs (and the
+    casts of them autocast makes under an fp32 residual stream), the residual add between them, the
+    queries taken out of their groups, RoPE, the GQA repeat, the heads' merge and the activation.
+    Autograd's other saved tensors (autocast's weight copies, the RoPE tables) are kept as without
+    recompute (``_fixed_bytes``)."""
+    h, kv = shape.hidden, shape.kv_dim
+    if shape.norm == Norm.RMSNORM and cpu:  # the first norm's upcast of a 16-bit block input (the second's is rebuilt)
+        norms = 2 * (h * FP32 + FP32) + (h * FP32 if r != FP32 else 0)
+    else:
+        norms = 2 * (FP32 if shape.norm == Norm.RMSNORM else 2 * r)
+    attention = h * c + shape.heads * FP32
+    mlp = (2 if shape.activation == Activation.SWIGLU else 1) * shape.ffn * c
+    return h * r + norms + (h + 2 * kv) * c + attention + h * c + mlp
+
+
 def block_activations(shape: Shape, layout: Layout, job: Job, *, moe: bool, recompute: str) -> BlockActivations:
     """What one block saves for backward under ``recompute`` (none, selective or full)."""
     c, r, tp = job.compute_bytes, job.residual_bytes, layout.tp
     sp = tp if layout.sequence_parallel else 1
     if recompute == Recompute.FULL:
         return BlockActivations(per_token=shape.hidden * r / sp, fixed=0.0)
+    if recompute == Recompute.SELECTIVE and selective_rebuilds(tp=tp, moe=moe, compiled=job.compile):
+        return BlockActivations(per_token=_rebuilt_bytes(shape, c=c, r=r, cpu=job.on_cpu), fixed=_fixed_bytes(shape, layout, job, moe=moe))
     if recompute == Recompute.SELECTIVE:
         return BlockActivations(
             per_token=_selective_bytes(shape, c=c, r=r, tp=tp, sp=sp, moe=moe, gathered=layout.async_tp),

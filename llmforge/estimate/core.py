@@ -49,7 +49,7 @@ from llmforge.estimate.offload import HostUse, host_use, offloads
 from llmforge.estimate.params import StageCounts, active_params, total_params
 from llmforge.estimate.pipeline import bubble_fraction
 from llmforge.estimate.shape import Job, Shape, from_plan
-from llmforge.layout import Layout
+from llmforge.layout import Layout, selective_rebuilds
 from llmforge.plan import RunPlan
 
 OPTIMIZER_BYTES_PER_PARAM = 32  # flat model: AdamW reads param, grad, two moments, writes three; clip reads grads
@@ -306,7 +306,8 @@ def _stage_kernels(shape: Shape, layout: Layout, job: Job, counts: StageCounts, 
         if n:
             k = kn.block_kernels(shape, t=tokens, tp=layout.tp, sp=spd, ep=layout.ep, c=c, mixed=mixed, moe=moe, fused=fused)
             mode = layout.recompute if applies else "none"
-            out = out.plus(kn.block_cost(sp, k, mode=mode, mixed=mixed, c=c, accumulate=accumulate).times(n))
+            rebuilds = selective_rebuilds(tp=layout.tp, moe=moe, compiled=fused)
+            out = out.plus(kn.block_cost(sp, k, mode=mode, mixed=mixed, c=c, accumulate=accumulate, rebuilds=rebuilds).times(n))
     if counts.first or counts.last:
         ends = Layout(micro_batch_size=layout.micro_batch_size, cp=layout.cp, tp=layout.tp)
         out = out.plus(kn.ends_cost(sp, shape, ends, c=c, mixed=mixed, first=counts.first, last=counts.last, accumulate=accumulate))

@@ -140,6 +140,8 @@ class Kernels:
     bwd_kernels: int
     weights: tuple[int, ...]  # local numel of each matmul weight/bias (cast per microbatch under autocast)
     head_dim: int = 64
+    rebuilt_bytes: float = 0.0  # what eager selective recompute runs again (``costs.Op.rebuilt``)
+    rebuilt_kernels: int = 0
 
 
 @lru_cache(maxsize=4096)
@@ -158,9 +160,10 @@ def block_kernels(shape: Shape, *, t: float, tp: int, sp: int, ep: int, c: int, 
     else:
         ops = costs.eager_ops(block, shape, tp=tp, sp=sp, c=c, mixed=mixed)
     fwd, fwd_k, bwd, bwd_k = costs.totals(ops)
+    rebuilt, rebuilt_k = costs.rebuilt_totals(ops)
     weights = tuple(_local_numel(x, tp=tp, ep=ep) for x in block_tensors(shape, moe) if _cast(x))
     flops = 4 * shape.attention_span * shape.hidden / tp * t
-    return Kernels(tuple(gemms), flops, fwd * t, fwd_k, bwd * t, bwd_k, weights, shape.head_dim)
+    return Kernels(tuple(gemms), flops, fwd * t, fwd_k, bwd * t, bwd_k, weights, shape.head_dim, rebuilt * t, rebuilt_k)
 
 
 def _expert_gemms(shape: Shape, *, t: float, ep: int) -> list[tuple[float, float, float, int]]:
@@ -198,8 +201,9 @@ def _weights_cost(sp: Speeds, numels: Iterable[int], *, mixed: bool, accumulate:
     return out
 
 
-def block_cost(sp: Speeds, k: Kernels, *, mode: str, mixed: bool, c: int, accumulate: float) -> Cost:
-    """Forward, backward and recomputation of one block for one microbatch."""
+def block_cost(sp: Speeds, k: Kernels, *, mode: str, mixed: bool, c: int, accumulate: float, rebuilds: bool = False) -> Cost:
+    """Forward, backward and recomputation of one block for one microbatch; ``rebuilds``: selective
+    recompute rebuilds the block's cheap steps (``llmforge.layout.selective_rebuilds``)."""
     fwd_gemm = total(sp.gemm(m, kk, n, batch=b) for m, kk, n, b in k.gemms)
     bwd_gemm = total(sp.gemm(m, n, kk, batch=b).plus(sp.gemm(kk, m, n, batch=b)) for m, kk, n, b in k.gemms)
     fwd_kernels, bwd_kernels = costs.ATTENTION_KERNELS
@@ -212,9 +216,11 @@ def block_cost(sp: Speeds, k: Kernels, *, mode: str, mixed: bool, c: int, accumu
         m, kk, n, b = k.gemms[-1]
         last = sp.gemm(m, kk, n, batch=b)
         out = total((out, fwd_gemm, last.times(-1), attn_f, fwd_mem))
+    if mode == Recompute.SELECTIVE and rebuilds:  # norms, one residual add, RoPE, GQA repeat, heads' merge, activation
+        return out.plus(sp.memory(k.rebuilt_bytes, k.rebuilt_kernels))
     if mode in (Recompute.FULL, Recompute.SELECTIVE) and mixed:  # the weights are cast again
         out = out.plus(total(sp.memory(n * (FP32 + c), 1) for n in k.weights))
-    if mode == Recompute.SELECTIVE:  # norms, casts, activations, RoPE: the memory-bound forward (fused when compiled)
+    if mode == Recompute.SELECTIVE:  # op-level: the memory-bound forward (norms, casts, activations, RoPE; fused when compiled)
         out = out.plus(fwd_mem)
     return out
 

@@ -32,6 +32,7 @@ from llmforge.models.kvcache import KVCache
 from llmforge.models.layers import MLP, Attention, make_norm, rope_tables
 from llmforge.models.masks import AttentionMasks, build_masks, document_positions, windowed_layer
 from llmforge.models.moe import MoE
+from llmforge.models.rebuild import rebuildable
 
 
 def make_mlp(config: ModelConfig, *, layer_id: int) -> nn.Module:
@@ -58,8 +59,9 @@ class Block(nn.Module):
         self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None = None, mask: Any = None, cache: Any = None
     ) -> torch.Tensor:
         # mask and cache by keyword: tensor parallelism prepares the positional inputs (x, rope) only
-        x = x + self.resid_dropout(self.attn(self.attn_norm(x), rope, mask=mask, cache=cache))
-        return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
+        attended = self.attn(rebuildable(self.attn_norm, x), rope, mask=mask, cache=cache)
+        x = rebuildable(torch.add, x, self.resid_dropout(attended))
+        return x + self.resid_dropout(self.mlp(rebuildable(self.mlp_norm, x)))
 
 
 class GPT(nn.Module):

@@ -14,6 +14,7 @@ from llmforge.blockspec.block import Norm as NormSpec
 from llmforge.blockspec.block import describe
 from llmforge.blockspec.dims import dims_of
 from llmforge.config.schema import ModelConfig
+from llmforge.models.rebuild import rebuildable
 
 
 def _like(weight: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
@@ -100,18 +101,17 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, mask = cache.extend(k, v)
         out = self.core_attention(q, k, v, mask)
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.o_proj(rebuildable(merge_heads, out))
 
     def project(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Queries, keys and values [b, heads, s, head_dim], rotated when ``rope`` is given."""
         # [b, s, local KV groups, q heads of a group + k + v, head_dim]
         groups = self.qkv_proj(x).unflatten(-1, (-1, self.q_per_group + 2, self.head_dim))
         q, k, v = groups.split([self.q_per_group, 1, 1], dim=-2)
-        q = q.flatten(2, 3).transpose(1, 2)
         k, v = k.squeeze(-2).transpose(1, 2), v.squeeze(-2).transpose(1, 2)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        return q, k, v
+        if rope is None:
+            return rebuildable(query_heads, q), k, v
+        return rebuildable(query_heads, q, *rope), rebuildable(apply_rope, k, *rope), v
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any = None) -> torch.Tensor:
         """Softmax attention; grouped-query heads share keys and values. ``mask``: None (causal),
@@ -120,11 +120,29 @@ class Attention(nn.Module):
             return flex_attention(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
         if k.shape[1] != q.shape[1]:
             groups = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            k, v = rebuildable(repeat_heads, k, groups), rebuildable(repeat_heads, v, groups)
         dropout = self.dropout if self.training else 0.0
         if mask is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+
+
+def query_heads(groups: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> torch.Tensor:
+    """The queries [b, s, KV groups, q heads of a group, d] -> [b, heads, s, d] (a copy when there are
+    several groups), rotated when ``cos`` and ``sin`` are given."""
+    q = groups.flatten(2, 3).transpose(1, 2)
+    return q if cos is None or sin is None else apply_rope(q, cos, sin)
+
+
+def merge_heads(out: torch.Tensor) -> torch.Tensor:
+    """Attention output [b, heads, s, d] -> [b, s, heads x d] (a copy unless the layout allows a view)."""
+    b, _, s, _ = out.shape
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """Each KV head [b, kv heads, s, d] repeated for the ``groups`` query heads that share it."""
+    return x.repeat_interleave(groups, dim=1)
 
 
 _COMPILED_FLEX: list = []
@@ -156,5 +174,14 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
             gate, up = self.gate_up_proj(x).unflatten(-1, (-1, 2, self.block)).unbind(-2)
-            return self.down_proj((F.silu(gate) * up).flatten(-2))
-        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+            return self.down_proj(rebuildable(gated, rebuildable(F.silu, gate), up))
+        return self.down_proj(rebuildable(gelu, self.up_proj(x)))
+
+
+def gated(activated: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's product silu(gate) * up [..., groups, block], its blocks put back in one row."""
+    return (activated * up).flatten(-2)
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")

@@ -1,26 +1,38 @@
 """Activation recomputation (``parallel.recompute``, ``parallel.recompute_every``).
 
-``apply_recompute(model, *, mode, every)`` wraps transformer blocks in torch's
-non-reentrant activation checkpointing, in place:
+``apply_recompute(model, *, mode, every, compiled)`` makes transformer blocks
+recompute in backward, in place:
 
 - ``none``: nothing changes; every block keeps what autograd saves.
 - ``selective``: every block keeps the outputs of its matrix multiplications
   (q/k/v, output projection, MLP or expert up/gate/down, router), of the
   fused attention kernel (its output and log-sum-exp statistics) and of the
-  collectives, and recomputes in backward everything else: norms, activation
-  functions, RoPE, dropout, casts, routing and dispatch bookkeeping. These are
-  large per token but cheap to rebuild (memory-bound elementwise work); no
-  matmul, no attention and no communication is repeated, as torchtitan's
-  op-level selective checkpointing does. Uses
-  ``create_selective_checkpoint_contexts`` with a ``CheckpointPolicy`` per op.
+  collectives, and recomputes in backward the cheap memory-bound steps between
+  them: norms, activation functions, RoPE, the GQA repeat, the residual add
+  before the second norm. No matmul, no attention and no communication is
+  repeated. Two mechanisms (``llmforge.layout.selective_rebuilds`` says which
+  runs; the estimator follows the same rule):
+
+  - an eager dense block without tensor parallelism keeps recipes for the steps
+    the model marks rebuildable and rebuilds their outputs when backward unpacks
+    them (``llmforge.parallel.rebuild``): one Python call per step and per saved
+    tensor, none per aten op. Autograd's other saved tensors (norm statistics,
+    autocast's weight copies) are kept as without recompute; the last matmul's
+    output is not kept;
+  - a compiled block (the policy is applied when the graph is traced and costs
+    nothing per step), an MoE block and a tensor-parallel one use torch's op-level
+    selective checkpointing (``create_selective_checkpoint_contexts`` with a
+    ``CheckpointPolicy`` per op, as torchtitan does), which also recomputes
+    dropout, casts, routing and dispatch bookkeeping; in eager mode it runs a
+    Python dispatch mode over every aten op of the block and of its recompute.
 - ``full``: a block keeps only its input and reruns its whole forward in
   backward; with ``every = N`` only blocks whose layer index is a multiple of N
   (0, N, 2N, ...) are checkpointed and the others keep everything.
 
 Blocks are found in ``model.layers`` (an ``nn.ModuleDict`` keyed by the global
 layer index), so a pipeline stage checkpoints the same layers it would in one
-process, and MoE blocks are handled like dense ones. Wrapping swaps each block's
-class for a checkpointing subclass, so parameter names do not change.
+process. Wrapping swaps each block's class for a checkpointing (or rebuilding)
+subclass, so parameter names do not change.
 """
 
 from __future__ import annotations
@@ -31,10 +43,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import llmforge.parallel.sequence  # noqa: F401  (registers llmforge::sp_column_linears, which _save_ops names)
 from llmforge.config.choices import Recompute
+from llmforge.layout import selective_rebuilds
+from llmforge.models.layers import MLP
+from llmforge.parallel.rebuild import RebuiltModule
 
 MODES = Recompute.names()
 
@@ -98,16 +114,37 @@ def _checkpointed_class(cls: type) -> type:
     return type(f"Checkpointed{cls.__name__}", (CheckpointedModule, cls), {})
 
 
+@functools.cache
+def _rebuilt_class(cls: type) -> type:
+    return type(f"Rebuilt{cls.__name__}", (RebuiltModule, cls), {})
+
+
 def checkpoint_module(module: nn.Module, *, context: Callable[[], tuple] | None) -> None:
     """Make ``module``'s forward checkpointed (selective when ``context`` is given)."""
-    if isinstance(module, CheckpointedModule):
+    if isinstance(module, (CheckpointedModule, RebuiltModule)):
         raise ValueError(f"{type(module).__name__} is already checkpointed")
     module.__class__ = _checkpointed_class(type(module))
     module.recompute_context = context
 
 
-def apply_recompute(model: nn.Module, *, mode: str, every: int = 1) -> nn.Module:
-    """Checkpoint the transformer blocks of ``model`` (or of a pipeline stage) in place."""
+def rebuild_module(block: nn.Module) -> None:
+    """Make a dense block's forward rebuild its cheap steps in backward (``llmforge.parallel.rebuild``)."""
+    if isinstance(block, (CheckpointedModule, RebuiltModule)):
+        raise ValueError(f"{type(block).__name__} is already checkpointed")
+    block.__class__ = _rebuilt_class(type(block))
+
+
+def rebuilds(block: nn.Module, *, compiled: bool) -> bool:
+    """Whether selective recompute of ``block`` rebuilds its cheap steps rather than running op-level
+    selective checkpointing (the rule the estimator reads too: ``llmforge.layout.selective_rebuilds``)."""
+    sharded = any(isinstance(p, DTensor) for p in block.parameters())  # tensor parallel (FSDP comes later)
+    moe = not isinstance(getattr(block, "mlp", None), MLP)
+    return selective_rebuilds(tp=2 if sharded else 1, moe=moe, compiled=compiled)
+
+
+def apply_recompute(model: nn.Module, *, mode: str, every: int = 1, compiled: bool = False) -> nn.Module:
+    """Checkpoint the transformer blocks of ``model`` (or of a pipeline stage) in place;
+    ``compiled``: the blocks will be compiled (selective recompute then uses op-level checkpointing)."""
     if mode not in MODES:
         raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(MODES)}")
     if every < 1:
@@ -117,5 +154,8 @@ def apply_recompute(model: nn.Module, *, mode: str, every: int = 1) -> nn.Module
     for name, block in model.layers.items():
         if mode == Recompute.FULL and int(name) % every:
             continue
-        checkpoint_module(block, context=selective_context if mode == Recompute.SELECTIVE else None)
+        if mode == Recompute.SELECTIVE and rebuilds(block, compiled=compiled):
+            rebuild_module(block)
+        else:
+            checkpoint_module(block, context=selective_context if mode == Recompute.SELECTIVE else None)
     return model

@@ -32,7 +32,7 @@ from llmforge.estimate.params import total_params
 from llmforge.estimate.shape import Job, shape_from_config
 from llmforge.layout import Layout
 from llmforge.models.gpt import GPT
-from llmforge.parallel.recompute import apply_recompute, checkpoint_module, selective_policy
+from llmforge.parallel.recompute import apply_recompute, checkpoint_module, rebuild_module, rebuilds, selective_policy
 from llmforge.parallel.residual import apply_residual_dtype
 from llmforge.train.loss import cross_entropy
 from llmforge.train.precision import DTYPES, residual_dtype
@@ -68,7 +68,8 @@ class Measurement:
 
 def _recompute_wrap(model, *, mode: str, every: int) -> list:
     """Apply llmforge's recompute to the blocks; returns the list that will collect the
-    selective-checkpoint caches (matmul outputs kept outside autograd's saved tensors)."""
+    op-level selective-checkpoint caches (matmul outputs kept outside autograd's saved tensors);
+    a block that rebuilds its cheap steps shows what it keeps to the outer saved-tensor hooks."""
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
     caches: list = []
@@ -82,7 +83,10 @@ def _recompute_wrap(model, *, mode: str, every: int) -> list:
         return forward, recompute
 
     for block in model.layers.values():
-        checkpoint_module(block, context=context)
+        if rebuilds(block, compiled=False):
+            rebuild_module(block)
+        else:
+            checkpoint_module(block, context=context)
     return caches
 
 
@@ -256,7 +260,8 @@ def measure_plan(plan, est) -> MeasuredReport:
         every=p.recompute_every,
         fp32_residual=cfg.precision.fp32_residual,
     )
-    ref = single_process_estimate(est.shape, est.job, micro_batch=mb, recompute=p.recompute, every=p.recompute_every)
+    eager = dataclasses.replace(est.job, compile=False)  # the measurement runs eager blocks
+    ref = single_process_estimate(est.shape, eager, micro_batch=mb, recompute=p.recompute, every=p.recompute_every)
     report = MeasuredReport(
         rows=[
             Row("parameters", ref["params"], measured_params),

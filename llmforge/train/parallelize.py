@@ -52,7 +52,7 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh | None) -
     if precision.param_dtype != Dtype.FP32:
         apply_residual_dtype(model, dtype=residual_dtype(param_dtype=precision.param_dtype, fp32_residual=precision.fp32_residual))
     if p.recompute != Recompute.NONE:
-        apply_recompute(model, mode=p.recompute, every=p.recompute_every)
+        apply_recompute(model, mode=p.recompute, every=p.recompute_every, compiled=plan.config.train.compile)
     if plan.config.train.compile:
         if p.async_tp:  # refused by the plan without compile, CUDA, tp > 1 and sequence parallel
             apply_async_tp(mesh.tp)

@@ -70,7 +70,10 @@ def test_the_chunked_loss_matches_and_needs_a_fraction_of_the_memory():
     assert peaks[0] < 0.5 * peaks[1], peaks
 
 
-def test_selective_recompute_keeps_the_cuda_attention_kernels_outputs():
+@pytest.mark.parametrize("compiled", [False, True], ids=["rebuilt", "op-level"])
+def test_selective_recompute_keeps_the_cuda_attention_kernels_outputs(compiled):
+    """Both mechanisms (rebuilt cheap steps in eager blocks; op-level checkpointing, which compiled
+    blocks run, here eager): backward reruns no matmul and no attention kernel on CUDA either."""
     from test_recompute import LAYERS, OpCounts, config, model_for
 
     from llmforge.parallel.recompute import apply_recompute
@@ -80,7 +83,7 @@ def test_selective_recompute_keeps_the_cuda_attention_kernels_outputs():
     tokens = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1), device=CUDA)
     counts = {}
     for mode in ("none", "selective"):
-        model = apply_recompute(model_for(cfg).to(CUDA), mode=mode)
+        model = apply_recompute(model_for(cfg).to(CUDA), mode=mode, compiled=compiled)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(tokens[:, :-1])
         loss = cross_entropy(logits, tokens[:, 1:])
