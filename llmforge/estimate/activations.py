@@ -244,10 +244,11 @@ def cached_copies_bytes(shape: Shape, layout: Layout, job: Job, counts: StageCou
     """Autocast's cache at the end of a forward: the weight copies of the recomputed blocks,
     which those blocks do not save (they cast again in backward) but which the cache holds
     until the forward's autocast region ends (the blocks that save everything count theirs
-    in their activations)."""
+    in their activations, as do the dense blocks that selective recompute rebuilds)."""
     if layout.recompute == Recompute.NONE:
         return 0.0
-    dense = counts.dense_ckpt * autocast_copies_bytes(shape, layout, job, moe=False)
+    rebuilt = layout.recompute == Recompute.SELECTIVE and selective_rebuilds(tp=layout.tp, moe=False, compiled=job.compile)
+    dense = 0.0 if rebuilt else counts.dense_ckpt * autocast_copies_bytes(shape, layout, job, moe=False)
     return dense + (counts.moe_ckpt * autocast_copies_bytes(shape, layout, job, moe=True) if counts.moe_ckpt else 0.0)
 
 

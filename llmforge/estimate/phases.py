@@ -22,8 +22,10 @@ either, the step has three candidate peaks (``live_at_peak`` takes the largest):
 On one H200 (torch 2.11, bf16, parallel=single, one microbatch) gpt-1b peaked at 32.01 GiB
 reserved without recompute: the start of the backward, no gradient yet (4.9 GiB fewer
 than the items' sum), as the rehearsal on fake tensors shows (grads 0 at its peak).
-With selective recompute it peaked at 28.29 GiB: the end of the forward, autocast's cached
-weight copies (2.25 GiB) live besides the kept matmul outputs.
+With selective recompute, checkpointed op by op then, it peaked at 28.29 GiB: the end of the
+forward, autocast's cached weight copies (2.25 GiB) live besides the kept matmul outputs.
+Compiled blocks are still checkpointed so; eager dense blocks now rebuild their cheap steps
+and save their weight copies as without recompute, so they peak at the start of the backward.
 """
 
 from __future__ import annotations
