@@ -18,7 +18,7 @@ import math
 
 from llmforge.config.schema import RunConfig
 from llmforge.errors import Problem
-from llmforge.layout import check_batch, check_ep, check_hsdp, check_world, ints
+from llmforge.layout_rules import check_batch, check_ep, check_hsdp, check_world, ints
 
 
 def is_elastic(config: RunConfig) -> bool:

@@ -25,8 +25,8 @@ from llmforge.config.train_rules import check_training
 from llmforge.elastic import check_elastic, world_problems
 from llmforge.errors import Problem, UserError, fail
 from llmforge.hardware import get_profile, is_known, unknown_problem
-from llmforge.layout import (
-    Layout,
+from llmforge.layout import Layout
+from llmforge.layout_rules import (
     check_async_tp,
     check_backend,
     check_batch,
@@ -309,7 +309,7 @@ def _check_window(m: ModelConfig) -> list[Problem]:
 
 
 def _check_moe(config: RunConfig) -> list[Problem]:
-    """top_k against the number of experts (ranges: the schema; expert parallelism: llmforge.layout.check_ep)."""
+    """top_k against the number of experts (ranges: the schema; expert parallelism: llmforge.layout_rules.check_ep)."""
     moe = config.model.moe
     if moe.num_experts > 0 and moe.top_k > moe.num_experts:
         return [Problem("model.moe.top_k", moe.top_k, f"must be between 1 and model.moe.num_experts={moe.num_experts}", "lower top_k")]
