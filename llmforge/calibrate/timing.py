@@ -55,8 +55,8 @@ def time_calls(fn: Callable[[], object], *, calls: int, device: torch.device) ->
 
 
 def warm_up(fn: Callable[[], object], *, device: torch.device, budget_s: float) -> float:
-    """Call ``fn`` untimed (at least ``WARMUP_CALLS`` times, and for a quarter of ``budget_s``);
-    seconds one warm call takes (the last warm-up call's)."""
+    """Call ``fn`` at least ``WARMUP_CALLS`` times and for a quarter of ``budget_s``, none of
+    them a result; seconds the last of them took (what sizes the rounds)."""
     fn()
     synchronize(device)
     deadline = clock() + budget_s / 4

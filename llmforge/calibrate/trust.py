@@ -5,8 +5,9 @@ order to the one before (interleaved: a burst of load hits different shapes in e
 takes the median of the passes for every timing (``combine``), and then asks two
 questions (``judge``): do the passes agree (each fitted on its own, at the ``matmul_dim``
 of the medians: the reference matmul rate, attention and memory-bound rates), and did
-other processes take a share of the CPUs it measured on. A calibration that fails either is retried, and where it still
-fails, flagged in its profile and said so (``llmforge.calibrate.run.measure_trusted``).
+other processes take a share of the CPUs it measured on. A calibration that fails either
+is retried, and where it still fails, flagged in its profile and said so
+(``llmforge.calibrate.run.measure_trusted``).
 """
 
 from __future__ import annotations
