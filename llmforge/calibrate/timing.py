@@ -10,7 +10,9 @@ rounds of back-to-back calls.
 - Rounds: each round times enough back-to-back calls that the clock's and the
   synchronization's cost are a small share of it, and the result is the fastest round (what
   the machine can do, with as little as possible of what else ran on it at the time). A call
-  too slow for several in a round is timed alone, still ``MIN_ROUNDS`` times at least.
+  too slow for several in a round is timed alone, as many times as there are rounds: a quiet
+  CPU's single calls of a few milliseconds vary by 2x (page faults of fresh outputs, the
+  scheduler), and the fastest of the two the slow path used to time was often not its speed.
 - On a GPU each round is timed with CUDA events on the stream (device time from the first
   launch to the last kernel's end) after a synchronize, so the host's wake-up from the
   synchronize is not counted.
@@ -26,8 +28,8 @@ import torch
 
 #: Untimed calls before any timing (the first pays for kernel selection and allocation).
 WARMUP_CALLS = 2
-#: Timed rounds however slow a call is (the fastest of them is kept).
-MIN_ROUNDS = 3
+#: Rounds of a timing, each its own (the fastest is kept), however slow a call is.
+ROUNDS = 5
 #: The host's clock (an argument of the tests).
 clock = time.perf_counter
 
@@ -68,12 +70,12 @@ def warm_up(fn: Callable[[], object], *, device: torch.device, budget_s: float) 
     return once
 
 
-def seconds_per_call(fn: Callable[[], object], *, device: torch.device, budget_s: float, rounds: int = 5) -> float:
+def seconds_per_call(fn: Callable[[], object], *, device: torch.device, budget_s: float, rounds: int = ROUNDS) -> float:
     """Seconds one call of ``fn`` takes: after a warm-up, the fastest of ``rounds`` rounds of
-    back-to-back calls that together take about ``budget_s``; a call too slow for that is
-    timed alone ``MIN_ROUNDS`` times (the fastest kept)."""
+    back-to-back calls that together take about ``budget_s`` (a call too slow for that: one a
+    round, over the budget)."""
     once = warm_up(fn, device=device, budget_s=budget_s)
-    if once * rounds > budget_s:  # a slow call: a few alone
-        return min(time_calls(fn, calls=1, device=device) for _ in range(MIN_ROUNDS))
+    if once * rounds > budget_s:  # a slow call: alone in each round
+        return min(time_calls(fn, calls=1, device=device) for _ in range(rounds))
     calls = max(1, math.floor(budget_s / rounds / once))
     return min(time_calls(fn, calls=calls, device=device) / calls for _ in range(rounds))
