@@ -4,15 +4,15 @@ rounds of back-to-back calls.
 
 - Warm-up: the first calls of a kernel pay for what later ones do not (cuDNN and flash
   attention choosing their kernels, lazy CUDA module loading, the caching allocator growing,
-  a CPU's thread pool waking up, a GPU's clocks rising); timed, they made the first of the
-  calibration's passes slower than the others. At least ``WARMUP_CALLS`` calls and a quarter
+  a CPU's thread pool waking up, a GPU's clocks rising); timed, they would make the first of
+  the calibration's passes slower than the others. At least ``WARMUP_CALLS`` calls and a quarter
   of the budget run before any timing.
 - Rounds: each round times enough back-to-back calls that the clock's and the
   synchronization's cost are a small share of it, and the result is the fastest round (what
   the machine can do, with as little as possible of what else ran on it at the time). A call
   too slow for several in a round is timed alone, as many times as there are rounds: a quiet
-  CPU's single calls of a few milliseconds vary by 2x (page faults of fresh outputs, the
-  scheduler), and the fastest of the two the slow path used to time was often not its speed.
+  CPU's single calls of a few milliseconds vary by up to 2x (the page faults of fresh outputs
+  and the scheduler, at a guess), and the fastest of the two the slow path used to time was often not its speed.
 - On a GPU each round is timed with CUDA events on the stream (device time from the first
   launch to the last kernel's end) after a synchronize, so the host's wake-up from the
   synchronize is not counted.
