@@ -56,10 +56,12 @@ def grid_for(device: torch.device, *, quick: bool) -> Grid:
         return Grid(
             (128, 256, 512, 1024), (512, 2048, 4096), ((128, 32), (512, 64), (1024, 64)), 4096, (2**16, 2**18, 2**20, 2**22, 2**24), 0.15
         )
+    # memory-bound sizes from 256 MiB of fp32 up: far beyond the L2 cache (50-126 MB), and kernels
+    # long enough that the host's launches stay ahead of them
     if quick:
-        return Grid((1024, 4096), (4096,), ((2048, 128),), 16384, (2**22, 2**26), 0.05)
+        return Grid((1024, 4096), (4096,), ((2048, 128),), 16384, (2**26, 2**28), 0.05)
     return Grid(
-        (768, 1024, 2048, 4096, 8192), (2048, 8192, 16384), ((1024, 64), (2048, 128), (4096, 128)), 32768, (2**20, 2**24, 2**26, 2**28), 0.2
+        (768, 1024, 2048, 4096, 8192), (2048, 8192, 16384), ((1024, 64), (2048, 128), (4096, 128)), 32768, (2**26, 2**27, 2**28), 0.2
     )
 
 
@@ -115,13 +117,7 @@ def attention(grid: Grid, *, dtype: str, device: torch.device, tick: Tick) -> li
         batch = max(1, grid.attention_tokens // seq)
         q, k, v = (torch.randn(batch, 8, seq, head_dim, device=device, dtype=tdt, requires_grad=True) for _ in range(3))
         grad = torch.randn(batch, 8, seq, head_dim, device=device, dtype=tdt)
-
-        def forward():
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-        def both():
-            forward().backward(grad)
-
+        forward, both = attention_calls(q, k, v, grad)
         with torch.no_grad():
             fwd = seconds_per_call(forward, device=device, budget_s=grid.budget_s)
         total = seconds_per_call(both, device=device, budget_s=grid.budget_s)
@@ -130,36 +126,67 @@ def attention(grid: Grid, *, dtype: str, device: torch.device, tick: Tick) -> li
     return out
 
 
+def attention_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor) -> tuple[Callable, Callable]:
+    """(causal SDPA forward, its forward and backward). The backward returns the gradients
+    (``autograd.grad``) instead of accumulating them into ``.grad``: the accumulation is a kernel
+    that training's activations never run."""
+
+    def forward() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def both() -> tuple:
+        return torch.autograd.grad(forward(), (q, k, v), grad)
+
+    return forward, both
+
+
 def bandwidth(grid: Grid, *, device: torch.device, tick: Tick) -> list[BandwidthSample]:
     """The memory-bound kernels of a training step, fp32, at each size: copies (read + write),
     additions (two reads, one write), and the elementwise kernels a block and the loss run
-    forward and backward (GELU, layer norm over rows of 128, log-softmax over rows of 4096),
-    each counted as the kernel model counts it: a forward reads and writes the tensor once,
-    a backward reads two and writes one (20 bytes per element for both). On a GPU all of them
-    run at the memory's speed; on a CPU the transcendentals make GELU and softmax slower than
-    their bytes, and the fit's time-weighted rate follows what a step spends there."""
+    forward and backward (GELU, layer norm over rows of a model's width, log-softmax over rows of
+    4096), each counted as the kernel model counts it: a forward reads and writes the tensor once,
+    a backward reads two and writes one (20 bytes per element for both). Bytes are those read
+    plus those written, as a datasheet's memory bandwidth counts them (a copy of N bytes moves
+    2N). On a GPU all of them run at the memory's speed; on a CPU the transcendentals make GELU
+    and softmax slower than their bytes, and the fit's time-weighted rate follows what a step
+    spends there."""
     out = []
     for n in grid.elements:
-        a, b = torch.randn(n, device=device), torch.randn(n, device=device)
-        dst = torch.empty_like(a)
-        out.append(BandwidthSample("copy", 8 * n, seconds_per_call(lambda: dst.copy_(a), device=device, budget_s=grid.budget_s)))
-        out.append(BandwidthSample("add", 12 * n, seconds_per_call(lambda: a + b, device=device, budget_s=grid.budget_s)))
-        for kind, run in _training_kernels(n, device=device).items():
-            out.append(BandwidthSample(kind, 20 * n, seconds_per_call(run, device=device, budget_s=grid.budget_s)))
+        out += _bandwidth_at(n, device=device, budget_s=grid.budget_s)  # its tensors freed before the next size's
         tick(f"memory-bound {n:,} elements")
     return out
 
 
-def _training_kernels(n: int, *, device: torch.device) -> dict:
-    """Forward-and-backward closures of the elementwise kernels over ``n`` fp32 elements."""
-    x = torch.randn(n, device=device, requires_grad=True)
-    grad = torch.randn(n, device=device)
+def _bandwidth_at(n: int, *, device: torch.device, budget_s: float) -> list[BandwidthSample]:
+    a, b = torch.randn(n, device=device), torch.randn(n, device=device)
+    dst = torch.empty_like(a)
+    out = [
+        BandwidthSample("copy", 8 * n, seconds_per_call(lambda: dst.copy_(a), device=device, budget_s=budget_s)),
+        BandwidthSample("add", 12 * n, seconds_per_call(lambda: a + b, device=device, budget_s=budget_s)),
+    ]
+    x, grad = torch.randn(n, device=device, requires_grad=True), torch.randn(n, device=device)
+    for kind, run in training_kernels(x, grad, width=norm_width(device)).items():
+        out.append(BandwidthSample(kind, 20 * n, seconds_per_call(run, device=device, budget_s=budget_s)))
+    return out
+
+
+def norm_width(device: torch.device) -> int:
+    """The layer norm's row: a CPU model's width (the tiny recipe's 128), a GPU model's (1024)."""
+    return 128 if device.type == "cpu" else 1024
+
+
+def training_kernels(x: torch.Tensor, grad: torch.Tensor, *, width: int) -> dict:
+    """Forward-and-backward closures of the elementwise kernels over the fp32 elements of ``x``
+    (its gradient ``grad``; layer norm over rows of ``width``). Each returns the input's gradient
+    (``autograd.grad``) instead of accumulating it into ``x.grad``: the accumulation would add a
+    kernel (12 bytes an element) that training's activations never run, uncounted."""
+    n = x.numel()
     forwards = {"gelu": lambda: F.gelu(x)}
-    if n % 128 == 0:
-        forwards["layer_norm"] = lambda: F.layer_norm(x.view(-1, 128), (128,)).view(-1)
+    if n % width == 0:
+        forwards["layer_norm"] = lambda: F.layer_norm(x.view(-1, width), (width,)).view(-1)
     if n % 4096 == 0:
         forwards["log_softmax"] = lambda: F.log_softmax(x.view(-1, 4096), dim=-1).view(-1)
-    return {kind: (lambda forward=forward: forward().backward(grad)) for kind, forward in forwards.items()}
+    return {kind: (lambda forward=forward: torch.autograd.grad(forward(), x, grad)) for kind, forward in forwards.items()}
 
 
 def launch_floor(*, device: torch.device, budget_s: float) -> float:

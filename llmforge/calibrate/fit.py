@@ -183,10 +183,11 @@ class Fitted:
     dtensor_op_s: float = 0.0
 
 
-def fit_compute(samples: ComputeSamples) -> Fitted:
+def fit_compute(samples: ComputeSamples, *, dims: Sequence[float] = DIMS) -> Fitted:
+    """The rates of ``samples``; ``dims``: the candidate ``matmul_dim`` values (one: that one)."""
     ref = samples.reference_dtype
     rates = {}
-    rates[ref], dim = fit_matmul(samples.matmul[ref], floor_s=samples.floor_s)
+    rates[ref], dim = fit_matmul(samples.matmul[ref], floor_s=samples.floor_s, dims=dims)
     for dtype, points in samples.matmul.items():
         if dtype != ref:  # fewer shapes: the reference dtype's size dependence
             rates[dtype] = fit_matmul(points, floor_s=samples.floor_s, dims=(dim,))[0]

@@ -3,10 +3,11 @@
 A calibration runs its whole grid of timings several times, each pass in the opposite
 order to the one before (interleaved: a burst of load hits different shapes in each),
 takes the median of the passes for every timing (``combine``), and then asks two
-questions (``judge``): do the passes agree (each fitted on its own: the reference
-matmul rate, attention and memory-bound rates), and did other processes take a share of
-the CPUs it measured on. A calibration that fails either is retried, and where it still
-fails, flagged in its profile and said so (``llmforge.calibrate.run.measure_trusted``).
+questions (``judge``): do the passes agree (each fitted on its own, at the ``matmul_dim``
+of the medians: the reference matmul rate, attention and memory-bound rates), and did
+other processes take a share of the CPUs it measured on. A calibration that fails either
+is retried, and where it still fails, flagged in its profile and said so
+(``llmforge.calibrate.run.measure_trusted``).
 """
 
 from __future__ import annotations
@@ -90,9 +91,14 @@ def _rates(f: Fitted) -> dict:
     return out
 
 
-def spread(passes: Sequence[ComputeSamples]) -> tuple[float, str]:
-    """(worst max / min - 1 over the passes' fitted rates, the rate it was)."""
-    fits = [_rates(fit_compute(p)) for p in passes]
+def spread(passes: Sequence[ComputeSamples], *, matmul_dim: float | None = None) -> tuple[float, str]:
+    """(worst max / min - 1 over the passes' fitted rates, the rate it was). Every pass is fitted
+    with one ``matmul_dim`` (by default the one of their medians): fitted on its own, each pass
+    could pick another (a flat optimum that a few percent of noise moves from 0 to 512), and
+    the matmul and attention rates, which are read at that ``matmul_dim``, would then differ by
+    several times on a quiet machine."""
+    dim = fit_compute(combine(passes)).matmul_dim if matmul_dim is None else matmul_dim
+    fits = [_rates(fit_compute(p, dims=(dim,))) for p in passes]
     worst = (0.0, "")
     for key in fits[0]:
         values = [f[key] for f in fits if f.get(key)]
@@ -105,7 +111,7 @@ def judge(samples: ComputeSamples, *, max_spread: float = MAX_SPREAD, max_conten
     """Trusted, or why not: passes that disagree, or other processes on the calibration's CPUs
     (on a CPU device; a GPU's timings do not share its CPUs' load)."""
     reasons = []
-    worst, key = spread(samples.passes) if len(samples.passes) > 1 else (0.0, "")
+    worst, key = spread(samples.passes, matmul_dim=fit_compute(samples).matmul_dim) if len(samples.passes) > 1 else (0.0, "")
     if worst > max_spread:
         reasons.append(f"its {len(samples.passes)} passes disagree: the {key} rate varied by {worst:.0%}")
     others = max((r.others_cores for r in samples.load), default=None)
