@@ -59,7 +59,8 @@ def test_fp8_trains_like_bf16(pair):
     steps = sorted(bf16)
     assert sorted(fp8) == steps == list(range(1, 21))
     assert fp8[20] < fp8[1] - 0.5  # it learns
-    assert all(abs(fp8[s] - bf16[s]) <= FP8_REL * bf16[s] for s in steps), (fp8, bf16)
+    worst = max(steps, key=lambda s: abs(fp8[s] - bf16[s]) / bf16[s])
+    assert abs(fp8[worst] - bf16[worst]) <= FP8_REL * bf16[worst], f"step {worst}: fp8 {fp8[worst]:.4f}, bf16 {bf16[worst]:.4f}"
 
 
 def test_fp8_layers_are_float8_on_the_device(pair):
