@@ -50,6 +50,19 @@ os.environ.setdefault("LLMFORGE_CHECK_COLLECTIVES", "1")
 
 
 @pytest.fixture
+def one_rank():
+    """A one-rank gloo group in this process, as a one-dimensional CPU mesh (reductions are the identity)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on right now."""
     return pick_free_port()

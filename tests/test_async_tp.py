@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from typer.testing import CliRunner
 
 from llmforge.blockspec.block import describe
@@ -76,15 +74,6 @@ def _symm_mem_groups() -> dict:
     from torch.distributed import _symmetric_memory
 
     return dict(getattr(_symmetric_memory, "_group_name_to_store", {}))
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _loss_and_grads(model) -> tuple:

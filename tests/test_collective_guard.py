@@ -13,15 +13,6 @@ from llmforge.train.stop import StopSignal
 
 
 @pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.fixture
 def guard_on():
     """Install a guard for a given compute device; always uninstalled afterwards."""
     guards = []

@@ -8,23 +8,12 @@ import types
 
 import pytest
 import torch
-import torch.distributed as dist
 from tiny_models import GPT_TINY
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from llmforge.models.gpt import GPT
 from llmforge.parallel.data import apply_fsdp
 from llmforge.train.recovery import check_and_save
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _validated(mesh, *, zero: int) -> GPT:

@@ -21,16 +21,6 @@ from llmforge.train.build import build_model
 SMALL = 2048  # bytes: the tiny model's gradients then fill many buckets
 
 
-@pytest.fixture
-def one_rank():
-    """A one-rank gloo group in this process (the reduction is then the identity)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def _backward(model: nn.Module, *, seed: int = 0) -> None:
     tokens = torch.randint(0, model.config.vocab_size, (2, model.config.seq_len + 1), generator=torch.Generator().manual_seed(seed))
     with loss_context(2):  # the sharded loss is the plain one on undistributed logits
@@ -54,7 +44,7 @@ def test_buckets_launch_during_the_last_backward_before_every_gradient_is_ready(
     trace: list = []
     reducer = BucketedGradReduce(
         params=list(model.parameters()),
-        group=one_rank,
+        group=one_rank.get_group(),
         size=1,
         dtype=torch.float32,
         bucket_bytes=SMALL,
@@ -98,7 +88,13 @@ class _Partly(nn.Module):
 def test_a_parameter_without_gradient_leaves_its_bucket_to_the_end(one_rank):
     module, trace = _Partly(), []
     reducer = BucketedGradReduce(
-        params=list(module.parameters()), group=one_rank, size=1, dtype=torch.float32, bucket_bytes=16, first_bucket_bytes=16, trace=trace
+        params=list(module.parameters()),
+        group=one_rank.get_group(),
+        size=1,
+        dtype=torch.float32,
+        bucket_bytes=16,
+        first_bucket_bytes=16,
+        trace=trace,
     )
     with grad_sync([reducer], sync=True):
         module(torch.ones(4), use_skip=False).backward()
@@ -150,7 +146,7 @@ def test_the_estimate_leaves_exposed_the_bucket_the_last_gradient_launches(one_r
     model, trace = build_model(tiny_plan([]), device=torch.device("cpu")), []
     reducer = BucketedGradReduce(
         params=list(model.parameters()),
-        group=one_rank,
+        group=one_rank.get_group(),
         size=1,
         dtype=torch.float32,
         bucket_bytes=SMALL,
