@@ -14,7 +14,8 @@ Each kernel llmforge's eager step runs is costed by what bounds it:
   accumulation, AdamW and the clip): bytes moved / (memory bandwidth x
   ``bandwidth_efficiency``);
 - no kernel takes less than ``kernel_floor_us``: an eager step issues a kernel
-  per op, and the host needs about that long per op to issue it.
+  per op, and the host needs about that long per op to issue it; on a CPU, where the
+  same thread issues the op and runs it, every kernel takes that long more.
 
 The byte counts follow llmforge's GPT as it runs (fp32 residual stream and norms,
 16-bit matmul inputs under autocast, one cast of a norm output per consuming
@@ -87,27 +88,33 @@ class Speeds:
     bandwidth: float
     floor: float
     attention_backward_efficiency: float = 0.0  # 0: as the forward
+    #: The host issues and runs each op on one thread (a CPU): the floor adds to every kernel's
+    #: work instead of bounding it from below, as a GPU's queue of launched kernels does.
+    serial: bool = False
+
+    def _floor(self, kernels: float, work: float) -> float:
+        return kernels * self.floor if self.serial else max(0.0, kernels * self.floor - work)
 
     def gemm(self, m: float, k: float, n: float, count: int = 1, batch: int = 1) -> Cost:
         """``count`` kernels, each ``batch`` matmuls ``[m x k] @ [k x n]`` (a batched matmul)."""
         if m <= 0 or k <= 0 or n <= 0:
             return NONE
         work = batch * 2 * m * k * n / (self.peak * self.matmul_efficiency) * (1 + self.matmul_dim * (1 / m + 1 / k + 1 / n))
-        return Cost(matmul=count * work, floor=count * max(0.0, self.floor - work))
+        return Cost(matmul=count * work, floor=count * self._floor(1, work))
 
     def memory(self, nbytes: float, kernels: int) -> Cost:
         """``kernels`` memory-bound kernels moving ``nbytes`` together."""
         if kernels <= 0:
             return NONE
         work = nbytes / self.bandwidth
-        return Cost(memory=work, floor=max(0.0, kernels * self.floor - work))
+        return Cost(memory=work, floor=self._floor(kernels, work))
 
     def attention(self, flops: float, kernels: int, *, head_dim: int, backward: bool = False) -> Cost:
         """Fused causal attention counted as ``flops`` (full-score convention):
         the causal half runs as matmuls whose inner dimension is the head's."""
         efficiency = self.attention_backward_efficiency if backward and self.attention_backward_efficiency else self.attention_efficiency
         work = 0.5 * flops / (self.peak * efficiency) * (1 + self.matmul_dim / head_dim)
-        return Cost(attention=work, floor=max(0.0, kernels * self.floor - work))
+        return Cost(attention=work, floor=self._floor(kernels, work))
 
 
 def speeds(job: Job) -> Speeds:
@@ -123,6 +130,7 @@ def speeds(job: Job) -> Speeds:
             bandwidth=p.memory_bandwidth * p.bandwidth_efficiency,
             floor=p.kernel_floor_us * 1e-6,
             attention_backward_efficiency=p.attention_backward_efficiency or p.attention_efficiency,
+            serial=job.on_cpu,
         )
         object.__setattr__(job, "_speeds", cached)
     return cached
