@@ -104,7 +104,12 @@ def _faults_to_write_again(numel: int) -> int:
 
 def test_a_cpu_rank_reuses_freed_host_memory_without_page_faults():
     """After building a CPU rank, a freed step-sized buffer (8 MiB, the default recipe's
-    logits) comes back from the heap: writing it again faults in no fresh pages."""
+    logits) comes back from the heap: writing it again faults in no fresh pages, also where
+    an earlier plan of the same process had set a smaller mmap threshold."""
+    from llmforge.train.host_memory import keep_freed_memory
+
+    keep_freed_memory(16 * 2**20)  # as this plan's build sets it: a second call must set it again
+    keep_freed_memory(4 * 2**20)
     plan = tiny_plan(["model.num_layers=1", "model.vocab_size=4096", "model.seq_len=128", "train.micro_batch_size=4"])
     _components(plan, torch.device("cpu"))
     logits = 4 * 128 * 4096

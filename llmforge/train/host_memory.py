@@ -53,26 +53,24 @@ def return_freed_memory() -> bool:
     return libc is not None and bool(libc.malloc_trim(0))
 
 
+@lru_cache(maxsize=1)
 def _glibc():
     if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         libc.malloc_trim.argtypes, libc.malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+        libc.mallopt.argtypes, libc.mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
         return libc
     except (OSError, AttributeError):
         return None
 
 
-@lru_cache(maxsize=4)
 def keep_freed_memory(threshold: int = MMAP_THRESHOLD_MAX) -> bool:
-    """Fix glibc's thresholds for this process (mmap at ``threshold``); False where the C library is not glibc."""
-    if not sys.platform.startswith("linux"):
+    """Fix glibc's thresholds for this process (mmap at ``threshold``); False where the C library
+    is not glibc. Set on every call: the thresholds are the process's, and a process that builds
+    several plans (the test harness, a rehearsal) must get each plan's."""
+    libc = _glibc()
+    if libc is None:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(M_MMAP_THRESHOLD, threshold)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
