@@ -119,19 +119,22 @@ def _rebuilt_class(cls: type) -> type:
     return type(f"Rebuilt{cls.__name__}", (RebuiltModule, cls), {})
 
 
-def checkpoint_module(module: nn.Module, *, context: Callable[[], tuple] | None) -> None:
-    """Make ``module``'s forward checkpointed (selective when ``context`` is given)."""
+def _swap_class(module: nn.Module, subclass_of: Callable[[type], type]) -> None:
+    """Give ``module`` a recomputing subclass of its class, once."""
     if isinstance(module, (CheckpointedModule, RebuiltModule)):
         raise ValueError(f"{type(module).__name__} is already checkpointed")
-    module.__class__ = _checkpointed_class(type(module))
+    module.__class__ = subclass_of(type(module))
+
+
+def checkpoint_module(module: nn.Module, *, context: Callable[[], tuple] | None) -> None:
+    """Make ``module``'s forward checkpointed (selective when ``context`` is given)."""
+    _swap_class(module, _checkpointed_class)
     module.recompute_context = context
 
 
 def rebuild_module(block: nn.Module) -> None:
     """Make a dense block's forward rebuild its cheap steps in backward (``llmforge.parallel.rebuild``)."""
-    if isinstance(block, (CheckpointedModule, RebuiltModule)):
-        raise ValueError(f"{type(block).__name__} is already checkpointed")
-    block.__class__ = _rebuilt_class(type(block))
+    _swap_class(block, _rebuilt_class)
 
 
 def rebuilds(block: nn.Module, *, compiled: bool) -> bool:
