@@ -12,7 +12,7 @@ rounds of back-to-back calls.
   the machine can do, with as little as possible of what else ran on it at the time). A call
   too slow for several in a round is timed alone, as many times as there are rounds: a quiet
   CPU's single calls of a few milliseconds vary by up to 2x (the page faults of fresh outputs
-  and the scheduler, at a guess), and the fastest of the two the slow path used to time was often not its speed.
+  and the scheduler, at a guess), so the fastest of two is often not its speed.
 - On a GPU each round is timed with CUDA events on the stream (device time from the first
   launch to the last kernel's end) after a synchronize, so the host's wake-up from the
   synchronize is not counted.
