@@ -25,6 +25,7 @@ class FakeMachine:
     memory_bandwidth: float = 3e10  # memory-bound kernels
     copy_bandwidth: float = 1.2e10  # copies, read + write
     floor_s: float = 4e-6
+    step_floor_s: float = 12e-6  # per kernel of a training step: the profile's kernel_floor_us
     dtensor_call_s: float = 60e-6  # host seconds a DTensor call adds (CPU)
     memory_bytes: int = 24 * GIB
     slow: float = 1.0
@@ -62,6 +63,7 @@ class FakeMachine:
         monkeypatch.setattr(compute, "attention", self.time_attention)
         monkeypatch.setattr(compute, "bandwidth", self.time_bandwidth)
         monkeypatch.setattr(compute, "launch_floor", lambda *, device, budget_s: self.slow * self.floor_s)
+        monkeypatch.setattr(compute, "step_floor", lambda *, device, budget_s: self.slow * self.step_floor_s)
         monkeypatch.setattr(compute, "host_memory_bytes", lambda: self.memory_bytes)
         monkeypatch.setattr(compute, "dtensor_call", lambda device: self.dtensor_call_s if device.type == "cpu" else 0.0)
         monkeypatch.setattr(compute, "CpuLoad", QuietLoad)

@@ -76,7 +76,7 @@ def test_the_measured_rates_reach_the_profile(fake, tmp_path):
     assert p.attention_efficiency == pytest.approx(fake.attention / fake.rates["fp32"], rel=5e-3)
     grid = compute.grid_for(__import__("torch").device("cpu"), quick=True)
     assert p.memory_bandwidth == pytest.approx(fake.expected_memory_bandwidth(grid), rel=5e-3) and p.bandwidth_efficiency == 1.0
-    assert p.kernel_floor_us == pytest.approx(fake.floor_s * 1e6)
+    assert p.kernel_floor_us == pytest.approx(fake.step_floor_s * 1e6)
     assert p.dtensor_op_us == pytest.approx(fake.dtensor_call_s * 1e6)  # what tensor-parallel CPU ranks pay per DTensor call
     assert p.memory_bytes == fake.memory_bytes
     # item 3 of issue 29: the host keys are measured (the CPU's host is the device), not dropped
@@ -96,6 +96,7 @@ def test_estimate_runs_at_the_measured_speed_and_checks_offload_against_the_meas
             memory_bandwidth=3e10 * times,
             copy_bandwidth=1.2e10 * times,
             floor_s=1e-9,
+            step_floor_s=1e-9,
         )
         with monkeypatch.context() as mp:
             machine.install(mp)

@@ -466,3 +466,21 @@ def test_unknown_accelerator_fails_validation_with_exit_code_2():
     result = CliRunner().invoke(app, ["estimate", "cluster.accelerator=h100-80g"])
     assert result.exit_code == 2
     assert "cluster.accelerator" in result.output and "h100-80gb" in result.output and "Traceback" not in result.output
+
+
+def test_the_bubble_of_an_unbalanced_pipeline_waits_for_the_other_stages():
+    """The tiny recipe at pp2: the last stage also runs the output layer and the loss, so it is
+    the slowest; as the pipeline fills and drains it waits for the first stage's forward and
+    backward of one microbatch (1F1B: p - 1 of them), not for its own."""
+    from llmforge.commands.plans import build_plan
+    from llmforge.estimate.core import _stage_seconds, _stage_time, microbatches
+    from llmforge.estimate.shape import from_plan
+
+    shape, layout, job = from_plan(build_plan(["parallel=pp2", "cluster.devices_per_node=2"]))
+    est = estimate(shape, layout, job)
+    inv = inventory(shape, layout)
+    m = microbatches(est.layout, job)
+    first, last = (_stage_seconds(*_stage_time(inv, job, s, m)) for s in (0, 1))
+    assert last > 1.2 * first
+    assert est.parts["bubble"] == pytest.approx(first)
+    assert est.parts["compute"] + est.parts["tp_ep_comm"] == pytest.approx(m * last, rel=0.02)

@@ -24,7 +24,12 @@ from llmforge.calibrate.timing import seconds_per_call
 from llmforge.calibrate.trust import PASSES, combine
 from llmforge.config.choices import Dtype
 from llmforge.config.dtypes import TORCH_NAMES
+from llmforge.config.schema import ModelConfig
+from llmforge.estimate.kernels import microbatch_kernels
+from llmforge.estimate.shape import shape_from_config
 from llmforge.hardware import cpu_model
+from llmforge.models.gpt import GPT
+from llmforge.train.loss import cross_entropy
 
 Tick = Callable[[str], None]
 
@@ -202,6 +207,28 @@ def launch_floor(*, device: torch.device, budget_s: float) -> float:
     return seconds_per_call(chain, device=device, budget_s=budget_s) / 100
 
 
+#: The step floor's model: llmforge's GPT at a width where no kernel has work to speak of.
+FLOOR_MODEL = ModelConfig(num_layers=2, hidden_size=16, num_heads=2, ffn_hidden_size=64, vocab_size=64, seq_len=8)
+FLOOR_BATCH = 2
+
+
+def step_floor(*, device: torch.device, budget_s: float) -> float:
+    """Host seconds per kernel of an eager training step: one microbatch of ``FLOOR_MODEL``
+    forward and backward, its gradients accumulated, over the estimator's count of that
+    microbatch's kernels (``llmforge.estimate.kernels.microbatch_kernels``). Besides issuing
+    each kernel, a step records autograd's graph, runs its engine, calls the modules and the
+    view and shape ops between kernels: on a CPU several times ``launch_floor``."""
+    torch.manual_seed(0)
+    model = GPT(FLOOR_MODEL).to(device)
+    tokens = torch.randint(0, FLOOR_MODEL.vocab_size, (FLOOR_BATCH, FLOOR_MODEL.seq_len + 1), device=device)
+
+    def step() -> None:
+        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+
+    kernels = microbatch_kernels(shape_from_config(FLOOR_MODEL), micro_batch_size=FLOOR_BATCH)
+    return seconds_per_call(step, device=device, budget_s=budget_s) / kernels
+
+
 def dtensor_call(device: torch.device) -> float:
     """Host seconds a DTensor call adds (``llmforge.calibrate.host_probe``) on a CPU; on a GPU
     the host's dispatch runs ahead of the kernels (0: not charged)."""
@@ -277,6 +304,7 @@ def one_pass(device: torch.device, *, grid: Grid, quick: bool, threads: int, tic
 
     def floor() -> None:
         samples.floor_s = launch_floor(device=device, budget_s=grid.budget_s)
+        samples.step_floor_s = step_floor(device=device, budget_s=grid.budget_s)
         samples.dtensor_op_s = dtensor_call(device)
         samples.memory_bytes, samples.reserved_bytes = usable_memory(device)
         samples.host_memory_bytes = host_memory_bytes()

@@ -4,7 +4,8 @@ The step-time model (``llmforge.estimate.kernels``) times a matmul ``[m x k] @ [
 as ``2mkn / (peak x matmul_efficiency) x (1 + matmul_dim (1/m + 1/k + 1/n))``, fused
 attention as ``0.5 F (1 + matmul_dim / head_dim) / (peak x attention_efficiency)``
 forward and 2.5 times that backward, memory-bound work as bytes / (memory bandwidth x
-bandwidth_efficiency), each kernel at least ``kernel_floor_us``, and a collective as
+bandwidth_efficiency), each kernel at least ``kernel_floor_us`` (the host time per kernel of
+a training step whose kernels have next to no work), and a collective as
 its bytes over the group's bus bandwidth. The fits below choose those keys so that the
 model reproduces the timings, in relative (log) error.
 
@@ -95,6 +96,8 @@ class ComputeSamples:
     device_name: str
     threads: int
     floor_s: float = 0.0
+    #: Host seconds per kernel of an eager training step (``compute.step_floor``; 0: not measured).
+    step_floor_s: float = 0.0
     #: Host seconds a DTensor operator call adds to the plain one (CPU; 0: not measured).
     dtensor_op_s: float = 0.0
     memory_bytes: int = 0
@@ -181,6 +184,8 @@ class Fitted:
     host_bandwidth: float = 0.0
     #: host seconds per DTensor operator call beyond the plain one; 0: not measured
     dtensor_op_s: float = 0.0
+    #: host seconds per kernel of an eager training step; 0: not measured
+    step_floor_s: float = 0.0
 
 
 def fit_compute(samples: ComputeSamples, *, dims: Sequence[float] = DIMS) -> Fitted:
@@ -204,6 +209,7 @@ def fit_compute(samples: ComputeSamples, *, dims: Sequence[float] = DIMS) -> Fit
         reference_dtype=ref,
         host_memory_bytes=samples.host_memory_bytes,
         dtensor_op_s=samples.dtensor_op_s,
+        step_floor_s=samples.step_floor_s,
         **_host_rates(samples),
     )
 
@@ -283,7 +289,7 @@ def compute_keys(fitted: Fitted, datasheet: dict) -> dict:
     out["matmul_dim"] = fitted.matmul_dim
     if fitted.attention_flops:
         out["attention_efficiency"] = _round(fitted.attention_flops / peak)
-    out["kernel_floor_us"] = _round(fitted.floor_s * 1e6)
+    out["kernel_floor_us"] = _round((fitted.step_floor_s or fitted.floor_s) * 1e6)
     if fitted.dtensor_op_s:
         out["dtensor_op_us"] = _round(fitted.dtensor_op_s * 1e6)
     if fitted.attention_flops:

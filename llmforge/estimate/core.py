@@ -10,7 +10,9 @@ Step time, for the slowest pipeline stage:
              chains when the blocks are compiled), a per-kernel launch floor;
              rates from the hardware profile)
              + tensor-parallel and expert all-to-all time of that microbatch
-    step   = m x t_mb / (1 - bubble)
+    step   = m x t_mb + m x t_fill x bubble / (1 - bubble)
+             (t_fill: the other stages' t_mb, their mean: the slowest stage waits for
+             them as the pipeline fills and drains; a balanced pipeline's m x t_mb / (1 - bubble))
              + exposed data-parallel, pipeline and context-parallel communication
                (llmforge.estimate.comm: each kind's exposed part, as the backend overlaps it)
              + the compute lost to the hidden part (the profile's ``comm_sm_share`` of it:
@@ -150,11 +152,12 @@ def estimate(
     slowest = max(times, key=lambda s: _stage_seconds(*times[s]))
     t_compute, t_collective = times[slowest]
     t_mb = t_compute.seconds + t_collective
+    t_fill = _fill_seconds(inv, {s: _stage_seconds(*t) for s, t in times.items()}, slowest=slowest)
     comm = _communication(inv, job, m, slowest, t_mb)
     t_compute = t_compute.plus(_fsdp_copy_out(layout, job, comm).times(1 / m))
     host = _host_use(inv, job, worst, m, compute_s=m * t_compute.seconds)
     bubble = bubble_fraction(layout, m, w=fl.weight_grad_share(shape))
-    step = _Step(m=m, compute=t_compute, collective=t_collective, t_mb=t_mb, bubble=bubble, comm=comm, host=host)
+    step = _Step(m=m, compute=t_compute, collective=t_collective, t_fill=t_fill, bubble=bubble, comm=comm, host=host)
     parts = _step_parts(inv, job, step, worst=worst, slowest=slowest)
     tokens = job.global_batch * shape.seq
     return Estimate(
@@ -180,13 +183,14 @@ def estimate(
 @dataclass(frozen=True)
 class _Step:
     """What the step time adds up: ``m`` microbatches of the slowest stage's compute and
-    collectives (one microbatch's; ``t_mb`` their seconds before FSDP's copy-out, which the
-    bubble and the overlap windows see), the bubble, the communication and the host's side."""
+    collectives (one microbatch's), the bubble (``t_fill``: the other stages' microbatch,
+    which the slowest stage waits for as the pipeline fills and drains), the communication
+    and the host's side."""
 
     m: int
     compute: kn.Cost
     collective: float
-    t_mb: float
+    t_fill: float
     bubble: float
     comm: cm.Comm
     host: HostUse | None
@@ -194,11 +198,11 @@ class _Step:
 
 def _step_parts(inv: Inventory, job: Job, step: _Step, *, worst: StageMemory, slowest: int) -> dict[str, float]:
     """The step time by part (they sum to ``Estimate.step_s``)."""
-    m, comm, t_mb = step.m, step.comm, step.t_mb
+    m, comm = step.m, step.comm
     parts = {
         "compute": m * step.compute.seconds,
         "tp_ep_comm": m * step.collective,
-        "bubble": m * t_mb * step.bubble / (1 - step.bubble),
+        "bubble": m * step.t_fill * step.bubble / (1 - step.bubble),
         "dp_comm": comm.exposed_of("dp"),
         "pp_comm": comm.exposed_of("pp"),
         "cp_comm": comm.exposed_of("cp"),
@@ -224,8 +228,20 @@ def step_floor(inv: Inventory, job: Job) -> float:
     without data-parallel, pipeline and optimizer time (which only add). The search uses it to
     skip the rest of layouts that cannot reach its current top list."""
     m = microbatches(inv.layout, job)
-    t_mb = max(_stage_seconds(*_stage_time(inv, job, s, m)) for s in inv.representatives)
-    return m * t_mb / (1 - bubble_fraction(inv.layout, m, w=fl.weight_grad_share(inv.shape)))
+    t_mb = [_stage_seconds(*_stage_time(inv, job, s, m)) for s in inv.representatives]
+    bubble = bubble_fraction(inv.layout, m, w=fl.weight_grad_share(inv.shape))
+    return m * max(t_mb) + m * min(t_mb) * bubble / (1 - bubble)
+
+
+def _fill_seconds(inv: Inventory, t_mb: dict[int, float], *, slowest: int) -> float:
+    """The microbatch seconds the slowest stage waits for per idle slot of its schedule: the mean
+    of the other stages' (``t_mb`` by representative stage). Each slot of a balanced pipeline's
+    bubble is one stage's microbatch; as the pipeline fills and drains, the slowest stage waits
+    for the others' forwards and backwards, not for its own (a last stage holding the output
+    layer and the loss waits less than it works)."""
+    by_content = {inv.counts(r): seconds for r, seconds in t_mb.items()}
+    others = [by_content[stage.counts] for stage in inv.stages if stage.index != slowest]
+    return sum(others) / len(others) if others else t_mb[slowest]
 
 
 def node_fits(inv: Inventory, job: Job, worst: StageMemory) -> bool:

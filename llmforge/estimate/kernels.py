@@ -42,6 +42,24 @@ from llmforge.layout import Layout
 
 FP32 = 4
 LOSS_CHUNK_ELEMENTS = 2**26  # llmforge.train.loss.CHUNK_ELEMENTS
+#: torch's ``loss_parallel`` on fp32 logits, the kernels over one rank's vocabulary shard: (aten
+#: op, calls, bytes per logit each). Forward: the row maximum, the shift, exp, the sum of
+#: exponentials, the log-softmax's subtraction; backward: the target's one-hot (zeroed, then
+#: scattered per row), exp of the log-probabilities, the scaling by the gradient, a subtraction
+#: and the sum of the two gradient paths. The target's gather and scatter touch one logit a row.
+VOCAB_PARALLEL_LOSS_OPS = (
+    ("amax", 1, 4),
+    ("sub", 3, 8),
+    ("exp", 2, 8),
+    ("sum", 1, 4),
+    ("zero_", 1, 4),
+    ("mul", 1, 8),
+    ("add", 1, 12),
+    ("gather", 1, 0),
+    ("_index_put_impl_", 1, 0),
+)
+#: ... and about 15 more kernels on per-row vectors (the targets' masks, the reduced maxima and sums).
+VOCAB_PARALLEL_ROW_KERNELS = 15
 OPTIMIZER_BYTES_PER_PARAM = 40  # fused AdamW reads p, g, m, v and writes p, m, v (28); the clip reads g twice, writes it (12)
 
 
@@ -246,7 +264,8 @@ def ends_cost(sp: Speeds, shape: Shape, layout: Layout, *, c: int, mixed: bool, 
     if first:
         out = out.plus(_weights_cost(sp, [x.numel // tp for x in embedding_tensors(shape)], mixed=False, accumulate=accumulate, c=c))
     if last:
-        out = total((out, sp.gemm(t, h, v), sp.gemm(t, v, h), sp.gemm(h, t, v), loss_cost(sp, tokens=t, vocab=v, c=c)))
+        kind = "vocab_parallel" if tp > 1 else "chunked"
+        out = total((out, sp.gemm(t, h, v), sp.gemm(t, v, h), sp.gemm(h, t, v), loss_cost(sp, tokens=t, vocab=v, c=c, kind=kind)))
         out = out.plus(_weights_cost(sp, [int(v * h)], mixed=mixed, accumulate=accumulate, c=c))
     return out
 
@@ -258,11 +277,36 @@ def loss_cost(sp: Speeds, *, tokens: float, vocab: float, c: int, kind: str = "c
     per chunk; backward a softmax and a scaled write in the logits' dtype (7c + 12 bytes
     per logit). ``fp32_logits``: ``F.cross_entropy(logits.float())`` as a plain loop
     writes it: the fp32 copy, log-softmax, NLL, their backward and the cast back
-    (8c + 36 bytes per logit)."""
+    (8c + 36 bytes per logit). ``vocab_parallel``: torch's ``loss_parallel`` on this rank's
+    vocabulary shard (``vocab``), which runs the log-softmax and its backward op by op
+    (``VOCAB_PARALLEL_LOSS_OPS``)."""
     if kind == "fp32_logits":
         return sp.memory(tokens * vocab * (8 * c + 36), 8)
+    if kind == "vocab_parallel":
+        per_logit = sum(calls * nbytes for _, calls, nbytes in VOCAB_PARALLEL_LOSS_OPS)
+        kernels = sum(calls for _, calls, _ in VOCAB_PARALLEL_LOSS_OPS) + VOCAB_PARALLEL_ROW_KERNELS
+        if c != FP32:  # .float() forward, the gradient's cast back
+            per_logit, kernels = per_logit + 2 * (c + FP32), kernels + 2
+        return sp.memory(tokens * vocab * per_logit, kernels)
     chunks = max(1, -(-int(tokens) // max(1, LOSS_CHUNK_ELEMENTS // int(vocab))))
     return sp.memory(tokens * vocab * (7 * c + 12), 8 * chunks)
+
+
+#: Rates under which every kernel's work takes no time, and each kernel a second: a Cost's
+#: ``floor`` is then its count of kernels.
+_COUNTER = Speeds(
+    peak=float("inf"), matmul_efficiency=1.0, matmul_dim=0.0, attention_efficiency=1.0, bandwidth=float("inf"), floor=1.0, serial=True
+)
+
+
+def microbatch_kernels(shape: Shape, *, micro_batch_size: int) -> int:
+    """Kernels of one eager fp32 microbatch on one device, forward and backward, its gradients
+    added to earlier ones: what ``llmforge calibrate`` divides a training step's host time by
+    (the profile's ``kernel_floor_us``)."""
+    k = block_kernels(shape, t=micro_batch_size * shape.seq, tp=1, sp=1, ep=1, c=FP32, mixed=False, moe=False)
+    blocks = block_cost(_COUNTER, k, mode=Recompute.NONE, mixed=False, c=FP32, accumulate=1.0).times(shape.num_layers)
+    ends = ends_cost(_COUNTER, shape, Layout(micro_batch_size=micro_batch_size), c=FP32, mixed=False, first=True, last=True, accumulate=1.0)
+    return round(blocks.plus(ends).floor)
 
 
 def optimizer_cost(sp: Speeds, params: int, tensors: int) -> Cost:
