@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmforge.calibrate import compute
-from llmforge.calibrate.fit import AttentionSample, BandwidthSample
+from llmforge.calibrate import apart, compute
+from llmforge.calibrate.fit import AttentionSample, BandwidthSample, ComputeSamples
 from llmforge.calibrate.probe import LoadReading
 
 GIB = 2**30
@@ -67,7 +67,14 @@ class FakeMachine:
         monkeypatch.setattr(compute, "host_memory_bytes", lambda: self.memory_bytes)
         monkeypatch.setattr(compute, "dtensor_call", lambda device: self.dtensor_call_s if device.type == "cpu" else 0.0)
         monkeypatch.setattr(compute, "CpuLoad", QuietLoad)
+        monkeypatch.setattr(apart, "measure_apart", _measure_here)  # the fake patches this process, not a child
         return self
+
+
+def _measure_here(*, quick: bool, threads: int, **_) -> ComputeSamples:
+    import torch
+
+    return compute.measure(torch.device("cpu"), quick=quick, threads=threads, tick=lambda what: None)
 
 
 class QuietLoad:

@@ -266,3 +266,17 @@ def test_a_run_far_from_its_estimate_ends_with_the_warning():
     est = estimate_plan(gpu)
     fast = RunSummary(1.0, 0.5, 2, 1.0, None, step_time_s=est.step_s * est.mfu * 0.9).describe(gpu).plain
     assert "MFU 111% passes 100%" in fast and "llmforge calibrate cluster.accelerator=h100-80gb" in fast
+
+
+def test_the_first_runs_calibration_measures_in_a_child_and_leaves_this_process_its_memory():
+    """What the probes allocate stays in the child: this process's peak resident memory does not
+    move while the child measures (the probes' largest arrays alone are 64 MiB each)."""
+    from llmforge.calibrate.apart import measure_apart
+    from llmforge.train.meter import peak_rss_bytes, reset_peak_rss
+
+    reset_peak_rss()
+    before = peak_rss_bytes()
+    samples = measure_apart(quick=True, threads=1, passes=1)
+    assert samples.device == "cpu" and samples.threads == 1
+    assert samples.matmul["fp32"] and samples.bandwidth and samples.step_floor_s > 0
+    assert peak_rss_bytes() - before < 32 * 2**20

@@ -22,8 +22,9 @@ from pathlib import Path
 
 from rich.console import Console
 
+from llmforge.calibrate import apart
 from llmforge.calibrate.lock import calibration_lock
-from llmforge.calibrate.run import Request, Result, measure_here, measure_trusted, profile_data
+from llmforge.calibrate.run import Request, Result, measure_trusted, profile_data
 from llmforge.calibrate.write import check_out, datasheet_profile, profile_text, provenance, write_profile
 from llmforge.errors import UserError
 from llmforge.estimate.shape import ranks_per_node
@@ -66,8 +67,7 @@ def ensure_cpu_profile(plan, *, console: Console) -> None:
 def _measure(plan, *, say):
     threads = cpu_threads(ranks_per_node(plan))
     req = Request(accelerator="cpu", quick=True, command="llmforge calibrate --quick (first CPU run on this machine)")
-    silent = lambda total: lambda what: None  # noqa: E731
-    compute, _, verdict = measure_trusted(lambda: (measure_here(req, threads=threads, tick_total=silent), []), attempts=ATTEMPTS, say=say)
+    compute, _, verdict = measure_trusted(lambda: (apart.measure_apart(quick=True, threads=threads), []), attempts=ATTEMPTS, say=say)
     result = Result(datasheet=datasheet_profile("cpu"), compute=compute, verdict=verdict)
     prov = provenance(device=compute.device_name, threads=threads, ranks=1, quick=True, started_from=result.datasheet, command=req.command)
     result.data = profile_data(result, name="cpu", provenance=prov)

@@ -102,6 +102,18 @@ def prepare(*, data: DataConfig, vocab_size: int, seed: int, console=None, force
         return ready  # the leftovers of a dead preparation stay where nobody can remove them
 
 
+def needs_building(*, data: DataConfig, vocab_size: int) -> bool:
+    """Whether ``prepare`` would build (or rebuild) the cache entry for ``data``: it is missing,
+    stale, or left half-built. False where the inputs themselves are wrong (``prepare`` says why)."""
+    try:
+        inputs = resolve_inputs(data)
+        spec = request_spec(data, inputs=inputs, vocab_size=vocab_size)
+    except UserError:
+        return False
+    root = _entry_root(data, inputs=inputs, spec=spec)
+    return _reuse_unlocked(root, inputs, spec=spec, tokenizer=data.tokenizer) is None or bool(cache.leftovers(root))
+
+
 def _prepare_locked(
     root: Path, *, data: DataConfig, inputs: Sequence[tuple[Source, float]], spec: dict, vocab_size: int, console, force: bool
 ) -> PreparedData:

@@ -26,7 +26,8 @@ from llmforge.calibrate.advice import profile_warning
 from llmforge.checkpoint import store
 from llmforge.checkpoint.hf_import import load_hf_weights
 from llmforge.checkpoint.state import load_rng
-from llmforge.data.prepare import document_ends_for, prepare
+from llmforge.data.apart import prepare_apart
+from llmforge.data.prepare import document_ends_for
 from llmforge.data.sampler import BatchSampler
 from llmforge.errors import fail, pasteable
 from llmforge.estimate.core import Estimate, estimate_plan
@@ -111,9 +112,9 @@ def with_most_loaded_peak(summary: RunSummary, *, device: torch.device) -> RunSu
 
 
 def prepare_data(plan: RunPlan, *, console: Console):
-    """Tokenized data for the plan (prepared once, then reused from the cache)."""
+    """Tokenized data for the plan (prepared once, in a child process, then reused from the cache)."""
     cfg = plan.config
-    return prepare(data=cfg.data, vocab_size=plan.data_vocab_size, seed=cfg.train.seed, console=console)
+    return prepare_apart(data=cfg.data, vocab_size=plan.data_vocab_size, seed=cfg.train.seed, console=console)
 
 
 def make_sampler(plan: RunPlan, prepared, *, split: str = "train") -> object:

@@ -1,0 +1,47 @@
+"""Data preparation in a child process of its own, for a process that trains next.
+
+Tokenizing imports ``datasets`` (pyarrow, pandas) and ``tokenizers`` and builds their tables:
+about 0.24 GiB of resident memory on the built-in corpus that stays with the process after the
+shards are written, and would sit in a CPU rank's peak memory through the whole run. A training
+process prepares a missing cache entry in a spawned child, then reads the entry it wrote.
+
+A child that fails (bad data, a tokenizer that refuses the vocabulary) leaves nothing behind
+(``llmforge.data.cache`` stages every entry); the caller then prepares in its own process, which
+raises the same error with its message.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+from rich.console import Console
+
+from llmforge.config.schema import DataConfig
+from llmforge.data.prepare import PreparedData, needs_building, prepare
+from llmforge.errors import UserError
+
+
+def prepare_apart(*, data: DataConfig, vocab_size: int, seed: int, console: Console | None) -> PreparedData:
+    """``prepare``, the building (if the entry is missing or stale) in a spawned child."""
+    if needs_building(data=data, vocab_size=vocab_size):
+        child = multiprocessing.get_context("spawn").Process(
+            target=_prepare, kwargs={"data": data, "vocab_size": vocab_size, "seed": seed, "show": _show(console)}, daemon=True
+        )
+        child.start()
+        child.join()
+    return prepare(data=data, vocab_size=vocab_size, seed=seed, console=console)
+
+
+def _show(console: Console | None) -> str | None:
+    """Where the child prints its progress: the caller's stream ("stdout", "stderr"), None: nowhere."""
+    if console is None or console.quiet:
+        return None
+    return "stderr" if console.stderr else "stdout"
+
+
+def _prepare(*, data: DataConfig, vocab_size: int, seed: int, show: str | None) -> None:
+    console = Console(stderr=show == "stderr", markup=False, soft_wrap=True) if show else None
+    try:
+        prepare(data=data, vocab_size=vocab_size, seed=seed, console=console)
+    except UserError:
+        raise SystemExit(2) from None  # the parent prepares again and says why
