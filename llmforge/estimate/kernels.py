@@ -13,9 +13,11 @@ Each kernel llmforge's eager step runs is costed by what bounds it:
   activations, weights and gradients, RoPE, the loss over the logits, gradient
   accumulation, AdamW and the clip): bytes moved / (memory bandwidth x
   ``bandwidth_efficiency``);
-- no kernel takes less than ``kernel_floor_us``: an eager step issues a kernel
-  per op, and the host needs about that long per op to issue it; on a CPU, where the
-  same thread issues the op and runs it, every kernel takes that long more.
+- no kernel takes less than ``kernel_floor_us``: the host time per kernel of an eager
+  training step (issuing it, autograd's bookkeeping, the module calls and view ops
+  around it; ``llmforge calibrate`` times a step whose kernels have next to no work
+  over ``microbatch_kernels``); on a CPU, where the same thread issues the op and runs
+  it, every kernel takes that long more.
 
 The byte counts follow llmforge's GPT as it runs (fp32 residual stream and norms,
 16-bit matmul inputs under autocast, one cast of a norm output per consuming
