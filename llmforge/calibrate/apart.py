@@ -16,8 +16,12 @@ import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
+import torch
+
+from llmforge.calibrate import compute
 from llmforge.calibrate.fit import ComputeSamples, compute_from_dict
 from llmforge.calibrate.trust import PASSES
 from llmforge.files import write_text_atomic
@@ -42,12 +46,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--passes", type=int, default=PASSES)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-
-    from dataclasses import asdict
-
-    import torch
-
-    from llmforge.calibrate import compute
 
     samples = compute.measure(torch.device("cpu"), quick=args.quick, threads=args.threads, tick=lambda what: None, passes=args.passes)
     write_text_atomic(args.out, json.dumps(asdict(samples)))

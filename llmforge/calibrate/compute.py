@@ -29,7 +29,6 @@ from llmforge.estimate.kernels import microbatch_kernels
 from llmforge.estimate.shape import shape_from_config
 from llmforge.hardware import cpu_model
 from llmforge.models.gpt import GPT
-from llmforge.train.loss import cross_entropy
 
 Tick = Callable[[str], None]
 
@@ -223,7 +222,7 @@ def step_floor(*, device: torch.device, budget_s: float) -> float:
     tokens = torch.randint(0, FLOOR_MODEL.vocab_size, (FLOOR_BATCH, FLOOR_MODEL.seq_len + 1), device=device)
 
     def step() -> None:
-        cross_entropy(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten(0, 1)).backward()
 
     kernels = microbatch_kernels(shape_from_config(FLOOR_MODEL), micro_batch_size=FLOOR_BATCH)
     return seconds_per_call(step, device=device, budget_s=budget_s) / kernels
