@@ -1,5 +1,5 @@
 """Timing a callable on a device the way benchmark harnesses do (triton's ``do_bench``,
-``torch.utils.benchmark``, nccl-tests): warm up without timing, then the fastest of several
+``torch.utils.benchmark``, nccl-tests): warm up without timing, then the median of several
 rounds of back-to-back calls.
 
 - Warm-up: the first calls of a kernel pay for what later ones do not (cuDNN and flash
@@ -8,11 +8,13 @@ rounds of back-to-back calls.
   the calibration's passes slower than the others. At least ``WARMUP_CALLS`` calls and a quarter
   of the budget run before any timing.
 - Rounds: each round times enough back-to-back calls that the clock's and the
-  synchronization's cost are a small share of it, and the result is the fastest round (what
-  the machine can do, with as little as possible of what else ran on it at the time). A call
-  too slow for several in a round is timed alone, as many times as there are rounds: a quiet
-  CPU's single calls of a few milliseconds vary by up to 2x (the page faults of fresh outputs
-  and the scheduler, at a guess), so the fastest of two is often not its speed.
+  synchronization's cost are a small share of it, and the result is the median round, as
+  ``torch.utils.benchmark`` reports: a training step runs at the machine's typical speed, not
+  at its best moment. On a CPU whose memory system others share, the fastest round read the
+  memory-bound rate 6.4 to 8.5 GB/s in three calibrations of one quiet machine, and the
+  closing lines it gave dp2 moved from 1.03x to 1.23x. A call too slow for several in a round
+  is timed alone, as many times as there are rounds: a quiet CPU's single calls of a few
+  milliseconds vary by up to 2x (the page faults of fresh outputs and the scheduler).
 - On a GPU each round is timed with CUDA events on the stream (device time from the first
   launch to the last kernel's end) after a synchronize, so the host's wake-up from the
   synchronize is not counted.
@@ -21,6 +23,7 @@ rounds of back-to-back calls.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from collections.abc import Callable
 
@@ -28,7 +31,7 @@ import torch
 
 #: Untimed calls before any timing (the first pays for kernel selection and allocation).
 WARMUP_CALLS = 2
-#: Rounds of a timing, each its own (the fastest is kept), however slow a call is.
+#: Rounds of a timing, each its own (the median is kept), however slow a call is.
 ROUNDS = 5
 #: The host's clock (an argument of the tests).
 clock = time.perf_counter
@@ -71,11 +74,11 @@ def warm_up(fn: Callable[[], object], *, device: torch.device, budget_s: float) 
 
 
 def seconds_per_call(fn: Callable[[], object], *, device: torch.device, budget_s: float, rounds: int = ROUNDS) -> float:
-    """Seconds one call of ``fn`` takes: after a warm-up, the fastest of ``rounds`` rounds of
+    """Seconds one call of ``fn`` takes: after a warm-up, the median of ``rounds`` rounds of
     back-to-back calls that together take about ``budget_s`` (a call too slow for that: one a
     round, over the budget)."""
     once = warm_up(fn, device=device, budget_s=budget_s)
     if once * rounds > budget_s:  # a slow call: alone in each round
-        return min(time_calls(fn, calls=1, device=device) for _ in range(rounds))
+        return statistics.median(time_calls(fn, calls=1, device=device) for _ in range(rounds))
     calls = max(1, math.floor(budget_s / rounds / once))
-    return min(time_calls(fn, calls=calls, device=device) / calls for _ in range(rounds))
+    return statistics.median(time_calls(fn, calls=calls, device=device) / calls for _ in range(rounds))
