@@ -56,7 +56,7 @@ def grid_for(device: torch.device, *, quick: bool) -> Grid:
     """Transformer-sized shapes for the device: small ones on a CPU, fewer with ``quick``."""
     if device.type == "cpu":
         if quick:
-            return Grid((128, 256, 512), (512, 2048), ((128, 32), (512, 64)), 2048, (2**16, 2**20, 2**24), 0.03)
+            return Grid((128, 256, 512), (512, 2048), ((128, 32), (512, 64)), 2048, (2**16, 2**18, 2**20, 2**22, 2**24), 0.03)
         return Grid(
             (128, 256, 512, 1024), (512, 2048, 4096), ((128, 32), (512, 64), (1024, 64)), 4096, (2**16, 2**18, 2**20, 2**22, 2**24), 0.15
         )
