@@ -12,7 +12,7 @@ import pytest
 
 from llmforge.config.compose import compose
 from llmforge.data.apart import prepare_apart
-from llmforge.data.prepare import needs_building
+from llmforge.data.prepare import reusable
 from llmforge.errors import UserError
 
 SMALL = "data.builtin_max_mb=0.5"
@@ -33,14 +33,14 @@ def test_a_missing_entry_is_built_in_a_child_and_read_here(tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "[]"]  # read back from the cache the child wrote; nothing heavy imported here
     cfg = compose([SMALL, f"data.cache_dir={tmp_path / 'cache'}", "logging=quiet"])
-    assert not needs_building(data=cfg.data, vocab_size=cfg.model.vocab_size)
+    assert reusable(data=cfg.data, vocab_size=cfg.model.vocab_size) is not None
 
 
 def test_a_child_that_fails_leaves_the_message_to_the_caller(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a fine line"}\n{"text": oops\n')
     cfg = compose(["data=files", f"data.path={bad}", f"data.cache_dir={tmp_path / 'cache'}", "logging=quiet"])
-    assert needs_building(data=cfg.data, vocab_size=cfg.model.vocab_size)
+    assert reusable(data=cfg.data, vocab_size=cfg.model.vocab_size) is None
     with pytest.raises(UserError, match="bad.jsonl"):
         prepare_apart(data=cfg.data, vocab_size=cfg.model.vocab_size, seed=0, console=None)
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.npy"))

@@ -17,18 +17,23 @@ import multiprocessing
 from rich.console import Console
 
 from llmforge.config.schema import DataConfig
-from llmforge.data.prepare import PreparedData, needs_building, prepare
+from llmforge.data.prepare import PreparedData, prepare, reusable
 from llmforge.errors import UserError
 
 
 def prepare_apart(*, data: DataConfig, vocab_size: int, seed: int, console: Console | None) -> PreparedData:
     """``prepare``, the building (if the entry is missing or stale) in a spawned child."""
-    if needs_building(data=data, vocab_size=vocab_size):
-        child = multiprocessing.get_context("spawn").Process(
-            target=_prepare, kwargs={"data": data, "vocab_size": vocab_size, "seed": seed, "show": _show(console)}, daemon=True
-        )
-        child.start()
-        child.join()
+    try:
+        ready = reusable(data=data, vocab_size=vocab_size)
+    except UserError:  # wrong inputs: prepare says why, here
+        return prepare(data=data, vocab_size=vocab_size, seed=seed, console=console)
+    if ready is not None:
+        return ready
+    child = multiprocessing.get_context("spawn").Process(
+        target=_prepare, kwargs={"data": data, "vocab_size": vocab_size, "seed": seed, "show": _show(console)}, daemon=True
+    )
+    child.start()
+    child.join()
     return prepare(data=data, vocab_size=vocab_size, seed=seed, console=console)
 
 

@@ -88,9 +88,7 @@ def prepare(*, data: DataConfig, vocab_size: int, seed: int, console=None, force
         check_vocab_size(vocab_size)
     else:
         load_tokenizer(data.tokenizer, vocab_size=vocab_size)  # refused before anything is created
-    inputs = resolve_inputs(data)
-    spec = request_spec(data, inputs=inputs, vocab_size=vocab_size)
-    root = _entry_root(data, inputs=inputs, spec=spec)
+    inputs, spec, root = _entry(data, vocab_size=vocab_size)
     ready = None if force else _reuse_unlocked(root, inputs, spec=spec, tokenizer=data.tokenizer)
     if ready is not None and not cache.leftovers(root):
         return ready
@@ -102,16 +100,20 @@ def prepare(*, data: DataConfig, vocab_size: int, seed: int, console=None, force
         return ready  # the leftovers of a dead preparation stay where nobody can remove them
 
 
-def needs_building(*, data: DataConfig, vocab_size: int) -> bool:
-    """Whether ``prepare`` would build (or rebuild) the cache entry for ``data``: it is missing,
-    stale, or left half-built. False where the inputs themselves are wrong (``prepare`` says why)."""
-    try:
-        inputs = resolve_inputs(data)
-        spec = request_spec(data, inputs=inputs, vocab_size=vocab_size)
-    except UserError:
-        return False
-    root = _entry_root(data, inputs=inputs, spec=spec)
-    return _reuse_unlocked(root, inputs, spec=spec, tokenizer=data.tokenizer) is None or bool(cache.leftovers(root))
+def reusable(*, data: DataConfig, vocab_size: int) -> PreparedData | None:
+    """The cache entry ``prepare`` would return without building anything: valid and whole, read
+    without its lock; None where it is missing, stale or left half-built. Raises ``prepare``'s
+    UserError where the inputs themselves are wrong."""
+    inputs, spec, root = _entry(data, vocab_size=vocab_size)
+    ready = _reuse_unlocked(root, inputs, spec=spec, tokenizer=data.tokenizer)
+    return ready if ready is not None and not cache.leftovers(root) else None
+
+
+def _entry(data: DataConfig, *, vocab_size: int) -> tuple[list[tuple[Source, float]], dict, Path]:
+    """(inputs with their weights, the cache key, the cache folder) of a preparation request."""
+    inputs = resolve_inputs(data)
+    spec = request_spec(data, inputs=inputs, vocab_size=vocab_size)
+    return inputs, spec, _entry_root(data, inputs=inputs, spec=spec)
 
 
 def _prepare_locked(
@@ -164,10 +166,9 @@ def prepared_document_ends(data: DataConfig, *, vocab_size: int) -> list[tuple[o
     import numpy as np
 
     try:
-        inputs = resolve_inputs(data)
+        inputs, _, root = _entry(data, vocab_size=vocab_size)
     except UserError:
         return None
-    root = _entry_root(data, inputs=inputs, spec=request_spec(data, inputs=inputs, vocab_size=vocab_size))
     manifest = cache.read_manifest(root)
     if manifest is None:
         return None
