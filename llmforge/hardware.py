@@ -11,8 +11,9 @@ Bandwidths are per device and per direction, in GB/s (1e9 bytes): NVLink's
 900 GB/s "bidirectional" H100 figure is 450 here. Peak FLOP/s are dense (no
 structured sparsity). The optional ``matmul_efficiency``, ``matmul_dim``,
 ``attention_efficiency``, ``attention_backward_efficiency``, ``bandwidth_efficiency``, ``comm_sm_share`` and
-``kernel_floor_us`` (and ``dtensor_op_us``, the host cost of one DTensor operator call, and ``comm_sync_share``, what a
-collective after compute waits per second of that compute: ``llmforge.estimate.host``)
+``kernel_floor_us`` (and ``dtensor_op_us``, the host cost of one DTensor operator call, and ``comm_sync_us`` and
+``comm_sync_share``, what a collective inside a tensor-parallel step waits beyond its back-to-back time, per call and
+per second of the compute before it: ``llmforge.estimate.host``)
 are the step-time model's rates (``llmforge.estimate.kernels``; ``comm_sm_share``, the
 share of the compute units a running collective holds, and ``comm_latency_us``, one collective between two
 ranks, paid once per ring hop: ``llmforge.estimate.comm``). ``peak_tflops.fp8`` is optional: a profile without it has
@@ -56,6 +57,7 @@ SPEED_KEYS = (
     "comm_sm_share",
     "kernel_floor_us",
     "dtensor_op_us",
+    "comm_sync_us",
     "comm_sync_share",
 )
 #: The host side, for CPU offload (llmforge.estimate.offload); defaults in Profile.
@@ -91,10 +93,12 @@ class Profile:
     #: Host microseconds one DTensor operator call adds to the plain one (sharding propagation,
     #: wrapping): tensor-parallel ranks pay it per call (``llmforge.estimate.host``); 0: not measured.
     dtensor_op_us: float = 0.0
-    #: What a blocking collective waits beyond its back-to-back time when it follows compute on
-    #: every rank, as a share of that compute (ranks drift apart; on CPU ranks a woken rank's
-    #: threads can wait for a core): tensor-parallel ranks pay it on the compute between their
-    #: collectives (``llmforge.estimate.host``); 0: not measured.
+    #: What a blocking collective of a tensor-parallel step waits beyond its back-to-back time:
+    #: ``comm_sync_us`` per call (a blocked rank's threads woken, and on CPU ranks given a core)
+    #: plus ``comm_sync_share`` of the compute and host time before it (the ranks drift apart over
+    #: it). Fitted from real tensor-parallel steps (``llmforge.calibrate.tp_wait``) and charged by
+    #: ``llmforge.estimate.host.sync_seconds``; 0: not measured.
+    comm_sync_us: float = 0.0
     comm_sync_share: float = 0.0
     #: Fixed seconds-equivalent of one collective, microseconds (alpha of alpha + bytes/bandwidth).
     comm_latency_us: float = 0.0
@@ -276,6 +280,7 @@ _BOUNDS = {
     "comm_sm_share": (0.0, True, 0.99),
     "kernel_floor_us": (0.0, True, None),
     "dtensor_op_us": (0.0, True, None),
+    "comm_sync_us": (0.0, True, None),
     "comm_sync_share": (0.0, True, None),
     "host_memory_gib": (0.0, False, None),
     "host_link_gbs": (0.0, False, None),

@@ -17,8 +17,8 @@ from llmforge.commands.plans import build_plan
 from llmforge.estimate.core import estimate_plan
 from llmforge.estimate.cpu_memory import CPU_STEP_CODE_BYTES, cpu_step_bytes, heap_mmap_threshold
 from llmforge.estimate.memory import allowance
+from llmforge.processes.host_memory import return_freed_memory
 from llmforge.rehearse.run import rehearse
-from llmforge.train.host_memory import return_freed_memory
 from llmforge.train.meter import peak_rss_bytes, reset_peak_rss
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -106,7 +106,7 @@ def test_a_cpu_rank_reuses_freed_host_memory_without_page_faults():
     """After building a CPU rank, a freed step-sized buffer (8 MiB, the default recipe's
     logits) comes back from the heap: writing it again faults in no fresh pages, also where
     an earlier plan of the same process had set a smaller mmap threshold."""
-    from llmforge.train.host_memory import keep_freed_memory
+    from llmforge.processes.host_memory import keep_freed_memory
 
     keep_freed_memory(16 * 2**20)  # as this plan's build sets it: a second call must set it again
     keep_freed_memory(4 * 2**20)
@@ -121,7 +121,8 @@ def test_blocks_larger_than_every_activation_are_mapped_on_their_own():
     """glibc's mmap threshold is the smallest power of two above a microbatch's largest
     activation: the default recipe's 8 MiB logits stay in the heap; a 225M-parameter model's
     16 MiB weights (2 MiB activations) are mapped, so the activations cannot fragment them."""
-    from llmforge.train.host_memory import MMAP_THRESHOLD_MAX, mmap_threshold
+    from llmforge.estimate.cpu_memory import MMAP_THRESHOLD_MAX
+    from llmforge.train.build import mmap_threshold
 
     default = tiny_plan(["model.vocab_size=4096", "model.seq_len=128", "train.micro_batch_size=4"])
     assert mmap_threshold(default) == 16 * 2**20

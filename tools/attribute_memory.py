@@ -138,9 +138,9 @@ def main() -> None:
     if args.glibc_default or args.mmap_threshold:
         import llmforge.train.build as build_module
 
-        build_module.keep_freed_memory = lambda: False
+        build_module.keep_freed_memory = lambda threshold: False
         if args.mmap_threshold:
-            from llmforge.train import host_memory
+            from llmforge.processes import host_memory
 
             libc = ctypes.CDLL("libc.so.6")
             libc.mallopt(host_memory.M_MMAP_THRESHOLD, args.mmap_threshold)

@@ -16,37 +16,16 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.distributed.device_mesh import DeviceMesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from llmforge.calibrate.tp_step import stepper
 from llmforge.config.compose import compose
-from llmforge.models.gpt import GPT
-from llmforge.parallel.tensor import align_grads, apply_tp, loss_context, sharded_cross_entropy
 
 
 def _stepper(config, *, tp: int):
-    model_config, micro = config.model, config.train.micro_batch_size
-    microbatches = config.train.global_batch_size // micro
-    torch.manual_seed(0)
-    model = GPT(model_config)
-    if tp > 1:
-        apply_tp(model, tp_mesh=DeviceMesh.from_group(dist.group.WORLD, "cpu"), sequence_parallel=False)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    tokens = torch.randint(0, model_config.vocab_size, (micro, model_config.seq_len + 1))
-
-    def step() -> None:
-        for _ in range(microbatches):
-            with loss_context(tp):
-                logits, targets = model(tokens[:, :-1]), tokens[:, 1:]
-                loss = sharded_cross_entropy(logits, targets) if tp > 1 else F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
-                (loss / microbatches).backward()
-        if tp > 1:
-            align_grads(list(model.parameters()))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    return step
+    micro = config.train.micro_batch_size
+    group = dist.group.WORLD if tp > 1 else None
+    return stepper(config.model, micro_batch=micro, microbatches=config.train.global_batch_size // micro, group=group)
 
 
 def _times(step, steps: int) -> list[float]:

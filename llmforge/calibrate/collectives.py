@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from llmforge.calibrate.fit import SYNC, CommSample
+from llmforge.calibrate.fit import CommSample
 from llmforge.calibrate.timing import synchronize
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
@@ -121,32 +121,3 @@ def best_bus_bandwidth(op: str, *, group, device: torch.device, byte_sizes: Sequ
         for nbytes in byte_sizes
     ]
     return max(CommSample(op, "inter", n, nbytes, seconds).busbw for nbytes, seconds in times)
-
-
-#: Compute (seconds) each rank runs before a collective in ``sync_samples``: a tensor-parallel
-#: step's spans between its blocking collectives run from under a millisecond to tens of them.
-SYNC_SPANS = (0.0005, 0.002, 0.008)
-
-
-def _spin(seconds: float, a: torch.Tensor) -> None:
-    """Small matmuls for ``seconds`` of this rank's wall time."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        torch.mm(a, a)
-
-
-def sync_samples(*, link: str, group, device: torch.device, nbytes: int = CPU_SMALL[0], iters: int = 100) -> list[CommSample]:
-    """What a collective costs beyond its back-to-back time when it follows compute on every
-    rank, as a tensor-parallel step's do: for each span of ``SYNC_SPANS``, the seconds of
-    (compute, all_reduce) minus the compute alone minus the all_reduce alone, slowest rank,
-    as ``CommSample(op=SYNC, nbytes=span in microseconds)`` (``llmforge.calibrate.fit.sync_share``). On CPU ranks the waiting rank's
-    threads and its peer's share two cores: a woken rank can wait for its peer's compute."""
-    reduce = _collective("all_reduce", nbytes, group=group, device=device)
-    a = torch.ones(64, 64, device=device)
-    alone = time_op(reduce, group=group, device=device, iters=iters)
-    out = []
-    for span in SYNC_SPANS:
-        compute = time_op(lambda span=span: _spin(span, a), group=group, device=device, iters=iters)
-        both = time_op(lambda span=span: (_spin(span, a), reduce()), group=group, device=device, iters=iters)
-        out.append(CommSample(SYNC, link, dist.get_world_size(group), round(span * 1e6), max(0.0, both - compute - alone)))
-    return out

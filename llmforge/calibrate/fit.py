@@ -240,33 +240,19 @@ def fit_comm(samples: Sequence[CommSample]) -> dict[str, tuple[float, float]]:
     that link. ``seconds = hops * latency + bus bytes / bandwidth`` is fitted divided by the
     hops, so the latency is per hop whatever the rank count."""
     out = {}
-    for link in sorted({s.link for s in samples if s.op != SYNC}):
+    for link in sorted({s.link for s in samples if s.op != TP_STEP}):
         points = []
         for s in samples:
-            if s.link == link and s.op != SYNC:
+            if s.link == link and s.op != TP_STEP:
                 hops = latency_hops(s.op, s.ranks)
                 points.append((s.nbytes * bus_factor(s.op, s.ranks) / hops, s.seconds / hops))
         out[link] = fit_latency_bandwidth(points)
     return out
 
 
-#: ``CommSample.op`` of a collective timed after compute (``llmforge.calibrate.collectives.sync_samples``):
-#: its ``nbytes`` is the compute span in microseconds, its ``seconds`` the wait beyond the back-to-back time.
-SYNC = "sync"
-
-
-def sync_share(samples: Sequence[CommSample]) -> float | None:
-    """Seconds a collective waits beyond its back-to-back time per second of the compute before it,
-    over the ``SYNC`` samples (their total wait over their total compute); None where none was timed."""
-    spans = [(s.nbytes * 1e-6, s.seconds) for s in samples if s.op == SYNC]
-    total = sum(span for span, _ in spans)
-    return sum(wait for _, wait in spans) / total if total > 0 else None
-
-
-def sync_keys(samples: Sequence[CommSample], data: dict) -> dict:
-    """``comm_sync_share`` where the calibration timed collectives after compute (``sync_share``)."""
-    share = sync_share(samples)
-    return data if share is None else {**data, "comm_sync_share": _round(share) if share > 0 else 0.0}
+#: ``CommSample.op`` of a timed tensor-parallel training step (``llmforge.calibrate.tp_wait``): its
+#: ``nbytes`` is the probe's index in ``tp_wait.PROBES``, its ``seconds`` the step's.
+TP_STEP = "tp_step"
 
 
 def compute_keys(fitted: Fitted, datasheet: dict) -> dict:

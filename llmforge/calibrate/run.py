@@ -13,12 +13,12 @@ from pathlib import Path
 
 from rich.console import Console
 
-from llmforge.calibrate import compute, fit, trust
+from llmforge.calibrate import compute, fit, tp_wait, trust
 from llmforge.calibrate.fit import CommSample, ComputeSamples
 from llmforge.calibrate.trust import Verdict
 from llmforge.calibrate.write import as_mapping
 from llmforge.errors import Problem, UserError
-from llmforge.hardware import Profile
+from llmforge.hardware import Profile, parse_profile
 from llmforge.processes.torchrun import cluster_args, run_torchrun
 
 WORKER = "llmforge.calibrate.worker"
@@ -146,9 +146,10 @@ def profile_data(result: Result, *, name: str, provenance: dict) -> dict:
     """The calibrated profile's keys: the datasheet's, with the fitted ones on top, and in its
     provenance whether the figures can be trusted."""
     data = fit.compute_keys(fit.fit_compute(result.compute), as_mapping(result.datasheet))
-    if result.comm:
-        data = fit.sync_keys(result.comm, fit.comm_keys(fit.fit_comm(result.comm), data))
     data["name"] = name
+    if result.comm:
+        data = fit.comm_keys(fit.fit_comm(result.comm), data)
+        data = tp_wait.wait_keys(result.comm, data, profile=parse_profile(data, source=name))
     data["calibration"] = {**provenance, **result.verdict.provenance()}
     return data
 

@@ -3,7 +3,8 @@
     python -m torch.distributed.run ... -m llmforge.calibrate.worker --accelerator cpu --out SAMPLES.json [--quick]
 
 Rank 0 measures its device's compute while the others wait; then every rank runs the
-collectives inside its node and, across nodes, over the whole world; rank 0 writes
+collectives inside its node and, across nodes, over the whole world, and CPU ranks run
+small tensor-parallel training steps inside their node (``llmforge.calibrate.tp_step``); rank 0 writes
 the timings as JSON for the launcher to fit. Errors are reported as a training rank's
 are (``llmforge.processes.rank_errors.report_errors``).
 """
@@ -16,7 +17,7 @@ import json
 import os
 from pathlib import Path
 
-from llmforge.calibrate import collectives, compute
+from llmforge.calibrate import collectives, compute, tp_step
 from llmforge.calibrate.fit import samples_to_dict
 from llmforge.calibrate.run import progress_bar
 from llmforge.files import write_text_atomic
@@ -47,8 +48,8 @@ def run_rank(*, accelerator: str, out: Path, quick: bool, timeout_s: float) -> N
         comm = []
         for link, group in comm_groups:
             comm += collectives.sweep(link=link, group=group, device=device, byte_sizes=sizes, tick=tick)
-            if device.type == "cpu":
-                comm += collectives.sync_samples(link=link, group=group, device=device)
+            if device.type == "cpu" and link == "intra" and tp_step.can_shard(ranks=dist.get_world_size(group)):
+                comm += tp_step.tp_step_samples(link=link, group=group, quick=quick)
     if main:
         write_text_atomic(out, json.dumps(samples_to_dict(samples, comm)))
     dist.barrier()

@@ -21,6 +21,10 @@ def datasheet_profile(name: str) -> Profile:
     return get_profile(str(builtin)) if builtin.is_file() else get_profile(name)
 
 
+#: Speed keys whose 0 means "as another key" or "not measured": left out of a written profile.
+UNSET_WHEN_ZERO = ("attention_backward_efficiency", "comm_sm_share", "dtensor_op_us", "comm_sync_us", "comm_sync_share")
+
+
 def as_mapping(p: Profile) -> dict:
     """A profile as the YAML keys it was read from (``parse_profile`` of it gives ``p`` back):
     every key a calibration does not measure is kept from the profile it started from."""
@@ -36,14 +40,7 @@ def as_mapping(p: Profile) -> dict:
         "comm_efficiency": p.comm_efficiency,
         "comm_latency_us": p.comm_latency_us,
     }
-    # 0 means "as another key" (attention_backward_efficiency) or "none" (comm_sm_share): left out
-    out.update(
-        {
-            k: getattr(p, k)
-            for k in SPEED_KEYS
-            if getattr(p, k) or k not in ("attention_backward_efficiency", "comm_sm_share", "dtensor_op_us", "comm_sync_share")
-        }
-    )
+    out.update({k: getattr(p, k) for k in SPEED_KEYS if getattr(p, k) or k not in UNSET_WHEN_ZERO})
     if p.host_memory is not None:
         out["host_memory_gib"] = round(p.host_memory / GIB, 2)
     out["host_link_gbs"] = p.host_link_bandwidth / 1e9

@@ -147,7 +147,8 @@ def comparison_rows(result) -> list[tuple]:
                 )
             )
         rows.append(("collective latency us", f"{before.comm_latency_us:.3g}", f"{after.comm_latency_us:.3g}"))
-        rows.append(("collective wait after compute (share of it)", f"{before.comm_sync_share:.3g}", f"{after.comm_sync_share:.3g}"))
+        rows.append(("tensor-parallel collective wait us", f"{before.comm_sync_us:.3g}", f"{after.comm_sync_us:.3g}"))
+        rows.append(("  + share of the compute before it", f"{before.comm_sync_share:.3g}", f"{after.comm_sync_share:.3g}"))
     return rows
 
 
@@ -164,13 +165,13 @@ def render(result, *, console: Console) -> None:
 
 def comm_table(samples) -> Table:
     """The collectives, as nccl-tests prints them."""
-    from llmforge.calibrate.fit import SYNC
+    from llmforge.calibrate.fit import TP_STEP
 
     table = Table(title="collectives (busbw = algbw x 2(n-1)/n all_reduce, (n-1)/n gather/scatter/all-to-all, 1 send/recv)")
     for column in ("op", "link", "ranks", "size", "time us", "algbw GB/s", "busbw GB/s"):
         table.add_column(column, justify="left" if column in ("op", "link") else "right")
     for s in samples:
-        if s.op == SYNC:  # the comparison's "collective wait after compute"
+        if s.op == TP_STEP:  # the comparison's "tensor-parallel collective wait"
             continue
         size = f"{s.nbytes / 2**20:.0f} MiB"
         table.add_row(s.op, s.link, str(s.ranks), size, f"{s.seconds * 1e6:.1f}", f"{s.algbw / 1e9:.3g}", f"{s.busbw / 1e9:.3g}")

@@ -7,7 +7,7 @@ from llmforge.estimate.shape import Job
 
 FRAGMENTATION = 0.10  # of activations and transient buffers: caching-allocator slack
 #: Of activations and transient buffers on a CPU rank: the freed memory glibc's heap keeps
-#: between the blocks it reuses (llmforge.train.host_memory), at the step's peak.
+#: between the blocks it reuses (llmforge.processes.host_memory), at the step's peak.
 CPU_HEAP_SLACK = 0.25
 
 

@@ -210,7 +210,9 @@ def _step_parts(inv: Inventory, job: Job, step: _Step, *, worst: StageMemory, sl
         "optimizer": _optimizer_seconds(inv, job, worst),
         "tp_host": _tp_host_seconds(inv, job, slowest, m),
     }
-    parts["tp_sync"] = tph.sync_seconds(inv.layout, job.profile, between_s=parts["compute"] + parts["tp_host"])
+    parts["tp_sync"] = tph.sync_seconds(
+        inv.layout, job.profile, collectives=_tp_collectives(inv, slowest, m), between_s=parts["compute"] + parts["tp_host"]
+    )
     if step.host is not None:
         parts.update(offload_copy=step.host.exposed_copy_s, cpu_optimizer=step.host.optimizer_s)
         if inv.layout.offload == Offload.STATES:
@@ -425,6 +427,12 @@ def _tp_host_seconds(inv: Inventory, job: Job, stage: int, m: int) -> float:
     hops = layout.tp - 1 if layout.sequence_parallel else cm.all_reduce_hops(layout.tp)
     clip = cm.hops_seconds(job, hops) * tph.CLIP_COLLECTIVES
     return clip + tph.dtensor_seconds(inv.shape, layout, job.profile, inv.counts(stage), microbatches=m)
+
+
+def _tp_collectives(inv: Inventory, stage: int, m: int) -> int:
+    """Blocking tensor-parallel collectives of one step on ``stage`` (``llmforge.estimate.host``)."""
+    counts = inv.counts(stage)
+    return tph.tp_collectives(inv.layout, layers=counts.blocks, first=counts.first, last=counts.last, microbatches=m, per_step=True)
 
 
 def _stage_seconds(compute: kn.Cost, collective: float) -> float:

@@ -1,6 +1,6 @@
 """What a CPU rank holds besides its tensors and the heap slack proportional to them: the code a
 training step pages in, and the holes the step's largest blocks leave in a heap that keeps
-everything up to its mmap threshold (``llmforge.train.host_memory``, which takes the threshold
+everything up to its mmap threshold (``llmforge.processes.host_memory``, which takes the threshold
 from ``heap_mmap_threshold``).
 
 Measured with the tiny recipe (rank peaks over 30-40 steps; the process sampled every 2 ms):

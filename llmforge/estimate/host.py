@@ -25,11 +25,12 @@ these numbers to it:
   ``CLIP_COLLECTIVES`` for the gradient norm. Sequence parallel swaps each block's all-reduces
   for an all-gather and a reduce-scatter and gathers once more in backward.
 
-A blocking collective also waits beyond its back-to-back time when it follows compute on every
-rank: the ranks drift apart over the compute, and on CPU ranks a woken rank's threads can wait
-for a core its peer computes on. ``llmforge calibrate`` over several ranks times it per second of
-the compute before the collective (the profile's ``comm_sync_share``); a tensor-parallel rank
-pays it on all the compute and host time between its collectives (``sync_seconds``).
+A blocking collective inside a step also waits beyond its back-to-back time: a blocked rank's
+threads must be woken (on CPU ranks, and given a core its peer computes on), and the ranks drift
+apart over the compute before it. ``llmforge calibrate`` over several CPU ranks runs real
+tensor-parallel steps and fits what they wait as ``comm_sync_us`` per collective plus
+``comm_sync_share`` of the compute and host time between collectives
+(``llmforge.calibrate.tp_wait``); a tensor-parallel rank pays both (``sync_seconds``).
 """
 
 from __future__ import annotations
@@ -97,8 +98,11 @@ def dtensor_seconds(shape: Shape, layout: Layout, profile: Profile, counts: Stag
     return float(dtensor_ops(shape, layout, counts, microbatches=microbatches) * profile.dtensor_op_us * 1e-6)
 
 
-def sync_seconds(layout: Layout, profile: Profile, *, between_s: float) -> float:
-    """What a tensor-parallel rank's collectives wait beyond their back-to-back time, over the
-    ``between_s`` seconds of compute and host work they follow: the profile's ``comm_sync_share``
-    of them (nothing without tensor parallelism)."""
-    return profile.comm_sync_share * between_s if layout.tp > 1 else 0.0
+def sync_seconds(layout: Layout, profile: Profile, *, collectives: int, between_s: float) -> float:
+    """What a tensor-parallel rank's ``collectives`` blocking collectives wait beyond their
+    back-to-back time, over the ``between_s`` seconds of compute and host work they follow: the
+    profile's ``comm_sync_us`` each and its ``comm_sync_share`` of that work (nothing without
+    tensor parallelism)."""
+    if layout.tp == 1:
+        return 0.0
+    return collectives * profile.comm_sync_us * 1e-6 + profile.comm_sync_share * between_s

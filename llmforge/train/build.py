@@ -10,6 +10,7 @@ from torch import nn
 
 from llmforge.config.choices import Dtype, MoeBalance, Offload, Qat
 from llmforge.estimate.core import Estimate, estimate_plan
+from llmforge.estimate.cpu_memory import heap_mmap_threshold
 from llmforge.models.gpt import GPT
 from llmforge.models.moe import moe_metrics, set_aux_loss_scale
 from llmforge.parallel.clip import GlobalClip
@@ -20,17 +21,25 @@ from llmforge.parallel.pipeline import stage_skeleton, tied_copy_source
 from llmforge.parallel.qat import switch_at
 from llmforge.parallel.tied import tied_params
 from llmforge.plan import RunPlan
+from llmforge.processes.host_memory import keep_freed_memory
 from llmforge.train.anomaly import AnomalyPolicy, StepGuard
 from llmforge.train.build_step import build_step
 from llmforge.train.callbacks import Callback
 from llmforge.train.components import Components, RankInfo
 from llmforge.train.guarded_step import GuardedOptimizerStep
-from llmforge.train.host_memory import keep_freed_memory, mmap_threshold
 from llmforge.train.meter import meter_for
 from llmforge.train.model_updates import ExpertBiasUpdate, Fp8ScaleUpdate
 from llmforge.train.optim import build_optimizer, build_scheduler
 from llmforge.train.parallelize import fp8_all_gather, parallelize
 from llmforge.train.precision import LossScaler
+
+
+def mmap_threshold(plan: RunPlan) -> int:
+    """glibc's mmap threshold for a CPU rank of ``plan`` (``llmforge.processes.host_memory``): the
+    smallest power of two above the largest activation of one microbatch (fp32, whole: an upper
+    bound under tensor or context parallelism), within the bounds the estimate counts the holes of."""
+    model, tokens = plan.config.model, plan.layout.micro_batch_size * plan.config.model.seq_len
+    return heap_mmap_threshold(tokens=tokens, widest=max(model.vocab_size, model.ffn_hidden_size, model.num_heads * model.seq_len))
 
 
 def build_components(

@@ -35,10 +35,10 @@ from llmforge.estimate.text import gib
 from llmforge.observe.metrics import tidy_metrics
 from llmforge.observe.profile import MemorySnapshots
 from llmforge.plan import RunPlan
+from llmforge.processes.host_memory import return_freed_memory
 from llmforge.rundir import write_plan
 from llmforge.train.build import build_components
 from llmforge.train.components import Components, RankInfo
-from llmforge.train.host_memory import return_freed_memory
 from llmforge.train.instrument import explain_oom
 from llmforge.train.loop import LoopResult
 from llmforge.train.meter import measured_peak_bytes, reset_peak_rss

@@ -11,13 +11,13 @@ thresholds keeps every block up to the mmap threshold in the heap, reused from s
 to step, as tcmalloc and jemalloc do by default.
 
 The mmap threshold is the smallest power of two above the step's largest activation
-(the logits, a feed-forward hidden state, one layer's attention scores), at most 32 MiB.
-Larger blocks are a big model's whole weights and gradients: under ZeRO-3 a block's are
-gathered and freed in every forward and backward while the activations stay, and in the
-heap the activations split the space they leave: measured on rank 0 of a 225M-parameter
-model at dp8 ZeRO-3 (``tools/attribute_memory.py``), the heap grew to 1.5 GiB around
-0.45 GiB of live blocks with a 32 MiB threshold, and to 0.6 GiB with 4 MiB, for twice
-the page faults (mapped blocks are faulted in afresh).
+(``llmforge.estimate.cpu_memory.heap_mmap_threshold``), at most 32 MiB. Larger blocks are a big
+model's whole weights and gradients: under ZeRO-3 a block's are gathered and freed in every
+forward and backward while the activations stay, and in the heap the activations split the
+space they leave: measured on rank 0 of a 225M-parameter model at dp8 ZeRO-3
+(``tools/attribute_memory.py``), the heap grew to 1.5 GiB around 0.45 GiB of live blocks with a
+32 MiB threshold, and to 0.6 GiB with 4 MiB, for twice the page faults (mapped blocks are
+faulted in afresh).
 """
 
 from __future__ import annotations
@@ -27,20 +27,10 @@ import ctypes.util
 import sys
 from functools import lru_cache
 
-from llmforge.estimate.cpu_memory import MMAP_THRESHOLD_MAX, heap_mmap_threshold
-
 #: glibc mallopt parameters (malloc.h).
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 #: Freed memory at the heap's top kept rather than returned: far more than one step frees.
 TRIM_THRESHOLD = 2**30
-
-
-def mmap_threshold(plan) -> int:
-    """The smallest power of two above the largest activation of one microbatch of ``plan``
-    (fp32, whole: an upper bound under tensor or context parallelism), within
-    [``MMAP_THRESHOLD_MIN``, ``MMAP_THRESHOLD_MAX``] (the estimate counts the holes such blocks leave)."""
-    model, tokens = plan.config.model, plan.layout.micro_batch_size * plan.config.model.seq_len
-    return heap_mmap_threshold(tokens=tokens, widest=max(model.vocab_size, model.ffn_hidden_size, model.num_heads * model.seq_len))
 
 
 def return_freed_memory() -> bool:
@@ -66,7 +56,7 @@ def _glibc():
         return None
 
 
-def keep_freed_memory(threshold: int = MMAP_THRESHOLD_MAX) -> bool:
+def keep_freed_memory(threshold: int) -> bool:
     """Fix glibc's thresholds for this process (mmap at ``threshold``); False where the C library
     is not glibc. Set on every call: the thresholds are the process's, and a process that builds
     several plans (the test harness, a rehearsal) must get each plan's."""

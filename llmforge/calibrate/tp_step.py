@@ -1,0 +1,88 @@
+"""Real tensor-parallel training steps of small GPTs, timed on the calibration's ranks
+(``llmforge.calibrate.tp_wait`` fits what their collectives wait)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+
+from llmforge.calibrate.fit import CommSample
+from llmforge.calibrate.tp_wait import PROBES, TP_STEP, Probe
+from llmforge.config.schema import ModelConfig
+from llmforge.estimate.cpu_memory import heap_mmap_threshold
+from llmforge.models.gpt import GPT
+from llmforge.parallel.clip import GlobalClip
+from llmforge.parallel.tensor import align_grads, apply_tp, loss_context, sharded_cross_entropy
+from llmforge.processes.host_memory import keep_freed_memory
+
+#: (warm-up, timed) steps of a probe, full and ``quick``. A CPU process's first steps run up to
+#: five times slower than its steady ones, for several steps after the first (pages of the heap
+#: touched for the first time, caches filling).
+STEPS = {False: (10, 5), True: (5, 3)}
+
+
+def stepper(model_config: ModelConfig, *, micro_batch: int, microbatches: int, group: dist.ProcessGroup | None) -> Callable[[], None]:
+    """One training step as a CPU rank runs it: glibc's thresholds fixed as a training rank fixes
+    them, ``microbatches`` forward and backward passes accumulating the gradients, the global
+    gradient clip and a for-loop AdamW. With ``group`` the model is sharded over its ranks
+    (tensor parallel, vocab-parallel loss); without, whole."""
+    widest = max(model_config.vocab_size, model_config.ffn_hidden_size, model_config.num_heads * model_config.seq_len)
+    keep_freed_memory(heap_mmap_threshold(tokens=micro_batch * model_config.seq_len, widest=widest))
+    torch.manual_seed(0)
+    model = GPT(model_config)
+    tp = dist.get_world_size(group) if group is not None else 1
+    if group is not None:
+        apply_tp(model, tp_mesh=DeviceMesh.from_group(group, "cpu"), sequence_parallel=False)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    clip = GlobalClip(params=params, ranks_per_stage=tp, distributed=group is not None, group=group)
+    tokens = torch.randint(0, model_config.vocab_size, (micro_batch, model_config.seq_len + 1))
+
+    def step() -> None:
+        for _ in range(microbatches):
+            with loss_context(tp):
+                logits, targets = model(tokens[:, :-1]), tokens[:, 1:]
+                loss = sharded_cross_entropy(logits, targets) if tp > 1 else F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
+                (loss / microbatches).backward()
+        if tp > 1:
+            align_grads(params)
+        clip(1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def time_probe(probe: Probe, *, group: dist.ProcessGroup, quick: bool) -> float:
+    """Seconds of one step of ``probe`` sharded over ``group``: the median of the timed steps
+    after the warm-up ones (``STEPS``), on the slowest rank (every rank of the group calls this)."""
+    warmup, timed = STEPS[quick]
+    step = stepper(probe.model, micro_batch=probe.micro_batch, microbatches=probe.microbatches, group=group)
+    for _ in range(warmup):
+        step()
+    dist.barrier(group=group)
+    seconds = []
+    for _ in range(timed):
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    slowest = torch.tensor([statistics.median(seconds)])
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return float(slowest.item())
+
+
+def can_shard(*, ranks: int) -> bool:
+    """Whether every probe shards over ``ranks`` ranks (whole heads on each)."""
+    return ranks > 1 and all(probe.model.num_heads % ranks == 0 for probe in PROBES)
+
+
+def tp_step_samples(*, link: str, group: dist.ProcessGroup, quick: bool) -> list[CommSample]:
+    """Every probe's step on ``group``, as ``CommSample(op=TP_STEP, nbytes=probe index)``."""
+    n = dist.get_world_size(group)
+    return [CommSample(TP_STEP, link, n, index, time_probe(probe, group=group, quick=quick)) for index, probe in enumerate(PROBES)]

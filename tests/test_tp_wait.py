@@ -1,0 +1,113 @@
+"""A tensor-parallel step's blocking collectives wait beyond their back-to-back time: the calibration
+times real tensor-parallel steps (``llmforge.calibrate.tp_step``), fits the waits as a fixed part per
+collective and a share of the compute before it (``llmforge.calibrate.tp_wait``), and the estimator
+charges both on a tensor-parallel rank (``llmforge.estimate.host``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch.distributed as dist
+
+from llmforge.calibrate import fit, tp_step, tp_wait
+from llmforge.calibrate.fit import TP_STEP, CommSample
+from llmforge.calibrate.tp_wait import PROBES, Expected, Waits
+from llmforge.calibrate.write import as_mapping
+from llmforge.config.compose import compose
+from llmforge.errors import UserError
+from llmforge.estimate.core import estimate
+from llmforge.estimate.host import tp_collectives
+from llmforge.estimate.shape import from_plan
+from llmforge.hardware import get_profile, parse_profile
+from llmforge.layout import Layout
+from llmforge.plan import RunPlan
+
+SWEEP = [CommSample("all_reduce", "intra", 2, n, 3e-4 + n / 1e9) for n in (4096, 65536, 2**20, 2**22)]
+TP2 = ["parallel=tp2", "cluster.devices_per_node=2"]
+
+
+def _estimate(overrides: list[str], **keys):
+    shape, layout, job = from_plan(RunPlan.build(compose(["recipe=tiny", "logging=quiet", *overrides])))
+    return estimate(shape, layout, dataclasses.replace(job, profile=dataclasses.replace(job.profile, **keys)))
+
+
+def test_a_tp_rank_pays_a_wait_per_collective_and_a_share_of_its_compute_and_host_time():
+    est = _estimate(TP2, comm_sync_us=500.0, comm_sync_share=0.5, dtensor_op_us=10.0)
+    collectives = tp_collectives(Layout(tp=2), layers=4, first=True, last=True, microbatches=4, per_step=True)
+    assert collectives == 4 * (4 * 4 + 1 + 4) + 2  # four a block, the embedding, the output layer and loss; the clip
+    assert est.parts["tp_sync"] == pytest.approx(500e-6 * collectives + 0.5 * (est.parts["compute"] + est.parts["tp_host"]))
+    assert est.terms["tp_sync"] == est.parts["tp_sync"] and sum(est.terms.values()) == pytest.approx(est.step_s)
+    unmeasured = _estimate(TP2, comm_sync_us=0.0, comm_sync_share=0.0, dtensor_op_us=10.0)
+    assert unmeasured.parts["tp_sync"] == 0.0
+    assert est.step_s - unmeasured.step_s == pytest.approx(est.parts["tp_sync"])
+
+
+@pytest.mark.parametrize("parallel", ["single", "dp2", "pp2"])
+def test_without_tensor_parallelism_nothing_is_charged(parallel):
+    extra = [] if parallel == "single" else ["cluster.devices_per_node=2"]
+    assert _estimate([f"parallel={parallel}", *extra], comm_sync_us=500.0, comm_sync_share=0.5).parts["tp_sync"] == 0.0
+
+
+def _cpu_profile_data() -> dict:
+    return {**as_mapping(get_profile("cpu")), "comm_sync_us": 0.0, "comm_sync_share": 0.0}
+
+
+def test_the_fit_recovers_the_waits_the_probe_steps_took():
+    """Steps that took what the estimator counts plus 600 us a collective and 30% of the compute
+    before them give back those two figures, through the estimator's own view of each probe."""
+    data = _cpu_profile_data()
+    profile = parse_profile(data)
+    samples = []
+    for index, probe in enumerate(PROBES):
+        e = tp_wait.expected(probe, profile, tp=2)
+        samples.append(CommSample(TP_STEP, "intra", 2, index, e.seconds + 600e-6 * e.collectives + 0.3 * e.between_s))
+    keys = tp_wait.wait_keys(SWEEP + samples, data, profile=profile)
+    assert keys["comm_sync_us"] == pytest.approx(600, rel=1e-3) and keys["comm_sync_share"] == pytest.approx(0.3, abs=1e-3)
+    assert tp_wait.wait_keys(SWEEP, data, profile=profile) == data  # no probe steps: unchanged
+
+
+def test_the_probes_tell_the_two_terms_apart():
+    """The probes differ several times over in compute per collective: two distinct rows."""
+    profile = parse_profile(_cpu_profile_data())
+    small, large = (tp_wait.expected(p, profile, tp=2) for p in PROBES)
+    assert large.between_s / large.collectives > 2 * small.between_s / small.collectives
+
+
+def test_the_fit_never_goes_negative():
+    few, many = Expected(1.0, 10, 0.5), Expected(1.0, 100, 0.1)
+    # about 2.5 ms a collective, the row with more compute waiting less: the two-term fit's share
+    # would be negative, so the better of the one-term fits is kept
+    rows = [(few, 1.0 + 0.02), (many, 1.0 + 0.25)]
+    assert tp_wait._solve([(e.collectives, e.between_s, m - e.seconds) for e, m in rows]).share < 0
+    waits = tp_wait.fit_waits(rows)
+    assert waits.share == 0.0 and waits.per_call_s == pytest.approx(2.5e-3, rel=0.01)
+    assert tp_wait.fit_waits([(few, 0.9), (many, 0.8)]) == Waits(0.0, 0.0)  # faster than counted: no wait
+
+
+def test_the_latency_and_bandwidth_fit_leaves_the_probe_steps_out():
+    steps = [CommSample(TP_STEP, "intra", 2, 0, 0.1), CommSample(TP_STEP, "intra", 2, 1, 0.3)]
+    assert fit.fit_comm(SWEEP + steps) == fit.fit_comm(SWEEP)
+
+
+def test_a_profile_reads_the_waits_and_refuses_negative_ones():
+    base = {"name": "x", "memory_gib": 1, "peak_tflops": {"fp32": 1, "bf16": 1, "fp16": 1}, "memory_bandwidth_gbs": 1}
+    base |= {"intra_node_gbs": 1, "inter_node_gbs": 1, "devices_per_node": 2}
+    read = parse_profile({**base, "comm_sync_us": 450.0, "comm_sync_share": 0.3})
+    assert (read.comm_sync_us, read.comm_sync_share) == (450.0, 0.3)
+    assert (parse_profile(base).comm_sync_us, parse_profile(base).comm_sync_share) == (0.0, 0.0)
+    for key in ("comm_sync_us", "comm_sync_share"):
+        with pytest.raises(UserError, match=key):
+            parse_profile({**base, key: -0.1})
+
+
+def test_the_probes_run_a_sharded_training_step(monkeypatch):
+    from llmforge.rehearse.fake import fake_process_group
+
+    monkeypatch.setitem(tp_step.STEPS, True, (1, 1))
+    with fake_process_group(rank=0, world_size=2):
+        samples = tp_step.tp_step_samples(link="intra", group=dist.group.WORLD, quick=True)
+    assert [(s.op, s.link, s.ranks, s.nbytes) for s in samples] == [(TP_STEP, "intra", 2, i) for i in range(len(PROBES))]
+    assert all(s.seconds > 0 for s in samples)
+    assert tp_step.can_shard(ranks=2) and tp_step.can_shard(ranks=4)
+    assert not tp_step.can_shard(ranks=1) and not tp_step.can_shard(ranks=3)
