@@ -111,3 +111,25 @@ def test_the_probes_run_a_sharded_training_step(monkeypatch):
     assert all(s.seconds > 0 for s in samples)
     assert tp_step.can_shard(ranks=2) and tp_step.can_shard(ranks=4)
     assert not tp_step.can_shard(ranks=1) and not tp_step.can_shard(ranks=3)
+
+
+@pytest.mark.parametrize("index", range(len(PROBES)))
+def test_a_probe_step_issues_what_a_training_rank_of_the_same_model_issues(index):
+    """The probe's step makes the DTensor calls and collectives of rank 0 of ``llmforge pretrain``
+    on the same model and batch (``llmforge.rehearse.counts``), and the estimator counts those
+    collectives: what the fit divides among them is what a training step waits on."""
+    from llmforge.rehearse.counts import count_step, counted
+    from llmforge.rehearse.fake import fake_process_group
+
+    probe = PROBES[index]
+    config = compose(["recipe=tiny", "logging=quiet", *TP2])
+    batch = {"micro_batch_size": probe.micro_batch, "global_batch_size": probe.micro_batch * probe.microbatches}
+    plan = RunPlan.build(dataclasses.replace(config, model=probe.model, train=dataclasses.replace(config.train, **batch)))
+    real = count_step(plan)
+    with fake_process_group(rank=0, world_size=2):
+        step = tp_step.stepper(probe.model, micro_batch=probe.micro_batch, microbatches=probe.microbatches, group=dist.group.WORLD)
+        step()
+        dtensor, collectives = counted(step)
+    assert dtensor == sum(real.dtensor.values())
+    assert sum(collectives.values()) == sum(real.collective_count(phase) for phase in real.dtensor)
+    assert sum(collectives.values()) == tp_wait.expected(probe, parse_profile(_cpu_profile_data()), tp=2).collectives

@@ -16,7 +16,7 @@ from llmforge.calibrate.fit import CommSample
 from llmforge.calibrate.tp_wait import PROBES, TP_STEP, Probe
 from llmforge.config.schema import ModelConfig
 from llmforge.estimate.cpu_memory import heap_mmap_threshold
-from llmforge.models.gpt import GPT
+from llmforge.models.gpt import GPT, parameter_groups
 from llmforge.parallel.clip import GlobalClip
 from llmforge.parallel.tensor import align_grads, apply_tp, loss_context, sharded_cross_entropy
 from llmforge.processes.host_memory import keep_freed_memory
@@ -30,7 +30,7 @@ STEPS = {False: (10, 5), True: (5, 3)}
 def stepper(model_config: ModelConfig, *, micro_batch: int, microbatches: int, group: dist.ProcessGroup | None) -> Callable[[], None]:
     """One training step as a CPU rank runs it: glibc's thresholds fixed as a training rank fixes
     them, ``microbatches`` forward and backward passes accumulating the gradients, the global
-    gradient clip and a for-loop AdamW. With ``group`` the model is sharded over its ranks
+    gradient clip and a for-loop AdamW (matrices decayed, the rest not). With ``group`` the model is sharded over its ranks
     (tensor parallel, vocab-parallel loss); without, whole."""
     widest = max(model_config.vocab_size, model_config.ffn_hidden_size, model_config.num_heads * model_config.seq_len)
     keep_freed_memory(heap_mmap_threshold(tokens=micro_batch * model_config.seq_len, widest=widest))
@@ -40,7 +40,7 @@ def stepper(model_config: ModelConfig, *, micro_batch: int, microbatches: int, g
     if group is not None:
         apply_tp(model, tp_mesh=DeviceMesh.from_group(group, "cpu"), sequence_parallel=False)
     params = list(model.parameters())
-    optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=False)
+    optimizer = torch.optim.AdamW(parameter_groups(model, weight_decay=0.1), lr=1e-3, foreach=False)
     clip = GlobalClip(params=params, ranks_per_stage=tp, distributed=group is not None, group=group)
     tokens = torch.randint(0, model_config.vocab_size, (micro_batch, model_config.seq_len + 1))
 

@@ -212,3 +212,16 @@ def _name_seed(seed: int, name: str) -> int:
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def parameter_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
+    """Decay matrices; leave biases, norm weights and embeddings undecayed."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if param.ndim < 2 or "norm" in name or "embed" in name:
+            no_decay.append(param)
+        else:
+            decay.append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

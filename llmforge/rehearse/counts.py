@@ -54,7 +54,7 @@ class StepOps:
         return sum(self.collectives.get(phase, Counter()).values())
 
 
-def _counted(fn) -> tuple[int, Counter]:
+def counted(fn) -> tuple[int, Counter]:
     """(top-level DTensor dispatches, collectives by name) of ``fn()``."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, DTensorCalls() as mode:
         fn()
@@ -91,7 +91,7 @@ def count_step(plan: RunPlan) -> StepOps:
                         fn()
                     out.python_calls[phase] = python.calls
                     continue
-                dtensor, collectives = _counted(fn)
+                dtensor, collectives = counted(fn)
                 if round_ == "operators":
                     out.dtensor[phase], out.collectives[phase] = dtensor, collectives
     return out

@@ -10,20 +10,8 @@ from torch.distributed.tensor import DTensor
 
 from llmforge.config.choices import DecayShape, LrSchedule, Optimizer
 from llmforge.config.schema import OptimConfig
+from llmforge.models.gpt import parameter_groups
 from llmforge.train.muon import build_muon
-
-
-def parameter_groups(model: nn.Module, *, weight_decay: float) -> list[dict]:
-    """Decay matrices; leave biases, norm weights and embeddings undecayed."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        if param.ndim < 2 or "norm" in name or "embed" in name:
-            no_decay.append(param)
-        else:
-            decay.append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def implementation(params: list[nn.Parameter], *, offloaded: bool = False) -> str:
