@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 NARROW = ["model.hidden_size=64", "model.ffn_hidden_size=256", "model.vocab_size=1024", "model.seq_len=64"]
 SHAPES = {
@@ -32,26 +30,15 @@ BASE = ["recipe=tiny", "logging=quiet", "parallel=tp2", "cluster.devices_per_nod
 
 
 def _measure(overrides: list[str], *, steps: int, warmup: int) -> float:
-    import torch
     import torch.distributed as dist
 
-    from llmforge.calibrate.tp_step import stepper
+    from llmforge.calibrate.tp_step import median_step_seconds, stepper
     from llmforge.config.compose import compose
 
     config = compose([*BASE, *overrides])
     micro = config.train.micro_batch_size
     step = stepper(config.model, micro_batch=micro, microbatches=config.train.global_batch_size // micro, group=dist.group.WORLD)
-    for _ in range(warmup):
-        step()
-    dist.barrier()
-    seconds = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        seconds.append(time.perf_counter() - start)
-    slowest = torch.tensor([statistics.median(seconds)])
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return float(slowest.item())
+    return median_step_seconds(step, group=None, warmup=warmup, timed=steps)
 
 
 def _estimate(overrides: list[str]):

@@ -59,11 +59,9 @@ def stepper(model_config: ModelConfig, *, micro_batch: int, microbatches: int, g
     return step
 
 
-def time_probe(probe: Probe, *, group: dist.ProcessGroup, quick: bool) -> float:
-    """Seconds of one step of ``probe`` sharded over ``group``: the median of the timed steps
-    after the warm-up ones (``STEPS``), on the slowest rank (every rank of the group calls this)."""
-    warmup, timed = STEPS[quick]
-    step = stepper(probe.model, micro_batch=probe.micro_batch, microbatches=probe.microbatches, group=group)
+def median_step_seconds(step: Callable[[], None], *, group: dist.ProcessGroup | None, warmup: int, timed: int) -> float:
+    """The median of ``timed`` calls of ``step`` after ``warmup`` more, on the slowest rank of
+    ``group`` (every rank of it calls this; None: the default group)."""
     for _ in range(warmup):
         step()
     dist.barrier(group=group)
@@ -75,6 +73,13 @@ def time_probe(probe: Probe, *, group: dist.ProcessGroup, quick: bool) -> float:
     slowest = torch.tensor([statistics.median(seconds)])
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     return float(slowest.item())
+
+
+def time_probe(probe: Probe, *, group: dist.ProcessGroup, quick: bool) -> float:
+    """Seconds of one step of ``probe`` sharded over ``group`` (``STEPS``: warm-up and timed steps)."""
+    warmup, timed = STEPS[quick]
+    step = stepper(probe.model, micro_batch=probe.micro_batch, microbatches=probe.microbatches, group=group)
+    return median_step_seconds(step, group=group, warmup=warmup, timed=timed)
 
 
 def can_shard(*, ranks: int) -> bool:
