@@ -101,10 +101,28 @@ def test_a_profile_reads_the_waits_and_refuses_negative_ones():
             parse_profile({**base, key: -0.1})
 
 
+@pytest.mark.parametrize(
+    ("schedule_ms", "most", "calls"),
+    [
+        ([50, 40, 30, 20, 10, 10, 10, 10, 10, 10, 10], 30, 9),  # settled once the three before are as fast
+        ([10] * 8, 30, 6),  # steady from the start: the least
+        ([60, 50, 40, 32, 26, 21, 17, 14, 11, 9], 8, 8),  # still falling: stopped at the most
+    ],
+)
+def test_the_warm_up_runs_until_the_steps_settle(schedule_ms, most, calls):
+    import time
+
+    from llmforge.rehearse.fake import fake_process_group
+
+    times = iter(schedule_ms)
+    with fake_process_group(rank=0, world_size=2):
+        assert tp_step.warm_up(lambda: time.sleep(next(times) / 1e3), group=dist.group.WORLD, most=most) == calls
+
+
 def test_the_probes_run_a_sharded_training_step(monkeypatch):
     from llmforge.rehearse.fake import fake_process_group
 
-    monkeypatch.setitem(tp_step.STEPS, True, (1, 1))
+    monkeypatch.setattr(tp_step, "WARMUP_MOST", 1)
     with fake_process_group(rank=0, world_size=2):
         samples = tp_step.tp_step_samples(link="intra", group=dist.group.WORLD, quick=True)
     assert [(s.op, s.link, s.ranks, s.nbytes) for s in samples] == [(TP_STEP, "intra", 2, i) for i in range(len(PROBES))]

@@ -6,7 +6,7 @@ rank of ``llmforge pretrain`` runs it) and rank 0 prints the median step against
 the same plan on this machine's calibrated profile, with the estimate's collectives and waits.
 Run it on a quiet machine after ``llmforge calibrate cluster.devices_per_node=2``:
 
-    python tools/tp_shapes.py [--steps 8] [--warmup 10]
+    python tools/tp_shapes.py [--steps 8] [--warmup 30]
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def _measure(overrides: list[str], *, steps: int, warmup: int) -> float:
     config = compose([*BASE, *overrides])
     micro = config.train.micro_batch_size
     step = stepper(config.model, micro_batch=micro, microbatches=config.train.global_batch_size // micro, group=dist.group.WORLD)
-    return median_step_seconds(step, group=None, warmup=warmup, timed=steps)
+    return median_step_seconds(step, group=None, timed=steps, most_warmup=warmup)
 
 
 def _estimate(overrides: list[str]):
@@ -70,7 +70,7 @@ def rank_main(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=30, help="at most this many steps before timing (fewer once steps settle)")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:

@@ -21,10 +21,13 @@ from llmforge.parallel.clip import GlobalClip
 from llmforge.parallel.tensor import align_grads, apply_tp, loss_context, sharded_cross_entropy
 from llmforge.processes.host_memory import keep_freed_memory
 
-#: (warm-up, timed) steps of a probe, full and ``quick``. A CPU process's first steps run up to
-#: five times slower than its steady ones, for several steps after the first (pages of the heap
-#: touched for the first time, caches filling).
-STEPS = {False: (10, 5), True: (5, 3)}
+#: Timed steps of a probe, full and ``quick``.
+TIMED_STEPS = {False: 5, True: 3}
+#: A CPU process's first steps run up to five times slower than its steady ones, and fall to them
+#: over eight to ten steps (a probe's second model too): a warm-up runs until the last three steps
+#: are no more than ``SETTLED`` faster than the three before, within these bounds.
+WARMUP_LEAST, WARMUP_MOST = 6, 30
+SETTLED = 0.1
 
 
 def stepper(model_config: ModelConfig, *, micro_batch: int, microbatches: int, group: dist.ProcessGroup | None) -> Callable[[], None]:
@@ -59,11 +62,27 @@ def stepper(model_config: ModelConfig, *, micro_batch: int, microbatches: int, g
     return step
 
 
-def median_step_seconds(step: Callable[[], None], *, group: dist.ProcessGroup | None, warmup: int, timed: int) -> float:
-    """The median of ``timed`` calls of ``step`` after ``warmup`` more, on the slowest rank of
-    ``group`` (every rank of it calls this; None: the default group)."""
-    for _ in range(warmup):
+def warm_up(step: Callable[[], None], *, group: dist.ProcessGroup | None, most: int | None = None) -> int:
+    """Call ``step`` until its time settles on every rank of ``group`` (at least ``WARMUP_LEAST``
+    calls, at most ``most``, default ``WARMUP_MOST``); the ranks agree after each call. Returns the
+    calls made."""
+    most = WARMUP_MOST if most is None else most
+    seconds: list[float] = []
+    while True:
+        start = time.perf_counter()
         step()
+        seconds.append(time.perf_counter() - start)
+        settled = len(seconds) >= WARMUP_LEAST and statistics.median(seconds[-3:]) >= (1 - SETTLED) * statistics.median(seconds[-6:-3])
+        going = torch.tensor([0.0 if settled or len(seconds) >= most else 1.0])
+        dist.all_reduce(going, op=dist.ReduceOp.MAX, group=group)
+        if not going.item():
+            return len(seconds)
+
+
+def median_step_seconds(step: Callable[[], None], *, group: dist.ProcessGroup | None, timed: int, most_warmup: int | None = None) -> float:
+    """The median of ``timed`` calls of ``step`` once its time has settled (``warm_up``), on the
+    slowest rank of ``group`` (every rank of it calls this; None: the default group)."""
+    warm_up(step, group=group, most=most_warmup)
     dist.barrier(group=group)
     seconds = []
     for _ in range(timed):
@@ -76,10 +95,9 @@ def median_step_seconds(step: Callable[[], None], *, group: dist.ProcessGroup | 
 
 
 def time_probe(probe: Probe, *, group: dist.ProcessGroup, quick: bool) -> float:
-    """Seconds of one step of ``probe`` sharded over ``group`` (``STEPS``: warm-up and timed steps)."""
-    warmup, timed = STEPS[quick]
+    """Seconds of one step of ``probe`` sharded over ``group`` (``TIMED_STEPS`` after the warm-up)."""
     step = stepper(probe.model, micro_batch=probe.micro_batch, microbatches=probe.microbatches, group=group)
-    return median_step_seconds(step, group=group, warmup=warmup, timed=timed)
+    return median_step_seconds(step, group=group, timed=TIMED_STEPS[quick])
 
 
 def can_shard(*, ranks: int) -> bool:
