@@ -121,8 +121,10 @@ def test_blocks_larger_than_every_activation_are_mapped_on_their_own():
     """glibc's mmap threshold is the smallest power of two above a microbatch's largest
     activation: the default recipe's 8 MiB logits stay in the heap; a 225M-parameter model's
     16 MiB weights (2 MiB activations) are mapped, so the activations cannot fragment them."""
-    from llmforge.estimate.cpu_memory import MMAP_THRESHOLD_MAX
-    from llmforge.train.build import mmap_threshold
+    from llmforge.estimate.cpu_memory import MMAP_THRESHOLD_MAX, model_mmap_threshold
+
+    def mmap_threshold(plan):
+        return model_mmap_threshold(plan.config.model, micro_batch=plan.layout.micro_batch_size)
 
     default = tiny_plan(["model.vocab_size=4096", "model.seq_len=128", "train.micro_batch_size=4"])
     assert mmap_threshold(default) == 16 * 2**20

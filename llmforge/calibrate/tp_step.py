@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from llmforge.calibrate.fit import CommSample
 from llmforge.calibrate.tp_wait import PROBES, TP_STEP, Probe
 from llmforge.config.schema import ModelConfig
-from llmforge.estimate.cpu_memory import heap_mmap_threshold
+from llmforge.estimate.cpu_memory import model_mmap_threshold
 from llmforge.models.gpt import GPT, parameter_groups
 from llmforge.parallel.clip import GlobalClip
 from llmforge.parallel.tensor import align_grads, apply_tp, loss_context, sharded_cross_entropy
@@ -35,8 +35,7 @@ def stepper(model_config: ModelConfig, *, micro_batch: int, microbatches: int, g
     them, ``microbatches`` forward and backward passes accumulating the gradients, the global
     gradient clip and a for-loop AdamW (matrices decayed, the rest not). With ``group`` the model is sharded over its ranks
     (tensor parallel, vocab-parallel loss); without, whole."""
-    widest = max(model_config.vocab_size, model_config.ffn_hidden_size, model_config.num_heads * model_config.seq_len)
-    keep_freed_memory(heap_mmap_threshold(tokens=micro_batch * model_config.seq_len, widest=widest))
+    keep_freed_memory(model_mmap_threshold(model_config, micro_batch=micro_batch))
     torch.manual_seed(0)
     model = GPT(model_config)
     tp = dist.get_world_size(group) if group is not None else 1

@@ -61,9 +61,9 @@ def expected(probe: Probe, profile: Profile, *, tp: int) -> Expected:
     quiet = dataclasses.replace(profile, comm_sync_share=0.0, comm_sync_us=0.0)
     batch = probe.micro_batch * probe.microbatches
     job = Job(global_batch=batch, param_dtype="fp32", reduce_dtype="fp32", profile=quiet, devices_per_node=tp)
-    est = estimate(shape_from_config(probe.model), probe.layout(tp), job)
-    layers = probe.model.num_layers
-    count = tp_collectives(probe.layout(tp), layers=layers, first=True, last=True, microbatches=probe.microbatches, per_step=True)
+    layout = probe.layout(tp)
+    est = estimate(shape_from_config(probe.model), layout, job)
+    count = tp_collectives(layout, layers=probe.model.num_layers, first=True, last=True, microbatches=probe.microbatches, per_step=True)
     return Expected(est.step_s, count, est.parts["compute"] + est.parts["tp_host"])
 
 

@@ -15,6 +15,7 @@ Measured with the tiny recipe (rank peaks over 30-40 steps; the process sampled 
 
 from __future__ import annotations
 
+from llmforge.config.schema import ModelConfig
 from llmforge.estimate.shape import Shape
 
 FP32 = 4
@@ -35,6 +36,13 @@ def heap_mmap_threshold(*, tokens: int, widest: int) -> int:
     while threshold <= largest and threshold < MMAP_THRESHOLD_MAX:
         threshold *= 2
     return threshold
+
+
+def model_mmap_threshold(model: ModelConfig, *, micro_batch: int) -> int:
+    """``heap_mmap_threshold`` of one microbatch of ``model`` (fp32, whole: an upper bound under
+    tensor or context parallelism): a CPU training rank's, and the calibration's probe steps'."""
+    widest = max(model.vocab_size, model.ffn_hidden_size, model.num_heads * model.seq_len)
+    return heap_mmap_threshold(tokens=micro_batch * model.seq_len, widest=widest)
 
 
 def cpu_step_bytes(shape: Shape, *, micro_batch: int) -> float:

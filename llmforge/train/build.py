@@ -10,7 +10,7 @@ from torch import nn
 
 from llmforge.config.choices import Dtype, MoeBalance, Offload, Qat
 from llmforge.estimate.core import Estimate, estimate_plan
-from llmforge.estimate.cpu_memory import heap_mmap_threshold
+from llmforge.estimate.cpu_memory import model_mmap_threshold
 from llmforge.models.gpt import GPT
 from llmforge.models.moe import moe_metrics, set_aux_loss_scale
 from llmforge.parallel.clip import GlobalClip
@@ -34,14 +34,6 @@ from llmforge.train.parallelize import fp8_all_gather, parallelize
 from llmforge.train.precision import LossScaler
 
 
-def mmap_threshold(plan: RunPlan) -> int:
-    """glibc's mmap threshold for a CPU rank of ``plan`` (``llmforge.processes.host_memory``): the
-    smallest power of two above the largest activation of one microbatch (fp32, whole: an upper
-    bound under tensor or context parallelism), within the bounds the estimate counts the holes of."""
-    model, tokens = plan.config.model, plan.layout.micro_batch_size * plan.config.model.seq_len
-    return heap_mmap_threshold(tokens=tokens, widest=max(model.vocab_size, model.ffn_hidden_size, model.num_heads * model.seq_len))
-
-
 def build_components(
     plan: RunPlan, *, rank: RankInfo, sampler: object, val_sampler: object | None = None, estimate: Estimate | None = None
 ) -> Components:
@@ -51,7 +43,7 @@ def build_components(
     ``estimate``: the run's one estimate, which the meter reads (None: estimated here)."""
     cfg, mesh, device = plan.config, rank.mesh, rank.device
     if device.type == "cpu":
-        keep_freed_memory(mmap_threshold(plan))
+        keep_freed_memory(model_mmap_threshold(plan.config.model, micro_batch=plan.layout.micro_batch_size))
     parts, ids = build_parts(plan, mesh=mesh, device=device)
     copies = _tied_copies(plan, parts=parts, ids=ids, num_stages=len(plan.layers_per_stage))
     optimizer = _optimizer(plan, parts=parts, copies=copies)
