@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from llmforge.calibrate import fit, tp_step, tp_wait
@@ -151,3 +152,28 @@ def test_a_probe_step_issues_what_a_training_rank_of_the_same_model_issues(index
     assert dtensor == sum(real.dtensor.values())
     assert sum(collectives.values()) == sum(real.collective_count(phase) for phase in real.dtensor)
     assert sum(collectives.values()) == tp_wait.expected(probe, parse_profile(_cpu_profile_data()), tp=2).collectives
+
+
+def test_a_probe_step_starts_from_a_runs_weights_and_sees_new_tokens_each_microbatch(monkeypatch):
+    """torch's default initialisation (embeddings of standard deviation 1) makes a 256-wide
+    model's softmax put denormal or zero probability on part of a 4096 vocabulary, and the output
+    layer's backward matmuls over those run many times slower than a run's first steps."""
+    from llmforge.config.schema import ModelConfig
+    from llmforge.models.gpt import GPT
+
+    seen: list[tuple] = []
+
+    class Watched(GPT):
+        def forward(self, tokens, *args, **kwargs):
+            logits = super().forward(tokens, *args, **kwargs)
+            seen.append((tokens.clone(), logits.detach().softmax(-1).min().item()))
+            return logits
+
+    monkeypatch.setattr(tp_step, "GPT", Watched)
+    model = ModelConfig(num_layers=1, hidden_size=256, num_heads=4, ffn_hidden_size=512, vocab_size=4096, seq_len=32)
+    step = tp_step.stepper(model, micro_batch=2, microbatches=2, group=None)
+    step()
+    step()
+    assert len(seen) == 4
+    assert min(p for _, p in seen) > 1.2e-38  # the smallest normal fp32
+    assert all(not torch.equal(seen[0][0], tokens) for tokens, _ in seen[1:])

@@ -33,21 +33,27 @@ SETTLED = 0.1
 def stepper(model_config: ModelConfig, *, micro_batch: int, microbatches: int, group: dist.ProcessGroup | None) -> Callable[[], None]:
     """One training step as a CPU rank runs it: glibc's thresholds fixed as a training rank fixes
     them, ``microbatches`` forward and backward passes accumulating the gradients, the global
-    gradient clip and a for-loop AdamW (matrices decayed, the rest not). With ``group`` the model is sharded over its ranks
+    gradient clip and a for-loop AdamW (matrices decayed, the rest not). The weights start as a
+    run's do (``init_weights``), and each microbatch brings new tokens as training's bring new
+    text: torch's default initialisation (embeddings of standard deviation 1) or steps fitting
+    one batch over and over make the softmax peak, so that about half its probabilities are
+    denormal or zero, and the output layer's backward matmuls over them then run 1.3-30x slower
+    than training's. With ``group`` the model is sharded over its ranks
     (tensor parallel, vocab-parallel loss); without, whole."""
     keep_freed_memory(model_mmap_threshold(model_config, micro_batch=micro_batch))
-    torch.manual_seed(0)
     model = GPT(model_config)
+    model.init_weights(seed=0)
     tp = dist.get_world_size(group) if group is not None else 1
     if group is not None:
         apply_tp(model, tp_mesh=DeviceMesh.from_group(group, "cpu"), sequence_parallel=False)
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(parameter_groups(model, weight_decay=0.1), lr=1e-3, foreach=False)
     clip = GlobalClip(params=params, ranks_per_stage=tp, distributed=group is not None, group=group)
-    tokens = torch.randint(0, model_config.vocab_size, (micro_batch, model_config.seq_len + 1))
+    draw = torch.Generator().manual_seed(0)  # the same tokens on every rank
 
     def step() -> None:
         for _ in range(microbatches):
+            tokens = torch.randint(0, model_config.vocab_size, (micro_batch, model_config.seq_len + 1), generator=draw)
             with loss_context(tp):
                 logits, targets = model(tokens[:, :-1]), tokens[:, 1:]
                 loss = sharded_cross_entropy(logits, targets) if tp > 1 else F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1))
