@@ -31,6 +31,7 @@ embedding, the output layer and the loss cancel).
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections import Counter
 
 import pytest
@@ -183,3 +184,22 @@ def test_the_estimator_counts_the_kernels_of_a_block(name, fused_rms_norm):
 def test_the_estimator_counts_the_kernels_of_a_block_under_autocast(name, fused_rms_norm):
     cfg = CONFIGS[name]
     assert estimated_block(cfg, mixed=True) == profiled_block(cfg, mixed=True)
+
+
+#: The fp32 loss's composite ops as a GPU runs them: log-softmax and NLL; a zeroed gradient and its scatter.
+LOSS_GPU_KERNELS = {"aten::cross_entropy_loss": 2, "aten::nll_loss_backward": 2}
+
+
+def test_the_estimator_counts_the_kernels_of_the_fp32_loss(monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "GPU_KERNELS", {**GPU_KERNELS, **LOSS_GPU_KERNELS})
+    tokens, vocab = BATCH * GPT_TINY.seq_len, GPT_TINY.vocab_size
+    logits = torch.randn(BATCH, GPT_TINY.seq_len, vocab, requires_grad=True)
+    targets = torch.randint(0, vocab, (BATCH, GPT_TINY.seq_len))
+    seed = torch.ones(())  # the backward's seed is the step's, not the loss's
+    cross_entropy(logits, targets).backward(seed)
+    logits.grad = None
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        cross_entropy(logits, targets).backward(seed)
+    assert kn.loss_kind(tokens=tokens, vocab=vocab, c=4, tp=1) == "plain"
+    estimated = kn.loss_cost(kn._COUNTER, tokens=tokens, vocab=vocab, c=4, kind="plain").floor
+    assert sum(count_kernels(prof.events())) == estimated == 5

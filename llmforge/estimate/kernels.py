@@ -266,10 +266,24 @@ def ends_cost(sp: Speeds, shape: Shape, layout: Layout, *, c: int, mixed: bool, 
     if first:
         out = out.plus(_weights_cost(sp, [x.numel // tp for x in embedding_tensors(shape)], mixed=False, accumulate=accumulate, c=c))
     if last:
-        kind = "vocab_parallel" if tp > 1 else "chunked"
-        out = total((out, sp.gemm(t, h, v), sp.gemm(t, v, h), sp.gemm(h, t, v), loss_cost(sp, tokens=t, vocab=v, c=c, kind=kind)))
+        out = total(
+            (
+                out,
+                sp.gemm(t, h, v),
+                sp.gemm(t, v, h),
+                sp.gemm(h, t, v),
+                loss_cost(sp, tokens=t, vocab=v, c=c, kind=loss_kind(tokens=t, vocab=v, c=c, tp=tp)),
+            )
+        )
         out = out.plus(_weights_cost(sp, [int(v * h)], mixed=mixed, accumulate=accumulate, c=c))
     return out
+
+
+def loss_kind(*, tokens: float, vocab: float, c: int, tp: int) -> str:
+    """Which cross-entropy ``llmforge.train.loss`` runs on this rank's logits."""
+    if tp > 1:
+        return "vocab_parallel"
+    return "plain" if c == FP32 and tokens * vocab <= LOSS_CHUNK_ELEMENTS else "chunked"
 
 
 def loss_cost(sp: Speeds, *, tokens: float, vocab: float, c: int, kind: str = "chunked") -> Cost:
@@ -277,13 +291,18 @@ def loss_cost(sp: Speeds, *, tokens: float, vocab: float, c: int, kind: str = "c
 
     ``chunked`` (llmforge.train.loss): a log-softmax read in chunks and written in fp32
     per chunk; backward a softmax and a scaled write in the logits' dtype (7c + 12 bytes
-    per logit). ``fp32_logits``: ``F.cross_entropy(logits.float())`` as a plain loop
+    per logit). ``plain``: fp32 logits of one chunk go to ``F.cross_entropy``, whose
+    log-softmax reads and writes each logit, the NLL's gradient is a zeroed tensor with one
+    value a row, and the log-softmax's backward reads two and writes one (24 bytes per logit,
+    five kernels). ``fp32_logits``: ``F.cross_entropy(logits.float())`` as a plain loop
     writes it: the fp32 copy, log-softmax, NLL, their backward and the cast back
     (8c + 36 bytes per logit). ``vocab_parallel``: torch's ``loss_parallel`` on this rank's
     vocabulary shard (``vocab``), which runs the log-softmax and its backward op by op
     (``VOCAB_PARALLEL_LOSS_OPS``)."""
     if kind == "fp32_logits":
         return sp.memory(tokens * vocab * (8 * c + 36), 8)
+    if kind == "plain":
+        return sp.memory(tokens * vocab * 6 * FP32, 5)
     if kind == "vocab_parallel":
         per_logit = sum(calls * nbytes for _, calls, nbytes in VOCAB_PARALLEL_LOSS_OPS)
         kernels = sum(calls for _, calls, _ in VOCAB_PARALLEL_LOSS_OPS) + VOCAB_PARALLEL_ROW_KERNELS
