@@ -94,10 +94,10 @@ class Profile:
     #: wrapping): tensor-parallel ranks pay it per call (``llmforge.estimate.host``); 0: not measured.
     dtensor_op_us: float = 0.0
     #: What a blocking collective of a tensor-parallel step waits beyond its back-to-back time:
-    #: ``comm_sync_us`` per call (a blocked rank's threads woken, and on CPU ranks given a core)
-    #: plus ``comm_sync_share`` of the compute and host time before it (the ranks drift apart over
-    #: it). Fitted from real tensor-parallel steps (``llmforge.calibrate.tp_wait``) and charged by
-    #: ``llmforge.estimate.host.sync_seconds``; 0: not measured.
+    #: ``comm_sync_us`` per call (a blocked rank's threads woken, and on CPU ranks given a core;
+    #: fitted from real tensor-parallel steps, ``llmforge.calibrate.tp_wait``) plus
+    #: ``comm_sync_share`` of the compute and host time before it (ranks that drift apart over it;
+    #: set by hand). Charged by ``llmforge.estimate.host.sync_seconds``; 0: none.
     comm_sync_us: float = 0.0
     comm_sync_share: float = 0.0
     #: Fixed seconds-equivalent of one collective, microseconds (alpha of alpha + bytes/bandwidth).

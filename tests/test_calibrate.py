@@ -114,7 +114,7 @@ def test_two_gloo_ranks_measure_collectives_into_the_profile(quiet, tmp_path):
     assert result.exit_code == 0, result.output
     data = yaml.safe_load(out.read_text())
     assert data["calibration"]["ranks"] == 2 and data["calibration"]["threads"] == cpu_threads(2)
-    assert data["comm_sync_us"] >= 0 and data["comm_sync_share"] >= 0  # fitted from the tensor-parallel probe steps
+    assert data["comm_sync_us"] >= 0 and "comm_sync_share" not in data  # fitted from the tensor-parallel probe steps
     profile = get_profile(str(out))
     assert profile.comm_latency_us >= 0 and 0 < profile.comm_efficiency <= 1
     assert (

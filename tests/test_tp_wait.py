@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from llmforge.calibrate import fit, tp_step, tp_wait
 from llmforge.calibrate.fit import TP_STEP, CommSample
-from llmforge.calibrate.tp_wait import PROBES, Expected, Waits
+from llmforge.calibrate.tp_wait import PROBES, Expected
 from llmforge.calibrate.write import as_mapping
 from llmforge.config.compose import compose
 from llmforge.errors import UserError
@@ -54,36 +54,34 @@ def _cpu_profile_data() -> dict:
     return {**as_mapping(get_profile("cpu")), "comm_sync_us": 0.0, "comm_sync_share": 0.0}
 
 
-def test_the_fit_recovers_the_waits_the_probe_steps_took():
-    """Steps that took what the estimator counts plus 600 us a collective and 30% of the compute
-    before them give back those two figures, through the estimator's own view of each probe."""
-    data = _cpu_profile_data()
+def test_the_fit_recovers_the_wait_the_probe_steps_took():
+    """Steps that took what the estimator counts plus 600 us a collective give back that figure,
+    through the estimator's own view of each probe, and clear a share an older profile held."""
+    data = {**_cpu_profile_data(), "comm_sync_share": 0.4}
     profile = parse_profile(data)
     samples = []
     for index, probe in enumerate(PROBES):
         e = tp_wait.expected(probe, profile, tp=2)
-        samples.append(CommSample(TP_STEP, "intra", 2, index, e.seconds + 600e-6 * e.collectives + 0.3 * e.between_s))
+        samples.append(CommSample(TP_STEP, "intra", 2, index, e.seconds + 600e-6 * e.collectives))
     keys = tp_wait.wait_keys(SWEEP + samples, data, profile=profile)
-    assert keys["comm_sync_us"] == pytest.approx(600, rel=1e-3) and keys["comm_sync_share"] == pytest.approx(0.3, abs=1e-3)
+    assert keys["comm_sync_us"] == pytest.approx(600, rel=1e-3) and "comm_sync_share" not in keys
     assert tp_wait.wait_keys(SWEEP, data, profile=profile) == data  # no probe steps: unchanged
 
 
-def test_the_probes_tell_the_two_terms_apart():
-    """The probes differ several times over in compute per collective: two distinct rows."""
+def test_the_probes_span_the_compute_between_collectives():
+    """The probes differ several times over in compute per collective, on either side of the tiny
+    recipe's, so the wait is fitted across what a run's collectives follow."""
     profile = parse_profile(_cpu_profile_data())
     small, large = (tp_wait.expected(p, profile, tp=2) for p in PROBES)
     assert large.between_s / large.collectives > 2 * small.between_s / small.collectives
 
 
-def test_the_fit_never_goes_negative():
+def test_the_fit_is_the_least_squares_wait_and_never_negative():
     few, many = Expected(1.0, 10, 0.5), Expected(1.0, 100, 0.1)
-    # about 2.5 ms a collective, the row with more compute waiting less: the two-term fit's share
-    # would be negative, so the better of the one-term fits is kept
-    rows = [(few, 1.0 + 0.02), (many, 1.0 + 0.25)]
-    assert tp_wait._solve([(e.collectives, e.between_s, m - e.seconds) for e, m in rows]).share < 0
-    waits = tp_wait.fit_waits(rows)
-    assert waits.share == 0.0 and waits.per_call_s == pytest.approx(2.5e-3, rel=0.01)
-    assert tp_wait.fit_waits([(few, 0.9), (many, 0.8)]) == Waits(0.0, 0.0)  # faster than counted: no wait
+    # 2 ms and 3 ms a collective: least squares over the collectives weighs the row with more of them
+    wait = tp_wait.fit_wait([(few, 1.0 + 0.02), (many, 1.0 + 0.3)])
+    assert wait == pytest.approx((10 * 0.02 + 100 * 0.3) / (10**2 + 100**2))
+    assert tp_wait.fit_wait([(few, 0.9), (many, 0.8)]) == 0.0  # faster than counted: no wait
 
 
 def test_the_latency_and_bandwidth_fit_leaves_the_probe_steps_out():

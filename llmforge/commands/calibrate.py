@@ -148,7 +148,6 @@ def comparison_rows(result) -> list[tuple]:
             )
         rows.append(("collective latency us", f"{before.comm_latency_us:.3g}", f"{after.comm_latency_us:.3g}"))
         rows.append(("tensor-parallel collective wait us", f"{before.comm_sync_us:.3g}", f"{after.comm_sync_us:.3g}"))
-        rows.append(("  + share of the compute before it", f"{before.comm_sync_share:.3g}", f"{after.comm_sync_share:.3g}"))
     return rows
 
 

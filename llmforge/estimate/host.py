@@ -26,11 +26,11 @@ these numbers to it:
   for an all-gather and a reduce-scatter and gathers once more in backward.
 
 A blocking collective inside a step also waits beyond its back-to-back time: a blocked rank's
-threads must be woken (on CPU ranks, and given a core its peer computes on), and the ranks drift
-apart over the compute before it. ``llmforge calibrate`` over several CPU ranks runs real
-tensor-parallel steps and fits what they wait as ``comm_sync_us`` per collective plus
-``comm_sync_share`` of the compute and host time between collectives
-(``llmforge.calibrate.tp_wait``); a tensor-parallel rank pays both (``sync_seconds``).
+threads must be woken (on CPU ranks, and given a core its peer computes on). ``llmforge
+calibrate`` over several CPU ranks runs real tensor-parallel steps and fits what they wait as
+``comm_sync_us`` per collective (``llmforge.calibrate.tp_wait``); a profile may add by hand
+``comm_sync_share`` of the compute and host time between collectives, for ranks that drift apart
+over it. A tensor-parallel rank pays both (``sync_seconds``).
 """
 
 from __future__ import annotations
