@@ -31,7 +31,7 @@ class FakeMachine:
     slow: float = 1.0
     calls: list[str] = field(default_factory=list)
 
-    def time_matmul(self, m, k, n, *, dtype, device, budget_s, cold="b") -> float:
+    def time_matmul(self, m, k, n, *, dtype, device, budget_s) -> float:
         self.calls.append(f"matmul {dtype}")
         return self.slow * 2 * m * k * n / self.rates[dtype] * (1 + self.matmul_dim * (1 / m + 1 / k + 1 / n))
 

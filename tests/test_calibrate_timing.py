@@ -46,40 +46,6 @@ def test_a_fast_call_warms_up_for_a_quarter_of_the_budget_then_takes_the_median_
     assert timing.clock() >= 0.1  # a quarter of the budget spent warming up
 
 
-def test_a_cold_call_is_timed_alone_after_its_own_preparation_which_is_not_timed(monkeypatch):
-    kernel = FakeKernel([0.003, 0.002, 0.001]).install(monkeypatch)
-    prepared = []
-
-    def prepare() -> None:
-        prepared.append(kernel.calls)
-        kernel.now += 0.01  # evicting the cache takes ten times the call
-
-    seconds = timing.seconds_per_cold_call(kernel, prepare=prepare, budget_s=0.1)
-    assert seconds == pytest.approx(0.001)  # the warm-up calls are not timed, the preparation never
-    assert prepared == list(range(kernel.calls))  # one preparation before every call
-    assert kernel.calls - timing.WARMUP_CALLS == 10  # 0.1 s of budget: ten calls with their preparations
-
-
-def test_a_cpu_matmul_probe_takes_one_operand_from_memory_the_others_both_from_cache(monkeypatch):
-    shapes = compute.grid_for(CPU, quick=True).matmul_shapes()
-    h, t = compute.grid_for(CPU, quick=True).widths[0], compute.grid_for(CPU, quick=True).tokens[0]
-    assert shapes[:4] == [(t, h, 4 * h, "b"), (t, 4 * h, h, "b"), (h, t, 4 * h, "a"), (t, h, h, "b")]  # "a": the saved activation
-    seen = []
-
-    def cold_call(fn, *, prepare, budget_s):
-        evict = compute._eviction_buffer()
-        evict.zero_()
-        prepare()
-        seen.append((tuple(fn().shape), bool(evict.eq(1).all()), evict.numel() * 4))
-        return 1.0
-
-    monkeypatch.setattr(compute, "seconds_per_cold_call", cold_call)
-    monkeypatch.setattr(compute, "seconds_per_call", lambda fn, **_: seen.append("hot") or 2.0)
-    assert compute.time_matmul(8, 16, 32, dtype="fp32", device=CPU, budget_s=0.01, cold="a") == 1.0
-    assert seen == [((8, 32), True, compute.EVICT_BYTES)] and compute.EVICT_BYTES >= 16 * 2**20
-    assert compute.time_matmul(8, 16, 32, dtype="bf16", device=CPU, budget_s=0.01, cold=None) == 2.0 and seen[-1] == "hot"
-
-
 class FakeEvent:
     """A CUDA event on the fake clock."""
 

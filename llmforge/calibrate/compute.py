@@ -4,8 +4,7 @@ the per-kernel launch floor, usable memory and, on a CPU, the host cost of a DTe
 
 Shapes follow transformer training: for a width ``h`` and ``t`` tokens the MLP's
 forward ``[t x h] @ [h x 4h]``, its input gradient ``[t x 4h] @ [4h x h]``, its weight
-gradient ``[h x t] @ [t x 4h]`` and a projection ``[t x h] @ [h x h]``. On a CPU each matmul
-takes one operand from memory, as a step's do (``time_matmul``).
+gradient ``[h x t] @ [t x 4h]`` and a projection ``[t x h] @ [h x h]``.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import dataclasses
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +20,7 @@ import torch.nn.functional as F
 from llmforge.calibrate.fit import AttentionSample, BandwidthSample, ComputeSamples, MatmulSample
 from llmforge.calibrate.host_probe import in_subprocess
 from llmforge.calibrate.probe import CpuLoad
-from llmforge.calibrate.timing import seconds_per_call, seconds_per_cold_call
+from llmforge.calibrate.timing import seconds_per_call
 from llmforge.calibrate.trust import PASSES, combine
 from llmforge.config.choices import Dtype
 from llmforge.config.dtypes import TORCH_NAMES
@@ -48,12 +46,10 @@ class Grid:
     budget_s: float  # per timing
 
     def matmul_shapes(self) -> list[tuple]:
-        """(m, k, n, the operand a step reads from memory: "b" a weight, "a" an activation saved
-        in the forward, transposed for the weight gradient)."""
         out = []
         for h in self.widths:
             for t in self.tokens:
-                out += [(t, h, 4 * h, "b"), (t, 4 * h, h, "b"), (h, t, 4 * h, "a"), (t, h, h, "b")]
+                out += [(t, h, 4 * h), (t, 4 * h, h), (h, t, 4 * h), (t, h, h)]
         return out
 
 
@@ -86,39 +82,13 @@ def has_fp8(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9) and hasattr(torch, "_scaled_mm")
 
 
-#: Bytes a CPU matmul probe writes before each call: far beyond a core's L2 (1-4 MiB) and the
-#: share of a shared L3 a step's other tensors leave its weights.
-EVICT_BYTES = 64 * 2**20
-
-
-def time_matmul(m: int, k: int, n: int, *, dtype: str, device: torch.device, budget_s: float, cold: str | None = "b") -> float:
-    """Seconds of ``[m x k] @ [k x n]``. On a CPU the ``cold`` operand ("a" or "b"; None: neither)
-    comes from memory: a step's matmul multiplies the activation the kernel before it wrote, still in the
-    core's cache, by a weight (or, for a weight gradient, an activation saved in the forward)
-    that a whole block's kernels have pushed out since, into a cache full of their written
-    output. Timed hot, the tiny recipe's matmuls ran 1.1-1.7x faster than in its step; cycling
-    the cold operand through copies, with clean lines to evict, only 1.05x. On a GPU every
-    operand of a timed shape streams from memory anyway."""
+def time_matmul(m: int, k: int, n: int, *, dtype: str, device: torch.device, budget_s: float) -> float:
     if dtype == "fp8":
         return _time_fp8(m, k, n, device=device, budget_s=budget_s)
     tdt = getattr(torch, TORCH_NAMES[dtype])
     a = torch.randn(m, k, device=device, dtype=tdt)
     b = torch.randn(k, n, device=device, dtype=tdt)
-    if device.type != "cpu" or cold is None:
-        return seconds_per_call(lambda: a @ b, device=device, budget_s=budget_s)
-    hot = a if cold == "b" else b
-    evict = _eviction_buffer()
-
-    def prepare() -> None:
-        evict.fill_(1.0)
-        hot.sum()
-
-    return seconds_per_cold_call(lambda: a @ b, prepare=prepare, budget_s=budget_s)
-
-
-@lru_cache(maxsize=1)
-def _eviction_buffer() -> torch.Tensor:
-    return torch.empty(EVICT_BYTES // 4)
+    return seconds_per_call(lambda: a @ b, device=device, budget_s=budget_s)
 
 
 def _time_fp8(m: int, k: int, n: int, *, device: torch.device, budget_s: float) -> float:
@@ -133,13 +103,13 @@ def _time_fp8(m: int, k: int, n: int, *, device: torch.device, budget_s: float) 
 
 def matmuls(grid: Grid, *, dtype: str, device: torch.device, tick: Tick) -> list[MatmulSample]:
     """The grid's matmuls in ``dtype``; on a CPU only the reference dtype (fp32) runs the whole
-    grid, with one operand cold, the others (often emulated, up to 100x slower) one small MLP
-    shape, hot: under autocast a step's matmuls multiply the casts the kernels before them wrote."""
+    grid, the others (often emulated, up to 100x slower) one small MLP shape."""
     out = []
-    reference = device.type == "cuda" or dtype == Dtype.FP32
-    for m, k, n, cold in grid.matmul_shapes() if reference else grid.matmul_shapes()[:1]:
-        seconds = time_matmul(m, k, n, dtype=dtype, device=device, budget_s=grid.budget_s, cold=cold if reference else None)
-        out.append(MatmulSample(m, k, n, seconds))
+    shapes = (
+        grid.matmul_shapes() if device.type == "cuda" or dtype == Dtype.FP32 else [(grid.tokens[0], grid.widths[0], 4 * grid.widths[0])]
+    )
+    for m, k, n in shapes:
+        out.append(MatmulSample(m, k, n, time_matmul(m, k, n, dtype=dtype, device=device, budget_s=grid.budget_s)))
         tick(f"matmul {dtype} {m}x{k}x{n}")
     return out
 

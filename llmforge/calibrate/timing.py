@@ -82,21 +82,3 @@ def seconds_per_call(fn: Callable[[], object], *, device: torch.device, budget_s
         return statistics.median(time_calls(fn, calls=1, device=device) for _ in range(rounds))
     calls = max(1, math.floor(budget_s / rounds / once))
     return statistics.median(time_calls(fn, calls=calls, device=device) / calls for _ in range(rounds))
-
-
-def seconds_per_cold_call(fn: Callable[[], object], *, prepare: Callable[[], object], budget_s: float, rounds: int = ROUNDS) -> float:
-    """Seconds one call of ``fn`` takes on a CPU right after ``prepare`` (which sets the cache
-    up as a step leaves it): the median of calls each timed alone after its own ``prepare``, at
-    least ``rounds`` of them and as many as ``budget_s`` holds, ``prepare`` included, after
-    ``WARMUP_CALLS`` untimed ones."""
-    for _ in range(WARMUP_CALLS):
-        prepare()
-        fn()
-    seconds: list[float] = []
-    deadline = clock() + budget_s
-    while len(seconds) < rounds or clock() < deadline:
-        prepare()
-        begin = clock()
-        fn()
-        seconds.append(clock() - begin)
-    return statistics.median(seconds)
