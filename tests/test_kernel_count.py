@@ -203,3 +203,14 @@ def test_the_estimator_counts_the_kernels_of_the_fp32_loss(monkeypatch):
     assert kn.loss_kind(tokens=tokens, vocab=vocab, c=4, tp=1) == "plain"
     estimated = kn.loss_cost(kn._COUNTER, tokens=tokens, vocab=vocab, c=4, kind="plain").floor
     assert sum(count_kernels(prof.events())) == estimated == 5
+
+
+def test_the_estimator_charges_the_loss_each_rank_runs():
+    from llmforge.train import loss as loss_module
+
+    assert kn.LOSS_CHUNK_ELEMENTS == loss_module.CHUNK_ELEMENTS
+    fits = loss_module.CHUNK_ELEMENTS // 4096
+    assert kn.loss_kind(tokens=fits, vocab=4096, c=4, tp=1) == "plain"  # one chunk of fp32 logits: F.cross_entropy
+    assert kn.loss_kind(tokens=fits + 1, vocab=4096, c=4, tp=1) == "chunked"
+    assert kn.loss_kind(tokens=512, vocab=4096, c=2, tp=1) == "chunked"  # bf16 logits
+    assert kn.loss_kind(tokens=512, vocab=2048, c=4, tp=2) == "vocab_parallel"
