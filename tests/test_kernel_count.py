@@ -214,3 +214,16 @@ def test_the_estimator_charges_the_loss_each_rank_runs():
     assert kn.loss_kind(tokens=fits + 1, vocab=4096, c=4, tp=1) == "chunked"
     assert kn.loss_kind(tokens=512, vocab=4096, c=2, tp=1) == "chunked"  # bf16 logits
     assert kn.loss_kind(tokens=512, vocab=2048, c=4, tp=2) == "vocab_parallel"
+
+
+def test_the_output_stage_charges_the_loss_its_rank_runs(monkeypatch):
+    from llmforge.layout import Layout
+
+    kinds: list[str] = []
+    real = kn.loss_cost
+    monkeypatch.setattr(kn, "loss_cost", lambda sp, **kw: kinds.append(kw["kind"]) or real(sp, **kw))
+    shape = shape_from_config(GPT_TINY)
+    for tp, c in ((1, 4), (2, 4), (1, 2)):
+        layout = Layout(tp=tp, micro_batch_size=BATCH)
+        kn.ends_cost(kn._COUNTER, shape, layout, c=c, mixed=c == 2, first=False, last=True, accumulate=0.0)
+    assert kinds == ["plain", "vocab_parallel", "chunked"]
