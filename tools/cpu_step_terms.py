@@ -4,7 +4,9 @@ One process runs the step a rank of ``parallel=single`` (two threads, all the mi
 ``parallel=dp2`` (one thread, half the microbatches, without the gradient all-reduce) runs, with
 ``llmforge.calibrate.tp_step.stepper``; torch.profiler sums the operators' own time over steady
 steps into the estimate's kinds: matmuls (``mm``, ``addmm``, ``bmm``), the fused attention, and the
-rest (memory-bound kernels, the launch floor, the optimizer and the host work between them).
+rest (memory-bound kernels, the launch floor, the optimizer and the host work between them). The
+profiler's own cost lands in the measured kinds (8-14% of the tiny recipe's step, most of it on
+the many small ops of "rest"); the last line times the whole step without it.
 Run it on a quiet machine after ``llmforge calibrate`` (and ``cluster.devices_per_node=2``):
 
     python tools/cpu_step_terms.py [--layout single|dp2] [--steps 3] [overrides...]
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import statistics
+import time
 
 import torch
 
@@ -21,10 +25,18 @@ MATMULS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 WARMUP_STEPS = 15
 
 
+def _unprofiled(step, *, steps: int) -> float:
+    """Seconds a step takes without the profiler (its median over ``steps``)."""
+    seconds = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
 def _profiled(step, *, steps: int) -> dict[str, float]:
     """Seconds a step of each kind (the operators' own time, averaged over ``steps``)."""
-    for _ in range(WARMUP_STEPS):
-        step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             step()
@@ -53,7 +65,11 @@ def main() -> None:
     torch.set_num_threads(1 if ranks > 1 else 2)
     micro = config.train.micro_batch_size
     microbatches = config.train.global_batch_size // micro // ranks
-    measured = _profiled(stepper(config.model, micro_batch=micro, microbatches=microbatches, group=None), steps=args.steps)
+    step = stepper(config.model, micro_batch=micro, microbatches=microbatches, group=None)
+    for _ in range(WARMUP_STEPS):
+        step()
+    wall = _unprofiled(step, steps=max(5, args.steps))
+    measured = _profiled(step, steps=args.steps)
     terms = estimate_plan(RunPlan.build(config)).terms
     estimated = {
         "matmul": terms["matmul"],
@@ -67,6 +83,7 @@ def main() -> None:
         print(f"{kind:10s} {m:9.4f} {e:9.4f} {m / e if e else float('nan'):6.2f}x")
     total_m, total_e = sum(measured.values()), sum(estimated.values())
     print(f"{'total':10s} {total_m:9.4f} {total_e:9.4f} {total_m / total_e:6.2f}x")
+    print(f"{'unprofiled':10s} {wall:9.4f} {total_e:9.4f} {wall / total_e:6.2f}x  (the whole step, timed without the profiler)")
 
 
 if __name__ == "__main__":
