@@ -93,9 +93,9 @@ class Profile:
     #: Host microseconds one DTensor operator call adds to the plain one (sharding propagation,
     #: wrapping): tensor-parallel ranks pay it per call (``llmforge.estimate.host``); 0: not measured.
     dtensor_op_us: float = 0.0
-    #: What a blocking collective of a tensor-parallel step waits beyond its back-to-back time:
-    #: ``comm_sync_us`` per call (a blocked rank's threads woken, and on CPU ranks given a core;
-    #: fitted from real tensor-parallel steps, ``llmforge.calibrate.tp_wait``) plus
+    #: What a collective the host blocks on waits beyond its back-to-back time: ``comm_sync_us``
+    #: per call (a blocked rank's threads woken, and on CPU ranks given a core; fitted from real
+    #: tensor-parallel steps, ``llmforge.calibrate.tp_wait``) plus, on a tensor-parallel rank,
     #: ``comm_sync_share`` of the compute and host time before it (ranks that drift apart over it;
     #: set by hand). Charged by ``llmforge.estimate.host.sync_seconds``; 0: none.
     comm_sync_us: float = 0.0

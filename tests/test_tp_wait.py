@@ -1,7 +1,8 @@
 """A tensor-parallel step's blocking collectives wait beyond their back-to-back time: the calibration
-times real tensor-parallel steps (``llmforge.calibrate.tp_step``), fits the waits as a fixed part per
-collective and a share of the compute before it (``llmforge.calibrate.tp_wait``), and the estimator
-charges both on a tensor-parallel rank (``llmforge.estimate.host``)."""
+times real tensor-parallel steps (``llmforge.calibrate.tp_step``) and fits the wait per collective
+(``llmforge.calibrate.tp_wait``); the estimator charges it, and on a tensor-parallel rank a
+hand-set share of the compute before them (``llmforge.estimate.host``).
+``tests/test_collective_waits.py`` holds the count of every layout's blocking collectives."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from llmforge.calibrate.write import as_mapping
 from llmforge.config.compose import compose
 from llmforge.errors import UserError
 from llmforge.estimate.core import estimate
-from llmforge.estimate.host import tp_collectives
+from llmforge.estimate.host import step_collectives, tp_collectives
 from llmforge.estimate.shape import from_plan
 from llmforge.hardware import get_profile, parse_profile
 from llmforge.layout import Layout
@@ -36,18 +37,14 @@ def _estimate(overrides: list[str], **keys):
 def test_a_tp_rank_pays_a_wait_per_collective_and_a_share_of_its_compute_and_host_time():
     est = _estimate(TP2, comm_sync_us=500.0, comm_sync_share=0.5, dtensor_op_us=10.0)
     collectives = tp_collectives(Layout(tp=2), layers=4, first=True, last=True, microbatches=4, per_step=True)
-    assert collectives == 4 * (4 * 4 + 1 + 4) + 2  # four a block, the embedding, the output layer and loss; the clip
-    assert est.parts["tp_sync"] == pytest.approx(500e-6 * collectives + 0.5 * (est.parts["compute"] + est.parts["tp_host"]))
-    assert est.terms["tp_sync"] == est.parts["tp_sync"] and sum(est.terms.values()) == pytest.approx(est.step_s)
+    assert collectives == 4 * (4 * 4 + 1 + 4) + 1  # four a block, the embedding, the output layer and loss; the clip
+    waited = collectives + step_collectives(Layout(tp=2))
+    assert waited == collectives + 1  # the stop vote
+    assert est.parts["collective_waits"] == pytest.approx(500e-6 * waited + 0.5 * (est.parts["compute"] + est.parts["tp_host"]))
+    assert est.terms["collective_waits"] == est.parts["collective_waits"] and sum(est.terms.values()) == pytest.approx(est.step_s)
     unmeasured = _estimate(TP2, comm_sync_us=0.0, comm_sync_share=0.0, dtensor_op_us=10.0)
-    assert unmeasured.parts["tp_sync"] == 0.0
-    assert est.step_s - unmeasured.step_s == pytest.approx(est.parts["tp_sync"])
-
-
-@pytest.mark.parametrize("parallel", ["single", "dp2", "pp2"])
-def test_without_tensor_parallelism_nothing_is_charged(parallel):
-    extra = [] if parallel == "single" else ["cluster.devices_per_node=2"]
-    assert _estimate([f"parallel={parallel}", *extra], comm_sync_us=500.0, comm_sync_share=0.5).parts["tp_sync"] == 0.0
+    assert unmeasured.parts["collective_waits"] == 0.0
+    assert est.step_s - unmeasured.step_s == pytest.approx(est.parts["collective_waits"])
 
 
 def _cpu_profile_data() -> dict:

@@ -60,7 +60,7 @@ def rank_main(args: argparse.Namespace) -> None:
         measured = _measure(overrides, steps=args.steps, warmup=args.warmup)
         if dist.get_rank() == 0:
             est = _estimate(overrides)
-            waits, comm = est.parts["tp_sync"], est.comm.seconds_of("tp")
+            waits, comm = est.parts["collective_waits"], est.comm.seconds_of("tp")
             rows.append(f"{name:28s} {measured:8.3f} {est.step_s:8.3f} {measured / est.step_s:6.2f}x {comm:8.3f} {waits:8.3f}")
             print(rows[-1], flush=True)
     dist.barrier()

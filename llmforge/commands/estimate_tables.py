@@ -101,7 +101,7 @@ _TERM_NAMES = {
     "offload_copy": "host-link copies (offload, exposed)",
     "cpu_optimizer": "optimizer step on the CPU (offload)",
     "tp_host": "tensor-parallel host time (DTensor calls, clip collectives)",
-    "tp_sync": "tensor-parallel waits of collectives after compute",
+    "collective_waits": "waits of the collectives the host blocks on",
 }
 
 

@@ -47,11 +47,14 @@ FP32 = 4
 @dataclass(frozen=True)
 class Traffic:
     """One kind of communication per device and step: bytes sent, seconds on the link, and the
-    seconds the step waits for (exposed); the rest runs under compute (hidden)."""
+    seconds the step waits for (exposed); the rest runs under compute (hidden). ``waits``: the
+    collectives of this kind a CPU rank's host blocks on (each pays the profile's
+    ``comm_sync_us``: ``llmforge.estimate.host``), counted for the data-parallel kinds."""
 
     bytes: float = 0.0
     seconds: float = 0.0
     exposed: float = 0.0
+    waits: int = 0
 
     @property
     def hidden(self) -> float:
@@ -82,6 +85,9 @@ class Comm:
 
     def exposed_of(self, dim: str) -> float:
         return self._sum(dim, "exposed")
+
+    def waits_of(self, dim: str) -> int:
+        return int(self._sum(dim, "waits"))
 
 
 def _bandwidth(job: Job, span: int, group: int) -> float:
@@ -145,10 +151,13 @@ def dp_traffic(
     nbytes = 2 * numel * rb
     buckets = max(1, math.ceil((dense + expert) * rb / max(1, job.bucket_bytes)))
     t = seconds(job, nbytes, span, d) + buckets * hops_seconds(job, all_reduce_hops(d))
+    # after backward: one flat all-reduce per reducer (the dense weights', the experts'); overlapped:
+    # the wait for the buckets still running when backward ends
+    waits = (1 + int(expert > 0)) if job.on_cpu else 0
     if layout.pp > 1 or not numel or not job.overlap_grad_reduce:
-        return {"dp_all_reduce": Traffic(nbytes, t, t)}
+        return {"dp_all_reduce": Traffic(nbytes, t, t, waits)}
     tail = min(1.0, max(last_bucket * rb, job.bucket_bytes) * (d - 1) / d / (numel * rb))
-    return {"dp_all_reduce": Traffic(nbytes, t, zero0_exposed(t, t_bwd=t_bwd, tail=tail))}
+    return {"dp_all_reduce": Traffic(nbytes, t, zero0_exposed(t, t_bwd=t_bwd, tail=tail), waits)}
 
 
 def fsdp_traffic(
@@ -172,8 +181,8 @@ def fsdp_traffic(
     gradients are reduce-scattered in the reduce dtype. ZeRO 1 and 2 gather once per
     step (the weights stay gathered through the microbatches); ZeRO 1 reduce-scatters
     once, in the last microbatch's backward, ZeRO 2 in every microbatch's (under a
-    pipeline once, as ZeRO 1). ZeRO 3 gathers for every forward and, but for the root
-    and the last block (kept gathered), every backward. What overlaps is what FSDP2
+    pipeline once, as ZeRO 1). ZeRO 3 gathers for every forward and, but for the last
+    block (kept gathered), every backward; the root's backward gather comes first, exposed. What overlaps is what FSDP2
     schedules (``llmforge.parallel.data._prefetch``), block by block: in forward block
     i + 1's gather runs during block i's compute; in backward block i - 1's gather and
     block i + 1's reduce-scatter share the link during block i's backward. Exposed: the
@@ -217,16 +226,21 @@ def fsdp_traffic(
     _, alone_rs = units.backward(gather=False, scatter=True)
     together = min(scatters, backward_gathers)  # microbatches whose backward gathers and reduce-scatters
     ag_exposed += together * both_ag + (backward_gathers - together) * alone_ag
+    ag_exposed += backward_gathers * root_ag  # the root's, first in backward: no block's compute before it
     rs_exposed = together * both_rs + (scatters - together) * alone_rs + scatters * sum(whole[u][1] for u in alone["dp_reduce_scatter"])
-    gathers_s = forward_gathers * t_ag + backward_gathers * units.ag * (n - 1)
+    gathers_s = forward_gathers * t_ag + backward_gathers * (units.ag * (n - 1) + root_ag)
     block_bytes = (gathered - root * c) / n
-    gathers_b = forward_gathers * gathered + backward_gathers * block_bytes * (n - 1)
+    gathers_b = forward_gathers * gathered + backward_gathers * (block_bytes * (n - 1) + root * c)
     if job.on_cpu:  # gloo: FSDP2 waits on the host for every gather, and every reduce-scatter it does not defer
         ag_exposed = gathers_s
         rs_exposed = rs_exposed if gloo_defers_reduce(layout, job) else scatters * t_rs
+    gather_waits = scatter_waits = 0
+    if job.on_cpu:  # every unit's gather and reduce-scatter; deferred reduce-scatters are waited on once
+        gather_waits = (forward_gathers + backward_gathers) * (n + 1) - backward_gathers
+        scatter_waits = 1 if gloo_defers_reduce(layout, job) else scatters * (n + 1)
     return {
-        "dp_all_gather": Traffic(gathers_b, gathers_s, ag_exposed),
-        "dp_reduce_scatter": Traffic(scatters * (numel * rb + allreduce), scatters * t_rs, rs_exposed),
+        "dp_all_gather": Traffic(gathers_b, gathers_s, ag_exposed, gather_waits),
+        "dp_reduce_scatter": Traffic(scatters * (numel * rb + allreduce), scatters * t_rs, rs_exposed, scatter_waits),
     }
 
 

@@ -93,7 +93,7 @@ class Estimate:
         out = {"matmul": c.matmul, "attention": c.attention, "memory_bound": c.memory, "launch_floor": c.floor}
         out.update({f"{k}_exposed": kinds[k].exposed for k in cm.KINDS if k in kinds})
         out.update(bubble=self.parts["bubble"], comm_overlap=self.parts["overlap"], optimizer=self.parts["optimizer"])
-        out.update(tp_host=self.parts.get("tp_host", 0.0), tp_sync=self.parts.get("tp_sync", 0.0))
+        out.update(tp_host=self.parts.get("tp_host", 0.0), collective_waits=self.parts.get("collective_waits", 0.0))
         out.update({k: self.parts[k] for k in ("offload_copy", "cpu_optimizer") if k in self.parts})
         return out
 
@@ -210,8 +210,8 @@ def _step_parts(inv: Inventory, job: Job, step: _Step, *, worst: StageMemory, sl
         "optimizer": _optimizer_seconds(inv, job, worst),
         "tp_host": _tp_host_seconds(inv, job, slowest, m),
     }
-    parts["tp_sync"] = tph.sync_seconds(
-        inv.layout, job.profile, collectives=_tp_collectives(inv, slowest, m), between_s=parts["compute"] + parts["tp_host"]
+    parts["collective_waits"] = tph.sync_seconds(
+        inv.layout, job.profile, collectives=_blocking_collectives(inv, slowest, m, comm), between_s=parts["compute"] + parts["tp_host"]
     )
     if step.host is not None:
         parts.update(offload_copy=step.host.exposed_copy_s, cpu_optimizer=step.host.optimizer_s)
@@ -429,10 +429,12 @@ def _tp_host_seconds(inv: Inventory, job: Job, stage: int, m: int) -> float:
     return clip + tph.dtensor_seconds(inv.shape, layout, job.profile, inv.counts(stage), microbatches=m)
 
 
-def _tp_collectives(inv: Inventory, stage: int, m: int) -> int:
-    """Blocking tensor-parallel collectives of one step on ``stage`` (``llmforge.estimate.host``)."""
+def _blocking_collectives(inv: Inventory, stage: int, m: int, comm: cm.Comm) -> int:
+    """Collectives the host of a rank on ``stage`` blocks on in one step (``llmforge.estimate.host``):
+    tensor parallelism's, the step's own and the data-parallel gradient reduction's."""
     counts = inv.counts(stage)
-    return tph.tp_collectives(inv.layout, layers=counts.blocks, first=counts.first, last=counts.last, microbatches=m, per_step=True)
+    tp = tph.tp_collectives(inv.layout, layers=counts.blocks, first=counts.first, last=counts.last, microbatches=m, per_step=True)
+    return tp + tph.step_collectives(inv.layout) + comm.waits_of("dp")
 
 
 def _stage_seconds(compute: kn.Cost, collective: float) -> float:

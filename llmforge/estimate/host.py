@@ -28,9 +28,16 @@ these numbers to it:
 A blocking collective inside a step also waits beyond its back-to-back time: a blocked rank's
 threads must be woken (on CPU ranks, and given a core its peer computes on). ``llmforge
 calibrate`` over several CPU ranks runs real tensor-parallel steps and fits what they wait as
-``comm_sync_us`` per collective (``llmforge.calibrate.tp_wait``); a profile may add by hand
-``comm_sync_share`` of the compute and host time between collectives, for ranks that drift apart
-over it. A tensor-parallel rank pays both (``sync_seconds``).
+``comm_sync_us`` per collective (``llmforge.calibrate.tp_wait``). Every collective the host
+blocks on pays it (``blocking_collectives``): tensor parallelism's, the step's own on any
+multi-rank run (``step_collectives``: the gradient clip's norm, the stop vote, the loss's mean
+over data-parallel ranks and pipeline stages) and the data-parallel gradient reduction's as CPU
+ranks run it (``llmforge.estimate.comm.Traffic.waits``). A pipeline's sends and receives are
+not counted: a stage waiting for its neighbour is the schedule's fill and drain, which the
+bubble charges. A profile may add by hand ``comm_sync_share`` of the compute and host time
+between tensor-parallel collectives, for ranks that drift apart over it (``sync_seconds``). On
+a GPU the host queues collectives without waiting for them, and its profile has no
+``comm_sync_us``.
 """
 
 from __future__ import annotations
@@ -47,7 +54,9 @@ DTENSOR_OPS_FIRST = 4
 DTENSOR_OPS_LAST = 20
 ADAMW_OPS_PER_PARAM = 7
 LOSS_COLLECTIVES = 3
-CLIP_COLLECTIVES = 2
+CLIP_COLLECTIVES = 1
+#: The training loop's vote, every step, on whether any rank was asked to stop (``llmforge.train.stop``).
+STOP_VOTES = 1
 
 
 def sharded_linears(shape: Shape, *, moe: bool) -> int:
@@ -98,11 +107,22 @@ def dtensor_seconds(shape: Shape, layout: Layout, profile: Profile, counts: Stag
     return float(dtensor_ops(shape, layout, counts, microbatches=microbatches) * profile.dtensor_op_us * 1e-6)
 
 
+def step_collectives(layout: Layout) -> int:
+    """Blocking collectives every step of a multi-rank run issues besides its parallel dimensions'
+    traffic: the gradient clip's norm, the stop vote, and the loss's mean over the data-parallel
+    ranks (``llmforge.train.build_step``) or, under a pipeline, over the stages and then over the
+    data-parallel ranks (``llmforge.train.pipeline_step``); none on one rank. Tensor parallelism
+    counts its clip with its own collectives (``tp_collectives``)."""
+    if layout.world == 1:
+        return 0
+    clip = CLIP_COLLECTIVES if layout.tp == 1 else 0
+    data_parallel = layout.dp * layout.cp > 1
+    return clip + STOP_VOTES + int(data_parallel) + int(layout.pp > 1)
+
+
 def sync_seconds(layout: Layout, profile: Profile, *, collectives: int, between_s: float) -> float:
-    """What a tensor-parallel rank's ``collectives`` blocking collectives wait beyond their
-    back-to-back time, over the ``between_s`` seconds of compute and host work they follow: the
-    profile's ``comm_sync_us`` each and its ``comm_sync_share`` of that work (nothing without
-    tensor parallelism)."""
-    if layout.tp == 1:
-        return 0.0
-    return collectives * profile.comm_sync_us * 1e-6 + profile.comm_sync_share * between_s
+    """What a rank's ``collectives`` blocking collectives wait beyond their back-to-back time:
+    the profile's ``comm_sync_us`` each, and on a tensor-parallel rank its ``comm_sync_share`` of
+    the ``between_s`` seconds of compute and host work its collectives follow."""
+    share = profile.comm_sync_share * between_s if layout.tp > 1 else 0.0
+    return collectives * profile.comm_sync_us * 1e-6 + share

@@ -58,8 +58,20 @@ def counted(fn) -> tuple[int, Counter]:
     """(top-level DTensor dispatches, collectives by name) of ``fn()``."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, DTensorCalls() as mode:
         fn()
-    names = Counter(e.name.split("::", 1)[1] for e in prof.events() if e.name.startswith("c10d::"))
+    names = Counter(e.name.split("::", 1)[1] for e in prof.events() if e.name.startswith("c10d::") and not _inside_itself(e))
     return mode.dtensor, Counter({n: k for n, k in names.items() if n in COLLECTIVES})
+
+
+def _inside_itself(event) -> bool:
+    """Whether a profiler event runs inside another of its name: a process group's operator
+    called directly (``dist.all_reduce``) passes through the dispatch mode and reaches the
+    profiler twice, the second time under the first."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == event.name:
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def _phases(c, batch: torch.Tensor, *, grad_clip: float) -> dict:
