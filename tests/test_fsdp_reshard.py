@@ -1,4 +1,4 @@
-"""A forward with no backward (validation) leaves ZeRO 1/2 modules and ZeRO 3's last block on
+"""A forward with no backward (validation) leaves ZeRO 1/2 modules and ZeRO 3's root and last block on
 their gathered weights; a checkpoint must check and save the sharded ones (under fp8
 all-gather the gathered weights are float8 tensors that support almost no op)."""
 

@@ -181,8 +181,8 @@ def fsdp_traffic(
     gradients are reduce-scattered in the reduce dtype. ZeRO 1 and 2 gather once per
     step (the weights stay gathered through the microbatches); ZeRO 1 reduce-scatters
     once, in the last microbatch's backward, ZeRO 2 in every microbatch's (under a
-    pipeline once, as ZeRO 1). ZeRO 3 gathers for every forward and, but for the last
-    block (kept gathered), every backward; the root's backward gather comes first, exposed. What overlaps is what FSDP2
+    pipeline once, as ZeRO 1). ZeRO 3 gathers for every forward and, but for the root
+    and the last block (kept gathered), every backward. What overlaps is what FSDP2
     schedules (``llmforge.parallel.data._prefetch``), block by block: in forward block
     i + 1's gather runs during block i's compute; in backward block i - 1's gather and
     block i + 1's reduce-scatter share the link during block i's backward. Exposed: the
@@ -226,17 +226,16 @@ def fsdp_traffic(
     _, alone_rs = units.backward(gather=False, scatter=True)
     together = min(scatters, backward_gathers)  # microbatches whose backward gathers and reduce-scatters
     ag_exposed += together * both_ag + (backward_gathers - together) * alone_ag
-    ag_exposed += backward_gathers * root_ag  # the root's, first in backward: no block's compute before it
     rs_exposed = together * both_rs + (scatters - together) * alone_rs + scatters * sum(whole[u][1] for u in alone["dp_reduce_scatter"])
-    gathers_s = forward_gathers * t_ag + backward_gathers * (units.ag * (n - 1) + root_ag)
+    gathers_s = forward_gathers * t_ag + backward_gathers * units.ag * (n - 1)
     block_bytes = (gathered - root * c) / n
-    gathers_b = forward_gathers * gathered + backward_gathers * (block_bytes * (n - 1) + root * c)
+    gathers_b = forward_gathers * gathered + backward_gathers * block_bytes * (n - 1)
     if job.on_cpu:  # gloo: FSDP2 waits on the host for every gather, and every reduce-scatter it does not defer
         ag_exposed = gathers_s
         rs_exposed = rs_exposed if gloo_defers_reduce(layout, job) else scatters * t_rs
     gather_waits = scatter_waits = 0
     if job.on_cpu:  # every unit's gather and reduce-scatter; deferred reduce-scatters are waited on once
-        gather_waits = (forward_gathers + backward_gathers) * (n + 1) - backward_gathers
+        gather_waits = forward_gathers * (n + 1) + backward_gathers * (n - 1)
         scatter_waits = 1 if gloo_defers_reduce(layout, job) else scatters * (n + 1)
     return {
         "dp_all_gather": Traffic(gathers_b, gathers_s, ag_exposed, gather_waits),

@@ -114,7 +114,9 @@ def apply_fsdp(
         if expert_mesh is not None:
             _shard_experts(block, mesh=expert_mesh, dp_size=dp_mesh.size(), reshard=reshard, mp=mp, policy=policy)
         blocks.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=policy))
-    root = fully_shard(model, mesh=dp_mesh, reshard_after_forward=zero == 3, mp_policy=mp, offload_policy=policy)
+    # The root (embedding, final norm, output layer) stays gathered after forward under every stage:
+    # the output layer's backward runs first, right after the forward ends.
+    root = fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=policy)
     _prefetch(blocks)
     if blocks:  # the root issues the first block's gather before the embedding computes
         root.set_modules_to_forward_prefetch([blocks[0]])
@@ -136,7 +138,7 @@ _DEFERRED: weakref.WeakKeyDictionary[nn.Module, DeferredReduceScatter] = weakref
 def reshard_gathered(parts: Sequence[nn.Module]) -> None:
     """Put every FSDP module of ``parts`` back on its sharded parameters. A forward with no
     backward (validation) leaves the modules that keep their gathered weights after forward
-    (ZeRO 1/2, and ZeRO 3's last block) holding them, float8 ones under fp8 all-gather."""
+    (ZeRO 1/2, and ZeRO 3's root and last block) holding them, float8 ones under fp8 all-gather."""
     for part in parts:
         for module in part.modules():
             if isinstance(module, FSDPModule):
