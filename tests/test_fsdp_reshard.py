@@ -47,3 +47,14 @@ def test_a_checkpoint_after_validation_checks_and_saves_the_sharded_parameters(o
     )
     check_and_save(components, saver, step=1, train_state={}, plan={})
     assert saver.saved_sharded is True
+
+
+def test_zero3_keeps_the_root_and_the_last_block_gathered_after_forward_and_reshards_the_others(one_rank):
+    """Backward starts with the output layer (the root's) and the last block: gathering them again
+    there would cost one more all-gather each per microbatch."""
+    model = _validated(one_rank, zero=3)
+    root = {name: p for name, p in model.named_parameters() if not name.startswith("layers.")}
+    assert root and not any(isinstance(p, DTensor) for p in root.values()), sorted(root)
+    last = len(model.layers) - 1
+    for index, block in enumerate(model.layers.values()):
+        assert all(isinstance(p, DTensor) for p in block.parameters()) == (index != last), index
