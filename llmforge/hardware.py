@@ -59,6 +59,9 @@ SPEED_KEYS = (
     "dtensor_op_us",
     "comm_sync_us",
     "comm_sync_share",
+    "fsdp_unit_us",
+    "fsdp_collective_us",
+    "fsdp_param_us",
 )
 #: The host side, for CPU offload (llmforge.estimate.offload); defaults in Profile.
 HOST_KEYS = ("host_memory_gib", "host_link_gbs", "host_memory_bandwidth_gbs")
@@ -100,6 +103,13 @@ class Profile:
     #: set by hand). Charged by ``llmforge.estimate.host.sync_seconds``; 0: none.
     comm_sync_us: float = 0.0
     comm_sync_share: float = 0.0
+    #: FSDP2's host work on a rank, microseconds: its hooks per unit (a block, or the root) and
+    #: microbatch, each gather's and reduce-scatter's own, and the for-loop AdamW and clip per
+    #: DTensor parameter (``llmforge.calibrate.host_probe``; ``llmforge.estimate.host.fsdp_host_seconds``);
+    #: 0: not measured.
+    fsdp_unit_us: float = 0.0
+    fsdp_collective_us: float = 0.0
+    fsdp_param_us: float = 0.0
     #: Fixed seconds-equivalent of one collective, microseconds (alpha of alpha + bytes/bandwidth).
     comm_latency_us: float = 0.0
     #: Host memory of one node, bytes (None: 2 x the node's device memory).
@@ -282,6 +292,9 @@ _BOUNDS = {
     "dtensor_op_us": (0.0, True, None),
     "comm_sync_us": (0.0, True, None),
     "comm_sync_share": (0.0, True, None),
+    "fsdp_unit_us": (0.0, True, None),
+    "fsdp_collective_us": (0.0, True, None),
+    "fsdp_param_us": (0.0, True, None),
     "host_memory_gib": (0.0, False, None),
     "host_link_gbs": (0.0, False, None),
     "host_memory_bandwidth_gbs": (0.0, False, None),

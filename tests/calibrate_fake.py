@@ -27,6 +27,7 @@ class FakeMachine:
     floor_s: float = 4e-6
     step_floor_s: float = 12e-6  # per kernel of a training step: the profile's kernel_floor_us
     dtensor_call_s: float = 60e-6  # host seconds a DTensor call adds (CPU)
+    fsdp_s: dict[str, float] = field(default_factory=lambda: {"fsdp_unit": 300e-6, "fsdp_collective": 200e-6, "fsdp_param": 100e-6})
     memory_bytes: int = 24 * GIB
     slow: float = 1.0
     calls: list[str] = field(default_factory=list)
@@ -58,6 +59,9 @@ class FakeMachine:
         samples = self.time_bandwidth(grid, device=None, tick=lambda what: None)
         return sum(s.nbytes for s in samples) / sum(s.seconds for s in samples)
 
+    def host_costs(self, device) -> dict[str, float]:
+        return {"dtensor_op": self.dtensor_call_s, **self.fsdp_s} if device.type == "cpu" else {}
+
     def install(self, monkeypatch) -> FakeMachine:
         monkeypatch.setattr(compute, "time_matmul", self.time_matmul)
         monkeypatch.setattr(compute, "attention", self.time_attention)
@@ -65,7 +69,7 @@ class FakeMachine:
         monkeypatch.setattr(compute, "launch_floor", lambda *, device, budget_s: self.slow * self.floor_s)
         monkeypatch.setattr(compute, "step_floor", lambda *, device, budget_s: self.slow * self.step_floor_s)
         monkeypatch.setattr(compute, "host_memory_bytes", lambda: self.memory_bytes)
-        monkeypatch.setattr(compute, "dtensor_call", lambda device: self.dtensor_call_s if device.type == "cpu" else 0.0)
+        monkeypatch.setattr(compute, "host_costs", self.host_costs)
         monkeypatch.setattr(compute, "CpuLoad", QuietLoad)
         monkeypatch.setattr(apart, "measure_apart", _measure_here)  # the fake patches this process, not a child
         return self

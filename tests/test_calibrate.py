@@ -19,6 +19,7 @@ from calibrate_fake import GIB, FakeMachine
 from typer.testing import CliRunner
 
 from llmforge.calibrate import compute, trust
+from llmforge.calibrate.fit import FSDP_COSTS
 from llmforge.calibrate.trust import Verdict
 from llmforge.cli import app
 from llmforge.commands.plans import build_plan
@@ -78,6 +79,7 @@ def test_the_measured_rates_reach_the_profile(fake, tmp_path):
     assert p.memory_bandwidth == pytest.approx(fake.expected_memory_bandwidth(grid), rel=5e-3) and p.bandwidth_efficiency == 1.0
     assert p.kernel_floor_us == pytest.approx(fake.step_floor_s * 1e6)
     assert p.dtensor_op_us == pytest.approx(fake.dtensor_call_s * 1e6)  # what tensor-parallel CPU ranks pay per DTensor call
+    assert (p.fsdp_unit_us, p.fsdp_collective_us, p.fsdp_param_us) == pytest.approx([fake.fsdp_s[k] * 1e6 for k in FSDP_COSTS])
     assert p.memory_bytes == fake.memory_bytes
     # item 3 of issue 29: the host keys are measured (the CPU's host is the device), not dropped
     assert p.host_memory_bytes == fake.memory_bytes

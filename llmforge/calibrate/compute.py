@@ -231,11 +231,12 @@ def step_floor(*, device: torch.device, budget_s: float) -> float:
     return seconds_per_call(step, device=device, budget_s=budget_s) / kernels
 
 
-def dtensor_call(device: torch.device) -> float:
-    """Host seconds a DTensor call adds (``llmforge.calibrate.host_probe``) on a CPU; on a GPU
-    the host's dispatch runs ahead of the kernels (0: not charged)."""
+def host_costs(device: torch.device) -> dict[str, float]:
+    """Host seconds of parallelism per call on a CPU (``llmforge.calibrate.host_probe``): a DTensor
+    call's (``dtensor_op``) and FSDP2's (``fit.FSDP_COSTS``); none on a GPU, whose host runs ahead
+    of the kernels (not charged)."""
     if device.type != "cpu":
-        return 0.0
+        return {}
     return in_subprocess()
 
 
@@ -307,7 +308,8 @@ def one_pass(device: torch.device, *, grid: Grid, quick: bool, threads: int, tic
     def floor() -> None:
         samples.floor_s = launch_floor(device=device, budget_s=grid.budget_s)
         samples.step_floor_s = step_floor(device=device, budget_s=grid.budget_s)
-        samples.dtensor_op_s = dtensor_call(device)
+        for name, seconds in host_costs(device).items():
+            setattr(samples, f"{name}_s", seconds)
         samples.memory_bytes, samples.reserved_bytes = usable_memory(device)
         samples.host_memory_bytes = host_memory_bytes()
         tick("launch floor")

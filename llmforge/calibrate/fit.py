@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from llmforge.calibrate.probe import LoadReading
-from llmforge.estimate.comm import all_reduce_hops
+from llmforge.estimate.comm import all_reduce_hops, fsdp_collectives
 
 #: Candidate matmul_dim values (the rest of the fit is closed-form).
 DIMS = tuple(float(d) for d in [0, 1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512])
@@ -88,6 +88,23 @@ def bus_factor(op: str, n: int) -> float:
     return 1.0 if op == "send_recv" else (n - 1) / n
 
 
+@dataclass(frozen=True)
+class FsdpSample:
+    """Host seconds one FSDP2 step adds to the unsharded one (``llmforge.calibrate.host_probe``):
+    a GPT of ``blocks`` blocks and ``params`` parameter tensors, ``microbatches`` a step, ZeRO ``zero``."""
+
+    blocks: int
+    microbatches: int
+    zero: int
+    params: int
+    seconds: float
+
+    def counts(self) -> tuple[float, float, float]:
+        """(unit visits: FSDP units x microbatches, gathers and reduce-scatters, parameters)."""
+        gathers, scatters = fsdp_collectives(zero=self.zero, pp=1, blocks=self.blocks, microbatches=self.microbatches)
+        return float((self.blocks + 1) * self.microbatches), float(gathers + scatters), float(self.params)
+
+
 @dataclass
 class ComputeSamples:
     """What ``llmforge.calibrate.compute.measure`` found on one device."""
@@ -100,6 +117,10 @@ class ComputeSamples:
     step_floor_s: float = 0.0
     #: Host seconds a DTensor operator call adds to the plain one (CPU; 0: not measured).
     dtensor_op_s: float = 0.0
+    #: FSDP2's host seconds per unit visit, per gather or reduce-scatter, per parameter (CPU; ``FSDP_COSTS``).
+    fsdp_unit_s: float = 0.0
+    fsdp_collective_s: float = 0.0
+    fsdp_param_s: float = 0.0
     memory_bytes: int = 0
     reserved_bytes: int = 0
     matmul: dict[str, list[MatmulSample]] = field(default_factory=dict)
@@ -147,6 +168,44 @@ def fit_bandwidth(samples: Sequence[BandwidthSample], *, floor_s: float) -> floa
     return sum(s.nbytes for s in used) / sum(s.seconds for s in used)
 
 
+#: The three FSDP2 host costs ``fit_fsdp_host`` returns, in the order of ``FsdpSample.counts``.
+FSDP_COSTS = ("fsdp_unit", "fsdp_collective", "fsdp_param")
+
+
+def fit_fsdp_host(samples: Sequence[FsdpSample]) -> dict[str, float]:
+    """Seconds per unit visit, per gather or reduce-scatter and per parameter (``FSDP_COSTS``):
+    least squares of the samples' added seconds over their counts, none negative (a cost that
+    would be is left out and the others fitted again)."""
+    active = list(range(len(FSDP_COSTS)))
+    while active:
+        rows = [[s.counts()[i] for i in active] for s in samples]
+        solution = _least_squares(rows, [s.seconds for s in samples])
+        if solution is None:
+            break
+        if all(x >= 0 for x in solution):
+            out = dict.fromkeys(FSDP_COSTS, 0.0)
+            out.update({FSDP_COSTS[i]: x for i, x in zip(active, solution, strict=True)})
+            return out
+        active = [i for i, x in zip(active, solution, strict=True) if x > 0]
+    return dict.fromkeys(FSDP_COSTS, 0.0)
+
+
+def _least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float] | None:
+    """x minimising |rows x - targets| (normal equations, Gaussian elimination); None if singular."""
+    k = len(rows[0]) if rows else 0
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * t for r, t in zip(rows, targets, strict=True))] for i in range(k)]
+    for col in range(k):
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        if abs(a[pivot][col]) < 1e-30:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
+    return [a[i][k] / a[i][i] for i in range(k)]
+
+
 def fit_latency_bandwidth(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """(latency s, bandwidth bytes/s) of ``seconds = latency + bytes / bandwidth`` over
     (bus bytes, seconds) points, least squares in relative error; latency at least 0."""
@@ -186,6 +245,10 @@ class Fitted:
     dtensor_op_s: float = 0.0
     #: host seconds per kernel of an eager training step; 0: not measured
     step_floor_s: float = 0.0
+    #: FSDP2's host seconds (``FSDP_COSTS``); 0: not measured
+    fsdp_unit_s: float = 0.0
+    fsdp_collective_s: float = 0.0
+    fsdp_param_s: float = 0.0
 
 
 def fit_compute(samples: ComputeSamples, *, dims: Sequence[float] = DIMS) -> Fitted:
@@ -210,6 +273,7 @@ def fit_compute(samples: ComputeSamples, *, dims: Sequence[float] = DIMS) -> Fit
         host_memory_bytes=samples.host_memory_bytes,
         dtensor_op_s=samples.dtensor_op_s,
         step_floor_s=samples.step_floor_s,
+        **{f"{name}_s": getattr(samples, f"{name}_s") for name in FSDP_COSTS},
         **_host_rates(samples),
     )
 
@@ -278,6 +342,8 @@ def compute_keys(fitted: Fitted, datasheet: dict) -> dict:
     out["kernel_floor_us"] = _round((fitted.step_floor_s or fitted.floor_s) * 1e6)
     if fitted.dtensor_op_s:
         out["dtensor_op_us"] = _round(fitted.dtensor_op_s * 1e6)
+    if any(getattr(fitted, f"{name}_s") for name in FSDP_COSTS):
+        out.update({f"{name}_us": _round(getattr(fitted, f"{name}_s") * 1e6) for name in FSDP_COSTS})
     if fitted.attention_flops:
         out.pop("attention_backward_efficiency", None)  # the fit covers forward and backward
     return {**out, **host_keys(fitted)}

@@ -22,7 +22,16 @@ def datasheet_profile(name: str) -> Profile:
 
 
 #: Speed keys whose 0 means "as another key" or "not measured": left out of a written profile.
-UNSET_WHEN_ZERO = ("attention_backward_efficiency", "comm_sm_share", "dtensor_op_us", "comm_sync_us", "comm_sync_share")
+UNSET_WHEN_ZERO = (
+    "attention_backward_efficiency",
+    "comm_sm_share",
+    "dtensor_op_us",
+    "comm_sync_us",
+    "comm_sync_share",
+    "fsdp_unit_us",
+    "fsdp_collective_us",
+    "fsdp_param_us",
+)
 
 
 def as_mapping(p: Profile) -> dict:

@@ -102,6 +102,7 @@ _TERM_NAMES = {
     "cpu_optimizer": "optimizer step on the CPU (offload)",
     "tp_host": "tensor-parallel host time (DTensor calls, clip collectives)",
     "collective_waits": "waits of the collectives the host blocks on",
+    "fsdp_host": "FSDP2's host work (hooks, buffer copies, DTensor optimizer)",
 }
 
 

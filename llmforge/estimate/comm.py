@@ -214,9 +214,7 @@ def fsdp_traffic(
     root_rs, t_rs = tail * t_rs + lat_rs, t_rs + (n + 1) * lat_rs  # n blocks and the root, each one collective
     t_ag = seconds(job, gathered, span // r, group) + (n + 1) * lat_ag
     root_ag = seconds(job, root * c, span // r, group) + lat_ag
-    scatters = m if layout.zero >= 2 and layout.pp == 1 else 1
-    forward_gathers = m if layout.zero == 3 else 1
-    backward_gathers = m if layout.zero == 3 else 0
+    forward_gathers, backward_gathers, scatters = fsdp_rounds(zero=layout.zero, pp=layout.pp, microbatches=m)
     units = _Units(ag=(t_ag - root_ag) / n, rs=(t_rs - root_rs) / n, f=t_fwd / n, b=t_bwd / n, n=n)
     alone = fsdp_exposed_units(layout, blocks=n)
     whole = {"root": (root_ag, root_rs), "first block": (units.ag, units.rs)}  # the units no compute window covers
@@ -235,12 +233,29 @@ def fsdp_traffic(
         rs_exposed = rs_exposed if gloo_defers_reduce(layout, job) else scatters * t_rs
     gather_waits = scatter_waits = 0
     if job.on_cpu:  # every unit's gather and reduce-scatter; deferred reduce-scatters are waited on once
-        gather_waits = forward_gathers * (n + 1) + backward_gathers * (n - 1)
-        scatter_waits = 1 if gloo_defers_reduce(layout, job) else scatters * (n + 1)
+        gather_waits, scatter_waits = fsdp_collectives(zero=layout.zero, pp=layout.pp, blocks=n, microbatches=m)
+        scatter_waits = 1 if gloo_defers_reduce(layout, job) else scatter_waits
     return {
         "dp_all_gather": Traffic(gathers_b, gathers_s, ag_exposed, gather_waits),
         "dp_reduce_scatter": Traffic(scatters * (numel * rb + allreduce), scatters * t_rs, rs_exposed, scatter_waits),
     }
+
+
+def fsdp_rounds(*, zero: int, pp: int, microbatches: int) -> tuple[int, int, int]:
+    """(forward gathers, backward gathers, reduce-scatters) of each FSDP2 unit per step: ZeRO 1
+    and 2 gather once, ZeRO 3 in every microbatch's forward and backward; ZeRO 1 (and any stage
+    under a pipeline) reduce-scatters once, ZeRO 2 and 3 in every microbatch."""
+    m = microbatches
+    scatters = m if zero >= 2 and pp == 1 else 1
+    return (m if zero == 3 else 1), (m if zero == 3 else 0), scatters
+
+
+def fsdp_collectives(*, zero: int, pp: int, blocks: int, microbatches: int) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) of one step over ``blocks`` FSDP2 block units and the root:
+    backward gathers neither the root nor the last block, which stay gathered after forward."""
+    forward, backward, scatters = fsdp_rounds(zero=zero, pp=pp, microbatches=microbatches)
+    n = max(1, blocks)
+    return forward * (n + 1) + backward * (n - 1), scatters * (n + 1)
 
 
 def gloo_defers_reduce(layout: Layout, job: Job) -> bool:

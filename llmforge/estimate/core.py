@@ -94,6 +94,7 @@ class Estimate:
         out.update({f"{k}_exposed": kinds[k].exposed for k in cm.KINDS if k in kinds})
         out.update(bubble=self.parts["bubble"], comm_overlap=self.parts["overlap"], optimizer=self.parts["optimizer"])
         out.update(tp_host=self.parts.get("tp_host", 0.0), collective_waits=self.parts.get("collective_waits", 0.0))
+        out.update(fsdp_host=self.parts.get("fsdp_host", 0.0))
         out.update({k: self.parts[k] for k in ("offload_copy", "cpu_optimizer") if k in self.parts})
         return out
 
@@ -209,6 +210,7 @@ def _step_parts(inv: Inventory, job: Job, step: _Step, *, worst: StageMemory, sl
         "overlap": job.profile.comm_sm_share * sum(t.hidden for k, t in comm.kinds.items() if k != "tp"),  # async TP: copy engines
         "optimizer": _optimizer_seconds(inv, job, worst),
         "tp_host": _tp_host_seconds(inv, job, slowest, m),
+        "fsdp_host": _fsdp_host_seconds(inv, job, slowest, m),
     }
     parts["collective_waits"] = tph.sync_seconds(
         inv.layout, job.profile, collectives=_blocking_collectives(inv, slowest, m, comm), between_s=parts["compute"] + parts["tp_host"]
@@ -427,6 +429,14 @@ def _tp_host_seconds(inv: Inventory, job: Job, stage: int, m: int) -> float:
     hops = layout.tp - 1 if layout.sequence_parallel else cm.all_reduce_hops(layout.tp)
     clip = cm.hops_seconds(job, hops) * tph.CLIP_COLLECTIVES
     return clip + tph.dtensor_seconds(inv.shape, layout, job.profile, inv.counts(stage), microbatches=m)
+
+
+def _fsdp_host_seconds(inv: Inventory, job: Job, stage: int, m: int) -> float:
+    """FSDP2's host work in one step on ``stage`` (``llmforge.estimate.host.fsdp_host_seconds``)."""
+    layout, counts, params = inv.layout, inv.counts(stage), inv.stages[stage].params
+    gathers, scatters = cm.fsdp_collectives(zero=layout.zero, pp=layout.pp, blocks=counts.blocks, microbatches=m)
+    tensors = len(params.dense) + len(params.expert)
+    return tph.fsdp_host_seconds(layout, job.profile, blocks=counts.blocks, microbatches=m, collectives=gathers + scatters, params=tensors)
 
 
 def _blocking_collectives(inv: Inventory, stage: int, m: int, comm: cm.Comm) -> int:

@@ -120,6 +120,19 @@ def step_collectives(layout: Layout) -> int:
     return clip + STOP_VOTES + int(data_parallel) + int(layout.pp > 1)
 
 
+def fsdp_host_seconds(layout: Layout, profile: Profile, *, blocks: int, microbatches: int, collectives: int, params: int) -> float:
+    """Host seconds of FSDP2's own work in one step of a rank holding ``blocks`` blocks and
+    ``params`` parameter tensors under ZeRO 1-3: its hooks on every unit (the blocks and the root)
+    each microbatch, each of its ``collectives`` gathers and reduce-scatters (the copies into and
+    out of the flat buffers, the call), and the for-loop AdamW and clip on DTensor parameters
+    (the profile's ``fsdp_unit_us``, ``fsdp_collective_us`` and ``fsdp_param_us``, measured on
+    CPU ranks by ``llmforge.calibrate.host_probe``; a GPU's host runs ahead of its kernels)."""
+    if layout.zero == 0 or layout.dp * layout.cp == 1:
+        return 0.0
+    us = profile.fsdp_unit_us * (blocks + 1) * microbatches + profile.fsdp_collective_us * collectives + profile.fsdp_param_us * params
+    return us * 1e-6
+
+
 def sync_seconds(layout: Layout, profile: Profile, *, collectives: int, between_s: float) -> float:
     """What a rank's ``collectives`` blocking collectives wait beyond their back-to-back time:
     the profile's ``comm_sync_us`` each, and on a tensor-parallel rank its ``comm_sync_share`` of
