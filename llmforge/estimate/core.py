@@ -93,8 +93,7 @@ class Estimate:
         out = {"matmul": c.matmul, "attention": c.attention, "memory_bound": c.memory, "launch_floor": c.floor}
         out.update({f"{k}_exposed": kinds[k].exposed for k in cm.KINDS if k in kinds})
         out.update(bubble=self.parts["bubble"], comm_overlap=self.parts["overlap"], optimizer=self.parts["optimizer"])
-        out.update(tp_host=self.parts.get("tp_host", 0.0), collective_waits=self.parts.get("collective_waits", 0.0))
-        out.update(fsdp_host=self.parts.get("fsdp_host", 0.0))
+        out.update({k: self.parts.get(k, 0.0) for k in ("tp_host", "fsdp_host", "collective_waits")})
         out.update({k: self.parts[k] for k in ("offload_copy", "cpu_optimizer") if k in self.parts})
         return out
 
