@@ -21,17 +21,9 @@ def datasheet_profile(name: str) -> Profile:
     return get_profile(str(builtin)) if builtin.is_file() else get_profile(name)
 
 
-#: Speed keys whose 0 means "as another key" or "not measured": left out of a written profile.
-UNSET_WHEN_ZERO = (
-    "attention_backward_efficiency",
-    "comm_sm_share",
-    "dtensor_op_us",
-    "comm_sync_us",
-    "comm_sync_share",
-    "fsdp_unit_us",
-    "fsdp_collective_us",
-    "fsdp_param_us",
-)
+#: The step-time model's rates, which every profile has; its other speed keys' 0 means "as another
+#: key" or "not measured", and a written profile leaves them out.
+ALWAYS_SET = ("matmul_efficiency", "matmul_dim", "attention_efficiency", "bandwidth_efficiency", "kernel_floor_us")
 
 
 def as_mapping(p: Profile) -> dict:
@@ -49,7 +41,7 @@ def as_mapping(p: Profile) -> dict:
         "comm_efficiency": p.comm_efficiency,
         "comm_latency_us": p.comm_latency_us,
     }
-    out.update({k: getattr(p, k) for k in SPEED_KEYS if getattr(p, k) or k not in UNSET_WHEN_ZERO})
+    out.update({k: getattr(p, k) for k in SPEED_KEYS if getattr(p, k) or k in ALWAYS_SET})
     if p.host_memory is not None:
         out["host_memory_gib"] = round(p.host_memory / GIB, 2)
     out["host_link_gbs"] = p.host_link_bandwidth / 1e9
