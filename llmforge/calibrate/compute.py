@@ -282,7 +282,8 @@ def measure(
 ) -> ComputeSamples:
     """Every compute figure of ``device`` (on a CPU with ``threads`` threads): ``passes`` passes
     over the grid, every other one in reverse order, each with the CPU load of other processes
-    during it (``load``: a ``CpuLoad`` maker), combined into their medians (``trust.combine``)."""
+    during it (``load``: a ``CpuLoad`` maker), combined into their medians (``trust.combine``),
+    and the host costs of parallelism (``host_costs``)."""
     if device.type == "cpu":
         torch.set_num_threads(threads)
     full = grid_for(device, quick=quick)
@@ -295,7 +296,13 @@ def measure(
         reading = probe.stop()
         samples.load = [reading] if reading else []
         runs.append(samples)
-    return combine(runs)
+    combined = combine(runs)
+    # once, not per pass: the probe takes the fastest of its own rounds, in a process of its own
+    if device.type == "cpu":
+        for name, seconds in host_costs(device).items():
+            setattr(combined, f"{name}_s", seconds)
+        tick("host costs of parallelism")
+    return combined
 
 
 def one_pass(device: torch.device, *, grid: Grid, quick: bool, threads: int, tick: Tick, reverse: bool) -> ComputeSamples:
@@ -308,8 +315,6 @@ def one_pass(device: torch.device, *, grid: Grid, quick: bool, threads: int, tic
     def floor() -> None:
         samples.floor_s = launch_floor(device=device, budget_s=grid.budget_s)
         samples.step_floor_s = step_floor(device=device, budget_s=grid.budget_s)
-        for name, seconds in host_costs(device).items():
-            setattr(samples, f"{name}_s", seconds)
         samples.memory_bytes, samples.reserved_bytes = usable_memory(device)
         samples.host_memory_bytes = host_memory_bytes()
         tick("launch floor")
@@ -341,4 +346,5 @@ def steps(device: torch.device, *, quick: bool, passes: int = PASSES) -> int:
     matmuls = len(grid.matmul_shapes()) * (len(supported_dtypes(device)) + has_fp8(device) if device.type == "cuda" else 1)
     matmuls += 0 if device.type == "cuda" else len(supported_dtypes(device)) - 1
     host = 1 if device.type == "cuda" else 0
-    return passes * (1 + matmuls + len(grid.attention) + len(supported_dtypes(device)) - 1 + len(grid.elements) + host)
+    per_pass = 1 + matmuls + len(grid.attention) + len(supported_dtypes(device)) - 1 + len(grid.elements) + host
+    return passes * per_pass + (1 if device.type == "cpu" else 0)  # and the host costs, once

@@ -74,11 +74,7 @@ def combine(passes: Sequence[ComputeSamples]) -> ComputeSamples:
     return dataclasses.replace(
         first,
         floor_s=_median_of([p.floor_s for p in passes]),
-        dtensor_op_s=_median_of([p.dtensor_op_s for p in passes]),
         step_floor_s=_median_of([p.step_floor_s for p in passes]),
-        fsdp_unit_s=_median_of([p.fsdp_unit_s for p in passes]),
-        fsdp_collective_s=_median_of([p.fsdp_collective_s for p in passes]),
-        fsdp_param_s=_median_of([p.fsdp_param_s for p in passes]),
         matmul={d: _combine_list([p.matmul[d] for p in passes]) for d in first.matmul},
         attention={d: _combine_list([p.attention[d] for p in passes]) for d in first.attention},
         bandwidth=_combine_list([p.bandwidth for p in passes]),
