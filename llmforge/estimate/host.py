@@ -1,4 +1,5 @@
-"""What tensor parallelism costs on the host, per call: its collectives and its DTensor calls (no torch).
+"""What parallelism costs on the host, per call: tensor parallelism's collectives and DTensor calls,
+FSDP2's own work, and what every blocking collective waits (no torch).
 
 A tensor-parallel rank runs its sharded linears, embedding, output layer and loss as DTensor
 operators. Each call goes through DTensor's dispatch (sharding propagation, wrapping and
@@ -29,7 +30,7 @@ A blocking collective inside a step also waits beyond its back-to-back time: a b
 threads must be woken (on CPU ranks, and given a core its peer computes on). ``llmforge
 calibrate`` over several CPU ranks runs real tensor-parallel steps and fits what they wait as
 ``comm_sync_us`` per collective (``llmforge.calibrate.tp_wait``). Every collective the host
-blocks on pays it (``blocking_collectives``): tensor parallelism's, the step's own on any
+blocks on pays it: tensor parallelism's, the step's own on any
 multi-rank run (``step_collectives``: the gradient clip's norm, the stop vote, the loss's mean
 over data-parallel ranks and pipeline stages) and the data-parallel gradient reduction's as CPU
 ranks run it (``llmforge.estimate.comm.Traffic.waits``). A pipeline's sends and receives are
@@ -38,6 +39,11 @@ bubble charges. A profile may add by hand ``comm_sync_share`` of the compute and
 between tensor-parallel collectives, for ranks that drift apart over it (``sync_seconds``). On
 a GPU the host queues collectives without waiting for them, and its profile has no
 ``comm_sync_us``.
+
+Under ZeRO 1-3 a CPU rank also runs FSDP2's own host work: its hooks on every unit each
+microbatch, each gather's and reduce-scatter's copies and call, and the for-loop AdamW and clip on
+DTensor parameters, at the profile's ``fsdp_unit_us``, ``fsdp_collective_us`` and
+``fsdp_param_us`` (``fsdp_host_seconds``; ``llmforge.calibrate.host_probe`` measures them).
 """
 
 from __future__ import annotations
