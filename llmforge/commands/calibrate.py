@@ -111,8 +111,13 @@ def how_to_use(req, *, path: Path, name: str, out: Path | None) -> str:
     return f"select it with {shlex.quote(f'cluster.accelerator={path}')}"
 
 
+#: The host costs of parallelism a CPU calibration measures (``llmforge.calibrate.host_probe``).
+HOST_COSTS = ("dtensor_op_us", "fsdp_unit_us", "fsdp_collective_us", "fsdp_param_us")
+
+
 def comparison_rows(result) -> list[tuple]:
     """(figure, datasheet, measured) rows of the table."""
+    from llmforge.calibrate.write import ALWAYS_SET
     from llmforge.hardware import parse_profile
 
     before, after = result.datasheet, parse_profile(result.data, source="calibrated")
@@ -127,8 +132,11 @@ def comparison_rows(result) -> list[tuple]:
         )
         for d in after.peak_flops
     ]
-    for key in ("matmul_efficiency", "matmul_dim", "attention_efficiency", "bandwidth_efficiency", "kernel_floor_us"):
+    for key in ALWAYS_SET:
         rows.append((key, f"{getattr(before, key):.3g}", f"{getattr(after, key):.3g}"))
+    for key in HOST_COSTS:  # measured on CPUs only
+        if getattr(after, key):
+            rows.append((key, f"{getattr(before, key):.3g}", f"{getattr(after, key):.3g}"))
     rows.append(
         (
             "memory-bound GB/s (bandwidth x efficiency)",
@@ -147,7 +155,7 @@ def comparison_rows(result) -> list[tuple]:
                 )
             )
         rows.append(("collective latency us", f"{before.comm_latency_us:.3g}", f"{after.comm_latency_us:.3g}"))
-        rows.append(("tensor-parallel collective wait us", f"{before.comm_sync_us:.3g}", f"{after.comm_sync_us:.3g}"))
+        rows.append(("blocking collective wait us", f"{before.comm_sync_us:.3g}", f"{after.comm_sync_us:.3g}"))
     return rows
 
 
