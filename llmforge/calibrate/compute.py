@@ -231,12 +231,10 @@ def step_floor(*, device: torch.device, budget_s: float) -> float:
     return seconds_per_call(step, device=device, budget_s=budget_s) / kernels
 
 
-def host_costs(device: torch.device) -> dict[str, float]:
+def host_costs() -> dict[str, float]:
     """Host seconds of parallelism per call on a CPU (``llmforge.calibrate.host_probe``): a DTensor
-    call's (``dtensor_op``) and FSDP2's (``fit.FSDP_COSTS``); none on a GPU, whose host runs ahead
-    of the kernels (not charged)."""
-    if device.type != "cpu":
-        return {}
+    call's (``dtensor_op``) and FSDP2's (``fit.FSDP_COSTS``). A GPU's host runs ahead of its
+    kernels: ``measure`` asks only on a CPU."""
     return in_subprocess()
 
 
@@ -299,7 +297,7 @@ def measure(
     combined = combine(runs)
     # once, not per pass: the probe takes the fastest of its own rounds, in a process of its own
     if device.type == "cpu":
-        for name, seconds in host_costs(device).items():
+        for name, seconds in host_costs().items():
             setattr(combined, f"{name}_s", seconds)
         tick("host costs of parallelism")
     return combined

@@ -176,34 +176,21 @@ def fit_fsdp_host(samples: Sequence[FsdpSample]) -> dict[str, float]:
     """Seconds per unit visit, per gather or reduce-scatter and per parameter (``FSDP_COSTS``):
     least squares of the samples' added seconds over their counts, none negative (a cost that
     would be is left out and the others fitted again)."""
+    import numpy as np
+
+    counts = np.array([s.counts() for s in samples], dtype=float)
+    added = np.array([s.seconds for s in samples], dtype=float)
     active = list(range(len(FSDP_COSTS)))
     while active:
-        rows = [[s.counts()[i] for i in active] for s in samples]
-        solution = _least_squares(rows, [s.seconds for s in samples])
-        if solution is None:
+        solution, _, rank, _ = np.linalg.lstsq(counts[:, active], added, rcond=None)
+        if rank < len(active):  # the probes cannot tell these costs apart
             break
-        if all(x >= 0 for x in solution):
+        if (solution >= 0).all():
             out = dict.fromkeys(FSDP_COSTS, 0.0)
-            out.update({FSDP_COSTS[i]: x for i, x in zip(active, solution, strict=True)})
+            out.update({FSDP_COSTS[i]: float(x) for i, x in zip(active, solution, strict=True)})
             return out
         active = [i for i, x in zip(active, solution, strict=True) if x > 0]
     return dict.fromkeys(FSDP_COSTS, 0.0)
-
-
-def _least_squares(rows: Sequence[Sequence[float]], targets: Sequence[float]) -> list[float] | None:
-    """x minimising |rows x - targets| (normal equations, Gaussian elimination); None if singular."""
-    k = len(rows[0]) if rows else 0
-    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * t for r, t in zip(rows, targets, strict=True))] for i in range(k)]
-    for col in range(k):
-        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-30:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(k):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
-    return [a[i][k] / a[i][i] for i in range(k)]
 
 
 def fit_latency_bandwidth(points: Sequence[tuple[float, float]]) -> tuple[float, float]:

@@ -228,13 +228,13 @@ def fsdp_traffic(
     gathers_s = forward_gathers * t_ag + backward_gathers * units.ag * (n - 1)
     block_bytes = (gathered - root * c) / n
     gathers_b = forward_gathers * gathered + backward_gathers * block_bytes * (n - 1)
-    if job.on_cpu:  # gloo: FSDP2 waits on the host for every gather, and every reduce-scatter it does not defer
-        ag_exposed = gathers_s
-        rs_exposed = rs_exposed if gloo_defers_reduce(layout, job) else scatters * t_rs
     gather_waits = scatter_waits = 0
-    if job.on_cpu:  # every unit's gather and reduce-scatter; deferred reduce-scatters are waited on once
+    if job.on_cpu:  # gloo: FSDP2 waits on the host for every gather, and every reduce-scatter it does not defer (those once)
+        deferred = gloo_defers_reduce(layout, job)
+        ag_exposed = gathers_s
+        rs_exposed = rs_exposed if deferred else scatters * t_rs
         gather_waits, scatter_waits = fsdp_collectives(zero=layout.zero, pp=layout.pp, blocks=n, microbatches=m)
-        scatter_waits = 1 if gloo_defers_reduce(layout, job) else scatter_waits
+        scatter_waits = 1 if deferred else scatter_waits
     return {
         "dp_all_gather": Traffic(gathers_b, gathers_s, ag_exposed, gather_waits),
         "dp_reduce_scatter": Traffic(scatters * (numel * rb + allreduce), scatters * t_rs, rs_exposed, scatter_waits),
