@@ -6,14 +6,10 @@ one rule; this file holds each to it and the sharded run to one process."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
+from gloo_runs import run_harness
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from llmforge.config.compose import compose
@@ -124,15 +120,7 @@ SHARDED = {
 
 @pytest.fixture(scope="module")
 def sharded_runs(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("expert_shard")
-    spec, out = tmp / "spec.json", tmp / "out.pt"
-    spec.write_text(json.dumps({"base": [], "layouts": SHARDED}))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4", "-m", "llmforge.testing.harness"]
-    proc = subprocess.run(
-        [*cmd, str(spec), str(out)], capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+    return run_harness(tmp_path_factory.mktemp("expert_shard"), {"base": [], "layouts": SHARDED}, nproc=4)
 
 
 @pytest.fixture(scope="module")

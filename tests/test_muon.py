@@ -4,14 +4,13 @@ and an exact resume of its sharded momentum."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_runs import run_harness
 
 from llmforge.testing.harness import tiny_plan, train_layout
 
@@ -70,23 +69,7 @@ def test_plan_refuses_an_unknown_optimizer_and_muon_with_offload():
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("muon")
-    spec, out = tmp / "spec.json", tmp / "out.pt"
-    spec.write_text(json.dumps({"base": MUON, "layouts": WORLD2}))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "llmforge.testing.harness",
-        str(spec),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+    return run_harness(tmp_path_factory.mktemp("muon"), {"base": MUON, "layouts": WORLD2}, nproc=2)
 
 
 @pytest.fixture(scope="module")

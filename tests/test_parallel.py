@@ -6,13 +6,11 @@ whole matrix costs two torchrun starts."""
 from __future__ import annotations
 
 import functools
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_runs import run_harness
 
 from llmforge.testing.harness import tiny_plan, train_layout
 
@@ -172,33 +170,14 @@ COUNT_SYNCS = ["dp2_zero3", "tp2_sp", "pp2_1f1b", "dp2_tp2_sp_zero1"]
 
 
 def run_group(tmp: Path, *, nproc: int, layouts: dict, mesh_of_one: bool = False) -> dict:
-    spec, out = tmp / f"spec{nproc}.json", tmp / f"out{nproc}.pt"
     # overlapped ZeRO-0 reduction (off by default on CPU) over 20 kB buckets: many buckets of the tiny model
-    spec.write_text(
-        json.dumps(
-            {
-                "base": ["parallel.overlap_grad_reduce=true", "parallel.bucket_mb=0.02"],
-                "layouts": layouts,
-                "count_syncs": COUNT_SYNCS,
-                "mesh_of_one": mesh_of_one,
-            }
-        )
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        "-m",
-        "llmforge.testing.harness",
-        str(spec),
-        str(out),
-    ]
-    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return torch.load(out, weights_only=False)
+    spec = {
+        "base": ["parallel.overlap_grad_reduce=true", "parallel.bucket_mb=0.02"],
+        "layouts": layouts,
+        "count_syncs": COUNT_SYNCS,
+        "mesh_of_one": mesh_of_one,
+    }
+    return run_harness(tmp, spec, nproc=nproc, name=f"run{nproc}")
 
 
 @pytest.fixture(scope="module")

@@ -4,14 +4,11 @@ exact resume, the quantized export and its reload, and the refusals."""
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_runs import run_harness
 from typer.testing import CliRunner
 
 from llmforge.cli import app
@@ -133,22 +130,7 @@ def test_zero3_and_pipeline_qat_follow_one_process(tmp_path):
     last-bit difference of the reduced gradients can move a weight to the neighbouring int4 level
     (measured: 2e-4 on the losses, 3e-3 on the weights after 5 steps)."""
     layouts = {"zero3": ["parallel.dp=2", "parallel.zero=3"], "pp2": ["parallel.pp=2"]}
-    spec, out = tmp_path / "spec.json", tmp_path / "out.pt"
-    spec.write_text(json.dumps({"base": QAT, "layouts": layouts}))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "llmforge.testing.harness",
-        str(spec),
-        str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    got = torch.load(out, weights_only=False)
+    got = run_harness(tmp_path, {"base": QAT, "layouts": layouts}, nproc=2)
     ref, plain = train_layout(tiny_plan(QAT)), train_layout(tiny_plan([]))
     assert abs(ref.losses[0] - plain.losses[0]) > 1e-4  # the reference fake-quantizes
     for name in layouts:
