@@ -230,7 +230,7 @@ def resume(
 @user_errors
 def export(
     overrides: list[str] | None = OVERRIDES,
-    out_dir: Path = typer.Option(..., "--out", "-o", help="Folder to write model.safetensors, config.json and the tokenizer files into."),
+    out_dir: str = typer.Option(..., "--out", "-o", help="Folder to write model.safetensors, config.json and the tokenizer files into."),
     quantize: str = typer.Option(
         "auto",
         "--quantize",
@@ -262,7 +262,7 @@ def generate(
     overrides: list[str] | None = OVERRIDES,
     prompt: str | None = typer.Option(None, "--prompt", "-p", help="Text to continue."),
     prompts: Path | None = typer.Option(None, "--prompts", help="A text file of prompts, one a line (instead of --prompt)."),
-    out_file: Path | None = typer.Option(
+    out_file: str | None = typer.Option(
         None, "--out", help="Write one JSON object a line ({prompt, completion}) to this file instead of stdout."
     ),
     device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N, or auto (the first GPU if there is one)."),

@@ -18,6 +18,7 @@ from typing import Any
 
 from llmforge.config.choices import DataSource, Dtype, Position, Qat, choice_problem, plain
 from llmforge.config.compose import split_unknown_names, with_names
+from llmforge.config.locations import location_problems
 from llmforge.config.qat_rules import check_qat
 from llmforge.config.ranges import INT64_MAX, range_problems
 from llmforge.config.schema import ModelConfig, RunConfig, choice_keys
@@ -39,7 +40,6 @@ from llmforge.layout_rules import (
     ints,
     world_and_dp,
 )
-from llmforge.storage import is_url
 
 #: Every choice key with its names, read from the schema's enum types (llmforge.config.choices).
 CHOICES: dict[str, tuple[str, ...]] = {key: kind.names() for key, kind in choice_keys().items()}
@@ -183,37 +183,12 @@ def _validate(config: RunConfig) -> list[Problem]:
         check_offload,
         check_elastic,
         check_training,
-        _check_storage,
+        location_problems,
         check_qat,
     )
     for check in checks:
         problems.extend(check(config))
     return problems
-
-
-def _check_storage(config: RunConfig) -> list[Problem]:
-    """run.dir is a local folder (lock, plan, metrics); only checkpoints may go to object storage."""
-    out = []
-    if is_url(config.run.dir):
-        out.append(
-            Problem(
-                "run.dir",
-                config.run.dir,
-                "must be a local folder (it holds the run's lock, plan.json and metrics.jsonl)",
-                f"set run.dir to a local folder and checkpoint.dir={config.run.dir} to put the checkpoints in object storage",
-            )
-        )
-    where = config.checkpoint.dir
-    if where is not None and not is_url(where):
-        out.append(
-            Problem(
-                "checkpoint.dir",
-                where,
-                "is not an object-storage URL",
-                "leave it unset to keep checkpoints in run.dir/checkpoints, or give a URL such as s3://BUCKET/PREFIX",
-            )
-        )
-    return out
 
 
 def _check_choices(config: RunConfig) -> list[Problem]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
+from pathlib import Path
 from typing import Any
 
 from llmforge.errors import Problem, UserError
@@ -29,12 +30,56 @@ CREDENTIALS = {
 }
 
 
+#: fsspec protocols that name this machine's own files: a path, not object storage.
+LOCAL_PROTOCOLS = frozenset({"file", "local"})
+#: fsspec protocols whose files live in the process alone: everything there vanishes at exit.
+IN_PROCESS_PROTOCOLS = frozenset({"memory"})
+# A URL whose "//" a path library folded into one slash (s3:/bucket/x), or a bare "s3:".
+_FOLDED_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+):(/(?!/)|$)")
+
+
 def is_url(where: object) -> bool:
-    """Whether a location is an object-storage URL (``file://`` counts as local)."""
+    """Whether a location is an object-storage URL (``file://`` and ``local://`` count as local)."""
     if not isinstance(where, str):
         return False
     match = _URL.match(where)
-    return bool(match) and match.group(1).lower() != "file"
+    return bool(match) and match.group(1).lower() not in LOCAL_PROTOCOLS
+
+
+def looks_like_url(where: object) -> bool:
+    """A URL, or a local path that would be taken for one: ``s3:/bucket/x`` (a URL whose ``//``
+    was folded into one slash) would otherwise become a local folder named ``s3:``."""
+    return is_url(where) or (isinstance(where, str) and bool(_FOLDED_URL.match(where)))
+
+
+def local_output(where: str | os.PathLike[str], *, key: str, example: str) -> Path:
+    """An output the command writes on this machine, as a Path: a URL (or a URL folded into
+    ``s3:/...``) is refused rather than written to a local folder named after its protocol."""
+    text = os.fspath(where)
+    if looks_like_url(text):
+        rule = "is a URL, and this command writes local files only" if is_url(text) else FOLDED_URL_RULE
+        raise UserError(
+            [Problem(key, text, rule, f"write it here, e.g. {key} {example}, then copy it to object storage with its own tools")],
+            title="cannot write the output",
+        )
+    return Path(text)
+
+
+FOLDED_URL_RULE = "is a URL whose '//' was folded into one slash: it would become a local folder of that name"
+
+
+def url_problem(url: str, *, key: str) -> tuple[str, str] | None:
+    """(why, fix) when a URL cannot hold checkpoints: a store that ends with the process, or
+    no bucket (``s3://`` alone, which a path join would turn into a local ``s3:/step_N``)."""
+    proto = protocol(url)
+    if proto in IN_PROCESS_PROTOCOLS:
+        return (
+            f"{proto}:// keeps its objects in the memory of one process: every checkpoint would vanish when the run ends",
+            f"give a persistent store's URL such as s3://BUCKET/PREFIX, or leave {key} unset for run.dir/checkpoints",
+        )
+    if not bucket(url).strip():
+        return f"names no bucket after {proto}://", f"name the bucket and a prefix, e.g. {key}={proto}://BUCKET/PREFIX"
+    return None
 
 
 def protocol(url: str) -> str:
@@ -117,6 +162,7 @@ def check_reachable(url: str, *, key: str = "checkpoint.dir") -> None:
     """Before any work: write, read back and delete a small object under ``url``, so missing
     packages, credentials, buckets and endpoints show up now, not at the first save."""
     fs = filesystem(url, key=key)
+    _refuse_in_process(fs, url=url, key=key)
     probe = join(url, f".llmforge-probe-{uuid.uuid4().hex[:12]}")
     try:
         fs.pipe_file(probe, b"ok")
@@ -127,3 +173,22 @@ def check_reachable(url: str, *, key: str = "checkpoint.dir") -> None:
         raise
     except Exception as exc:  # each backend raises its own types (botocore, aiohttp, google-auth)
         raise storage_error(exc, url=url, doing="write a test object there", key=key) from None
+
+
+def _refuse_in_process(fs: Any, *, url: str, key: str) -> None:
+    """A store held in this process passes any probe and loses everything at exit: whatever
+    protocol name a backend registered it under, refuse it."""
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    if isinstance(fs, MemoryFileSystem):
+        raise UserError(
+            [
+                Problem(
+                    key,
+                    url,
+                    f"{protocol(url)}:// is a store in the memory of this process: every checkpoint would vanish when the run ends",
+                    f"give a persistent store's URL such as s3://BUCKET/PREFIX, or leave {key} unset for run.dir/checkpoints",
+                )
+            ],
+            title="cannot use this storage",
+        )

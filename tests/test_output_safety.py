@@ -122,3 +122,23 @@ def test_extreme_sampling_settings_end_cleanly(trained, extreme):
             ],
         )
         assert result.stdout == greedy.stdout
+
+
+def test_an_export_replaces_its_folder_whole_and_refuses_a_folder_of_other_files(trained, tmp_path):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "quantized.safetensors").write_bytes(b"a previous export's quantized model")
+    (out / "quantization.json").write_text("{}")
+    result = runner.invoke(app, ["export", f"ckpt={trained}", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert not (out / "quantized.safetensors").exists() and not (out / "quantization.json").exists()
+    assert (out / "model.safetensors").is_file() and sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not an export")
+    text = refused("export", f"ckpt={trained}", "--out", str(mine))
+    assert "holds files an export does not write (notes.txt)" in text
+    assert snapshot(mine) == {"notes.txt": b"not an export"}
+    example = text.split("e.g. --out ")[1].split()[0]
+    assert runner.invoke(app, ["export", f"ckpt={trained}", "--out", example]).exit_code == 0

@@ -15,13 +15,13 @@ unpickled) in the dtype they were saved in (fp32 master weights).
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import torch
 from rich.console import Console
 
+from llmforge.checkpoint.export_folder import swap_in, temporary_beside
 from llmforge.checkpoint.hf_names import style_of, to_hf
 from llmforge.checkpoint.quantized import quantized_model, write_quantized
 from llmforge.checkpoint.safe_reader import load_metadata, safe_reader
@@ -158,8 +158,8 @@ def export_checkpoint(
     ``out_dir``, and the tokenizer files when ``tokenizer`` (tokenizer.json, end-of-document id) is given;
     with ``quantize`` (QAT scheme, group size) also the torchao-quantized model (``llmforge.checkpoint.quantized``).
 
-    Files are written into a temporary folder next to ``out_dir`` and moved in
-    only when complete."""
+    Files are written into a temporary folder next to ``out_dir``, which replaces
+    ``out_dir`` whole only when complete (``llmforge.checkpoint.export_folder``)."""
     from safetensors.torch import save_file
 
     style = style_of(model)
@@ -167,9 +167,7 @@ def export_checkpoint(
     tensors = to_hf(weights, model)
     dtype = next(iter(weights.values())).dtype
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(f".{out_dir.name}.export-tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = temporary_beside(out_dir)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         write_json_atomic(
@@ -185,14 +183,10 @@ def export_checkpoint(
             else:
                 write_json_atomic(tmp / name, content, durable=True)
         quantized = _write_quantized(weights, model=model, quantize=quantize, folder=tmp) if quantize else []
-        out_dir.mkdir(parents=True, exist_ok=True)
-        written = []
-        for name in ("model.safetensors", "config.json", *extra, *quantized):
-            os.replace(tmp / name, out_dir / name)
-            written.append(out_dir / name)
+        swap_in(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return written
+    return [out_dir / name for name in ("model.safetensors", "config.json", *extra, *quantized)]
 
 
 def _write_quantized(weights: dict[str, torch.Tensor], *, model: ModelConfig, quantize: tuple[str, int], folder: Path) -> list[str]:

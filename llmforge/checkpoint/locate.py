@@ -5,11 +5,13 @@ the file). A run folder, its ``checkpoints/`` folder, or ``.../latest`` means th
 newest complete checkpoint: damaged or interrupted newer ones are skipped, and
 the notes returned say which and why. An object-storage URL (``s3://bucket/run``,
 ``.../latest``, ``.../step_N``) is found the same way; its run folder is the local
-``run.dir`` of the plan saved with it.
+``run.dir`` of the plan saved with it. A run folder whose plan.json puts its checkpoints in
+object storage leads there.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,15 +56,31 @@ def locate(text: str) -> Located:
     if path.name == "latest":
         if str(path.parent) in ("", "."):
             raise fail("ckpt=latest needs the run: write ckpt=runs/NAME/checkpoints/latest or ckpt=runs/NAME", title="missing checkpoint")
-        return newest_complete(checkpoints_root(path.parent))
+        return _in_run_folder(path.parent) or newest_complete(checkpoints_root(path.parent))
     if _STEP_DIR.match(path.name) or (path / MANIFEST).is_file():
         verify(path, checksums=True)
         return Located(path=path, run_dir=run_dir_of(path))
+    in_store = _in_run_folder(path)
+    if in_store is not None:
+        return in_store
     if path.is_dir() and (path.name == "checkpoints" or (path / "checkpoints").is_dir()):
         return newest_complete(checkpoints_root(path))
     if not path.exists():
         raise fail(f"{path}: no such checkpoint, run folder or checkpoints folder", title="missing checkpoint")
     raise fail(f"{path}: neither a checkpoint (step_N with {MANIFEST}) nor a run folder with checkpoints/", title="missing checkpoint")
+
+
+def _in_run_folder(folder: Path) -> Located | None:
+    """The newest complete checkpoint of a run folder whose plan.json puts its checkpoints in
+    object storage (None for a run that keeps them in the folder); the run continues in ``folder``."""
+    try:
+        where = json.loads((folder / "plan.json").read_text())["config"]["checkpoint"]["dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not is_url(where):
+        return None
+    found = locate(where)
+    return Located(path=found.path, run_dir=folder, notes=found.notes)
 
 
 def _locate_url(url: str) -> Located:

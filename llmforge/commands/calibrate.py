@@ -26,7 +26,10 @@ def calibrate_command(
     from llmforge.calibrate.write import check_name, check_out, profile_text, write_profile
     from llmforge.config.compose import compose
     from llmforge.hardware import cpu_threads, is_known, unknown_problem
+    from llmforge.storage import local_output
 
+    if out is not None:
+        local_output(out, key="--out", example="profiles/mine.yaml")
     c = compose(list(overrides), extra_dirs=list(config_dir)).cluster
     if not is_known(c.accelerator):
         raise UserError([unknown_problem(c.accelerator)], title="cannot calibrate")

@@ -9,12 +9,16 @@ from pathlib import Path
 
 from rich.console import Console
 
+from llmforge.checkpoint.export_folder import refuse_other_files
 from llmforge.config.choices import Qat
 from llmforge.errors import Problem, UserError
 from llmforge.rundir import check_writable, refuse_run_outputs
+from llmforge.storage import local_output
 
 
-def export_command(overrides: list[str], *, out_dir: Path, console: Console, quantize: str = "auto", group_size: int | None = None) -> None:
+def export_command(
+    overrides: list[str], *, out_dir: str | Path, console: Console, quantize: str = "auto", group_size: int | None = None
+) -> None:
     """``llmforge export ckpt=PATH --out DIR [--quantize SCHEME] [--group-size N]``: the plan saved
     with the checkpoint says which model and tokenizer to write, and (``auto``) how a QAT run is quantized."""
     from llmforge.checkpoint.export import check_exportable, export_checkpoint, run_tokenizer_file, style_of
@@ -26,9 +30,11 @@ def export_command(overrides: list[str], *, out_dir: Path, console: Console, qua
         raise UserError(
             [Problem(o.split("=", 1)[0], o, "export takes no overrides besides ckpt=", "remove it") for o in rest], title="bad overrides"
         )
-    for folder in (Path(out_dir), Path(out_dir).parent):  # the files, and the temporary folder beside them
+    out_dir = local_output(out_dir, key="--out", example="exported/NAME")
+    for folder in (out_dir, out_dir.parent):  # the files, and the temporary folder beside them
         check_writable(folder, key="--out")
-    refuse_run_outputs(Path(out_dir), key="--out", example="export")
+    refuse_run_outputs(out_dir, key="--out", example="export")
+    refuse_other_files(out_dir, key="--out")
     found = locate(ckpt)
     for note in found.notes:
         console.print(note, style="yellow", markup=False, highlight=False)
@@ -105,7 +111,7 @@ def generate_command(
     *,
     prompt: str | None,
     prompts: Path | None,
-    out_file: Path | None,
+    out_file: str | Path | None,
     device: str,
     tokenizer: Path | None,
     out: Console,
@@ -117,6 +123,7 @@ def generate_command(
 
     texts = _prompts(prompt=prompt, prompts=prompts)
     if out_file is not None:
+        out_file = local_output(out_file, key="--out", example="completions.jsonl")
         _check_out_file(out_file, inputs={"--prompts": prompts, "--tokenizer": tokenizer})
     found, config = checkpoint_config(overrides)
     settings = config.generate

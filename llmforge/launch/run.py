@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 
 from llmforge.config.choices import Launcher, Offload
 from llmforge.config.launchers import PLATFORM_LAUNCHERS
 from llmforge.data.prepare import document_ends_for
-from llmforge.errors import UserError, fail, pasteable
+from llmforge.errors import UserError, fail
 from llmforge.estimate.core import Estimate, estimate_plan
 from llmforge.launch import kubernetes, skypilot
 from llmforge.launch.checks import check_devices, check_fault, check_host_memory, check_space, preflight
+from llmforge.launch.claim import claim_outputs
 from llmforge.launch.local import run_here
 from llmforge.launch.platform import check_platform, to_yaml
 from llmforge.launch.slurm import submit_script
@@ -75,8 +75,7 @@ def launch(
         check_space(plan, estimate=estimate)
         check_host_memory(plan, estimate=estimate)
     with _lock(plan):
-        if resume_from is None or not _holds(plan, resume_from):
-            claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)
+        claim_outputs(plan, resume_from=resume_from, overwrite=overwrite, console=console)
         if here:
             run_here(plan, resume_from=resume_from, console=console, estimate=estimate)
             return
@@ -103,14 +102,6 @@ def _launch_on_platform(
         console.print(f"(--dry-run submits nothing; {platform.SUBMIT_HINT})", markup=False, highlight=False, soft_wrap=True)
         return
     platform.submit(plan, manifest, console=console)
-
-
-def _holds(plan: RunPlan, checkpoint: Any) -> bool:
-    """Whether the checkpoint is one of this run's (a resume that continues that run; a
-    resume into another folder starts one there, and takes that folder like ``pretrain``)."""
-    if is_url(checkpoint):
-        return is_url(plan.checkpoint_root) and checkpoint.startswith(str(plan.checkpoint_root) + "/")
-    return Path(plan.run_dir).resolve() in Path(checkpoint).resolve().parents
 
 
 def runs_here(plan: RunPlan) -> bool:
@@ -141,36 +132,3 @@ def _lock(plan: RunPlan):
     if c.launcher != Launcher.SLURM and c.nodes == 1:
         return RunLock(plan.run_dir)
     return contextlib.nullcontext()
-
-
-#: What a run that has trained leaves in its folder. plan.json is not among them: on a
-#: shared file system every node of a multi-node launch writes it before training starts.
-RUN_FILES = ("metrics.jsonl", "checkpoints")
-
-
-def claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
-    """A new run (or a resume into another folder) never mixes its metrics and checkpoints
-    with an earlier run's."""
-    import shutil
-
-    found = [run_dir / name for name in RUN_FILES if (run_dir / name).exists()]
-    if not found:
-        return
-    if not overwrite:
-        names = ", ".join(p.name for p in found)
-        if any((run_dir / "checkpoints").glob("step_*/manifest.json")):
-            raise fail(
-                f"run.dir={run_dir} already holds a run ({names}); "
-                f"continue it with `llmforge resume {pasteable('ckpt', run_dir, override=False)}`, "
-                "choose another run.dir=..., or pass --overwrite to start over"
-            )
-        raise fail(
-            f"run.dir={run_dir} holds an earlier run ({names}) that saved no complete checkpoint, so it cannot be resumed; "
-            "pass --overwrite to start over there, or choose another run.dir=..."
-        )
-    for path in [*found, run_dir / "wandb_run_id"]:
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-    console.print(f"--overwrite: removed the earlier run in {run_dir}", style="yellow", markup=False, highlight=False)

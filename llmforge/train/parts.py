@@ -80,7 +80,12 @@ def run_parts(
     callbacks = Callbacks(tuple(parts))
     events = EventLog(plan.run_dir / "events.log")
     saver = store.CheckpointSaver(
-        root=plan.checkpoint_root, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save, rank=rank.rank, log=events.write
+        root=plan.checkpoint_root,
+        keep=cfg.checkpoint.keep,
+        async_save=cfg.checkpoint.async_save,
+        rank=rank.rank,
+        log=events.write,
+        run_dir=plan.run_dir,
     )
 
     def due(step: int) -> bool:
