@@ -161,7 +161,11 @@ def pretrain(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Print the launch command (or SLURM script, Kubernetes job or SkyPilot task) and stop."
     ),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Start over in a run.dir that already holds a run."),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="Start over in a run.dir (and checkpoint.dir) that holds a run: its files and checkpoints are deleted.",
+    ),
     config_dir: list[Path] | None = CONFIG_DIR,
 ) -> None:
     """Validate, estimate and launch a pretraining run.

@@ -269,8 +269,8 @@ class CheckpointConfig:
     dir: str | None = knob(
         None,
         help="Where checkpoints go: unset = run.dir/checkpoints; an object-storage URL (s3://BUCKET/PREFIX, gs://BUCKET/PREFIX, any "
-        "fsspec URL) "
-        "puts step_N/ there. Credentials come from the environment and config files (AWS_*, ~/.aws), never the plan; an S3-compatible "
+        "fsspec URL of a persistent store) puts step_N/ there, owned by this run (owner.json; another run is refused it). "
+        "Credentials come from the environment and config files (AWS_*, ~/.aws), never the plan; an S3-compatible "
         "server from AWS_ENDPOINT_URL.",
     )
 
