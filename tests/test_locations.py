@@ -61,7 +61,9 @@ def test_the_example_of_a_location_fix_is_accepted(override, key):
     RunPlan.build(compose([pasted_example(refused([override]), key)]))
 
 
-@pytest.mark.parametrize("run_dir, data, relation", [("corpus", "corpus", "is"), ("corpus/run", "corpus", "is inside"), (".", "corpus", "holds")])
+@pytest.mark.parametrize(
+    "run_dir, data, relation", [("corpus", "corpus", "is"), ("corpus/run", "corpus", "is inside"), (".", "corpus", "holds")]
+)
 def test_run_dir_overlapping_its_data_is_refused_and_the_example_is_not(tmp_path, monkeypatch, run_dir, data, relation):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "corpus").mkdir()
