@@ -14,6 +14,7 @@ from test_object_storage import s3  # noqa: F401  (the moto server fixture)
 from typer.testing import CliRunner
 
 from llmforge.checkpoint import objstore, owner, store
+from llmforge.checkpoint.locate import locate
 from llmforge.cli import app
 from llmforge.errors import UserError
 
@@ -63,6 +64,7 @@ def test_a_checkpoint_dir_belongs_to_one_run(s3, small_data, tmp_path):  # noqa:
     assert hint == f"ckpt={a}"
     resumed = cli("resume", hint, "train.steps=2", code=0)
     assert f"resuming from {url}/step_1 (step 1) into {a}" in resumed and steps(url) == [2, 1]
+    assert locate(str(a / "checkpoints" / "latest")).path == f"{url}/step_2"
 
     cli("pretrain", *TINY, *small_data, "train.steps=1", f"run.dir={b}", f"checkpoint.dir={url}", "--overwrite", code=0)
     assert objstore.step_dirs(url) == [f"{url}/step_1"] and steps(url) == [1]  # a's step_2 is gone

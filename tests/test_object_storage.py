@@ -77,7 +77,7 @@ def s3():
     import s3fs
 
     s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem().mkdir("bucket")
+    s3fs.S3FileSystem().makedirs("bucket", exist_ok=True)  # moto keeps one store per process: another module may have made it
     yield env
     server.stop()
     s3fs.S3FileSystem.clear_instance_cache()

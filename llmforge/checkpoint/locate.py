@@ -56,7 +56,7 @@ def locate(text: str) -> Located:
     if path.name == "latest":
         if str(path.parent) in ("", "."):
             raise fail("ckpt=latest needs the run: write ckpt=runs/NAME/checkpoints/latest or ckpt=runs/NAME", title="missing checkpoint")
-        return _in_run_folder(path.parent) or newest_complete(checkpoints_root(path.parent))
+        return _in_run_folder(run_dir_of(path)) or newest_complete(checkpoints_root(path.parent))
     if _STEP_DIR.match(path.name) or (path / MANIFEST).is_file():
         verify(path, checksums=True)
         return Located(path=path, run_dir=run_dir_of(path))

@@ -25,6 +25,7 @@ from rich.console import Console
 
 from llmforge.checkpoint.locate import Located, locate
 from llmforge.checkpoint.objstore import read_json
+from llmforge.checkpoint.owner import free_prefix
 from llmforge.checkpoint.store import train_state_of
 from llmforge.config.saved import compose_saved
 from llmforge.config.schema import values_by_key
@@ -120,7 +121,7 @@ def shared_storage(old: Any, new: Any, *, found: Located) -> list[Problem]:
             "checkpoint.dir",
             new.checkpoint.dir,
             f"is where the run in {found.run_dir} keeps its checkpoints, and run.dir={new.run.dir} starts another run",
-            "give the new run its own prefix, e.g. checkpoint.dir=" + new.checkpoint.dir.rstrip("/") + "-2",
+            f"give the new run its own prefix, e.g. checkpoint.dir={free_prefix(new.checkpoint.dir)}",
         )
     ]
 
