@@ -69,6 +69,8 @@ def test_a_checkpoint_dir_belongs_to_one_run(s3, small_data, tmp_path):  # noqa:
     cli("pretrain", *TINY, *small_data, "train.steps=1", f"run.dir={b}", f"checkpoint.dir={url}", "--overwrite", code=0)
     assert objstore.step_dirs(url) == [f"{url}/step_1"] and steps(url) == [1]  # a's step_2 is gone
     assert saved_by(f"{url}/step_1") == str(b) and owner.read_owner(url)["run_dir"] == str(b.resolve())
+    taken_over = cli("resume", f"ckpt={a}", "train.steps=3", code=2)  # a's plan still names the prefix, which b now owns
+    assert f"holds the checkpoints of the run in {b.resolve()}" in taken_over and steps(url) == [1]
 
 
 def test_a_save_refuses_a_prefix_another_run_owns(s3, tmp_path):  # noqa: F811
