@@ -74,7 +74,8 @@ def test_a_checkpoint_dir_belongs_to_one_run(s3, small_data, tmp_path):  # noqa:
 
 
 def test_a_save_refuses_a_prefix_another_run_owns(s3, tmp_path):  # noqa: F811
-    """Where no launcher ran on this machine (a cluster job), the first save checks the owner."""
+    """Where no launcher ran on this machine (a cluster job) the first save records the owner; every
+    save refuses a prefix another run owns, also one taken over while this run trained."""
     import torch
 
     from llmforge.checkpoint.state import _init_optimizer_state
@@ -91,6 +92,10 @@ def test_a_save_refuses_a_prefix_another_run_owns(s3, tmp_path):  # noqa: F811
     mine = store.CheckpointSaver(root=url, keep=2, async_save=False, rank=0, log=lambda _: None, run_dir=tmp_path / "first")
     mine.save(step=1, model_parts=[model], optimizer=optimizer, train_state={}, plan={})
     assert steps(url) == [1]
+    owner.record_owner(url, run_dir=tmp_path / "third")  # --overwrite by another run while this one trains
+    with pytest.raises(UserError, match="holds the checkpoints of the run in .*third"):
+        mine.save(step=2, model_parts=[model], optimizer=optimizer, train_state={}, plan={})
+    assert objstore.step_dirs(url) == [f"{url}/step_1"]  # no step_2 written, nothing rotated
 
 
 def test_a_store_held_in_this_process_is_refused_whatever_its_name(tmp_path):

@@ -2,7 +2,9 @@
 
 A local run folder is owned through its lock and its files; a URL has neither, so the
 run that first takes it writes ``owner.json`` there (its ``run.dir``, host and time): at
-launch, and at the first save where the launcher does not run on this machine. Another
+launch, or at the first save where the launcher does not run on this machine. Every save
+checks the record first, so a run whose prefix another took over stops instead of
+rotating the newcomer's checkpoints away. Another
 run is refused the prefix; ``--overwrite`` deletes what the earlier run left there (its
 ``step_N``, ``superseded-step_N`` and ``diverged-step_N`` checkpoints and the record), and
 nothing else under the prefix.
@@ -80,7 +82,8 @@ def describe(record: dict[str, Any]) -> str:
 
 
 def check_at_save(root: str, *, run_dir: Path) -> None:
-    """Before a run's first save: refuse a prefix another run owns, record this run if none does."""
+    """Before each save: refuse a prefix another run owns (also one that took it over while this
+    run trained), record this run if none does."""
     record = read_owner(root)
     if record is None:
         record_owner(root, run_dir=run_dir)

@@ -143,13 +143,13 @@ class CheckpointSaver:
     """Writes checkpoints of one rank; rank 0 finalises (manifest, rename, rotation).
 
     ``log`` receives one line per save (rank 0 only). ``run_dir``: the run that saves, which
-    must own a ``root`` in object storage (``llmforge.checkpoint.owner``; checked at the first save)."""
+    must own a ``root`` in object storage (``llmforge.checkpoint.owner``; checked at every save)."""
 
     def __init__(
         self, *, root: Where, keep: int, async_save: bool, rank: int, log: Callable[[str], None], run_dir: Path | None = None
     ) -> None:
         self.remote = is_url(root)
-        self._owner_to_check = run_dir if self.remote else None
+        self._owner = run_dir if self.remote else None
         self.root, self.keep, self.async_save, self.rank, self.log = root if self.remote else Path(root), keep, async_save, rank, log
         self.records: list[SaveRecord] = []
         self._pending: Future | None = None
@@ -207,9 +207,8 @@ class CheckpointSaver:
     def _start(self, tmp: Where, final: Where, *, state: dict[str, Any], plan: dict[str, Any]) -> None:
         """Rank 0: clear leftovers, then write the JSON state and the plan."""
         if self.remote:
-            if self._owner_to_check is not None:
-                check_at_save(self.root, run_dir=self._owner_to_check)
-                self._owner_to_check = None
+            if self._owner is not None:  # every save: another run may have taken the prefix over (--overwrite) meanwhile
+                check_at_save(self.root, run_dir=self._owner)
             objstore.clear_stale(self.root)
             objstore.remove(final)  # the same step saved again (after a resume): unpublish the old one first
             objstore.write_json(join(tmp, TRAIN_STATE), state)
