@@ -35,6 +35,11 @@ def run_id(run_dir: Path) -> str:
     return os.path.realpath(os.path.expanduser(str(run_dir)))
 
 
+def _spelled(run_dir: Path) -> str:
+    """The folder absolute as written (a node that mounts it through other links still matches)."""
+    return os.path.abspath(os.path.expanduser(str(run_dir)))
+
+
 def read_owner(root: str) -> dict[str, Any] | None:
     """The owner record under ``root``, or None when no run has recorded itself there."""
     url = join(root, OWNER)
@@ -50,13 +55,16 @@ def read_owner(root: str) -> dict[str, Any] | None:
 
 
 def is_owner(record: dict[str, Any] | None, run_dir: Path) -> bool:
-    return record is not None and record.get("run_dir") == run_id(run_dir)
+    if record is None:
+        return False
+    return record.get("run_dir") == run_id(run_dir) or record.get("as_given", record.get("run_dir")) == _spelled(run_dir)
 
 
 def record_owner(root: str, *, run_dir: Path) -> None:
     """Write (or rewrite) ``root``'s owner record naming the run in ``run_dir``."""
     now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    objstore.write_json(join(root, OWNER), {"run_dir": run_id(run_dir), "host": socket.gethostname(), "since": now})
+    record = {"run_dir": run_id(run_dir), "as_given": _spelled(run_dir), "host": socket.gethostname(), "since": now}
+    objstore.write_json(join(root, OWNER), record)
 
 
 def left_by_runs(root: str) -> list[str]:
