@@ -15,6 +15,7 @@ unpickled) in the dtype they were saved in (fp32 master weights).
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -166,7 +167,7 @@ def export_checkpoint(
     weights = fuse_saved(read_model_weights(path), model)  # checkpoints of unfused models too
     tensors = to_hf(weights, model)
     dtype = next(iter(weights.values())).dtype
-    out_dir = Path(out_dir)
+    out_dir = Path(os.path.realpath(out_dir))  # a link to a folder: replace the folder it names, not the link
     tmp = temporary_beside(out_dir)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"), metadata={"format": "pt"})
