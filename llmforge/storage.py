@@ -46,18 +46,31 @@ def is_url(where: object) -> bool:
     return bool(match) and match.group(1).lower() not in LOCAL_PROTOCOLS
 
 
+def not_a_local_path(where: object) -> str | None:
+    """Why ``where`` cannot be taken as a local path (None when it can): a URL, even a
+    ``file://`` one, or a URL whose ``//`` a path library folded into one slash
+    (``s3:/bucket/x``), would become a local folder named after its protocol."""
+    if not isinstance(where, str):
+        return None
+    match = _URL.match(where)
+    if match and match.group(1).lower() in LOCAL_PROTOCOLS:
+        return f"is a {match.group(1)}:// URL, and a local path is given as the path itself"
+    if match:
+        return "is a URL, and only checkpoint.dir may be in object storage: this takes a local path"
+    return FOLDED_URL_RULE if _FOLDED_URL.match(where) else None
+
+
 def looks_like_url(where: object) -> bool:
-    """A URL, or a local path that would be taken for one: ``s3:/bucket/x`` (a URL whose ``//``
-    was folded into one slash) would otherwise become a local folder named ``s3:``."""
-    return is_url(where) or (isinstance(where, str) and bool(_FOLDED_URL.match(where)))
+    """Whether ``where`` would be taken for a URL rather than a local path (``not_a_local_path``)."""
+    return not_a_local_path(where) is not None
 
 
 def local_output(where: str | os.PathLike[str], *, key: str, example: str) -> Path:
     """An output the command writes on this machine, as a Path: a URL (or a URL folded into
     ``s3:/...``) is refused rather than written to a local folder named after its protocol."""
     text = os.fspath(where)
-    if looks_like_url(text):
-        rule = "is a URL, and this command writes local files only" if is_url(text) else FOLDED_URL_RULE
+    rule = not_a_local_path(text)
+    if rule:
         raise UserError(
             [Problem(key, text, rule, f"write it here, e.g. {key} {example}, then copy it to object storage with its own tools")],
             title="cannot write the output",

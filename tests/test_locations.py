@@ -36,7 +36,9 @@ def pasted_example(error: UserError, key: str) -> str:
         ("checkpoint.dir=local://x/run", "checkpoint.dir", "is not an object-storage URL"),
         ("run.dir=s3:/bucket/run", "run.dir", "folded into one slash"),
         ("run.dir=s3://bucket/run", "run.dir", "must be a local folder"),
-        ("data.path=s3://bucket/corpus", "data.path", "is a URL, and this key takes a local path"),
+        ("data.path=s3://bucket/corpus", "data.path", "is a URL, and only checkpoint.dir may be in object storage"),
+        ("data.path=file:///srv/corpus", "data.path", "is a file:// URL"),
+        ("run.dir=file:///srv/runs/x", "run.dir", "is a file:// URL"),
         ("data.cache_dir=gs://bucket/cache", "data.cache_dir", "is a URL"),
         ("data.tokenizer=s3:/bucket/tokenizer.json", "data.tokenizer", "folded into one slash"),
         ("model.init_from=s3://bucket/hf", "model.init_from", "is a URL"),
@@ -55,6 +57,7 @@ def test_a_location_that_would_be_lost_or_a_local_look_alike_is_refused(override
         ("run.dir=s3:/bucket/run", "run.dir"),
         ("data.cache_dir=gs://bucket/cache", "data.cache_dir"),
         ("data.path=s3://bucket/corpus", "data.path"),
+        ("run.dir=file:///srv/runs/x", "run.dir"),
     ],
 )
 def test_the_example_of_a_location_fix_is_accepted(override, key):

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from llmforge.config.schema import RunConfig
 from llmforge.errors import Problem
-from llmforge.storage import FOLDED_URL_RULE, basename, is_url, looks_like_url, url_problem
+from llmforge.storage import LOCAL_PROTOCOLS, basename, is_url, looks_like_url, not_a_local_path, url_problem
 
 
 def location_problems(config: RunConfig) -> list[Problem]:
@@ -37,9 +37,10 @@ def _run_dir_problems(config: RunConfig) -> list[Problem]:
                 f"set run.dir to a local folder and checkpoint.dir={where} to put the checkpoints in object storage",
             )
         ]
-    if looks_like_url(where):
-        fix = f"set run.dir to a local folder, e.g. run.dir=runs/{_safe_name(config.run.name)}"
-        return [Problem("run.dir", where, FOLDED_URL_RULE, fix)]
+    rule = not_a_local_path(where)
+    if rule:
+        fix = f"set run.dir to a local folder, e.g. run.dir={_local_url(where) or 'runs/' + _safe_name(config.run.name)}"
+        return [Problem("run.dir", where, rule, fix)]
     return []
 
 
@@ -82,21 +83,26 @@ def mixture_path(entry: object) -> str:
 def _local_problems(config: RunConfig) -> list[Problem]:
     out = []
     for key, value in _local_paths(config):
-        if not looks_like_url(value):
+        rule = not_a_local_path(value)
+        if not rule:
             continue
         local = f"data/{_safe_name(basename(value))}"
-        if key == "data.cache_dir":
+        if _local_url(value):
+            fix = f"give the path itself, e.g. {key}={_local_url(value)}"
+        elif key == "data.cache_dir":
             fix = "leave it unset (~/.cache/llmforge) or give a local folder, e.g. data.cache_dir=data/cache"
         elif key.startswith("data.mixture"):
             fix = f"copy it to this machine first and list the copy in data.mixture, e.g. data.mixture=[{local}:1]"
         else:
             fix = f"copy it to this machine first and point {key} at the copy, e.g. {key}={local}"
-        rule = FOLDED_URL_RULE if not is_url(value) else _URL_RULE
         out.append(Problem(key, value, rule, fix))
     return out
 
 
-_URL_RULE = "is a URL, and this key takes a local path (only checkpoint.dir may be in object storage)"
+def _local_url(value: str) -> str:
+    """The path of a ``file://`` or ``local://`` URL ('' for anything else)."""
+    head, sep, rest = value.partition("://")
+    return rest if sep and head.lower() in LOCAL_PROTOCOLS and rest else ""
 
 
 def _safe_name(text: str) -> str:
