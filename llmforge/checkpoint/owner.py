@@ -55,6 +55,7 @@ def read_owner(root: str) -> dict[str, Any] | None:
 
 
 def is_owner(record: dict[str, Any] | None, run_dir: Path) -> bool:
+    """Whether ``record`` names the run in ``run_dir``."""
     if record is None:
         return False
     return record.get("run_dir") == run_id(run_dir) or record.get("as_given", record.get("run_dir")) == _spelled(run_dir)
