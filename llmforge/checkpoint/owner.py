@@ -70,7 +70,8 @@ def record_owner(root: str, *, run_dir: Path) -> None:
 
 def left_by_runs(root: str) -> list[str]:
     """The checkpoints (complete or not) and set-aside checkpoints under ``root``, as URLs."""
-    return sorted(u for u in objstore.children(root) if _RUN_PREFIX.match(basename(u)))
+    found = [u for u in objstore.children(root) if _RUN_PREFIX.match(basename(u))]
+    return sorted(found, key=lambda u: (basename(u).rsplit("step_", 1)[0], int(basename(u).rsplit("_", 1)[1])))
 
 
 def clear(root: str) -> list[str]:
