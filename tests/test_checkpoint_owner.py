@@ -120,3 +120,12 @@ def test_an_output_url_is_refused_not_written_to_a_local_look_alike(tmp_path, mo
     text = cli(command, f"ckpt={tmp_path / 'no-run'}", *extra, "--out", url, code=2)
     assert f"--out = '{url}'" in text and "Fix:" in text
     assert list(Path(tmp_path).iterdir()) == []
+
+
+def test_a_stopped_object_storage_run_without_a_checkpoint_names_its_own_run_dir(s3, tmp_path):  # noqa: F811
+    from llmforge.train.anomaly import Anomaly
+    from llmforge.train.recovery import stop_error
+
+    anomaly = Anomaly(action="stop", first_step=1, step=1, what="the loss was nan", reason="train.anomaly=stop")
+    text = stop_error(anomaly, root="s3://bucket/never-saved", run_dir=tmp_path / "run").message()
+    assert f"run.dir={tmp_path / 'run'} --overwrite" in text and "RUN_DIR" not in text

@@ -30,18 +30,26 @@ from llmforge.train.optim import set_lr_scale
 
 
 def train_recovering(
-    c: Components, *, loop: Callable[[int], LoopResult], start_step: int, root: Path, saver, say: Callable[[str], None]
+    c: Components,
+    *,
+    loop: Callable[[int], LoopResult],
+    start_step: int,
+    root: Path,
+    saver,
+    say: Callable[[str], None],
+    run_dir: Path | None = None,
 ) -> LoopResult:
     """``loop(start_step)``; after a rollback, ``loop`` again from the step it was found at.
-    A stop becomes the user error naming the newest good checkpoint under ``root``."""
+    A stop becomes the user error naming the newest good checkpoint under ``root`` (or how to
+    start ``run_dir`` again)."""
     start = start_step
     while True:
         try:
             return loop(start)
         except Anomaly as anomaly:
             if anomaly.action != AnomalyAction.ROLLBACK:
-                raise stop_error(anomaly, root=root) from None
-            start = roll_back(c, anomaly=anomaly, root=root, saver=saver, say=say)
+                raise stop_error(anomaly, root=root, run_dir=run_dir) from None
+            start = roll_back(c, anomaly=anomaly, root=root, saver=saver, say=say, run_dir=run_dir)
 
 
 def check_and_save(c: Components, saver, *, step: int, train_state: dict[str, Any], plan: dict[str, Any]) -> None:
@@ -51,12 +59,12 @@ def check_and_save(c: Components, saver, *, step: int, train_state: dict[str, An
     saver.save(step=step, model_parts=c.model_parts, optimizer=c.optimizer, train_state=train_state, plan=plan, protect=c.guard.protected())
 
 
-def roll_back(c: Components, *, anomaly: Anomaly, root: Path, saver, say: Callable[[str], None]) -> int:
+def roll_back(c: Components, *, anomaly: Anomaly, root: Path, saver, say: Callable[[str], None], run_dir: Path | None = None) -> int:
     """Reload the newest checkpoint before ``anomaly.first_step``; return the step to go on from."""
     saver.wait()
     target = _agreed(store.newest_before(root, step=anomaly.first_step), distributed=c.rank.mesh is not None)
     if target is None:
-        raise stop_error(anomaly, root=root, why="no checkpoint was saved before it to roll back to") from None
+        raise stop_error(anomaly, root=root, why="no checkpoint was saved before it to roll back to", run_dir=run_dir) from None
     good = store.step_of(target)
     store.load(path=target, model_parts=c.model_parts, optimizer=c.optimizer)
     c.guard.rolled_back(batches=anomaly.step - good)
@@ -76,10 +84,11 @@ def roll_back(c: Components, *, anomaly: Anomaly, root: Path, saver, say: Callab
     return anomaly.step
 
 
-def stop_error(anomaly: Anomaly, *, root: Path, why: str = "") -> UserError:
-    """The message of a run stopped by its anomaly policy, with the way on from the newest good checkpoint."""
+def stop_error(anomaly: Anomaly, *, root: Path, why: str = "", run_dir: Path | None = None) -> UserError:
+    """The message of a run stopped by its anomaly policy, with the way on from the newest good checkpoint.
+    ``run_dir``: the run's folder (its checkpoints' parent unless they are in object storage)."""
     good = store.newest_before(root, step=anomaly.first_step)
-    run_dir = "RUN_DIR" if is_url(root) else root.parent
+    folder = run_dir if run_dir is not None else ("RUN_DIR" if is_url(root) else root.parent)
     if good is not None:
         way = (
             f"the newest checkpoint before step {anomaly.first_step} is {good}; continue from it (perhaps with a lower train.lr) with:\n  "
@@ -88,7 +97,7 @@ def stop_error(anomaly: Anomaly, *, root: Path, why: str = "") -> UserError:
     else:
         way = (
             f"no checkpoint was saved before step {anomaly.first_step}: start again (perhaps with a lower train.lr) with `llmforge "
-            f"pretrain ... {pasteable('run.dir', run_dir)} --overwrite`"
+            f"pretrain ... {pasteable('run.dir', folder)} --overwrite`"
         )
     because = f", and {why}" if why else ""
     return fail(

@@ -260,7 +260,13 @@ def run(
     try:
         with parts.stop.installed(), explain_oom(plan, rank=rank, snapshots=snapshots, built=built):
             result = train_recovering(
-                c, loop=parts.loop(plan, c), start_step=start_step, root=plan.checkpoint_root, saver=parts.saver, say=_say(console, rank)
+                c,
+                loop=parts.loop(plan, c),
+                start_step=start_step,
+                root=plan.checkpoint_root,
+                saver=parts.saver,
+                say=_say(console, rank),
+                run_dir=plan.run_dir,
             )
             parts.saver.close()
     finally:
