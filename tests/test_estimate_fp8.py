@@ -61,14 +61,15 @@ def test_profiles_say_which_accelerators_have_fp8(name, has):
         assert profile.peak("fp8") == pytest.approx(2 * profile.peak("bf16"), rel=0.01)
 
 
-def test_every_block_matmul_of_a_dense_model_runs_in_fp8():
-    shape = gpt(layers=4, hidden=1024, heads=16)
+def test_with_all_linears_every_block_matmul_of_a_dense_model_runs_in_fp8():
+    shape = dataclasses.replace(gpt(layers=4, hidden=1024, heads=16), fp8_linears="all")
     inv = inventory(shape, Layout())
     assert fp8.stage_flops_per_token(inv, inv.counts(0)) == pytest.approx(4 * 3 * block_flops(shape, moe=False).weights)
 
 
 def test_router_and_routed_experts_stay_in_bf16():
-    moe = dataclasses.replace(gpt(layers=2, hidden=1024, heads=16), num_experts=8, top_k=2, moe_ffn=2048, shared_experts=1)
+    dense = gpt(layers=2, hidden=1024, heads=16)
+    moe = dataclasses.replace(dense, num_experts=8, top_k=2, moe_ffn=2048, shared_experts=1, fp8_linears="all")
     forward = fp8.block_flops(moe, moe=True, mode="none") / 3
     attention_projections = 2 * 4 * 1024 * 1024
     shared_mlp = 2 * 2 * 1024 * 2048

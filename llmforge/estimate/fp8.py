@@ -44,7 +44,7 @@ converted = fp8_converts
 
 def converted_numel(shape: Shape, *, moe: bool, tp: int = 1) -> float:
     """Elements of one block's converted weights on a tensor-parallel rank (MoE layers are not split)."""
-    total: float = sum(t.numel / (tp if t.split != "rep" else 1) for t in block_tensors(shape, moe) if converted(t))
+    total: float = sum(t.numel / (tp if t.split != "rep" else 1) for t in block_tensors(shape, moe) if converted(t, shape, moe=moe))
     return total
 
 
