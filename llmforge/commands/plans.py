@@ -14,6 +14,7 @@ from llmforge.plan import RunPlan
 if TYPE_CHECKING:
     from llmforge.estimate.attention import Documents
     from llmforge.estimate.core import Estimate
+    from llmforge.estimate.fp8_report import Fp8Verdict
 
 
 def build_plan(overrides: Sequence[str], *, config_dir: Sequence[Path] = (), reset: Mapping[str, str] | None = None) -> RunPlan:
@@ -36,6 +37,19 @@ def plan_estimate(plan: RunPlan) -> Estimate:
     from llmforge.estimate.core import estimate_plan
 
     return estimate_plan(plan, documents=plan_documents(plan))
+
+
+def check_fp8_pays(plan: RunPlan, est: Estimate, *, force: bool) -> Fp8Verdict | None:
+    """The FP8 verdict of an FP8 plan (None: not FP8 on FP8 hardware); an FP8 plan that does not
+    pay is refused unless forced or emulated (llmforge.estimate.fp8_report)."""
+    from llmforge.estimate.fp8_report import fp8_verdict
+
+    verdict = fp8_verdict(est)
+    if verdict is not None and not force and not plan.config.precision.fp8_emulate:
+        problems = verdict.problems()
+        if problems:
+            raise UserError(problems, title="FP8 does not pay for this plan")
+    return verdict
 
 
 def plan_from_file(
