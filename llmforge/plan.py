@@ -416,7 +416,7 @@ def _check_fp8(config: RunConfig) -> list[Problem]:
                 name,
                 "has no FP8 tensor cores (its profile gives no peak_tflops.fp8), so precision.fp8 cannot run there",
                 "use an H100, H200 or B200 (cluster=h100-node), precision=bf16, or precision.fp8_emulate=true to test the numerics "
-                "without a speed-up",
+                "without a speed-up (with precision.fp8_linears=all on a model too small for float8 to pay)",
             )
         )
     elif is_known(name) and not pr.fp8_emulate and not config.train.compile:

@@ -62,5 +62,11 @@ def test_estimate_and_pretrain_refuse_it_too_and_emulation_never():
     for command in (["estimate"], ["pretrain", "--dry-run"]):
         result = runner.invoke(app, [*command, "recipe=gpt-125m", *COMPILED_FP8])
         assert result.exit_code == 2 and "FP8 does not pay" in result.output, command
-    emulated = runner.invoke(app, ["plan", "precision=fp8", "precision.fp8_emulate=true"])
+    emulated = runner.invoke(app, ["plan", "precision=fp8", "precision.fp8_emulate=true", "precision.fp8_linears=all"])
     assert emulated.exit_code == 0, emulated.output
+
+
+def test_emulated_fp8_that_would_convert_nothing_is_refused():
+    result = runner.invoke(app, ["plan", "precision=fp8", "precision.fp8_emulate=true"])  # the tiny recipe: 128 wide
+    assert result.exit_code == 2 and "precision.fp8_linears = 'auto'" in result.output
+    assert "precision.fp8_linears=all" in " ".join(result.output.split())

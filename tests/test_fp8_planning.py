@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from llmforge.cli import app
 
 runner = CliRunner()
-EMULATED = ["precision=fp8", "precision.fp8_emulate=true"]
+EMULATED = ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_linears=all"]
 GPU_FP8 = ["recipe=gpt-1b", "precision=fp8", "train.compile=true"]
 
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from llmforge.blockspec.fp8 import Fp8Choice, fp8_choice_of
 from llmforge.errors import Problem, UserError
 from llmforge.plan import RunPlan
 
@@ -41,9 +42,15 @@ def plan_estimate(plan: RunPlan) -> Estimate:
 
 def check_fp8_pays(plan: RunPlan, est: Estimate, *, force: bool) -> Fp8Verdict | None:
     """The FP8 verdict of an FP8 plan (None: not FP8 on FP8 hardware); an FP8 plan that does not
-    pay is refused unless forced or emulated (llmforge.estimate.fp8_report)."""
+    pay is refused unless forced or emulated (llmforge.estimate.fp8_report), and an emulated one
+    that would convert no linear at all unless forced."""
     from llmforge.estimate.fp8_report import fp8_verdict
 
+    precision = plan.config.precision
+    if precision.fp8 and precision.fp8_emulate and not force and fp8_choice_of(plan.config) == Fp8Choice(frozenset(), frozenset()):
+        rule = "no block linear of this model is large enough for float8 to pay, so emulated FP8 would convert none"
+        fix = "set precision.fp8_linears=all to emulate every linear whose dimensions are multiples of 16, or pass --force"
+        raise UserError([Problem("precision.fp8_linears", precision.fp8_linears, rule, fix)], title="FP8 converts nothing")
     verdict = fp8_verdict(est)
     if verdict is not None and not force and not plan.config.precision.fp8_emulate:
         problems = verdict.problems()
