@@ -393,8 +393,9 @@ def launch_problems(config: RunConfig) -> list[Problem]:
 
 
 def _check_fp8(config: RunConfig) -> list[Problem]:
-    """precision.fp8 needs bf16 (or fp32) for the rest, FP8 tensor cores unless emulated, and
-    compiled blocks on them (and torchao at launch: ``launch_problems``)."""
+    """precision.fp8 needs bf16 (or fp32) for the rest, and FP8 tensor cores unless emulated (and
+    torchao at launch: ``launch_problems``; compiled blocks and a gain by the estimate, unless
+    forced: ``llmforge.commands.plans.check_fp8_pays``)."""
     pr = config.precision
     out: list[Problem] = []
     if not pr.fp8:
@@ -417,16 +418,6 @@ def _check_fp8(config: RunConfig) -> list[Problem]:
                 "has no FP8 tensor cores (its profile gives no peak_tflops.fp8), so precision.fp8 cannot run there",
                 "use an H100, H200 or B200 (cluster=h100-node), precision=bf16, or precision.fp8_emulate=true to test the numerics "
                 "without a speed-up (with precision.fp8_linears=all on a model too small for float8 to pay)",
-            )
-        )
-    elif is_known(name) and not pr.fp8_emulate and not config.train.compile:
-        out.append(
-            Problem(
-                "train.compile",
-                False,
-                f"precision.fp8 on {name} needs compiled blocks: in eager mode each float8 linear's amax reductions and casts "
-                "run as dozens of separate kernels, and FP8 trains slower than bf16 (0.31x of it measured on an H200)",
-                "set train.compile=true, or use precision=bf16",
             )
         )
     return out

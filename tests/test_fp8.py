@@ -38,17 +38,20 @@ def test_fp8_needs_fp8_hardware_or_emulation():
     assert "a100-80gb" in text and "no FP8 tensor cores" in text
     for cluster in ("h100-node", "cluster.accelerator=b200", "cluster.accelerator=h200-141gb"):
         group = cluster if "=" in cluster else f"cluster={cluster}"
-        plan = RunPlan.build(compose(["recipe=gpt-1b", "cluster=h100-node", group, "precision=fp8", "train.compile=true"]))
+        plan = RunPlan.build(compose(["recipe=gpt-1b", "cluster=h100-node", group, "precision=fp8"]))
         assert plan.config.precision.fp8 and plan.config.precision.param_dtype == "bf16"
     assert RunPlan.build(compose(EMULATED)).config.precision.fp8_recipe == "tensorwise"
 
 
 @pytest.mark.parametrize("cluster", ["cluster=h100-node", "cluster.accelerator=h200-141gb"])
 def test_fp8_on_a_gpu_needs_compiled_blocks(cluster):
-    text = problems_of("recipe=gpt-1b", "cluster=h100-node", cluster, "precision=fp8")
-    assert "train.compile = False" in text and "set train.compile=true" in text
-    emulated = compose([*EMULATED, "cluster=h100-node", cluster, "cluster.devices_per_node=1"])
-    assert RunPlan.build(emulated).config.precision.fp8_emulate  # the numerics alone: allowed eager
+    result = runner.invoke(app, ["plan", "recipe=gpt-1b", cluster, "precision=fp8"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "train.compile = False" in text and "set train.compile=true" in text
+    for forced in (["--force"], ["train.compile=true"]):
+        assert runner.invoke(app, ["plan", "recipe=gpt-1b", cluster, "precision=fp8", *forced]).exit_code == 0
+    emulated = runner.invoke(app, ["plan", *EMULATED, cluster, "cluster.devices_per_node=1"])
+    assert emulated.exit_code == 0, emulated.output  # the numerics alone: allowed eager
 
 
 def test_fp8_refuses_fp16_and_unknown_recipes():
