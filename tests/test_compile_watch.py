@@ -49,3 +49,15 @@ def test_what_earlier_runs_in_the_process_left_is_not_reported():
     for step in range(1, WATCH_STEPS + 2):
         watch.step_end(step)
     assert said == []
+
+
+def test_a_compiled_run_watches_on_rank_0_only():
+    from rich.console import Console
+
+    from llmforge.testing.harness import tiny_plan
+    from llmforge.train.compile_watch import compile_watch
+
+    console = Console(file=None, quiet=True)
+    assert [type(p).__name__ for p in compile_watch(tiny_plan(["train.compile=true"]), is_main=True, console=console)] == ["CompileWatch"]
+    assert compile_watch(tiny_plan(["train.compile=true"]), is_main=False, console=console) == []
+    assert compile_watch(tiny_plan([]), is_main=True, console=console) == []
