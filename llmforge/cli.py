@@ -59,6 +59,7 @@ def user_errors(fn: Callable) -> Callable:
 def plan(
     overrides: list[str] | None = OVERRIDES,
     as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
+    force: bool = typer.Option(False, "--force", help="Show an FP8 plan even if the estimate says FP8 does not pay."),
     config_dir: list[Path] | None = CONFIG_DIR,
 ) -> None:
     """Compose and validate a run plan, and show it. Nothing is started.
@@ -71,7 +72,7 @@ def plan(
     """
     from llmforge.commands.inspect import plan_command
 
-    plan_command(overrides or [], as_json=as_json, config_dir=config_dir or [], console=out)
+    plan_command(overrides or [], as_json=as_json, config_dir=config_dir or [], console=out, force=force)
 
 
 @app.command()
@@ -119,6 +120,7 @@ def estimate(
     plan_file: Path | None = typer.Option(
         None, "--plan", help="Start from a run's plan.json (or its run folder) instead of the recipe (overrides apply on top)."
     ),
+    force: bool = typer.Option(False, "--force", help="Estimate an FP8 plan even if FP8 does not pay."),
     config_dir: list[Path] | None = CONFIG_DIR,
 ) -> None:
     """Estimate memory per device, pipeline bubble, FLOPs, communication and step time.
@@ -150,6 +152,7 @@ def estimate(
         top=top,
         console=out,
         rehearse=rehearse,
+        force=force,
     )
 
 
@@ -157,7 +160,7 @@ def estimate(
 @user_errors
 def pretrain(
     overrides: list[str] | None = OVERRIDES,
-    force: bool = typer.Option(False, "--force", help="Launch even if the estimate says the plan does not fit."),
+    force: bool = typer.Option(False, "--force", help="Launch even if the estimate says the plan does not fit (or that FP8 does not pay)."),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Print the launch command (or SLURM script, Kubernetes job or SkyPilot task) and stop."
     ),
@@ -194,7 +197,7 @@ def pretrain(
 @user_errors
 def resume(
     overrides: list[str] | None = OVERRIDES,
-    force: bool = typer.Option(False, "--force", help="Launch even if the estimate says the plan does not fit."),
+    force: bool = typer.Option(False, "--force", help="Launch even if the estimate says the plan does not fit (or that FP8 does not pay)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch command and stop."),
     overwrite: bool = typer.Option(
         False, "--overwrite", help="Start over in a run.dir (other than the checkpoint's) that already holds a run."

@@ -368,8 +368,9 @@ def launch_problems(config: RunConfig) -> list[Problem]:
 
 
 def _check_fp8(config: RunConfig) -> list[Problem]:
-    """precision.fp8 needs bf16 (or fp32) for the rest, and FP8 tensor cores unless emulated
-    (and torchao at launch: ``launch_problems``)."""
+    """precision.fp8 needs bf16 (or fp32) for the rest, and FP8 tensor cores unless emulated (and
+    torchao at launch: ``launch_problems``; compiled blocks and a gain by the estimate, unless
+    forced: ``llmforge.commands.plans.check_fp8_pays``)."""
     pr = config.precision
     out: list[Problem] = []
     if not pr.fp8:
@@ -391,7 +392,7 @@ def _check_fp8(config: RunConfig) -> list[Problem]:
                 name,
                 "has no FP8 tensor cores (its profile gives no peak_tflops.fp8), so precision.fp8 cannot run there",
                 "use an H100, H200 or B200 (cluster=h100-node), precision=bf16, or precision.fp8_emulate=true to test the numerics "
-                "without a speed-up",
+                "without a speed-up (with precision.fp8_linears=all on a model too small for float8 to pay)",
             )
         )
     return out

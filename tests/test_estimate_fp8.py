@@ -61,14 +61,15 @@ def test_profiles_say_which_accelerators_have_fp8(name, has):
         assert profile.peak("fp8") == pytest.approx(2 * profile.peak("bf16"), rel=0.01)
 
 
-def test_every_block_matmul_of_a_dense_model_runs_in_fp8():
-    shape = gpt(layers=4, hidden=1024, heads=16)
+def test_with_all_linears_every_block_matmul_of_a_dense_model_runs_in_fp8():
+    shape = dataclasses.replace(gpt(layers=4, hidden=1024, heads=16), fp8_linears="all")
     inv = inventory(shape, Layout())
     assert fp8.stage_flops_per_token(inv, inv.counts(0)) == pytest.approx(4 * 3 * block_flops(shape, moe=False).weights)
 
 
 def test_router_and_routed_experts_stay_in_bf16():
-    moe = dataclasses.replace(gpt(layers=2, hidden=1024, heads=16), num_experts=8, top_k=2, moe_ffn=2048, shared_experts=1)
+    dense = gpt(layers=2, hidden=1024, heads=16)
+    moe = dataclasses.replace(dense, num_experts=8, top_k=2, moe_ffn=2048, shared_experts=1, fp8_linears="all")
     forward = fp8.block_flops(moe, moe=True, mode="none") / 3
     attention_projections = 2 * 4 * 1024 * 1024
     shared_mlp = 2 * 2 * 1024 * 2048
@@ -76,18 +77,19 @@ def test_router_and_routed_experts_stay_in_bf16():
     assert forward < block_flops(moe, moe=True).weights
 
 
-def test_fp8_pays_off_with_width():
-    """As measured on an H100 (docs/fp8.md): more gain at 4096 than at 2048, and at 768
-    the casts cost more than the faster matmuls save (0.83x measured)."""
-    gains = []
+def test_fp8_pays_off_with_width_and_only_compiled():
+    """As measured on an H100 (docs/fp8.md): compiled, no gain at width 768 (its two float8
+    linears lose to their casts), a few percent at 2048, more at 4096; eager, less at every width."""
+    gains: dict[bool, list[float]] = {True: [], False: []}
     for hidden, heads, mb in ((768, 12, 8), (2048, 16, 4), (4096, 32, 2)):
         shape, layout = gpt(layers=8, hidden=hidden, heads=heads), Layout(micro_batch_size=mb)
-        bf16 = estimate(shape, layout, job(fp8_on=False, batch=mb, devices=1))
-        ours = estimate(shape, layout, job(fp8_on=True, batch=mb, devices=1))
-        if hidden > 768:
-            assert ours.parts["compute"] < bf16.parts["compute"]
-        gains.append(ours.tokens_per_s / bf16.tokens_per_s)
-    assert gains[0] < gains[1] < gains[2] and gains[0] < 1.0
+        for compiled in (True, False):
+            bf16 = estimate(shape, layout, dataclasses.replace(job(fp8_on=False, batch=mb, devices=1), compile=compiled))
+            ours = estimate(shape, layout, dataclasses.replace(job(fp8_on=True, batch=mb, devices=1), compile=compiled))
+            gains[compiled].append(ours.tokens_per_s / bf16.tokens_per_s)
+    compiled, eager = gains[True], gains[False]
+    assert compiled[0] < 1.0 < compiled[1] < compiled[2] < 1.5
+    assert all(e < c for e, c in zip(eager, compiled, strict=True)) and eager[0] < 0.95
 
 
 def test_without_fp8_tensor_cores_nothing_gets_faster():

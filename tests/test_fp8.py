@@ -9,6 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from llmforge.blockspec.fp8 import fp8_choice_of
 from llmforge.cli import app
 from llmforge.config.compose import compose
 from llmforge.errors import UserError
@@ -19,7 +20,9 @@ from llmforge.train.build import build_model
 pytest.importorskip("torchao")
 
 runner = CliRunner()
-EMULATED = ["precision=fp8", "precision.fp8_emulate=true"]
+#: The tiny model's linears are all too small for float8 to pay: its numerics are tested on every one.
+ALL_LINEARS = ["precision.fp8_linears=all"]
+EMULATED = ["precision=fp8", "precision.fp8_emulate=true", *ALL_LINEARS]
 
 
 def problems_of(*overrides: str) -> str:
@@ -38,6 +41,17 @@ def test_fp8_needs_fp8_hardware_or_emulation():
         plan = RunPlan.build(compose(["recipe=gpt-1b", "cluster=h100-node", group, "precision=fp8"]))
         assert plan.config.precision.fp8 and plan.config.precision.param_dtype == "bf16"
     assert RunPlan.build(compose(EMULATED)).config.precision.fp8_recipe == "tensorwise"
+
+
+def test_fp8_on_a_gpu_needs_compiled_blocks():
+    cluster = "cluster.accelerator=h200-141gb"
+    result = runner.invoke(app, ["plan", "recipe=gpt-1b", cluster, "precision=fp8"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "train.compile = False" in text and "set train.compile=true" in text
+    for forced in (["--force"], ["train.compile=true"]):
+        assert runner.invoke(app, ["plan", "recipe=gpt-1b", cluster, "precision=fp8", *forced]).exit_code == 0
+    emulated = runner.invoke(app, ["plan", *EMULATED, cluster, "cluster.devices_per_node=1"])
+    assert emulated.exit_code == 0, emulated.output  # the numerics alone: allowed eager
 
 
 def test_fp8_refuses_fp16_and_unknown_recipes():
@@ -59,10 +73,12 @@ def _linear_names(model: torch.nn.Module) -> dict:
 def test_only_the_blocks_linear_layers_become_float8():
     from llmforge.parallel.float8 import apply_float8
 
-    plan = tiny_plan(["model.tie_embeddings=false", "model.moe.num_experts=4", "model.moe.num_shared_experts=1", "model.moe.every=2"])
+    plan = tiny_plan(
+        ["model.tie_embeddings=false", "model.moe.num_experts=4", "model.moe.num_shared_experts=1", "model.moe.every=2", *ALL_LINEARS]
+    )
     model = build_model(plan, device=torch.device("cpu"))
     names_before = [n for n, _ in model.named_parameters()]
-    assert apply_float8(model, recipe="tensorwise", emulate=True, fsdp_all_gather=False) > 0
+    assert apply_float8(model, recipe="tensorwise", emulate=True, fsdp_all_gather=False, choice=fp8_choice_of(plan.config)) > 0
     kinds = _linear_names(model)
     assert kinds["head"] == "Linear"  # output layer
     assert kinds["layers.1.mlp.router"] == "Linear"  # MoE router
@@ -127,9 +143,9 @@ def test_the_weights_check_before_a_save_reads_float8_all_gather_weights():
     from llmforge.train.anomaly import Anomaly, StepGuard, check_weights
     from llmforge.train.build import anomaly_policy
 
-    plan = tiny_plan([])
+    plan = tiny_plan(ALL_LINEARS)
     model = build_model(plan, device=torch.device("cpu"))
-    apply_float8(model, recipe="tensorwise", emulate=True, fsdp_all_gather=True)
+    apply_float8(model, recipe="tensorwise", emulate=True, fsdp_all_gather=True, choice=fp8_choice_of(plan.config))
     params = list(model.parameters())
     wrapped = [p for p in params if type(p.data) is not torch.Tensor]
     assert wrapped, "no float8 all-gather weight: the check would prove nothing"

@@ -14,7 +14,8 @@ from typer.testing import CliRunner
 from llmforge.cli import app
 
 runner = CliRunner()
-EMULATED = ["precision=fp8", "precision.fp8_emulate=true"]
+EMULATED = ["precision=fp8", "precision.fp8_emulate=true", "precision.fp8_linears=all"]
+GPU_FP8 = ["recipe=gpt-1b", "precision=fp8", "train.compile=true"]
 
 
 class _NoTorchao(importlib.abc.MetaPathFinder):
@@ -35,14 +36,14 @@ def no_torchao(monkeypatch):
 
 @pytest.mark.parametrize("command", [["plan"], ["estimate"], ["estimate", "cluster=h100-node"]])
 def test_plan_and_estimate_of_fp8_work_without_torchao(no_torchao, command):
-    result = runner.invoke(app, [*command, "recipe=gpt-1b", "precision=fp8"])
+    result = runner.invoke(app, [*command, *GPU_FP8])
     assert result.exit_code == 0, result.output
     notes = [line for line in result.output.splitlines() if "launching will need it" in line]
     assert len(notes) == 1 and "torchao" in notes[0] and "llmforge[fp8]" in notes[0]
 
 
 def test_estimate_json_of_fp8_stays_json_without_torchao(no_torchao):
-    result = runner.invoke(app, ["estimate", "recipe=gpt-1b", "precision=fp8", "--json"])
+    result = runner.invoke(app, ["estimate", *GPU_FP8, "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["schema"].startswith("llmforge.estimate")
     assert "launching will need it" in result.stderr

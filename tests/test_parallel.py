@@ -139,7 +139,7 @@ WORLD4 = {
 }
 # FP8 (torchao float8, emulated on CPU; fp32 elsewhere so only float8 rounding remains):
 # every layout computes the one-process fp8 numbers; ZeRO-3 all-gathers float8 weights.
-FP8 = ["precision.fp8=true", "precision.fp8_emulate=true", "train.steps=3"]
+FP8 = ["precision.fp8=true", "precision.fp8_emulate=true", "precision.fp8_linears=all", "train.steps=3"]
 ROWWISE = ["precision.fp8_recipe=rowwise"]
 FP8_LAYOUTS = {
     "fp8_dp2": FP8 + ["parallel.dp=2"],

@@ -42,7 +42,7 @@ def test_plan_shows_masks_windows_offload_fp8_anomaly_and_the_elastic_range():
         "elastic: 1-2 nodes",
     ):
         assert words in text, (words, text)
-    assert "FP8 tensorwise (emulated)" in output("plan", "precision.fp8=true", "precision.fp8_emulate=true")
+    assert "FP8 tensorwise (emulated)" in output("plan", "precision.fp8=true", "precision.fp8_emulate=true", "precision.fp8_linears=all")
     plain = output("plan")
     assert "causal mask" in plain and "offload none" in plain and "skip: a non-finite step is skipped" in plain
 

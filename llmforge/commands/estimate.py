@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from llmforge.commands.plans import plan_documents
+from llmforge.commands.plans import check_fp8_pays, plan_documents
 from llmforge.config.choices import AttentionMask
 from llmforge.estimate.attention import attention_cost
 from llmforge.estimate.core import estimate_plan
@@ -17,14 +17,20 @@ from llmforge.estimate.report import as_dict, search_dict
 from llmforge.estimate.search import search_plan, why
 
 
-def run_estimate(plan, *, as_json: bool, timeline: bool, measure: bool, search: bool, top: int, console, rehearse: bool = False) -> None:
-    """The ``llmforge estimate`` command: print the estimate (or the layout search) of ``plan``."""
+def run_estimate(
+    plan, *, as_json: bool, timeline: bool, measure: bool, search: bool, top: int, console, rehearse: bool = False, force: bool = False
+) -> None:
+    """The ``llmforge estimate`` command: print the estimate (or the layout search) of ``plan``
+    (an FP8 plan that does not pay is refused unless ``force``)."""
     if search:
         run_search(plan, as_json=as_json, top=top, console=console)
         return
     documents = plan_documents(plan)  # the only files an estimate depends on, read once
     est = estimate_plan(plan, documents=documents)
+    verdict = check_fp8_pays(plan, est, force=force)
     data = as_dict(est, recipe=plan.config.recipe)
+    if verdict is not None:
+        data["fp8"] = verdict.as_dict()
     cost = attention_cost(plan.config, documents=documents)
     data["attention"].update(mask=cost.mask, sliding_window=cost.sliding_window, windowed_layers=cost.windowed_layers, note=cost.note)
     measured = None
@@ -45,6 +51,8 @@ def run_estimate(plan, *, as_json: bool, timeline: bool, measure: bool, search: 
     from llmforge.commands.estimate_tables import render_estimate, render_measured, render_timeline
 
     render_estimate(est, recipe=plan.config.recipe, console=console)
+    for line in verdict.lines() if verdict is not None else ():
+        console.print(line, markup=False, highlight=False)
     if cost.fraction < 1.0 or cost.mask != AttentionMask.CAUSAL:
         share = data["attention"]
         console.print(

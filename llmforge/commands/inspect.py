@@ -7,22 +7,25 @@ from pathlib import Path
 
 from rich.console import Console
 
-from llmforge.commands.plans import build_plan, plan_from_file
+from llmforge.commands.plans import build_plan, check_fp8_pays, plan_estimate, plan_from_file
 
 #: What ``estimate --search`` starts from: plain data parallelism over the cluster, so
 #: that a recipe's own layout cannot make the request invalid (the search varies it).
 SEARCH_START = {"parallel": "dp"}
 
 
-def plan_command(overrides: Sequence[str], *, as_json: bool, config_dir: Sequence[Path], console: Console) -> None:
+def plan_command(overrides: Sequence[str], *, as_json: bool, config_dir: Sequence[Path], console: Console, force: bool = False) -> None:
     run_plan = build_plan(overrides, config_dir=config_dir)
     note_launch_needs(run_plan)
+    verdict = check_fp8_pays(run_plan, plan_estimate(run_plan), force=force) if run_plan.config.precision.fp8 else None
     if as_json:
         print(run_plan.to_json())
         return
     from llmforge.report import show_plan
 
     show_plan(run_plan, console=console)
+    for line in verdict.lines() if verdict is not None else ():
+        console.print(line, highlight=False)
 
 
 def recipes_command(*, config_dir: Sequence[Path], console: Console) -> None:
@@ -50,6 +53,7 @@ def estimate_command(
     top: int,
     console: Console,
     rehearse: bool = False,
+    force: bool = False,
 ) -> None:
     reset = SEARCH_START if search else None
     if plan_file is not None:
@@ -59,7 +63,8 @@ def estimate_command(
     note_launch_needs(run_plan, refuse=measure or rehearse)
     from llmforge.commands.estimate import run_estimate
 
-    run_estimate(run_plan, as_json=as_json, timeline=timeline, measure=measure, search=search, top=top, console=console, rehearse=rehearse)
+    options = {"timeline": timeline, "measure": measure, "search": search, "top": top, "rehearse": rehearse, "force": force}
+    run_estimate(run_plan, as_json=as_json, console=console, **options)
 
 
 def note_launch_needs(run_plan, *, refuse: bool = False) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from llmforge.commands.plans import build_plan, plan_estimate
+from llmforge.commands.plans import build_plan, check_fp8_pays, plan_estimate
 from llmforge.plan import RunPlan
 
 
@@ -21,6 +21,7 @@ def pretrain_command(
 
     _calibrate_cpu(run_plan, dry_run=dry_run, console=console)  # (CPU plans; the rehearsal is for GPU ones)
     estimate = plan_estimate(run_plan)  # the one estimate of the run: after the calibration, whose profile it reads
+    check_fp8_pays(run_plan, estimate, force=force)
     rehearse_before_launch(run_plan, estimate, force=force, console=console)
     launch(run_plan, resume_from=None, force=force, dry_run=dry_run, console=console, overwrite=overwrite, estimate=estimate)
 
@@ -41,6 +42,7 @@ def resume_command(
     run_plan, checkpoint = plan_for_resume(list(overrides), from_other_run=from_other_run, config_dir=config_dir)
     _calibrate_cpu(run_plan, dry_run=dry_run, console=console)
     estimate = plan_estimate(run_plan)
+    check_fp8_pays(run_plan, estimate, force=force)
     launch(run_plan, resume_from=checkpoint, force=force, dry_run=dry_run, console=console, overwrite=overwrite, estimate=estimate)
 
 

@@ -118,6 +118,15 @@ class Fp8Recipe(Choice):
     ROWWISE = "rowwise"
 
 
+class Fp8Linears(Choice):
+    """``precision.fp8_linears``: which of a block's linear layers float8 converts
+    (``llmforge.blockspec.fp8``): ``auto`` those whose shape is large enough for float8 to pay
+    (torchao's size rule for the recipe), ``all`` every one whose dimensions are multiples of 16."""
+
+    AUTO = "auto"
+    ALL = "all"
+
+
 class Qat(Choice):
     """``precision.qat``: none, or the torchao scheme llmforge.parallel.qat applies."""
 

@@ -26,6 +26,7 @@ from llmforge.config.choices import (
     DataSource,
     DecayShape,
     Dtype,
+    Fp8Linears,
     Fp8Recipe,
     Launcher,
     LrSchedule,
@@ -203,6 +204,11 @@ class PrecisionConfig:
     )
     fp8_recipe: Fp8Recipe = knob(
         Fp8Recipe.TENSORWISE, help="FP8 scaling: tensorwise (one scale per tensor, float8 FSDP all-gather) or rowwise (one per row)."
+    )
+    fp8_linears: Fp8Linears = knob(
+        Fp8Linears.AUTO,
+        help="Which block linear layers run in FP8: auto (only shapes large enough to pay, torchao's size rule for the recipe; "
+        "llmforge plan lists them) or all (every one whose dimensions are multiples of 16, e.g. to test the numerics of a small model).",
     )
     fp8_emulate: bool = knob(False, help="Emulate the FP8 matmuls in high precision (CPU, GPUs without FP8): same casts, no speed-up.")
     fp8_all_gather: bool = knob(

@@ -231,7 +231,7 @@ def autocast_copies_bytes(shape: Shape, layout: Layout, job: Job, *, moe: bool) 
     gathered, r = weights_gathered(layout, job), job.residual_bytes
     weights = 0.0
     for t in block_tensors(shape, moe):
-        if len(t.shape) < 2 or (job.fp8 and converted(t)):  # Float8Linear keeps the fp32 master for backward
+        if len(t.shape) < 2 or (job.fp8 and converted(t, shape, moe=moe)):  # Float8Linear keeps the fp32 master for backward
             continue
         if t.expert:
             weights += t.numel / layout.ep if not gathered or r == FP32 else 0.0

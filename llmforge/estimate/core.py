@@ -40,7 +40,7 @@ from llmforge.config.choices import Offload
 from llmforge.estimate import async_tp as atp
 from llmforge.estimate import comm as cm
 from llmforge.estimate import flops as fl
-from llmforge.estimate import fp8, muon
+from llmforge.estimate import fp8, fp8_gain, muon
 from llmforge.estimate import host as tph
 from llmforge.estimate import kernels as kn
 from llmforge.estimate.attention import Documents
@@ -284,17 +284,23 @@ def _async_tp(inv: Inventory, job: Job, stage: int) -> atp.AsyncTP:
 
 
 def _fp8_cost(inv: Inventory, job: Job, counts: StageCounts, tokens: float) -> kn.Cost:
-    """What FP8 changes in one microbatch's compute: the converted matmuls at the FP8 peak
-    instead of the 16-bit one (less matmul time), plus the casts (memory-bound,
-    llmforge.estimate.fp8). A profile without FP8 (refused by the plan unless emulated)
-    runs them at the 16-bit peak."""
+    """What FP8 changes in one microbatch's compute: the converted matmuls in float8 instead of
+    16-bit, plus their casts and amax reductions (llmforge.estimate.fp8_gain prices both by the
+    kernel model; with a flat ``cluster.efficiency``, the FP8 peak and the casts' bytes). A profile
+    without FP8 (refused by the plan unless emulated) runs them at the 16-bit peak."""
     if not job.profile.has_fp8:
         return kn.NONE
     layout = inv.layout
-    efficiency = job.efficiency if job.efficiency is not None else job.profile.matmul_efficiency
-    f8 = fp8.stage_flops_per_token(inv, counts) * tokens / layout.tp
-    faster = f8 / (job.profile.peak(job.param_dtype) * efficiency) - f8 / (job.profile.peak("fp8") * efficiency)
     shard = layout.dp_shard * layout.cp if job.fp8_all_gather and layout.zero > 0 else 1
+    if job.efficiency is None:
+        out = kn.NONE
+        for moe, plain, ckpt in ((False, counts.dense, counts.dense_ckpt), (True, counts.moe, counts.moe_ckpt)):
+            for n, recomputed in ((plain, False), (ckpt, True)):
+                if n:
+                    out = out.plus(fp8_gain.block_delta(inv.shape, layout, job, moe=moe, recomputed=recomputed, shard=shard).times(n))
+        return out
+    f8 = fp8.stage_flops_per_token(inv, counts) * tokens / layout.tp
+    faster = f8 / (job.profile.peak(job.param_dtype) * job.efficiency) - f8 / (job.profile.peak("fp8") * job.efficiency)
     casts = fp8.stage_cast_seconds(inv, job, counts, tokens, shard=shard, fused=job.compile)
     return kn.Cost(matmul=-faster, memory=casts)
 

@@ -1,14 +1,15 @@
 """FP8 training (``precision.fp8``) in the estimate: which matmuls run on FP8 tensor
 cores, the casts around them, and the memory they change. No torch.
 
-As ``llmforge.parallel.float8`` converts them: the linear layers of the transformer
-blocks whose weight dimensions are multiples of 16 (q, k, v, o, the MLP, an MoE
-layer's shared experts); never the embedding, the output layer, the router or the
-routed experts.
+As ``llmforge.parallel.float8`` converts them: the block linears ``llmforge.blockspec.fp8``
+chooses by shape (with ``precision.fp8_linears=all`` every one whose dimensions are multiples
+of 16: q, k, v, o, the MLP, an MoE layer's shared experts); never the embedding, the output
+layer, the router or the routed experts.
 
-- Compute: the converted matmuls (forward, the two backward matmuls, and their
-  recompute) run at the profile's ``peak_tflops.fp8`` times ``cluster.efficiency``,
-  everything else at the 16-bit peak.
+- Compute: the kernel model prices each converted linear's float8 matmuls and casts
+  (``llmforge.estimate.fp8_gain``); with a flat ``cluster.efficiency`` the converted matmuls
+  (forward, the two backward matmuls, and their recompute) run at the profile's
+  ``peak_tflops.fp8`` times it, everything else at the 16-bit peak.
 - Casts, memory-bound at the profile's memory bandwidth, as torchao's Float8Linear
   runs them (it keeps the high-precision input and weight for backward and casts them
   again there). A cast with a dynamic scale reads its source twice (absolute maximum,
@@ -44,7 +45,7 @@ converted = fp8_converts
 
 def converted_numel(shape: Shape, *, moe: bool, tp: int = 1) -> float:
     """Elements of one block's converted weights on a tensor-parallel rank (MoE layers are not split)."""
-    total: float = sum(t.numel / (tp if t.split != "rep" else 1) for t in block_tensors(shape, moe) if converted(t))
+    total: float = sum(t.numel / (tp if t.split != "rep" else 1) for t in block_tensors(shape, moe) if converted(t, shape, moe=moe))
     return total
 
 

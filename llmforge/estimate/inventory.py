@@ -17,7 +17,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
+from llmforge.blockspec.fp8 import fp8_choice
 from llmforge.config.choices import Recompute
 from llmforge.estimate.node import largest_parameter
 from llmforge.estimate.params import RankParams, StageCounts, Tensor, block_tensors, layout_rank_params, representative_stages, stage_counts
@@ -121,12 +123,16 @@ def zero_groups(layout: Layout) -> tuple[int, int]:
     return group, max(1, group // layout.ep)
 
 
-def fp8_converts(t: Tensor) -> bool:
-    """Whether parameter ``t`` of a block is the weight of a linear layer FP8 runs
-    (llmforge.parallel.float8: dimensions multiples of 16; no routed expert)."""
-    if t.expert or len(t.shape) != 2 or not t.name.endswith("_proj.weight"):
-        return False
-    return t.shape[0] % 16 == 0 and t.shape[1] % 16 == 0
+def fp8_converts(t: Tensor, shape: Shape, *, moe: bool) -> bool:
+    """Whether parameter ``t`` of a (dense or ``moe``) block is the weight of a linear layer FP8
+    runs: one of those ``llmforge.blockspec.fp8`` chooses by shape, as the backend converts them."""
+    return t.name.endswith(".weight") and t.name.removesuffix(".weight") in fp8_names(shape, moe=moe)
+
+
+@lru_cache(maxsize=256)
+def fp8_names(shape: Shape, *, moe: bool) -> frozenset[str]:
+    """The names of the linears float8 runs in a block of ``shape`` (its recipe and choice)."""
+    return fp8_choice(shape, recipe=shape.fp8_recipe, linears=shape.fp8_linears).names(moe=moe)
 
 
 def _block_kind(shape: Shape, layout: Layout, *, moe: bool) -> BlockKind:
@@ -135,7 +141,7 @@ def _block_kind(shape: Shape, layout: Layout, *, moe: bool) -> BlockKind:
     for t in tensors:
         local = math.prod(t.local_shape(layout.tp))
         numel += local / layout.ep if t.expert else local
-    converted = tuple(t for t in tensors if fp8_converts(t))
+    converted = tuple(t for t in tensors if fp8_converts(t, shape, moe=moe))
     converted_numel: float = sum(t.numel / (layout.tp if t.split != "rep" else 1) for t in converted)
     return BlockKind(moe=moe, tensors=tensors, numel=numel, converted=converted, converted_numel=converted_numel)
 

@@ -9,12 +9,12 @@ batch, precision, cluster and hardware. The search builds thousands of
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from llmforge.blockspec.dims import dims_of
 from llmforge.config.choices import Dtype, Fp8Recipe
 from llmforge.config.dtypes import DTYPE_BYTES
-from llmforge.config.schema import ModelConfig
+from llmforge.config.schema import ModelConfig, PrecisionConfig
 from llmforge.estimate.attention import Documents, attention_cost, mask_fraction
 from llmforge.hardware import Profile, get_profile, machine_memory
 from llmforge.layout import Layout
@@ -48,6 +48,9 @@ class Shape:
     moe_every: int = 1
     #: share of causal attention's (query, key) pairs the attention mask keeps (llmforge.estimate.attention)
     attention_fraction: float = 1.0
+    #: precision.fp8_recipe and precision.fp8_linears: which block linears float8 would run (llmforge.blockspec.fp8)
+    fp8_recipe: str = "tensorwise"
+    fp8_linears: str = "auto"
 
     def __hash__(self) -> int:
         # hashed on every cache lookup of the estimator: computed once
@@ -136,15 +139,19 @@ class Job:
         return self.devices_per_node or self.profile.devices_per_node
 
 
-def shape_from_config(model: ModelConfig, *, attention_fraction: float | None = None) -> Shape:
+def shape_from_config(model: ModelConfig, *, attention_fraction: float | None = None, precision: PrecisionConfig | None = None) -> Shape:
     """A Shape from a ``ModelConfig``; ``attention_fraction`` None: from the config alone
-    (sliding windows; a document mask counted as one document per window)."""
+    (sliding windows; a document mask counted as one document per window); ``precision``: the
+    float8 keys that choose the linears float8 runs (None: their defaults)."""
     dims = dims_of(model)
-    return Shape(
+    shape = Shape(
         **{f.name: getattr(dims, f.name) for f in fields(dims)},
         dropout=model.dropout,
         attention_fraction=mask_fraction(model, streams=None) if attention_fraction is None else attention_fraction,
     )
+    if precision is None:
+        return shape
+    return replace(shape, fp8_recipe=str(precision.fp8_recipe), fp8_linears=str(precision.fp8_linears))
 
 
 def job_from_plan(plan: RunPlan) -> Job:
@@ -190,4 +197,5 @@ def from_plan(plan: RunPlan, *, documents: Documents | None = None) -> tuple[Sha
     """Shape, Layout and Job of a built RunPlan; ``documents``: the prepared data's document
     lengths, read by the caller (None: one document per window, llmforge.estimate.attention)."""
     fraction = attention_cost(plan.config, documents=documents).fraction
-    return shape_from_config(plan.config.model, attention_fraction=fraction), plan.layout, job_from_plan(plan)
+    shape = shape_from_config(plan.config.model, attention_fraction=fraction, precision=plan.config.precision)
+    return shape, plan.layout, job_from_plan(plan)

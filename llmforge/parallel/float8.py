@@ -1,14 +1,14 @@
 """FP8 training with torchao's float8 linear layers (``precision.fp8``).
 
-``apply_float8`` swaps the ``nn.Linear`` layers inside the transformer blocks
-(attention projections, MLP, an MoE layer's shared experts) for torchao's
+``apply_float8`` swaps the ``nn.Linear`` layers of the transformer blocks that
+``llmforge.blockspec.fp8`` chooses by shape (the plan lists the same ones) for torchao's
 ``Float8Linear``, as torchtitan's float8 converter does, and before any other
 parallelism: tensor parallel, compile and FSDP then see the float8 modules. The
 embedding, the output layer and the MoE router stay in ``precision.param_dtype``
 (bf16 autocast), and so do the routed experts: they are batched matmuls over
 stacked weights, not linear layers, and torchao's float8 grouped GEMM is a
-CUDA-only prototype. A linear layer whose (local) weight has a dimension that is
-not a multiple of 16 is left alone too (FP8 tensor cores need it).
+CUDA-only prototype. So does every linear too small for float8 to pay, or whose
+dimensions are not multiples of 16.
 
 Each float8 matmul casts its inputs to float8 with a dynamic scale (the absolute
 maximum of the tensor, or of each row, computed every step): ``e4m3`` for
@@ -40,17 +40,20 @@ precision: CPUs and GPUs without FP8 (tests, debugging), no speed-up.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
+from llmforge.blockspec.fp8 import KEPT_HIGH_PRECISION, Fp8Choice
 from llmforge.config.choices import Fp8Recipe
 from llmforge.errors import fail
+from llmforge.models.layers import MLP
 
 #: Modules under a block that stay in high precision, by name.
-SKIPPED = ("router",)
+SKIPPED = KEPT_HIGH_PRECISION
 
 
 @contextlib.contextmanager
@@ -85,17 +88,9 @@ def _fields(config) -> dict:
     return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
 
 
-def block_linear_filter(module: nn.Module, fqn: str) -> bool:
-    """Convert a linear layer of a block unless it is the router or too narrow for FP8."""
-    if not isinstance(module, nn.Linear) or any(part in SKIPPED for part in fqn.split(".")):
-        return False
-    out_features, in_features = module.weight.shape
-    return out_features % 16 == 0 and in_features % 16 == 0
-
-
-def apply_float8(model: nn.Module, *, recipe: str, emulate: bool, fsdp_all_gather: bool) -> int:
-    """Swap the linear layers of ``model``'s transformer blocks for Float8Linear in place
-    (a whole model or a pipeline chunk); returns how many were converted."""
+def apply_float8(model: nn.Module, *, recipe: str, emulate: bool, fsdp_all_gather: bool, choice: Fp8Choice) -> int:
+    """Swap the linear layers ``choice`` names in ``model``'s transformer blocks for Float8Linear in
+    place (a whole model or a pipeline chunk); returns how many were converted."""
     device = next(model.parameters()).device
     if not emulate and device.type != "meta" and not has_fp8_hardware(device):
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -103,16 +98,29 @@ def apply_float8(model: nn.Module, *, recipe: str, emulate: bool, fsdp_all_gathe
             f"precision.fp8: this device ({name}) has no FP8 tensor cores (CUDA compute capability 8.9 or later); run on an "
             "H100/H200/B200, use precision=bf16, or precision.fp8_emulate=true (no speed-up)"
         )
+    return convert_blocks(model, choice=choice, config=float8_config(recipe=recipe, emulate=emulate, fsdp_all_gather=fsdp_all_gather))
+
+
+def convert_blocks(model: nn.Module, *, choice: Fp8Choice, config: object) -> int:
+    """Convert exactly the linears ``choice`` names in each block with torchao's ``config``;
+    a name the block lacks means the model and its description disagree."""
     with quiet_torchao():
         from torchao.float8 import convert_to_float8_training
         from torchao.float8.float8_linear import Float8Linear
 
-    config = float8_config(recipe=recipe, emulate=emulate, fsdp_all_gather=fsdp_all_gather)
     converted = 0
-    for block in model.layers.values():
-        convert_to_float8_training(block, module_filter_fn=block_linear_filter, config=config)
-        converted += sum(isinstance(m, Float8Linear) for m in block.modules())
+    for index, block in model.layers.items():
+        names = choice.names(moe=not isinstance(getattr(block, "mlp", None), MLP))
+        convert_to_float8_training(block, module_filter_fn=functools.partial(_named_linear, names=names), config=config)
+        done = {fqn for fqn, m in block.named_modules() if isinstance(m, Float8Linear)}
+        if done != names:
+            raise RuntimeError(f"block {index}: float8 converted {sorted(done)}, the plan chose {sorted(names)}")
+        converted += len(done)
     return converted
+
+
+def _named_linear(module: nn.Module, fqn: str, *, names: frozenset[str]) -> bool:
+    return isinstance(module, nn.Linear) and fqn in names
 
 
 def precompute_scales(parts: list[nn.Module]) -> Callable[[], None]:

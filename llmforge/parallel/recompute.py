@@ -5,8 +5,9 @@ recompute in backward, in place:
 
 - ``none``: nothing changes; every block keeps what autograd saves.
 - ``selective``: every block keeps the outputs of its matrix multiplications
-  (q/k/v, output projection, MLP or expert up/gate/down, router), of the
-  fused attention kernel (its output and log-sum-exp statistics) and of the
+  (q/k/v, output projection, MLP or expert up/gate/down, router; float8 ones and
+  the absolute maxima their scales come from), of the fused attention kernel
+  (its output and log-sum-exp statistics; FlexAttention's too) and of the
   collectives, and recomputes in backward the cheap memory-bound steps between
   them: norms, activation functions, RoPE, the GQA repeat, the residual add
   before the second norm. No matmul, no attention and no communication is
@@ -66,17 +67,26 @@ ATTENTION_OPS = (
 
 
 def _save_ops() -> frozenset:
-    """Ops whose outputs selective recompute keeps: matmuls, fused attention and
-    communication (also the sequence-parallel gather + column-parallel linears, as one op)."""
-    ops = [
+    """Ops whose outputs selective recompute keeps: matmuls (float8 ones too), fused attention
+    (FlexAttention too), communication (also the sequence-parallel gather + column-parallel
+    linears, as one op) and the absolute maxima float8 scales come from, as torchtitan keeps them:
+    a compiled float8 block's graph shows ``_scaled_mm`` and ``max`` where an eager one shows
+    ``mm`` on float8 tensors, and a scale costs one pass over its tensor to rebuild."""
+    ops: list[object] = [
         aten.mm.default,
         aten.addmm.default,
         aten.bmm.default,
         aten.baddbmm.default,
         aten.linear.default,
+        aten._scaled_mm.default,
+        aten.max.default,
+        aten.amax.default,
         torch.ops.llmforge.sp_column_linears.default,
     ]
     ops += [getattr(aten, name).default for name in ATTENTION_OPS if hasattr(aten, name)]
+    flex = getattr(torch._higher_order_ops, "flex_attention", None)
+    if flex is not None:
+        ops.append(flex)
     functional = getattr(torch.ops, "_c10d_functional", None)
     for name in ("all_to_all_single", "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "wait_tensor"):
         if functional is not None and hasattr(functional, name):

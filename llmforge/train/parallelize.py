@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from llmforge.blockspec.fp8 import fp8_choice_of
 from llmforge.config.choices import Dtype, Fp8Recipe, Offload, Qat, Recompute
 from llmforge.parallel.compile import apply_async_tp, apply_compile
 from llmforge.parallel.context import apply_cp
@@ -39,6 +40,7 @@ def parallelize(model: nn.Module, *, plan: RunPlan, mesh: ParallelMesh | None) -
             recipe=plan.config.precision.fp8_recipe,
             emulate=plan.config.precision.fp8_emulate,
             fsdp_all_gather=fp8_all_gather(plan, mesh=mesh),
+            choice=fp8_choice_of(plan.config),
         )
     if plan.config.precision.qat != Qat.NONE:
         apply_qat(model, scheme=plan.config.precision.qat, group_size=plan.config.precision.qat_group_size)

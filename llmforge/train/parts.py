@@ -15,6 +15,7 @@ from llmforge.observe.events import EventLog
 from llmforge.observe.profile import MemorySnapshots
 from llmforge.plan import RunPlan
 from llmforge.train.callbacks import Callback, Callbacks, named
+from llmforge.train.compile_watch import compile_watch
 from llmforge.train.components import Components
 from llmforge.train.instrument import inject_fault, node_loss, profiler
 from llmforge.train.loop import LoopResult, train_loop
@@ -76,6 +77,7 @@ def run_parts(
     stop = StopSignal(device=rank.device, mesh=rank.mesh, timeout_s=cfg.cluster.timeout_s)
     parts: list[Callback] = observers(plan, c, start_step=start_step, console=console) if rank.is_main else []
     parts += profiler(plan, snapshots=snapshots, rank=rank, start_step=start_step, console=console)
+    parts += compile_watch(plan, is_main=rank.is_main, console=console)
     parts += [*fault, *node_loss(), stop]
     callbacks = Callbacks(tuple(parts))
     events = EventLog(plan.run_dir / "events.log")
