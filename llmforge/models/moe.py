@@ -90,8 +90,9 @@ def expert_mlp(x: torch.Tensor, counts: Counts, *, w_up: torch.Tensor, w_gate: t
     ``x`` [N, h] holds tokens sorted by expert, ``counts`` [E] how many each expert
     has (summing to N; a list of ints under balanced routing). Returns [N, h] in the same order.
     Grouped matmuls (``torch._grouped_mm``) take the experts' boundaries as device offsets, so the
-    host never reads the counts; where they cannot run, the tokens are padded into an
-    ``[E, capacity, h]`` buffer for batched matmuls, whose capacity is read from the device."""
+    host never reads the counts; where they cannot run (or under selective checkpointing), the
+    tokens are padded into an ``[E, capacity, h]`` buffer for batched matmuls, whose capacity is
+    read from the device."""
     weights = [w for w in (w_up, w_gate, w_down) if w is not None]
     if x.shape[0] == 0:
         return x.new_zeros(0, x.shape[-1]) + 0.0 * sum(w.sum() for w in weights)
@@ -101,7 +102,7 @@ def expert_mlp(x: torch.Tensor, counts: Counts, *, w_up: torch.Tensor, w_gate: t
     w_gate = w_gate.to(dtype) if w_gate is not None else None
     if not isinstance(counts, torch.Tensor):
         counts = torch.tensor(list(counts), device=x.device)
-    if grouped_mm_fits(x, weights):
+    if grouped_mm_fits(x, weights) and not selective_checkpointing():
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         up = torch._grouped_mm(x, w_up, offs=offsets)
         act = F.silu(torch._grouped_mm(x, w_gate, offs=offsets)) * up if w_gate is not None else F.gelu(up, approximate="tanh")
@@ -115,6 +116,17 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
+
+
+def selective_checkpointing() -> bool:
+    """Whether op-level selective checkpointing records or replays this forward. Its save list
+    keeps batched matmuls' outputs and not yet grouped ones, so the experts run batched there."""
+    try:
+        from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+    except ImportError:
+        return False
+    modes = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+    return any(isinstance(m, (_CachingTorchDispatchMode, _CachedTorchDispatchMode)) for m in modes)
 
 
 def grouped_mm_fits(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
