@@ -164,7 +164,8 @@ def _plain(row: Row, *, device, steps: int, warmup: int, cache: dict) -> tuple[f
 def measure(rows: list[Row], *, device, steps: int, warmup: int, log, deadline: float, done=lambda: None) -> list[str]:
     """Train each row's plan (and the plain loop once per shape and mode) on ``device``;
     ``done()`` after each row, so a run cut short keeps the rows it measured. Rows that would
-    start after ``deadline`` (``time.monotonic()``) are skipped: their names are returned."""
+    start after ``deadline`` (``time.monotonic()``) are skipped and a row that fails is logged:
+    their names are returned."""
     import bench_gpu
 
     from llmforge.estimate import flops
@@ -179,9 +180,14 @@ def measure(rows: list[Row], *, device, steps: int, warmup: int, log, deadline: 
         plan = plan_of(row.overrides)
         shape, _, job = from_plan(plan)
         per_token = flops.model_flops(shape, 1)
-        plain_tokens_per_s, plain_per_token = _plain(row, device=device, steps=steps, warmup=warmup, cache=plain)
-        bench_gpu._fresh(device)
-        result = bench_gpu.llmforge_loop(plan, warmup=warmup, steps=steps, device=device)
+        try:
+            plain_tokens_per_s, plain_per_token = _plain(row, device=device, steps=steps, warmup=warmup, cache=plain)
+            bench_gpu._fresh(device)
+            result = bench_gpu.llmforge_loop(plan, warmup=warmup, steps=steps, device=device)
+        except Exception as e:  # one row's failure (a missing torchao, memory) must not cost the others
+            log(f"{row.name}: failed: {type(e).__name__}: {e}")
+            skipped.append(f"{row.name} (failed: {type(e).__name__}: {str(e)[:200]})")
+            continue
         row.tokens_per_s, row.peak_bytes = result.tokens_per_s, result.peak_reserved
         row.step_s = plan.tokens_per_step / result.tokens_per_s
         row.plain_ratio = result.tokens_per_s * per_token / (plain_tokens_per_s * plain_per_token)
@@ -294,7 +300,7 @@ def _commit() -> str:
 def report(*, rows: Sequence[Row], skipped: Sequence[str], device_name: str, smoke: bool, calibration: str, tests: str) -> str:
     lines = header(device_name, smoke=smoke) + table(rows)
     if skipped:
-        lines += ["", f"Not run (past --budget-s): {', '.join(skipped)}."]
+        lines += ["", f"Not run (past --budget-s, or failed): {'; '.join(skipped)}."]
     lines += ["", "## Targets", "", *(targets(rows) or ["- (no row of the targets' shapes ran)"])]
     lines += ["", "## Calibration", "", "```", calibration.strip(), "```", "", "## GPU tests", "", tests.strip(), ""]
     return "\n".join(lines)
