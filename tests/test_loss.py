@@ -53,3 +53,41 @@ def test_bf16_logits_are_never_copied_to_fp32_whole(monkeypatch):
     with LargestFloat32() as plain:
         F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten()).backward()
     assert plain.largest == 4 * 32 * 128
+
+
+def _dynamo_traced(monkeypatch) -> None:
+    """The compiled kernels traced by dynamo as whole graphs (a break fails), run without Inductor."""
+    kernels = (loss_module._lse_and_target, loss_module._grad_fused)
+    monkeypatch.setattr(loss_module, "_compiled", lambda: tuple(torch.compile(k, backend="eager", fullgraph=True) for k in kernels))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_loss_matches_an_fp64_reference_with_ignored_targets(dtype, compiled, monkeypatch):
+    """fp32 logits to fp32 accuracy; bf16 logits to fp32 accuracy in the loss and to bf16 rounding in
+    the gradient (written in bf16); ignored targets count for nothing, as in F.cross_entropy."""
+    monkeypatch.setattr(loss_module, "CHUNK_ELEMENTS", 97 * 16)  # eager: 10 chunks, the last partial
+    if compiled:
+        _dynamo_traced(monkeypatch)
+    gen = torch.Generator().manual_seed(1)
+    logits = (4 * torch.randn(3, 50, 97, generator=gen)).to(dtype).requires_grad_()
+    targets = torch.randint(0, 97, (3, 50), generator=gen)
+    targets[0, :7] = loss_module.IGNORE_INDEX
+    got = cross_entropy(logits, targets, compiled=compiled)
+    (1.5 * got).backward()
+    ref = logits.detach().double().requires_grad_()
+    want = F.cross_entropy(ref.flatten(0, 1), targets.flatten())
+    (1.5 * want).backward()
+    assert got.dtype == torch.float32 and logits.grad.dtype == dtype
+    torch.testing.assert_close(got.double(), want, rtol=2e-7, atol=0)
+    assert not logits.grad[0, :7].any()
+    grad_tol = {"rtol": 1e-5, "atol": 1e-9} if dtype == torch.float32 else {"rtol": 2**-8, "atol": 1e-7}
+    torch.testing.assert_close(logits.grad.double(), ref.grad, **grad_tol)
+
+
+def test_the_loss_follows_the_plans_compile_choice():
+    from llmforge.testing.harness import tiny_plan
+    from llmforge.train.build_step import loss_function
+
+    assert loss_function(tiny_plan([])) is cross_entropy
+    assert loss_function(tiny_plan(["train.compile=true"])) is loss_module.compiled_cross_entropy

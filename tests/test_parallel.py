@@ -165,8 +165,11 @@ MIXED = {
 }
 
 
+# Logging every second step: the counted step (3) is not logged and must not wait for the device.
+QUIET = ["train.log_interval=2"]
+QUIET_WORLD2 = {"quiet_dp2": QUIET + ["parallel.dp=2"], "quiet_pp2": QUIET + PP, "quiet_moe_ep2": QUIET + EP2}
 # Layouts whose host synchronisations per step are counted (slow: a Python dispatch mode sees every op).
-COUNT_SYNCS = ["dp2_zero3", "tp2_sp", "pp2_1f1b", "dp2_tp2_sp_zero1"]
+COUNT_SYNCS = ["dp2_zero3", "tp2_sp", "pp2_1f1b", "dp2_tp2_sp_zero1", *QUIET_WORLD2]
 
 
 def run_group(tmp: Path, *, nproc: int, layouts: dict, mesh_of_one: bool = False) -> dict:
@@ -184,7 +187,7 @@ def run_group(tmp: Path, *, nproc: int, layouts: dict, mesh_of_one: bool = False
 def results(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("parallel")
     return {
-        **run_group(tmp, nproc=2, layouts={**WORLD2, **MIXED, **FP8_LAYOUTS, **MASKED_WORLD2}),
+        **run_group(tmp, nproc=2, layouts={**WORLD2, **MIXED, **FP8_LAYOUTS, **MASKED_WORLD2, **QUIET_WORLD2}),
         **run_group(tmp, nproc=4, layouts={**WORLD4, **FP8_WORLD4, **MASKED_WORLD4}),
     }
 
@@ -286,10 +289,25 @@ def test_low_precision_layouts_follow_single_process(layout, results):
     assert {d for rank in got["dtypes"] for d in rank["losses"]} == {"torch.float32"}
 
 
-@pytest.mark.parametrize("layout", COUNT_SYNCS)
-def test_a_distributed_step_reads_the_device_once(layout, results):
-    """Every step logs here: one read of loss and gradient norm, no per-parameter reads."""
-    assert results[layout]["syncs"] == [1]  # step 3: logged, not validated
+@pytest.mark.parametrize("layout", [name for name in COUNT_SYNCS if name not in QUIET_WORLD2])
+def test_a_logged_distributed_step_reads_the_device_twice(layout, results):
+    """Every step logs here: one read of loss and gradient norm, one of the stop vote, no per-parameter reads."""
+    assert results[layout]["syncs"] == [2]  # step 3: logged, not validated
+    assert results[layout]["sync_ops"] == [{"aten._local_scalar_dense.default": 1, "tolist": 1}]
+
+
+@pytest.mark.parametrize("layout", list(QUIET_WORLD2))
+def test_a_step_that_is_not_logged_never_waits_for_the_device(layout, results, reference):
+    """No stop vote, no MoE capacity read, no pipeline shape exchange; the logged steps' losses are
+    one process's. Expert parallelism alone reads the all-to-all's split sizes (two per MoE layer
+    and microbatch: each rank's counts for every other, and what it sends)."""
+    got = results[layout]
+    assert max_rel(got["losses"], [reference[reference_of(layout.removeprefix("quiet_"))].losses[i] for i in (1, 3, 4)]) < 1e-5
+    if layout == "quiet_moe_ep2":
+        layers, microbatches = 4, 2
+        assert got["sync_ops"] == [{"tolist": 2 * layers * microbatches}]
+    else:
+        assert got["syncs"] == [0]
 
 
 @pytest.fixture(scope="module")

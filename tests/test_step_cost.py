@@ -22,8 +22,8 @@ def _components(plan, device: torch.device):
     return build_components(plan, rank=rank_info(plan, device=device), sampler=sampler)
 
 
-def _syncs_per_step(device: torch.device, *, steps: int, log_interval: int) -> tuple[list, list]:
-    plan = tiny_plan([f"train.steps={steps}", "model.num_layers=1"])
+def _syncs_per_step(device: torch.device, *, steps: int, log_interval: int, extra: tuple[str, ...] = ()) -> tuple[list, list]:
+    plan = tiny_plan([f"train.steps={steps}", "model.num_layers=1", *extra])
     c = _components(plan, device)
     recorder = Recorder()
     syncs = StepSyncs(host=c.host_tensors)
@@ -46,6 +46,58 @@ def test_a_step_reads_the_device_once_when_it_logs_and_never_otherwise():
     assert per_step == [1, 0, 1, 1]
     assert [r["step"] for r in records] == [2, 4, 5]
     assert all(isinstance(r["loss"], float) and isinstance(r["grad_norm"], float) for r in records)
+
+
+def test_an_moe_step_reads_nothing_when_it_does_not_log():
+    """Grouped matmuls take the experts' boundaries on the device: no read of the largest count."""
+    moe = ("model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden_size=48", "model.moe.num_shared_experts=1")
+    per_step, _ = _syncs_per_step(torch.device("cpu"), steps=4, log_interval=2, extra=moe)
+    assert per_step[1] == 0 and per_step[0] == per_step[2] > 0  # steps 2 and 4 read the loss, the norm, the MoE statistics
+
+
+def test_ranks_vote_on_a_stop_only_at_logged_steps(one_rank, monkeypatch):
+    """A signal waits for the next logged step, where the vote's read joins the loop's; a rank alone
+    stops after the current step without a vote."""
+    import torch.distributed as dist
+
+    from llmforge.train.stop import StopSignal
+
+    alone = StopSignal()
+    alone._received = "SIGTERM"
+    with HostSyncCounter() as syncs:
+        assert alone.should_stop()
+    assert syncs.count == 0
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)  # stands for a second rank
+    stop = StopSignal()
+    stop._received = "SIGTERM"
+    with HostSyncCounter() as syncs:
+        assert not stop.should_stop()  # not logged: no vote
+    assert syncs.count == 0
+    stop.log({"step": 2})
+    with HostSyncCounter() as syncs:
+        assert stop.should_stop()
+    assert syncs.count == 1
+
+
+def test_autocast_casts_each_weight_once_per_step_under_gradient_accumulation():
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    plan = tiny_plan(["model.num_layers=1", "precision.param_dtype=bf16"])
+    c = _components(plan, torch.device("cpu"))
+    weights = {p.data_ptr() for p in c.parameters() if p.ndim > 1}  # the matmuls' (norms cast their own vectors)
+    casts: Counter[int] = Counter()
+
+    class WeightCasts(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in weights:
+                casts[args[0].data_ptr()] += 1
+            return func(*args, **(kwargs or {}))
+
+    with WeightCasts():
+        c.step(c.sampler.next_batch(dp_rank=0, dp_size=1))
+    assert plan.microbatches == 4 and len(casts) >= 5 and set(casts.values()) == {1}  # the linears and the tied head
 
 
 def test_the_counter_sees_item_float_and_tolist():

@@ -91,11 +91,13 @@ def _moe_ops(block: Block, d: ModelDims, *, c: int, mixed: bool) -> list[Op]:
     # and two sums (probs: read by top-k and the aux loss; logits: by softmax and the z-loss)
     keep = 5 + (d.top_k > 1) if capacity else 1
     route = Op("moe route", "models.moe.route", 2 + 2 * normalize + keep, 4 + 7 * normalize, 0, 0)
-    # kept assignments, their tokens, the sort by expert, the weights in that order, the counts; the
-    # gathered tokens and their packing into [E, capacity, h]; backward the gathers' scatters and sums
-    # of the tokens' gradient (router, experts, shared experts) and the packed input's (gate and up)
+    # the assignments' tokens, the sort by expert, tokens and weights in that order, the counts and
+    # their offsets for the grouped matmuls, the gathered tokens (under capacity also the kept
+    # assignments: three masked selections); backward the gathers' scatters and sums of the tokens'
+    # gradient (router, experts, shared experts) and the sorted input's (gate and up)
     moved = d.top_k * d.hidden * (c + FP32) * 2 + 16 * block.experts.num if block.experts else 0.0
-    dispatch = Op("moe dispatch", "models.moe.MoE._dispatch_combine, expert_mlp", 23, 8 + gated + shared, moved, 2 * moved)
+    fwd, bwd = 9 + 3 * capacity, 3 + gated + shared + 2 * capacity
+    dispatch = Op("moe dispatch", "models.moe.MoE._dispatch_combine, expert_mlp", fwd, bwd, moved, 2 * moved)
     # unpack, weight, scatter-add back to the tokens (plus the shared experts' output)
     combine = Op("moe combine", "models.moe.MoE._run_experts", 4 + shared, 6, 0, 0)
     # load balancing loss (the counts cast to float), z-loss, their weighted sum, and the statistics
@@ -103,13 +105,13 @@ def _moe_ops(block: Block, d: ModelDims, *, c: int, mixed: bool) -> list[Op]:
     losses = Op("moe router losses", "models.moe.load_balancing_loss, z_loss, MoEStats.add", 24, 13, 0, 0)
     out = [route, dispatch, combine, losses]
     if mixed:
-        # autocast's casts (each cast back in backward): the router's logits to fp32, the packed tokens
-        # for each of the experts' first matmuls, the combine weights and the experts' output, and the
+        # autocast's casts (each cast back in backward): the router's logits to fp32, the sorted tokens
+        # for the experts' matmuls, the combine weights and the experts' output, and the
         # normed tokens once more for the shared experts (a second linear reads them); backward also
         # the shared experts' output gradient, added to the layer's fp32 output
         k, h = d.top_k, d.hidden
-        casts = 3 + (2 if gated else 1) + shared
-        moved = (FP32 + c) * (block.experts.num if block.experts else 0) + (FP32 + c) * k * ((2 if gated else 1) * h + h + 1)
+        casts = 4 + shared
+        moved = (FP32 + c) * (block.experts.num if block.experts else 0) + (FP32 + c) * k * (2 * h + 1)
         moved += (FP32 + c) * h * shared
         out.append(Op("moe casts", "autocast", casts, casts + shared, moved, moved + (FP32 + c) * h * shared))
     return out

@@ -5,10 +5,10 @@
 (renormalised over the chosen k when ``normalize_top_k``). Shared experts (one
 MLP of ``num_shared_experts x ffn_hidden_size``) see every token.
 
-Experts run as batches: their weights are stacked (``experts.w_up`` /
+Experts run as groups: their weights are stacked (``experts.w_up`` /
 ``w_gate`` ``[E, hidden, ffn]``, ``w_down`` ``[E, ffn, hidden]``), tokens are
-sorted by expert and packed into an ``[E, capacity, hidden]`` buffer, and one
-batched matmul computes all experts at once.
+sorted by expert, and one grouped matmul computes all experts at once from the
+experts' offsets on the device (``expert_mlp``).
 
 Two auxiliary losses train the router:
 
@@ -85,27 +85,74 @@ Counts = torch.Tensor | Sequence[int]
 
 
 def expert_mlp(x: torch.Tensor, counts: Counts, *, w_up: torch.Tensor, w_gate: torch.Tensor | None, w_down: torch.Tensor) -> torch.Tensor:
-    """Run every expert on its tokens with batched matmuls.
+    """Run every expert on its tokens.
 
     ``x`` [N, h] holds tokens sorted by expert, ``counts`` [E] how many each expert
-    has (summing to N; a list of ints under balanced routing). Returns [N, h] in the same order."""
-    num_experts, hidden = w_up.shape[0], x.shape[-1]
+    has (summing to N; a list of ints under balanced routing). Returns [N, h] in the same order.
+    Grouped matmuls (``torch._grouped_mm``) take the experts' boundaries as device offsets, so the
+    host never reads the counts; where they cannot run (or under selective checkpointing), the
+    tokens are padded into an ``[E, capacity, h]`` buffer for batched matmuls, whose capacity is
+    read from the device."""
+    weights = [w for w in (w_up, w_gate, w_down) if w is not None]
     if x.shape[0] == 0:
-        return x.new_zeros(0, hidden) + 0.0 * (w_up.sum() + w_down.sum() + (w_gate.sum() if w_gate is not None else 0.0))
-    if isinstance(counts, torch.Tensor):
-        capacity = int(counts.max())
-    else:
-        capacity, counts = max(counts), torch.tensor(list(counts), device=x.device)
+        return x.new_zeros(0, x.shape[-1]) + 0.0 * sum(w.sum() for w in weights)
+    dtype = compute_dtype(x)
+    x = x.to(dtype)
+    w_up, w_down = w_up.to(dtype), w_down.to(dtype)
+    w_gate = w_gate.to(dtype) if w_gate is not None else None
+    if not isinstance(counts, torch.Tensor):
+        counts = torch.tensor(list(counts), device=x.device)
+    if grouped_mm_fits(x, weights) and not selective_checkpointing():
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        up = torch._grouped_mm(x, w_up, offs=offsets)
+        act = F.silu(torch._grouped_mm(x, w_gate, offs=offsets)) * up if w_gate is not None else F.gelu(up, approximate="tanh")
+        return torch._grouped_mm(act, w_down, offs=offsets)
+    return _padded_expert_mlp(x, counts, w_up=w_up, w_gate=w_gate, w_down=w_down)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts' matmuls run in: autocast's where it is on (as it would cast a
+    batched matmul), else ``x``'s."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def selective_checkpointing() -> bool:
+    """Whether op-level selective checkpointing records or replays this forward. Its save list
+    keeps batched matmuls' outputs and not yet grouped ones, so the experts run batched there."""
+    try:
+        from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
+    except ImportError:
+        return False
+    modes = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+    return any(isinstance(m, (_CachingTorchDispatchMode, _CachedTorchDispatchMode)) for m in modes)
+
+
+def grouped_mm_fits(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
+    """Whether ``torch._grouped_mm`` runs these shapes: the torch version has it and every row
+    (hidden and expert widths) is a multiple of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    return all((w.shape[-1] * x.element_size()) % 16 == 0 and (w.shape[-2] * x.element_size()) % 16 == 0 for w in weights)
+
+
+def _padded_expert_mlp(
+    x: torch.Tensor, counts: torch.Tensor, *, w_up: torch.Tensor, w_gate: torch.Tensor | None, w_down: torch.Tensor
+) -> torch.Tensor:
+    """``expert_mlp`` as batched matmuls over an ``[E, capacity, h]`` buffer (the capacity is read on the host)."""
+    num_experts, hidden = w_up.shape[0], x.shape[-1]
+    capacity = int(counts.max())
     expert_ids = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts, output_size=x.shape[0])
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.arange(x.shape[0], device=x.device) - starts[expert_ids]
     buf = x.new_zeros(num_experts, capacity, hidden).index_put((expert_ids, slot), x)
-    up = torch.bmm(buf, w_up.to(x.dtype))
+    up = torch.bmm(buf, w_up)
     if w_gate is not None:
-        act = F.silu(torch.bmm(buf, w_gate.to(x.dtype))) * up
+        act = F.silu(torch.bmm(buf, w_gate)) * up
     else:
         act = F.gelu(up, approximate="tanh")
-    return torch.bmm(act, w_down.to(x.dtype))[expert_ids, slot]
+    return torch.bmm(act, w_down)[expert_ids, slot]
 
 
 class GroupedExperts(nn.Module):
@@ -293,12 +340,13 @@ class MoE(nn.Module):
         """Sort kept assignments by expert, run the experts, sum back with the routing weights."""
         if balanced.active():
             return self._balanced_dispatch_combine(tokens, routing)
-        keep = routing.keep.flatten()
-        expert_of = routing.experts.flatten()[keep]
-        token_of = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(self.top_k)[keep]
+        expert_of, weight = routing.experts.flatten(), routing.weights.flatten()
+        token_of = torch.arange(tokens.shape[0], device=tokens.device).repeat_interleave(self.top_k)
+        if self.capacity_factor is not None:  # a boolean mask's size is read on the host: only where tokens drop
+            keep = routing.keep.flatten()
+            expert_of, weight, token_of = expert_of[keep], weight[keep], token_of[keep]
         order = torch.argsort(expert_of, stable=True)
-        token_of = token_of[order]
-        weight = routing.weights.flatten()[keep][order]
+        token_of, weight = token_of[order], weight[order]
         counts = expert_counts(expert_of, num_experts=self.num_experts)
         return self._run_experts(tokens, token_of, weight, counts)
 

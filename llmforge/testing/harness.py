@@ -47,6 +47,7 @@ from llmforge.train.build import build_components, distributed_rank
 from llmforge.train.callbacks import Recorder
 from llmforge.train.components import Components, RankInfo
 from llmforge.train.loop import train_loop
+from llmforge.train.stop import StopSignal
 from llmforge.train.syncs import StepSyncs
 
 TINY = [
@@ -117,6 +118,7 @@ class LayoutResult:
     grad_norms: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     syncs: list[int] = field(default_factory=list)
+    sync_ops: list[dict[str, int]] = field(default_factory=list)
     threads: list[int] = field(default_factory=list)
     dtypes: list[dict[str, list[str]]] = field(default_factory=list)
     local_numel: dict[str, int] = field(default_factory=dict)
@@ -138,8 +140,9 @@ def rank_info(plan: RunPlan, *, device: torch.device, mesh_of_one: bool = False)
 def train_layout(
     plan: RunPlan, *, device: torch.device | None = None, mesh_of_one: bool = False, count_syncs: bool = False
 ) -> LayoutResult:
-    """Train ``plan`` on synthetic data; return what it computed (params on rank 0).
-    ``count_syncs``: count the host synchronisations of step ``SYNC_STEP`` (slow:
+    """Train ``plan`` on synthetic data, logging every ``train.log_interval`` steps (the tiny
+    plan's default: every step) with the run's stop vote; return what it computed (params on
+    rank 0). ``count_syncs``: count the host synchronisations of step ``SYNC_STEP`` (slow:
     every op goes through a Python dispatch mode)."""
     device = device if device is not None else torch.device("cpu")
     cfg = plan.config
@@ -173,9 +176,9 @@ def train_layout(
             start_step=0,
             total_steps=cfg.train.steps,
             grad_clip=cfg.optim.grad_clip,
-            log_interval=1,
+            log_interval=cfg.train.log_interval,
             checkpoint_interval=0,
-            callbacks=[recorder, syncs],
+            callbacks=[recorder, StopSignal(device=device), syncs],
             eval_interval=EVAL_INTERVAL,
             eval_steps=1,
         )
@@ -185,6 +188,7 @@ def train_layout(
         grad_norms=[r["grad_norm"] for r in records],
         step_times=[r["step_time_s"] for r in records],
         syncs=syncs.per_step,
+        sync_ops=syncs.ops_per_step,
     )
     out.params = full_parameters(c)  # reshards first: ZeRO 1/2 keep the compute copy gathered
     out.local_numel = {n: local_numel(p) for part in c.model_parts for n, p in part.named_parameters()}

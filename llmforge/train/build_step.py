@@ -20,6 +20,7 @@ from llmforge.parallel.pipeline import StageShapes, build_schedule
 from llmforge.parallel.tensor import align_grads, loss_context, sharded_cross_entropy
 from llmforge.parallel.tied import TiedEmbeddingSync, tied_group
 from llmforge.plan import RunPlan
+from llmforge.train.loss import compiled_cross_entropy
 from llmforge.train.parallelize import reduces_over_dp
 from llmforge.train.pipeline_step import PipelineStep, autocast_forward
 from llmforge.train.precision import DTYPES, LossScaler, residual_dtype
@@ -51,6 +52,14 @@ def build_step(
     if plan.layout.offload_activations:
         return OffloadedStep(step, device=device)
     return step
+
+
+def loss_function(plan: RunPlan):
+    """The loss this plan's last stage runs: ``loss_parallel``'s on vocabulary-sharded logits under
+    tensor parallelism, else the fused cross-entropy, compiled under ``train.compile``."""
+    if plan.layout.tp > 1:
+        return sharded_cross_entropy
+    return compiled_cross_entropy if plan.config.train.compile else cross_entropy
 
 
 def documents_function(plan: RunPlan, *, eos_id: int | None):
@@ -140,7 +149,7 @@ def _accumulation_step(
         param_dtype=cfg.precision.param_dtype,
         scaler=scaler,
         device=device,
-        loss_fn=sharded_cross_entropy if plan.layout.tp > 1 else cross_entropy,
+        loss_fn=loss_function(plan),
         no_sync=no_sync,
         reduce_loss=_dp_mean(mesh, plan.dp * plan.layout.cp) if reduces_over_dp(plan, mesh=mesh) else None,
         loss_context=lambda: loss_context(plan.layout.tp),
@@ -160,7 +169,7 @@ def _pipeline_step(
         schedule=None,
         has_first=0 in ids,
         has_last=num_stages - 1 in ids,
-        loss_fn=sharded_cross_entropy if plan.layout.tp > 1 else cross_entropy,
+        loss_fn=loss_function(plan),
         scaler=scaler,
         device=device,
         pp_group=mesh.pp.get_group(),

@@ -102,7 +102,7 @@ class PipelineStep:
 
     def evaluate(self, batch: torch.Tensor) -> float:
         """Forward only through the stages (the schedule's eval path): the mean loss."""
-        batch = batch.to(self.device, non_blocking=True)
+        batch = to_device(batch, self.device)
         losses: list[torch.Tensor] = []
         args, kwargs = self._inputs(batch, losses)
         with eval_mode(self.modules), self.context(), _forward_only_order(self.schedule):

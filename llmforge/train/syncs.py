@@ -109,8 +109,9 @@ class HostSyncCounter:
 class StepSyncs(Callback):
     """Host synchronisations of each training step after the first ``skip`` (the
     first sets things up), of ``count`` steps (None: all): pass it as the loop's last
-    run part (it counts at each ``step_end``) and run the loop inside ``with StepSyncs(...)``.
-    Disabled, it counts nothing and costs nothing."""
+    run part and run the loop inside ``with StepSyncs(...)``. A step's count closes when the
+    loop asks this part ``should_stop``, after every earlier part answered (a stop vote
+    belongs to the step that held it). Disabled, it counts nothing and costs nothing."""
 
     def __init__(
         self, *, host: Callable[[], Iterable[torch.Tensor]] | None = None, enabled: bool = True, skip: int = 1, count: int | None = None
@@ -120,13 +121,20 @@ class StepSyncs(Callback):
         self.skip = skip
         self.count = count
         self.per_step: list = []
+        #: What each counted step's synchronisations were, by op (``HostSyncCounter.by_op``).
+        self.ops_per_step: list[dict[str, int]] = []
         self._active = False
         self._seen = 0
 
-    def step_end(self, step: int) -> None:
+    def should_stop(self) -> bool:
+        self._next_step()
+        return False
+
+    def _next_step(self) -> None:
         self._seen += 1
         if self._active:
             self.per_step.append(self.counter.count)
+            self.ops_per_step.append(self.counter.by_op)
             self.counter.reset()
             if self.count is not None and len(self.per_step) >= self.count:
                 self.__exit__(None, None, None)
