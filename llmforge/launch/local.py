@@ -8,6 +8,7 @@ from rich.console import Console
 
 from llmforge.estimate.core import Estimate
 from llmforge.hardware import cpu_threads
+from llmforge.launch.devicecheck import check_accelerators
 from llmforge.plan import RunPlan
 from llmforge.train.components import RankInfo
 from llmforge.train.run import run
@@ -21,5 +22,6 @@ def run_here(plan: RunPlan, *, resume_from: Path | None, console: Console, estim
     device = torch.device("cpu") if plan.config.cluster.accelerator == "cpu" else torch.device("cuda", 0)
     if device.type == "cpu":  # the threads its profile was measured with (llmforge calibrate sets the same)
         torch.set_num_threads(cpu_threads(1))
+    check_accelerators(plan, device=device, console=console)
     summary = run(plan, rank=RankInfo(device=device), resume_from=resume_from, console=console, estimate=estimate)
     console.print(summary.describe(plan))

@@ -80,7 +80,7 @@ def launch(
         if here:
             run_here(plan, resume_from=resume_from, console=console, estimate=estimate)
             return
-        launch_distributed(plan, resume_from=resume_from, dry_run=False, console=console)
+        launch_distributed(plan, resume_from=resume_from, dry_run=False, console=console, estimate=estimate)
 
 
 def _launch_on_platform(
@@ -120,7 +120,9 @@ def runs_here(plan: RunPlan) -> bool:
     return plan.world_size == 1 and c.launcher == Launcher.LOCAL and c.max_restarts == 0 and plan.layout.offload == Offload.NONE
 
 
-def launch_distributed(plan: RunPlan, *, resume_from: Path | None, dry_run: bool, console: Console) -> None:
+def launch_distributed(
+    plan: RunPlan, *, resume_from: Path | None, dry_run: bool, console: Console, estimate: Estimate | None = None
+) -> None:
     """Run ``plan`` on all its ranks (or write/print the SLURM script)."""
     problems = check_supported(plan)
     if problems:
@@ -130,7 +132,7 @@ def launch_distributed(plan: RunPlan, *, resume_from: Path | None, dry_run: bool
     if plan.config.cluster.launcher == Launcher.SLURM:
         submit_script(plan, plan_path=plan_path(plan), resume_from=resume_from, dry_run=dry_run, console=console)
         return
-    start(plan, plan_path=plan_path(plan), resume_from=resume_from, dry_run=dry_run, console=console)
+    start(plan, plan_path=plan_path(plan), resume_from=resume_from, dry_run=dry_run, console=console, estimate=estimate)
 
 
 def _lock(plan: RunPlan):

@@ -21,33 +21,47 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from llmforge.processes.dumps import RankDumps
+from llmforge.processes.hang import HangBounds, collect_dumps, hang_message, stale, stop_ranks
+from llmforge.processes.progress import progress_path, read_progress, reporter
 
 ERROR_DIR_ENV = "LLMFORGE_ERROR_DIR"
 LAUNCHER_PID_ENV = "LLMFORGE_LAUNCHER_PID"
 HEARTBEAT_S = 1.0
+_TICK_S = 0.25
 _PR_SET_PDEATHSIG = 1
 
 
 def guard_rank(rank: int) -> None:
-    """End this process when its launcher dies; keep its heartbeat fresh."""
+    """End this process when its launcher dies; keep its heartbeat fresh; report progress and
+    answer dump requests into the launcher's error folder."""
     launcher = int(os.environ.get(LAUNCHER_PID_ENV) or 0) or os.getppid()
     _die_with_parent()
     if os.getppid() != launcher:  # the launcher died before the guard was in place
         os.kill(os.getpid(), signal.SIGKILL)
     folder = os.environ.get(ERROR_DIR_ENV)
     beat = Path(folder) / f"hb-rank{rank}" if folder else None
-    if beat is not None:
+    dumps = None
+    if folder:
         with contextlib.suppress(OSError):
-            beat.write_text(str(os.getpid()))
+            Path(beat).write_text(str(os.getpid()))  # type: ignore[arg-type]
+            dumps = RankDumps(Path(folder), rank=rank)
+            reporter.open(progress_path(Path(folder), rank), attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0))
 
     def watch() -> None:
+        ticks = 0
         while True:
-            time.sleep(HEARTBEAT_S)
+            time.sleep(_TICK_S)
+            ticks += 1
             if os.getppid() != launcher:
                 os.kill(os.getpid(), signal.SIGKILL)  # no save, no cleanup: the job is gone
-            if beat is not None:
+            if dumps is not None:
+                dumps.answer()
+            if beat is not None and ticks % round(HEARTBEAT_S / _TICK_S) == 0:
                 with contextlib.suppress(OSError):
                     os.utime(beat)
 
@@ -75,13 +89,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class HangWatch:
+    """What the monitor needs to judge and explain a hang: the bounds, where dumps go
+    (``run.dir/hangs``), the restarts torchrun has, and how to say it."""
+
+    bounds: HangBounds
+    dump_root: Path
+    max_restarts: int
+    say: Callable[[str], None]
+
+
 class RankMonitor:
     """A launcher thread that notes when each rank ended and, with ``hang_s``, kills
-    the job when a rank's heartbeat goes stale."""
+    the job when a rank's heartbeat goes stale; with ``watch``, when a rank's training loop
+    reports no progress within its bound (after every rank dumped its stacks)."""
 
-    def __init__(self, folder: Path, *, hang_s: float | None) -> None:
-        self.folder, self.hang_s = Path(folder), hang_s
+    def __init__(self, folder: Path, *, hang_s: float | None, watch: HangWatch | None = None) -> None:
+        self.folder, self.hang_s, self.watch = Path(folder), hang_s, watch
         self.hung: list[int] = []
+        self.report = ""  # the last hang's message
         self.ended: dict[int, float] = {}  # rank -> when its process was first seen gone
         self._done = threading.Event()
         self._handled: set[int] = set()
@@ -112,13 +139,35 @@ class RankMonitor:
                 else:
                     self.ended.setdefault(rank, time.time())
             live = {r: b for r, b in beats.items() if b[0] not in self._handled}
-            stale = sorted(r for r, (_, age) in live.items() if self.hang_s and age > self.hang_s)
-            if stale:
-                self.hung = stale
+            silent = sorted(r for r, (_, age) in live.items() if self.hang_s and age > self.hang_s)
+            if silent:
+                self.hung = silent
                 for pid, _ in live.values():
                     self._handled.add(pid)
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)
+            elif self.watch is not None:
+                self._check_progress(self.watch)
+
+    def _check_progress(self, watch: HangWatch) -> None:
+        """Dump, explain and stop when a live rank's progress is older than its bound."""
+        progress = {r: p for r, p in read_progress(self.folder).items() if p.pid not in self._handled and _alive(p.pid)}
+        hung = stale(progress, watch.bounds)
+        if not hung:
+            return
+        attempt = max(p.attempt for p in progress.values())
+        pids = {r: p.pid for r, p in progress.items()}
+        self._handled.update(pids.values())
+        dest = watch.dump_root / f"attempt{attempt}"
+        files = collect_dumps(self.folder, dest=dest, pids=pids)
+        self.report = hang_message(
+            hung=hung, progress=progress, bounds=watch.bounds, dest=dest, files=files, restarts_left=attempt < watch.max_restarts
+        )
+        self.hung = hung
+        with contextlib.suppress(OSError):
+            (dest / "report.txt").write_text(self.report + "\n")
+        stop_ranks(pids)
+        watch.say(self.report)
 
 
 @dataclass
@@ -149,10 +198,13 @@ def failure_report(
     hang_s: float | None,
     ended: dict[int, float] | None = None,
     ranks: set[int] = frozenset(),
+    hang_text: str = "",
 ) -> FailureReport:
     """The root cause of a failed job: the earliest of the ranks' error records and of
     their deaths by a signal the launcher does not send itself (SIGKILL from the OOM
     killer, SIGSEGV, ...). A stale heartbeat (``hung``) outranks both."""
+    if hung and hang_text:
+        return FailureReport(hang_text, rank=hung[0])
     if hung:
         who = ", ".join(str(r) for r in hung)
         return FailureReport(
