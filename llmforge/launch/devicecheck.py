@@ -85,7 +85,7 @@ def measure(*, device, dtype: str, rank: int) -> DeviceSpeed:
     src, dst = torch.randn(elements, device=device), torch.empty(elements, device=device)
 
     def timed(fn):
-        return (lambda: (time.sleep(0.01), fn())) if slowed else fn
+        return (lambda: (time.sleep(0.05), fn())) if slowed else fn
 
     matmul_s = seconds_per_call(timed(lambda: a @ a), device=device, budget_s=budget)
     copy_s = seconds_per_call(timed(lambda: dst.copy_(src)), device=device, budget_s=budget)

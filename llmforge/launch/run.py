@@ -22,7 +22,8 @@ from llmforge.errors import UserError, fail, pasteable
 from llmforge.estimate.core import Estimate, estimate_plan
 from llmforge.launch import kubernetes, skypilot
 from llmforge.launch.checks import check_devices, check_fault, check_host_memory, check_space, preflight
-from llmforge.launch.local import run_here
+from llmforge.launch.devicecheck import check_accelerators
+from llmforge.launch.local import local_device, run_here
 from llmforge.launch.platform import check_platform, to_yaml
 from llmforge.launch.slurm import submit_script
 from llmforge.launch.torchrun import check_supported, start
@@ -74,6 +75,8 @@ def launch(
     if launcher != Launcher.SLURM and not is_url(plan.checkpoint_root):
         check_space(plan, estimate=estimate)
         check_host_memory(plan, estimate=estimate)
+    if here:
+        check_accelerators(plan, device=local_device(plan), console=console)  # the other ranks check theirs in the worker
     with _lock(plan):
         if resume_from is None or not _holds(plan, resume_from):
             claim_run_dir(plan.run_dir, overwrite=overwrite, console=console)

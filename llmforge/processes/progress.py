@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import statistics
 import struct
 import time
 from dataclasses import dataclass
@@ -66,6 +67,8 @@ class Reporter:
         self._phase = "start"
         self._since = time.perf_counter()
         self._times = dict.fromkeys(PHASES, 0.0)
+        self._step_compute: list[float] = []
+        self._compute_before = 0.0
         self._pid, self._attempt = os.getpid(), 0
 
     def open(self, path: Path, *, attempt: int) -> None:
@@ -99,13 +102,23 @@ class Reporter:
     def step_done(self) -> None:
         """The current step is over (the first step of an attempt is judged by the long bound)."""
         self._done += 1
+        compute = self._compute()
+        self._step_compute.append(compute - self._compute_before)
+        self._compute_before = compute
 
     def take_times(self) -> dict[str, float]:
-        """Seconds in data, compute and communication since the last call (the phase under way counted up to now)."""
+        """Seconds in data, compute and communication since the last call (the phase under way counted
+        up to now), and ``typical_compute``: the lower median of the compute of the steps done since
+        (one step stalled by another process on the machine does not move it)."""
         self.mark(self._phase, microbatch=self._micro)
         out = {kind: sum(self._times[p] for p in phases) for kind, phases in TIME_KINDS.items()}
+        out["typical_compute"] = statistics.median_low(self._step_compute) if self._step_compute else out["compute"]
         self._times = dict.fromkeys(PHASES, 0.0)
+        self._step_compute, self._compute_before = [], 0.0
         return out
+
+    def _compute(self) -> float:
+        return sum(self._times[p] for p in TIME_KINDS["compute"])
 
     def _write(self) -> None:
         assert self._map is not None

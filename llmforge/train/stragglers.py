@@ -1,12 +1,15 @@
 """Slow ranks named: every ``cluster.health.straggler_interval`` steps the ranks gather, in one
-small all-gather, the seconds each spent in data, compute and communication since the last
-report (``llmforge.processes.progress`` adds them up from the loop's marks). The slowest rank's
-compute goes into the logged record (console, metrics.jsonl, W&B) as a ratio to the ranks'
-median and to the estimated step time; above ``cluster.health.straggler_ratio`` rank 0 warns,
-naming the rank's node and device.
+small all-gather, the seconds each spent per step in data, compute and communication since the
+last report (``llmforge.processes.progress`` adds them up from the loop's marks). The slowest
+rank's typical compute per step goes into the logged record (console, metrics.jsonl, W&B) as a
+ratio to the median of the other ranks and to the estimated step time; above
+``cluster.health.straggler_ratio`` rank 0 warns, naming the rank's node and device.
 
 A rank that computes slowly makes the others wait in their reductions: their communication grows,
-its own does not, so compute, not step time, tells which rank holds the others back.
+its own does not, so compute, not step time, tells which rank holds the others back. A rank's
+typical step (the lower median of its steps) is compared, so one step stalled by another process
+names nobody. The times are the host's: on a GPU, kernels queued but not finished show up where
+the host next waits for them.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from llmforge.processes.progress import reporter
 from llmforge.train.callbacks import Callback
 from llmforge.train.components import RankInfo
 
-_KINDS = ("data", "compute", "comm")
+_KINDS = ("data", "compute", "comm", "typical_compute")
 
 
 @dataclass(frozen=True)
@@ -51,10 +54,12 @@ class Straggler:
 
 
 def slowest(per_step: list[dict[str, float]], *, estimate_s: float) -> Straggler:
-    """The rank with the most compute per step among ``per_step`` (one dict of seconds per rank)."""
-    compute = [r["compute"] for r in per_step]
+    """The rank with the most typical compute per step among ``per_step`` (seconds, one dict per rank),
+    against the median of the others."""
+    compute = [r["typical_compute"] for r in per_step]
     rank = max(range(len(compute)), key=compute.__getitem__)
-    return Straggler(rank=rank, compute_s=compute[rank], median_s=statistics.median(compute), estimate_s=estimate_s)
+    others = compute[:rank] + compute[rank + 1 :]
+    return Straggler(rank=rank, compute_s=compute[rank], median_s=statistics.median(others), estimate_s=estimate_s)
 
 
 class StragglerReport(Callback):
@@ -82,7 +87,8 @@ class StragglerReport(Callback):
 
     def _gather(self, steps: int) -> list[dict[str, float]]:
         times = reporter.take_times()
-        mine = torch.tensor([times[k] / steps for k in _KINDS], dtype=torch.float64, device=self.rank.device)
+        per_step = [times[k] / (1 if k == "typical_compute" else steps) for k in _KINDS]
+        mine = torch.tensor(per_step, dtype=torch.float64, device=self.rank.device)
         out = torch.empty(self.rank.world_size * len(_KINDS), dtype=torch.float64, device=self.rank.device)
         dist.all_gather_single(out, mine)
         rows = out.view(self.rank.world_size, len(_KINDS)).tolist()
@@ -91,7 +97,7 @@ class StragglerReport(Callback):
     def _warning(self, s: Straggler, *, first: int, last: int) -> str:
         return (
             f"straggler: rank {s.rank} ({self.places[s.rank]}) computed {s.compute_s:.3g} s per step over steps {first}-{last}, "
-            f"{s.ratio:.2f}x the ranks' median ({s.median_s:.3g} s) and {s.compute_s / max(s.estimate_s, 1e-12):.2f}x the "
+            f"{s.ratio:.2f}x the other ranks' median ({s.median_s:.3g} s) and {s.compute_s / max(s.estimate_s, 1e-12):.2f}x the "
             f"estimated step time ({s.estimate_s:.3g} s); above cluster.health.straggler_ratio={self.threshold:g}"
         )
 
