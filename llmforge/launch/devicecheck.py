@@ -16,6 +16,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from llmforge.calibrate.timing import seconds_per_call
 from llmforge.config.dtypes import TORCH_NAMES
 from llmforge.errors import Problem, UserError
 from llmforge.hardware import get_profile
@@ -76,8 +77,6 @@ def device_problem(plan: RunPlan, speeds: list[DeviceSpeed]) -> Problem | None:
 def measure(*, device, dtype: str, rank: int) -> DeviceSpeed:
     """This rank's matmul and copy rates (a second or two on a GPU)."""
     import torch
-
-    from llmforge.calibrate.timing import seconds_per_call
 
     n, elements, budget = (4096, 2**26, 0.3) if device.type == "cuda" else (256, 2**20, 0.05)
     slowed = os.environ.get(SLOW_DEVICE_ENV, "") == str(rank)
