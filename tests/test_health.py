@@ -18,6 +18,7 @@ from llmforge.errors import UserError
 from llmforge.launch.devicecheck import SLOW_DEVICE_ENV, DeviceSpeed, check_accelerators, device_problem, expected_rates, wanted
 from llmforge.processes.dumps import InFlight
 from llmforge.processes.hang import HangBounds, behind, hang_message, stale, waiting
+from llmforge.processes.nodes import NodeBoard, Notice
 from llmforge.processes.progress import Progress, Reporter, progress_path, read_progress
 from llmforge.testing.harness import tiny_plan
 from llmforge.train.stragglers import slowest
@@ -68,6 +69,22 @@ def test_the_message_names_who_is_behind_where_each_rank_is_and_what_it_waits_in
     assert "hang: rank 1 made no progress for 5.3 s (bound 5 s: cluster.health.hang_factor=10 x the estimated step time 0.5 s)" in text
     assert "behind: rank 1" in text and "rank 0: step 4, comm" in text and "rank 1: step 4, forward (microbatch 0)" in text
     assert str(stacks[1]) in text and "raise cluster.health.hang_floor_s" in text
+
+
+def test_nodes_see_each_others_ranks_and_hangs_through_the_rendezvous_store(tmp_path):
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    first, second = (NodeBoard(endpoint=None, run_id="run", store=store, node=name) for name in ("a", "b"))
+    first.publish({0: at(0, 4, "comm", age=0.5), 1: at(1, 4, "comm", age=0.5)})
+    second.publish({2: at(2, 4, "forward", age=3.0)})
+    seen = second.others()
+    assert sorted(seen) == [0, 1] and seen[0].where() == "step 4, comm" and seen[0].age_s >= 0.5
+    assert sorted(first.others()) == [2]
+    assert second.announced() is None
+    first.announce(attempt=1, dest=tmp_path / "hangs" / "attempt1")
+    assert second.announced() == Notice(attempt=1, dest=tmp_path / "hangs" / "attempt1", node="a")
+    assert first.announced() is None  # its own
 
 
 def test_the_straggler_is_the_rank_with_the_most_compute():

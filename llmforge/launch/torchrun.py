@@ -22,6 +22,7 @@ from llmforge.hardware import cpu_threads
 from llmforge.plan import RunPlan
 from llmforge.processes.dumps import flight_recorder_env
 from llmforge.processes.hang import HangBounds
+from llmforge.processes.nodes import NodeBoard
 from llmforge.processes.torchrun import cluster_args, run_torchrun
 from llmforge.processes.watch import HangWatch
 
@@ -109,12 +110,13 @@ def start(
 
 def hang_watch(plan: RunPlan, *, step_s: float, console: Console) -> HangWatch:
     """How the launcher finds and explains a hang (``cluster.health``; ``step_s``: the estimated step time)."""
-    h = plan.config.cluster.health
+    c, h = plan.config.cluster, plan.config.cluster.health
     return HangWatch(
         bounds=HangBounds(step_s=step_s, factor=h.hang_factor, floor_s=h.hang_floor_s, long_s=h.hang_long_s),
         dump_root=plan.run_dir / "hangs",
         max_restarts=plan.config.cluster.max_restarts,
         say=lambda text: console.print(text, style="bold red", markup=False, highlight=False, soft_wrap=True),
+        board=NodeBoard(endpoint=c.rdzv_endpoint, run_id=plan.config.run.name) if c.nodes > 1 and c.rdzv_endpoint else None,
     )
 
 

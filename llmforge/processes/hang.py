@@ -64,16 +64,18 @@ def behind(progress: dict[int, Progress]) -> list[int]:
     return sorted(r for r, p in progress.items() if p.position() == least)
 
 
-def collect_dumps(error_folder: Path, *, dest: Path, pids: dict[int, int]) -> list[Path]:
+def collect_dumps(error_folder: Path, *, dest: Path, pids: dict[int, int], others: tuple[int, ...] = ()) -> list[Path]:
     """Ask every rank in ``pids`` (rank -> pid) for its stacks and flight recorder; copy what they
-    wrote into ``dest``. Waits at most a few seconds; returns the files written."""
+    wrote into ``dest``; wait for the flight recorders of ``others`` (ranks of other nodes, whose
+    launchers dump them, seen here when run.dir is shared). Waits at most a few seconds; returns
+    the files written."""
     dest.mkdir(parents=True, exist_ok=True)
     (error_folder / REQUEST).write_text(str(dest))
     for pid in pids.values():
         with contextlib.suppress(OSError):
             os.kill(pid, DUMP_SIGNAL)
     deadline = time.monotonic() + _DUMP_WAIT_S
-    while time.monotonic() < deadline and not _all_dumped(error_folder, dest=dest, ranks=list(pids)):
+    while time.monotonic() < deadline and not _all_dumped(error_folder, dest=dest, ranks=list(pids), others=others):
         time.sleep(0.1)
     time.sleep(0.2)  # a dump seen started is given a moment to finish
     written = []
@@ -85,9 +87,9 @@ def collect_dumps(error_folder: Path, *, dest: Path, pids: dict[int, int]) -> li
     return written + sorted((dest / FLIGHT_RECORDER).glob("rank_*"))
 
 
-def _all_dumped(error_folder: Path, *, dest: Path, ranks: list[int]) -> bool:
+def _all_dumped(error_folder: Path, *, dest: Path, ranks: list[int], others: tuple[int, ...]) -> bool:
     stacks = all(_size(stack_path(error_folder, r)) for r in ranks)
-    return stacks and all((dest / FLIGHT_RECORDER / f"rank_{r}").exists() for r in ranks)
+    return stacks and all((dest / FLIGHT_RECORDER / f"rank_{r}").exists() for r in [*ranks, *others])
 
 
 def _size(path: Path) -> int:

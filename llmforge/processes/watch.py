@@ -27,6 +27,7 @@ from pathlib import Path
 
 from llmforge.processes.dumps import RankDumps
 from llmforge.processes.hang import HangBounds, collect_dumps, hang_message, stale, stop_ranks
+from llmforge.processes.nodes import NodeBoard, Notice
 from llmforge.processes.progress import progress_path, read_progress, reporter
 
 ERROR_DIR_ENV = "LLMFORGE_ERROR_DIR"
@@ -98,6 +99,7 @@ class HangWatch:
     dump_root: Path
     max_restarts: int
     say: Callable[[str], None]
+    board: NodeBoard | None = None  # the other nodes, across the rendezvous store (multi-node runs)
 
 
 class RankMonitor:
@@ -150,23 +152,48 @@ class RankMonitor:
                 self._check_progress(self.watch)
 
     def _check_progress(self, watch: HangWatch) -> None:
-        """Dump, explain and stop when a live rank's progress is older than its bound."""
+        """Dump, explain and stop when a live rank's progress is older than its bound, or when
+        another node announced a hang of this attempt."""
         progress = {r: p for r, p in read_progress(self.folder).items() if p.pid not in self._handled and _alive(p.pid)}
+        if not progress:
+            return
+        attempt = max(p.attempt for p in progress.values())
+        notice = watch.board.announced() if watch.board is not None else None
+        if notice is not None and notice.attempt == attempt:
+            self._stopped_by(notice, progress=progress, watch=watch)
+            return
+        if watch.board is not None:
+            watch.board.publish(progress)
         hung = stale(progress, watch.bounds)
         if not hung:
             return
-        attempt = max(p.attempt for p in progress.values())
+        dest = watch.dump_root / f"attempt{attempt}"
+        if watch.board is not None:
+            watch.board.announce(attempt=attempt, dest=dest)
+        everyone = {**(watch.board.others() if watch.board is not None else {}), **progress}
         pids = {r: p.pid for r, p in progress.items()}
         self._handled.update(pids.values())
-        dest = watch.dump_root / f"attempt{attempt}"
-        files = collect_dumps(self.folder, dest=dest, pids=pids)
+        files = collect_dumps(self.folder, dest=dest, pids=pids, others=tuple(sorted(set(everyone) - set(progress))))
         self.report = hang_message(
-            hung=hung, progress=progress, bounds=watch.bounds, dest=dest, files=files, restarts_left=attempt < watch.max_restarts
+            hung=hung, progress=everyone, bounds=watch.bounds, dest=dest, files=files, restarts_left=attempt < watch.max_restarts
         )
         self.hung = hung
         with contextlib.suppress(OSError):
             (dest / "report.txt").write_text(self.report + "\n")
         stop_ranks(pids)
+        watch.say(self.report)
+
+    def _stopped_by(self, notice: Notice, *, progress: dict, watch: HangWatch) -> None:
+        """Another node found the job hung: dump this node's ranks where it said, and stop them."""
+        pids = {r: p.pid for r, p in progress.items()}
+        self._handled.update(pids.values())
+        collect_dumps(self.folder, dest=notice.dest, pids=pids)
+        stop_ranks(pids)
+        self.hung = sorted(pids)
+        self.report = (
+            f"node {notice.node} found the job hung (its message names every rank); rank {', '.join(map(str, sorted(pids)))} "
+            f"of this node wrote their stacks and flight recorder into {notice.dest} and were stopped"
+        )
         watch.say(self.report)
 
 
