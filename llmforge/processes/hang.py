@@ -78,17 +78,21 @@ def collect_dumps(error_folder: Path, *, dest: Path, pids: dict[int, int], other
     while time.monotonic() < deadline and not _all_dumped(error_folder, dest=dest, ranks=list(pids), others=others):
         time.sleep(0.1)
     time.sleep(0.2)  # a dump seen started is given a moment to finish
-    written = []
     for rank in sorted(pids):
         source = stack_path(error_folder, rank)
         with contextlib.suppress(OSError):
             if source.stat().st_size:
-                written.append(Path(shutil.copyfile(source, stack_path(dest, rank))))
-    return written + sorted((dest / FLIGHT_RECORDER).glob("rank_*"))
+                shutil.copyfile(source, stack_path(dest, rank))
+    return sorted(dest.glob("stack-rank*.txt"), key=_rank_of) + sorted((dest / FLIGHT_RECORDER).glob("rank_*"), key=_rank_of)
+
+
+def _rank_of(path: Path) -> int:
+    digits = "".join(ch for ch in path.name if ch.isdigit())
+    return int(digits or 0)
 
 
 def _all_dumped(error_folder: Path, *, dest: Path, ranks: list[int], others: tuple[int, ...]) -> bool:
-    stacks = all(_size(stack_path(error_folder, r)) for r in ranks)
+    stacks = all(_size(stack_path(error_folder, r)) for r in ranks) and all(_size(stack_path(dest, r)) for r in others)
     return stacks and all((dest / FLIGHT_RECORDER / f"rank_{r}").exists() for r in [*ranks, *others])
 
 

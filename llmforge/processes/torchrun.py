@@ -62,6 +62,7 @@ def run_torchrun(
                 console.print(f"stopped by {exc.sigval.name}", style="yellow", highlight=False)
                 return
             except ChildFailedError as exc:
+                monitor.settle()  # a rank may fail of a hang that is being explained
                 codes = {rank: info.exitcode for rank, info in exc.failures.items()}
                 report = failure_report(
                     Path(folder),

@@ -113,6 +113,7 @@ class RankMonitor:
         self.report = ""  # the last hang's message
         self.ended: dict[int, float] = {}  # rank -> when its process was first seen gone
         self._done = threading.Event()
+        self._handling = threading.Lock()  # held while a hang is dumped and explained
         self._handled: set[int] = set()
         self._thread = threading.Thread(target=self._run, name="llmforge-monitor", daemon=True)
 
@@ -149,7 +150,13 @@ class RankMonitor:
                     with contextlib.suppress(OSError):
                         os.kill(pid, signal.SIGKILL)
             elif self.watch is not None:
-                self._check_progress(self.watch)
+                with self._handling:
+                    self._check_progress(self.watch)
+
+    def settle(self, timeout_s: float = 15.0) -> None:
+        """Wait until a hang being dumped and explained is (the job's failure report reads it)."""
+        if self._handling.acquire(timeout=timeout_s):
+            self._handling.release()
 
     def _check_progress(self, watch: HangWatch) -> None:
         """Dump, explain and stop when a live rank's progress is older than its bound, or when
@@ -181,7 +188,8 @@ class RankMonitor:
         with contextlib.suppress(OSError):
             (dest / "report.txt").write_text(self.report + "\n")
         stop_ranks(pids)
-        watch.say(self.report)
+        if attempt < watch.max_restarts:  # else the job's failure report says it, once
+            watch.say(self.report)
 
     def _stopped_by(self, notice: Notice, *, progress: dict, watch: HangWatch) -> None:
         """Another node found the job hung: dump this node's ranks where it said, and stop them."""
@@ -194,7 +202,8 @@ class RankMonitor:
             f"node {notice.node} found the job hung (its message names every rank); rank {', '.join(map(str, sorted(pids)))} "
             f"of this node wrote their stacks and flight recorder into {notice.dest} and were stopped"
         )
-        watch.say(self.report)
+        if notice.attempt < watch.max_restarts:
+            watch.say(self.report)
 
 
 @dataclass
