@@ -61,12 +61,16 @@ def write_flight_recorder(folder: Path, *, rank: int) -> Path | None:
     """This process's flight recorder as ``folder/rank_R`` (the analyser's one file per rank), or None
     when torch records nothing (no process group, or the recorder off)."""
     try:
+        import torch
+        import torch._C._distributed_c10d as c10d_c
         import torch.distributed as dist
-        from torch._C._distributed_c10d import _dump_fr_trace
 
         if not dist.is_initialized():
             return None
-        data = _with_groups(_dump_fr_trace(True, True, False))
+        # NCCL keeps its own recorder (CUDA builds); gloo's and the others' is the generic one
+        nccl = torch.cuda.is_available() and torch.cuda.is_initialized() and hasattr(c10d_c, "_dump_nccl_trace")
+        dump = c10d_c._dump_nccl_trace if nccl else c10d_c._dump_fr_trace
+        data = _with_groups(dump(True, True, False))
     except Exception:  # noqa: BLE001 - a dump is best effort: the stacks and the message still go out
         return None
     folder.mkdir(parents=True, exist_ok=True)

@@ -111,6 +111,7 @@ class RankMonitor:
         self.folder, self.hang_s, self.watch = Path(folder), hang_s, watch
         self.hung: list[int] = []
         self.report = ""  # the last hang's message
+        self._reported_attempt = 0
         self.ended: dict[int, float] = {}  # rank -> when its process was first seen gone
         self._done = threading.Event()
         self._handling = threading.Lock()  # held while a hang is dumped and explained
@@ -165,6 +166,8 @@ class RankMonitor:
         if not progress:
             return
         attempt = max(p.attempt for p in progress.values())
+        if self.report and attempt > self._reported_attempt:  # restarted after it: a later failure is its own
+            self.hung, self.report = [], ""
         notice = watch.board.announced() if watch.board is not None else None
         if notice is not None and notice.attempt == attempt:
             self._stopped_by(notice, progress=progress, watch=watch)
@@ -184,7 +187,7 @@ class RankMonitor:
         self.report = hang_message(
             hung=hung, progress=everyone, bounds=watch.bounds, dest=dest, files=files, restarts_left=attempt < watch.max_restarts
         )
-        self.hung = hung
+        self.hung, self._reported_attempt = hung, attempt
         with contextlib.suppress(OSError):
             (dest / "report.txt").write_text(self.report + "\n")
         stop_ranks(pids)
@@ -197,7 +200,7 @@ class RankMonitor:
         self._handled.update(pids.values())
         collect_dumps(self.folder, dest=notice.dest, pids=pids)
         stop_ranks(pids)
-        self.hung = sorted(pids)
+        self.hung, self._reported_attempt = sorted(pids), notice.attempt
         self.report = (
             f"node {notice.node} found the job hung (its message names every rank); rank {', '.join(map(str, sorted(pids)))} "
             f"of this node wrote their stacks and flight recorder into {notice.dest} and were stopped"
