@@ -1,11 +1,16 @@
-"""Automatic restart: a dp2 run whose rank 1 dies mid-run (LLMFORGE_FAULT) is restarted by
-torchrun (cluster.max_restarts) and finishes with an uninterrupted run's numbers. The
-same run shows validation on real data and the profiler trace of every rank under dp."""
+"""Automatic restart: a dp2 run whose rank 1 gets stuck in a collective mid-run (LLMFORGE_FAULT)
+is found hung from its progress well before cluster.timeout_s, explained (who is behind, where
+every rank is, stacks and flight recorder in the run folder), restarted by torchrun
+(cluster.max_restarts) and finishes with an uninterrupted run's numbers. The same run names the
+rank a drill slows before the hang (and none after the restart), and shows validation on real
+data and the profiler trace of every rank under dp."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +24,7 @@ from llmforge.train.components import RankInfo
 from llmforge.train.run import run
 
 REPO = Path(__file__).resolve().parents[1]
+FLOOR_S = 4
 TINY = [
     "model.num_layers=2",
     "model.hidden_size=32",
@@ -41,17 +47,62 @@ TINY = [
 ]
 
 
+WATCH = [
+    "cluster.health.straggler_interval=2",
+    "cluster.health.straggler_ratio=3",
+    f"cluster.health.hang_floor_s={FLOOR_S}",
+    "cluster.health.hang_long_s=120",
+]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, small_data):
     tmp = tmp_path_factory.mktemp("restart")
     reference = tmp / "reference"
     run(RunPlan.build(compose([*TINY, *small_data, f"run.dir={reference}"])), rank=RankInfo())
     restarted = tmp / "restarted"
-    args = [*TINY, *small_data, "parallel=dp2", "cluster.max_restarts=1", "train.profile=2-2", f"run.dir={restarted}"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300", "LLMFORGE_FAULT": "1:3"}  # rank 1 dies after step 3
+    args = [*TINY, *small_data, "parallel=dp2", "cluster.max_restarts=1", "train.profile=2-2", f"run.dir={restarted}", *WATCH]
+    # rank 1 sleeps in steps 1-2, then at step 3 blocks in a receive no rank answers
+    env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "300", "LLMFORGE_FAULT": "1:1-2:slow,1:3:hang"}
     proc = subprocess.run([sys.executable, "-m", "llmforge", "pretrain", *args], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return reference, restarted, proc.stdout + proc.stderr
+
+
+def test_a_rank_stuck_in_a_collective_is_found_within_its_bound_and_explained(runs):
+    _, restarted, output = runs
+    report = (restarted / "hangs" / "attempt0" / "report.txt").read_text()
+    assert report in output.replace("\n\n", "\n") or report.splitlines()[0] in output
+    silent, bound = map(float, re.search(r"made no progress for ([\d.]+) s \(bound ([\d.]+) s", report).groups())
+    # the tiny step's estimate is milliseconds, so the floor sets the bound: far below cluster.timeout_s (300 s)
+    assert bound == FLOOR_S and bound <= silent < bound + 3, report
+    assert "behind: rank 1\n" in report
+    assert re.search(r"rank 0: step 3, comm, .*waits in gloo:all_reduce #\d+ of process group 0, which rank 1 has not issued", report)
+    assert re.search(r"rank 1: step 3, forward \(microbatch 0\), .*no collective under way", report)
+    stacks = {rank: (restarted / "hangs" / "attempt0" / f"stack-rank{rank}.txt").read_text() for rank in (0, 1)}
+    assert all("most recent call first" in text for text in stacks.values())
+    assert "in recv" in stacks[1] and "llmforge/train/step.py" in stacks[0]
+    assert "they restart from the newest complete checkpoint" in report
+
+
+def test_torchs_analyser_reads_the_flight_recorder_and_names_the_missing_rank(runs, caplog):
+    from torch.distributed.flight_recorder.fr_trace import main as analyse
+
+    _, restarted, _ = runs
+    with caplog.at_level(logging.INFO):
+        analyse([str(restarted / "hangs" / "attempt0" / "flight_recorder")])
+    said = caplog.text
+    assert "Not all ranks joining collective" in said and "missing ranks: {1}" in said
+
+
+def test_the_slowed_rank_is_named_in_the_first_report_and_none_after_the_restart(runs):
+    _, restarted, output = runs
+    first = next(r for r in read_metrics(restarted / "metrics.jsonl") if r["step"] == 2)
+    assert first["straggler_rank"] == 1 and first["straggler_ratio"] > 3, first
+    before, after = " ".join(output.split()).split("restart 1 of 1")
+    named = r"straggler: rank 1 \(node \S+, device cpu\) computed [\d.]+ s per step over steps 1-2, [\d.]+x the other ranks' median"
+    assert re.search(named, before), before
+    assert "straggler:" not in after
 
 
 def test_the_restarted_ranks_resume_from_the_newest_complete_checkpoint(runs):

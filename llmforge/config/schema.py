@@ -46,6 +46,7 @@ from llmforge.config.choices import (
     plain,
 )
 from llmforge.config.fields import knob
+from llmforge.config.health import HealthConfig
 from llmforge.config.launchers import KubernetesConfig, SkyPilotConfig
 
 #: The names of the choice keys, derived from their enums (llmforge.config.choices) for callers that list them.
@@ -442,6 +443,10 @@ class ClusterConfig:
         range="[0, inf)",
         help="After a rank fails, restart every rank up to N times (torchrun --max-restarts); they resume from the newest complete "
         "checkpoint.",
+    )
+    health: HealthConfig = knob(
+        help="The run's health watch: hangs found from the loop's progress, stragglers named, accelerators checked (docs/launch.md).",
+        factory=HealthConfig,
     )
 
 

@@ -47,9 +47,18 @@ def parse_steps(text: str) -> tuple[int, int]:
 #: policies are drilled (tests, drills). STEP is one optimizer step N or a range N-M. KIND:
 #: ``exit`` (the default): that rank exits abruptly (exit code 1) after step N;
 #: ``nan-loss``: that rank's loss of those steps is NaN (its gradients stay finite);
-#: ``nan-grad``: one element of that rank's gradients of those steps is NaN.
+#: ``nan-grad``: one element of that rank's gradients of those steps is NaN;
+#: ``hang``: at step N that rank blocks in a receive no rank answers (a collective that never ends);
+#: ``slow``: that rank sleeps ``SLOW_FAULT_S`` in the forward of each of those steps (a straggler).
+#: Several faults are separated by commas (``1:1-3:slow,1:4:hang``).
 FAULT_ENV = "LLMFORGE_FAULT"
-FAULT_KINDS = ("exit", "nan-loss", "nan-grad")
+FAULT_KINDS = ("exit", "nan-loss", "nan-grad", "hang", "slow")
+SLOW_FAULT_S = 0.3
+
+
+def parse_faults(spec: str) -> list[tuple[int, int, int, str]]:
+    """Comma-separated ``parse_fault`` specs; ValueError if one is malformed."""
+    return [parse_fault(part) for part in spec.split(",")]
 
 
 def parse_fault(spec: str) -> tuple[int, int, int, str]:
@@ -68,7 +77,7 @@ def fault_problem(spec: str) -> Problem:
         FAULT_ENV,
         spec,
         "not a fault to inject",
-        f"write RANK:STEP[:KIND], STEP being N or N-M (N <= M, from 1) and KIND one of "
+        f"write RANK:STEP[:KIND] (several separated by commas), STEP being N or N-M (N <= M, from 1) and KIND one of "
         f"{', '.join(FAULT_KINDS)}, e.g. {FAULT_ENV}=0:3 or {FAULT_ENV}=1:4:nan-grad; or unset it",
     )
 

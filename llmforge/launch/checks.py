@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from llmforge.checkpoint.hf_import import check_folder
-from llmforge.config.train_rules import FAULT_ENV, fault_problem, parse_fault
+from llmforge.config.train_rules import FAULT_ENV, fault_problem, parse_faults
 from llmforge.data.tokenizer import load_tokenizer
 from llmforge.elastic import smallest
 from llmforge.errors import Problem, UserError
@@ -153,16 +153,25 @@ def check_fault(plan: RunPlan, *, resume_from: Path | None, here: bool, console:
     if not spec:
         return
     try:
-        rank, first, last, kind = parse_fault(spec)
+        faults = parse_faults(spec)
     except ValueError:
         raise UserError([fault_problem(spec)], title="bad fault drill") from None
     name = str(resume_from).rstrip("/").rsplit("/", 1)[-1] if resume_from is not None else ""
     done = re.fullmatch(r"step_(\d+)", name)
     resumed_at = int(done.group(1)) if done else 0
+    for fault in faults:
+        _say_fault(plan, fault, spec=spec, resumed_at=resumed_at, here=here, console=console)
+
+
+def _say_fault(plan: RunPlan, fault: tuple[int, int, int, str], *, spec: str, resumed_at: int, here: bool, console: Console) -> None:
+    """Say at start-up when one fault of ``spec`` never comes, or ends this very command."""
+    rank, first, last, kind = fault
     steps = plan.config.train.steps
     never = (
         f"rank {rank} does not exist (this run has {plan.world_size} rank(s), 0-{plan.world_size - 1})"
         if rank >= plan.world_size
+        else "a hang waits for another rank, and this run has one"
+        if kind == "hang" and plan.world_size < 2
         else f"step {first} comes after the last step ({steps})"
         if first > steps
         else f"step{'s' if last > first else ''} {first}{'-' + str(last) if last > first else ''} "

@@ -18,8 +18,15 @@ def run_here(plan: RunPlan, *, resume_from: Path | None, console: Console, estim
     ``estimate``: the launcher's, shared with the meter and the closing line."""
     import torch
 
-    device = torch.device("cpu") if plan.config.cluster.accelerator == "cpu" else torch.device("cuda", 0)
+    device = local_device(plan)
     if device.type == "cpu":  # the threads its profile was measured with (llmforge calibrate sets the same)
         torch.set_num_threads(cpu_threads(1))
     summary = run(plan, rank=RankInfo(device=device), resume_from=resume_from, console=console, estimate=estimate)
     console.print(summary.describe(plan))
+
+
+def local_device(plan: RunPlan):
+    """The device a run in this process trains on: the first GPU, or the CPU for cluster=cpu."""
+    import torch
+
+    return torch.device("cpu") if plan.config.cluster.accelerator == "cpu" else torch.device("cuda", 0)

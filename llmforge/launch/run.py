@@ -22,7 +22,8 @@ from llmforge.estimate.core import Estimate, estimate_plan
 from llmforge.launch import kubernetes, skypilot
 from llmforge.launch.checks import check_devices, check_fault, check_host_memory, check_space, preflight
 from llmforge.launch.claim import claim_outputs
-from llmforge.launch.local import run_here
+from llmforge.launch.devicecheck import check_accelerators
+from llmforge.launch.local import local_device, run_here
 from llmforge.launch.platform import check_platform, to_yaml
 from llmforge.launch.slurm import submit_script
 from llmforge.launch.torchrun import check_supported, start
@@ -74,12 +75,14 @@ def launch(
     if launcher != Launcher.SLURM and not is_url(plan.checkpoint_root):
         check_space(plan, estimate=estimate)
         check_host_memory(plan, estimate=estimate)
+    if here:
+        check_accelerators(plan, device=local_device(plan), console=console)  # the other ranks check theirs in the worker
     with _lock(plan):
         claim_outputs(plan, resume_from=resume_from, overwrite=overwrite, console=console)
         if here:
             run_here(plan, resume_from=resume_from, console=console, estimate=estimate)
             return
-        launch_distributed(plan, resume_from=resume_from, dry_run=False, console=console)
+        launch_distributed(plan, resume_from=resume_from, dry_run=False, console=console, estimate=estimate)
 
 
 def _launch_on_platform(
@@ -111,7 +114,9 @@ def runs_here(plan: RunPlan) -> bool:
     return plan.world_size == 1 and c.launcher == Launcher.LOCAL and c.max_restarts == 0 and plan.layout.offload == Offload.NONE
 
 
-def launch_distributed(plan: RunPlan, *, resume_from: Path | None, dry_run: bool, console: Console) -> None:
+def launch_distributed(
+    plan: RunPlan, *, resume_from: Path | None, dry_run: bool, console: Console, estimate: Estimate | None = None
+) -> None:
     """Run ``plan`` on all its ranks (or write/print the SLURM script)."""
     problems = check_supported(plan)
     if problems:
@@ -121,7 +126,7 @@ def launch_distributed(plan: RunPlan, *, resume_from: Path | None, dry_run: bool
     if plan.config.cluster.launcher == Launcher.SLURM:
         submit_script(plan, plan_path=plan_path(plan), resume_from=resume_from, dry_run=dry_run, console=console)
         return
-    start(plan, plan_path=plan_path(plan), resume_from=resume_from, dry_run=dry_run, console=console)
+    start(plan, plan_path=plan_path(plan), resume_from=resume_from, dry_run=dry_run, console=console, estimate=estimate)
 
 
 def _lock(plan: RunPlan):

@@ -16,10 +16,15 @@ from rich.console import Console
 from llmforge.config.choices import Launcher
 from llmforge.elastic import is_elastic
 from llmforge.errors import Problem
+from llmforge.estimate.core import Estimate, estimate_plan
 from llmforge.estimate.shape import ranks_per_node
 from llmforge.hardware import cpu_threads
 from llmforge.plan import RunPlan
+from llmforge.processes.dumps import flight_recorder_env
+from llmforge.processes.hang import HangBounds
+from llmforge.processes.nodes import NodeBoard
 from llmforge.processes.torchrun import cluster_args, run_torchrun
+from llmforge.processes.watch import HangWatch
 
 WORKER = "llmforge.launch.worker"
 RESTART_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -81,16 +86,47 @@ def torchrun_command(plan: RunPlan, *, plan_path: Path, resume_from: Path | None
     ]
 
 
-def start(plan: RunPlan, *, plan_path: Path, resume_from: Path | None, dry_run: bool, console: Console) -> None:
+def start(
+    plan: RunPlan, *, plan_path: Path, resume_from: Path | None, dry_run: bool, console: Console, estimate: Estimate | None = None
+) -> None:
     """Start torchrun for ``plan`` on this node (its plan.json already written), or with
-    ``dry_run`` print the command."""
+    ``dry_run`` print the command. ``estimate``: the plan's (its step time bounds a hang)."""
     command = torchrun_command(plan, plan_path=plan_path, resume_from=resume_from)
     if dry_run:
         console.print(dry_run_text(command, plan_path=plan_path), highlight=False, soft_wrap=True, markup=False)
         return
     if plan.config.cluster.nodes > 1:
         console.print(f"start the same command on each of the {plan.config.cluster.nodes} nodes", highlight=False)
-    run_torchrun(command[3:], console=console, threads=_threads(plan), hang_s=plan.config.cluster.timeout_s / 2, env=restart_env(plan))
+    step_s = (estimate if estimate is not None else estimate_plan(plan)).step_s
+    run_torchrun(
+        command[3:],
+        console=console,
+        threads=_threads(plan),
+        hang_s=plan.config.cluster.timeout_s / 2,
+        env={**restart_env(plan), **dump_env(plan)},
+        watch=hang_watch(plan, step_s=step_s, console=console),
+    )
+
+
+def hang_watch(plan: RunPlan, *, step_s: float, console: Console) -> HangWatch:
+    """How the launcher finds and explains a hang (``cluster.health``; ``step_s``: the estimated step time)."""
+    c, h = plan.config.cluster, plan.config.cluster.health
+    return HangWatch(
+        bounds=HangBounds(step_s=step_s, factor=h.hang_factor, floor_s=h.hang_floor_s, long_s=h.hang_long_s),
+        dump_root=plan.run_dir / "hangs",
+        max_restarts=plan.config.cluster.max_restarts,
+        say=lambda text: console.print(text, style="bold red", markup=False, highlight=False, soft_wrap=True),
+        board=NodeBoard(endpoint=c.rdzv_endpoint, run_id=plan.config.run.name) if c.nodes > 1 and c.rdzv_endpoint else None,
+    )
+
+
+def dump_env(plan: RunPlan) -> dict[str, str]:
+    """The flight recorder on every rank; on GPUs NCCL's own dump on a collective's timeout goes to run.dir/hangs/timeout/."""
+    cuda = plan.config.cluster.accelerator != "cpu"
+    timeout_dump = plan.run_dir / "hangs" / "timeout" / "rank_"
+    if cuda:
+        timeout_dump.parent.mkdir(parents=True, exist_ok=True)
+    return flight_recorder_env(cuda=cuda, timeout_dump=timeout_dump)
 
 
 def dry_run_text(command: list[str], *, plan_path: Path) -> str:

@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run ... -m llmforge.launch.worker --plan RUN/plan.json [--resume CKPT] [--resume-newest]
 
-Before anything is built, a multi-node run times its network (``llmforge.launch.netcheck``).
+Before anything is built, a multi-node run times its network (``llmforge.launch.netcheck``) and
+every rank its device (``llmforge.launch.devicecheck``, on accelerators).
 Rank 0 alone prints and logs. When torchrun restarts the ranks after a failure
 (``cluster.max_restarts``), they continue from the run's newest complete checkpoint. An error
 on a rank ends it with one record (``llmforge.processes.rank_errors``).
@@ -19,6 +20,7 @@ from llmforge.checkpoint.locate import newest_complete
 from llmforge.checkpoint.resume import saved_plan
 from llmforge.elastic import describe_change
 from llmforge.errors import UserError
+from llmforge.launch.devicecheck import check_accelerators
 from llmforge.launch.guard import install_from_env
 from llmforge.launch.netcheck import check_network
 from llmforge.parallel.mesh import init_distributed
@@ -119,6 +121,7 @@ def run_rank(*, plan_path: Path, resume: Path | None, resume_newest: bool = Fals
         RunLock(plan.run_dir).acquire()  # held until this process ends; each node's launcher shares the folder
     console = Console(stderr=True, markup=False, soft_wrap=True) if main else Console(file=io.StringIO(), quiet=True)
     check_network(plan, device=device, console=console)
+    check_accelerators(plan, device=device, console=console)
     if resume_newest and resume is None and attempt() == 0:
         resume = newest_checkpoint(plan, console=console)
     rank = distributed_rank(plan, device=device)

@@ -18,7 +18,7 @@ from pathlib import Path
 from rich.console import Console
 
 from llmforge.errors import UserError, error_text
-from llmforge.processes.watch import ERROR_DIR_ENV, LAUNCHER_PID_ENV, RankMonitor, failure_report, read_records
+from llmforge.processes.watch import ERROR_DIR_ENV, LAUNCHER_PID_ENV, HangWatch, RankMonitor, failure_report, read_records
 
 
 def cluster_args(*, nodes: int | str, per_node: int, endpoint: str | None, max_restarts: int, run_id: str) -> list[str]:
@@ -32,12 +32,18 @@ def cluster_args(*, nodes: int | str, per_node: int, endpoint: str | None, max_r
 
 
 def run_torchrun(
-    argv: list[str], *, console: Console, threads: int = 1, hang_s: float | None = None, env: dict[str, str] | None = None
+    argv: list[str],
+    *,
+    console: Console,
+    threads: int = 1,
+    hang_s: float | None = None,
+    env: dict[str, str] | None = None,
+    watch: HangWatch | None = None,
 ) -> None:
     """Run torchrun (``argv`` as after ``python -m torch.distributed.run``) here.
 
     The ranks die with this process (see ``llmforge.processes.watch``); with ``hang_s``
-    a rank silent for that long ends the job. On failure the root cause is shown
+    a rank silent for that long ends the job, with ``watch`` a rank whose loop makes no progress. On failure the root cause is shown
     once, as plain text: a user error is raised as a UserError (exit code 2),
     anything else is printed and ends the process with exit code 1."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -46,7 +52,7 @@ def run_torchrun(
 
     base = {LAUNCHER_PID_ENV: str(os.getpid()), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(threads))}
     with tempfile.TemporaryDirectory(prefix="llmforge-errors-") as folder, _quiet_agent():
-        with _env({**base, ERROR_DIR_ENV: folder, **(env or {})}), RankMonitor(Path(folder), hang_s=hang_s) as monitor:
+        with _env({**base, ERROR_DIR_ENV: folder, **(env or {})}), RankMonitor(Path(folder), hang_s=hang_s, watch=watch) as monitor:
             try:
                 run(parse_args(argv))
                 return
@@ -56,9 +62,16 @@ def run_torchrun(
                 console.print(f"stopped by {exc.sigval.name}", style="yellow", highlight=False)
                 return
             except ChildFailedError as exc:
+                monitor.settle()  # a rank may fail of a hang that is being explained
                 codes = {rank: info.exitcode for rank, info in exc.failures.items()}
                 report = failure_report(
-                    Path(folder), exit_codes=codes, hung=monitor.hung, hang_s=hang_s, ended=monitor.ended, ranks=set(monitor.heartbeats())
+                    Path(folder),
+                    exit_codes=codes,
+                    hung=monitor.hung,
+                    hang_s=hang_s,
+                    ended=monitor.ended,
+                    ranks=set(monitor.heartbeats()),
+                    hang_text=monitor.report,
                 )
                 tracebacks = [r["traceback"] for r in read_records(Path(folder)) if r.get("traceback")]
     if report.user:

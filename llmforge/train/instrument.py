@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -15,7 +16,7 @@ import torch
 from rich.console import Console
 
 from llmforge.config.choices import MemorySnapshot
-from llmforge.config.train_rules import FAULT_ENV, parse_fault  # the spec is checked before launch (llmforge.launch.checks)
+from llmforge.config.train_rules import FAULT_ENV, SLOW_FAULT_S, parse_faults  # the spec is checked before launch (llmforge.launch.checks)
 from llmforge.observe.profile import MemorySnapshots, StepProfiler, out_of_memory_error
 from llmforge.parallel.dtensor import local
 from llmforge.plan import RunPlan
@@ -64,16 +65,47 @@ def profiler(plan: RunPlan, *, snapshots: MemorySnapshots, rank: RankInfo, start
 
 def inject_fault(c: Components, *, spec: str | None = None) -> tuple[Components, list[Callback]]:
     """Arm ``spec`` (default: ``$LLMFORGE_FAULT``) on this rank: the components with a poisoned
-    step (``nan``, ``nan-grad``), or the part that exits after a step (``exit``)."""
+    step (``nan``, ``nan-grad``), a slowed or stuck one (``slow``, ``hang``), or the part that
+    exits after a step (``exit``)."""
     spec = spec if spec is not None else os.environ.get(FAULT_ENV)
     if not spec or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
         return c, []
-    fault_rank, first, last, kind = parse_fault(spec)
-    if fault_rank != c.rank.rank:
-        return c, []
-    if kind != "exit":
-        return replace(c, step=PoisonedStep(inner=c.step, c=c, first=first, last=last, grads=kind == "nan-grad")), []
-    return c, [FaultExit(spec=spec, rank=c.rank.rank, step=first)]
+    parts: list[Callback] = []
+    for fault_rank, first, last, kind in parse_faults(spec):
+        if fault_rank != c.rank.rank:
+            continue
+        if kind in ("nan-loss", "nan-grad"):
+            c = replace(c, step=PoisonedStep(inner=c.step, c=c, first=first, last=last, grads=kind == "nan-grad"))
+        elif kind in ("hang", "slow"):
+            c = replace(c, step=StalledStep(inner=c.step, c=c, first=first, last=last, hang=kind == "hang"))
+        else:
+            parts.append(FaultExit(spec=spec, rank=c.rank.rank, step=first))
+    return c, parts
+
+
+@dataclass
+class StalledStep:
+    """A step runner that, on steps ``first``..``last``, sleeps ``SLOW_FAULT_S`` before its forward
+    (a straggler), or with ``hang`` blocks at ``first`` in a receive from the next rank, which
+    never sends (a rank stuck in a collective; the others then wait in the step's reductions)."""
+
+    inner: object
+    c: Components
+    first: int
+    last: int
+    hang: bool
+
+    def __call__(self, batch: torch.Tensor):
+        step = self.c.scheduler.last_epoch + 1
+        if self.hang and step == self.first and torch.distributed.is_initialized():
+            peer = (torch.distributed.get_rank() + 1) % torch.distributed.get_world_size()
+            torch.distributed.recv(torch.zeros(1, device=self.c.rank.device), src=peer, tag=7)
+        elif not self.hang and self.first <= step <= self.last:
+            time.sleep(SLOW_FAULT_S)
+        return self.inner(batch)  # type: ignore[operator]
+
+    def evaluate(self, batch: torch.Tensor) -> float:
+        return self.inner.evaluate(batch)  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from llmforge.parallel.dtensor import local
+from llmforge.processes.progress import mark, reporter
 from llmforge.train.anomaly import Reading
 from llmforge.train.callbacks import Callback, Callbacks
 from llmforge.train.components import Components
@@ -77,9 +78,12 @@ def train_loop(
     loss: torch.Tensor | None = None
     window = _Window()
     for step in range(start_step + 1, total_steps + 1):
+        mark("data", step=step)
         c.before_step(step)
         batch = c.sampler.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size)
+        mark("forward")
         out = c.step(batch)
+        mark("optimizer")
         flags = c.guard.local_flags(out.loss)
         grad_norm = _unscale_and_clip(c, grad_clip, flags=flags)
         lr = c.scheduler.get_last_lr()[0]
@@ -87,6 +91,7 @@ def train_loop(
         parts.after_update(step)
         c.optimizer.zero_grad(set_to_none=True)
         c.scheduler.step()
+        mark("log")
         loss, window.steps = out.loss, window.steps + 1
         first = loss if first is None else first
         result.last_step = step
@@ -95,6 +100,7 @@ def train_loop(
         if logged:
             record = _record(c, result, step=step, reading=c.guard.read(), lr=lr, elapsed=window.close(), metrics=out.metrics)
             if validate:
+                mark("eval")
                 record.update(evaluate(c, steps=eval_steps))
                 window.start = time.perf_counter()  # the next window times training steps, not this validation
                 result.val_loss = record["val_loss"]
@@ -103,10 +109,13 @@ def train_loop(
         parts.step_end(step)
         stop = parts.should_stop()
         if step == total_steps or stop or (checkpoint_interval and step % checkpoint_interval == 0):
+            mark("checkpoint")
             _checkpoint(c, save, step=step, read=not logged)
+        reporter.step_done()
         if stop:
             result.stopped_early = step < total_steps
             break
+    mark("done")
     if loss is not None:
         result.first_loss, result.last_loss = torch.stack([first.double(), loss.double()]).tolist()
     return result

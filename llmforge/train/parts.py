@@ -22,6 +22,7 @@ from llmforge.train.loop import LoopResult, train_loop
 from llmforge.train.observers import observers
 from llmforge.train.state import Checkpointer, load_train_state, stateful_parts
 from llmforge.train.stop import StopSignal
+from llmforge.train.stragglers import straggler_report
 
 
 @dataclass(frozen=True)
@@ -69,13 +70,15 @@ class RunParts:
 
 
 def run_parts(
-    plan: RunPlan, c: Components, *, start_step: int, snapshots: MemorySnapshots, console: Console
+    plan: RunPlan, c: Components, *, start_step: int, snapshots: MemorySnapshots, console: Console, estimate_s: float = 0.0
 ) -> tuple[Components, RunParts]:
-    """This rank's run parts (the components again: a fault drill may poison their step)."""
+    """This rank's run parts (the components again: a fault drill may poison their step);
+    ``estimate_s``: the estimated step time the straggler report compares with."""
     cfg, rank = plan.config, c.rank
     c, fault = inject_fault(c)
     stop = StopSignal(device=rank.device, mesh=rank.mesh, timeout_s=cfg.cluster.timeout_s)
-    parts: list[Callback] = observers(plan, c, start_step=start_step, console=console) if rank.is_main else []
+    parts: list[Callback] = straggler_report(plan, rank=rank, start_step=start_step, estimate_s=estimate_s, console=console)
+    parts += observers(plan, c, start_step=start_step, console=console) if rank.is_main else []
     parts += profiler(plan, snapshots=snapshots, rank=rank, start_step=start_step, console=console)
     parts += compile_watch(plan, is_main=rank.is_main, console=console)
     parts += [*fault, *node_loss(), stop]

@@ -254,7 +254,7 @@ def run(
     start_step = resumed.step if resumed is not None else 0
     if rank.is_main:
         _open_run_dir(plan, resumed=resumed is not None or restarted, start_step=start_step, console=console)
-    c, parts = run_parts(plan, c, start_step=start_step, snapshots=snapshots, console=console)
+    c, parts = run_parts(plan, c, start_step=start_step, snapshots=snapshots, console=console, estimate_s=estimate.step_s)
     if resumed is not None:
         parts.restore(resumed.state)
     try:

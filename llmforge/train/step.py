@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from llmforge.processes.progress import mark
 from llmforge.train.loss import cross_entropy
 from llmforge.train.precision import LossScaler, autocast
 
@@ -101,12 +102,15 @@ class GradAccumulationStep:
                 last = i == len(micro) - 1
                 sync = self.no_sync(last) if self.no_sync is not None else contextlib.nullcontext()
                 with sync, self.loss_context():
+                    mark("forward", microbatch=i)
                     inputs, targets, extra = self._split(mb)
                     logits = self.model(inputs, **extra)
                     with torch.autocast(self.device.type, enabled=False):
                         loss = self.loss_fn(logits, targets)
+                        mark("backward", microbatch=i)
                         self.scaler.scaled(loss / len(micro)).backward()
                 total += loss.detach()
+        mark("comm")
         if self.finish is not None:
             self.finish()
         mean = total / len(micro)
