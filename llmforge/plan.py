@@ -18,6 +18,7 @@ from typing import Any
 
 from llmforge.config.choices import DataSource, Dtype, Position, Qat, choice_problem, plain
 from llmforge.config.compose import split_unknown_names, with_names
+from llmforge.config.eval_rules import check_eval
 from llmforge.config.qat_rules import check_qat
 from llmforge.config.ranges import INT64_MAX, range_problems
 from llmforge.config.schema import ModelConfig, RunConfig, choice_keys
@@ -183,6 +184,7 @@ def _validate(config: RunConfig) -> list[Problem]:
         check_offload,
         check_elastic,
         check_training,
+        check_eval,
         _check_storage,
         check_qat,
     )

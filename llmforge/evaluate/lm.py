@@ -59,6 +59,9 @@ class LlmforgeLM(TemplateLM):
     def tok_decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
+    def loglikelihood(self, requests: list[Any], disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        return super().loglikelihood(requests, disable_tqdm=True)
+
     @torch.no_grad()
     def _loglikelihood_tokens(self, requests: list[Window], disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         """(sum of the continuation's log-probabilities, whether it is the greedy continuation) per window."""

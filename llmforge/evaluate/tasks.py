@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import logging
 import random
 from collections.abc import Iterator
@@ -143,9 +144,15 @@ def quiet_lm_eval() -> Iterator[None]:
         datasets.utils.logging.disable_progress_bar()
     except ImportError:  # pragma: no cover - datasets is a dependency
         bars = False
+    import lm_eval.api.task as task_module
+    from tqdm import tqdm
+
+    bar = task_module.tqdm
+    task_module.tqdm = functools.partial(tqdm, disable=True)  # its request-building bar has no switch of its own
     try:
         yield
     finally:
+        task_module.tqdm = bar
         for logger, level in zip(loggers, levels, strict=True):
             logger.setLevel(level)
         if bars:

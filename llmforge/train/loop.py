@@ -57,6 +57,8 @@ def train_loop(
     save: Callable[[int], None] | None = None,
     eval_interval: int = 0,
     eval_steps: int = 1,
+    downstream: Callable[[int], dict] | None = None,
+    downstream_interval: int = 0,
 ) -> LoopResult:
     """Run optimizer steps ``start_step+1 .. total_steps`` (steps are 1-based, as logged).
 
@@ -68,7 +70,8 @@ def train_loop(
     says stop or roll back. Step time and tokens/s are averaged over the steps since the previous log.
     With ``c.val_sampler`` set, the validation loss is computed every
     ``eval_interval`` steps (0: never in between) and after the last step, and
-    logged with that step's record. ``c.callbacks`` and then ``callbacks`` are called at the
+    logged with that step's record; ``downstream(step)`` (the tasks of ``llmforge.train.downstream``)
+    every ``downstream_interval`` steps, likewise. ``c.callbacks`` and then ``callbacks`` are called at the
     points ``llmforge.train.callbacks`` names; ``save(step)`` writes a checkpoint at every
     ``checkpoint_interval`` steps, after the last step and when a part asks to stop."""
     parts = Callbacks((*c.callbacks, *callbacks))
@@ -91,13 +94,17 @@ def train_loop(
         first = loss if first is None else first
         result.last_step = step
         validate = c.val_sampler is not None and (step == total_steps or (eval_interval and step % eval_interval == 0))
-        logged = step % log_interval == 0 or step == total_steps or validate
+        tasks = downstream is not None and downstream_interval > 0 and step % downstream_interval == 0
+        logged = step % log_interval == 0 or step == total_steps or validate or tasks
         if logged:
             record = _record(c, result, step=step, reading=c.guard.read(), lr=lr, elapsed=window.close(), metrics=out.metrics)
             if validate:
                 record.update(evaluate(c, steps=eval_steps))
-                window.start = time.perf_counter()  # the next window times training steps, not this validation
                 result.val_loss = record["val_loss"]
+            if tasks:
+                record.update(downstream(step))  # type: ignore[misc]
+            if validate or tasks:
+                window.start = time.perf_counter()  # the next window times training steps, not these evaluations
             parts.log(record)
             c.guard.decide(step)
         parts.step_end(step)
