@@ -156,3 +156,33 @@ def test_bad_input_exits_2_naming_the_key_and_writes_nothing(runs, facts, tmp_pa
 def test_a_folder_that_is_no_checkpoint_exits_2(tmp_path):
     result = runner.invoke(app, ["eval", f"ckpt={tmp_path}", "eval.tasks=[facts_mc]"])
     assert result.exit_code == 2 and "neither a checkpoint" in result.output, result.output
+
+
+def test_the_same_numbers_as_lm_evals_hf_model_on_the_export(runs, facts, tmp_path):
+    pytest.importorskip("accelerate")  # lm-eval's hf model needs it (the test extra installs it)
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs["plain"], run_dir)
+    assert runner.invoke(app, ["export", f"ckpt={run_dir}", "--out", str(tmp_path / "hf")]).exit_code == 0
+    names = ["facts_mc", "facts_text", "facts_gen"]
+    result = runner.invoke(app, ["eval", f"ckpt={run_dir}", f"eval.tasks=[{','.join(names)}]", f"eval.include_path=[{facts[1]}]"])
+    assert result.exit_code == 0, result.output
+    ours = json.loads((run_dir / "evals" / "step_6.json").read_text())["results"]
+    theirs = simple_evaluate(
+        model="hf",
+        model_args={"pretrained": str(tmp_path / "hf"), "dtype": "float32"},
+        tasks=names,
+        task_manager=TaskManager(include_path=str(facts[1]), include_defaults=False),
+        device="cpu",
+        batch_size=4,
+        bootstrap_iters=0,
+    )["results"]
+    for task, metric in [
+        ("facts_mc", "acc,none"),
+        ("facts_mc", "acc_norm,none"),
+        ("facts_text", "byte_perplexity,none"),
+        ("facts_gen", "exact_match,none"),
+    ]:
+        assert ours[task][metric] == pytest.approx(theirs[task][metric], rel=1e-5), (task, metric)

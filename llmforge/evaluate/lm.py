@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import lm_eval.models  # noqa: F401 (lm-eval's own models, registered lazily: ours joins them rather than standing alone)
 import torch
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
