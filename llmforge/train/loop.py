@@ -153,12 +153,22 @@ def _record(c: Components, result: LoopResult, *, step: int, reading: Reading, l
 
 
 def evaluate(c: Components, *, steps: int) -> dict:
-    """Mean loss over the next ``steps`` global batches of the held-out stream, and its perplexity."""
+    """Mean loss over the next ``steps`` global batches of the held-out stream, and its perplexity;
+    with a mixture also ``val_loss/NAME`` of each dataset over its first ``steps`` held-out batches
+    (the same sequences at every validation, so the series compares like with like)."""
+    loss = _mean_loss(c, c.val_sampler, steps=steps)
+    record = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
+    for name, sampler in c.val_sources:
+        sampler.position = 0
+        record[f"val_loss/{name}"] = _mean_loss(c, sampler, steps=steps)
+    return record
+
+
+def _mean_loss(c: Components, sampler, *, steps: int) -> float:
     total = 0.0
     for _ in range(steps):
-        total += c.step.evaluate(c.val_sampler.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size))
-    loss = total / steps
-    return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
+        total += c.step.evaluate(sampler.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size))
+    return total / steps
 
 
 def _unscale_and_clip(c: Components, grad_clip: float, *, flags: torch.Tensor) -> torch.Tensor:

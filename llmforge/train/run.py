@@ -117,8 +117,9 @@ def prepare_data(plan: RunPlan, *, console: Console):
     return prepare_apart(data=cfg.data, vocab_size=plan.data_vocab_size, seed=cfg.train.seed, console=console)
 
 
-def make_sampler(plan: RunPlan, prepared, *, split: str = "train") -> object:
-    """The resumable sampler of the global batch order (``split="val"``: of the held-out documents)."""
+def make_sampler(plan: RunPlan, prepared, *, split: str = "train", only_stream: int | None = None) -> object:
+    """The resumable sampler of the global batch order (``split="val"``: of the held-out documents;
+    ``only_stream``: of one dataset of a mixture alone)."""
     cfg = plan.config
     return BatchSampler(
         prepared,
@@ -128,6 +129,7 @@ def make_sampler(plan: RunPlan, prepared, *, split: str = "train") -> object:
         split=split,
         val_fraction=cfg.data.val_fraction,
         val_seed=cfg.data.val_seed,
+        only_stream=only_stream,
     )
 
 
@@ -144,7 +146,11 @@ def build(plan: RunPlan, *, rank: RankInfo, console: Console, estimate: Estimate
         )
     sampler = make_sampler(plan, prepared)
     val_sampler = _val_sampler(plan, prepared, train=sampler, console=console if rank.is_main else None)
-    return build_components(plan, rank=rank, sampler=sampler, val_sampler=val_sampler, estimate=estimate)
+    c = build_components(plan, rank=rank, sampler=sampler, val_sampler=val_sampler, estimate=estimate)
+    if val_sampler is None or len(prepared.streams) < 2:
+        return c
+    sources = tuple((info.name, make_sampler(plan, prepared, split="val", only_stream=i)) for i, info in enumerate(prepared.streams))
+    return dataclasses.replace(c, val_sources=sources)
 
 
 def start_host_peak() -> None:
