@@ -29,6 +29,8 @@ class LoopResult:
     val_loss: float | None = None
     first_loss: float | None = None
     last_loss: float | None = None
+    #: Seconds each downstream evaluation (eval.interval) took.
+    eval_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -103,6 +105,7 @@ def train_loop(
                 result.val_loss = record["val_loss"]
             if tasks:
                 record.update(downstream(step))  # type: ignore[misc]
+                result.eval_seconds.append(record["eval_s"])
             if validate or tasks:
                 window.start = time.perf_counter()  # the next window times training steps, not these evaluations
             parts.log(record)

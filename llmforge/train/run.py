@@ -66,6 +66,8 @@ class RunSummary:
     rollbacks: int = 0
     #: The run's one estimate (the launcher's, or this rank's), which the closing line compares with.
     estimate: Estimate | None = None
+    #: Seconds each downstream evaluation of this launch took (eval.interval).
+    eval_seconds: tuple[float, ...] = ()
 
     def describe(self, plan: RunPlan) -> Text:
         """The closing line a launcher prints (only "done" is styled; paths print as written):
@@ -79,6 +81,12 @@ class RunSummary:
             )
         if self.rollbacks:
             losses += f"; {self.rollbacks} rollback(s)"
+        if self.eval_seconds:
+            spent = sum(self.eval_seconds)
+            losses += (
+                f"; {len(self.eval_seconds)} evaluation(s) of eval.tasks, {spent / len(self.eval_seconds):.2f} s each "
+                f"({spent / max(self.wall_s, 1e-9):.0%} of the run)"
+            )
         where = f"; checkpoint {self.checkpoint}" if self.checkpoint else ""
         rest = f" {plan.layout} step {self.last_step}: {losses} in {self.wall_s:.1f}s; metrics in {plan.run_dir / 'metrics.jsonl'}{where}"
         return Text.assemble(("done", "bold green"), rest + self.against_estimate(plan))
@@ -291,6 +299,7 @@ def _summary(result: LoopResult, c: Components, *, saver: store.CheckpointSaver,
         skipped_steps=c.guard.skipped,
         rollbacks=c.guard.rollbacks,
         estimate=estimate,
+        eval_seconds=tuple(result.eval_seconds),
     )
 
 
