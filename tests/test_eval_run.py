@@ -76,6 +76,7 @@ def test_evaluations_every_k_steps_leave_the_training_losses_unchanged(runs):
     assert evaluated_steps(runs["evaluated"]) == [2, 4, 6]
     record = next(r for r in evaluated if r["step"] == 4)
     assert {"eval/facts_gen/exact_match", "eval/facts_mc/acc_stderr", "eval_s", "eval_tokens_per_s"} <= set(record)
+    assert record["tokens_seen"] == 4 * 8 * 32
     saved = json.loads((runs["evaluated"] / "evals" / "step_4.json").read_text())
     assert saved["results"]["facts_mc"]["acc,none"] == record["eval/facts_mc/acc"]
     assert sorted(p.name for p in (runs["evaluated"] / "evals").iterdir()) == ["step_2.json", "step_4.json", "step_6.json"]

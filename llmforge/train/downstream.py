@@ -3,7 +3,7 @@
 The tasks are loaded once, when the run starts. At an evaluation every rank runs every
 request on its own copy of the current weights, in lockstep (the gathers of ZeRO 3 need
 each rank to run the same forwards), and rank 0 keeps the results: the metrics join that
-step's record (``eval/TASK/METRIC``, ``eval_s``, ``eval_tokens_per_s``) and lm-eval's results go
+step's record (``eval/TASK/METRIC``, ``eval_s``, ``eval_tokens_per_s``, ``tokens_seen``) and lm-eval's results go
 to ``run.dir/evals/step_N.json``. The training state is left as it was: every module's
 train/eval mode, the random streams (``llmforge.evaluate.tasks.kept_random_state``), and the
 data samplers, which an evaluation never reads. Layouts that split the model itself (tensor,
@@ -33,6 +33,7 @@ class DownstreamEval:
 
         cfg = plan.config
         self.settings, self.run_dir, self.is_main = cfg.eval, plan.run_dir, c.rank.is_main
+        self.tokens_per_step = plan.tokens_per_step
         self.console = console
         self.model = c.model_parts[0]
         self.loaded = load_tasks(cfg.eval)
@@ -63,7 +64,12 @@ class DownstreamEval:
             for module, training in modes:
                 module.training = training
         seconds = time.perf_counter() - start
-        metrics = {**flat_metrics(results), "eval_s": seconds, "eval_tokens_per_s": self.lm.tokens_seen / max(seconds, 1e-9)}
+        metrics = {
+            **flat_metrics(results),
+            "eval_s": seconds,
+            "eval_tokens_per_s": self.lm.tokens_seen / max(seconds, 1e-9),
+            "tokens_seen": step * self.tokens_per_step,
+        }
         if self.is_main:
             write_results(results, run_dir=self.run_dir, step=step)
             shown = ", ".join(f"{k[len('eval/') :]} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/") and "_stderr" not in k)
