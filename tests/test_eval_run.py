@@ -59,7 +59,7 @@ def with_tasks(facts, interval: int = 2) -> list[str]:
 def runs(facts, tmp_path_factory):
     """The same 6 steps without evaluations and with them every 2 steps."""
     out = {}
-    for name, extra in (("plain", []), ("evaluated", with_tasks(facts))):
+    for name, extra in (("plain", []), ("evaluated", [*with_tasks(facts), "logging.wandb.mode=offline", "logging.tensorboard=true"])):
         run_dir = tmp_path_factory.mktemp(name)
         run(RunPlan.build(compose([*TINY, *facts[0], *extra, f"run.dir={run_dir}"])), rank=RankInfo())
         out[name] = run_dir
@@ -80,12 +80,14 @@ def test_evaluations_every_k_steps_leave_the_training_losses_unchanged(runs):
     saved = json.loads((runs["evaluated"] / "evals" / "step_4.json").read_text())
     assert saved["results"]["facts_mc"]["acc,none"] == record["eval/facts_mc/acc"]
     assert sorted(p.name for p in (runs["evaluated"] / "evals").iterdir()) == ["step_2.json", "step_4.json", "step_6.json"]
+    for pattern in ("wandb/offline-run-*/*.wandb", "tensorboard/events.*"):  # the same record goes to W&B and TensorBoard
+        assert any(b"eval/facts_mc/acc" in p.read_bytes() for p in runs["evaluated"].glob(pattern)), pattern
 
 
 def test_a_resume_continues_the_series_with_one_record_per_interval(runs, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(runs["evaluated"], run_dir)  # a run that went on past its checkpoint at step 2, then resumed from it
-    plan, path = plan_for_resume([f"ckpt={run_dir}/checkpoints/step_2"])
+    plan, path = plan_for_resume([f"ckpt={run_dir}/checkpoints/step_2", "logging.wandb.mode=disabled", "logging.tensorboard=false"])
     run(plan, rank=RankInfo(), resume_from=path)
     assert evaluated_steps(run_dir) == [2, 4, 6]
     before = read_metrics(runs["evaluated"] / "metrics.jsonl")

@@ -24,6 +24,7 @@ def eval_command(overrides: list[str], *, device: str, tokenizer: Path | None, o
     from llmforge.checkpoint.resume import saved_config, split_ckpt
     from llmforge.checkpoint.store import step_of
     from llmforge.config.ranges import range_problems
+    from llmforge.rundir import check_writable
 
     ckpt, rest = split_ckpt(overrides)
     bad = [o for o in rest if not o.lstrip("+~").startswith(ALLOWED)]
@@ -35,6 +36,7 @@ def eval_command(overrides: list[str], *, device: str, tokenizer: Path | None, o
     found = locate(ckpt)
     for note in found.notes:
         err.print(note, style="yellow", markup=False, highlight=False)
+    check_writable(Path(found.run_dir) / "evals", key="ckpt", given=Path(str(found.run_dir)))
     config = saved_config(found.path, rest)
     problems = range_problems(config.eval, prefix="eval.")
     if problems:
