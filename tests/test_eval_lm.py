@@ -20,7 +20,7 @@ from llmforge.train.loss import cross_entropy
 
 pytest.importorskip("lm_eval")
 
-from llmforge.evaluate.lm import LlmforgeLM  # noqa: E402
+from llmforge.evaluate.lm import harness_model  # noqa: E402
 from llmforge.evaluate.tasks import load_tasks, run_tasks  # noqa: E402
 
 SHAPE = [
@@ -71,9 +71,9 @@ def _train(model: torch.nn.Module, *, tok, eos_id: int, seq_len: int, steps: int
     return model.eval()
 
 
-def lm_of(setup, model, *, batch_size: int = 8) -> LlmforgeLM:
+def lm_of(setup, model, *, batch_size: int = 8):
     config, tok, eos_id, *_ = setup
-    return LlmforgeLM(model=model, tokenizer=tok, eos_id=eos_id, seq_len=config.model.seq_len, batch_size=batch_size)
+    return harness_model(model=model, tokenizer=tok, eos_id=eos_id, seq_len=config.model.seq_len, batch_size=batch_size)
 
 
 def evaluate(setup, model, tasks: list[str], **kw) -> dict:

@@ -62,7 +62,7 @@ def _evaluate(
     path: Any, *, config: Any, loaded: dict[str, Any], device: str, tokenizer: Path | None, err: Console
 ) -> tuple[dict[str, Any], float, int]:
     """(results, seconds, tokens run through the model)."""
-    from llmforge.evaluate.lm import LlmforgeLM
+    from llmforge.evaluate.lm import harness_model
     from llmforge.evaluate.tasks import run_tasks
     from llmforge.generate import load_model, pick_device, run_tokenizer
 
@@ -70,7 +70,7 @@ def _evaluate(
     tok, eos_id = run_tokenizer(config, tokenizer=tokenizer, console=err)
     model = load_model(path, config=config, device=where).eval()
     e = config.eval
-    lm = LlmforgeLM(
+    lm = harness_model(
         model=model, tokenizer=tok, eos_id=eos_id, seq_len=config.model.seq_len, batch_size=e.batch_size, max_gen_tokens=e.max_gen_tokens
     )
     err.print(

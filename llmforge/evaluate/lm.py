@@ -1,4 +1,4 @@
-"""llmforge's own model as an lm-evaluation-harness model (``lm_eval.api.model.TemplateLM``).
+"""llmforge's own model as an lm-evaluation-harness model (a ``lm_eval.api.model.TemplateLM``).
 
 The three request kinds run on the whole model in one process, in its own code (no
 export): ``loglikelihood`` and ``loglikelihood_rolling`` score padded batches of token
@@ -7,30 +7,47 @@ length together with the KV cache (``llmforge.models.kvcache``). Tokenization an
 windowing are lm-eval's own (``TemplateLM._encode_pair``, ``get_rolling_token_windows``),
 with the end-of-document token as the prefix, as its ``hf`` model does on an export of the
 same checkpoint, so the two give the same numbers.
+
+lm-eval is an optional dependency, imported when a model is made (``harness_model``): the
+methods live in ``HarnessMethods`` and the class, registered with lm-eval as ``llmforge``,
+is that and ``TemplateLM`` together.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import lm_eval.models  # noqa: F401 (lm-eval's own models, registered lazily: ours joins them rather than standing alone)
 import torch
-from lm_eval import utils as lm_utils
-from lm_eval.api.model import TemplateLM
-from lm_eval.api.registry import register_model
 
-from llmforge.config.schema import GenerateConfig
-from llmforge.generate import next_token
 from llmforge.models.kvcache import KVCache
 
 #: One scored window: (request key, context ids, continuation ids).
 Window = tuple[Any, list[int], list[int]]
 
 
-@register_model("llmforge")
-class LlmforgeLM(TemplateLM):
-    """A built llmforge ``GPT`` (weights already loaded) and the run's tokenizer."""
+def harness_model(
+    *, model: torch.nn.Module, tokenizer: Any, eos_id: int, seq_len: int, batch_size: int = 8, max_gen_tokens: int = 256
+) -> Any:
+    """The lm-eval model over a built llmforge ``GPT`` (weights already loaded) and the run's tokenizer."""
+    return harness_class()(
+        model=model, tokenizer=tokenizer, eos_id=eos_id, seq_len=seq_len, batch_size=batch_size, max_gen_tokens=max_gen_tokens
+    )
+
+
+@functools.cache
+def harness_class() -> type:
+    """``LlmforgeLM``: ``HarnessMethods`` on lm-eval's ``TemplateLM``, registered as ``llmforge``."""
+    import lm_eval.models  # noqa: F401 (lm-eval's own models, registered lazily: ours joins them rather than standing alone)
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.api.registry import register_model
+
+    return register_model("llmforge")(type("LlmforgeLM", (HarnessMethods, TemplateLM), {"__module__": __name__}))
+
+
+class HarnessMethods:
+    """What the lm-eval model does; ``harness_class`` puts it on ``TemplateLM``."""
 
     def __init__(
         self, *, model: torch.nn.Module, tokenizer: Any, eos_id: int, seq_len: int, batch_size: int = 8, max_gen_tokens: int = 256
@@ -93,13 +110,15 @@ class LlmforgeLM(TemplateLM):
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Each text's whole log-likelihood, in disjoint windows of the model's length."""
+        from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
         windows: list[Window] = []
         owners: list[int] = []
         for index, (text,) in enumerate(req.args for req in requests):
-            pairs = lm_utils.get_rolling_token_windows(
+            pairs = get_rolling_token_windows(
                 token_list=self.tok_encode(text), prefix_token=self.eos_id, max_seq_len=self.seq_len, context_len=1
             )
-            for context, continuation in map(lm_utils.make_disjoint_window, pairs):
+            for context, continuation in map(make_disjoint_window, pairs):
                 windows.append((None, context, continuation))
                 owners.append(index)
         totals = [0.0] * len(requests)
@@ -130,8 +149,8 @@ class LlmforgeLM(TemplateLM):
         """Prompts of one length, continued together (each row stops on its own)."""
         until = _stop_strings(settings)
         limit = int(settings.get("max_gen_toks", self.max_gen_tokens))
-        sampling = _sampling(settings)
-        generator = torch.Generator().manual_seed(sampling.seed)
+        temperature = _temperature(settings)
+        generator = torch.Generator().manual_seed(0)
         rows = [list(p) for p in prompts]
         new: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
@@ -139,7 +158,7 @@ class LlmforgeLM(TemplateLM):
         for _ in range(limit):
             logits = self.model(torch.tensor(pending, dtype=torch.long, device=self._device), cache=cache)[:, -1]
             self.tokens_seen += len(pending) * len(pending[0])
-            for row, token in enumerate(_pick(logits, sampling=sampling, generator=generator)):
+            for row, token in enumerate(_pick(logits, temperature=temperature, generator=generator)):
                 rows[row].append(token)
                 if not done[row]:
                     new[row].append(token)
@@ -163,16 +182,17 @@ def _stop_strings(settings: dict[str, Any]) -> list[str]:
     return [until] if isinstance(until, str) else list(until)
 
 
-def _sampling(settings: dict[str, Any]) -> GenerateConfig:
-    """Greedy unless the task asks to sample (``do_sample`` with a positive temperature)."""
-    temperature = float(settings.get("temperature", 0.0) or 0.0) if settings.get("do_sample", False) else 0.0
-    return GenerateConfig(temperature=temperature, top_k=0, top_p=float(settings.get("top_p", 1.0) or 1.0), seed=0)
+def _temperature(settings: dict[str, Any]) -> float:
+    """0 (greedy) unless the task asks to sample (``do_sample`` with a positive temperature)."""
+    return float(settings.get("temperature", 0.0) or 0.0) if settings.get("do_sample", False) else 0.0
 
 
-def _pick(logits: torch.Tensor, *, sampling: GenerateConfig, generator: torch.Generator) -> list[int]:
-    if sampling.temperature == 0:
+def _pick(logits: torch.Tensor, *, temperature: float, generator: torch.Generator) -> list[int]:
+    """Each row's next token: the most likely, or drawn from the softmax at the temperature (float64)."""
+    if temperature == 0:
         return [int(t) for t in logits.argmax(-1)]
-    return [next_token(row, settings=sampling, generator=generator) for row in logits]
+    probs = torch.softmax(logits.double().cpu() / temperature, dim=-1)
+    return [int(t) for t in torch.multinomial(probs, 1, generator=generator)[:, 0]]
 
 
 def _stopped(text: str, until: list[str]) -> bool:

@@ -34,8 +34,20 @@ FEWSHOT_SEED = 1234
 EXAMPLE = "eval.tasks=[hellaswag,arc_easy]"
 
 
+def check_installed() -> None:
+    """Refuse eval.* work before anything starts when lm-eval is missing."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError:
+        raise UserError(
+            [Problem("eval.tasks", None, "lm-evaluation-harness (lm-eval) is not installed", "pip install 'llmforge[eval]'")],
+            title="lm-eval is not installed",
+        ) from None
+
+
 def check_settings(settings: EvalConfig) -> None:
-    """Something to run, and every include path present."""
+    """Something to run, every include path present, and lm-eval installed."""
+    check_installed()
     problems = []
     if not settings.tasks:
         problems.append(Problem("eval.tasks", [], "names no task", f"name lm-eval tasks, e.g. {EXAMPLE}"))

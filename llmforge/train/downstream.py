@@ -19,6 +19,10 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from llmforge.checkpoint.export import run_tokenizer_file
+from llmforge.evaluate.lm import harness_model
+from llmforge.evaluate.results import flat_metrics, write_results
+from llmforge.evaluate.tasks import load_tasks, run_tasks
 from llmforge.plan import RunPlan
 from llmforge.train.components import Components
 
@@ -27,10 +31,6 @@ class DownstreamEval:
     """``evaluator(step) -> metrics``: the run's tasks on the current weights."""
 
     def __init__(self, plan: RunPlan, c: Components, *, console: Console) -> None:
-        from llmforge.checkpoint.export import run_tokenizer_file
-        from llmforge.evaluate.lm import LlmforgeLM
-        from llmforge.evaluate.tasks import load_tasks
-
         cfg = plan.config
         self.settings, self.run_dir, self.is_main = cfg.eval, plan.run_dir, c.rank.is_main
         self.tokens_per_step = plan.tokens_per_step
@@ -40,7 +40,7 @@ class DownstreamEval:
         path, eos_id = run_tokenizer_file(cfg, console=None)
         from tokenizers import Tokenizer
 
-        self.lm = LlmforgeLM(
+        self.lm = harness_model(
             model=self.model,
             tokenizer=Tokenizer.from_file(str(path)),
             eos_id=eos_id,
@@ -50,9 +50,6 @@ class DownstreamEval:
         )
 
     def __call__(self, step: int) -> dict[str, Any]:
-        from llmforge.evaluate.results import flat_metrics, write_results
-        from llmforge.evaluate.tasks import run_tasks
-
         modes = [(module, module.training) for module in self.model.modules()]
         self.model.eval()
         self.lm.tokens_seen = 0

@@ -16,6 +16,7 @@ from llmforge.observe.profile import MemorySnapshots
 from llmforge.plan import RunPlan
 from llmforge.train.callbacks import Callback, Callbacks, named
 from llmforge.train.components import Components
+from llmforge.train.downstream import DownstreamEval
 from llmforge.train.instrument import inject_fault, node_loss, profiler
 from llmforge.train.loop import LoopResult, train_loop
 from llmforge.train.observers import observers
@@ -95,7 +96,5 @@ def run_parts(
     checkpointer = Checkpointer(c, saver=saver, plan=plan.to_dict(), parts=stateful_parts(c, callbacks), callbacks=callbacks, due=due)
     downstream = None
     if cfg.eval.interval > 0 and cfg.eval.tasks:
-        from llmforge.train.downstream import DownstreamEval
-
         downstream = DownstreamEval(plan, c, console=console)
     return c, RunParts(callbacks=callbacks, stop=stop, checkpointer=checkpointer, saver=saver, events=events, downstream=downstream)
