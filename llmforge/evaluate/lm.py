@@ -99,14 +99,15 @@ class HarnessMethods:
         for row, ids in enumerate(inputs):
             tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         self.tokens_seen += sum(len(ids) for ids in inputs)
-        logprobs = torch.log_softmax(self.model(tokens.to(self._device)).float(), dim=-1).cpu()
-        scored = []
+        logits = self.model(tokens.to(self._device))
+        totals, greedy = [], []
         for row, (ids, (_, _, continuation)) in enumerate(zip(inputs, windows, strict=True)):
-            picked = logprobs[row, len(ids) - len(continuation) : len(ids)]
-            target = torch.tensor(continuation, dtype=torch.long)
-            total = float(picked.gather(1, target[:, None]).sum())
-            scored.append((total, bool((picked.argmax(-1) == target).all())))
-        return scored
+            # the continuation's positions only: a choice is a token or two of a long context
+            picked = torch.log_softmax(logits[row, len(ids) - len(continuation) : len(ids)].float(), dim=-1)
+            target = torch.tensor(continuation, dtype=torch.long, device=picked.device)
+            totals.append(picked.gather(1, target[:, None]).sum())
+            greedy.append((picked.argmax(-1) == target).all())
+        return list(zip(torch.stack(totals).double().tolist(), torch.stack(greedy).tolist(), strict=True))
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Each text's whole log-likelihood, in disjoint windows of the model's length."""
