@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from llmforge.models.kvcache import KVCache
 
@@ -28,12 +29,24 @@ Window = tuple[Any, list[int], list[int]]
 
 
 def harness_model(
-    *, model: torch.nn.Module, tokenizer: Any, eos_id: int, seq_len: int, batch_size: int = 8, max_gen_tokens: int = 256
+    *,
+    model: torch.nn.Module,
+    tokenizer: Any,
+    eos_id: int,
+    seq_len: int,
+    batch_size: int = 8,
+    max_gen_tokens: int = 256,
+    split_over_ranks: bool = False,
 ) -> Any:
-    """The lm-eval model over a built llmforge ``GPT`` (weights already loaded) and the run's tokenizer."""
-    return harness_class()(
+    """The lm-eval model over a built llmforge ``GPT`` (weights already loaded) and the run's tokenizer.
+    ``split_over_ranks``: each rank of the default process group (every one with the whole model,
+    and none waiting on another in forward) runs its share of the documents; rank 0 gets the results."""
+    lm = harness_class()(
         model=model, tokenizer=tokenizer, eos_id=eos_id, seq_len=seq_len, batch_size=batch_size, max_gen_tokens=max_gen_tokens
     )
+    if split_over_ranks and dist.is_initialized() and dist.get_world_size() > 1:
+        lm._rank, lm._world_size = dist.get_rank(), dist.get_world_size()
+    return lm
 
 
 @functools.cache
@@ -58,6 +71,25 @@ class HarnessMethods:
         self._device = next(model.parameters()).device
         #: Tokens run through the model since the last reset (the throughput figures count them).
         self.tokens_seen = 0
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``tensor``, concatenated (stacked when they are scalars), as lm-eval's evaluator asks."""
+        if self.world_size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.stack(parts) if tensor.dim() == 0 else torch.cat(parts)
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        if self.world_size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered if self.rank == dst else None
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
 
     @property
     def eot_token_id(self) -> int:

@@ -1,8 +1,9 @@
 """Downstream evaluations in the training loop (``eval.tasks`` every ``eval.interval`` steps).
 
-The tasks are loaded once, when the run starts. At an evaluation every rank runs every
-request on its own copy of the current weights, in lockstep (the gathers of ZeRO 3 need
-each rank to run the same forwards), and rank 0 keeps the results: the metrics join that
+The tasks are loaded once, when the run starts. At an evaluation the data-parallel ranks of
+a ZeRO 0 run split the documents (lm-eval's own split and gather); under ZeRO 1-3, whose
+forward gathers the weights, every rank runs every request, in lockstep, so that all run the
+same forwards. Rank 0 keeps the results: the metrics join that
 step's record (``eval/TASK/METRIC``, ``eval_s``, ``eval_tokens_per_s``, ``tokens_seen``) and lm-eval's results go
 to ``run.dir/evals/step_N.json``. The training state is left as it was: every module's
 train/eval mode, the random streams (``llmforge.evaluate.tasks.kept_random_state``), and the
@@ -47,6 +48,7 @@ class DownstreamEval:
             seq_len=cfg.model.seq_len,
             batch_size=cfg.eval.batch_size,
             max_gen_tokens=cfg.eval.max_gen_tokens,
+            split_over_ranks=plan.layout.zero == 0,
         )
 
     def __call__(self, step: int) -> dict[str, Any]:
@@ -61,6 +63,8 @@ class DownstreamEval:
             for module, training in modes:
                 module.training = training
         seconds = time.perf_counter() - start
+        if results is None:  # a rank that ran its share of the documents: rank 0 has the results
+            return {"eval_s": seconds}
         metrics = {
             **flat_metrics(results),
             "eval_s": seconds,
