@@ -88,8 +88,10 @@ def test_a_resume_continues_the_series_with_one_record_per_interval(runs, tmp_pa
     run_dir = tmp_path / "run"
     shutil.copytree(runs["evaluated"], run_dir)  # a run that went on past its checkpoint at step 2, then resumed from it
     plan, path = plan_for_resume([f"ckpt={run_dir}/checkpoints/step_2", "logging.wandb.mode=disabled", "logging.tensorboard=false"])
+    (run_dir / "evals" / "step_8.json").write_text("{}")  # from a longer history past the checkpoint
     run(plan, rank=RankInfo(), resume_from=path)
     assert evaluated_steps(run_dir) == [2, 4, 6]
+    assert sorted(p.name for p in (run_dir / "evals").iterdir()) == ["step_2.json", "step_4.json", "step_6.json"]
     before = read_metrics(runs["evaluated"] / "metrics.jsonl")
     assert read_metrics(run_dir / "metrics.jsonl") == [
         {**r, **{k: v for k, v in after.items() if k in ("step_time_s", "tokens_per_s", "mfu", "eval_s", "eval_tokens_per_s")}}

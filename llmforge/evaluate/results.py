@@ -62,3 +62,15 @@ def write_results(results: dict[str, Any], *, run_dir: Path, step: int) -> Path:
     kept = {key: value for key, value in results.items() if key != "samples"}
     write_text_atomic(path, json.dumps(kept, indent=1, default=handle_non_serializable, sort_keys=True))
     return path
+
+
+def drop_results_after(run_dir: Path, *, step: int) -> list[str]:
+    """Remove ``evals/step_N.json`` past ``step`` (a resume evaluates those steps again); return their names."""
+    folder = Path(run_dir) / "evals"
+    dropped = []
+    for path in sorted(folder.glob("step_*.json")) if folder.is_dir() else []:
+        number = path.stem.removeprefix("step_")
+        if number.isdigit() and int(number) > step:
+            path.unlink()
+            dropped.append(path.name)
+    return dropped

@@ -168,7 +168,7 @@ def claim_run_dir(run_dir: Path, *, overwrite: bool, console: Console) -> None:
             f"run.dir={run_dir} holds an earlier run ({names}) that saved no complete checkpoint, so it cannot be resumed; "
             "pass --overwrite to start over there, or choose another run.dir=..."
         )
-    for path in [*found, run_dir / "wandb_run_id"]:
+    for path in [*found, run_dir / "wandb_run_id", run_dir / "evals"]:
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():

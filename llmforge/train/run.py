@@ -32,6 +32,7 @@ from llmforge.data.sampler import BatchSampler
 from llmforge.errors import fail, pasteable
 from llmforge.estimate.core import Estimate, estimate_plan
 from llmforge.estimate.text import gib
+from llmforge.evaluate.results import drop_results_after
 from llmforge.observe.metrics import tidy_metrics
 from llmforge.observe.profile import MemorySnapshots
 from llmforge.plan import RunPlan
@@ -227,12 +228,13 @@ def set_aside_newer(root: store.Where, *, after_step: int) -> list[str]:
 
 def _open_run_dir(plan: RunPlan, *, resumed: bool, start_step: int, console: Console) -> None:
     """plan.json, metrics.jsonl without an incomplete last line, and after a resume:
-    metrics and checkpoints past the resumed step set aside."""
+    metrics, evaluation results and checkpoints past the resumed step set aside (results removed)."""
     write_plan(plan)
     for note in tidy_metrics(plan.run_dir / "metrics.jsonl", after_step=start_step if resumed else None):
         console.print(note, style="yellow", markup=False, highlight=False)
     if not resumed:
         return
+    drop_results_after(plan.run_dir, step=start_step)
     for old in set_aside_newer(plan.checkpoint_root, after_step=start_step):
         console.print(f"{old} is newer than the checkpoint resumed from; kept as superseded-{old}", style="yellow", markup=False)
 
