@@ -191,3 +191,14 @@ def test_the_same_numbers_as_lm_evals_hf_model_on_the_export(runs, facts, tmp_pa
         ("facts_gen", "exact_match,none"),
     ]:
         assert ours[task][metric] == pytest.approx(theirs[task][metric], rel=1e-5), (task, metric)
+
+
+def test_without_lm_eval_the_eval_keys_say_how_to_install_it(monkeypatch):
+    import sys
+
+    from llmforge.evaluate.tasks import check_settings
+
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # what an environment without the eval extra imports
+    with pytest.raises(UserError, match="lm-eval") as info:
+        check_settings(compose([*TINY, "eval.tasks=[facts_mc]"]).eval)
+    assert "llmforge[eval]" in info.value.problems[0].fix
