@@ -295,6 +295,29 @@ def generate(
     )
 
 
+@app.command("eval")
+@user_errors
+def evaluate(
+    overrides: list[str] | None = OVERRIDES,
+    device: str = typer.Option("auto", "--device", help="cpu, cuda, cuda:N, or auto (the first GPU if there is one)."),
+    tokenizer: Path | None = typer.Option(None, "--tokenizer", help="A tokenizer.json to use instead of the run's own."),
+) -> None:
+    r"""Evaluate a checkpoint on lm-evaluation-harness tasks: ckpt=PATH and eval.tasks=\[...],
+    plus eval.* keys (llmforge keys eval.) for your own task YAML folder, a document limit,
+    few-shot count and batch size. Prints each task's metrics with their standard errors and
+    writes lm-eval's results to RUN/evals/step_N.json (docs/eval.md).
+
+    [bold]Examples[/]
+
+      llmforge eval ckpt=runs/tiny eval.tasks=\[hellaswag,arc_easy] eval.limit=100
+
+      llmforge eval ckpt=runs/tiny/checkpoints/step_200 eval.tasks=\[my_task] eval.include_path=\[tasks/]
+    """
+    from llmforge.commands.evaluate import eval_command
+
+    eval_command(overrides or [], device=device, tokenizer=tokenizer, out=out, err=err)
+
+
 @app.command()
 @user_errors
 def calibrate(

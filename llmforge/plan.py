@@ -18,6 +18,7 @@ from typing import Any
 
 from llmforge.config.choices import DataSource, Dtype, Position, Qat, choice_problem, plain
 from llmforge.config.compose import split_unknown_names, with_names
+from llmforge.config.eval_rules import check_eval
 from llmforge.config.locations import location_problems
 from llmforge.config.qat_rules import check_qat
 from llmforge.config.ranges import INT64_MAX, range_problems
@@ -184,6 +185,7 @@ def _validate(config: RunConfig) -> list[Problem]:
         check_elastic,
         check_training,
         location_problems,
+        check_eval,
         check_qat,
     )
     for check in checks:

@@ -173,7 +173,7 @@ LAYERS = (
     ("estimate",),
     ("models",),
     ("parallel",),
-    ("checkpoint",),
+    ("checkpoint", "evaluate"),
     ("calibrate",),
     ("train",),
     ("launch", "generate"),

@@ -16,6 +16,7 @@ def pretrain_command(
     overrides: Sequence[str], *, config_dir: Sequence[Path], force: bool, dry_run: bool, overwrite: bool, console: Console
 ) -> None:
     run_plan = build_plan(overrides, config_dir=config_dir)
+    check_eval_tasks(run_plan)
     from llmforge.commands.rehearsal import rehearse_before_launch
     from llmforge.launch import launch
 
@@ -40,6 +41,7 @@ def resume_command(
     from llmforge.launch import launch
 
     run_plan, checkpoint = plan_for_resume(list(overrides), from_other_run=from_other_run, config_dir=config_dir)
+    check_eval_tasks(run_plan)
     _calibrate_cpu(run_plan, dry_run=dry_run, console=console)
     estimate = plan_estimate(run_plan)
     check_fp8_pays(run_plan, estimate, force=force)
@@ -52,3 +54,12 @@ def _calibrate_cpu(run_plan: RunPlan, *, dry_run: bool, console: Console) -> Non
         from llmforge.calibrate.auto import ensure_cpu_profile
 
         ensure_cpu_profile(run_plan, console=console)
+
+
+def check_eval_tasks(run_plan: RunPlan) -> None:
+    """Before launch: the tasks of evaluations in the loop exist and their data loads (``llmforge.evaluate.tasks``)."""
+    e = run_plan.config.eval
+    if e.interval > 0 and e.tasks:
+        from llmforge.evaluate.tasks import load_tasks
+
+        load_tasks(e)

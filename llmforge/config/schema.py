@@ -45,6 +45,7 @@ from llmforge.config.choices import (
     choice_type,
     plain,
 )
+from llmforge.config.eval_config import EvalConfig
 from llmforge.config.fields import knob
 from llmforge.config.health import HealthConfig
 from llmforge.config.launchers import KubernetesConfig, SkyPilotConfig
@@ -507,6 +508,7 @@ class RunConfig:
     logging: LoggingConfig = knob(help="Console and Weights & Biases logging.", factory=LoggingConfig)
     run: RunConfigSection = knob(help="Run directory and name.", factory=RunConfigSection)
     generate: GenerateConfig = knob(help="Text generation from a checkpoint (llmforge generate).", factory=GenerateConfig)
+    eval: EvalConfig = knob(help="Downstream tasks through lm-evaluation-harness (llmforge eval, eval.interval).", factory=EvalConfig)
 
 
 GROUPS = ("model", "parallel", "precision", "data", "checkpoint", "optim", "cluster", "logging")

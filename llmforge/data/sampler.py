@@ -20,7 +20,8 @@ another global batch size continues the same order.
 With ``val_fraction > 0`` each stream first loses a seeded share of its documents to
 validation (``llmforge.data.split``): the ``train`` sampler windows the rest, a ``val``
 sampler windows the held-out documents alone, each with its own position and the
-same guarantees.
+same guarantees. ``only_stream`` draws from one dataset of a mixture alone (the
+per-dataset validation loss).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class BatchSampler:
         split: str = "train",
         val_fraction: float = 0.0,
         val_seed: int = 0,
+        only_stream: int | None = None,
     ) -> None:
         if seq_len < 1 or global_batch_size < 1:
             raise ValueError("seq_len and global_batch_size must be positive")
@@ -76,6 +78,8 @@ class BatchSampler:
         self.num_sequences = [max(0, (s.num_tokens - 1) // seq_len) for s in self._streams]
         self._check_long_enough()
         self._counts = _block_counts([s.weight for s in data.streams], block=MIX_BLOCK)
+        if only_stream is not None:  # one dataset of a mixture alone (its validation loss)
+            self._counts = np.where(np.arange(len(self._counts)) == only_stream, MIX_BLOCK, 0)
         self._perms: dict[tuple[int, int], np.ndarray] = {}
         self._blocks: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 

@@ -85,7 +85,7 @@ def _held(run_dir: Path, *, found: list[Path], remote: str | None, left: list[st
 
 def _clear(run_dir: Path, *, found: list[Path], remote: str | None, console: Console) -> None:
     """--overwrite: delete the earlier run's files in the run folder and its checkpoints in the store."""
-    for path in [*found, run_dir / "wandb_run_id"]:
+    for path in [*found, run_dir / "wandb_run_id", run_dir / "evals"]:
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():

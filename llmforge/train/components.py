@@ -60,6 +60,8 @@ class Components:
     meter: Callable[[float], dict] | None = None
     #: The held-out stream (``split="val"``), or None when the run does not validate.
     val_sampler: Any | None = None
+    #: With a data.mixture: (dataset name, a held-out sampler of that dataset alone) for each, read from its start at every validation.
+    val_sources: tuple[tuple[str, Any], ...] = ()
     #: Run before each step with its number (1-based): QAT switched on from a step (``llmforge.parallel.qat.switch_at``).
     before_step: Callable[[int], None] = field(default=lambda step: None)
     #: What the model needs after every optimizer step (the MoE bias, float8 scales: ``llmforge.train.model_updates``).

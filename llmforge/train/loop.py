@@ -30,6 +30,8 @@ class LoopResult:
     val_loss: float | None = None
     first_loss: float | None = None
     last_loss: float | None = None
+    #: Seconds each downstream evaluation (eval.interval) took.
+    eval_seconds: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -58,6 +60,8 @@ def train_loop(
     save: Callable[[int], None] | None = None,
     eval_interval: int = 0,
     eval_steps: int = 1,
+    downstream: Callable[[int], dict] | None = None,
+    downstream_interval: int = 0,
 ) -> LoopResult:
     """Run optimizer steps ``start_step+1 .. total_steps`` (steps are 1-based, as logged).
 
@@ -69,7 +73,8 @@ def train_loop(
     says stop or roll back. Step time and tokens/s are averaged over the steps since the previous log.
     With ``c.val_sampler`` set, the validation loss is computed every
     ``eval_interval`` steps (0: never in between) and after the last step, and
-    logged with that step's record. ``c.callbacks`` and then ``callbacks`` are called at the
+    logged with that step's record; ``downstream(step)`` (the tasks of ``llmforge.train.downstream``)
+    every ``downstream_interval`` steps, likewise. ``c.callbacks`` and then ``callbacks`` are called at the
     points ``llmforge.train.callbacks`` names; ``save(step)`` writes a checkpoint at every
     ``checkpoint_interval`` steps, after the last step and when a part asks to stop."""
     parts = Callbacks((*c.callbacks, *callbacks))
@@ -96,14 +101,19 @@ def train_loop(
         first = loss if first is None else first
         result.last_step = step
         validate = c.val_sampler is not None and (step == total_steps or (eval_interval and step % eval_interval == 0))
-        logged = step % log_interval == 0 or step == total_steps or validate
+        tasks = downstream is not None and downstream_interval > 0 and step % downstream_interval == 0
+        logged = step % log_interval == 0 or step == total_steps or validate or tasks
         if logged:
             record = _record(c, result, step=step, reading=c.guard.read(), lr=lr, elapsed=window.close(), metrics=out.metrics)
             if validate:
                 mark("eval")
                 record.update(evaluate(c, steps=eval_steps))
-                window.start = time.perf_counter()  # the next window times training steps, not this validation
                 result.val_loss = record["val_loss"]
+            if tasks:
+                record.update(downstream(step))  # type: ignore[misc]
+                result.eval_seconds.append(record["eval_s"])
+            if validate or tasks:
+                window.start = time.perf_counter()  # the next window times training steps, not these evaluations
             parts.log(record)
             c.guard.decide(step)
         parts.step_end(step)
@@ -155,12 +165,22 @@ def _record(c: Components, result: LoopResult, *, step: int, reading: Reading, l
 
 
 def evaluate(c: Components, *, steps: int) -> dict:
-    """Mean loss over the next ``steps`` global batches of the held-out stream, and its perplexity."""
+    """Mean loss over the next ``steps`` global batches of the held-out stream, and its perplexity;
+    with a mixture also ``val_loss/NAME`` of each dataset over its first ``steps`` held-out batches
+    (the same sequences at every validation, so the series compares like with like)."""
+    loss = _mean_loss(c, c.val_sampler, steps=steps)
+    record = {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
+    for name, sampler in c.val_sources:
+        sampler.position = 0
+        record[f"val_loss/{name}"] = _mean_loss(c, sampler, steps=steps)
+    return record
+
+
+def _mean_loss(c: Components, sampler, *, steps: int) -> float:
     total = 0.0
     for _ in range(steps):
-        total += c.step.evaluate(c.val_sampler.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size))
-    loss = total / steps
-    return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
+        total += c.step.evaluate(sampler.next_batch(dp_rank=c.rank.dp_rank, dp_size=c.rank.dp_size))
+    return total / steps
 
 
 def _unscale_and_clip(c: Components, grad_clip: float, *, flags: torch.Tensor) -> torch.Tensor:

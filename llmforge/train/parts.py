@@ -17,6 +17,7 @@ from llmforge.plan import RunPlan
 from llmforge.train.callbacks import Callback, Callbacks, named
 from llmforge.train.compile_watch import compile_watch
 from llmforge.train.components import Components
+from llmforge.train.downstream import DownstreamEval
 from llmforge.train.instrument import inject_fault, node_loss, profiler
 from llmforge.train.loop import LoopResult, train_loop
 from llmforge.train.observers import observers
@@ -35,6 +36,8 @@ class RunParts:
     checkpointer: Checkpointer
     saver: store.CheckpointSaver
     events: EventLog
+    #: The run's downstream evaluations (``eval.interval``), or None.
+    downstream: Callable[[int], dict] | None = None
 
     def loop(self, plan: RunPlan, c: Components) -> Callable[[int], LoopResult]:
         """The plan's training loop from a step to ``train.steps``, with these parts."""
@@ -52,6 +55,8 @@ class RunParts:
                 save=self.checkpointer,
                 eval_interval=t.eval_interval,
                 eval_steps=t.eval_steps,
+                downstream=self.downstream,
+                downstream_interval=plan.config.eval.interval,
             )
 
         return from_step
@@ -99,4 +104,7 @@ def run_parts(
         return step != cfg.train.steps or cfg.checkpoint.save_final or interval_hit or stop.received is not None
 
     checkpointer = Checkpointer(c, saver=saver, plan=plan.to_dict(), parts=stateful_parts(c, callbacks), callbacks=callbacks, due=due)
-    return c, RunParts(callbacks=callbacks, stop=stop, checkpointer=checkpointer, saver=saver, events=events)
+    downstream = None
+    if cfg.eval.interval > 0 and cfg.eval.tasks:
+        downstream = DownstreamEval(plan, c, console=console)
+    return c, RunParts(callbacks=callbacks, stop=stop, checkpointer=checkpointer, saver=saver, events=events, downstream=downstream)

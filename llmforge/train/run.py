@@ -32,6 +32,7 @@ from llmforge.data.sampler import BatchSampler
 from llmforge.errors import fail, pasteable
 from llmforge.estimate.core import Estimate, estimate_plan
 from llmforge.estimate.text import gib
+from llmforge.evaluate.results import drop_results_after
 from llmforge.observe.metrics import tidy_metrics
 from llmforge.observe.profile import MemorySnapshots
 from llmforge.plan import RunPlan
@@ -66,6 +67,8 @@ class RunSummary:
     rollbacks: int = 0
     #: The run's one estimate (the launcher's, or this rank's), which the closing line compares with.
     estimate: Estimate | None = None
+    #: Seconds each downstream evaluation of this launch took (eval.interval).
+    eval_seconds: tuple[float, ...] = ()
 
     def describe(self, plan: RunPlan) -> Text:
         """The closing line a launcher prints (only "done" is styled; paths print as written):
@@ -79,6 +82,12 @@ class RunSummary:
             )
         if self.rollbacks:
             losses += f"; {self.rollbacks} rollback(s)"
+        if self.eval_seconds:
+            spent = sum(self.eval_seconds)
+            losses += (
+                f"; {len(self.eval_seconds)} evaluation(s) of eval.tasks, {spent / len(self.eval_seconds):.2f} s each "
+                f"({spent / max(self.wall_s, 1e-9):.0%} of the run)"
+            )
         where = f"; checkpoint {self.checkpoint}" if self.checkpoint else ""
         rest = f" {plan.layout} step {self.last_step}: {losses} in {self.wall_s:.1f}s; metrics in {plan.run_dir / 'metrics.jsonl'}{where}"
         return Text.assemble(("done", "bold green"), rest + self.against_estimate(plan))
@@ -117,8 +126,9 @@ def prepare_data(plan: RunPlan, *, console: Console):
     return prepare_apart(data=cfg.data, vocab_size=plan.data_vocab_size, seed=cfg.train.seed, console=console)
 
 
-def make_sampler(plan: RunPlan, prepared, *, split: str = "train") -> object:
-    """The resumable sampler of the global batch order (``split="val"``: of the held-out documents)."""
+def make_sampler(plan: RunPlan, prepared, *, split: str = "train", only_stream: int | None = None) -> object:
+    """The resumable sampler of the global batch order (``split="val"``: of the held-out documents;
+    ``only_stream``: of one dataset of a mixture alone)."""
     cfg = plan.config
     return BatchSampler(
         prepared,
@@ -128,6 +138,7 @@ def make_sampler(plan: RunPlan, prepared, *, split: str = "train") -> object:
         split=split,
         val_fraction=cfg.data.val_fraction,
         val_seed=cfg.data.val_seed,
+        only_stream=only_stream,
     )
 
 
@@ -144,7 +155,11 @@ def build(plan: RunPlan, *, rank: RankInfo, console: Console, estimate: Estimate
         )
     sampler = make_sampler(plan, prepared)
     val_sampler = _val_sampler(plan, prepared, train=sampler, console=console if rank.is_main else None)
-    return build_components(plan, rank=rank, sampler=sampler, val_sampler=val_sampler, estimate=estimate)
+    c = build_components(plan, rank=rank, sampler=sampler, val_sampler=val_sampler, estimate=estimate)
+    if val_sampler is None or len(prepared.streams) < 2:
+        return c
+    sources = tuple((info.name, make_sampler(plan, prepared, split="val", only_stream=i)) for i, info in enumerate(prepared.streams))
+    return dataclasses.replace(c, val_sources=sources)
 
 
 def start_host_peak() -> None:
@@ -213,12 +228,13 @@ def set_aside_newer(root: store.Where, *, after_step: int) -> list[str]:
 
 def _open_run_dir(plan: RunPlan, *, resumed: bool, start_step: int, console: Console) -> None:
     """plan.json, metrics.jsonl without an incomplete last line, and after a resume:
-    metrics and checkpoints past the resumed step set aside."""
+    metrics, evaluation results and checkpoints past the resumed step set aside (results removed)."""
     write_plan(plan)
     for note in tidy_metrics(plan.run_dir / "metrics.jsonl", after_step=start_step if resumed else None):
         console.print(note, style="yellow", markup=False, highlight=False)
     if not resumed:
         return
+    drop_results_after(plan.run_dir, step=start_step)
     for old in set_aside_newer(plan.checkpoint_root, after_step=start_step):
         console.print(f"{old} is newer than the checkpoint resumed from; kept as superseded-{old}", style="yellow", markup=False)
 
@@ -291,6 +307,7 @@ def _summary(result: LoopResult, c: Components, *, saver: store.CheckpointSaver,
         skipped_steps=c.guard.skipped,
         rollbacks=c.guard.rollbacks,
         estimate=estimate,
+        eval_seconds=tuple(result.eval_seconds),
     )
 
 
