@@ -62,7 +62,7 @@ def export_command(overrides: list[str], *, out_dir: Path, console: Console, qua
 def export_quantization(config, *, quantize: str, group_size: int | None) -> tuple[str, int] | None:
     """(scheme, group size) to quantize the export with, or None. ``auto``: the run's
     precision.qat (None for a run without QAT); a scheme name quantizes any run (post-training)."""
-    from llmforge.config.qat_rules import QAT_SCHEMES
+    from llmforge.config.qat_rules import QAT_SCHEMES, fitting_group_size
 
     pr = config.precision
     scheme = pr.qat if quantize == "auto" else quantize
@@ -80,7 +80,7 @@ def export_quantization(config, *, quantize: str, group_size: int | None) -> tup
                     "--group-size",
                     size,
                     f"divides no linear layer's input width (model.hidden_size={widths[0]}, model.ffn_hidden_size={widths[1]})",
-                    "use a divisor of model.hidden_size, e.g. 32",
+                    f"use --group-size {fitting_group_size(size, widths=widths)}",
                 )
             ],
             title="bad option",
