@@ -371,7 +371,7 @@ def _check_accelerator(config: RunConfig) -> list[Problem]:
 def launch_problems(config: RunConfig) -> list[Problem]:
     """What launching needs from this machine beyond a valid plan: torchao for precision.fp8 and precision.qat.
     Not checked by build(): planning and estimating an FP8 run need no torchao."""
-    if config.precision.fp8 and not _installed("torchao"):
+    if config.precision.fp8 and not installed("torchao"):
         return [
             Problem(
                 "precision.fp8",
@@ -380,7 +380,7 @@ def launch_problems(config: RunConfig) -> list[Problem]:
                 "pip install 'llmforge[fp8]' (or pip install torchao), or use precision=bf16",
             )
         ]
-    if config.precision.qat != Qat.NONE and not _installed("torchao"):
+    if config.precision.qat != Qat.NONE and not installed("torchao"):
         return [
             Problem(
                 "precision.qat",
@@ -422,7 +422,7 @@ def _check_fp8(config: RunConfig) -> list[Problem]:
     return out
 
 
-def _installed(module: str) -> bool:
+def installed(module: str) -> bool:
     """Whether ``module`` can be imported (found without importing it)."""
     import importlib.util
 

@@ -11,6 +11,7 @@ from rich.console import Console
 
 from llmforge.config.choices import Qat
 from llmforge.errors import Problem, UserError
+from llmforge.files import disk_full
 from llmforge.rundir import check_writable, refuse_run_outputs
 
 
@@ -46,7 +47,12 @@ def export_command(overrides: list[str], *, out_dir: Path, console: Console, qua
             markup=False,
             highlight=False,
         )
-    written = export_checkpoint(found.path, model=config.model, out_dir=out_dir, tokenizer=tokenizer, quantize=quantization)
+    try:
+        written = export_checkpoint(found.path, model=config.model, out_dir=out_dir, tokenizer=tokenizer, quantize=quantization)
+    except Exception as exc:
+        if not disk_full(exc):
+            raise
+        raise _no_space(Path(out_dir), exc) from None
     style = (
         "GPT2LMHeadModel"
         if style_of(config.model) == "gpt2"
@@ -59,10 +65,19 @@ def export_command(overrides: list[str], *, out_dir: Path, console: Console, qua
     console.print(f"exported {found.path} as {style}: " + ", ".join(str(p) for p in written), markup=False, highlight=False)
 
 
+def _no_space(out_dir: Path, exc: BaseException) -> UserError:
+    """A write of the export failed on a full disk, a quota or the file-size limit (``ulimit -f``)."""
+    from llmforge.checkpoint.failures import save_failure
+
+    why, fix = save_failure(exc, root=out_dir.parent)
+    return UserError([Problem("--out", str(out_dir), f"the export could not be written: {why}", fix)], title="no space for the export")
+
+
 def export_quantization(config, *, quantize: str, group_size: int | None) -> tuple[str, int] | None:
     """(scheme, group size) to quantize the export with, or None. ``auto``: the run's
     precision.qat (None for a run without QAT); a scheme name quantizes any run (post-training)."""
     from llmforge.config.qat_rules import QAT_SCHEMES, fitting_group_size
+    from llmforge.plan import installed
 
     pr = config.precision
     scheme = pr.qat if quantize == "auto" else quantize
@@ -96,6 +111,19 @@ def export_quantization(config, *, quantize: str, group_size: int | None) -> tup
                 )
             ],
             title="bad option",
+        )
+    if scheme != Qat.NONE and not installed("torchao"):
+        key, value = ("precision.qat", pr.qat) if quantize == "auto" else ("--quantize", quantize)
+        raise UserError(
+            [
+                Problem(
+                    key,
+                    value,
+                    "the export quantizes the model with torchao, which is not installed",
+                    "pip install 'llmforge[fp8]' (or pip install torchao), or pass --quantize none for the Hugging Face folder alone",
+                )
+            ],
+            title="cannot quantize the export",
         )
     return None if scheme == Qat.NONE else (scheme, size)
 

@@ -14,7 +14,6 @@ import errno
 import hashlib
 import json
 import os
-import re
 import resource
 import shutil
 import signal
@@ -28,7 +27,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from llmforge.errors import Problem, UserError
-from llmforge.files import file_stamp, sha256_file, write_json_atomic
+from llmforge.files import disk_full, file_stamp, sha256_file, write_json_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -138,25 +137,6 @@ def _sigterm_unwinds() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-#: How Rust libraries (tokenizers) report an OS error: a plain Exception, ``File too large (os error 27)``.
-_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
-
-
-def disk_full(exc: BaseException) -> bool:
-    """Whether exc, or an error it was raised from, is a full disk, a quota or the file-size limit.
-    numpy's short write (``N requested and M written``) and a Rust library's error carry no errno."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and (exc.errno in _FULL or ("requested and" in str(exc) and "written" in str(exc))):
-            return True
-        if any(int(code) in _FULL for code in _RUST_OS_ERROR.findall(str(exc))):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def disk_full_error(root: Path, *, need_bytes: int) -> UserError:
