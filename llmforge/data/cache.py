@@ -26,7 +26,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from llmforge.errors import Problem, UserError
+from llmforge.errors import Problem, Terminated, UserError
 from llmforge.files import disk_full, file_stamp, sha256_file, write_json_atomic
 
 FORMAT_VERSION = 1
@@ -93,7 +93,7 @@ def cache_write_error(root: Path, exc: OSError) -> UserError:
 def preparing(root: Path, *, input_bytes: int) -> Iterator[None]:
     """Hold the entry's lock while it is checked or rebuilt; see the module docstring."""
     try:
-        with locked(root), _sigterm_unwinds():
+        with locked(root), sigterm_unwinds():
             remove_stale_temporaries(root)
             yield
     except Terminated:
@@ -118,16 +118,12 @@ def remove_stale_temporaries(root: Path) -> list[Path]:
     return stale
 
 
-class Terminated(BaseException):
-    """SIGTERM arrived during a preparation: unwinds like KeyboardInterrupt so cleanups run."""
-
-
 def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated()
 
 
 @contextmanager
-def _sigterm_unwinds() -> Iterator[None]:
+def sigterm_unwinds() -> Iterator[None]:
     """Route SIGTERM to Terminated while nobody else handles it (a training loop's own handler is kept)."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
