@@ -173,7 +173,8 @@ def check_pipeline(config: RunConfig) -> list[Problem]:
                 "parallel.pp_virtual_stages",
                 p.pp_virtual_stages,
                 f"schedule {p.pp_schedule} runs one stage per rank",
-                f"use one of {', '.join(MULTI_CHUNK_SCHEDULES)} or pp_virtual_stages=1",
+                f"set parallel.pp_schedule={MULTI_CHUNK_SCHEDULES[0]} (or one of {', '.join(MULTI_CHUNK_SCHEDULES[1:])}), "
+                "or parallel.pp_virtual_stages=1",
             )
         )
     if multi and p.pp_virtual_stages < 2 and p.pp > 1:

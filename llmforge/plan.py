@@ -291,7 +291,7 @@ def _check_window(m: ModelConfig) -> list[Problem]:
                 k,
                 v,
                 "chooses the layers of a sliding window, and model.sliding_window is 0 (off), so it does nothing",
-                f"also set model.sliding_window=N (tokens), e.g. model.sliding_window={max(1, m.seq_len // 2)}, or remove {k}",
+                f"also set model.sliding_window={max(1, m.seq_len // 2)} (tokens; any from 1 up to model.seq_len), or remove {k}",
             )
             for k, v in idle
         ]
