@@ -11,7 +11,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from llmforge.errors import UserError, error_text
+from llmforge.errors import Terminated, UserError, end_by_sigterm, error_text
 
 app = typer.Typer(
     name="llmforge",
@@ -50,6 +50,8 @@ def user_errors(fn: Callable) -> Callable:
         except KeyboardInterrupt:
             err.print("interrupted", style="yellow")
             raise typer.Exit(code=130) from None
+        except Terminated:  # what it stopped has said so (a data preparation)
+            end_by_sigterm()
 
     return wrapper
 

@@ -14,10 +14,10 @@ This module imports no torch.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from llmforge.config.schema import RunConfig
 from llmforge.errors import Problem
+from llmforge.layout_fixes import global_batch_fix
 from llmforge.layout_rules import check_batch, check_ep, check_hsdp, check_world, ints
 
 
@@ -103,20 +103,16 @@ def _settings(config: RunConfig) -> list[Problem]:
 
 
 def _batch_problem(config: RunConfig, nodes: list[int]) -> Problem:
-    """The global batch does not split over some node counts: the smallest batch that does."""
-    c, t, p = config.cluster, config.train, config.parallel
-    need = 1
-    for n in range(c.min_nodes, c.nodes + 1):
-        dp = n * c.devices_per_node // (p.tp * p.pp * p.cp)
-        need = math.lcm(need, t.micro_batch_size * max(dp, 1))
-    fits = f"a multiple of {need}" + (f", e.g. {max(need, t.global_batch_size // need * need)}" if need <= t.global_batch_size else "")
+    """The global batch does not split over some node counts: the nearest batch that does on all of them."""
+    c, t = config.cluster, config.train
+    batch, multiple = global_batch_fix(config)
     counts = ", ".join(str(n) for n in nodes)
     return Problem(
         "train.global_batch_size",
         t.global_batch_size,
         f"does not split into whole microbatches (micro_batch_size x dp) or fill the pipeline with {counts} node(s) of the elastic range "
         f"{c.min_nodes}-{c.nodes}",
-        f"use {fits}, or raise cluster.min_nodes",
+        f"set train.global_batch_size={batch} (a multiple of {multiple}), or raise cluster.min_nodes",
     )
 
 

@@ -23,6 +23,21 @@ class Problem:
         return f"{head}: {self.rule}. Fix: {self.fix}" if self.fix else f"{head}: {self.rule}"
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived where a command unwinds for it (a data preparation): cleanups run as on Ctrl-C,
+    then the process ends by SIGTERM (``end_by_sigterm``)."""
+
+
+def end_by_sigterm() -> None:
+    """End this process as SIGTERM's default action does (exit status 143 in a shell), once its cleanups ran."""
+    import os
+    import signal
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)
+    raise SystemExit(128 + signal.SIGTERM)  # where another thread took the signal and the process has not ended yet
+
+
 class UserError(Exception):
     """A mistake in the user's input. Carries every problem found, not only the first."""
 

@@ -10,9 +10,11 @@ This module imports no torch.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 
 _CHUNK = 8 * 1024 * 1024
@@ -67,3 +69,22 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+#: How Rust libraries (tokenizers, safetensors) report an OS error: a plain Exception, ``File too large (os error 27)``.
+_RUST_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether exc, or an error it was raised from, is a full disk, a quota or the file-size limit.
+    numpy's short write (``N requested and M written``) and a Rust library's error carry no errno."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and (exc.errno in _FULL or ("requested and" in str(exc) and "written" in str(exc))):
+            return True
+        if any(int(code) in _FULL for code in _RUST_OS_ERROR.findall(str(exc))):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

@@ -14,6 +14,7 @@ from llmforge.config.choices import Offload, Recompute
 from llmforge.config.schema import RunConfig
 from llmforge.errors import Problem
 from llmforge.layout import FILLING_SCHEDULES, MULTI_CHUNK_SCHEDULES, V_SCHEDULES, selective_recompute_runs
+from llmforge.layout_fixes import global_batch_fix, world_fix
 
 
 def world_and_dp(config: RunConfig, *, world: int | None = None) -> tuple[int, int]:
@@ -71,7 +72,7 @@ def check_world(config: RunConfig) -> list[Problem]:
                 p.dp,
                 f"dp*tp*pp*cp = {p.dp * model_parallel} but the world size is {world} (cluster.nodes={c.nodes} x "
                 f"cluster.devices_per_node={c.devices_per_node})",
-                f"set parallel.dp=auto or cluster.devices_per_node={p.dp * model_parallel // max(c.nodes, 1)}",
+                world_fix(config),
             )
         )
     if p.tp > c.devices_per_node:
@@ -172,7 +173,8 @@ def check_pipeline(config: RunConfig) -> list[Problem]:
                 "parallel.pp_virtual_stages",
                 p.pp_virtual_stages,
                 f"schedule {p.pp_schedule} runs one stage per rank",
-                f"use one of {', '.join(MULTI_CHUNK_SCHEDULES)} or pp_virtual_stages=1",
+                f"set parallel.pp_schedule={MULTI_CHUNK_SCHEDULES[0]} (or one of {', '.join(MULTI_CHUNK_SCHEDULES[1:])}), "
+                "or parallel.pp_virtual_stages=1",
             )
         )
     if multi and p.pp_virtual_stages < 2 and p.pp > 1:
@@ -212,7 +214,7 @@ def check_batch(config: RunConfig) -> list[Problem]:
                 "train.global_batch_size",
                 t.global_batch_size,
                 f"not divisible by micro_batch_size x dp = {t.micro_batch_size} x {dp}",
-                f"use a multiple of {per_step}, e.g. {max(per_step, t.global_batch_size // per_step * per_step)}",
+                _batch_fix(config),
             )
         )
         return out
@@ -223,7 +225,7 @@ def check_batch(config: RunConfig) -> list[Problem]:
                 "train.global_batch_size",
                 t.global_batch_size,
                 f"gives {m} microbatches per pipeline, fewer than parallel.pp={p.pp} stages that {p.pp_schedule} must fill",
-                f"raise global_batch_size to {p.pp * per_step} or lower micro_batch_size",
+                f"{_batch_fix(config)}, or lower train.micro_batch_size",
             )
         )
     elif p.pp > 1 and p.pp_schedule in MULTI_CHUNK_SCHEDULES and m % p.pp:
@@ -232,10 +234,15 @@ def check_batch(config: RunConfig) -> list[Problem]:
                 "train.global_batch_size",
                 t.global_batch_size,
                 f"gives {m} microbatches, not a multiple of parallel.pp={p.pp} as {p.pp_schedule} needs",
-                f"use a multiple of {p.pp * per_step}",
+                _batch_fix(config),
             )
         )
     return out
+
+
+def _batch_fix(config: RunConfig) -> str:
+    batch, multiple = global_batch_fix(config)
+    return f"set train.global_batch_size={batch} (a multiple of {multiple})"
 
 
 def check_ep(config: RunConfig) -> list[Problem]:

@@ -268,7 +268,7 @@ def _check_window(m: ModelConfig) -> list[Problem]:
                 k,
                 v,
                 "chooses the layers of a sliding window, and model.sliding_window is 0 (off), so it does nothing",
-                f"also set model.sliding_window=N (tokens), e.g. model.sliding_window={max(1, m.seq_len // 2)}, or remove {k}",
+                f"also set model.sliding_window={max(1, m.seq_len // 2)} (tokens; any from 1 up to model.seq_len), or remove {k}",
             )
             for k, v in idle
         ]
@@ -348,7 +348,7 @@ def _check_accelerator(config: RunConfig) -> list[Problem]:
 def launch_problems(config: RunConfig) -> list[Problem]:
     """What launching needs from this machine beyond a valid plan: torchao for precision.fp8 and precision.qat.
     Not checked by build(): planning and estimating an FP8 run need no torchao."""
-    if config.precision.fp8 and not _installed("torchao"):
+    if config.precision.fp8 and not installed("torchao"):
         return [
             Problem(
                 "precision.fp8",
@@ -357,7 +357,7 @@ def launch_problems(config: RunConfig) -> list[Problem]:
                 "pip install 'llmforge[fp8]' (or pip install torchao), or use precision=bf16",
             )
         ]
-    if config.precision.qat != Qat.NONE and not _installed("torchao"):
+    if config.precision.qat != Qat.NONE and not installed("torchao"):
         return [
             Problem(
                 "precision.qat",
@@ -400,7 +400,7 @@ def _check_fp8(config: RunConfig) -> list[Problem]:
     return out
 
 
-def _installed(module: str) -> bool:
+def installed(module: str) -> bool:
     """Whether ``module`` can be imported (found without importing it)."""
     import importlib.util
 

@@ -18,7 +18,7 @@ import yaml
 from calibrate_fake import GIB, FakeMachine
 from typer.testing import CliRunner
 
-from llmforge.calibrate import compute, trust
+from llmforge.calibrate import compute, fit, trust
 from llmforge.calibrate.fit import FSDP_COSTS
 from llmforge.calibrate.trust import Verdict
 from llmforge.cli import app
@@ -110,10 +110,19 @@ def test_estimate_runs_at_the_measured_speed_and_checks_offload_against_the_meas
     assert offloaded.job.profile.host_memory_bandwidth == pytest.approx(1.2e10, rel=5e-3)
 
 
-def test_two_gloo_ranks_measure_collectives_into_the_profile(quiet, tmp_path):
-    out = tmp_path / "two.yaml"
+def test_two_gloo_ranks_measure_collectives_into_the_profile(quiet, tmp_path, monkeypatch):
+    out, measured = tmp_path / "two.yaml", []
+    fit_comm = fit.fit_comm
+    monkeypatch.setattr(fit, "fit_comm", lambda samples: measured.extend(samples) or fit_comm(samples))
     result = runner.invoke(app, ["calibrate", "--quick", "cluster.devices_per_node=2", "--out", str(out)])
     assert result.exit_code == 0, result.output
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"):  # the timings grow with the bytes
+        sizes = sorted((s.nbytes, s.seconds) for s in measured if s.op == op)
+        assert len(sizes) >= 2 and sizes[-1][1] > sizes[0][1], (op, sizes)
+    ((latency, bandwidth),) = fit_comm(measured).values()  # what the profile must hold: the fit of what was timed
+    written = get_profile(str(out))
+    assert written.intra_node_bandwidth * written.comm_efficiency == pytest.approx(bandwidth, rel=1e-2)
+    assert written.comm_latency_us == pytest.approx(latency * 1e6, rel=1e-2)
     data = yaml.safe_load(out.read_text())
     assert data["calibration"]["ranks"] == 2 and data["calibration"]["threads"] == cpu_threads(2)
     assert data["comm_sync_us"] >= 0 and "comm_sync_share" not in data  # fitted from the tensor-parallel probe steps

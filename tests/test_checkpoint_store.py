@@ -207,3 +207,17 @@ def test_sigkill_during_save_leaves_previous_checkpoint_usable(tmp_path):
     reference, reference_opt = tiny()
     train_one(reference, reference_opt, seed=1)
     assert_same_state(reference, reference_opt, model, optimizer)
+
+
+def test_a_save_cut_short_by_a_second_ctrl_c_is_an_interruption_not_a_storage_fault(tmp_path, monkeypatch):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    root, (model, optimizer) = tmp_path / "checkpoints", tiny()
+
+    def second_ctrl_c(self, plan, planner):
+        raise KeyboardInterrupt  # as StopSignal raises it inside DCP's write, which wraps it as a rank's failure
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", second_ctrl_c)
+    with pytest.raises(KeyboardInterrupt):
+        save(saver(root), model, optimizer, 1)
+    assert list(root.iterdir()) == []  # its temporary folder went

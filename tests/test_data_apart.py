@@ -5,8 +5,10 @@ says it as ``prepare`` does (one message, exit code 2)."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -44,3 +46,34 @@ def test_a_child_that_fails_leaves_the_message_to_the_caller(tmp_path):
     with pytest.raises(UserError, match="bad.jsonl"):
         prepare_apart(data=cfg.data, vocab_size=cfg.model.vocab_size, seed=0, console=None)
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").rglob("*.npy"))
+
+
+STOPPED = """
+import multiprocessing, sys
+from llmforge.config.compose import compose
+from llmforge.data.apart import prepare_apart
+from llmforge.errors import Terminated, end_by_sigterm
+cfg = compose(["data.builtin_max_mb=2", "data.vocab_size=300", "data.cache_dir=" + sys.argv[1], "logging=quiet"])
+try:
+    prepare_apart(data=cfg.data, vocab_size=cfg.model.vocab_size, seed=0, console=None)
+except Terminated:  # as llmforge's commands end on it
+    print("unwound; children left:", multiprocessing.active_children(), flush=True)
+    end_by_sigterm()
+"""
+
+
+def test_sigterm_while_the_child_prepares_stops_the_child_and_unwinds_the_caller(tmp_path):
+    caller = subprocess.Popen(
+        [sys.executable, "-c", STOPPED, str(tmp_path / "cache")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    prepared = tmp_path / "cache" / "prepared"
+    deadline = time.monotonic() + 240
+    while not (prepared.exists() and any(".tmp-" in p.name for p in prepared.iterdir())):
+        assert caller.poll() is None and time.monotonic() < deadline, caller.communicate()
+        time.sleep(0.02)
+    caller.send_signal(signal.SIGTERM)  # to the caller alone, as `kill PID` sends it
+    out, err = caller.communicate(timeout=120)
+    assert caller.returncode == -signal.SIGTERM, err
+    assert out.strip() == "unwound; children left: []"  # no orphan goes on tokenizing
+    assert err.count("stopped by SIGTERM while preparing") == 1 and "Traceback" not in err
+    assert [p.name for p in prepared.iterdir() if ".tmp-" in p.name] == []  # the child removed its temporary folder

@@ -22,6 +22,7 @@ from llmforge.data.prepare import prepare
 from llmforge.data.sampler import BatchSampler
 from llmforge.data.tokenizer import MAX_RUN_CHARS, cap_runs, train_bpe
 from llmforge.errors import UserError
+from llmforge.testing.faults import file_size_limit
 
 VOCAB = 300
 TEXT = "the quick brown fox jumps over the lazy dog and runs far away\n\n" * 400
@@ -144,6 +145,15 @@ def test_full_disk_names_the_cache_folder_and_removes_the_partial_entry(tmp_path
     assert "Traceback" not in err and f"data.cache_dir = '{tmp_path / 'cache'}'" in err
     assert "needs about" in err and "free" in err and "ulimit -f" in err
     assert _left_in_cache(tmp_path) == []
+
+
+def test_a_tokenizer_that_cannot_be_written_under_the_file_size_limit_is_the_full_disk_message(tmp_path):
+    data = DataConfig(path=str(_corpus(tmp_path)), cache_dir=str(tmp_path / "cache"))
+    entry = prepare(data=data, vocab_size=VOCAB, seed=0).root  # the text's copy is kept: a rebuild first writes tokenizer.json
+    with file_size_limit(1_000), pytest.raises(UserError) as info:  # tokenizers (Rust) says "File too large (os error 27)"
+        prepare(data=data, vocab_size=VOCAB, seed=0, force=True)
+    assert "the disk filled up" in info.value.message() and "ulimit -f" in info.value.message()
+    assert _left_in_cache(tmp_path) == [entry.name]
 
 
 # A shell reports 130 both for an exit with code 130 and for a death by SIGINT, which Python chooses

@@ -39,6 +39,24 @@ def test_newton_schulz_orthogonalises_each_matrix_of_a_batch():
         torch.testing.assert_close(newton_schulz(x[i].T, steps=5), y[i].T)  # tall and wide alike
 
 
+def test_one_muon_update_is_the_hand_computed_newton_schulz_result_times_moonshots_scale():
+    """Every layout is compared with one process's Muon; this holds that one to the formula:
+    W -= lr * 0.2 * sqrt(max(rows, cols)) * NS5(g), with Keller Jordan's quintic written out here."""
+    from llmforge.config.schema import OptimConfig
+    from llmforge.train.muon import Muon
+
+    grad = torch.randn(4, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    weight = torch.nn.Parameter(torch.zeros(4, 16, dtype=torch.float64))
+    weight.grad = grad.clone()
+    optimizer = Muon([{"params": [weight], "muon": True, "weight_decay": 0.0, "lr": 0.1}], optim=OptimConfig(), lr=0.1)
+    optimizer.step()
+    y = grad / grad.norm()  # the first Nesterov look-ahead is (1 + momentum) * grad: the same direction
+    for _ in range(5):
+        gram = y @ y.T
+        y = 3.4445 * y + (-4.7750 * gram + 2.0315 * gram @ gram) @ y
+    torch.testing.assert_close(weight.detach(), -0.1 * 0.2 * 16**0.5 * y, rtol=1e-4, atol=1e-6)  # fp32 iterations
+
+
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     from llmforge.models.gpt import GPT
     from llmforge.train.optim import build_optimizer

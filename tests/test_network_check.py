@@ -41,6 +41,32 @@ def test_a_slow_link_is_refused_naming_the_likely_causes(monkeypatch):
     assert network_problem(two_nodes("cluster.accelerator=h100-80gb", "cluster.network_min_fraction=0.05"), measured=3e9) is None
 
 
+@pytest.mark.parametrize(("rate", "refused"), [(20e9, False), (15e9, True)])
+def test_the_measured_all_reduce_is_judged_as_timed(monkeypatch, rate, refused):
+    """Each all-reduce of N bytes takes N / rate seconds on the slowest of 2 ranks (one per node): the
+    bus bandwidth is the rate (nccl-tests' factor 2(n-1)/n = 1), judged against h100-80gb's 35 GB/s x 0.5."""
+    import io
+
+    import torch
+    from rich.console import Console
+
+    from llmforge.calibrate import collectives
+    from llmforge.errors import UserError
+    from llmforge.launch.netcheck import check_network
+
+    monkeypatch.setattr(collectives.dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(collectives, "_collective", lambda op, nbytes, *, group, device: nbytes)
+    monkeypatch.setattr(collectives, "time_op", lambda nbytes, *, group, device, iters: nbytes / rate)
+    out = io.StringIO()
+    plan = two_nodes("cluster.accelerator=h100-80gb")
+    if refused:
+        with pytest.raises(UserError, match=f"reached {rate / 1e9:g} GB/s"):
+            check_network(plan, device=torch.device("cpu"), console=Console(file=out))
+    else:
+        check_network(plan, device=torch.device("cpu"), console=Console(file=out))
+        assert f"at {rate / 1e9:g} GB/s bus bandwidth" in out.getvalue()
+
+
 def _two_launchers(tmp_path: Path, small_data, port: int, *, config_path: Path) -> list:
     args = [
         *small_data,

@@ -64,6 +64,24 @@ def test_only_the_blocks_linears_are_fake_quantized_and_the_output_changes():
     assert torch.equal(model(tokens), plain(tokens))
 
 
+@pytest.mark.parametrize("start", [0, 1, 2, 3])
+def test_fake_quantization_is_on_exactly_from_the_start_step(start):
+    from llmforge.parallel.qat import apply_qat
+    from llmforge.train.build import _qat_switch
+
+    plan = tiny_plan([*QAT, f"precision.qat_start_step={start}", "model.num_layers=1"])
+    model = build_model(plan, device=torch.device("cpu"))
+    apply_qat(model, scheme="int8-int4", group_size=16)
+    quantizers = [m for n, m in model.named_modules() if n.endswith("weight_fake_quantizer")]
+    assert quantizers
+    before_step = _qat_switch(plan, parts=[model])
+    on = []
+    for step in range(1, 5):  # 1-based, as the loop numbers its steps
+        before_step(step)
+        on.append(all(q.enabled for q in quantizers))
+    assert on == [step >= start for step in range(1, 5)], on
+
+
 def test_qat_trains_and_switches_on_at_its_start_step():
     plain = train_layout(tiny_plan([]))
     late = train_layout(tiny_plan(QAT + ["precision.qat_start_step=3"]))

@@ -20,6 +20,20 @@ LAYERS = 4
 WIDE = ["model.hidden_size=128", "model.ffn_hidden_size=512"]  # collectives long enough to see in the trace
 
 
+class _Watched:
+    """A collective's work that records whether the host waited for it."""
+
+    def __init__(self, work) -> None:
+        self.work, self.waited = work, False
+
+    def wait(self, *args, **kwargs):
+        self.waited = True
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -42,10 +56,17 @@ def _worker(rank: int, port: int, out: str) -> None:
         cfg = plan.config
         sampler = SyntheticSampler(vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=8, seed=0)
         c = build_components(plan, rank=rank_info(plan, device=torch.device("cpu")), sampler=sampler)
-        model, in_flight = c.model_parts[0], []
-        deferred = deferred_reduce(model)
+        model, in_flight, launched = c.model_parts[0], [], []
+        assert deferred_reduce(model) is not None
+        real = dist.reduce_scatter_single
+
+        def watched(*args, **kwargs):
+            launched.append(_Watched(real(*args, **kwargs)))
+            return launched[-1]
+
+        dist.reduce_scatter_single = watched  # this process only: each reduce-scatter's work, and whether it was waited for
         # how many reduce-scatters are launched and not yet waited for when block 0's backward starts
-        model.layers["0"].register_full_backward_pre_hook(lambda *_: in_flight.append(len(deferred._pending) if deferred else -1))
+        model.layers["0"].register_full_backward_pre_hook(lambda *_: in_flight.append(sum(not w.waited for w in launched)))
         for _step in range(2):  # the second step: gathers of updated weights under its forward
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 c.step(sampler.next_batch(dp_rank=rank, dp_size=2))

@@ -17,6 +17,25 @@ def os_error(exc: BaseException) -> BaseException:
     return next((e for e in inner if isinstance(e, OSError)), inner[0] if inner else exc)
 
 
+def interruption(exc: BaseException) -> BaseException | None:
+    """The KeyboardInterrupt (a second Ctrl-C), SystemExit or SIGTERM's unwinding that ended a save,
+    which DCP reports as a rank's failure inside its CheckpointException; None for any other failure."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if not isinstance(current, (Exception, CheckpointException)):
+            return current
+        todo += [f[0] if isinstance(f, tuple) else f for f in getattr(current, "failures", {}).values()]
+        todo += [current.__cause__, current.__context__]
+    return None
+
+
 def save_failure(exc: BaseException, *, root: Path) -> tuple[str, str]:
     """(what went wrong, what to do) for a save into ``root`` that failed. torch's writer
     reports a short write as "unexpected pos", so the limits of this process and file

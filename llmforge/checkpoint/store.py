@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from llmforge.checkpoint import objstore
 from llmforge.checkpoint.failures import first_line as _first_line
+from llmforge.checkpoint.failures import interruption, save_failure
 from llmforge.checkpoint.failures import os_error as _os_error
-from llmforge.checkpoint.failures import save_failure
 from llmforge.checkpoint.manifest import MANIFEST, read_train_state, verify, write_manifest
 from llmforge.checkpoint.owner import check_at_save
 from llmforge.checkpoint.safe_reader import load_metadata, safe_reader
@@ -219,10 +219,16 @@ class CheckpointSaver:
         write_json_atomic(tmp / TRAIN_STATE, state, durable=True)
         write_json_atomic(tmp / PLAN, plan, durable=True)
 
-    def _failed(self, exc: BaseException, *, tmp: Where, step: int) -> UserError:
+    def _failed(self, exc: BaseException, *, tmp: Where, step: int) -> BaseException:
         """A save the file system refused (full, read-only, no permission, a file-size
         limit): its temporary folder goes, the newest complete checkpoint stays what
-        ``latest`` means, and resuming is suggested only when there is one."""
+        ``latest`` means, and resuming is suggested only when there is one. A save that a
+        second Ctrl-C (or SIGTERM) cut short is that interruption again, not a storage fault."""
+        stop = interruption(exc)
+        if stop is not None:
+            if self.rank == 0 and not self.remote:
+                shutil.rmtree(tmp, ignore_errors=True)
+            return stop
         if self.remote:
             return self._failed_remote(exc, tmp=tmp, step=step)
         if self.rank == 0:

@@ -12,6 +12,7 @@ from rich.console import Console
 from llmforge.checkpoint.export_folder import refuse_other_files
 from llmforge.config.choices import Qat
 from llmforge.errors import Problem, UserError
+from llmforge.files import disk_full
 from llmforge.rundir import check_writable, refuse_run_outputs
 from llmforge.storage import local_output
 
@@ -52,7 +53,12 @@ def export_command(
             markup=False,
             highlight=False,
         )
-    written = export_checkpoint(found.path, model=config.model, out_dir=out_dir, tokenizer=tokenizer, quantize=quantization)
+    try:
+        written = export_checkpoint(found.path, model=config.model, out_dir=out_dir, tokenizer=tokenizer, quantize=quantization)
+    except Exception as exc:
+        if not disk_full(exc):
+            raise
+        raise _no_space(Path(out_dir), exc) from None
     style = (
         "GPT2LMHeadModel"
         if style_of(config.model) == "gpt2"
@@ -65,10 +71,19 @@ def export_command(
     console.print(f"exported {found.path} as {style}: " + ", ".join(str(p) for p in written), markup=False, highlight=False)
 
 
+def _no_space(out_dir: Path, exc: BaseException) -> UserError:
+    """A write of the export failed on a full disk, a quota or the file-size limit (``ulimit -f``)."""
+    from llmforge.checkpoint.failures import save_failure
+
+    why, fix = save_failure(exc, root=out_dir.parent)
+    return UserError([Problem("--out", str(out_dir), f"the export could not be written: {why}", fix)], title="no space for the export")
+
+
 def export_quantization(config, *, quantize: str, group_size: int | None) -> tuple[str, int] | None:
     """(scheme, group size) to quantize the export with, or None. ``auto``: the run's
     precision.qat (None for a run without QAT); a scheme name quantizes any run (post-training)."""
-    from llmforge.config.qat_rules import QAT_SCHEMES
+    from llmforge.config.qat_rules import QAT_SCHEMES, fitting_group_size
+    from llmforge.plan import installed
 
     pr = config.precision
     scheme = pr.qat if quantize == "auto" else quantize
@@ -86,7 +101,7 @@ def export_quantization(config, *, quantize: str, group_size: int | None) -> tup
                     "--group-size",
                     size,
                     f"divides no linear layer's input width (model.hidden_size={widths[0]}, model.ffn_hidden_size={widths[1]})",
-                    "use a divisor of model.hidden_size, e.g. 32",
+                    f"use --group-size {fitting_group_size(size, widths=widths)}",
                 )
             ],
             title="bad option",
@@ -102,6 +117,19 @@ def export_quantization(config, *, quantize: str, group_size: int | None) -> tup
                 )
             ],
             title="bad option",
+        )
+    if scheme != Qat.NONE and not installed("torchao"):
+        key, value = ("precision.qat", pr.qat) if quantize == "auto" else ("--quantize", quantize)
+        raise UserError(
+            [
+                Problem(
+                    key,
+                    value,
+                    "the export quantizes the model with torchao, which is not installed",
+                    "pip install 'llmforge[fp8]' (or pip install torchao), or pass --quantize none for the Hugging Face folder alone",
+                )
+            ],
+            title="cannot quantize the export",
         )
     return None if scheme == Qat.NONE else (scheme, size)
 

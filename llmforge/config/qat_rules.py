@@ -55,8 +55,7 @@ def check_qat(config: RunConfig) -> list[Problem]:
                 "precision.qat_start_step",
                 pr.qat_start_step,
                 f"is after the last step (train.steps={config.train.steps}): the run would never fake-quantize",
-                f"set precision.qat_start_step to at most {config.train.steps}, e.g. {max(1, config.train.steps * 4 // 5)} for the last "
-                "fifth",
+                f"set precision.qat_start_step={max(1, config.train.steps * 4 // 5)} (for the last fifth; at most train.steps)",
             )
         )
     out.extend(_group_problems(config))
@@ -75,6 +74,14 @@ def _group_problems(config: RunConfig) -> list[Problem]:
             "precision.qat_group_size",
             size,
             f"divides no linear layer's input width ({shown}), so nothing would be quantized",
-            "use a divisor of model.hidden_size, e.g. 32 or 64",
+            f"set precision.qat_group_size={fitting_group_size(size, widths=tuple(widths.values()))}",
         )
     ]
+
+
+def fitting_group_size(size: int, *, widths: tuple[int, ...]) -> int:
+    """The group size nearest below ``size`` that divides an input width: of the first width
+    (model.hidden_size, the input of most linear layers) unless that leaves groups under 8 columns."""
+    target = size if size > 0 else 32
+    best = [max((d for d in range(1, min(target, width) + 1) if width % d == 0), default=1) for width in widths]
+    return best[0] if best[0] >= min(8, max(best)) else max(best)

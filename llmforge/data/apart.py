@@ -7,7 +7,8 @@ process prepares a missing cache entry in a spawned child, then reads the entry 
 
 A child that fails (bad data, a tokenizer that refuses the vocabulary) leaves nothing behind
 (``llmforge.data.cache`` stages every entry); the caller then prepares in its own process, which
-raises the same error with its message.
+raises the same error with its message. SIGTERM or Ctrl-C to the caller while it waits stops the
+child first (its preparation removes its temporary folder and says so), then unwinds the caller.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import multiprocessing
 from rich.console import Console
 
 from llmforge.config.schema import DataConfig
+from llmforge.data.cache import sigterm_unwinds
 from llmforge.data.prepare import PreparedData, prepare, reusable
 from llmforge.errors import UserError
 
@@ -33,8 +35,23 @@ def prepare_apart(*, data: DataConfig, vocab_size: int, seed: int, console: Cons
         target=_prepare, kwargs={"data": data, "vocab_size": vocab_size, "seed": seed, "show": _show(console)}, daemon=True
     )
     child.start()
-    child.join()
+    try:
+        with sigterm_unwinds():
+            child.join()
+    except BaseException:  # SIGTERM or Ctrl-C: the child stops too and removes what it half-wrote
+        _stop(child)
+        raise
     return prepare(data=data, vocab_size=vocab_size, seed=seed, console=console)
+
+
+def _stop(child) -> None:
+    """SIGTERM to the child (its preparation removes its temporary folder and says so), SIGKILL if it lingers."""
+    if child.is_alive():
+        child.terminate()
+        child.join(timeout=60)
+    if child.is_alive():
+        child.kill()
+        child.join()
 
 
 def _show(console: Console | None) -> str | None:

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from llmforge.errors import Problem, UserError
-from llmforge.files import file_stamp, sha256_file, write_json_atomic
+from llmforge.errors import Problem, Terminated, UserError
+from llmforge.files import disk_full, file_stamp, sha256_file, write_json_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -93,7 +93,7 @@ def cache_write_error(root: Path, exc: OSError) -> UserError:
 def preparing(root: Path, *, input_bytes: int) -> Iterator[None]:
     """Hold the entry's lock while it is checked or rebuilt; see the module docstring."""
     try:
-        with locked(root), _sigterm_unwinds():
+        with locked(root), sigterm_unwinds():
             remove_stale_temporaries(root)
             yield
     except Terminated:
@@ -118,16 +118,12 @@ def remove_stale_temporaries(root: Path) -> list[Path]:
     return stale
 
 
-class Terminated(BaseException):
-    """SIGTERM arrived during a preparation: unwinds like KeyboardInterrupt so cleanups run."""
-
-
 def _raise_terminated(signum: int, frame: object) -> None:
     raise Terminated()
 
 
 @contextmanager
-def _sigterm_unwinds() -> Iterator[None]:
+def sigterm_unwinds() -> Iterator[None]:
     """Route SIGTERM to Terminated while nobody else handles it (a training loop's own handler is kept)."""
     if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
@@ -137,21 +133,6 @@ def _sigterm_unwinds() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-
-
-_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-
-
-def disk_full(exc: BaseException) -> bool:
-    """Whether exc, or an error it was raised from, is a full disk, a quota or the file-size limit.
-    numpy's short write (``N requested and M written``) carries no errno."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, OSError) and (exc.errno in _FULL or ("requested and" in str(exc) and "written" in str(exc))):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def disk_full_error(root: Path, *, need_bytes: int) -> UserError:

@@ -51,56 +51,93 @@ def _inside(path: str, folder: str) -> bool:
     return posixpath.isabs(path) and (path == folder or path.startswith(folder.rstrip("/") + "/"))
 
 
+def _prefix(plan: RunPlan) -> str:
+    """The launcher's own keys: ``cluster.kubernetes`` or ``cluster.skypilot``."""
+    return "cluster.kubernetes" if plan.config.cluster.launcher == Launcher.KUBERNETES else "cluster.skypilot"
+
+
+def _source_key(plan: RunPlan, kind: str) -> str:
+    """The key that sets the ``kind`` ("data" or "runs") volume or bucket."""
+    return f"{_prefix(plan)}.{kind}_claim" if plan.config.cluster.launcher == Launcher.KUBERNETES else f"{_prefix(plan)}.{kind}_bucket"
+
+
+def _source_example(plan: RunPlan, kind: str) -> str:
+    if plan.config.cluster.launcher == Launcher.KUBERNETES:
+        return "NAME (a ReadWriteMany PersistentVolumeClaim)" if kind == "runs" else "NAME"
+    return f"s3://BUCKET/{kind}" + (" (or gs://, r2://, ...)" if kind == "runs" else "")
+
+
 def platform_problems(plan: RunPlan) -> list[Problem]:
     """What a plan needs before it can be written for ``cluster.launcher`` (kubernetes or skypilot)."""
-    c = plan.config.cluster
-    launcher = c.launcher
-    key = "cluster.kubernetes.runs_claim" if launcher == Launcher.KUBERNETES else "cluster.skypilot.runs_bucket"
-    mount_key = key.rsplit(".", 1)[0] + ".runs_mount"
-    out = []
-    if launcher == Launcher.KUBERNETES and not c.image:
-        out.append(
-            Problem(
-                "cluster.image",
-                None,
-                "the pods need a container image with llmforge and torch installed",
-                "set cluster.image=REGISTRY/IMAGE:TAG",
-            )
-        )
-    found = mounts(plan)
-    if "runs" not in found:
-        example = (
-            "NAME (a ReadWriteMany PersistentVolumeClaim)" if launcher == Launcher.KUBERNETES else "s3://BUCKET/runs (or gs://, r2://, ...)"
-        )
-        out.append(
-            Problem(
-                key,
-                None,
-                "run.dir and its checkpoints must be on storage every node shares and that outlives the job",
-                f"set {key}={example}",
-            )
-        )
-    elif not _inside(plan.config.run.dir, found["runs"][1]):
-        mount = found["runs"][1]
-        out.append(
-            Problem(
-                "run.dir",
-                plan.config.run.dir,
-                f"is not on the runs volume, which is mounted at {mount_key}={mount}",
-                f"set run.dir={posixpath.join(mount, job_name(plan))}",
-            )
-        )
-    if c.nodes > 1 and not any(_inside(plan.config.data.cache_dir, m) for _, m in found.values()):
-        out.append(
-            Problem(
-                "data.cache_dir",
-                plan.config.data.cache_dir,
-                "rank 0 prepares the data there and the other nodes read it, so it must be on a shared mount",
-                f"set data.cache_dir={posixpath.join(found.get('data', found.get('runs', ('', '/data')))[1], 'cache')} (a folder on a "
-                "mounted volume or bucket)",
-            )
-        )
+    out = _software_problems(plan) + _mount_problems(plan)
+    found = {kind: mount for kind, (_, mount) in mounts(plan).items() if posixpath.isabs(mount)}
+    if not any(p.key.endswith("_mount") for p in out):
+        out += _run_dir_problems(plan, found) + _cache_problems(plan, found)
     return out + _elastic_problems(plan)
+
+
+def _software_problems(plan: RunPlan) -> list[Problem]:
+    """The nodes need llmforge: an image (Kubernetes), or an image or setup commands (SkyPilot)."""
+    c = plan.config.cluster
+    if c.image or (c.launcher == Launcher.SKYPILOT and c.skypilot.setup):
+        return []
+    if c.launcher == Launcher.KUBERNETES:
+        why, fix = "the pods need a container image with llmforge and torch installed", "set cluster.image=REGISTRY/IMAGE:TAG"
+    else:
+        why = "the nodes need llmforge and torch, and a stock image has neither"
+        fix = "set cluster.image=REGISTRY/IMAGE:TAG, or 'cluster.skypilot.setup=pip install llmforge' (commands each node runs first)"
+    return [Problem("cluster.image", None, why, fix)]
+
+
+def _mount_problems(plan: RunPlan) -> list[Problem]:
+    """The runs volume is set, and every mount point is an absolute path on the nodes."""
+    out = []
+    if "runs" not in mounts(plan):
+        key = _source_key(plan, "runs")
+        why = "run.dir and its checkpoints must be on storage every node shares and that outlives the job"
+        out.append(Problem(key, None, why, f"set {key}={_source_example(plan, 'runs')}"))
+    for kind, (_, mount) in mounts(plan).items():
+        if not posixpath.isabs(mount):
+            key = f"{_prefix(plan)}.{kind}_mount"
+            fixed = posixpath.normpath(posixpath.join("/", mount))
+            out.append(Problem(key, mount, "must be an absolute path on the nodes", f"set {key}={fixed}"))
+    return out
+
+
+def _run_dir_problems(plan: RunPlan, found: dict[str, str]) -> list[Problem]:
+    if "runs" not in found or _inside(plan.config.run.dir, found["runs"]):
+        return []
+    mount = found["runs"]
+    return [
+        Problem(
+            "run.dir",
+            plan.config.run.dir,
+            f"is not on the runs volume, which is mounted at {_prefix(plan)}.runs_mount={mount}",
+            f"set run.dir={posixpath.join(mount, job_name(plan))}",
+        )
+    ]
+
+
+def _cache_problems(plan: RunPlan, found: dict[str, str]) -> list[Problem]:
+    """A multi-node run prepares its data once, on a mount every node reads."""
+    cache_dir = plan.config.data.cache_dir
+    if plan.config.cluster.nodes <= 1 or any(_inside(cache_dir, m) for m in found.values()):
+        return []
+    if found:
+        shared = found.get("data", found.get("runs", ""))
+        fix = f"set data.cache_dir={posixpath.join(shared, 'cache')} (a folder on a mounted volume or bucket)"
+    else:
+        key, mount = _source_key(plan, "data"), _data_mount(plan)
+        fix = f"set {key}={_source_example(plan, 'data')} data.cache_dir={posixpath.join(mount, 'cache')}"
+    why = "rank 0 prepares the data there and the other nodes read it, so it must be on a shared mount"
+    return [Problem("data.cache_dir", cache_dir, why, fix)]
+
+
+def _data_mount(plan: RunPlan) -> str:
+    """Where the data volume or bucket is mounted once it is set."""
+    c = plan.config.cluster
+    mount = c.kubernetes.data_mount if c.launcher == Launcher.KUBERNETES else c.skypilot.data_mount
+    return posixpath.normpath(posixpath.join("/", mount))
 
 
 def _elastic_problems(plan: RunPlan) -> list[Problem]:
