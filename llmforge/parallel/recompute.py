@@ -46,7 +46,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-import llmforge.parallel.sequence  # noqa: F401  (registers llmforge::sp_column_linears, which _save_ops names)
+import llmforge.parallel.sequence  # noqa: F401  (registers the llmforge:: ops _save_ops names)
 from llmforge.config.choices import Recompute
 from llmforge.layout import selective_rebuilds
 from llmforge.models.layers import MLP
@@ -67,7 +67,8 @@ ATTENTION_OPS = (
 
 def _save_ops() -> frozenset:
     """Ops whose outputs selective recompute keeps: matmuls, fused attention and
-    communication (also the sequence-parallel gather + column-parallel linears, as one op)."""
+    communication (also the sequence-parallel gather + column-parallel linears, and the
+    row-parallel linear + reduce-scatter, each as one op)."""
     ops = [
         aten.mm.default,
         aten.addmm.default,
@@ -75,6 +76,7 @@ def _save_ops() -> frozenset:
         aten.baddbmm.default,
         aten.linear.default,
         torch.ops.llmforge.sp_column_linears.default,
+        torch.ops.llmforge.sp_row_linear.default,
     ]
     ops += [getattr(aten, name).default for name in ATTENTION_OPS if hasattr(aten, name)]
     functional = getattr(torch.ops, "_c10d_functional", None)
