@@ -209,9 +209,10 @@ def _moe_selective_bytes(shape: Shape, *, c: int) -> float:
 
 
 def _sp_linear(t: Tensor, layout: Layout, *, moe: bool) -> bool:
-    """A column-parallel weight the sequence-parallel op casts itself (no autocast copy)."""
+    """A tensor-parallel weight a sequence-parallel op casts itself (no autocast copy): the
+    column-parallel ones (an MoE layer's only in attention) and the row-parallel ones."""
     sp = layout.sequence_parallel and layout.tp > 1 and not layout.async_tp
-    return sp and t.split == "col" and (not moe or t.name.startswith("attn."))
+    return sp and (t.split == "row" or (t.split == "col" and (not moe or t.name.startswith("attn."))))
 
 
 def _norm_params(shape: Shape) -> int:
