@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.utils
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from typer.testing import CliRunner
 
 from llmforge.cli import app
 from llmforge.commands.plans import build_plan
-from llmforge.commands.rehearsal import should_rehearse
+from llmforge.commands.rehearsal import should_rehearse, whole_compute_copy
 from llmforge.errors import UserError
 from llmforge.estimate.core import estimate_plan
 from llmforge.rehearse.run import most_loaded_rank, rehearse
@@ -24,6 +25,7 @@ from llmforge.rehearse.tracker import PeakTracker
 
 runner = CliRunner()
 RESIZE, PROPAGATE = torch.UntypedStorage.resize_, ShardingPropagator._propagate_tensor_meta_non_cached
+POST_BACKWARD = FSDPParamGroup.post_backward
 SMALL = ["recipe=tiny", "model.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=2"]
 FSDP4 = [*SMALL, "parallel=fsdp", "cluster.devices_per_node=4"]
 PP2 = [*SMALL, "parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.pp_schedule=1f1b", "cluster.devices_per_node=4"]
@@ -100,6 +102,18 @@ def test_rehearsal_leaves_no_group_and_no_patch_behind(fsdp4):
     assert optim.implementation.__module__ == "llmforge.train.optim"
     assert torch.UntypedStorage.resize_ is RESIZE
     assert ShardingPropagator._propagate_tensor_meta_non_cached is PROPAGATE
+    assert FSDPParamGroup.post_backward is POST_BACKWARD
+
+
+def test_zero1_whole_gradients_between_microbatches_are_rehearsed_as_gradients():
+    """ZeRO 1 accumulates whole gradients in FSDP2's buffers over the microbatches that do not
+    reduce (the estimate's gradients, 4 bytes a parameter); the rehearsal names them so, not as
+    transient buffers (which left it at 0 gradients and 1.64x the estimate's transient)."""
+    plan = build_plan([*SMALL, "precision=bf16", "parallel.dp=2", "parallel.zero=1", "cluster.devices_per_node=2"])
+    est = estimate_plan(plan)
+    items = rehearse(plan, stage=0).as_estimate_items(whole_compute_copy=whole_compute_copy(est))
+    assert items["grads"] == est.worst.grads == 4 * est.worst.params
+    assert items["transient"] < 1.1 * est.worst.transient
 
 
 def test_tracker_tags_gradients_and_states_after_the_fact():

@@ -10,7 +10,9 @@ Each storage gets a category when first seen and may be re-tagged once its role 
 - ``weights``: parameters and buffers as built (this rank's shards), tagged at the start;
 - ``compute_copies``: a module's parameters that are not ``weights`` when its forward starts
   (FSDP2's gathered, unsharded copies);
-- ``grads``: a parameter's ``.grad`` once the step's backward is done (``tag_grads``);
+- ``grads``: a parameter's ``.grad`` once the step's backward is done (``tag_grads``), and
+  FSDP2's whole gradients kept between the microbatches that do not reduce them (ZeRO 1-2
+  accumulate there: the estimate's whole gradients), once each parameter group's backward ends;
 - ``optimizer``: the optimizer's states once its step is done (``tag_optimizer``);
 - ``activations``: what forward allocates (the tensors saved for backward among them);
 - ``transient``: what backward and the optimizer step allocate (recomputation, gradients
@@ -83,6 +85,27 @@ def _sharding_propagation(tracker: PeakTracker):
             tracker._propagating = False
 
     ShardingPropagator._propagate_tensor_meta_non_cached = propagate  # type: ignore[method-assign]
+    return original
+
+
+def _fsdp_accumulated_grads(tracker: PeakTracker):
+    """Tag FSDP2's unsharded gradients as ``grads`` when a parameter group's backward leaves them
+    unreduced (a microbatch without gradient sync). Returns the method it replaced."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    original = FSDPParamGroup.post_backward
+
+    def post_backward(self, *args):
+        out = original(self, *args)
+        for fsdp_param in self.fsdp_params:
+            grad = fsdp_param.unsharded_accumulated_grad
+            if grad is None and hasattr(fsdp_param, "_unsharded_param"):
+                grad = fsdp_param.unsharded_param.grad
+            if grad is not None:
+                tracker._tag(grad, "grads")
+        return out
+
+    FSDPParamGroup.post_backward = post_backward  # type: ignore[method-assign]
     return original
 
 
@@ -196,6 +219,7 @@ class PeakTracker(TorchDispatchMode):
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
         self._original_propagate = _sharding_propagation(self)
+        self._original_post_backward = _fsdp_accumulated_grads(self)
         self._handles = [
             nn.modules.module.register_module_forward_pre_hook(self._compute_copies),
             register_optimizer_step_pre_hook(lambda *_: setattr(self, "_in_optimizer", True)),
@@ -210,6 +234,9 @@ class PeakTracker(TorchDispatchMode):
         from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
         ShardingPropagator._propagate_tensor_meta_non_cached = self._original_propagate  # type: ignore[method-assign]
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        FSDPParamGroup.post_backward = self._original_post_backward  # type: ignore[method-assign]
         self._mark_peak()
         super().__exit__(*args)
 
