@@ -261,3 +261,16 @@ def test_estimate_counts_the_whole_embedding_gradient_a_first_stage_accumulates(
     table = plan.config.model.vocab_size * plan.config.model.hidden_size
     assert first.grads == 4 * (first.params + table // 2)
     assert last.grads == 4 * last.params
+
+
+def test_a_rehearsal_far_from_the_estimate_names_the_item():
+    """More than 10% apart in total: the item furthest apart is named with both figures; within
+    10% nothing is said."""
+    from llmforge.commands.rehearsal import disagreement
+
+    gib = 2**30
+    estimated = {"weights": 10 * gib, "grads": 27 * gib, "optimizer": 10 * gib, "activations": 3 * gib, "transient": 3 * gib}
+    assert disagreement(dict(estimated), estimated) == ""
+    far = {**estimated, "grads": 0, "transient": 10 * gib}
+    line = disagreement(far, estimated)
+    assert "most in grads: 0.00 GiB rehearsed, 27.00 GiB estimated" in line and "rehearsed peak" in line

@@ -82,6 +82,24 @@ def render_rehearsal(rehearsal, est: Estimate, *, console: Console) -> None:
         console.print(f"note: {note}", style="dim", markup=False, highlight=False)
 
 
+#: Rehearsed and estimated totals further apart than this are named before launch.
+AGREEMENT = 0.10
+
+
+def disagreement(items: dict[str, int], estimated: dict[str, float]) -> str:
+    """A line naming the item furthest from the estimate when the rehearsed total is more than
+    ``AGREEMENT`` from the estimated one ('' when they agree)."""
+    total_r, total_e = sum(items.values()), sum(estimated.values())
+    if not total_e or abs(total_r / total_e - 1) <= AGREEMENT:
+        return ""
+    name = max(ITEMS, key=lambda k: abs(items[k] - estimated[k]))
+    return (
+        f"the rehearsal's tensors ({gib(total_r)}) differ from the estimate's ({gib(total_e)}) by "
+        f"{abs(total_r / total_e - 1):.0%}, most in {name}: {gib(items[name])} rehearsed, {gib(estimated[name])} "
+        "estimated; the launch check uses the rehearsed peak"
+    )
+
+
 def should_rehearse(plan: RunPlan) -> bool:
     """``train.rehearse``: always, never, or auto (plans of ``AUTO_MIN_PARAMS`` parameters or more
     on accelerators, whose launch a rehearsal on this CPU can save)."""
@@ -107,6 +125,10 @@ def rehearse_before_launch(plan: RunPlan, est: Estimate, *, force: bool, console
         return
     rehearsal = rehearse_estimate(plan, est)
     need, have = rehearsal.peak_bytes + est.worst.reserved, est.job.profile.memory_bytes
+    items = rehearsal.as_estimate_items(whole_compute_copy=whole_compute_copy(est))
+    differs = disagreement(items, {k: getattr(est.worst, k) for k in ITEMS})
+    if differs:
+        console.print(f"note: {differs}", style="yellow", markup=False, highlight=False)
     console.print(
         f"Rehearsed rank {rehearsal.rank}: peak {gib(rehearsal.peak_bytes)} + reserved {gib(est.worst.reserved)} "
         f"= {gib(need)} of {gib(have)} ({rehearsal.seconds:.0f} s on fake tensors)",
