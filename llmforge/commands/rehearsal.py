@@ -8,6 +8,8 @@ from rich.table import Table
 
 from llmforge.config.choices import Rehearse
 from llmforge.estimate.core import Estimate
+from llmforge.estimate.inventory import inventory
+from llmforge.estimate.memory import stage_activations
 from llmforge.estimate.text import gib, where
 from llmforge.plan import RunPlan
 
@@ -37,11 +39,19 @@ def rehearse_estimate(plan: RunPlan, est: Estimate):
     return rehearse(plan, stage=est.worst.stage, where=where(est))
 
 
+def activations_in_flight(est: Estimate) -> float:
+    """The estimate's saved activations of the most-loaded stage with every microbatch its
+    schedule holds at once (the step's peak may come when fewer are live)."""
+    inv = inventory(est.shape, est.layout)
+    return stage_activations(inv, est.job, est.worst.stage, est.microbatches)
+
+
 def rehearsal_dict(rehearsal, est: Estimate) -> dict:
     """The ``rehearsal`` object of ``estimate --json`` (bytes; docs/estimator.md)."""
     out = rehearsal.as_dict(whole_compute_copy=whole_compute_copy(est))
     estimated = sum(getattr(est.worst, k) for k in ITEMS)
     out["estimate_bytes"] = estimated
+    out["estimate_activations_peak_bytes"] = activations_in_flight(est)
     out["ratio"] = rehearsal.step_peak_bytes / estimated if estimated else None
     return out
 
@@ -67,6 +77,8 @@ def render_rehearsal(rehearsal, est: Estimate, *, console: Console) -> None:
         style="bold",
     )
     table.add_row("reserved", gib(est.worst.reserved), "not rehearsed", "")
+    e_act, r_act = activations_in_flight(est), rehearsal.activations_peak_bytes
+    table.add_row("activations at their own peak", gib(e_act), gib(r_act), f"{r_act / e_act:.2f}" if e_act else "-", style="dim")
     console.print(table)
     console.print(
         f"Build peak: {gib(rehearsal.build_peak_bytes)}"

@@ -54,6 +54,8 @@ class Rehearsal:
     categories: dict[str, int]
     seconds: float
     differences: list[str] = field(default_factory=lambda: list(DIFFERENCES))
+    #: The most the steady step's activations held at once (its saved tensors in flight).
+    activations_peak_bytes: int = 0
 
     def as_estimate_items(self, *, whole_compute_copy: bool) -> dict[str, int]:
         """The step's peak by the estimator's items: gathered compute copies count as
@@ -79,6 +81,7 @@ class Rehearsal:
             "memory_bytes": self.as_estimate_items(whole_compute_copy=whole_compute_copy),
             "categories": dict(self.categories),
             "seconds": self.seconds,
+            "activations_peak_bytes": self.activations_peak_bytes,
             "differences": list(self.differences),
         }
 
@@ -139,6 +142,7 @@ def rehearse(plan: RunPlan, *, stage: int, where: str = "", fake: bool = True) -
         categories=step.peak_by_category(),
         seconds=time.perf_counter() - start,
         differences=differences(plan),
+        activations_peak_bytes=step.activations_peak_bytes,
     )
 
 

@@ -110,13 +110,17 @@ def _fsdp_accumulated_grads(tracker: PeakTracker):
 
 
 class PeakTracker(TorchDispatchMode):
-    """Bytes live at the peak by category: ``peak_bytes`` and ``peak_by_category()``."""
+    """Bytes live at the peak by category: ``peak_bytes`` and ``peak_by_category()``; and
+    ``activations_peak_bytes``, the most the storages tagged activations held at once (at the
+    end of the forward, or of the pipeline's warm-up, whenever the step's peak comes)."""
 
     def __init__(self, *, modules: Iterable[nn.Module] = (), optimizer=None) -> None:
         super().__init__()
         self._live: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._refs: dict[int, tuple[weakref.ref, _Storage]] = {}  # every live storage, by id of its _Storage
         self.current = 0
+        self._activations = 0  # bytes live now in storages tagged activations
+        self.activations_peak_bytes = 0  # the most those ever held at once
         self.peak_bytes = 0
         self._peak: list[tuple[_Storage, int]] = []
         self._rising = False
@@ -143,9 +147,22 @@ class PeakTracker(TorchDispatchMode):
         if nbytes < info.bytes:
             self._mark_peak()
         self.current += nbytes - info.bytes
+        if info.category == "activations":
+            self._count_activations(nbytes - info.bytes)
         info.bytes = nbytes
         if self.current > self.peak_bytes:
             self.peak_bytes, self._rising = self.current, True
+
+    def _count_activations(self, delta: int) -> None:
+        self._activations += delta
+        self.activations_peak_bytes = max(self.activations_peak_bytes, self._activations)
+
+    def _recategorize(self, info: _Storage, category: str) -> None:
+        if info.category == "activations":
+            self._activations -= info.bytes
+        info.category = category
+        if category == "activations":
+            self._count_activations(info.bytes)
 
     def _freed(self, info: _Storage, key: int) -> None:
         self._resize(info, 0)
@@ -163,7 +180,7 @@ class PeakTracker(TorchDispatchMode):
         for st in get_untyped_storages(t):
             info = self._seen(st)
             if not info.category:
-                info.category = category
+                self._recategorize(info, category)
             if st.nbytes() != info.bytes:
                 self._resize(info, st.nbytes())
 
@@ -172,7 +189,7 @@ class PeakTracker(TorchDispatchMode):
             return
         for st in get_untyped_storages(t):
             info = self._seen(st)
-            info.category = category
+            self._recategorize(info, category)
             if st.nbytes() != info.bytes:
                 self._resize(info, st.nbytes())
 
