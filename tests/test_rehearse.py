@@ -274,3 +274,26 @@ def test_a_rehearsal_far_from_the_estimate_names_the_item():
     far = {**estimated, "grads": 0, "transient": 10 * gib}
     line = disagreement(far, estimated)
     assert "most in grads: 0.00 GiB rehearsed, 27.00 GiB estimated" in line and "rehearsed peak" in line
+
+
+def test_a_pipelined_first_stage_under_tp_holds_two_whole_embedding_gradients():
+    """Without FSDP, each microbatch's embedding gradient under tp is a Partial of the whole
+    fp32 table, added out of place to the sum so far, while the pipeline keeps other
+    microbatches' activations: the 175B first stage rehearsed 4.78 GiB of such transient
+    buffers where the estimate had 0.03 (docs/estimator.md). Under FSDP2 the sum is taken in
+    place in its own buffer; the last stage has no embedding."""
+    from llmforge.estimate.inventory import inventory
+    from llmforge.estimate.memory import _pipelined_embedding_bytes
+
+    base = [*SMALL, "parallel.tp=2", "parallel.pp=2", "model.tie_embeddings=false"]
+    table = 4096 * 128 * 4  # the tiny model's vocabulary x hidden, fp32
+    cases = (
+        (["cluster.devices_per_node=4"], 2 * table),
+        (["parallel.dp=2", "parallel.zero=1", "cluster.devices_per_node=8"], 0),
+        (["parallel.pp=1", "cluster.devices_per_node=2"], 0),
+    )
+    for extra, first in cases:
+        est = estimate_plan(build_plan([*base, *extra]))
+        inv = inventory(est.shape, est.layout)
+        assert _pipelined_embedding_bytes(inv, 0) == first, extra
+        assert _pipelined_embedding_bytes(inv, est.layout.pp - 1) == (0 if est.layout.pp > 1 else first)
