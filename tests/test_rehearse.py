@@ -297,3 +297,12 @@ def test_a_pipelined_first_stage_under_tp_holds_two_whole_embedding_gradients():
         inv = inventory(est.shape, est.layout)
         assert _pipelined_embedding_bytes(inv, 0) == first, extra
         assert _pipelined_embedding_bytes(inv, est.layout.pp - 1) == (0 if est.layout.pp > 1 else first)
+
+
+def test_an_rmsnorm_plan_for_a_gpu_is_told_the_cpu_kernel_keeps_more():
+    from llmforge.rehearse.run import RMSNORM_DIFFERENCE, differences
+
+    llama = ["recipe=moe-tiny", "cluster.accelerator=h100-80gb"]
+    assert RMSNORM_DIFFERENCE in differences(build_plan(llama))
+    assert RMSNORM_DIFFERENCE not in differences(build_plan(["recipe=moe-tiny"]))  # a CPU rank runs that kernel
+    assert RMSNORM_DIFFERENCE not in differences(build_plan(["recipe=tiny", "cluster.accelerator=h100-80gb"]))  # LayerNorm
