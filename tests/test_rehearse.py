@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.utils
+from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 from torch.distributed.tensor._sharding_prop import ShardingPropagator
 from typer.testing import CliRunner
 
 from llmforge.cli import app
 from llmforge.commands.plans import build_plan
-from llmforge.commands.rehearsal import should_rehearse
+from llmforge.commands.rehearsal import should_rehearse, whole_compute_copy
 from llmforge.errors import UserError
 from llmforge.estimate.core import estimate_plan
 from llmforge.rehearse.run import most_loaded_rank, rehearse
@@ -24,6 +25,7 @@ from llmforge.rehearse.tracker import PeakTracker
 
 runner = CliRunner()
 RESIZE, PROPAGATE = torch.UntypedStorage.resize_, ShardingPropagator._propagate_tensor_meta_non_cached
+POST_BACKWARD = FSDPParamGroup.post_backward
 SMALL = ["recipe=tiny", "model.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=2"]
 FSDP4 = [*SMALL, "parallel=fsdp", "cluster.devices_per_node=4"]
 PP2 = [*SMALL, "parallel.dp=2", "parallel.pp=2", "parallel.zero=3", "parallel.pp_schedule=1f1b", "cluster.devices_per_node=4"]
@@ -100,6 +102,18 @@ def test_rehearsal_leaves_no_group_and_no_patch_behind(fsdp4):
     assert optim.implementation.__module__ == "llmforge.train.optim"
     assert torch.UntypedStorage.resize_ is RESIZE
     assert ShardingPropagator._propagate_tensor_meta_non_cached is PROPAGATE
+    assert FSDPParamGroup.post_backward is POST_BACKWARD
+
+
+def test_zero1_whole_gradients_between_microbatches_are_rehearsed_as_gradients():
+    """ZeRO 1 accumulates whole gradients in FSDP2's buffers over the microbatches that do not
+    reduce (the estimate's gradients, 4 bytes a parameter); the rehearsal names them so, not as
+    transient buffers (which left it at 0 gradients and 1.64x the estimate's transient)."""
+    plan = build_plan([*SMALL, "precision=bf16", "parallel.dp=2", "parallel.zero=1", "cluster.devices_per_node=2"])
+    est = estimate_plan(plan)
+    items = rehearse(plan, stage=0).as_estimate_items(whole_compute_copy=whole_compute_copy(est))
+    assert items["grads"] == est.worst.grads == 4 * est.worst.params
+    assert items["transient"] < 1.1 * est.worst.transient
 
 
 def test_tracker_tags_gradients_and_states_after_the_fact():
@@ -247,3 +261,48 @@ def test_estimate_counts_the_whole_embedding_gradient_a_first_stage_accumulates(
     table = plan.config.model.vocab_size * plan.config.model.hidden_size
     assert first.grads == 4 * (first.params + table // 2)
     assert last.grads == 4 * last.params
+
+
+def test_a_rehearsal_far_from_the_estimate_names_the_item():
+    """More than 10% apart in total: the item furthest apart is named with both figures; within
+    10% nothing is said."""
+    from llmforge.commands.rehearsal import disagreement
+
+    gib = 2**30
+    estimated = {"weights": 10 * gib, "grads": 27 * gib, "optimizer": 10 * gib, "activations": 3 * gib, "transient": 3 * gib}
+    assert disagreement(dict(estimated), estimated) == ""
+    far = {**estimated, "grads": 0, "transient": 10 * gib}
+    line = disagreement(far, estimated)
+    assert "most in grads: 0.00 GiB rehearsed, 27.00 GiB estimated" in line and "rehearsed peak" in line
+
+
+def test_a_pipelined_first_stage_under_tp_holds_two_whole_embedding_gradients():
+    """Without FSDP, each microbatch's embedding gradient under tp is a Partial of the whole
+    fp32 table, added out of place to the sum so far, while the pipeline keeps other
+    microbatches' activations: the 175B first stage rehearsed 4.78 GiB of such transient
+    buffers where the estimate had 0.03 (docs/estimator.md). Under FSDP2 the sum is taken in
+    place in its own buffer; the last stage has no embedding."""
+    from llmforge.estimate.inventory import inventory
+    from llmforge.estimate.memory import _pipelined_embedding_bytes
+
+    base = [*SMALL, "parallel.tp=2", "parallel.pp=2", "model.tie_embeddings=false"]
+    table = 4096 * 128 * 4  # the tiny model's vocabulary x hidden, fp32
+    cases = (
+        (["cluster.devices_per_node=4"], 2 * table),
+        (["parallel.dp=2", "parallel.zero=1", "cluster.devices_per_node=8"], 0),
+        (["parallel.pp=1", "cluster.devices_per_node=2"], 0),
+    )
+    for extra, first in cases:
+        est = estimate_plan(build_plan([*base, *extra]))
+        inv = inventory(est.shape, est.layout)
+        assert _pipelined_embedding_bytes(inv, 0) == first, extra
+        assert _pipelined_embedding_bytes(inv, est.layout.pp - 1) == (0 if est.layout.pp > 1 else first)
+
+
+def test_an_rmsnorm_plan_for_a_gpu_is_told_the_cpu_kernel_keeps_more():
+    from llmforge.rehearse.run import RMSNORM_DIFFERENCE, differences
+
+    llama = ["recipe=moe-tiny", "cluster.accelerator=h100-80gb"]
+    assert RMSNORM_DIFFERENCE in differences(build_plan(llama))
+    assert RMSNORM_DIFFERENCE not in differences(build_plan(["recipe=moe-tiny"]))  # a CPU rank runs that kernel
+    assert RMSNORM_DIFFERENCE not in differences(build_plan(["recipe=tiny", "cluster.accelerator=h100-80gb"]))  # LayerNorm

@@ -8,6 +8,8 @@ from rich.table import Table
 
 from llmforge.config.choices import Rehearse
 from llmforge.estimate.core import Estimate
+from llmforge.estimate.inventory import inventory
+from llmforge.estimate.memory import stage_activations
 from llmforge.estimate.text import gib, where
 from llmforge.plan import RunPlan
 
@@ -37,11 +39,19 @@ def rehearse_estimate(plan: RunPlan, est: Estimate):
     return rehearse(plan, stage=est.worst.stage, where=where(est))
 
 
+def activations_in_flight(est: Estimate) -> float:
+    """The estimate's saved activations of the most-loaded stage with every microbatch its
+    schedule holds at once (the step's peak may come when fewer are live)."""
+    inv = inventory(est.shape, est.layout)
+    return stage_activations(inv, est.job, est.worst.stage, est.microbatches)
+
+
 def rehearsal_dict(rehearsal, est: Estimate) -> dict:
     """The ``rehearsal`` object of ``estimate --json`` (bytes; docs/estimator.md)."""
     out = rehearsal.as_dict(whole_compute_copy=whole_compute_copy(est))
     estimated = sum(getattr(est.worst, k) for k in ITEMS)
     out["estimate_bytes"] = estimated
+    out["estimate_activations_peak_bytes"] = activations_in_flight(est)
     out["ratio"] = rehearsal.step_peak_bytes / estimated if estimated else None
     return out
 
@@ -67,6 +77,8 @@ def render_rehearsal(rehearsal, est: Estimate, *, console: Console) -> None:
         style="bold",
     )
     table.add_row("reserved", gib(est.worst.reserved), "not rehearsed", "")
+    e_act, r_act = activations_in_flight(est), rehearsal.activations_peak_bytes
+    table.add_row("activations at their own peak", gib(e_act), gib(r_act), f"{r_act / e_act:.2f}" if e_act else "-", style="dim")
     console.print(table)
     console.print(
         f"Build peak: {gib(rehearsal.build_peak_bytes)}"
@@ -80,6 +92,24 @@ def render_rehearsal(rehearsal, est: Estimate, *, console: Console) -> None:
     )
     for note in rehearsal.differences:
         console.print(f"note: {note}", style="dim", markup=False, highlight=False)
+
+
+#: Rehearsed and estimated totals further apart than this are named before launch.
+AGREEMENT = 0.10
+
+
+def disagreement(items: dict[str, int], estimated: dict[str, float]) -> str:
+    """A line naming the item furthest from the estimate when the rehearsed total is more than
+    ``AGREEMENT`` from the estimated one ('' when they agree)."""
+    total_r, total_e = sum(items.values()), sum(estimated.values())
+    if not total_e or abs(total_r / total_e - 1) <= AGREEMENT:
+        return ""
+    name = max(ITEMS, key=lambda k: abs(items[k] - estimated[k]))
+    return (
+        f"the rehearsal's tensors ({gib(total_r)}) differ from the estimate's ({gib(total_e)}) by "
+        f"{abs(total_r / total_e - 1):.0%}, most in {name}: {gib(items[name])} rehearsed, {gib(estimated[name])} "
+        "estimated; the launch check uses the rehearsed peak"
+    )
 
 
 def should_rehearse(plan: RunPlan) -> bool:
@@ -107,6 +137,10 @@ def rehearse_before_launch(plan: RunPlan, est: Estimate, *, force: bool, console
         return
     rehearsal = rehearse_estimate(plan, est)
     need, have = rehearsal.peak_bytes + est.worst.reserved, est.job.profile.memory_bytes
+    items = rehearsal.as_estimate_items(whole_compute_copy=whole_compute_copy(est))
+    differs = disagreement(items, {k: getattr(est.worst, k) for k in ITEMS})
+    if differs:
+        console.print(f"note: {differs}", style="yellow", markup=False, highlight=False)
     console.print(
         f"Rehearsed rank {rehearsal.rank}: peak {gib(rehearsal.peak_bytes)} + reserved {gib(est.worst.reserved)} "
         f"= {gib(need)} of {gib(have)} ({rehearsal.seconds:.0f} s on fake tensors)",

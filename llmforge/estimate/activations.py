@@ -89,25 +89,38 @@ def _mlp_bytes(shape: Shape, ffn: int, *, c: int, tp: int) -> float:
     return (4 if shape.activation == Activation.SWIGLU else 2) * ffn * c / tp
 
 
-def _selective_bytes(shape: Shape, *, c: int, r: int, tp: int, sp: int, moe: bool, gathered: bool = False) -> float:
+def _selective_bytes(shape: Shape, *, c: int, r: int, tp: int, sp: int, moe: bool, gathered: bool = False, row_op: bool = False) -> float:
     """Selective recompute keeps the block input, every matmul and collective output,
     and the fused attention's output and log-sum-exp.
 
-    Column-parallel outputs (fused q/k/v, fused gate/up or up) are split over tp; row-parallel
-    outputs (o, down) are partial sums of full width before their reduction. Under
+    Column-parallel outputs (fused q/k/v, fused gate/up or up) are split over tp. Under
     tp the reductions' outputs are kept too: all-reduced sums (full width), or with
     sequence parallel the reduce-scattered shard (the gather is inside the
     column-parallel op, whose outputs are kept; under async TP, ``gathered``, the gather
     is torch's collective before the linears and its whole-sequence output is kept too).
+    The row-parallel outputs (o, down) before their reduction are partial sums of full
+    width, which backward never reads: torch's ``RowwiseParallel`` makes them an op of
+    their own, whose output is kept; with ``row_op`` (sequence parallel, neither async TP
+    nor float8: ``llmforge.parallel.sequence.sp_row_linear``) the linear and its
+    reduce-scatter are one op and only the shard is kept. Under TP + SP with ``row_op``
+    a dense GELU block keeps (2 + 6 + 2 + 2 + 8 + 2) h/t = 22h/t bytes per token with a
+    16-bit residual stream, and 4a/t of log-sum-exp.
     """
     h, kv = shape.hidden, shape.kv_dim
     collective = 0.0 if tp == 1 else (h / tp * c if sp > 1 else h * c)
     collective += h * c if gathered and sp > 1 else 0.0
+    partial = 0.0 if row_op else h * c  # the row-parallel linear's output (its partial sum under tp)
     attention = (h * c + shape.heads * FP32) / tp
-    attn = h * r / sp + ((h + 2 * kv) / tp + h) * c + attention + collective
+    attn = h * r / sp + (h + 2 * kv) / tp * c + partial + attention + collective
     if moe:
         return attn + _moe_selective_bytes(shape, c=c) / sp
-    return attn + ((2 if shape.activation == Activation.SWIGLU else 1) * shape.ffn / tp + h) * c + collective
+    return attn + (2 if shape.activation == Activation.SWIGLU else 1) * shape.ffn / tp * c + partial + collective
+
+
+def row_op(layout: Layout, job: Job) -> bool:
+    """Whether the row-parallel linears run as one op with their reduce-scatter
+    (``llmforge.parallel.tensor``: sequence parallel, not async TP, not float8)."""
+    return layout.tp > 1 and layout.sequence_parallel and not layout.async_tp and not job.fp8
 
 
 def _rebuilt_bytes(shape: Shape, *, c: int, r: int, cpu: bool) -> float:
@@ -140,7 +153,7 @@ def block_activations(shape: Shape, layout: Layout, job: Job, *, moe: bool, reco
         return BlockActivations(per_token=_rebuilt_bytes(shape, c=c, r=r, cpu=job.on_cpu), fixed=_fixed_bytes(shape, layout, job, moe=moe))
     if recompute == Recompute.SELECTIVE:
         return BlockActivations(
-            per_token=_selective_bytes(shape, c=c, r=r, tp=tp, sp=sp, moe=moe, gathered=layout.async_tp),
+            per_token=_selective_bytes(shape, c=c, r=r, tp=tp, sp=sp, moe=moe, gathered=layout.async_tp, row_op=row_op(layout, job)),
             fixed=4 * shape.num_experts if moe else 0.0,
         )
     attn_consumers, mlp_consumers = 1, 1  # the fused projections
@@ -196,9 +209,10 @@ def _moe_selective_bytes(shape: Shape, *, c: int) -> float:
 
 
 def _sp_linear(t: Tensor, layout: Layout, *, moe: bool) -> bool:
-    """A column-parallel weight the sequence-parallel op casts itself (no autocast copy)."""
+    """A tensor-parallel weight a sequence-parallel op casts itself (no autocast copy): the
+    column-parallel ones (an MoE layer's only in attention) and the row-parallel ones."""
     sp = layout.sequence_parallel and layout.tp > 1 and not layout.async_tp
-    return sp and t.split == "col" and (not moe or t.name.startswith("attn."))
+    return sp and (t.split == "row" or (t.split == "col" and (not moe or t.name.startswith("attn."))))
 
 
 def _norm_params(shape: Shape) -> int:

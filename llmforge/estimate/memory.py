@@ -138,7 +138,22 @@ def _working(inv: Inventory, job: Job, stage: int, params: int) -> Working:
         cached=0.0 if offloaded else act.cached_copies_bytes(shape, layout, job, counts),
         embedding=shape.vocab * shape.hidden * FP32 if shape.tie_embeddings and counts.first and counts.last else 0.0,
         kept_to_end=act.logits_bytes(shape, layout, job) if counts.last and layout.pp == 1 else 0.0,
+        pipelined_embedding=_pipelined_embedding_bytes(inv, stage),
     )
+
+
+def _pipelined_embedding_bytes(inv: Inventory, stage: int) -> float:
+    """A pipeline's first stage under tp without FSDP: each microbatch's embedding gradient
+    (a Partial of the whole fp32 table, ``_embedding_grad_excess``) and the new sum autograd
+    accumulates it into, out of place, live while other microbatches' activations are kept
+    (the 175B rehearsal: 4.78 GiB). Under FSDP2 the sum is taken in place in its own buffer
+    (not counted here)."""
+    layout = inv.layout
+    excess = _embedding_grad_excess(inv, stage)
+    sharded = layout.zero > 0 and layout.dp * layout.cp > 1
+    if layout.pp == 1 or not excess or sharded:
+        return 0.0
+    return 2 * excess * layout.tp / (layout.tp - 1) * FP32
 
 
 def _reduce_bytes(inv: Inventory, job: Job, stage: int, params: int) -> tuple[float, bool]:

@@ -45,11 +45,14 @@ class Working:
     cached: float = 0.0  # autocast's cache of weight copies no block saves (end of forward)
     embedding: float = 0.0  # a tied embedding's dense gradient (end of backward, first stage)
     kept_to_end: float = 0.0  # the logits the step holds until its backward returns (last stage)
+    # a vocab-parallel embedding's per-microbatch gradient (a Partial of the whole table) and
+    # the sum it is accumulated into, while a pipeline keeps other microbatches' activations
+    pipelined_embedding: float = 0.0
 
     @property
     def all_at_once(self) -> float:
         """Everything the backward's start may hold, the forward's cache aside."""
-        return self.loss + self.recompute + self.fp8 + self.reduce
+        return self.loss + self.recompute + self.fp8 + self.reduce + self.pipelined_embedding
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-import llmforge.parallel.sequence  # noqa: F401  (registers llmforge::sp_column_linears, which _save_ops names)
+import llmforge.parallel.sequence  # noqa: F401  (registers the llmforge:: ops _save_ops names)
 from llmforge.config.choices import Recompute
 from llmforge.layout import selective_rebuilds
 from llmforge.models.layers import MLP
@@ -69,9 +69,10 @@ ATTENTION_OPS = (
 def _save_ops() -> frozenset:
     """Ops whose outputs selective recompute keeps: matmuls (float8 ones too), fused attention
     (FlexAttention too), communication (also the sequence-parallel gather + column-parallel
-    linears, as one op) and the absolute maxima float8 scales come from, as torchtitan keeps them:
-    a compiled float8 block's graph shows ``_scaled_mm`` and ``max`` where an eager one shows
-    ``mm`` on float8 tensors, and a scale costs one pass over its tensor to rebuild."""
+    linears, and the row-parallel linear + reduce-scatter, each as one op) and the absolute
+    maxima float8 scales come from, as torchtitan keeps them: a compiled float8 block's graph
+    shows ``_scaled_mm`` and ``max`` where an eager one shows ``mm`` on float8 tensors, and a
+    scale costs one pass over its tensor to rebuild."""
     ops: list[object] = [
         aten.mm.default,
         aten.addmm.default,
@@ -82,6 +83,7 @@ def _save_ops() -> frozenset:
         aten.max.default,
         aten.amax.default,
         torch.ops.llmforge.sp_column_linears.default,
+        torch.ops.llmforge.sp_row_linear.default,
     ]
     ops += [getattr(aten, name).default for name in ATTENTION_OPS if hasattr(aten, name)]
     flex = getattr(torch._higher_order_ops, "flex_attention", None)

@@ -10,11 +10,19 @@ local shard (in the compute dtype) for backward, and gathers it again in backwar
 for the weight gradients; the input gradient is reduce-scattered back to the
 shard.
 
-The op is a ``torch.library.custom_op`` so that selective recompute can keep its
-outputs as one op (``llmforge.parallel.recompute``): recomputing a block then
-neither gathers nor multiplies again. It computes in autocast's dtype when autocast
-is on (the input shard is cast before the gather, so the gather moves 16-bit
-data) and casts each weight itself, so autocast keeps no copies of these weights.
+The row-parallel linears (o, down) end the sublayer: each rank multiplies its slice of
+the features into a partial sum of the whole sequence at full width ([b, s, h]) and the
+sum is reduce-scattered back to the sequence shard. One op here does both and returns
+only the shard, so the full-width partial sum lives only inside the op; backward
+gathers the output gradient over the sequence and reads the op's input, never its
+partial sum (Megatron-LM's ``RowParallelLinear`` with sequence parallel).
+
+The ops are ``torch.library.custom_op``s so that selective recompute can keep their
+outputs as one op each (``llmforge.parallel.recompute``): recomputing a block then
+neither gathers nor multiplies nor reduces again, and keeps no partial sum. They
+compute in autocast's dtype when autocast is on (the input shard is cast before the
+gather, so the gather moves 16-bit data) and cast each weight themselves, so autocast
+keeps no copies of these weights.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module, distribute_tensor
 
 from llmforge.parallel.dtensor import local
 
@@ -125,3 +133,65 @@ def apply_sp_linears(parent: nn.Module, names: list[str], *, tp_mesh: DeviceMesh
         return (x.new_empty(()).expand(b, s * size, h), *args[1:])
 
     parent.register_forward_pre_hook(pre_hook)
+
+
+@torch.library.custom_op("llmforge::sp_row_linear", mutates_args=())
+def sp_row_linear(x: torch.Tensor, weight: torch.Tensor, group: str, dtype: torch.dtype) -> torch.Tensor:
+    """``reduce_scatter(linear(x, weight))`` over the sequence (dim 1) in ``dtype``: [b, s, f/t] -> [b, s/t, h]."""
+    partial = F.linear(x.to(dtype), weight.to(dtype))
+    return _wait(_reduce_scatter(partial, "sum", scatter_dim=1, group=group))
+
+
+@sp_row_linear.register_fake
+def _(x, weight, group, dtype):
+    world = torch.distributed.distributed_c10d._resolve_process_group(group).size()
+    b, s, _ = x.shape
+    return x.new_empty((b, s // world, weight.shape[0]), dtype=dtype)
+
+
+def _row_setup(ctx: Any, inputs: tuple, output: Any) -> None:
+    x, weight, group, dtype = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.group, ctx.dtype = group, dtype
+
+
+def _row_backward(ctx: Any, grad: torch.Tensor):
+    x, weight = ctx.saved_tensors
+    full = _gather(grad.to(ctx.dtype), ctx.group)  # [b, s, h]
+    grad_x = (full @ weight.to(ctx.dtype)).to(x.dtype)
+    flat_grad, flat_x = full.reshape(-1, full.shape[-1]), x.to(ctx.dtype).reshape(-1, x.shape[-1])
+    return grad_x, (flat_grad.t() @ flat_x).to(weight.dtype), None, None
+
+
+sp_row_linear.register_autograd(_row_backward, setup_context=_row_setup)
+
+
+class SequenceParallelRowLinear(nn.Linear):
+    """A row-parallel linear whose output is this rank's sequence shard of the reduced sum
+    (``sp_row_linear``); its bias, replicated, is added to the shard."""
+
+    group_name: str
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        out = sp_row_linear(local(x), local(self.weight), self.group_name, dtype)
+        if self.bias is None:
+            return out
+        # each rank adds the bias to its own tokens: its gradient is a sum over the ranks
+        bias = self.bias.to_local(grad_placements=[Partial()]) if isinstance(self.bias, DTensor) else self.bias
+        return out + bias.to(dtype)
+
+
+def _shard_columns(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(1)])))
+    if module.bias is not None:
+        module.register_parameter("bias", nn.Parameter(distribute_tensor(module.bias, mesh, [Replicate()])))
+
+
+def apply_sp_row_linear(linear: nn.Linear, *, tp_mesh: DeviceMesh) -> None:
+    """Shard ``linear`` over ``tp_mesh`` as torch's ``RowwiseParallel`` does (weight on its input
+    features, bias replicated) and compute it with ``sp_row_linear``: the output is this rank's
+    sequence shard, the full-width partial sum is never kept."""
+    distribute_module(linear, tp_mesh, _shard_columns)
+    linear.__class__ = SequenceParallelRowLinear
+    linear.group_name = tp_mesh.get_group().group_name

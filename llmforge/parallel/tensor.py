@@ -16,7 +16,8 @@
   dropout run on a sequence shard; attention and MLP gather the sequence on entry
   (one gather for all their column-parallel linears, which keep only the shard for
   backward and gather it again there: ``llmforge.parallel.sequence``) and
-  reduce-scatter it on exit. Under async TP (``async_tp``) the column-parallel linears
+  reduce-scatter it on exit, in one op with the row-parallel linear that makes the
+  partial sum, so that only the shard outlives it. Under async TP (``async_tp``) the column-parallel linears
   take torch's styles instead (the sublayer's input gathered before them, as DTensor
   collectives in the compiled graph), so Inductor's micro-pipeline pass sees every
   all-gather next to the matmul it feeds and every reduce-scatter next to the matmul
@@ -29,6 +30,7 @@ tensor: the full sequence without sequence parallel, this rank's sequence shard 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Collection
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +54,7 @@ from llmforge.blockspec.block import describe as describe_block
 from llmforge.blockspec.dims import dims_of, is_moe_layer
 from llmforge.models.gpt import GPT
 from llmforge.parallel.dtensor import local
-from llmforge.parallel.sequence import apply_sp_linears
+from llmforge.parallel.sequence import apply_sp_linears, apply_sp_row_linear
 
 
 def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool, async_tp: bool = False) -> None:
@@ -69,9 +71,13 @@ def apply_tp(model: GPT, *, tp_mesh: DeviceMesh, sequence_parallel: bool, async_
     for index, block in model.layers.items():
         spec = describe_block(dims, moe=is_moe_layer(dims, int(index)))
         own = _sp_groups(block, spec) if sequence_parallel and not async_tp else {}
-        parallelize_module(block, tp_mesh, _block_plan(spec, seq=seq, sequence_parallel=sequence_parallel, own=own))
+        rows = _sp_rows(block, spec) if sequence_parallel and not async_tp else []
+        plan = _block_plan(spec, seq=seq, sequence_parallel=sequence_parallel, own=own, own_rows=rows)
+        parallelize_module(block, tp_mesh, plan)
         for parent, names in own.items():
             apply_sp_linears(getattr(block, parent), names, tp_mesh=tp_mesh)
+        for name in rows:
+            apply_sp_row_linear(block.get_submodule(name), tp_mesh=tp_mesh)
     if sequence_parallel and model.embed is None:
         model.register_forward_pre_hook(_whole_sequence_positions(tp_mesh.size()), with_kwargs=True)
     if model.head is not None:
@@ -108,6 +114,12 @@ def _sp_groups(block: nn.Module, spec: Block) -> dict[str, list[str]]:
     }
 
 
+def _sp_rows(block: nn.Module, spec: Block) -> list[str]:
+    """The row-parallel linears that ``apply_sp_row_linear`` runs under sequence parallel:
+    plain ``nn.Linear`` layers only (float8 linears keep torch's ``RowwiseParallel``)."""
+    return [x.name for x in spec.sharded("row") if type(block.get_submodule(x.name)) is nn.Linear]
+
+
 def _column_linears(spec: Block) -> dict[str, list[str]]:
     """The column-parallel linears of a block by parent module, as its description lists them
     (an MoE layer has none: it is not sharded)."""
@@ -117,10 +129,15 @@ def _column_linears(spec: Block) -> dict[str, list[str]]:
     return groups
 
 
-def _block_plan(spec: Block, *, seq, sequence_parallel: bool, own: dict[str, list[str]]) -> dict[str, ParallelStyle]:
-    """Row-parallel outputs, and the column-parallel linears that ``own`` (run by
-    ``apply_sp_linears``) does not name, their inputs gathered first under sequence parallel."""
-    plan: dict[str, ParallelStyle] = {linear.name: RowwiseParallel(output_layouts=seq) for linear in spec.sharded("row")}
+def _block_plan(
+    spec: Block, *, seq, sequence_parallel: bool, own: dict[str, list[str]], own_rows: Collection[str] = ()
+) -> dict[str, ParallelStyle]:
+    """The row-parallel linears that ``own_rows`` (run by ``apply_sp_row_linear``) does not name,
+    and the column-parallel linears that ``own`` (run by ``apply_sp_linears``) does not name,
+    their inputs gathered first under sequence parallel."""
+    plan: dict[str, ParallelStyle] = {
+        linear.name: RowwiseParallel(output_layouts=seq) for linear in spec.sharded("row") if linear.name not in own_rows
+    }
     for parent, names in _column_linears(spec).items():
         if parent in own:
             continue

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from llmforge.config.choices import Dtype, Optimizer
+from llmforge.config.choices import Dtype, Norm, Optimizer
 from llmforge.launch.run import runs_here
 from llmforge.models.balanced import balanced_routing
 from llmforge.models.masks import needs_eos
@@ -38,6 +38,12 @@ MOE_DIFFERENCE = (
     "MoE routing is balanced (llmforge.models.balanced): every expert gets the same share of "
     "the assignments, at most the capacity, as the estimate assumes; a real router's busiest expert holds more"
 )
+#: What differs on RMSNorm models rehearsed for an accelerator.
+RMSNORM_DIFFERENCE = (
+    "RMSNorm runs torch's CPU kernel, which keeps an fp32 copy of its input and its fp32 normalised input (8h + 4 "
+    "bytes a token) where the fused GPU kernel the estimate counts keeps the input and an fp32 statistic: the "
+    "rehearsed activations (and the working set of each recomputed block) are that much larger for each norm that saves"
+)
 
 
 @dataclass
@@ -54,6 +60,8 @@ class Rehearsal:
     categories: dict[str, int]
     seconds: float
     differences: list[str] = field(default_factory=lambda: list(DIFFERENCES))
+    #: The most the steady step's activations held at once (its saved tensors in flight).
+    activations_peak_bytes: int = 0
 
     def as_estimate_items(self, *, whole_compute_copy: bool) -> dict[str, int]:
         """The step's peak by the estimator's items: gathered compute copies count as
@@ -79,6 +87,7 @@ class Rehearsal:
             "memory_bytes": self.as_estimate_items(whole_compute_copy=whole_compute_copy),
             "categories": dict(self.categories),
             "seconds": self.seconds,
+            "activations_peak_bytes": self.activations_peak_bytes,
             "differences": list(self.differences),
         }
 
@@ -102,7 +111,9 @@ def unsupported(plan: RunPlan) -> str:
 
 def differences(plan: RunPlan) -> list[str]:
     """How the rehearsal of ``plan`` differs from its rank on an accelerator."""
-    return list(DIFFERENCES) + ([MOE_DIFFERENCE] if plan.config.model.moe.num_experts > 0 else [])
+    cfg = plan.config
+    out = list(DIFFERENCES) + ([MOE_DIFFERENCE] if cfg.model.moe.num_experts > 0 else [])
+    return out + ([RMSNORM_DIFFERENCE] if cfg.model.norm == Norm.RMSNORM and cfg.cluster.accelerator != "cpu" else [])
 
 
 def most_loaded_rank(plan: RunPlan, *, stage: int) -> int:
@@ -139,6 +150,7 @@ def rehearse(plan: RunPlan, *, stage: int, where: str = "", fake: bool = True) -
         categories=step.peak_by_category(),
         seconds=time.perf_counter() - start,
         differences=differences(plan),
+        activations_peak_bytes=step.activations_peak_bytes,
     )
 
 

@@ -10,7 +10,9 @@ Each storage gets a category when first seen and may be re-tagged once its role 
 - ``weights``: parameters and buffers as built (this rank's shards), tagged at the start;
 - ``compute_copies``: a module's parameters that are not ``weights`` when its forward starts
   (FSDP2's gathered, unsharded copies);
-- ``grads``: a parameter's ``.grad`` once the step's backward is done (``tag_grads``);
+- ``grads``: a parameter's ``.grad`` once the step's backward is done (``tag_grads``), and
+  FSDP2's whole gradients kept between the microbatches that do not reduce them (ZeRO 1-2
+  accumulate there: the estimate's whole gradients), once each parameter group's backward ends;
 - ``optimizer``: the optimizer's states once its step is done (``tag_optimizer``);
 - ``activations``: what forward allocates (the tensors saved for backward among them);
 - ``transient``: what backward and the optimizer step allocate (recomputation, gradients
@@ -86,14 +88,39 @@ def _sharding_propagation(tracker: PeakTracker):
     return original
 
 
+def _fsdp_accumulated_grads(tracker: PeakTracker):
+    """Tag FSDP2's unsharded gradients as ``grads`` when a parameter group's backward leaves them
+    unreduced (a microbatch without gradient sync). Returns the method it replaced."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    original = FSDPParamGroup.post_backward
+
+    def post_backward(self, *args):
+        out = original(self, *args)
+        for fsdp_param in self.fsdp_params:
+            grad = fsdp_param.unsharded_accumulated_grad
+            if grad is None and hasattr(fsdp_param, "_unsharded_param"):
+                grad = fsdp_param.unsharded_param.grad
+            if grad is not None:
+                tracker._tag(grad, "grads")
+        return out
+
+    FSDPParamGroup.post_backward = post_backward  # type: ignore[method-assign]
+    return original
+
+
 class PeakTracker(TorchDispatchMode):
-    """Bytes live at the peak by category: ``peak_bytes`` and ``peak_by_category()``."""
+    """Bytes live at the peak by category: ``peak_bytes`` and ``peak_by_category()``; and
+    ``activations_peak_bytes``, the most the storages tagged activations held at once (at the
+    end of the forward, or of the pipeline's warm-up, whenever the step's peak comes)."""
 
     def __init__(self, *, modules: Iterable[nn.Module] = (), optimizer=None) -> None:
         super().__init__()
         self._live: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._refs: dict[int, tuple[weakref.ref, _Storage]] = {}  # every live storage, by id of its _Storage
         self.current = 0
+        self._activations = 0  # bytes live now in storages tagged activations
+        self.activations_peak_bytes = 0  # the most those ever held at once
         self.peak_bytes = 0
         self._peak: list[tuple[_Storage, int]] = []
         self._rising = False
@@ -120,9 +147,22 @@ class PeakTracker(TorchDispatchMode):
         if nbytes < info.bytes:
             self._mark_peak()
         self.current += nbytes - info.bytes
+        if info.category == "activations":
+            self._count_activations(nbytes - info.bytes)
         info.bytes = nbytes
         if self.current > self.peak_bytes:
             self.peak_bytes, self._rising = self.current, True
+
+    def _count_activations(self, delta: int) -> None:
+        self._activations += delta
+        self.activations_peak_bytes = max(self.activations_peak_bytes, self._activations)
+
+    def _recategorize(self, info: _Storage, category: str) -> None:
+        if info.category == "activations":
+            self._activations -= info.bytes
+        info.category = category
+        if category == "activations":
+            self._count_activations(info.bytes)
 
     def _freed(self, info: _Storage, key: int) -> None:
         self._resize(info, 0)
@@ -140,7 +180,7 @@ class PeakTracker(TorchDispatchMode):
         for st in get_untyped_storages(t):
             info = self._seen(st)
             if not info.category:
-                info.category = category
+                self._recategorize(info, category)
             if st.nbytes() != info.bytes:
                 self._resize(info, st.nbytes())
 
@@ -149,7 +189,7 @@ class PeakTracker(TorchDispatchMode):
             return
         for st in get_untyped_storages(t):
             info = self._seen(st)
-            info.category = category
+            self._recategorize(info, category)
             if st.nbytes() != info.bytes:
                 self._resize(info, st.nbytes())
 
@@ -196,6 +236,7 @@ class PeakTracker(TorchDispatchMode):
 
         torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
         self._original_propagate = _sharding_propagation(self)
+        self._original_post_backward = _fsdp_accumulated_grads(self)
         self._handles = [
             nn.modules.module.register_module_forward_pre_hook(self._compute_copies),
             register_optimizer_step_pre_hook(lambda *_: setattr(self, "_in_optimizer", True)),
@@ -210,6 +251,9 @@ class PeakTracker(TorchDispatchMode):
         from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
         ShardingPropagator._propagate_tensor_meta_non_cached = self._original_propagate  # type: ignore[method-assign]
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+        FSDPParamGroup.post_backward = self._original_post_backward  # type: ignore[method-assign]
         self._mark_peak()
         super().__exit__(*args)
 
