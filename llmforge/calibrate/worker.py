@@ -23,7 +23,7 @@ from llmforge.calibrate.run import progress_bar
 from llmforge.files import write_text_atomic
 from llmforge.hardware import cpu_threads
 from llmforge.parallel.mesh import init_distributed
-from llmforge.processes.rank_errors import report_errors
+from llmforge.processes.rank_errors import end_rank, report_errors
 from llmforge.processes.watch import guard_rank
 
 
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     guard_rank(int(os.environ.get("RANK", "0")))
     with report_errors():
         run_rank(accelerator=args.accelerator, out=args.out, quick=args.quick, timeout_s=args.timeout)
+    end_rank()
 
 
 if __name__ == "__main__":

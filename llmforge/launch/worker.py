@@ -25,7 +25,7 @@ from llmforge.launch.guard import install_from_env
 from llmforge.launch.netcheck import check_network
 from llmforge.parallel.mesh import init_distributed
 from llmforge.plan import RunPlan, config_from_dict
-from llmforge.processes.rank_errors import attempt, env_rank, report_errors
+from llmforge.processes.rank_errors import attempt, end_rank, env_rank, report_errors
 from llmforge.processes.watch import guard_rank
 from llmforge.rundir import RunLock
 from llmforge.storage import is_url
@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     guard_rank(env_rank())
     with report_errors():
         run_rank(plan_path=args.plan, resume=args.resume, resume_newest=args.resume_newest)
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""What every rank runs under: an error on the rank becomes one record and an immediate exit.
+"""What every rank runs under: an error on the rank becomes one record and an immediate exit,
+and a rank that finished ends without finalizing the interpreter (``end_rank``).
 
 An error is written to ``$LLMFORGE_ERROR_DIR/rank<N>.json`` (the launcher,
 ``llmforge.processes.torchrun``, shows the first one, once) or, without that variable,
@@ -8,14 +9,17 @@ torchrun stops the other ranks.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 from llmforge.errors import UserError
 from llmforge.processes.watch import ERROR_DIR_ENV
@@ -66,3 +70,22 @@ def describe_exception(exc: BaseException) -> str:
     ours = [f for f in frames if f"{os.sep}llmforge{os.sep}" in f.filename and not f.filename.endswith(("worker.py", "harness.py"))]
     frame = (ours or frames or [None])[-1]
     return f"{text}\n  (in {frame.name}, {frame.filename}:{frame.lineno})" if frame else text
+
+
+def end_rank() -> NoReturn:
+    """End a rank that finished (its process groups destroyed) with exit code 0: other threads
+    joined, exit handlers run, output flushed, then ``os._exit``, without finalizing the interpreter.
+
+    ``destroy_process_group`` does not end gloo's threads while anything still holds a group:
+    DTensor's sharding and redistribution caches keep every device mesh (and so its groups),
+    and a parameter's gradient hook keeps the group it reduces over. Those threads would run on
+    while the interpreter finalizes, and a gloo thread that needs the GIL then (to release the
+    Python object of a tensor its last collective held) is ended by the interpreter inside a C++
+    destructor: ``std::terminate``, "terminate called without an active exception", SIGABRT after a
+    run that succeeded. With no finalization there is nothing left for such a thread to race."""
+    threading._shutdown()  # type: ignore[attr-defined]  # what finalization runs first: joins non-daemon threads
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)

@@ -41,7 +41,7 @@ from llmforge.parallel.dtensor import local_numel
 from llmforge.parallel.mesh import backend_for
 from llmforge.parallel.offload import OffloadedStep
 from llmforge.plan import RunPlan, config_from_dict
-from llmforge.processes.rank_errors import report_errors
+from llmforge.processes.rank_errors import end_rank, report_errors
 from llmforge.processes.watch import guard_rank
 from llmforge.train.build import build_components, distributed_rank
 from llmforge.train.callbacks import Recorder
@@ -324,6 +324,7 @@ def main(argv: list[str], *, drill: Callable[..., dict] | None = None) -> None:
             torch.save(results, argv[1])
         dist.barrier()
         dist.destroy_process_group()
+    end_rank()
 
 
 def _join(device_type: str) -> torch.device:
