@@ -17,7 +17,8 @@ import torch
 def run_harness(folder: Path, spec: dict, *, nproc: int, name: str = "run") -> dict:
     """The harness's results for ``spec`` (its ``base`` overrides, ``layouts`` and options) on
     ``nproc`` ranks, its files named ``name`` in ``folder``. A rank that a signal ended fails the
-    test as "terminated with signal"; any other failure shows the ranks' errors."""
+    test as "terminated with signal", the one failure the suite tries again (``conftest.py``); any
+    other failure shows the ranks' errors."""
     spec_file, out = folder / f"{name}.json", folder / f"{name}.pt"
     spec_file.write_text(json.dumps(spec))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "llmforge.testing.harness"]
