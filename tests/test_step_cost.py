@@ -79,27 +79,6 @@ def test_ranks_vote_on_a_stop_only_at_logged_steps(one_rank, monkeypatch):
     assert syncs.count == 1
 
 
-def test_autocast_casts_each_weight_once_per_step_under_gradient_accumulation():
-    from collections import Counter
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    plan = tiny_plan(["model.num_layers=1", "precision.param_dtype=bf16"])
-    c = _components(plan, torch.device("cpu"))
-    weights = {p.data_ptr() for p in c.parameters() if p.ndim > 1}  # the matmuls' (norms cast their own vectors)
-    casts: Counter[int] = Counter()
-
-    class WeightCasts(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in weights:
-                casts[args[0].data_ptr()] += 1
-            return func(*args, **(kwargs or {}))
-
-    with WeightCasts():
-        c.step(c.sampler.next_batch(dp_rank=0, dp_size=1))
-    assert plan.microbatches == 4 and len(casts) >= 5 and set(casts.values()) == {1}  # the linears and the tied head
-
-
 def test_the_counter_sees_item_float_and_tolist():
     t = torch.ones(3)
     with HostSyncCounter() as syncs:

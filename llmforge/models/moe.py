@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from llmforge.blockspec.block import describe
 from llmforge.blockspec.dims import dims_of
@@ -100,14 +101,14 @@ def expert_mlp(x: torch.Tensor, counts: Counts, *, w_up: torch.Tensor, w_gate: t
     x = x.to(dtype)
     w_up, w_down = w_up.to(dtype), w_down.to(dtype)
     w_gate = w_gate.to(dtype) if w_gate is not None else None
-    if not isinstance(counts, torch.Tensor):
-        counts = torch.tensor(list(counts), device=x.device)
+    capacity = None if isinstance(counts, torch.Tensor) else max(counts)  # known on the host under balanced routing
+    counts = counts if isinstance(counts, torch.Tensor) else torch.tensor(list(counts), device=x.device)
     if grouped_mm_fits(x, weights) and not selective_checkpointing():
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         up = torch._grouped_mm(x, w_up, offs=offsets)
         act = F.silu(torch._grouped_mm(x, w_gate, offs=offsets)) * up if w_gate is not None else F.gelu(up, approximate="tanh")
         return torch._grouped_mm(act, w_down, offs=offsets)
-    return _padded_expert_mlp(x, counts, w_up=w_up, w_gate=w_gate, w_down=w_down)
+    return _padded_expert_mlp(x, counts, capacity=capacity, w_up=w_up, w_gate=w_gate, w_down=w_down)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -120,7 +121,10 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 def selective_checkpointing() -> bool:
     """Whether op-level selective checkpointing records or replays this forward. Its save list
-    keeps batched matmuls' outputs and not yet grouped ones, so the experts run batched there."""
+    keeps batched matmuls' outputs and not yet grouped ones, so the experts run batched there.
+    Compiling, it answers False: the batched path's host read would break the graph."""
+    if torch.compiler.is_compiling():
+        return False
     try:
         from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
     except ImportError:
@@ -130,19 +134,24 @@ def selective_checkpointing() -> bool:
 
 
 def grouped_mm_fits(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> bool:
-    """Whether ``torch._grouped_mm`` runs these shapes: the torch version has it and every row
-    (hidden and expert widths) is a multiple of 16 bytes."""
+    """Whether ``torch._grouped_mm`` runs these shapes: the torch version has it, every row
+    (hidden and expert widths) is a multiple of 16 bytes, and the dtype is bf16 where only its
+    shape function runs (compiling, fake or meta tensors: it accepts bf16 alone; its kernels
+    take fp32 and fp16 too)."""
     if not hasattr(torch, "_grouped_mm"):
+        return False
+    shapes_only = torch.compiler.is_compiling() or is_fake(x) or x.device.type == "meta"
+    if shapes_only and x.dtype != torch.bfloat16:
         return False
     return all((w.shape[-1] * x.element_size()) % 16 == 0 and (w.shape[-2] * x.element_size()) % 16 == 0 for w in weights)
 
 
 def _padded_expert_mlp(
-    x: torch.Tensor, counts: torch.Tensor, *, w_up: torch.Tensor, w_gate: torch.Tensor | None, w_down: torch.Tensor
+    x: torch.Tensor, counts: torch.Tensor, *, capacity: int | None, w_up: torch.Tensor, w_gate: torch.Tensor | None, w_down: torch.Tensor
 ) -> torch.Tensor:
-    """``expert_mlp`` as batched matmuls over an ``[E, capacity, h]`` buffer (the capacity is read on the host)."""
+    """``expert_mlp`` as batched matmuls over an ``[E, capacity, h]`` buffer (a capacity not given is read on the host)."""
     num_experts, hidden = w_up.shape[0], x.shape[-1]
-    capacity = int(counts.max())
+    capacity = int(counts.max()) if capacity is None else capacity
     expert_ids = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts, output_size=x.shape[0])
     starts = torch.cumsum(counts, 0) - counts
     slot = torch.arange(x.shape[0], device=x.device) - starts[expert_ids]

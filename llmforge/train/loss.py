@@ -82,31 +82,36 @@ def _compiled() -> tuple[Callable, Callable]:
     )
 
 
+def _row_weights(targets: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """Each token's share of the mean: 1 / (tokens counted), 0 where the target is ignored."""
+    weight = (targets != ignore_index).float()
+    return weight / weight.sum()
+
+
 class _FusedCrossEntropy(torch.autograd.Function):
+    """Saved for backward: the logits and targets as they are, and compiled the fp32
+    log-sum-exp per token (op by op, backward recomputes the softmax instead)."""
+
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int, compiled: bool) -> torch.Tensor:  # type: ignore[override]
         rows = logits.shape[0] if compiled else chunk_rows(logits.shape[-1])
         lse_of = _compiled()[0] if compiled else _lse_and_target_eager
-        weight = (targets != ignore_index).float()
-        count = weight.sum()
         with torch.autocast(logits.device.type, enabled=False):
             parts = [lse_of(logits[i : i + rows], targets[i : i + rows]) for i in range(0, logits.shape[0], rows)]
         lse = torch.cat([p[0] for p in parts]) if len(parts) > 1 else parts[0][0]
         picked = torch.cat([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-        ctx.save_for_backward(logits, targets, lse, weight / count)
-        ctx.compiled = compiled
-        return torch.dot(lse - picked, weight) / count
+        ctx.save_for_backward(logits, targets, *((lse,) if compiled else ()))
+        ctx.compiled, ctx.ignore_index = compiled, ignore_index
+        return torch.dot(lse - picked, _row_weights(targets, ignore_index))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        logits, targets, lse, row_weight = ctx.saved_tensors
-        row_scale = row_weight * grad
-        if ctx.compiled:
-            with torch.autocast(logits.device.type, enabled=False):
-                return _compiled()[1](logits, targets, lse, row_scale), None, None, None
-        rows = chunk_rows(logits.shape[-1])
-        out = torch.empty_like(logits)
+        logits, targets, *lse = ctx.saved_tensors
+        row_scale = _row_weights(targets, ctx.ignore_index) * grad
         with torch.autocast(logits.device.type, enabled=False):
+            if ctx.compiled:
+                return _compiled()[1](logits, targets, lse[0], row_scale), None, None, None
+            rows, out = chunk_rows(logits.shape[-1]), torch.empty_like(logits)
             for i in range(0, logits.shape[0], rows):
                 s = slice(i, i + rows)
                 _grad_eager(logits[s], targets[s], row_scale[s], out[s])

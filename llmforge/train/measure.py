@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -41,12 +42,24 @@ REAL_LIMIT = 3e10  # parameters x tokens per microbatch beyond which fake tensor
 
 
 def cpu_flop_mapping() -> dict:
-    """FLOP formulas for the CPU fused-attention kernels, which FlopCounterMode does not list."""
+    """FLOP formulas for the CPU fused-attention kernels and the experts' grouped matmuls,
+    which FlopCounterMode does not list."""
     aten = torch.ops.aten
-    return {
+    mapping = {
         aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_forward,
         aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_backward,
     }
+    if hasattr(aten, "_grouped_mm"):
+        mapping[aten._grouped_mm] = _grouped_mm_flops
+    return mapping
+
+
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """Each row of ``a`` meets one group's matrix: 2 x rows x inner x columns. Two 2-D operands
+    (the weights' gradient) split their inner dimension into the groups instead."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
 
 
 def _sdpa_forward(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:

@@ -21,9 +21,7 @@ DTYPES = {name: getattr(torch, torch_name) for name, torch_name in TORCH_NAMES.i
 
 def autocast(*, param_dtype: str, device: torch.device):
     """Autocast context for the forward pass; a no-op in fp32. Master weights stay fp32:
-    autocast casts them for each matmul (the compute copies where FSDP2 does not gather them)
-    and keeps each cast until the outermost region ends: a step holds one region over all its
-    microbatches, so each weight is cast once per step."""
+    autocast casts them for each matmul (the compute copies where FSDP2 does not gather them)."""
     if param_dtype == Dtype.FP32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=DTYPES[param_dtype])

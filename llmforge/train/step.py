@@ -95,21 +95,18 @@ class GradAccumulationStep:
     def __call__(self, batch: torch.Tensor) -> StepOutput:
         micro = to_device(batch, self.device).split(self.micro_batch_size)
         total = torch.zeros((), device=self.device)
-        # one autocast region for the whole step keeps its cache of the weights' compute copies:
-        # each weight is cast once per step, not once per microbatch; loss and backward run outside it
-        with autocast(param_dtype=self.param_dtype, device=self.device):
-            for i, mb in enumerate(micro):
-                last = i == len(micro) - 1
-                sync = self.no_sync(last) if self.no_sync is not None else contextlib.nullcontext()
-                with sync, self.loss_context():
-                    mark("forward", microbatch=i)
-                    inputs, targets, extra = self._split(mb)
+        for i, mb in enumerate(micro):
+            last = i == len(micro) - 1
+            sync = self.no_sync(last) if self.no_sync is not None else contextlib.nullcontext()
+            with sync, self.loss_context():
+                mark("forward", microbatch=i)
+                inputs, targets, extra = self._split(mb)
+                with autocast(param_dtype=self.param_dtype, device=self.device):
                     logits = self.model(inputs, **extra)
-                    with torch.autocast(self.device.type, enabled=False):
-                        loss = self.loss_fn(logits, targets)
-                        mark("backward", microbatch=i)
-                        self.scaler.scaled(loss / len(micro)).backward()
-                total += loss.detach()
+                loss = self.loss_fn(logits, targets)
+                mark("backward", microbatch=i)
+                self.scaler.scaled(loss / len(micro)).backward()
+            total += loss.detach()
         mark("comm")
         if self.finish is not None:
             self.finish()
