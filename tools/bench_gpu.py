@@ -80,6 +80,7 @@ def plain_loop(plan, *, compiled: bool, warmup: int, steps: int, device: torch.d
     model = GPT(layers=m.num_layers, width=m.hidden_size, heads=m.num_heads, ffn=m.ffn_hidden_size, vocab=m.vocab_size, seq=m.seq_len)
     model.to(device)
     if compiled:
+        torch._dynamo.reset()  # static graphs, as in a process of its own (llmforge.parallel.compile)
         for block in model.blocks:
             block.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda")
