@@ -41,6 +41,8 @@ class Result:
     peak_allocated: float
     peak_reserved: float
     syncs: str = ""
+    #: what dynamo did over the row: graphs compiled (more than the blocks' few: recompiles) and graph breaks
+    compiles: str = ""
 
 
 def _batches(plan, device: torch.device, n: int = 4) -> list[torch.Tensor]:
@@ -115,6 +117,7 @@ def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Res
         vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=0
     )
     c = build_components(plan, rank=RankInfo(device=device), sampler=sampler)
+    compiled_before = _compiled()
     done = [0]
 
     def run(until: int, callbacks: tuple[Callback, ...] = ()) -> None:
@@ -140,7 +143,16 @@ def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Res
     with syncs:
         run(done[0] + 4, (syncs,))  # the last of these is logged
     result.syncs = "/".join(str(n) for n in syncs.per_step)
+    graphs, breaks = (now - before for now, before in zip(_compiled(), compiled_before, strict=True))
+    result.compiles = f"{graphs} graphs compiled, {breaks} graph breaks"
     return result
+
+
+def _compiled() -> tuple[int, int]:
+    """dynamo's running counts in this process: graphs compiled and graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 def _fresh(device: torch.device) -> None:
