@@ -61,3 +61,40 @@ def test_a_compiled_run_watches_on_rank_0_only():
     assert [type(p).__name__ for p in compile_watch(tiny_plan(["train.compile=true"]), is_main=True, console=console)] == ["CompileWatch"]
     assert compile_watch(tiny_plan(["train.compile=true"]), is_main=False, console=console) == []
     assert compile_watch(tiny_plan([]), is_main=True, console=console) == []
+
+
+def test_evaluation_without_gradients_is_not_a_recompile_to_report():
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager")
+    def block(x):
+        return x * 2
+
+    said: list[str] = []
+    watch = CompileWatch(say=said.append, check_every=1)
+    x = torch.ones(3, requires_grad=True)
+    for step in range(1, WATCH_STEPS + 1):
+        block(x)
+        watch.step_end(step)
+    with torch.no_grad():  # validation: an inference graph, compiled once
+        block(x)
+    watch.step_end(WATCH_STEPS + 1)
+    assert said == []
+
+
+def test_recompiles_are_named_after_dynamo_window_of_compiles_is_full():
+    from torch._dynamo.utils import DEFAULT_COMPILATION_METRICS_LIMIT
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda x: x * 3, backend="eager", dynamic=False)
+    fn(torch.ones(2))
+    fn(torch.ones(3))  # a recompile before the run, in dynamo's window
+    said: list[str] = []
+    watch = CompileWatch(say=said.append, check_every=1)
+    for step in range(1, WATCH_STEPS + 1):
+        watch.step_end(step)
+    for n in range(DEFAULT_COMPILATION_METRICS_LIMIT + 1):  # more compiles than the window holds
+        torch.compile(eval(f"lambda x: x + {n}"), backend="eager")(torch.ones(2))  # each its own code
+    fn(torch.ones(4))  # a recompile after the window filled up
+    watch.step_end(WATCH_STEPS + 1)
+    assert len(said) == 1 and "compiled again 1 time" in said[0]

@@ -41,6 +41,8 @@ class Result:
     peak_allocated: float
     peak_reserved: float
     syncs: str = ""
+    #: what dynamo did over the row: graphs compiled (more than the blocks' few: recompiles) and graph breaks
+    compiles: str = ""
 
 
 def _batches(plan, device: torch.device, n: int = 4) -> list[torch.Tensor]:
@@ -80,6 +82,7 @@ def plain_loop(plan, *, compiled: bool, warmup: int, steps: int, device: torch.d
     model = GPT(layers=m.num_layers, width=m.hidden_size, heads=m.num_heads, ffn=m.ffn_hidden_size, vocab=m.vocab_size, seq=m.seq_len)
     model.to(device)
     if compiled:
+        torch._dynamo.reset()  # static graphs, as in a process of its own (llmforge.parallel.compile)
         for block in model.blocks:
             block.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.optim.weight_decay, fused=device.type == "cuda")
@@ -114,6 +117,7 @@ def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Res
         vocab_size=cfg.model.vocab_size, seq_len=cfg.model.seq_len, global_batch_size=cfg.train.global_batch_size, seed=0
     )
     c = build_components(plan, rank=RankInfo(device=device), sampler=sampler)
+    compiled_before = _compiled()
     done = [0]
 
     def run(until: int, callbacks: tuple[Callback, ...] = ()) -> None:
@@ -139,7 +143,16 @@ def llmforge_loop(plan, *, warmup: int, steps: int, device: torch.device) -> Res
     with syncs:
         run(done[0] + 4, (syncs,))  # the last of these is logged
     result.syncs = "/".join(str(n) for n in syncs.per_step)
+    graphs, breaks = (now - before for now, before in zip(_compiled(), compiled_before, strict=True))
+    result.compiles = f"{graphs} graphs compiled, {breaks} graph breaks"
     return result
+
+
+def _compiled() -> tuple[int, int]:
+    """dynamo's running counts in this process: graphs compiled and graph breaks."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 def _fresh(device: torch.device) -> None:

@@ -192,7 +192,8 @@ def measure(rows: list[Row], *, device, steps: int, warmup: int, log, deadline: 
         row.step_s = plan.tokens_per_step / result.tokens_per_s
         row.plain_ratio = result.tokens_per_s * per_token / (plain_tokens_per_s * plain_per_token)
         row.mfu = result.tokens_per_s * per_token / job.profile.peak(job.param_dtype)
-        log(f"{row.name}: {row.tokens_per_s:,.0f} tokens/s, {row.plain_ratio:.2f}x plain, {row.peak_bytes / GIB:.2f} GiB")
+        gib = row.peak_bytes / GIB
+        log(f"{row.name}: {row.tokens_per_s:,.0f} tokens/s, {row.plain_ratio:.2f}x plain, {gib:.2f} GiB; {result.compiles}")
         done()
     return skipped
 

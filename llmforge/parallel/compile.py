@@ -4,16 +4,26 @@ Blocks are compiled in place (``nn.Module.compile``), so parameter names, and wi
 them checkpoints, stay the same. Compiling block by block keeps graphs small,
 lets identical blocks share one compiled graph, and leaves the places where
 parallelism hooks in (FSDP units, pipeline stage boundaries) outside the graphs.
+
+A model's compiled code starts from a fresh dynamo state. dynamo keeps its caches per code
+object for the whole process, and every model's blocks run the same ``forward``: a block seen
+before at another micro batch, sequence length or width makes dynamo compile the next model's
+blocks with symbolic sizes (automatic dynamic shapes), which is slower (and, with float8
+linears, much slower) than the static graphs one run in its own process gets. A process that
+trains several models in turn (a benchmark's rows, tests) would otherwise measure the slow graphs.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 
 def apply_compile(model: nn.Module) -> None:
-    """Compile every transformer block of ``model`` (a whole model or a pipeline chunk)."""
+    """Compile every transformer block of ``model`` (a whole model or a pipeline chunk), from a fresh
+    dynamo state (compiling is lazy: another pipeline chunk of the same model loses nothing)."""
+    torch._dynamo.reset()
     for block in model.layers.values():
         block.compile()
 

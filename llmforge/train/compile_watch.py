@@ -7,7 +7,9 @@ mode (the slowest way to train it). A recompile after the first steps means a gu
 
 dynamo counts both: ``torch._dynamo.utils.counters["graph_break"]`` holds each break's reason
 (the op or construct it could not trace) and ``get_compilation_metrics()`` each compile's
-``recompile_reason``. ``CompileWatch`` reads them on rank 0 after the first ``WATCH_STEPS`` steps
+``recompile_reason`` in a window of its latest 64 compiles (the watch keeps its place in it
+by the entry it last saw). Evaluation without gradients compiles inference graphs once: those
+recompiles are expected and not reported. ``CompileWatch`` reads them on rank 0 after the first ``WATCH_STEPS`` steps
 (the first forward, backward and accumulation compile there) and again at every logged step,
 and prints what is new, loudly, with the reasons.
 """
@@ -34,11 +36,28 @@ def graph_breaks() -> collections.Counter[str]:
     return collections.Counter({str(reason): int(n) for reason, n in counters["graph_break"].items()})
 
 
-def recompile_reasons() -> list[str]:
-    """The reason of every recompile dynamo has recorded in this process, oldest first."""
+#: Guards that fail when evaluation runs the compiled blocks without gradients: the inference
+#: graphs it compiles once are expected, not a sign of trouble.
+EVALUATION_GUARDS = ("grad_mode", "requires_grad mismatch")
+
+
+def compilations() -> list[object]:
+    """dynamo's record of its latest compiles in this process (a bounded window), oldest first."""
     from torch._dynamo.utils import get_compilation_metrics
 
-    return [str(m.recompile_reason) for m in get_compilation_metrics() if m.recompile_reason]
+    return list(get_compilation_metrics())
+
+
+def recompile_reasons(metrics: list[object]) -> list[str]:
+    """The reasons of the recompiles among ``metrics``, but those evaluation without gradients causes."""
+    reasons = [str(getattr(m, "recompile_reason", None) or "") for m in metrics]
+    return [r for r in reasons if r and not any(guard in r for guard in EVALUATION_GUARDS)]
+
+
+def after(metrics: list[object], last: object | None) -> list[object]:
+    """The entries of ``metrics`` after ``last`` (all of them when ``last`` left dynamo's window)."""
+    marks = [i for i, m in enumerate(metrics) if m is last]
+    return metrics[marks[-1] + 1 :] if marks else metrics
 
 
 class CompileWatch(Callback):
@@ -48,7 +67,7 @@ class CompileWatch(Callback):
         self.say = say
         self.check_every = max(1, check_every)
         self.breaks = graph_breaks()  # what earlier compiles in this process left: not this run's
-        self.recompiles = len(recompile_reasons())
+        self.last = _last(compilations())
         self.steps = 0
 
     def step_end(self, step: int) -> None:
@@ -72,14 +91,19 @@ class CompileWatch(Callback):
                 "run eagerly (a block under selective recompute runs eagerly as a whole; TORCH_LOGS=graph_breaks shows where): "
                 f"{_reasons(new)}"
             )
-        reasons = recompile_reasons()
-        fresh, self.recompiles = reasons[self.recompiles :], len(reasons)
+        metrics = compilations()
+        fresh = recompile_reasons(after(metrics, self.last))
+        self.last = _last(metrics) or self.last
         if fresh and not warmup:
             out.append(
                 f"WARNING train.compile: compiled again {len(fresh)} time(s) after the first {WATCH_STEPS} steps (a guard failed): "
                 f"{_reasons(collections.Counter(fresh))} (TORCH_LOGS=recompiles shows each)"
             )
         return out
+
+
+def _last(metrics: list[object]) -> object | None:
+    return metrics[-1] if metrics else None
 
 
 def _reasons(counts: collections.Counter[str]) -> str:
