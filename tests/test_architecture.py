@@ -166,6 +166,7 @@ LAYERS = (
     ("storage",),
     ("config",),
     ("layout", "hardware", "blockspec"),
+    ("layout_fixes",),
     ("layout_rules",),
     ("elastic",),
     ("plan",),
